@@ -1,0 +1,35 @@
+"""qkv: attention mechanisms for PyTorch.
+
+    import qkv
+    out = qkv.attention(q, k, v)                         # q (b, h, i, d), k (b, g, j, d), v (b, g, j, e)
+    mha = qkv.MultiHeadAttention(dim=512, heads=8)       # batch-first (b, i, dim)
+
+See DESIGN.md for the layers; every name exported here is public and stable.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from . import backends, masks, positional, scores
+from .attention import Attention, MultiHeadAttention
+from .functional import attention, attention_weights, explain
+from .positional import ALiBi, RelativePositionBias
+
+try:
+    __version__ = version("qkv")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+source"
+
+__all__ = [
+    "ALiBi",
+    "Attention",
+    "MultiHeadAttention",
+    "RelativePositionBias",
+    "__version__",
+    "attention",
+    "attention_weights",
+    "backends",
+    "explain",
+    "masks",
+    "positional",
+    "scores",
+]

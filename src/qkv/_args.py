@@ -1,0 +1,19 @@
+"""Argument checks shared by every layer (imports nothing from qkv, so any file may use it)."""
+
+from __future__ import annotations
+
+
+def positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int >= 1, else ``ValueError`` naming the argument."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def probability(name: str, value: object) -> float:
+    """``value`` as a float if it lies in [0, 1), else ``TypeError``/``ValueError`` naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float in [0, 1), got {type(value).__name__}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name}: expected a probability in [0, 1), got {value}")
+    return float(value)

@@ -1,0 +1,227 @@
+"""Attention modules: ``Attention`` (no projections) and ``MultiHeadAttention``.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` per-head query/key size (``dim_head``), ``e`` per-head value size
+(``dim_value_head``); modules take and return batch-first ``(b, i, dim)``.
+
+``MultiHeadAttention`` is Vaswani et al. (2017), section 3.2.2:
+
+    head_n = Attention(Q W_n^Q, K W_n^K, V W_n^V)        W^Q, W^K: dim -> d,  W^V: dim -> e
+    MultiHead(Q, K, V) = [head_1; ...; head_h] W^O       W^O: h·e -> dim
+
+with grouped KV heads (Ainslie et al. 2023, GQA: ``g`` K/V heads shared by ``h/g`` query
+heads each; ``g = 1`` is multi-query attention), any score per head, an optional positional
+module (RoPE rotates q and k, ALiBi / T5 buckets add a lazy bias) and a pluggable mechanism
+(``attention=``, e.g. a ``qkv.approx`` class). Checked against ``nn.MultiheadAttention`` in
+``tests/test_attention.py`` through :meth:`MultiHeadAttention.from_torch`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from ._args import positive_int as _positive
+from ._args import probability
+from .functional import attention
+from .masks import Mask
+from .positional import LazyBias, Positional
+from .scores import Score, make
+
+
+class Attention(nn.Module):
+    """Attention without projections: ``c_i = Σ_j α_ij v_j``, ``α_i = softmax_j(score(q_i, k_j))``.
+
+    The seq2seq form of the seed texts: the query is a decoder state ``(b, dq)`` or states
+    ``(b, i, dq)``, the keys are encoder states ``(b, j, dk)`` and the values default to the
+    keys (Bahdanau: the context is a weighted sum of the annotations ``h_j``). Also the
+    default mechanism inside :class:`MultiHeadAttention`, on ``(b, h, i, d)`` tensors.
+
+    Args:
+        score: a name or a ``qkv.scores.Score``; learned names (``"general"``, ``"concat"``,
+            ``"location"``) need ``query_dim`` (and ``key_dim``, ``hidden``, ``max_len``).
+        dropout: on the weights, in training mode only.
+        backend: passed to ``qkv.attention``.
+    """
+
+    def __init__(
+        self,
+        score: str | Score = "dot",
+        *,
+        query_dim: int | None = None,
+        key_dim: int | None = None,
+        hidden: int = 64,
+        max_len: int | None = None,
+        dropout: float = 0.0,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        self.score = make(score, query_dim, key_dim, hidden=hidden, max_len=max_len)
+        self.dropout, self.backend = probability("dropout", dropout), backend
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Mask | Tensor | None = None,
+        causal: bool = False,
+        bias: Tensor | LazyBias | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``query (..., i, dq)`` or a single step ``(b, dq)``; ``key (..., j, dk)``; ``value (..., j, e)``."""
+        key = query if key is None else key
+        value = key if value is None else value
+        single_step = query.dim() == key.dim() - 1
+        if single_step:
+            query = query.unsqueeze(-2)  # (b, dq) -> (b, 1, dq)
+        result = attention(
+            query, key, value, score=self.score, mask=mask, bias=bias, causal=causal,
+            dropout=self.dropout if self.training else 0.0, return_weights=return_weights,
+            backend=self.backend,
+        )  # fmt: skip
+        if not single_step:
+            return result
+        if return_weights:
+            return result[0].squeeze(-2), result[1].squeeze(-2)
+        return result.squeeze(-2)
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}, backend={self.backend!r}"
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with learned ``W^Q, W^K, W^V, W^O``; batch-first; self or cross.
+
+    Args:
+        dim: model size of the query input and of the output.
+        heads: query heads ``h``.
+        kv_heads: K/V heads ``g`` (default ``heads``; 1 = multi-query); ``heads % kv_heads == 0``.
+        dim_head: per-head query/key size ``d`` (default ``dim // heads``).
+        dim_value_head: per-head value size ``e`` (default ``dim_head``).
+        kdim, vdim: sizes of the key and value inputs (default ``dim``).
+        bias: biases in the four projections.
+        dropout: on the attention weights, in training mode.
+        score: a name or a ``qkv.scores.Score`` on ``(d, d)`` heads; learned names get
+            per-module parameters shared by the heads (``"concat"`` with hidden size ``d``).
+        positional: a ``qkv.positional.Positional`` (RoPE, ALiBi, relative buckets).
+        attention: the mechanism (default exact attention with ``score``): any callable with
+            ``(q, k, v, *, mask, causal, return_weights)`` on ``(b, h, i, d)``, e.g. ``qkv.approx``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        *,
+        kv_heads: int | None = None,
+        dim_head: int | None = None,
+        dim_value_head: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        score: str | Score = "scaled_dot",
+        positional: Positional | None = None,
+        attention: Callable[..., Tensor] | None = None,
+    ):
+        super().__init__()
+        _positive("dim", dim)
+        _positive("heads", heads)
+        kv_heads = heads if kv_heads is None else kv_heads
+        _positive("kv_heads", kv_heads)
+        if heads % kv_heads != 0:
+            raise ValueError(f"kv_heads: heads={heads} must be a multiple of kv_heads, got kv_heads={kv_heads}")
+        if dim_head is None:
+            if dim % heads != 0:
+                raise ValueError(
+                    f"dim: expected a multiple of heads={heads} when dim_head is not given, got dim={dim}"
+                )
+            dim_head = dim // heads
+        dim_value_head = dim_head if dim_value_head is None else dim_value_head
+        _positive("dim_head", dim_head)
+        _positive("dim_value_head", dim_value_head)
+        if positional is not None and not isinstance(positional, Positional):
+            raise TypeError(f"positional: expected a qkv.positional.Positional, got {type(positional).__name__}")
+        self.dim, self.heads, self.kv_heads = dim, heads, kv_heads
+        self.dim_head, self.dim_value_head = dim_head, dim_value_head
+        self.q_proj = nn.Linear(dim, heads * dim_head, bias=bias)
+        self.k_proj = nn.Linear(kdim or dim, kv_heads * dim_head, bias=bias)
+        self.v_proj = nn.Linear(vdim or dim, kv_heads * dim_value_head, bias=bias)
+        self.out_proj = nn.Linear(heads * dim_value_head, dim, bias=bias)
+        self.positional = positional
+        if attention is None:
+            attention = Attention(make(score, dim_head, dim_head, hidden=dim_head), dropout=dropout)
+        elif score != "scaled_dot":
+            raise ValueError("score: give the score to the mechanism passed as attention=, not to both")
+        self.attention = attention
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """A copy of ``nn.MultiheadAttention`` with the same weights (see ``qkv.interop``)."""
+        from .interop import from_torch
+
+        return from_torch(cls, module)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Mask | Tensor | None = None,
+        causal: bool = False,
+        cache=None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``query (b, i, dim)``, ``key (b, j, kdim)`` (default query), ``value (b, j, vdim)`` (default key).
+
+        ``mask`` is bool True = may attend, broadcastable to ``(b, h, i, j)`` (a key padding
+        mask is ``keep[:, None, None, :]``), or a lazy ``qkv.masks`` object. ``cache`` is a
+        ``qkv.cache.KVCache`` for incremental decoding: new keys are appended to it and the
+        queries attend to all of it. Returns ``(b, i, dim)``, and per-head weights
+        ``(b, h, i, j)`` with ``return_weights=True``.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        _input("query", query, self.q_proj.in_features)
+        _input("key", key, self.k_proj.in_features)
+        _input("value", value, self.v_proj.in_features)
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"value: expected batch and length matching key (b={key.shape[0]}, j={key.shape[1]}) "
+                f"and query batch {query.shape[0]}, got query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                f"value {tuple(value.shape)}"
+            )
+        q = rearrange(self.q_proj(query), "b i (h d) -> b h i d", h=self.heads)
+        k = rearrange(self.k_proj(key), "b j (g d) -> b g j d", g=self.kv_heads)
+        v = rearrange(self.v_proj(value), "b j (g e) -> b g j e", g=self.kv_heads)
+        extra = {}
+        if self.positional is not None:
+            start = 0 if cache is None else cache.length
+            q, k = self.positional.rotate(q, k, start)
+            if (pos_bias := self.positional.bias()) is not None:
+                extra["bias"] = pos_bias
+        if cache is not None:
+            k, v = cache.update(k, v)
+        result = self.attention(q, k, v, mask=mask, causal=causal, return_weights=return_weights, **extra)
+        out, weights = result if return_weights else (result, None)
+        y = self.out_proj(rearrange(out, "b h i e -> b i (h e)"))
+        return (y, weights) if return_weights else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, heads={self.heads}, kv_heads={self.kv_heads}, "
+            f"dim_head={self.dim_head}, dim_value_head={self.dim_value_head}"
+        )
+
+
+def _input(name: str, x: Tensor, size: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor (b, length, {size}), got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != size:
+        raise ValueError(f"{name}: expected shape (b, length, {size}) (batch first), got {tuple(x.shape)}")

@@ -1,0 +1,70 @@
+"""The reference backend: the seed texts' equations, materialised and literal.
+
+Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
+length, ``j`` key length, ``d`` query/key size, ``e`` value size.
+
+    e_ij  = scale · score(q_i, k_j) + bias_ij          (logits, (..., h, i, j))
+    α_ij  = exp(e_ij) / Σ_k exp(e_ik)  over allowed k   (weights)
+    out_i = Σ_j α_ij v_j                                 ((..., h, i, e))
+
+Masked logits are filled with ``finfo.min`` (not -inf, which turns a fully masked row into
+NaN); such rows are then multiplied by zero, so their output, weights and gradients are 0.
+Half-precision inputs are softmaxed in float32. Works in float64: it is the oracle every
+other backend is tested against. Memory is O(i·j) (O(i·j·n) for the additive score).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..masks import Tile
+from .request import Request, repeat_kv
+
+name = "reference"
+
+
+def supports(req: Request) -> str | None:
+    return None  # runs everything
+
+
+def logits(req: Request) -> tuple[Tensor, Tensor | None]:
+    """The masked logits ``(..., h, i, j)`` (float32 or wider) and the dense mask (None if unmasked)."""
+    qp, kp = req.score.prepare(req.q, req.k)
+    kp = repeat_kv(kp, req.group)
+    tile = Tile.whole(req.i, req.j, req.q.device)
+    e = req.scale * req.score.pairwise(qp, kp, tile)
+    if e.dtype in (torch.float16, torch.bfloat16):
+        e = e.float()  # softmax of half-precision logits loses too much; PyTorch's kernels do the same
+    if req.bias is not None:
+        bias = req.bias if isinstance(req.bias, Tensor) else req.bias.dense(req.i, req.j, e.device)
+        e = e + bias.to(e.dtype)
+    allowed = None
+    if req.mask is not None:
+        allowed = req.mask.tile(tile)
+        e = e.masked_fill(~allowed, torch.finfo(e.dtype).min)
+    return e, allowed
+
+
+def weights(req: Request) -> Tensor:
+    """Attention weights ``(..., h, i, j)`` before dropout; rows with no allowed key are zero."""
+    e, allowed = logits(req)
+    w = torch.softmax(e, dim=-1)
+    if allowed is not None:
+        w = w * allowed.any(dim=-1, keepdim=True)
+    return w
+
+
+def dropout_weights(w: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
+    """Inverted dropout on the weights: zero each with probability ``p``, scale the rest by 1/(1-p)."""
+    if p == 0.0:
+        return w
+    keep = torch.rand(w.shape, device=w.device, generator=generator) >= p
+    return w * keep / (1.0 - p)
+
+
+def run(req: Request) -> tuple[Tensor, Tensor | None]:
+    w = weights(req)
+    v = repeat_kv(req.v, req.group)
+    out = dropout_weights(w, req.dropout, req.generator).to(v.dtype) @ v
+    return out, (w.to(req.q.dtype) if req.return_weights else None)

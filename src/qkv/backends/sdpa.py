@@ -1,0 +1,79 @@
+"""PyTorch's fused kernel, ``F.scaled_dot_product_attention``, for the dot family of scores.
+
+Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
+length, ``j`` key length, ``d`` query/key size, ``e`` value size.
+
+A dot-form score (dot, scaled dot, bilinear) is ``scale · qp kpᵀ`` after its ``prepare``
+step, which is exactly what the kernel computes. Three things are adapted to qkv's contract:
+
+* PyTorch's ``is_causal`` is aligned top-left; qkv's causal mask is bottom-right. The flag
+  is used only when ``i == j`` (where the two agree); otherwise the mask is built.
+* Lazy biases and masks are materialised as one ``(…, h|1, i, j)`` float mask here, so the
+  chunked backend is preferred for them on long sequences.
+* A fully masked row would be NaN in the kernel; it is unmasked for the kernel and its
+  output multiplied by zero afterwards, which also zeroes its gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..masks import Tile
+from .request import Request
+
+name = "sdpa"
+
+
+def supports(req: Request) -> str | None:
+    if not req.score.dot_form:
+        return f"the {req.score.name} score is not a dot product"
+    if req.return_weights:
+        return "the fused kernel does not return weights"
+    if req.dropout > 0 and req.generator is not None:
+        return "the fused kernel's dropout cannot take a generator"
+    if req.q.dim() < 3:
+        return "the fused kernel needs a head dimension"
+    return None
+
+
+def run(req: Request) -> tuple[Tensor, None]:
+    qp, kp = req.score.prepare(req.q, req.k)
+    attn_mask, is_causal, live_rows = _mask(req)
+    out = F.scaled_dot_product_attention(
+        qp,
+        kp,
+        req.v,
+        attn_mask=attn_mask,
+        dropout_p=req.dropout,
+        is_causal=is_causal,
+        scale=req.scale,
+        enable_gqa=req.group > 1,
+    )
+    if live_rows is not None:
+        out = out * live_rows
+    return out, None
+
+
+def _mask(req: Request) -> tuple[Tensor | None, bool, Tensor | None]:
+    """``(attn_mask, is_causal, live_rows)`` for the kernel; live_rows is None when every row sees a key."""
+    if req.mask is None and req.bias is None:
+        return None, False, None
+    if req.bias is None and req.is_causal_only and req.i == req.j:
+        return None, True, None
+    tile = Tile.whole(req.i, req.j, req.q.device)
+    allowed = None if req.mask is None else req.mask.tile(tile)
+    live_rows = None
+    if allowed is not None:
+        any_key = allowed.any(dim=-1, keepdim=True)
+        if not bool(any_key.all()):
+            live_rows = any_key.to(req.v.dtype)
+            allowed = allowed | ~any_key  # give dead rows every key, then zero their output
+    if req.bias is None:
+        return allowed, False, live_rows
+    bias = req.bias if isinstance(req.bias, Tensor) else req.bias.tile(tile)
+    bias = bias.to(req.q.dtype)
+    if allowed is not None:
+        bias = bias.masked_fill(~allowed, torch.finfo(bias.dtype).min)
+    return bias, False, live_rows

@@ -1,0 +1,161 @@
+"""Input checks for the functional API: every malformed call fails here, with a message a person can act on.
+
+Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
+length, ``j`` key length, ``d`` query/key size, ``e`` value size.
+
+Each error names the argument and prints what was expected and what was got. Nothing is
+broadcast silently: leading dims of q, k and v must be equal, and masks and biases must
+broadcast to ``(..., h, i, j)`` without growing it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+from ._args import probability
+from .backends.request import Request
+from .masks import Mask, Window, as_mask
+from .positional import LazyBias
+from .scores import Score, make
+
+
+def request(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    score: str | Score,
+    mask: Mask | Tensor | None,
+    bias: Tensor | LazyBias | None,
+    causal: bool,
+    scale: float | None,
+    dropout: float,
+    return_weights: bool,
+    generator: torch.Generator | None = None,
+) -> Request:
+    """Validate one call and fold it into a :class:`Request`."""
+    _tensors(q, k, v)
+    score = make(score)
+    _shapes(q, k, v)
+    score.check(q, k)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if not isinstance(return_weights, bool):
+        raise TypeError(f"return_weights: expected a bool, got {type(return_weights).__name__}")
+    target = (*q.shape[:-1], k.shape[-2])  # (..., h, i, j)
+    mask = as_mask(mask)
+    if mask is not None:
+        _mask_shape(mask, target)
+    if causal:
+        mask = Window(None, 0) if mask is None else mask & Window(None, 0)
+    return Request(
+        q=q,
+        k=k,
+        v=v,
+        score=score,
+        mask=mask,
+        bias=_bias(bias, target, q),
+        scale=_scale(scale, score, q.shape[-1]),
+        dropout=probability("dropout", dropout),
+        return_weights=return_weights,
+        generator=generator,
+    )
+
+
+def _tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} like q, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} like q, got {x.device}")
+
+
+def _shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.dim() < 2:
+        raise ValueError(f"q: expected at least 2 dims (..., i, d), got shape {tuple(q.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dim() != q.dim():
+            raise ValueError(
+                f"{name}: expected {q.dim()} dims like q {tuple(q.shape)}, got shape {tuple(x.shape)}"
+            )
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"v: expected j={k.shape[-2]} positions like k, got {v.shape[-2]} (shape {tuple(v.shape)})")
+    if q.dim() >= 3:
+        if v.shape[-3] != k.shape[-3]:
+            raise ValueError(f"v: expected g={k.shape[-3]} heads like k, got {v.shape[-3]}")
+        h, g = q.shape[-3], k.shape[-3]
+        if g == 0 or h % g != 0:
+            raise ValueError(f"k: query heads h={h} must be a multiple of KV heads g, got g={g}")
+    lead = q.shape[:-3]
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[:-3] != lead:
+            raise ValueError(
+                f"{name}: expected leading (batch) dims {tuple(lead)} like q, got {tuple(x.shape[:-3])}"
+            )
+
+
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
+def _mask_shape(mask: Mask, target: tuple[int, ...]) -> None:
+    from .masks import Dense
+
+    shape = tuple(mask.mask.shape) if isinstance(mask, Dense) else (*mask.batch_shape(), 1, 1)
+    if not _broadcasts(shape, target):
+        raise ValueError(f"mask: expected shape broadcastable to {target}, got {shape}")
+    if not isinstance(mask, Dense):
+        _nested_dense(mask, target)
+
+
+def _nested_dense(mask: Mask, target: tuple[int, ...]) -> None:
+    """Check dense masks inside ``&``/``|`` combinations too."""
+    from .masks import And, Dense, Or
+
+    if isinstance(mask, (And, Or)):
+        for part in (mask.a, mask.b):
+            _mask_shape(part, target) if isinstance(part, Dense) else _nested_dense(part, target)
+
+
+def _bias(bias: Tensor | LazyBias | None, target: tuple[int, ...], q: Tensor) -> Tensor | LazyBias | None:
+    if bias is None:
+        return None
+    if isinstance(bias, LazyBias):
+        h = target[-3] if len(target) >= 3 else 1
+        if bias.heads not in (1, h):
+            raise ValueError(f"bias: expected a lazy bias with 1 or {h} heads, got {bias.heads}")
+        return bias
+    if not isinstance(bias, Tensor):
+        raise TypeError(f"bias: expected a float tensor or a qkv.positional.LazyBias, got {type(bias).__name__}")
+    if bias.dtype == torch.bool:
+        raise TypeError("bias: expected a float tensor added to the logits, got a bool tensor (pass it as mask=)")
+    if not bias.dtype.is_floating_point:
+        raise TypeError(f"bias: expected a floating-point tensor, got {bias.dtype}")
+    if bias.device != q.device:
+        raise ValueError(f"bias: expected device {q.device} like q, got {bias.device}")
+    if not _broadcasts(tuple(bias.shape), target):
+        raise ValueError(f"bias: expected shape broadcastable to {target}, got {tuple(bias.shape)}")
+    return bias
+
+
+def _scale(scale: float | None, score: Score, d: int) -> float:
+    if scale is None:
+        return score.default_scale(d)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale}")
+    return float(scale)
+
+

@@ -1,0 +1,57 @@
+"""Conversion from ``torch.nn.MultiheadAttention`` to ``qkv.MultiHeadAttention``.
+
+Shape legend: ``h`` heads, ``d`` per-head size, ``dim`` the model size ``= h·d``.
+
+PyTorch stores W^Q, W^K, W^V either packed as ``in_proj_weight (3·dim, dim)`` (when key and
+value sizes equal ``dim``) or as ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``;
+the biases are always packed in ``in_proj_bias (3·dim,)``. Heads are contiguous blocks of
+``d`` rows in each, which is also qkv's ``(h d)`` layout, so the copy is row for row.
+
+Where the two differ, and how to call qkv for the same result:
+
+* masks: PyTorch's bool ``attn_mask`` and ``key_padding_mask`` are **True = blocked**; qkv's
+  ``mask`` is **True = may attend**. ``qkv_mask = ~attn_mask`` and, for padding,
+  ``~key_padding_mask[:, None, None, :]``; a float ``attn_mask`` is added to the logits
+  in both (qkv takes it as ``bias``, not supported by the module call: use the functional API).
+* PyTorch returns weights averaged over heads by default; qkv returns ``(b, h, i, j)``
+  per head (``weights.mean(1)`` is PyTorch's).
+* PyTorch gives NaN for a query whose keys are all masked; qkv gives zeros.
+* ``batch_first=False`` modules take ``(i, b, dim)``; qkv modules are always batch-first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def from_torch(cls, module: nn.MultiheadAttention):
+    """Build ``cls`` (``qkv.MultiHeadAttention``) with ``module``'s weights; outputs then match."""
+    if not isinstance(module, nn.MultiheadAttention):
+        raise TypeError(f"module: expected torch.nn.MultiheadAttention, got {type(module).__name__}")
+    if module.bias_k is not None or module.add_zero_attn:
+        raise ValueError(
+            "module: add_bias_kv and add_zero_attn append extra keys; qkv.MultiHeadAttention has no equivalent"
+        )
+    dim, heads = module.embed_dim, module.num_heads
+    has_bias = module.in_proj_bias is not None
+    ours = cls(
+        dim, heads, kdim=module.kdim, vdim=module.vdim, bias=has_bias, dropout=module.dropout
+    ).to(dtype=module.out_proj.weight.dtype, device=module.out_proj.weight.device)
+    with torch.no_grad():
+        if module._qkv_same_embed_dim:
+            wq, wk, wv = module.in_proj_weight.chunk(3, dim=0)
+        else:
+            wq, wk, wv = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
+        ours.q_proj.weight.copy_(wq)
+        ours.k_proj.weight.copy_(wk)
+        ours.v_proj.weight.copy_(wv)
+        ours.out_proj.weight.copy_(module.out_proj.weight)
+        if has_bias:
+            bq, bk, bv = module.in_proj_bias.chunk(3, dim=0)
+            ours.q_proj.bias.copy_(bq)
+            ours.k_proj.bias.copy_(bk)
+            ours.v_proj.bias.copy_(bv)
+            ours.out_proj.bias.copy_(module.out_proj.bias)
+    ours.train(module.training)
+    return ours

@@ -1,0 +1,296 @@
+"""Masks: which keys each query may attend to.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``i`` query length, ``j`` key length;
+a tile is the rectangle ``rows i0:i1`` x ``cols j0:j1`` of the ``(i, j)`` logits,
+``it = i1 - i0`` and ``jt = j1 - j0`` its sides.
+
+One convention everywhere: a mask is **bool, True = may attend**. Masks are lazy: a mask
+object produces any tile on demand and can say that a tile is entirely masked ("empty"),
+so that a backend skips it, or entirely visible ("full"), so that a backend drops the mask.
+Dense bool tensors are wrapped in :class:`Dense`.
+
+Causal masks are aligned to the **bottom-right** corner, so that the last query sees every
+key (the right thing when the keys include a KV cache of earlier tokens)::
+
+    i=3 queries, j=5 keys          i == j: the usual lower triangle
+        k0 k1 k2 k3 k4                 k0 k1 k2
+    q0   1  1  1  .  .             q0   1  .  .
+    q1   1  1  1  1  .             q1   1  1  .
+    q2   1  1  1  1  1             q2   1  1  1
+
+Query ``r`` may see key ``c`` iff ``c - r - (j - i) <= 0``; that offset is
+:attr:`Tile.diagonal`. A query row whose keys are all masked gives zero output (see
+``qkv.attention``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+State = Literal["full", "empty", "partial"]
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A rectangle of the logits: rows ``i0:i1`` of ``i_len`` queries, cols ``j0:j1`` of ``j_len`` keys."""
+
+    i0: int  # first query row of the tile
+    i1: int  # one past the last query row
+    j0: int  # first key column
+    j1: int  # one past the last key column
+    i_len: int  # total number of queries
+    j_len: int  # total number of keys
+    device: torch.device | str = "cpu"
+
+    @classmethod
+    def whole(cls, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tile:
+        return cls(0, i_len, 0, j_len, i_len, j_len, device)
+
+    @property
+    def shift(self) -> int:
+        """``j_len - i_len``: how far the bottom-right alignment moves the diagonal."""
+        return self.j_len - self.i_len
+
+    @property
+    def rows(self) -> Tensor:
+        return torch.arange(self.i0, self.i1, device=self.device)
+
+    @property
+    def cols(self) -> Tensor:
+        return torch.arange(self.j0, self.j1, device=self.device)
+
+    @property
+    def diagonal(self) -> Tensor:
+        """``(it, jt)`` long: ``col - row - (j_len - i_len)``; 0 on the causal diagonal, < 0 in the past."""
+        return self.cols[None, :] - self.rows[:, None] - self.shift
+
+    def offset_range(self) -> tuple[int, int]:
+        """Smallest and largest value of :attr:`diagonal` in this tile (no tensor built)."""
+        return self.j0 - (self.i1 - 1) - self.shift, (self.j1 - 1) - self.i0 - self.shift
+
+
+class Mask:
+    """Base class of lazy masks. Subclasses implement :meth:`tile` and :meth:`state`."""
+
+    def tile(self, t: Tile) -> Tensor:
+        """Bool ``(..., it, jt)``, True = may attend, broadcastable to ``(b, h, it, jt)``."""
+        raise NotImplementedError
+
+    def state(self, t: Tile) -> State:
+        """'empty' if nothing in the tile may attend, 'full' if everything may, else 'partial'."""
+        return "partial"
+
+    def dense(self, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tensor:
+        """The whole mask as a bool tensor broadcastable to ``(b, h, i, j)``."""
+        return self.tile(Tile.whole(i_len, j_len, device))
+
+    def batch_shape(self) -> tuple[int, ...]:
+        """Leading dims the mask carries besides ``(i, j)``; ``()`` for masks of positions only."""
+        return ()
+
+    def __and__(self, other: Mask | Tensor) -> Mask:
+        return And(self, as_mask(other))
+
+    def __rand__(self, other: Tensor) -> Mask:
+        return And(as_mask(other), self)
+
+    def __or__(self, other: Mask | Tensor) -> Mask:
+        return Or(self, as_mask(other))
+
+    def __ror__(self, other: Tensor) -> Mask:
+        return Or(as_mask(other), self)
+
+
+class Window(Mask):
+    """Keys within ``left`` steps before and ``right`` steps after each query's (bottom-right aligned) position.
+
+    ``causal()`` is ``Window(left=None, right=0)``; ``None`` means unbounded on that side.
+    """
+
+    def __init__(self, left: int | None = None, right: int | None = 0):
+        for name, value in (("left", left), ("right", right)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
+        self.left, self.right = left, right
+
+    def tile(self, t: Tile) -> Tensor:
+        offset = t.diagonal
+        allowed = torch.ones_like(offset, dtype=torch.bool)
+        if self.right is not None:
+            allowed &= offset <= self.right
+        if self.left is not None:
+            allowed &= offset >= -self.left
+        return allowed
+
+    def state(self, t: Tile) -> State:
+        lo, hi = t.offset_range()
+        right = float("inf") if self.right is None else self.right
+        left = float("inf") if self.left is None else self.left
+        if lo > right or hi < -left:
+            return "empty"
+        if hi <= right and lo >= -left:
+            return "full"
+        return "partial"
+
+    def __repr__(self) -> str:
+        if self.left is None and self.right == 0:
+            return "causal()"
+        return f"window(left={self.left}, right={self.right})"
+
+
+def causal() -> Window:
+    """Causal mask aligned bottom-right: query ``r`` sees keys ``c <= r + (j - i)``."""
+    return Window(left=None, right=0)
+
+
+def window(left: int, right: int = 0) -> Window:
+    """Sliding window: each query sees ``left`` keys before its position and ``right`` after."""
+    if left is None:
+        raise ValueError("left: expected a non-negative int, got None (use causal() for no left bound)")
+    return Window(left=left, right=right)
+
+
+class Lengths(Mask):
+    """Key padding: in batch row ``n`` only the first ``key_lengths[n]`` keys are real.
+
+    ``key_lengths`` has shape ``(b,)``; the tile is ``(b, 1, it, jt)``.
+    """
+
+    def __init__(self, key_lengths: Tensor):
+        if not isinstance(key_lengths, Tensor) or key_lengths.dim() != 1:
+            got = tuple(key_lengths.shape) if isinstance(key_lengths, Tensor) else type(key_lengths).__name__
+            raise ValueError(f"key_lengths: expected a 1-d tensor of shape (b,), got {got}")
+        if key_lengths.dtype.is_floating_point or key_lengths.dtype == torch.bool:
+            raise TypeError(f"key_lengths: expected an integer tensor, got {key_lengths.dtype}")
+        if (key_lengths < 0).any():
+            raise ValueError(f"key_lengths: expected non-negative lengths, got {key_lengths.tolist()}")
+        self.key_lengths = key_lengths
+
+    def tile(self, t: Tile) -> Tensor:
+        lengths = self.key_lengths.to(t.device)
+        return (t.cols[None, :] < lengths[:, None])[:, None, None, :]  # (b, 1, 1, jt)
+
+    def state(self, t: Tile) -> State:
+        shortest, longest = int(self.key_lengths.min()), int(self.key_lengths.max())
+        if t.j1 <= shortest:
+            return "full"
+        if t.j0 >= longest:
+            return "empty"
+        return "partial"
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return (self.key_lengths.shape[0], 1)
+
+    def __repr__(self) -> str:
+        return f"lengths({self.key_lengths.tolist()})"
+
+
+def lengths(key_lengths: Tensor) -> Lengths:
+    """Padding mask from the number of real keys per batch row, ``(b,)``."""
+    return Lengths(key_lengths)
+
+
+class Dense(Mask):
+    """A bool tensor broadcastable to ``(..., i, j)``, sliced per tile."""
+
+    def __init__(self, mask: Tensor):
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"mask: expected a bool tensor or a qkv.masks.Mask, got {type(mask).__name__}")
+        if mask.dtype != torch.bool:
+            raise TypeError(
+                f"mask: expected dtype torch.bool (True = may attend), got {mask.dtype}; "
+                "pass a float tensor as bias= to add it to the logits"
+            )
+        if mask.dim() < 2:
+            raise ValueError(f"mask: expected at least 2 dims (..., i, j), got shape {tuple(mask.shape)}")
+        self.mask = mask
+
+    def tile(self, t: Tile) -> Tensor:
+        m = self.mask
+        rows = slice(t.i0, t.i1) if m.shape[-2] != 1 else slice(None)
+        cols = slice(t.j0, t.j1) if m.shape[-1] != 1 else slice(None)
+        return m[..., rows, cols].to(t.device)
+
+    def state(self, t: Tile) -> State:
+        part = self.tile(t)
+        if bool(part.all()):
+            return "full"
+        if not bool(part.any()):
+            return "empty"
+        return "partial"
+
+    def dense(self, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tensor:
+        return self.mask.to(device)
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return tuple(self.mask.shape[:-2])
+
+    def __repr__(self) -> str:
+        return f"Dense(shape={tuple(self.mask.shape)})"
+
+
+class And(Mask):
+    """May attend where both masks allow."""
+
+    def __init__(self, a: Mask, b: Mask):
+        self.a, self.b = a, b
+
+    def tile(self, t: Tile) -> Tensor:
+        return self.a.tile(t) & self.b.tile(t)
+
+    def state(self, t: Tile) -> State:
+        sa = self.a.state(t)
+        if sa == "empty":
+            return "empty"
+        sb = self.b.state(t)
+        if sb == "empty":
+            return "empty"
+        return "full" if sa == sb == "full" else "partial"
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return _longer(self.a.batch_shape(), self.b.batch_shape())
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} & {self.b!r})"
+
+
+class Or(Mask):
+    """May attend where either mask allows."""
+
+    def __init__(self, a: Mask, b: Mask):
+        self.a, self.b = a, b
+
+    def tile(self, t: Tile) -> Tensor:
+        return self.a.tile(t) | self.b.tile(t)
+
+    def state(self, t: Tile) -> State:
+        sa = self.a.state(t)
+        if sa == "full":
+            return "full"
+        sb = self.b.state(t)
+        if sb == "full":
+            return "full"
+        return "empty" if sa == sb == "empty" else "partial"
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return _longer(self.a.batch_shape(), self.b.batch_shape())
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} | {self.b!r})"
+
+
+def _longer(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return a if len(a) >= len(b) else b
+
+
+def as_mask(mask: Mask | Tensor | None) -> Mask | None:
+    """Wrap a bool tensor as :class:`Dense`; pass masks and None through; reject anything else."""
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, Tensor):
+        return Dense(mask)
+    raise TypeError(f"mask: expected a bool tensor or a qkv.masks.Mask, got {type(mask).__name__}")

@@ -1,0 +1,106 @@
+"""Lazy positional biases: ALiBi and T5 relative-position buckets.
+
+Shape legend: ``h`` heads, ``i`` query length, ``j`` key length, ``it``/``jt`` the sides of
+a tile. Both are computed from ``tile.diagonal`` (key position minus query position, bottom-
+right aligned), never stored as an ``(h, i, j)`` tensor.
+
+* ALiBi — Press et al. 2022, "Train Short, Test Long": ``bias = -m_h · |pos_q - pos_k|``
+  with head slopes ``m_h`` the geometric sequence ``2^(-8/h), 2^(-16/h), ...`` (for a head
+  count that is not a power of two, the slopes of the nearest lower power of two followed
+  by every other slope of the next one, as in the paper's reference code). In causal use
+  only past keys are seen and this is the paper's ``-m·(i - j)``.
+* Relative-position buckets — Raffel et al. 2020 (T5), section 2.1: a learned scalar per
+  head and bucket; distances below ``buckets/2`` (bidirectional: per direction) get a
+  bucket each, larger ones share log-spaced buckets up to ``max_distance``.
+
+Checked in ``tests/test_positional_bias.py`` against the formulas written out per element.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .._args import positive_int
+from ..masks import Tile
+from .base import LazyBias
+
+
+def alibi_slopes(heads: int) -> Tensor:
+    """The ``(heads,)`` ALiBi slopes."""
+    positive_int("heads", heads)
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (p + 1) for p in range(n)]
+
+    if heads & (heads - 1) == 0:
+        return torch.tensor(power_of_two(heads))
+    lower = 2 ** math.floor(math.log2(heads))
+    return torch.tensor(power_of_two(lower) + power_of_two(2 * lower)[0::2][: heads - lower])
+
+
+class ALiBi(LazyBias):
+    """Attention with Linear Biases: ``bias[h, r, c] = -slope_h · |c - r - (j - i)|``."""
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.register_buffer("slopes", alibi_slopes(heads), persistent=False)
+
+    def tile(self, t: Tile) -> Tensor:
+        distance = t.diagonal.abs().to(self.slopes.dtype)
+        return -self.slopes.to(t.device)[:, None, None] * distance  # (h, it, jt)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}"
+
+
+def relative_buckets(relative: Tensor, buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
+    """T5's bucket index for each relative position ``relative = key_pos - query_pos``."""
+    index = torch.zeros_like(relative)
+    if bidirectional:
+        buckets //= 2
+        index = index + (relative > 0).long() * buckets  # future keys use the upper half
+        distance = relative.abs()
+    else:
+        distance = (-relative).clamp(min=0)  # only the past is distinguished
+    exact = buckets // 2
+    # log-spaced beyond `exact`, saturating at max_distance; clamp(min=1) only avoids log(0)
+    # in entries that `torch.where` discards.
+    far = exact + (
+        torch.log(distance.clamp(min=1).float() / exact) / math.log(max_distance / exact) * (buckets - exact)
+    ).long()
+    far = far.clamp(max=buckets - 1)
+    return index + torch.where(distance < exact, distance, far)
+
+
+class RelativePositionBias(LazyBias):
+    """T5-style learned bias per (head, relative-position bucket)."""
+
+    def __init__(self, heads: int, buckets: int = 32, max_distance: int = 128, *, bidirectional: bool = True):
+        super().__init__()
+        for name, value in (("heads", heads), ("buckets", buckets), ("max_distance", max_distance)):
+            positive_int(name, value)
+        per_direction = buckets // 2 if bidirectional else buckets
+        if per_direction < 2 or max_distance <= per_direction // 2:
+            raise ValueError(
+                f"buckets: expected at least {4 if bidirectional else 2} buckets and "
+                f"max_distance > {per_direction // 2}, got buckets={buckets}, max_distance={max_distance}"
+            )
+        self.heads, self.buckets, self.max_distance, self.bidirectional = heads, buckets, max_distance, bidirectional
+        self.embedding = nn.Embedding(buckets, heads)
+        # T5 initialises this like any embedding; small values keep the start close to no bias.
+        nn.init.normal_(self.embedding.weight, std=0.02)
+
+    def tile(self, t: Tile) -> Tensor:
+        index = relative_buckets(t.diagonal, self.buckets, self.max_distance, self.bidirectional)
+        return self.embedding(index.to(self.embedding.weight.device)).permute(2, 0, 1)  # (h, it, jt)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.heads}, buckets={self.buckets}, max_distance={self.max_distance}, "
+            f"bidirectional={self.bidirectional}"
+        )
