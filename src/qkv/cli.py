@@ -1,42 +1,220 @@
-"""The ``qkv`` command line: ``qkv demo``, ``qkv bench``, ``qkv plot``, ``qkv --version``."""
+"""The ``qkv`` command line: ``qkv demo``, ``qkv bench``, ``qkv plot``, ``qkv --version``.
+
+Every bad argument ends the program with exit code 2 and one line on stderr,
+``qkv <command>: error: <what is wrong>`` (argparse's default prints the usage first; one
+line is easier to read and to test). Heavy imports (torch models, matplotlib, the
+benchmarks) happen inside the command that needs them, so ``qkv --help`` is quick.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-
-import torch
+from pathlib import Path
+from typing import NoReturn, Sequence
 
 from . import __version__
 
-
-def tour() -> None:
-    """The seed 002 worked example and one multi-head attention call."""
-    import numpy as np
-
-    import qkv
-
-    words = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.float64)
-    rng = np.random.RandomState(42)  # the seed's `random.seed(42)` then three `randint(3, size=(3, 3))`
-    w_q, w_k, w_v = (torch.from_numpy(rng.randint(3, size=(3, 3))).double() for _ in range(3))
-    out = qkv.attention(words @ w_q, words @ w_k, words @ w_v)
-    print("seed 002: four words, W^Q, W^K, W^V from numpy seed 42, scaled dot-product attention")
-    print(np.array2string(out.numpy(), precision=8))
-    mha = qkv.MultiHeadAttention(dim=64, heads=8)
-    x = torch.randn(2, 10, 64)
-    y, w = mha(x, return_weights=True)
-    print(f"MultiHeadAttention(dim=64, heads=8): x {tuple(x.shape)} -> y {tuple(y.shape)}, weights {tuple(w.shape)}")
+EXAMPLES = """examples:
+  qkv demo                      the full tour (a few minutes), figures in ./qkv-demo/
+  qkv demo --quick --out /tmp/d a one-minute check of the same steps
+  qkv plot weights.pt --out w.png
+  qkv bench --help
+"""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qkv", description="Attention mechanisms for PyTorch.")
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``prog: error: message`` and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="attention at work: seed example, order-matters task, date translation, positions",
+        description="Trains small attention models on data made on the spot (no downloads) and "
+        "writes figures, results.json and index.html to --out. A full run takes a few minutes on 2 cores.",
+    )
+    demo.add_argument("--out", type=Path, default=Path("qkv-demo"), help="output folder (default: ./qkv-demo/)")
+    demo.add_argument("--seed", type=_non_negative_int, default=0, help="seed for data and weights (default: 0)")
+    demo.add_argument("--quick", action="store_true", help="small data and short training: runs in under a minute")
+    demo.add_argument("--steps", type=_positive_int, default=None, help="training steps per model (default: each model's own)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    plot = sub.add_parser(
+        "plot",
+        help="heatmap of saved attention weights (.pt, .npy or .safetensors)",
+        description="Draws a 2-D (i, j) array as a heatmap and a 3-D (h, i, j) array as one panel "
+        "per head. Pick from larger arrays with --index, one integer per leading dim to drop.",
+    )
+    plot.add_argument("file", type=Path, help="a tensor saved with torch.save, numpy.save or safetensors")
+    plot.add_argument("--out", type=Path, default=None, help="image to write (.png, .svg, .pdf; default: FILE with .png)")
+    plot.add_argument("--key", default=None, help="which tensor, when the file holds several (a dict)")
+    plot.add_argument("--index", type=_non_negative_int, action="append", default=[],
+                      help="select along the first remaining dim; repeat for more dims")  # fmt: skip
+    plot.add_argument("--x-labels", default=None, help="key labels, separated by spaces (or one per character with --chars)")
+    plot.add_argument("--y-labels", default=None, help="query labels, separated by spaces (or one per character with --chars)")
+    plot.add_argument("--chars", action="store_true", help="split the labels into characters")
+    plot.add_argument("--title", default=None, help="title of the figure")
+
+
+def _add_bench(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
+    help_text = "benchmarks of the attention backends (writes benchmarks/RESULTS.md)"
+    if "bench" not in argv:
+        # Only `qkv bench ...` pays for importing the benchmark framework.
+        sub.add_parser("bench", help=help_text, add_help=False)
+        return
+    bench = sub.add_parser("bench", help=help_text, description=help_text)
+    try:
+        from . import bench as bench_module
+    except ImportError as error:
+        bench.set_defaults(bench_missing=f"the benchmark framework could not be imported ({error})")
+        return
+    if not hasattr(bench_module, "add_arguments") or not hasattr(bench_module, "run"):
+        bench.set_defaults(bench_missing="qkv.bench has no add_arguments/run in this build")
+        return
+    bench_module.add_arguments(bench)
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The ``qkv`` parser; ``argv`` tells whether the (slow to import) bench options are needed."""
+    parser = _Parser(
+        prog="qkv",
+        description="qkv: attention mechanisms for PyTorch.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"qkv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="show attention at work")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        tour()
+    sub = parser.add_subparsers(dest="command", metavar="command", parser_class=_Parser)
+    sub.required = True
+    _add_demo(sub)
+    _add_bench(sub, argv)
+    _add_plot(sub)
+    return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import DemoError, run
+
+    try:
+        run(args.out, seed=args.seed, quick=args.quick, steps=args.steps, quiet=args.quiet)
+    except DemoError as error:
+        print(f"qkv demo: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("qkv demo: interrupted; nothing was written", file=sys.stderr)
+        return 130
     return 0
+
+
+def _load(path: Path, key: str | None):
+    """The array stored in ``path`` (a dict's ``key`` when it holds several) as a numpy array."""
+    import numpy as np
+    import torch
+
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        data = np.load(path, allow_pickle=False)
+    elif suffix == ".npz":
+        data = dict(np.load(path, allow_pickle=False))
+    elif suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        data = load_file(str(path))
+    elif suffix in (".pt", ".pth"):
+        # weights_only: a weights file must not be able to run code when loaded.
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"file: expected a .pt, .pth, .npy, .npz or .safetensors file, got {path.name!r}")
+    if isinstance(data, dict):
+        if key is None:
+            if len(data) != 1:
+                raise ValueError(f"--key: {path.name} holds {len(data)} tensors, name one of {sorted(data)}")
+            key = next(iter(data))
+        if key not in data:
+            raise ValueError(f"--key: expected one of {sorted(data)}, got {key!r}")
+        data = data[key]
+    if isinstance(data, torch.Tensor):
+        data = data.detach().float().cpu().numpy()
+    if not isinstance(data, np.ndarray):
+        raise ValueError(f"file: expected a tensor or array, got {type(data).__name__}")
+    return data
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from . import viz
+
+    if not args.file.is_file():
+        print(f"qkv plot: error: file: {args.file} does not exist", file=sys.stderr)
+        return 2
+    out = args.out or args.file.with_suffix(".png")
+    try:
+        array = _load(args.file, args.key)
+        for position, index in enumerate(args.index):
+            if array.ndim == 0 or index >= array.shape[0]:
+                raise ValueError(f"--index: value {position + 1} is {index}, but that dim has size {array.shape[:1]}")
+            array = array[index]
+        if array.ndim not in (2, 3):
+            raise ValueError(
+                f"--index: the selected array has shape {array.shape}; give one --index per leading "
+                "dim until it is (i, j) or (h, i, j)"
+            )
+        labels = []
+        for text in (args.x_labels, args.y_labels):
+            labels.append(None if text is None else (list(text) if args.chars else text.split()))
+        if array.ndim == 2:
+            scale = (0.0, 1.0) if array.min() >= 0 and array.max() <= 1 else (None, None)
+            figure = viz.heatmap(array, labels[0], labels[1], title=args.title, vmin=scale[0], vmax=scale[1])
+        else:
+            figure = viz.head_grid(array, labels[0], labels[1], title=args.title)
+        viz.save(figure, out)
+    except (ValueError, OSError, RuntimeError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"qkv plot: error: {message}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    missing = getattr(args, "bench_missing", None)
+    if missing:
+        print(f"qkv bench: error: {missing}", file=sys.stderr)
+        return 2
+    from . import bench
+
+    return int(bench.run(args) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``qkv`` script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    return {"demo": _demo, "plot": _plot, "bench": _bench}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ Inputs without a head dim, ``(i, d)``, also work. Each call is validated once
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -35,6 +37,7 @@ def attention(
     return_weights: bool = False,
     backend: str = "auto",
     generator: torch.Generator | None = None,
+    weights_for: dict | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention: ``out = softmax(scale · score(q, k) + bias, masked) @ v``.
 
@@ -54,18 +57,75 @@ def attention(
         return_weights: also return the weights ``(..., h, i, j)`` (before dropout).
         backend: ``"auto"`` or a backend name (``qkv.backends.REGISTRY``).
         generator: randomness for dropout, for reproducible runs.
+        weights_for: with ``return_weights=True``, only some weights:
+            ``{"heads": ..., "rows": ...}`` (either key optional), each an int, a slice, a
+            range, a list of ints or a 1-d integer tensor. The weights are then
+            ``(..., len(heads), len(rows), j)``; the chunked backend builds only those, so
+            inspecting two heads of a long sequence never holds the ``(..., h, i, j)`` tensor.
 
     Returns:
         ``out (..., h, i, e)``, or ``(out, weights)``. A query whose keys are all masked gets
-        zero output, zero weights and zero gradients.
+        zero output, zero weights and zero gradients. With ``return_weights=True`` and
+        ``backend="auto"`` the output still comes from a fused kernel and the weights are
+        rebuilt exactly from the log-sum-exp it saved (``qkv.backends.weights``).
     """
     req = checks.request(
         q, k, v, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
         dropout=dropout, return_weights=return_weights, generator=generator,
     )  # fmt: skip
+    if weights_for is not None:
+        req = replace(req, weights_for=_weights_for(weights_for, req))
     impl, _ = backends.choose(req, backend)
     out, weights = impl.run(req)
+    if weights is not None and req.weights_for is not None and not getattr(impl, "selects_weights", False):
+        heads, rows = req.weights_for
+        weights = weights if heads is None else weights.index_select(-3, heads.to(weights.device))
+        weights = weights if rows is None else weights.index_select(-2, rows.to(weights.device))
     return (out, weights) if return_weights else out
+
+
+def _weights_for(spec: object, req: backends.Request) -> tuple[Tensor | None, Tensor | None]:
+    """Check ``weights_for`` and turn it into ``(heads, rows)`` index tensors (None = all)."""
+    if not isinstance(spec, dict):
+        raise TypeError(f"weights_for: expected a dict with keys 'heads' and/or 'rows', got {type(spec).__name__}")
+    unknown = sorted(set(spec) - {"heads", "rows"})
+    if unknown:
+        raise ValueError(f"weights_for: expected keys 'heads' and/or 'rows', got {unknown}")
+    if not req.return_weights:
+        raise ValueError("weights_for: selects which weights to return, so it needs return_weights=True, got False")
+    if "heads" in spec and req.q.dim() < 3:
+        raise ValueError(f"weights_for: 'heads' needs q with a head dim (..., h, i, d), got shape {tuple(req.q.shape)}")
+    sizes = {"heads": req.heads, "rows": req.i}
+    return tuple(_indices(key, spec.get(key), sizes[key]) for key in ("heads", "rows"))  # type: ignore[return-value]
+
+
+def _indices(key: str, value: object, size: int) -> Tensor | None:
+    if value is None:
+        return None
+    if isinstance(value, slice):
+        value = range(size)[value]
+    if isinstance(value, bool):
+        raise TypeError(f"weights_for: {key!r} expected an int, slice, range, list or integer tensor, got bool")
+    if isinstance(value, int):
+        value = [value]
+    if isinstance(value, Tensor):
+        if value.dtype.is_floating_point or value.dtype == torch.bool or value.dim() > 1:
+            raise TypeError(
+                f"weights_for: {key!r} expected a 1-d integer tensor, got {value.dtype} of shape {tuple(value.shape)}"
+            )
+        index = value.reshape(-1).long().cpu()
+    elif isinstance(value, (list, tuple, range)) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        index = torch.tensor(list(value), dtype=torch.long)
+    else:
+        raise TypeError(
+            f"weights_for: {key!r} expected an int, slice, range, list or integer tensor, got {type(value).__name__}"
+        )
+    if index.numel() == 0:
+        raise ValueError(f"weights_for: {key!r} selects nothing, expected at least one index in [0, {size})")
+    index = torch.where(index < 0, index + size, index)
+    if bool((index < 0).any() or (index >= size).any()):
+        raise ValueError(f"weights_for: {key!r} expected indices in [0, {size}), got {value!r}")
+    return index
 
 
 def attention_weights(
@@ -97,8 +157,14 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
     kwargs.setdefault("scale", None)
     kwargs.setdefault("dropout", 0.0)
     kwargs.setdefault("return_weights", False)
+    weights_for = kwargs.pop("weights_for", None)
     req = checks.request(q, k, v, **kwargs)
+    if weights_for is not None:
+        req = replace(req, weights_for=_weights_for(weights_for, req))
     impl, passed_over = backends.choose(req, backend)
-    lines = [f"backend: {impl.name}"]
+    head = f"backend: {impl.name}"
+    if impl.name == "chunked":
+        head += f" ({backends.chunked.engine(req)})"
+    lines = [head]
     lines += [f"  not {reason}" for reason in passed_over]
     return "\n".join(lines)

@@ -156,7 +156,8 @@ class Additive(Score):
 
     def pairwise(self, qp: Tensor, kp: Tensor, tile: Tile) -> Tensor:
         # (..., it, 1, n) + (..., 1, jt, n) -> tanh -> · v -> (..., it, jt)
-        return torch.tanh(qp.unsqueeze(-2) + kp.unsqueeze(-3)) @ self.v
+        # v follows qp's dtype: the reference backend combines half-precision inputs in float32.
+        return torch.tanh(qp.unsqueeze(-2) + kp.unsqueeze(-3)) @ self.v.to(qp.dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -4,19 +4,28 @@ A backend is a module with ``name``, ``supports(req) -> str | None`` (None = it 
 request, else why not) and ``run(req) -> (out, weights | None)``. :func:`choose` walks
 :data:`PREFERENCE` (fastest first) and takes the first backend that supports the request.
 A new backend is one file here plus its place in :data:`PREFERENCE`.
+
+=============  =====================================================================
+``local``      sliding windows: block-local fused kernel, O(i·window)
+``sdpa``       ``F.scaled_dot_product_attention``: dot-form scores, no lazy bias,
+               no weights
+``chunked``    everything else: fused kernel per query block for dot-form scores,
+               online softmax over tiles for the rest; weights from the log-sum-exp
+``reference``  the literal equations, materialised (the oracle)
+=============  =====================================================================
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from . import reference, sdpa
+from . import chunked, local, reference, sdpa
 from .request import Request, repeat_kv
 
 #: Backends by name.
-REGISTRY: dict[str, ModuleType] = {m.name: m for m in (sdpa, reference)}
+REGISTRY: dict[str, ModuleType] = {m.name: m for m in (local, sdpa, chunked, reference)}
 #: The order ``auto`` tries them in: fastest first, the reference last (it runs everything).
-PREFERENCE: tuple[str, ...] = ("sdpa", "reference")
+PREFERENCE: tuple[str, ...] = ("local", "sdpa", "chunked", "reference")
 
 
 def choose(req: Request, backend: str = "auto") -> tuple[ModuleType, list[str]]:

@@ -31,11 +31,13 @@ def supports(req: Request) -> str | None:
 def logits(req: Request) -> tuple[Tensor, Tensor | None]:
     """The masked logits ``(..., h, i, j)`` (float32 or wider) and the dense mask (None if unmasked)."""
     qp, kp = req.score.prepare(req.q, req.k)
+    if qp.dtype in (torch.float16, torch.bfloat16):
+        # Half-precision logits lose too much before the softmax: combine the prepared q and k
+        # in float32, as PyTorch's fused kernels do, so the weights are the float32 ones rounded.
+        qp, kp = qp.float(), kp.float()
     kp = repeat_kv(kp, req.group)
     tile = Tile.whole(req.i, req.j, req.q.device)
     e = req.scale * req.score.pairwise(qp, kp, tile)
-    if e.dtype in (torch.float16, torch.bfloat16):
-        e = e.float()  # softmax of half-precision logits loses too much; PyTorch's kernels do the same
     if req.bias is not None:
         bias = req.bias if isinstance(req.bias, Tensor) else req.bias.dense(req.i, req.j, e.device)
         e = e + bias.to(e.dtype)

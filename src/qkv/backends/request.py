@@ -32,6 +32,8 @@ class Request:
     dropout: float  # probability of zeroing a weight (already 0 outside training)
     return_weights: bool  # also return the (..., h, i, j) weights
     generator: torch.Generator | None = None  # dropout randomness, for reproducible runs
+    # (heads, rows): 1-d long index tensors (None = all) of the weights to return
+    weights_for: tuple[Tensor | None, Tensor | None] | None = None
 
     @property
     def heads(self) -> int:

@@ -8,8 +8,9 @@ step, which is exactly what the kernel computes. Three things are adapted to qkv
 
 * PyTorch's ``is_causal`` is aligned top-left; qkv's causal mask is bottom-right. The flag
   is used only when ``i == j`` (where the two agree); otherwise the mask is built.
-* Lazy biases and masks are materialised as one ``(…, h|1, i, j)`` float mask here, so the
-  chunked backend is preferred for them on long sequences.
+* Lazy biases are left to the chunked backend, which builds them one query block at a
+  time (here they would be one ``(…, h, i, j)`` tensor). Lazy masks other than the plain
+  causal one are materialised as an ``(i, j)`` bool mask (or ``(b, 1, i, j)`` for lengths).
 * A fully masked row would be NaN in the kernel; it is unmasked for the kernel and its
   output multiplied by zero afterwards, which also zeroes its gradients.
 """
@@ -24,6 +25,7 @@ from ..masks import Tile
 from .request import Request
 
 name = "sdpa"
+selects_weights = False
 
 
 def supports(req: Request) -> str | None:
@@ -31,6 +33,8 @@ def supports(req: Request) -> str | None:
         return f"the {req.score.name} score is not a dot product"
     if req.return_weights:
         return "the fused kernel does not return weights"
+    if req.bias is not None and not isinstance(req.bias, Tensor):
+        return "a lazy bias would be materialised as an (h, i, j) tensor"
     if req.dropout > 0 and req.generator is not None:
         return "the fused kernel's dropout cannot take a generator"
     if req.q.dim() < 3:

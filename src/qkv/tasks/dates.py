@@ -61,11 +61,23 @@ LANGUAGES = tuple(_EXTRA)
 _FIELDS = {"y": 0, "M": 1, "L": 1, "d": 2}  # pattern letter -> span row (year, month, day)
 
 
+def _babel_dates():
+    """``babel.dates``, imported on first use so ``import qkv.tasks`` works without babel."""
+    try:
+        import babel.dates as dates
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the date task needs babel for month names; install it with `pip install qkv[demo]`"
+        ) from error
+    return dates
+
+
 @lru_cache(maxsize=None)
 def patterns(language: str) -> tuple[str, ...]:
     """The CLDR date patterns used for ``language`` (no duplicates, stable order)."""
-    from babel.dates import get_date_format
-
+    if language not in _EXTRA:
+        raise ValueError(f"language: expected one of {LANGUAGES}, got {language!r}")
+    get_date_format = _babel_dates().get_date_format
     # CLDR's "short" formats are left out: English writes them month-first ("3/4/17"),
     # which would make "03/04" mean two different dates depending on the language.
     own = tuple(get_date_format(width, locale=language).pattern for width in ("full", "long", "medium"))
@@ -74,17 +86,13 @@ def patterns(language: str) -> tuple[str, ...]:
 
 @lru_cache(maxsize=None)
 def _tokens(pattern: str) -> tuple[tuple[str, object], ...]:
-    from babel.dates import tokenize_pattern
-
-    return tuple(tokenize_pattern(pattern))
+    return tuple(_babel_dates().tokenize_pattern(pattern))
 
 
 @lru_cache(maxsize=65536)
 def _field(language: str, letter: str, width: int, ymd: tuple[int, int, int]) -> str:
     """One field of a date rendered by babel (cached: there are few distinct values)."""
-    from babel.dates import format_date
-
-    return format_date(datetime.date(*ymd), letter * width, locale=language)
+    return _babel_dates().format_date(datetime.date(*ymd), letter * width, locale=language)
 
 
 def render(date: datetime.date, pattern: str, language: str) -> tuple[str, list[tuple[int, int]]]:

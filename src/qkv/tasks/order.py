@@ -16,7 +16,8 @@ words occurs once with each label and any bag-of-words classifier scores exactly
 Only a model that uses word order (which adjective the negation precedes, which noun is
 the subject of the comparison) can do better. The idea is the classic argument for word
 order in sentiment (Socher et al. 2013, "Recursive Deep Models for Semantic
-Compositionality", whose treebank labels negation scope); the templates are ours.
+Compositionality", where bag-of-words models fail on negation and "X but Y" contrast);
+the templates are ours.
 
 For the demo's heatmaps each sentence records the position of its negation word
 (``not``/``never``) and of the adjective it negates, or -1 when it has none.

@@ -145,10 +145,9 @@ class Vocabulary:
             raise ValueError(
                 f"length: expected at least the longest sequence ({longest}), got {length}"
             )
-        ids = torch.full((len(sequences), length), self.pad_id, dtype=torch.long)
-        for row, seq in enumerate(sequences):
-            if seq:
-                ids[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+        # One tensor from nested lists: much faster than filling rows one at a time.
+        rows = [list(seq) + [self.pad_id] * (length - len(seq)) for seq in sequences]
+        ids = torch.tensor(rows, dtype=torch.long).reshape(len(rows), length)
         return ids, torch.tensor(lengths, dtype=torch.long)
 
     def encode_batch(

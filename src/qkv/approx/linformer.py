@@ -1,0 +1,185 @@
+"""Linformer: keys and values projected along the sequence to a fixed length ``k``.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size, ``k`` projected length.
+
+Wang, Li, Khabsa, Fang, Ma, "Linformer: Self-Attention with Linear Complexity" (2020),
+eq. 7. Learned projections ``E, F (k, seq_len)`` shorten the key and value sequences::
+
+    out = softmax(scale · Q (E K)ᵀ) (F V)        Q (i, d), E K (k, d), F V (k, e)
+
+so the weights are ``(i, k)``, linear in the sequence length. A call with ``j < seq_len``
+keys uses the first ``j`` columns of ``E`` and ``F`` (as if the rest were zero padding);
+``j > seq_len`` is an error. The paper's parameter sharing (section 4) maps to ``share``:
+
+- ``"none"``: one ``E_n, F_n`` per query head (needs ``heads``);
+- ``"headwise"``: one ``E`` and one ``F`` for all heads of the layer (the default);
+- ``"kv"``: a single ``E = F`` for keys and values of all heads;
+- layerwise sharing: build one ``Linformer(share="kv")`` and give the same instance to
+  every layer, since the projection is this module's only parameter.
+
+Entries are initialised ``N(0, 1/k)``, the random projection of the paper's Theorem 1.
+
+Masks: a key padding mask is honoured by zeroing the padded keys and values before the
+projection, so padding at the end gives exactly the output of the shorter sequence. The
+projection mixes all positions, so a mask that varies with the query, and ``causal=True``,
+cannot be honoured and raise ``ValueError``.
+
+``return_weights=True`` returns ``(out, weights (b, h, i, j))`` with the *effective* weights
+``softmax(scale · Q (E K)ᵀ) F``, the exact linear map from values to outputs
+(``out == weights @ v``); they need not be positive nor sum to one. The probabilities over
+the ``k`` projected positions are :func:`linformer_weights`.
+
+Checked against (tests/test_approx_linformer.py): ``softmax(q (E k)ᵀ · scale) (F v)``
+computed directly in the test; with ``k == seq_len`` and ``E = F = I`` it equals exact
+attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import einsum
+from torch import Tensor, nn
+
+from ._common import check_flags, check_qkv, check_scale, dense_mask, key_padding, positive_int, repeat_kv
+
+SHARES = ("none", "headwise", "kv")
+
+
+def _project(x: Tensor, proj: Tensor) -> Tensor:
+    """``(b, h, j, c)`` projected along ``j`` by ``proj (k, j)`` or per head ``(h, k, j)`` -> ``(b, h, k, c)``."""
+    if proj.dim() == 2:
+        return einsum(proj, x, "k j, b h j c -> b h k c")
+    return einsum(proj, x, "h k j, b h j c -> b h k c")
+
+
+def linformer_weights(q: Tensor, k: Tensor, e_proj: Tensor, *, scale: float | None = None) -> Tensor:
+    """Softmax over the projected keys: ``softmax(scale · Q (E K)ᵀ)``, ``(b, h, i, k)``.
+
+    ``q (b, h, i, d)``, ``k (b, h, j, d)`` (already one KV head per query head),
+    ``e_proj (k, j)`` or ``(h, k, j)``.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = einsum(q, _project(k, e_proj), "b h i d, b h k d -> b h i k") * scale
+    return logits.softmax(-1)
+
+
+def linformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    e_proj: Tensor,
+    f_proj: Tensor,
+    *,
+    keep: Tensor | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Linformer attention on ``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)`` -> ``(b, h, i, e)``.
+
+    ``e_proj, f_proj``: ``(k, j)`` shared across heads or ``(h, k, j)`` per head, already cut
+    to ``j`` columns. ``keep (b|1, h|1, j)``: optional key padding mask.
+    """
+    h = q.shape[1]
+    if keep is None and e_proj.dim() == 2 and f_proj.dim() == 2:
+        # Shared projections commute with the head repeat: project the g KV heads, then repeat.
+        k_proj, v_proj = _project(k, e_proj), _project(v, f_proj)
+        k_proj, v_proj = repeat_kv(k_proj, h), repeat_kv(v_proj, h)
+    else:
+        k, v = repeat_kv(k, h), repeat_kv(v, h)
+        if keep is not None:
+            k = k * keep[..., None].to(k.dtype)
+            v = v * keep[..., None].to(v.dtype)
+        k_proj, v_proj = _project(k, e_proj), _project(v, f_proj)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    probs = (einsum(q, k_proj, "b h i d, b h k d -> b h i k") * scale).softmax(-1)
+    out = einsum(probs, v_proj, "b h i k, b h k e -> b h i e")
+    if not return_weights:
+        return out
+    effective = einsum(probs, f_proj, "b h i k, k j -> b h i j" if f_proj.dim() == 2 else "b h i k, h k j -> b h i j")
+    if keep is not None:
+        effective = effective * keep[:, :, None, :].to(effective.dtype)
+    return out, effective
+
+
+class Linformer(nn.Module):
+    """Linformer attention (Wang et al. 2020) as a qkv mechanism.
+
+    ``forward(q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), *, mask=None, causal=False,
+    return_weights=False) -> out (b, h, i, e)`` or ``(out, weights (b, h, i, j))``.
+
+    Args:
+        seq_len: the longest key sequence the projections cover.
+        k: the projected length.
+        heads: number of query heads ``h``; required for ``share="none"``.
+        share: ``"none"``, ``"headwise"`` or ``"kv"`` (see the module docstring; layerwise
+            sharing is one instance used by every layer).
+        scale: logits are ``scale · qᵀ(Ek)``; default ``1/sqrt(d)``.
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        k: int = 256,
+        *,
+        heads: int | None = None,
+        share: str = "headwise",
+        scale: float | None = None,
+    ):
+        super().__init__()
+        self.seq_len = positive_int("seq_len", seq_len)
+        self.k = positive_int("k", k)
+        if share not in SHARES:
+            raise ValueError(f"share: expected one of {SHARES}, got {share!r}")
+        if share == "none":
+            if heads is None:
+                raise ValueError("heads: share='none' keeps one projection per head, so heads is required, got None")
+            heads = positive_int("heads", heads)
+        self.heads = heads
+        self.share = share
+        self.scale = check_scale(scale)
+        shape = (k, seq_len) if share != "none" else (heads, k, seq_len)
+        self.e_proj = nn.Parameter(torch.randn(shape) * k**-0.5)
+        # kv sharing: no F of its own, the forward pass uses E for the values too.
+        self.f_proj = None if share == "kv" else nn.Parameter(torch.randn(shape) * k**-0.5)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: object = None,
+        causal: bool = False,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        dims = check_qkv(q, k, v)
+        check_flags(causal, return_weights)
+        if causal:
+            raise ValueError(
+                "causal: Linformer projects keys along the sequence, so it cannot be causal; "
+                "use qkv.approx.Performer or qkv.approx.LinearAttention with causal=True, or exact attention"
+            )
+        if dims.j > self.seq_len:
+            raise ValueError(
+                f"k: Linformer(seq_len={self.seq_len}) projects at most {self.seq_len} keys, "
+                f"got j={dims.j} (shape {tuple(k.shape)})"
+            )
+        if self.share == "none" and dims.h != self.heads:
+            raise ValueError(
+                f"q: Linformer(heads={self.heads}, share='none') has projections for {self.heads} heads, got h={dims.h}"
+            )
+        keep = key_padding(
+            dense_mask(mask, dims, q.device),
+            dims,
+            "Linformer",
+            "the projection mixes all positions; use exact attention (qkv.attention) for such masks",
+        )
+        f_full = self.e_proj if self.f_proj is None else self.f_proj
+        e_proj, f_proj = self.e_proj[..., : dims.j], f_full[..., : dims.j]
+        return linformer_attention(
+            q, k, v, e_proj.to(q.dtype), f_proj.to(q.dtype), keep=keep, scale=self.scale, return_weights=return_weights
+        )
+
+    def extra_repr(self) -> str:
+        return f"seq_len={self.seq_len}, k={self.k}, heads={self.heads}, share={self.share!r}"

@@ -1,0 +1,223 @@
+"""Nyström attention: the softmax matrix rebuilt from a few landmark rows and columns.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size, ``m`` landmarks.
+
+Xiong et al., "Nyströmformer: A Nyström-Based Algorithm for Approximating Self-Attention"
+(AAAI 2021), eqs. 13-16. Landmarks ``Q̃ (m, d)`` and ``K̃ (m, d)`` are segment means of the
+queries and keys, and with ``s = scale``::
+
+    F̃ = softmax(s Q K̃ᵀ) (i, m),   Ã = softmax(s Q̃ K̃ᵀ) (m, m),   B̃ = softmax(s Q̃ Kᵀ) (m, j)
+    out = F̃ Ã⁺ (B̃ V)
+
+so nothing of size ``(i, j)`` is built. ``Ã⁺`` is the iterative Moore-Penrose inverse of the
+paper (eq. 16, after Razavi et al. 2014), started from ``Z₀ = Ãᵀ / (‖Ã‖₁ ‖Ã‖∞)``::
+
+    Z ← ¼ Z (13 I − ÃZ (15 I − ÃZ (7 I − ÃZ)))        ``pinv_iterations`` times (paper: 6)
+
+Landmarks when ``m`` does not divide the length: position ``t`` of ``n`` belongs to segment
+``⌊t m / n⌋``, so segments hold ``⌊n/m⌋`` or ``⌈n/m⌉`` consecutive tokens and none is empty.
+This is the paper's "pad to a multiple of m" with the padding left out of the means
+(zero padding would pull the last landmark towards zero). With ``m >= n`` every token is
+its own landmark, ``Ã = F̃ = B̃`` is the exact softmax matrix ``A`` and ``A A⁺ A = A``: the
+method is exact up to the convergence of the pseudo-inverse.
+
+Masks: key padding is honoured by leaving padded keys out of the key landmarks (a landmark
+whose segment is all padding is dropped from ``F̃`` and ``Ã``) and out of ``B̃``. Landmarks
+average over the whole sequence, so ``causal=True`` and masks that vary with the query
+raise ``ValueError``.
+
+``conv_kernel``: the paper's optional skip connection, a depthwise convolution of the
+values along the sequence added to the output (self-attention only, ``i == j``).
+
+``return_weights=True`` returns ``(out, weights (b, h, i, j))`` with the approximate matrix
+``F̃ Ã⁺ B̃`` materialised (``out == weights @ v`` without the convolution); it is not
+guaranteed non-negative. ``O(i j)`` memory, for inspection only.
+
+Checked against (tests/test_approx_nystrom.py): exact softmax attention computed in the test
+when ``num_landmarks >= i, j``; ``torch.linalg.pinv`` for the iteration; the formula above
+computed directly with explicit landmark segments.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import einsum
+from torch import Tensor, nn
+
+from ._common import check_flags, check_qkv, check_scale, dense_mask, key_padding, masked_softmax, positive_int, repeat_kv
+
+
+def segment_ids(n: int, m: int, device: torch.device | None = None) -> Tensor:
+    """Landmark segment of each of ``n`` positions, ``⌊t m / n⌋`` in ``[0, m)``, shape ``(n,)``."""
+    return torch.arange(n, device=device) * m // n
+
+
+def segment_means(x: Tensor, m: int, keep: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Landmarks of ``x (b, h, n, c)``: the means of ``m`` consecutive segments, ``(b, h, m, c)``.
+
+    With ``keep (b, h, n)`` padded positions are left out of the means, and the second
+    result ``valid (b, h, m)`` says which segments had any real position.
+    """
+    n = x.shape[-2]
+    onehot = (segment_ids(n, m, x.device)[None, :] == torch.arange(m, device=x.device)[:, None]).to(x.dtype)
+    if keep is None:
+        return einsum(onehot, x, "m n, b h n c -> b h m c") / onehot.sum(-1)[:, None], None
+    weight = onehot * keep[:, :, None, :].to(x.dtype)  # b h m n
+    counts = weight.sum(-1)
+    sums = einsum(weight, x, "b h m n, b h n c -> b h m c")
+    return sums / counts.clamp_min(1)[..., None], counts > 0
+
+
+def iterative_pinv(a: Tensor, iterations: int = 6) -> Tensor:
+    """Moore-Penrose pseudo-inverse of ``a (..., r, c)`` by the paper's iteration -> ``(..., c, r)``.
+
+    The start ``Z₀ = aᵀ / (‖a‖₁ ‖a‖∞)`` (max column sum times max row sum, per matrix)
+    keeps every eigenvalue of ``a Z₀`` in (0, 1], from where the iteration converges to
+    ``a⁺``. A zero matrix stays at ``Z = 0``, its pseudo-inverse.
+    """
+    mags = a.abs()
+    norm = mags.sum(-2).amax(-1) * mags.sum(-1).amax(-1)
+    z = a.transpose(-1, -2) / norm.clamp_min(torch.finfo(a.dtype).tiny)[..., None, None]
+    eye = torch.eye(a.shape[-2], dtype=a.dtype, device=a.device)
+    for _ in range(iterations):
+        az = a @ z
+        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    return z
+
+
+def nystrom_parts(
+    q: Tensor, k: Tensor, *, num_landmarks: int, pinv_iterations: int = 6, keep: Tensor | None = None, scale: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(F̃ (b, h, i, m), Ã⁺ (b, h, m, m), B̃ (b, h, m, j))`` for ``q (b, h, i, d)``, ``k (b, h, j, d)``.
+
+    ``keep (b, h, j)``: optional key padding mask.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q = q * scale
+    q_marks, _ = segment_means(q, min(num_landmarks, q.shape[-2]))
+    k_marks, valid = segment_means(k, min(num_landmarks, k.shape[-2]), keep)
+    f = masked_softmax(einsum(q, k_marks, "b h i d, b h m d -> b h i m"), None if valid is None else valid[:, :, None, :])
+    a = masked_softmax(
+        einsum(q_marks, k_marks, "b h n d, b h m d -> b h n m"), None if valid is None else valid[:, :, None, :]
+    )
+    bt = masked_softmax(einsum(q_marks, k, "b h m d, b h j d -> b h m j"), None if keep is None else keep[:, :, None, :])
+    return f, iterative_pinv(a, pinv_iterations), bt
+
+
+def nystrom_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    num_landmarks: int,
+    pinv_iterations: int = 6,
+    keep: Tensor | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Nyström attention of ``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)`` -> ``(b, h, i, e)``.
+
+    ``keep (b|1, h|1, j)``: optional key padding mask. No convolution here (see the module).
+    """
+    b, h = q.shape[:2]
+    k, v = repeat_kv(k, h), repeat_kv(v, h)
+    if keep is not None:
+        keep = keep.expand(b, h, k.shape[-2])
+    f, a_pinv, bt = nystrom_parts(
+        q, k, num_landmarks=num_landmarks, pinv_iterations=pinv_iterations, keep=keep, scale=scale
+    )
+    # Right to left: (m, j)(j, e) then (m, m)(m, e) then (i, m)(m, e), all linear in i and j.
+    out = f @ (a_pinv @ (bt @ v))
+    if return_weights:
+        return out, f @ (a_pinv @ bt)
+    return out
+
+
+class NystromAttention(nn.Module):
+    """Nyström attention (Xiong et al. 2021) as a qkv mechanism.
+
+    ``forward(q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), *, mask=None, causal=False,
+    return_weights=False) -> out (b, h, i, e)`` or ``(out, weights (b, h, i, j))``.
+
+    Args:
+        num_landmarks: ``m``, landmarks for queries and for keys (capped at ``i`` and ``j``).
+        pinv_iterations: steps of the iterative pseudo-inverse (paper: 6).
+        scale: logits are ``scale · qᵀk``; default ``1/sqrt(d)``.
+        conv_kernel: odd kernel size of the depthwise value convolution added to the output
+            (the paper's skip connection); None (default) leaves it out.
+        heads: ``h``, required with ``conv_kernel`` (one filter per head).
+    """
+
+    def __init__(
+        self,
+        num_landmarks: int = 64,
+        *,
+        pinv_iterations: int = 6,
+        scale: float | None = None,
+        conv_kernel: int | None = None,
+        heads: int | None = None,
+    ):
+        super().__init__()
+        self.num_landmarks = positive_int("num_landmarks", num_landmarks)
+        self.pinv_iterations = positive_int("pinv_iterations", pinv_iterations)
+        self.scale = check_scale(scale)
+        self.heads = None if heads is None else positive_int("heads", heads)
+        self.conv = None
+        if conv_kernel is not None:
+            positive_int("conv_kernel", conv_kernel)
+            if conv_kernel % 2 == 0:
+                raise ValueError(f"conv_kernel: expected an odd size (the output keeps the length), got {conv_kernel}")
+            if heads is None:
+                raise ValueError("heads: conv_kernel needs one filter per head, so heads is required, got None")
+            self.conv = nn.Conv2d(heads, heads, (conv_kernel, 1), padding=(conv_kernel // 2, 0), groups=heads, bias=False)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: object = None,
+        causal: bool = False,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        dims = check_qkv(q, k, v)
+        check_flags(causal, return_weights)
+        if causal:
+            raise ValueError(
+                "causal: Nyström landmarks average over the whole sequence, so it cannot be causal; "
+                "use qkv.approx.Performer or qkv.approx.LinearAttention with causal=True, or exact attention"
+            )
+        keep = key_padding(
+            dense_mask(mask, dims, q.device),
+            dims,
+            "NystromAttention",
+            "landmarks mix all positions; use exact attention (qkv.attention) for such masks",
+        )
+        if self.conv is not None:
+            if dims.h != self.heads:
+                raise ValueError(f"q: NystromAttention(heads={self.heads}) has conv filters for {self.heads} heads, got h={dims.h}")
+            if dims.i != dims.j:
+                raise ValueError(f"k: the value convolution adds v to the output, so it needs j == i={dims.i}, got j={dims.j}")
+        result = nystrom_attention(
+            q,
+            k,
+            v,
+            num_landmarks=self.num_landmarks,
+            pinv_iterations=self.pinv_iterations,
+            keep=keep,
+            scale=self.scale,
+            return_weights=return_weights,
+        )
+        if self.conv is None:
+            return result
+        out, weights = result if return_weights else (result, None)
+        values = repeat_kv(v, dims.h)
+        if keep is not None:
+            values = values * keep[..., None].to(values.dtype)
+        out = out + self.conv(values)
+        return (out, weights) if return_weights else out
+
+    def extra_repr(self) -> str:
+        return f"num_landmarks={self.num_landmarks}, pinv_iterations={self.pinv_iterations}"

@@ -1,0 +1,236 @@
+"""Performer: softmax attention estimated with positive orthogonal random features (FAVOR+).
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size, ``m`` random features (``nb_features``).
+
+Choromanski et al., "Rethinking Attention with Performers" (ICLR 2021), Lemma 1 and
+section 2.4. The softmax kernel has the positive random-feature form
+
+    exp(xᵀy) = E_w[φ(x)ᵀφ(y)],   φ(x) = exp(Wx − |x|²/2) / √m,   rows w ~ N(0, I_d),
+
+so with ``x = q·√scale`` and ``y = k·√scale`` (``scale = 1/√d`` by default)
+``exp(scale · qᵀk)`` is estimated without bias, and attention becomes linear attention
+(:func:`qkv.approx.linear.kernel_attention`) with features ``φ``::
+
+    out = φ(Q) (φ(K)ᵀ V) / φ(Q) (φ(K)ᵀ 1)        causal: prefix sums, chunked
+
+The rows of ``W`` are drawn in blocks of ``d`` exactly orthogonal directions (QR of a
+Gaussian matrix with the signs fixed, i.e. Haar), each row rescaled by the norm of an
+independent ``N(0, I_d)`` vector so it is marginally Gaussian: the estimate stays unbiased
+and its variance drops (section 2.4, "orthogonal random features").
+
+Numerics: ``exp`` overflows for large logits, so each query's features are divided by
+``exp(max over m)`` (a per-row constant, it cancels in the row normalisation) and all keys
+of a (b, h) by ``exp(max over j and m)`` (a constant across keys, it cancels too); padded
+keys are left out of that maximum and their features zeroed. A row whose features all
+underflow, or that sees no key, gives zeros.
+
+Redrawing: ``redraw()`` draws a new ``W`` from the module's generator; with
+``redraw_interval=n`` the module does so every ``n`` forward calls in training mode (the
+paper redraws periodically during training). ``W`` is a buffer, saved in the state dict.
+
+``return_weights=True`` returns the implicit weights ``φ(Q)φ(K)ᵀ / rowsum`` (masked,
+causal), materialised as ``(b, h, i, j)`` from the same features, so ``out == weights @ v``;
+``O(i j)`` memory, for inspection only.
+
+Checked against (tests/test_approx_performer.py): averaged over 200 feature draws the
+kernel estimate approaches ``exp(qᵀk/√d)`` and the output approaches exact softmax
+attention computed in the test; the error falls as ``nb_features`` grows; causal equals the
+quadratic masked form with the same features; key padding equals dropping the keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import einsum
+from torch import Tensor, nn
+
+from ._common import (
+    check_flags,
+    check_interval,
+    check_qkv,
+    check_scale,
+    dense_mask,
+    key_padding,
+    make_generator,
+    positive_int,
+    repeat_kv,
+)
+from .linear import kernel_attention, kernel_attention_weights
+
+
+def gaussian_features(
+    m: int, d: int, *, orthogonal: bool = True, generator: torch.Generator | None = None
+) -> Tensor:
+    """Random feature matrix ``W (m, d)`` with rows marginally ``N(0, I_d)``, float32.
+
+    ``orthogonal=True`` makes each block of ``d`` rows exactly orthogonal (FAVOR+).
+    """
+    device = generator.device if generator is not None else None
+    if not orthogonal:
+        return torch.randn(m, d, generator=generator, device=device)
+    blocks = []
+    for _ in range(math.ceil(m / d)):
+        gauss = torch.randn(d, d, generator=generator, device=device)
+        qm, r = torch.linalg.qr(gauss)
+        # QR is unique only up to column signs; fixing sign(diag R) > 0 makes qm Haar-distributed.
+        blocks.append((qm * torch.sign(torch.diagonal(r))[None, :]).T)
+    directions = torch.cat(blocks)[:m]
+    lengths = torch.randn(m, d, generator=generator, device=device).norm(dim=1)  # chi with d dof
+    return directions * lengths[:, None]
+
+
+def favor_features(
+    x: Tensor, projection: Tensor, *, stabilize: str | None = None, keep: Tensor | None = None
+) -> Tensor:
+    """Positive random features ``φ(x) = exp(Wx − |x|²/2) / √m`` of ``x (..., n, d)`` -> ``(..., n, m)``.
+
+    ``x`` is already multiplied by ``√scale``. ``stabilize``: None (the plain estimator),
+    ``"row"`` (divide each row by its max, for queries) or ``"all"`` (divide by the max over
+    ``n`` and ``m``, for keys). ``keep (..., n)`` zeroes padded rows and leaves them out of
+    the max.
+    """
+    m = projection.shape[0]
+    logits = einsum(x, projection.to(x), "... n d, m d -> ... n m") - (x * x).sum(-1, keepdim=True) / 2
+    if stabilize is not None:
+        masked = logits if keep is None else logits.masked_fill(~keep[..., None], torch.finfo(logits.dtype).min)
+        if stabilize == "row":
+            top = masked.amax(-1, keepdim=True)
+        elif stabilize == "all":
+            top = masked.amax((-2, -1), keepdim=True)
+        else:
+            raise ValueError(f"stabilize: expected None, 'row' or 'all', got {stabilize!r}")
+        # The max only rescales numerator and denominator alike; no gradient flows through it.
+        logits = logits - top.detach()
+    phi = torch.exp(logits) / math.sqrt(m)
+    if keep is not None:
+        phi = phi * keep[..., None].to(phi.dtype)
+    return phi
+
+
+def favor_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    keep: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    chunk_size: int = 128,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """FAVOR+ attention of ``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)`` -> ``(b, h, i, e)``.
+
+    ``projection (m, d)`` is the random feature matrix, ``keep (b|1, h|1, j)`` an optional
+    key padding mask.
+    """
+    h, d = q.shape[1], q.shape[-1]
+    root = (d**-0.5 if scale is None else scale) ** 0.5
+    k = repeat_kv(k, h)
+    v = repeat_kv(v, h)
+    if keep is not None:
+        keep = keep.expand(k.shape[0], h, k.shape[2])
+    phi_q = favor_features(q * root, projection, stabilize="row")
+    phi_k = favor_features(k * root, projection, stabilize="all", keep=keep)
+    out = kernel_attention(phi_q, phi_k, v, causal=causal, chunk_size=chunk_size)
+    if return_weights:
+        return out, kernel_attention_weights(phi_q, phi_k, causal=causal)
+    return out
+
+
+class Performer(nn.Module):
+    """FAVOR+ attention (Choromanski et al. 2021) as a qkv mechanism.
+
+    ``forward(q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), *, mask=None, causal=False,
+    return_weights=False) -> out (b, h, i, e)`` or ``(out, weights (b, h, i, j))``.
+
+    Args:
+        dim_head: ``d``, the query/key size the features are drawn for.
+        nb_features: ``m``, the number of random features; default ``round(d ln d)``, the
+            paper's choice.
+        scale: logits are ``scale · qᵀk``; default ``1/sqrt(d)``.
+        orthogonal: draw blocks of orthogonal rows (FAVOR+); False draws iid rows.
+        redraw_interval: redraw the features every this many training-mode forward calls;
+            None never redraws on its own (call :meth:`redraw`).
+        chunk_size: queries per chunk of the causal prefix sums.
+        seed, generator: the random stream of the features (one of them, or neither to seed
+            from torch's global RNG).
+    """
+
+    def __init__(
+        self,
+        dim_head: int,
+        *,
+        nb_features: int | None = None,
+        scale: float | None = None,
+        orthogonal: bool = True,
+        redraw_interval: int | None = None,
+        chunk_size: int = 128,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__()
+        self.dim_head = positive_int("dim_head", dim_head)
+        if nb_features is None:
+            nb_features = max(1, round(dim_head * math.log(dim_head)))
+        self.nb_features = positive_int("nb_features", nb_features)
+        self.scale = check_scale(scale)
+        self.orthogonal = bool(orthogonal)
+        self.redraw_interval = check_interval(redraw_interval)
+        self.chunk_size = positive_int("chunk_size", chunk_size)
+        self.generator = make_generator(seed, generator)
+        self._steps = 0
+        self.register_buffer("projection", self._draw())
+
+    def _draw(self) -> Tensor:
+        return gaussian_features(self.nb_features, self.dim_head, orthogonal=self.orthogonal, generator=self.generator)
+
+    @torch.no_grad()
+    def redraw(self) -> None:
+        """Draw a new random feature matrix from the module's generator (in place)."""
+        self.projection.copy_(self._draw())
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: object = None,
+        causal: bool = False,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        dims = check_qkv(q, k, v)
+        check_flags(causal, return_weights)
+        if dims.d != self.dim_head:
+            raise ValueError(f"q: Performer(dim_head={self.dim_head}) expects d={self.dim_head}, got d={dims.d}")
+        keep = key_padding(
+            dense_mask(mask, dims, q.device),
+            dims,
+            "Performer",
+            "use causal=True for the causal mask, or exact attention (qkv.attention) for other masks",
+        )
+        if self.training and self.redraw_interval is not None:
+            self._steps += 1
+            if self._steps % self.redraw_interval == 0:
+                self.redraw()
+        return favor_attention(
+            q,
+            k,
+            v,
+            self.projection,
+            keep=keep,
+            causal=causal,
+            scale=self.scale,
+            chunk_size=self.chunk_size,
+            return_weights=return_weights,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim_head={self.dim_head}, nb_features={self.nb_features}, orthogonal={self.orthogonal}, "
+            f"redraw_interval={self.redraw_interval}"
+        )

@@ -1,0 +1,131 @@
+"""The chunked backend: exact attention in bounded memory, for every score, mask and bias.
+
+Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
+length, ``j`` key length, ``d`` query/key size, ``e`` value size, ``n`` the additive score's
+hidden size.
+
+Two engines, one contract (``out``, and the log-sum-exp ``lse (..., h, i)`` of every row):
+
+* ``fused_blocks`` — dot-form scores (dot, scaled dot, bilinear) without dropout or learned
+  biases: query blocks through PyTorch's fused CPU kernel, the lazy bias and mask built
+  one block at a time. The speed of ``F.scaled_dot_product_attention`` with
+  ``O(h·it·j)`` extra memory instead of ``O(h·i·j)``.
+* ``online_softmax`` — everything else (additive and location scores, learned biases,
+  dropout, inputs without a batch or head dim): a Python loop over tiles with an online
+  softmax and a custom backward that recomputes each tile. Memory is one tile, e.g.
+  ``(it, jt, n)`` for the additive score instead of the reference's ``(i, j, n)``.
+
+Both skip tiles that the mask reports empty. Weights, when asked for, are rebuilt from
+``lse`` (``backends.weights``), optionally for a few heads or rows only. Checked against
+the float64 reference backend in ``tests/test_backends_chunked.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..positional import LazyBias
+from . import dropout as drop
+from .fused_blocks import FusedBlocks, FusedPlan
+from .online_softmax import Plan, TiledAttention
+from .request import Request
+from .weights import rebuild
+
+name = "chunked"
+#: This backend returns only the weights ``req.weights_for`` selects (others return all).
+selects_weights = True
+
+#: Elements of one tile of logits summed over batch and heads (times ``n`` for additive).
+TILE_ELEMENTS = 2**21
+
+
+def supports(req: Request) -> str | None:
+    return None  # every score, mask, bias, dropout and layout
+
+
+def engine(req: Request) -> str:
+    """``"fused_blocks"`` or ``"online_softmax"``: which engine :func:`run` will use, for ``explain``."""
+    if not req.score.dot_form:
+        return "online_softmax"
+    if req.dropout > 0 or req.q.dim() != 4:
+        return "online_softmax"
+    if _trainable_bias(req):
+        return "online_softmax"
+    return "fused_blocks"
+
+
+def _trainable_bias(req: Request) -> bool:
+    if not torch.is_grad_enabled() or req.bias is None:
+        return False
+    if isinstance(req.bias, Tensor):
+        return req.bias.requires_grad
+    return any(p.requires_grad for p in req.bias.parameters())
+
+
+def forward(req: Request) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(out, lse, qp, kp)``: the output, the log-sum-exp of every row and the prepared q, k."""
+    q, k, v = req.q, req.k, req.v
+    no_heads = q.dim() == 2
+    if no_heads:  # (i, d) -> (1, i, d): the engines index heads at dim -3
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    qp, kp = req.score.prepare(q, k)
+    if engine(req) == "fused_blocks":
+        causal_square = req.bias is None and req.is_causal_only and req.i == req.j
+        plan = FusedPlan(mask=req.mask, bias=req.bias, scale=req.scale, causal_square=causal_square)
+        out, lse = FusedBlocks.apply(plan, *same_head_size(qp, kp, v))
+        out = out[..., : v.shape[-1]]
+    else:
+        out, lse = _online(req, qp, kp, v)
+    if no_heads:
+        out, lse, qp, kp = out.squeeze(0), lse.squeeze(0), qp.squeeze(0), kp.squeeze(0)
+    return out, lse, qp, kp
+
+
+def same_head_size(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero-pad ``d`` or ``e`` so they match, as the fused kernel requires.
+
+    Zeros appended to q and k leave every dot product unchanged; zeros appended to v add
+    output columns that the caller slices off. Autograd drops the padding's gradients.
+    """
+    d, e = q.shape[-1], v.shape[-1]
+    if d < e:
+        q, k = F.pad(q, (0, e - d)), F.pad(k, (0, e - d))
+    elif e < d:
+        v = F.pad(v, (0, d - e))
+    return q, k, v
+
+
+def _online(req: Request, qp: Tensor, kp: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    lazy = req.bias if isinstance(req.bias, LazyBias) else None
+    dense = req.bias if isinstance(req.bias, Tensor) else None
+    params: list[Tensor] = []
+    if not req.score.dot_form:
+        params += list(req.score.parameters())  # pairwise may use them (the additive score's v)
+    if lazy is not None:
+        params += list(lazy.parameters())
+    block_i, block_j = _blocks(req, qp)
+    seed = drop.draw_seed(req.generator) if req.dropout > 0 else 0
+    plan = Plan(req.score, req.mask, lazy, req.scale, req.dropout, seed, block_i, block_j, len(params))
+    return TiledAttention.apply(plan, qp, kp, v, dense, *params)
+
+
+def _blocks(req: Request, qp: Tensor) -> tuple[int, int]:
+    """Tile sides: as large as :data:`TILE_ELEMENTS` allows, so the Python loop stays short."""
+    rows = math.prod(qp.shape[:-2])  # batch x heads
+    width = 1 if req.score.dot_form else max(1, qp.shape[-1])  # the additive score's (it, jt, n)
+    budget = max(256, TILE_ELEMENTS // (rows * width))
+    block_j = min(req.j, 1024, max(16, int(math.sqrt(budget))))
+    block_i = min(req.i, max(16, budget // block_j))
+    return block_i, block_j
+
+
+def run(req: Request) -> tuple[Tensor, Tensor | None]:
+    out, lse, qp, kp = forward(req)
+    if not req.return_weights:
+        return out, None
+    heads, rows = req.weights_for if req.weights_for is not None else (None, None)
+    return out, rebuild(req, qp, kp, lse, heads=heads, rows=rows)

@@ -1,0 +1,146 @@
+"""Dot-form attention by query blocks through PyTorch's fused CPU kernel, with the log-sum-exp.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size; ``it`` the rows of one query block and
+``jt`` the keys that block can see.
+
+For a dot-product score the inner loop over key tiles is best left to PyTorch's fused
+kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``), which is itself an online
+softmax in C++ and, unlike ``F.scaled_dot_product_attention``, also returns the
+log-sum-exp that rebuilding weights needs. What the kernel cannot do is build a lazy bias
+or mask tile by tile. So the queries are cut into blocks; each block gets its bias and
+mask as one ``(h, it, jt)`` float tensor (masked entries ``-inf``) over only the keys its
+mask leaves visible (``tiles.key_range``), and one kernel call. Memory beyond the plain
+kernel is one block's bias, not the ``(h, i, j)`` tensor. The backward calls the kernel's
+own backward per block with the same bias, summing the key and value gradients.
+
+A query with no visible key comes out of the kernel as 0; its ``lse`` is set to ``+inf``
+(weights exp(s - lse) = 0) and its incoming gradient is zeroed, so its gradients are 0.
+The kernel cannot differentiate the bias, so learned biases go to ``online_softmax``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..masks import Mask, Tile
+from .tiles import NEG_INF, BiasSource, as_heads, key_range
+
+_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+#: Bytes allowed for one block's float bias/mask; blocks shrink to stay under it.
+BLOCK_BYTES = 16 * 2**20
+#: Key granularity for skipping keys a whole query block cannot see.
+KEY_STEP = 256
+
+
+@dataclass
+class FusedPlan:
+    mask: Mask | None
+    bias: object  # Tensor (dense, no grad), LazyBias without trainable parameters, or None
+    scale: float
+    causal_square: bool  # the mask is exactly causal and i == j: the kernel's own flag is right
+
+
+def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int) -> int:
+    """Query rows per kernel call: all of them when there is nothing to build per block."""
+    i_len = q.shape[-2]
+    if (plan.mask is None and plan.bias is None) or plan.causal_square:
+        return i_len
+    per_row = max(1, q.shape[0] * q.shape[1] * j_len * q.element_size())  # worst case: a (b, h, it, jt) mask
+    rows = max(32, BLOCK_BYTES // per_row) // 32 * 32
+    return min(i_len, rows)
+
+
+def _block_mask(plan: FusedPlan, t: Tile, bias: BiasSource, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+    """Float ``(b|1, h|1, it, jt)`` additive mask for one block, and bool live rows (None if all live)."""
+    add = None
+    if plan.bias is not None:
+        add = as_heads(bias.tile(t), 4).to(dtype)
+        if add.shape[-2:] != (t.i1 - t.i0, t.j1 - t.j0):  # a dense bias broadcast along i or j
+            add = add.expand(*add.shape[:-2], t.i1 - t.i0, t.j1 - t.j0).contiguous()
+    live = None
+    state = "full" if plan.mask is None else plan.mask.state(t)
+    if state != "full":
+        allowed = as_heads(plan.mask.tile(t), 4)
+        any_key = allowed.any(-1, keepdim=True)
+        if not bool(any_key.all()):
+            live = any_key
+        fill = torch.zeros((), dtype=dtype).masked_fill(torch.tensor(True), NEG_INF)
+        if add is None:
+            add = torch.where(allowed, torch.zeros((), dtype=dtype), fill)
+        else:
+            add = add.masked_fill(~allowed, NEG_INF)
+    return add, live
+
+
+def _blocks(plan: FusedPlan, q: Tensor, j_len: int):
+    i_len = q.shape[-2]
+    step = rows_per_block(plan, q, j_len)
+    for i0 in range(0, i_len, step):
+        i1 = min(i0 + step, i_len)
+        if plan.causal_square:
+            yield Tile(i0, i1, 0, j_len, i_len, j_len, q.device)
+            continue
+        jlo, jhi = key_range(plan.mask, i0, i1, i_len, j_len, KEY_STEP, q.device)
+        yield Tile(i0, i1, jlo, jhi, i_len, j_len, q.device)
+
+
+class FusedBlocks(torch.autograd.Function):
+    """``(q, k, v) -> (out, lse)`` with ``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)``."""
+
+    @staticmethod
+    def forward(ctx, plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor):
+        i_len, j_len = q.shape[-2], k.shape[-2]
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+        lse = torch.full(q.shape[:-1], float("inf"), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        bias = BiasSource(plan.bias, i_len, j_len, q.device)
+        dead = []  # (rows, live) of blocks with rows that see no key
+        for t in _blocks(plan, q, j_len):
+            rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
+            if t.j0 == t.j1:
+                dead.append((rows, None))
+                continue
+            add, live = (None, None) if plan.causal_square else _block_mask(plan, t, bias, q.dtype)
+            o, m = _forward(q[..., rows, :], k[..., cols, :], v[..., cols, :], 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
+            if live is not None:
+                o = o * live
+                m = torch.where(live.squeeze(-1), m, float("inf"))
+                dead.append((rows, live))
+            out[..., rows, :] = o
+            lse[..., rows] = m
+        ctx.plan, ctx.dead = plan, dead
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
+        plan: FusedPlan = ctx.plan
+        q, k, v, out, lse = ctx.saved_tensors
+        i_len, j_len = q.shape[-2], k.shape[-2]
+        d_out = d_out.contiguous()
+        for rows, live in ctx.dead:  # no gradient flows from rows that see no key
+            d_out[..., rows, :] = 0.0 if live is None else d_out[..., rows, :] * live
+        # the kernel's backward wants its own lse: finite for dead rows (their d_out is 0 anyway)
+        lse = torch.where(torch.isinf(lse), 0.0, lse)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        bias = BiasSource(plan.bias, i_len, j_len, q.device)
+        for t in _blocks(plan, q, j_len):
+            if t.j0 == t.j1:
+                continue
+            rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
+            add = None if plan.causal_square else _block_mask(plan, t, bias, q.dtype)[0]
+            gq, gk, gv = _backward(
+                d_out[..., rows, :], q[..., rows, :], k[..., cols, :], v[..., cols, :],
+                out[..., rows, :], lse[..., rows], 0.0, plan.causal_square, attn_mask=add, scale=plan.scale,
+            )  # fmt: skip
+            dq[..., rows, :] = gq
+            dk[..., cols, :] += gk
+            dv[..., cols, :] += gv
+        return None, dq, dk, dv
+

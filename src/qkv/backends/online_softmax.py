@@ -1,0 +1,225 @@
+"""Tile-by-tile attention with an online softmax, for any score, mask, bias and dropout.
+
+Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``r = h/g``
+query heads per KV head, ``i`` query length, ``j`` key length, ``d`` the prepared query/key
+size, ``e`` value size; ``it``/``jt`` the sides of a tile.
+
+The forward pass is the online softmax of Milakov & Gimelshein 2018 ("Online normalizer
+calculation for softmax") as used by FlashAttention (Dao et al. 2022, algorithm 1): for
+each query tile, sweep the key tiles keeping a running row maximum ``m``, a running sum
+``l = Σ exp(s - m)`` and an unnormalised output ``acc = Σ exp(s - m) v``, rescaling both by
+``exp(m_old - m_new)`` when the maximum grows. Only ``out`` and the log-sum-exp
+``lse = m + log l`` are kept. The backward pass (FlashAttention algorithm 2) recomputes
+each tile's logits, ``P = exp(s - lse)``, and uses ``D = rowsum(dO ∘ O)``::
+
+    dV += Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP - D)      d(logits) = dS
+
+so memory is one tile of logits (``(it, jt, n)`` for the additive score) at a time.
+Dot-form scores take the explicit ``dQ = scale·dS K``, ``dK = scale·dSᵀ Q``; any other
+score (and any learned bias) is differentiated by autograd on the recomputed tile.
+
+Tiles that the mask reports "empty" are skipped; on "full" ones the mask is not built. A
+query with no allowed key has ``l = 0``: its output is 0 and its ``lse`` is ``+inf``, so
+every recomputed weight of that row is ``exp(-inf) = 0`` and its gradients vanish.
+Dropout draws its mask from a seed per tile (``backends.dropout.keep``), so the backward
+drops exactly the weights the forward dropped. Half-precision inputs accumulate in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..masks import Mask, Tile
+from ..scores import Score
+from . import dropout as drop
+from .tiles import NEG_INF, BiasSource, dense_tile, mask_state
+
+
+@dataclass
+class Plan:
+    """Everything about a call that is not a tensor input of the autograd function."""
+
+    score: Score  # pairwise(qp, kp, tile)
+    mask: Mask | None  # True = may attend
+    lazy_bias: object  # LazyBias or None (a dense bias is a tensor input instead)
+    scale: float
+    dropout: float
+    seed: int  # dropout seed (unused when dropout == 0)
+    block_i: int  # query tile side
+    block_j: int  # key tile side
+    n_params: int = 0  # trailing inputs that are score / bias parameters
+
+
+def _logits(plan: Plan, qp5: Tensor, kp5: Tensor, bias: BiasSource, dense_t: Tensor | None, t: Tile, state: str) -> Tensor:
+    """Scaled, biased, masked logits of one tile in float32 (or wider), ``(..., h, it, jt)``.
+
+    ``dense_t`` is the tile of a dense bias, already sliced.
+    """
+    if plan.score.dot_form:
+        s = qp5 @ kp5.transpose(-1, -2)
+    else:
+        s = plan.score.pairwise(qp5, kp5, t)
+    s = s.flatten(-4, -3)  # (..., g, r, it, jt) -> (..., h, it, jt)
+    if s.dtype in (torch.float16, torch.bfloat16):
+        s = s.float()
+    s = s * plan.scale
+    if (b := bias.tile(t)) is not None:
+        s = s + b.to(s.dtype)
+    if dense_t is not None:
+        s = s + dense_t.to(s.dtype)
+    if state == "partial":
+        s = s.masked_fill(~plan.mask.tile(t), NEG_INF)
+    return s
+
+
+def _tiles(plan: Plan, i_len: int, j_len: int, device):
+    """Yield ``(tile, state)`` for every non-empty tile, query tiles outermost."""
+    for i0 in range(0, i_len, plan.block_i):
+        i1 = min(i0 + plan.block_i, i_len)
+        for j0 in range(0, j_len, plan.block_j):
+            t = Tile(i0, i1, j0, min(j0 + plan.block_j, j_len), i_len, j_len, device)
+            state = mask_state(plan.mask, t)
+            if state != "empty":
+                yield t, state
+
+
+def _split(qp: Tensor, kp: Tensor, v: Tensor, g: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(..., h, i, d) -> (..., g, r, i, d)``; keys and values get a size-1 ``r`` axis."""
+    return qp.unflatten(-3, (g, qp.shape[-3] // g)), kp.unsqueeze(-3), v.unsqueeze(-3)
+
+
+class TiledAttention(torch.autograd.Function):
+    """``(qp, kp, v, dense_bias, *params) -> (out, lse)``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, *params: Tensor):
+        g, i_len, j_len = kp.shape[-3], qp.shape[-2], kp.shape[-2]
+        heads_shape = (*qp.shape[:-2],)
+        acc_dtype = torch.promote_types(v.dtype, torch.float32)
+        out = torch.zeros((*heads_shape, i_len, v.shape[-1]), dtype=acc_dtype, device=v.device)
+        lse = torch.full((*heads_shape, i_len), float("inf"), dtype=acc_dtype, device=v.device)
+        q5, k5, v5 = _split(qp, kp, v, g)
+        bias = BiasSource(plan.lazy_bias, i_len, j_len, qp.device)
+        current, m, l, acc = None, None, None, None
+
+        def finish():
+            rows = slice(current.i0, current.i1)
+            live = l > 0
+            out[..., rows, :] = torch.where(live, acc / l.clamp(min=1e-30), 0.0)
+            lse[..., rows] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
+
+        for t, state in _tiles(plan, i_len, j_len, qp.device):
+            if current is None or t.i0 != current.i0:
+                if current is not None:
+                    finish()
+                current = t
+                shape = (*heads_shape, t.i1 - t.i0, 1)
+                m = torch.full(shape, NEG_INF, dtype=acc_dtype, device=v.device)
+                l = torch.zeros(shape, dtype=acc_dtype, device=v.device)
+                acc = torch.zeros((*heads_shape, t.i1 - t.i0, v.shape[-1]), dtype=acc_dtype, device=v.device)
+            dense_t = None if dense is None else dense_tile(dense, t)
+            s = _logits(plan, q5[..., t.i0 : t.i1, :], k5[..., t.j0 : t.j1, :], bias, dense_t, t, state)
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
+            p = torch.exp(s - base)
+            rescale = torch.exp(m - base)
+            l = l * rescale + p.sum(-1, keepdim=True)
+            if plan.dropout > 0:
+                p = p * drop.keep(plan.seed, plan.dropout, heads_shape, t) / (1.0 - plan.dropout)
+            pv = p.to(v.dtype).unflatten(-3, (g, -1)) @ v5[..., t.j0 : t.j1, :]
+            acc = acc * rescale + pv.flatten(-4, -3)
+            m = m_new
+        if current is not None:
+            finish()
+        ctx.plan, ctx.params = plan, params
+        ctx.save_for_backward(qp, kp, v, dense, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out.to(v.dtype), lse
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
+        plan: Plan = ctx.plan
+        qp, kp, v, dense, out, lse = ctx.saved_tensors
+        g, i_len, j_len = kp.shape[-3], qp.shape[-2], kp.shape[-2]
+        heads_shape = (*qp.shape[:-2],)
+        acc = out.dtype
+        d_out = d_out.to(acc)
+        delta = (d_out * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ O)
+        dq = torch.zeros_like(qp, dtype=torch.promote_types(qp.dtype, acc))
+        dk = torch.zeros_like(kp, dtype=dq.dtype)
+        dv = torch.zeros_like(v, dtype=acc)
+        d_dense = torch.zeros_like(dense, dtype=acc) if dense is not None and ctx.needs_input_grad[4] else None
+        trainable = [p for p in ctx.params if p.requires_grad]
+        d_params = [torch.zeros_like(p) for p in trainable]
+        lazy = plan.lazy_bias
+        learned_bias = lazy is not None and any(p.requires_grad for p in lazy.parameters())
+        use_autograd = (not plan.score.dot_form) or learned_bias or d_dense is not None
+        bias = BiasSource(lazy, i_len, j_len, qp.device, grad=learned_bias)
+        d_profile = None
+        q5, k5, v5 = _split(qp, kp, v, g)
+        d_out5 = d_out.unflatten(-3, (g, -1))
+        for t, state in _tiles(plan, i_len, j_len, qp.device):
+            rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
+            qt, kt = q5[..., rows, :], k5[..., cols, :]
+            dense_t = None if dense is None else dense_tile(dense, t)
+            leaves: list[Tensor] = []
+            if use_autograd:
+                qt, kt = qt.detach().requires_grad_(), kt.detach().requires_grad_()
+                leaves = [qt, kt]
+                if d_dense is not None:
+                    dense_t = dense_t.detach().requires_grad_()
+                    leaves.append(dense_t)
+                if bias.profile_graph is not None:
+                    leaves.append(bias.profile)
+                leaves += trainable
+            with torch.set_grad_enabled(use_autograd):
+                s = _logits(plan, qt, kt, bias, dense_t, t, state)
+            p = torch.exp(s.detach() - lse[..., rows, None])
+            dp = (d_out5[..., rows, :] @ v5[..., cols, :].transpose(-1, -2).to(acc)).flatten(-4, -3)
+            p_used = p
+            if plan.dropout > 0:
+                keep = drop.keep(plan.seed, plan.dropout, heads_shape, t).to(acc) / (1.0 - plan.dropout)
+                p_used, dp = p * keep, dp * keep
+            # dV += Pᵀ dO, summed over the r query heads that share a KV head
+            dv[..., cols, :] += torch.einsum("...rij,...rie->...je", p_used.unflatten(-3, (g, -1)), d_out5[..., rows, :])
+            ds = p * (dp - delta[..., rows, :])
+            if use_autograd:
+                grads = list(torch.autograd.grad(s, leaves, ds, allow_unused=True))
+                gq, gk = grads.pop(0), grads.pop(0)
+                if gq is not None:
+                    dq[..., rows, :] += gq.flatten(-4, -3).to(dq.dtype)
+                if gk is not None:
+                    dk[..., cols, :] += gk.squeeze(-3).to(dk.dtype)
+                if d_dense is not None:
+                    dense_tile(d_dense, t).add_(_sum_to(grads.pop(0), dense_t.shape))
+                if bias.profile_graph is not None:
+                    gp = grads.pop(0)
+                    d_profile = gp if d_profile is None else d_profile + gp
+                for n, grad in enumerate(grads):
+                    if grad is not None:
+                        d_params[n] += grad
+            else:
+                ds5 = (ds * plan.scale).unflatten(-3, (g, -1))
+                dq[..., rows, :] += (ds5 @ kt.to(acc)).flatten(-4, -3).to(dq.dtype)
+                dk[..., cols, :] += torch.einsum("...rij,...rid->...jd", ds5, qt.to(acc)).to(dk.dtype)
+        if d_profile is not None:
+            # one backward through the bias for the whole call: (h, L) profile -> parameters
+            bias_grads = torch.autograd.grad(bias.profile_graph, trainable, d_profile, allow_unused=True)
+            for n, grad in enumerate(bias_grads):
+                if grad is not None:
+                    d_params[n] += grad
+        it = iter(d_params)
+        grads_params = [next(it) if p.requires_grad else None for p in ctx.params]
+        d_dense = None if d_dense is None else d_dense.to(dense.dtype)
+        return None, dq.to(qp.dtype), dk.to(kp.dtype), dv.to(v.dtype), d_dense, *grads_params
+
+
+def _sum_to(x: Tensor, shape: torch.Size) -> Tensor:
+    """Sum ``x`` over the dims it was broadcast along, back to ``shape``."""
+    while x.dim() > len(shape):
+        x = x.sum(0)
+    dims = [n for n, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1]
+    return x.sum(dims, keepdim=True) if dims else x

@@ -1,0 +1,95 @@
+"""Attention weights rebuilt from the log-sum-exp, for chosen heads and query rows only.
+
+Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
+length, ``j`` key length, ``d`` prepared query/key size; ``hs`` and ``is`` the numbers of
+selected heads and rows.
+
+A fast backend keeps, for every query row, ``lse = log Σ_k exp(s_k)`` over its allowed keys.
+Then each weight is one exponential, ``α_j = exp(s_j - lse)``, exactly the softmax, with no
+second pass over the row; a row with no allowed key has ``lse = +inf`` and weights 0. Only
+the selected ``(hs, is, j)`` block is ever built, in row chunks, so inspecting two heads of
+a 4096-token sequence costs ``2·4096·j`` numbers, not ``h·4096·j``.
+
+When gradients are being recorded the weights are instead a plain softmax of the same
+logits (identical values): ``lse`` comes out of a custom function without a gradient, and
+a softmax lets gradients through the weights reach ``q``, ``k`` and the score.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..masks import Tile
+from ..positional import LazyBias
+from .request import Request
+from .tiles import NEG_INF, BiasSource, dense_tile
+
+#: Elements of logits built at once (times the additive score's hidden size).
+CHUNK_ELEMENTS = 2**22
+
+
+def _pick_heads(x: Tensor, heads: Tensor | None, h: int) -> Tensor:
+    """Select ``heads`` along dim -3 when ``x`` has a head axis there (size-1 axes broadcast)."""
+    if heads is None or x.dim() < 3 or x.shape[-3] != h:
+        return x
+    return x.index_select(-3, heads.to(x.device))
+
+
+def rebuild(
+    req: Request, qp: Tensor, kp: Tensor, lse: Tensor, *, heads: Tensor | None = None, rows: Tensor | None = None
+) -> Tensor:
+    """Weights ``(..., hs, is, j)`` from the prepared ``qp (..., h, i, d)``, ``kp (..., g, j, d)`` and ``lse (..., h, i)``.
+
+    ``heads`` and ``rows`` are 1-d long tensors of indices (None = all).
+    """
+    has_heads = qp.dim() >= 3
+    if not has_heads:  # (i, d): give it the head axis the code below indexes
+        qp, kp, lse = qp.unsqueeze(0), kp.unsqueeze(0), lse.unsqueeze(0)
+    h, g, i_len, j_len = qp.shape[-3], kp.shape[-3], qp.shape[-2], kp.shape[-2]
+    head_ids = torch.arange(h, device=qp.device) if heads is None else heads.to(qp.device)
+    row_ids = torch.arange(i_len, device=qp.device) if rows is None else rows.to(qp.device)
+    q_sel = qp.index_select(-3, head_ids)
+    k_sel = kp.index_select(-3, torch.div(head_ids, h // g, rounding_mode="floor"))
+    lse_sel = lse.index_select(-2, head_ids)
+    differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in (qp, kp))
+    bias = BiasSource(req.bias, i_len, j_len, qp.device) if isinstance(req.bias, LazyBias) else None
+    width = 1 if req.score.dot_form else max(1, qp.shape[-1])
+    chunk = max(1, CHUNK_ELEMENTS // max(1, math.prod(q_sel.shape[:-2]) * j_len * width))
+    parts = []
+    for start, stop in _runs(row_ids.tolist(), chunk):
+        t = Tile(start, stop, 0, j_len, i_len, j_len, qp.device)
+        qt = q_sel[..., start:stop, :]
+        s = qt @ k_sel.transpose(-1, -2) if req.score.dot_form else req.score.pairwise(qt, k_sel, t)
+        s = s.to(torch.promote_types(s.dtype, torch.float32)) * req.scale
+        if bias is not None:
+            s = s + _pick_heads(bias.tile(t), heads, h).to(s.dtype)
+        elif isinstance(req.bias, Tensor):
+            s = s + _pick_heads(dense_tile(req.bias, t), heads, h).to(s.dtype)
+        allowed = None
+        if req.mask is not None and req.mask.state(t) != "full":
+            allowed = _pick_heads(req.mask.tile(t), heads, h)
+            s = s.masked_fill(~allowed, NEG_INF)
+        if differentiable:
+            w = torch.softmax(s.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0), dim=-1)
+            if allowed is not None:
+                w = w * allowed * allowed.any(-1, keepdim=True)
+        else:
+            w = torch.exp(s - lse_sel[..., start:stop, None])
+        parts.append(w)
+    out = torch.cat(parts, dim=-2).to(qp.dtype)
+    return out if has_heads else out.squeeze(0)
+
+
+def _runs(rows: list[int], chunk: int):
+    """Split a list of row indices into ``(start, stop)`` runs of consecutive rows, at most ``chunk`` long."""
+    n = 0
+    while n < len(rows):
+        start = stop = rows[n]
+        n += 1
+        while n < len(rows) and rows[n] == stop + 1 and stop + 1 - start < chunk:
+            stop += 1
+            n += 1
+        yield start, stop + 1

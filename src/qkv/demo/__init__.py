@@ -1,0 +1,175 @@
+"""``qkv demo``: attention at work on data the demo makes itself, in a few minutes on a CPU.
+
+The steps, in order (one file each in this package):
+
+1. ``seed_example`` — the worked example of seed text 002, printed as the seed prints it;
+2. ``order`` — a task whose two classes share the same bag of words: a bag-of-words
+   baseline stays at chance, an attention classifier with positions solves it;
+3. ``dates`` — dates in many formats and languages to ISO ``YYYY-MM-DD`` with Bahdanau and
+   Luong RNN encoder–decoders, and their alignment heatmaps;
+4. ``positions`` — the sinusoidal table and RoPE's relative-position property;
+
+then a summary table, ``results.json`` and an offline ``index.html`` (``report``).
+
+The output is written into a temporary folder next to ``out`` and renamed to ``out``
+only when every step has succeeded, so a failed or interrupted run leaves nothing
+half-written behind. Every number printed is measured in the run; the same ``seed``
+prints the same numbers (timings aside).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .context import Context, StepResult
+
+__all__ = ["DemoError", "STEPS", "run"]
+
+MARKER = ".qkv-demo"  # a file in every output folder: marks it as safe to replace
+
+
+class DemoError(ValueError):
+    """A problem with the demo's arguments (such as an unwritable ``out``); one line, for the CLI."""
+
+
+def _steps() -> list[tuple[str, Callable[[Context], StepResult]]]:
+    # Imported here so `import qkv.demo` stays light and a step's import error is reported
+    # as that step failing.
+    from . import dates, order, positions, seed_example
+
+    return [
+        ("seed 002 worked example", seed_example.run),
+        ("order matters", order.run),
+        ("translation with alignment", dates.run),
+        ("positions", positions.run),
+    ]
+
+
+STEPS = ("seed 002 worked example", "order matters", "translation with alignment", "positions")
+
+
+def _check_out(out: Path) -> None:
+    """Raise DemoError unless ``out`` can be (re)placed: absent, empty, or a previous demo output."""
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise DemoError(f"--out: {out} exists and is not a folder")
+        if any(out.iterdir()) and not (out / MARKER).exists():
+            raise DemoError(f"--out: {out} is a non-empty folder not written by qkv demo; choose another or empty it")
+    parent = out.parent
+    if not parent.is_dir():
+        raise DemoError(f"--out: the parent folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DemoError(f"--out: cannot write in {parent} (permission denied)")
+
+
+def _make_temporary(out: Path) -> Path:
+    """A fresh hidden folder beside ``out`` (same file system, so the final rename is atomic)."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as error:
+        raise DemoError(f"--out: cannot create a folder in {out.parent} ({error.strerror})") from None
+
+
+def _publish(temporary: Path, out: Path) -> None:
+    """Move the finished ``temporary`` folder to ``out``, replacing a previous demo output."""
+    old = None
+    if out.exists():
+        # Move the old output aside first: if the rename below fails, it can be restored.
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "previous")
+    try:
+        os.replace(temporary, out)
+    except OSError:
+        if old is not None:
+            os.replace(old / "previous", out)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def run(
+    out: str | Path = "qkv-demo",
+    seed: int = 0,
+    quick: bool = False,
+    steps: int | None = None,
+    quiet: bool = False,
+    *,
+    echo: Callable[[str], None] = print,
+) -> list[StepResult]:
+    """Run every demo step and write the figures, ``results.json`` and ``index.html`` to ``out``.
+
+    Args:
+        out: the output folder; created, or replaced if it holds a previous demo's output.
+        seed: seeds data, initial weights and batch order; same seed, same numbers.
+        quick: small data and short training (under a minute): checks that everything
+            runs, not that the targets are met.
+        steps: optimizer steps for every trained model (default: each model's own).
+        quiet: no progress bars.
+        echo: receives every printed line (default ``print``).
+
+    Returns:
+        One :class:`StepResult` per step, with the metrics and figures it produced.
+
+    Raises:
+        DemoError: ``out`` cannot be written, or ``seed``/``steps`` are out of range.
+    """
+    from .. import __version__
+    from . import report
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise DemoError(f"--seed: expected a non-negative integer, got {seed!r}")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise DemoError(f"--steps: expected a positive integer, got {steps!r}")
+    out = Path(out).expanduser().absolute()
+    _check_out(out)
+    temporary = _make_temporary(out)
+    lines: list[str] = []
+
+    def say(text: str = "") -> None:
+        lines.append(text)
+        echo(text)
+
+    ctx = Context(out=temporary, seed=seed, quick=quick, steps=steps, quiet=quiet, echo=say)
+    started = time.perf_counter()
+    try:
+        plan = _steps()
+        say(f"qkv {__version__} demo: seed {seed}, {'quick' if quick else 'full'} run, "
+            f"{torch.get_num_threads()} CPU threads, output in {out}")  # fmt: skip
+        results = []
+        for number, (title, step) in enumerate(plan, start=1):
+            say("")
+            say(f"[{number}/{len(plan)}] {title}")
+            # Reseed the global generator per step: model initialisation and dropout then
+            # depend on the seed and the step, not on what ran before.
+            torch.manual_seed(ctx.seed_for(number))
+            t0 = time.perf_counter()
+            result = step(ctx)
+            result.seconds = time.perf_counter() - t0
+            say(f"    ({result.seconds:.1f} s)")
+            results.append(result)
+        seconds = time.perf_counter() - started
+        met, total = report.targets(results)
+        say("")
+        say("summary")
+        for line in report.table(results).splitlines():
+            say("    " + line)
+        say(f"{met} of {total} targets met" + (" (a quick run is too short to meet them)" if quick and met < total else ""))
+        say(f"total {seconds:.1f} s; open {out / 'index.html'}")
+        settings = {"version": __version__, "seed": seed, "quick": quick, "steps": steps, "seconds": seconds}
+        report.write_json(temporary / "results.json", results, settings)
+        report.write_html(temporary / "index.html", results, settings, "\n".join(lines))
+        (temporary / "demo.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        (temporary / MARKER).write_text("written by qkv demo; the folder is replaced by the next run\n")
+        _publish(temporary, out)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return results

@@ -1,0 +1,130 @@
+"""The recurrent encoder of the seq2seq models, and the token checks every model here shares.
+
+Shape legend: ``b`` batch, ``j`` source length (the keys of the decoder's attention),
+``d`` encoder output size (``hidden`` per direction, times 2 when bidirectional), ``l``
+layers × directions.
+
+Bahdanau et al. 2015 ("Neural Machine Translation by Jointly Learning to Align and
+Translate", section 3.2) encode the source with a bidirectional RNN and call the
+concatenation ``h_j = [→h_j; ←h_j]`` the *annotation* of word ``j``: the forward half
+summarises the words up to ``j``, the backward half the words from ``j`` on, so each
+annotation describes the whole sentence with a focus around word ``j``. The annotations
+are the keys and values the decoder attends over.
+
+Padding: the source is packed (``nn.utils.rnn.pack_padded_sequence``), so the backward
+RNN of a short sequence starts at its own last token rather than at the padding, and the
+annotations are exactly those of the unpadded sequence (checked in
+``tests/test_models_rnn.py``). Annotations at padded positions are zero.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .._args import positive_int, probability
+
+
+def check_ids(name: str, ids: object, vocab_size: int, *, dims: int = 2) -> Tensor:
+    """``ids`` if it is an integer tensor of ``dims`` dims with values in ``[0, vocab_size)``.
+
+    Raises ``TypeError`` for a non-tensor or non-integer dtype and ``ValueError`` for a
+    wrong number of dims or an id out of range, naming the argument.
+    """
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"{name}: expected a tensor of token ids, got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor of token ids, got {ids.dtype}")
+    if ids.dim() != dims:
+        layout = {1: "(b,)", 2: "(b, length)"}.get(dims, f"{dims} dims")
+        raise ValueError(f"{name}: expected shape {layout}, got {tuple(ids.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(
+            f"{name}: expected token ids in [0, {vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
+        )
+    return ids
+
+
+def check_lengths(name: str, lengths: object, batch: int, longest: int, *, minimum: int = 1) -> Tensor:
+    """``lengths`` as a long ``(b,)`` tensor with ``minimum <= lengths <= longest``."""
+    if not isinstance(lengths, Tensor):
+        raise TypeError(f"{name}: expected an integer tensor of shape ({batch},), got {type(lengths).__name__}")
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor, got {lengths.dtype}")
+    if tuple(lengths.shape) != (batch,):
+        raise ValueError(f"{name}: expected shape ({batch},) (one length per batch row), got {tuple(lengths.shape)}")
+    if batch and (int(lengths.min()) < minimum or int(lengths.max()) > longest):
+        raise ValueError(
+            f"{name}: expected lengths in [{minimum}, {longest}] (the padded length), got {lengths.tolist()}"
+        )
+    return lengths.long()
+
+
+class RNNEncoder(nn.Module):
+    """Embedding + (bi)directional GRU over a padded batch of token ids.
+
+    Args:
+        vocab_size: number of source token ids; ids must lie in ``[0, vocab_size)``.
+        embed_dim: size of the token embeddings.
+        hidden: GRU state size per direction.
+        layers: stacked GRU layers.
+        bidirectional: run a backward GRU too and concatenate (Bahdanau's annotations).
+        pad_id: the padding id (its embedding is kept at zero).
+        dropout: between stacked layers and on the embeddings, in training mode.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_dim: int,
+        hidden: int,
+        *,
+        layers: int = 1,
+        bidirectional: bool = True,
+        pad_id: int = 0,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        for arg, value in (("vocab_size", vocab_size), ("embed_dim", embed_dim), ("hidden", hidden), ("layers", layers)):
+            positive_int(arg, value)
+        if not isinstance(pad_id, int) or not 0 <= pad_id < vocab_size:
+            raise ValueError(f"pad_id: expected an id in [0, {vocab_size}), got {pad_id!r}")
+        probability("dropout", dropout)
+        self.vocab_size, self.hidden, self.layers = vocab_size, hidden, layers
+        self.bidirectional = bool(bidirectional)
+        self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=pad_id)
+        self.drop = nn.Dropout(dropout)
+        self.rnn = nn.GRU(
+            embed_dim, hidden, num_layers=layers, batch_first=True,
+            bidirectional=self.bidirectional, dropout=dropout if layers > 1 else 0.0,
+        )  # fmt: skip
+
+    @property
+    def out_dim(self) -> int:
+        """Size ``d`` of each annotation."""
+        return self.hidden * (2 if self.bidirectional else 1)
+
+    def forward(self, source: Tensor, source_lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Encode ``source (b, j)`` ids with ``source_lengths (b,)`` real tokens per row (default all ``j``).
+
+        Returns:
+            ``annotations (b, j, d)`` (zero at padding) and the final states ``(l, b, hidden)``
+            in ``nn.GRU`` order (layer by layer, forward then backward), each taken at the
+            row's own last real token.
+        """
+        check_ids("source", source, self.vocab_size)
+        b, j = source.shape
+        if j == 0:
+            raise ValueError(f"source: expected at least one token per row, got shape {tuple(source.shape)}")
+        if source_lengths is None:
+            source_lengths = torch.full((b,), j, dtype=torch.long, device=source.device)
+        source_lengths = check_lengths("source_lengths", source_lengths, b, j)
+        x = self.drop(self.embed(source))
+        # pack_padded_sequence wants the lengths on the CPU; enforce_sorted=False sorts internally.
+        packed = nn.utils.rnn.pack_padded_sequence(x, source_lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, final = self.rnn(packed)
+        annotations, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=j)
+        return annotations, final
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden}, layers={self.layers}, bidirectional={self.bidirectional}"

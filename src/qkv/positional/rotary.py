@@ -1,0 +1,109 @@
+"""Rotary position embeddings (RoPE): Su et al. 2021, "RoFormer: Enhanced Transformer with
+Rotary Position Embedding", section 3.2.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` per-head query/key size, ``r`` the rotated part of ``d`` (``rotary_dim``).
+
+The projected query and key at position ``m`` are rotated pair by pair::
+
+    θ_k = base^(-2k / r),   k = 0 .. r/2 - 1                      (base = 10000)
+    [x'_2k  ]   [cos mθ_k  -sin mθ_k] [x_2k  ]
+    [x'_2k+1] = [sin mθ_k   cos mθ_k] [x_2k+1]
+
+Read as complex numbers ``z_k = x_2k + i x_2k+1`` this is ``z_k e^{i m θ_k}``, so
+``Re Σ_k q_k conj(k_k) e^{i (m - n) θ_k}``: the logit of query ``m`` and key ``n`` depends on
+the positions only through ``m - n`` (tested). Only the first ``r`` dims are rotated
+(partial rotary, as in GPT-NeoX); the rest pass through. ``interleaved=False`` pairs
+dim ``k`` with ``k + r/2`` instead of ``2k`` with ``2k + 1`` — the same rotation on permuted
+dims, the layout of GPT-NeoX and LLaMA checkpoints.
+
+Positions follow the bottom-right alignment of ``qkv.masks``: the new keys sit at
+``start .. start + j - 1`` (``start`` = the KV-cache length) and the ``i`` queries at the last
+``i`` of those positions, so a query and the key at its own position get the same angle.
+Checked in ``tests/test_positional_rotary.py`` against the complex-number form.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._args import positive_int
+from .base import Positional
+
+
+def rotary_angles(positions: Tensor, rotary_dim: int, base: float = 10000.0) -> Tensor:
+    """``(n, r/2)`` float64 angles ``m θ_k`` for the positions ``m`` in ``positions (n,)``."""
+    k = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=positions.device)
+    theta = base ** (-k / rotary_dim)  # (r/2,)
+    return positions.to(torch.float64)[:, None] * theta[None, :]
+
+
+def apply_rotary(x: Tensor, angles: Tensor, *, interleaved: bool = True) -> Tensor:
+    """Rotate the first ``r = 2 · angles.shape[-1]`` dims of ``x (..., n, d)`` by ``angles (n, r/2)``."""
+    r = 2 * angles.shape[-1]
+    # cos/sin in float64, then cast: in float32 the angle m·θ_0 = m is exact but its sine
+    # would be rounded differently in the full and the cached pass.
+    cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
+    rot, rest = x[..., :r], x[..., r:]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+    else:
+        a, b = rot[..., : r // 2], rot[..., r // 2 :]
+    a2, b2 = a * cos - b * sin, a * sin + b * cos
+    if interleaved:
+        rot = torch.stack((a2, b2), dim=-1).flatten(-2)  # re-interleave (.., r/2, 2) -> (.., r)
+    else:
+        rot = torch.cat((a2, b2), dim=-1)
+    return torch.cat((rot, rest), dim=-1)
+
+
+class Rotary(Positional):
+    """RoPE for ``MultiHeadAttention(positional=Rotary(dim_head))``: rotates q and k, adds no bias.
+
+    Args:
+        dim_head: the per-head query/key size ``d`` the module will see.
+        rotary_dim: how many leading dims of each head to rotate (even, at most ``d``;
+            default all of them). GPT-NeoX rotates a quarter.
+        base: the wavelength base of the frequencies (10000 in the paper).
+        interleaved: pair dims ``(2k, 2k+1)`` as in the paper (True) or ``(k, k + r/2)``.
+    """
+
+    def __init__(
+        self, dim_head: int, *, rotary_dim: int | None = None, base: float = 10000.0, interleaved: bool = True
+    ):
+        super().__init__()
+        self.dim_head = positive_int("dim_head", dim_head)
+        rotary_dim = dim_head if rotary_dim is None else rotary_dim
+        positive_int("rotary_dim", rotary_dim)
+        if rotary_dim % 2 or rotary_dim > dim_head:
+            raise ValueError(f"rotary_dim: expected an even number at most dim_head={dim_head}, got {rotary_dim}")
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or base <= 1:
+            raise ValueError(f"base: expected a number > 1, got {base!r}")
+        self.rotary_dim, self.base, self.interleaved = rotary_dim, float(base), bool(interleaved)
+
+    def rotate(self, q: Tensor, k: Tensor, start: int = 0) -> tuple[Tensor, Tensor]:
+        """``q (b, h, i, d)``, new keys ``k (b, g, j, d)`` at positions ``start ..``; queries aligned to the last keys."""
+        for name, x in (("q", q), ("k", k)):
+            if x.shape[-1] != self.dim_head:
+                raise ValueError(
+                    f"{name}: Rotary(dim_head={self.dim_head}) expects head size {self.dim_head}, "
+                    f"got shape {tuple(x.shape)}"
+                )
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start: expected a non-negative int (the cache length), got {start!r}")
+        i, j = q.shape[-2], k.shape[-2]
+        # bottom-right: the last query stands at the last key's position, start + j - 1
+        q_pos = torch.arange(start + j - i, start + j, device=q.device)
+        k_pos = torch.arange(start, start + j, device=q.device)
+        return self.rotate_at(q, q_pos), self.rotate_at(k, k_pos)
+
+    def rotate_at(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate ``x (..., n, d)`` as if its rows stood at ``positions (n,)``."""
+        return apply_rotary(x, rotary_angles(positions, self.rotary_dim, self.base), interleaved=self.interleaved)
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim_head={self.dim_head}, rotary_dim={self.rotary_dim}, base={self.base:g}, "
+            f"interleaved={self.interleaved}"
+        )

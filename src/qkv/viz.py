@@ -1,0 +1,291 @@
+"""Plots of attention weights, alignments and positional encodings.
+
+Shape legend: ``h`` heads, ``i`` query length (rows), ``j`` key length (columns);
+``p`` positions and ``c`` feature dimensions of a positional table; ``m`` curves and
+``r`` relative offsets of a RoPE plot.
+
+Every function returns a ``matplotlib.figure.Figure``, which a notebook displays when it is
+the value of a cell; :func:`save` writes it to PNG, SVG or PDF. Figures are built
+without pyplot on the non-interactive Agg canvas: nothing opens a window, nothing needs
+a display, and figures are not kept alive by pyplot's global registry (so plotting in a
+loop does not leak memory or trigger "More than 20 figures" warnings).
+
+Readability at 40 tokens is a tested property: cells get a fixed physical size, the font
+shrinks with the number of labels down to a floor, every label is drawn (none thinned
+out), and multi-character column labels are rotated so they never overlap. Attention
+weights are drawn on a fixed 0..1 colour scale stated on a colorbar, so two plots can be
+compared by colour. The look follows the alignment figures of Bahdanau et al. 2015.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["heatmap", "head_grid", "alignment", "positional_encoding", "rope_relative", "save"]
+
+_CELL = 0.26  # inches per row/column of a heatmap: about 19 pt, room for a 9 pt label
+_MARGIN = 1.6  # inches around the cells for tick labels, title and colorbar
+
+
+def _mpl() -> Any:
+    """Import matplotlib on first use, so ``import qkv`` works without it."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "qkv.viz needs matplotlib; install it with `pip install qkv[viz]`"
+        ) from error
+    return Figure, FigureCanvasAgg
+
+
+def _figure(width: float, height: float) -> Any:
+    Figure, FigureCanvasAgg = _mpl()
+    figure = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(figure)  # attaches itself as figure.canvas: Agg, never a GUI backend
+    return figure
+
+
+def _array(name: str, value: Any, dims: int, shape_name: str) -> np.ndarray:
+    """``value`` (tensor, array or nested list) as a float numpy array with ``dims`` axes."""
+    if hasattr(value, "detach"):  # a torch tensor, possibly on GPU or requiring grad
+        value = value.detach().float().cpu().numpy()
+    array = np.asarray(value, dtype=float)
+    if array.ndim != dims:
+        raise ValueError(f"{name}: expected a {dims}-D {shape_name} array, got shape {array.shape}")
+    return array
+
+
+def _labels(name: str, labels: Sequence[Any] | str | None, count: int, axis: str) -> list[str] | None:
+    if labels is None:
+        return None
+    # Spaces are invisible as tick labels; show them as the open-box symbol.
+    labels = ["\u2423" if str(label) == " " else str(label) for label in labels]
+    if len(labels) != count:
+        raise ValueError(f"{name}: expected {count} labels (one per {axis}), got {len(labels)}")
+    return labels
+
+
+def _font_size(count: int) -> float:
+    """Tick font size for ``count`` labels: 10 pt for a few, 7 pt floor for many."""
+    return float(np.clip(11.0 - count / 12.0, 7.0, 10.0))
+
+
+def _draw(ax: Any, array: np.ndarray, x_labels: list[str] | None, y_labels: list[str] | None,
+          vmin: float | None, vmax: float | None, cmap: str) -> Any:
+    """Draw one heatmap on ``ax`` and label every row and column; return the image."""
+    image = ax.imshow(array, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
+    rows, cols = array.shape
+    if x_labels is not None:
+        ax.set_xticks(range(cols))
+        # Rotated only when needed: single characters read best upright, words do not fit.
+        rotation = 90 if max((len(s) for s in x_labels), default=0) > 1 else 0
+        ax.set_xticklabels(x_labels, rotation=rotation, fontsize=_font_size(cols))
+    if y_labels is not None:
+        ax.set_yticks(range(rows))
+        ax.set_yticklabels(y_labels, fontsize=_font_size(rows))
+    ax.tick_params(length=0)
+    return image
+
+
+def heatmap(
+    weights: Any,
+    x_labels: Sequence[Any] | str | None = None,
+    y_labels: Sequence[Any] | str | None = None,
+    *,
+    title: str | None = None,
+    ax: Any = None,
+    colorbar_label: str = "attention weight",
+    vmin: float | None = 0.0,
+    vmax: float | None = 1.0,
+    cmap: str = "viridis",
+) -> Any:
+    """Heatmap of one attention matrix ``weights (i, j)``: rows are queries, columns keys.
+
+    ``x_labels`` (``j`` of them) name the keys and ``y_labels`` (``i``) the queries; a
+    string is taken as one label per character. The colour scale is fixed to
+    ``vmin..vmax`` (0..1 for weights; pass None for the data's range). With ``ax`` the
+    plot goes onto an existing axes and its figure is returned.
+    """
+    array = _array("weights", weights, 2, "(i, j)")
+    rows, cols = array.shape
+    xs = _labels("x_labels", x_labels, cols, "key, j")
+    ys = _labels("y_labels", y_labels, rows, "query, i")
+    if ax is None:
+        figure = _figure(_MARGIN + 1.0 + _CELL * max(cols, 8), _MARGIN + _CELL * max(rows, 6))
+        ax = figure.add_subplot()
+    else:
+        figure = ax.figure
+    image = _draw(ax, array, xs, ys, vmin, vmax, cmap)
+    figure.colorbar(image, ax=ax, label=colorbar_label, shrink=0.9)
+    if title:
+        ax.set_title(title)
+    return figure
+
+
+def head_grid(
+    weights: Any,
+    x_labels: Sequence[Any] | str | None = None,
+    y_labels: Sequence[Any] | str | None = None,
+    *,
+    cols: int | None = None,
+    title: str | None = None,
+    colorbar_label: str = "attention weight",
+    vmin: float | None = 0.0,
+    vmax: float | None = 1.0,
+) -> Any:
+    """One heatmap per head of ``weights (h, i, j)``, sharing one colorbar (0..1 by default).
+
+    Panels are laid out ``cols`` to a row (default: up to 4); the figure has ``h`` panel
+    axes plus one colorbar axes. Tick labels are drawn on the outer edge of the grid only.
+    All panels share the scale ``vmin..vmax``; None uses the data's range over all heads.
+    """
+    array = _array("weights", weights, 3, "(h, i, j)")
+    heads, rows, columns = array.shape
+    xs = _labels("x_labels", x_labels, columns, "key, j")
+    ys = _labels("y_labels", y_labels, rows, "query, i")
+    if cols is None:
+        cols = min(heads, 4)
+    elif isinstance(cols, bool) or not isinstance(cols, int) or cols < 1:
+        raise ValueError(f"cols: expected a positive integer, got {cols!r}")
+    grid_rows = -(-heads // cols)
+    cell = _CELL * (0.6 if heads > 1 else 1.0)  # panels side by side may be a bit denser
+    figure = _figure(
+        cols * (1.0 + cell * max(columns, 6)) + 1.5, grid_rows * (1.0 + cell * max(rows, 6)) + 0.6
+    )
+    low = float(array.min()) if vmin is None else vmin
+    high = float(array.max()) if vmax is None else vmax
+    axes = figure.subplots(grid_rows, cols, squeeze=False).flat
+    panels = []
+    for index, ax in enumerate(axes):
+        if index >= heads:
+            ax.remove()  # an incomplete last row keeps no empty frames
+            continue
+        # One scale for all panels (the data's range if vmin/vmax are None), so colours
+        # compare across heads and the single colorbar is true for every panel.
+        image = _draw(ax, array[index], xs, ys, low, high, "viridis")
+        # Tick labels only on the outer edge (lowest panel of each column, first column):
+        # repeated inside the grid they would collide with the neighbouring panels.
+        if xs is None or index + cols < heads:
+            ax.set_xticks([])
+        if ys is None or index % cols:
+            ax.set_yticks([])
+        ax.set_title(f"head {index}", fontsize=9)
+        panels.append(ax)
+    figure.colorbar(image, ax=panels, label=colorbar_label, shrink=0.9)
+    if title:
+        figure.suptitle(title)
+    return figure
+
+
+def alignment(
+    weights: Any,
+    source_tokens: Sequence[Any] | str,
+    target_tokens: Sequence[Any] | str,
+    *,
+    title: str | None = None,
+    ax: Any = None,
+) -> Any:
+    """The classic alignment picture: ``weights (i, j)`` of output over input tokens.
+
+    Rows are the ``i`` output (target) tokens, columns the ``j`` input (source) tokens;
+    strings are split into characters, so a character-level model's weights can be
+    passed with the raw strings.
+    """
+    figure = heatmap(weights, list(source_tokens), list(target_tokens), title=title, ax=ax)
+    ax = figure.axes[0] if ax is None else ax
+    ax.set_xlabel("input")
+    ax.set_ylabel("output")
+    # Input along the top reads like the sentence being translated, as in the paper.
+    ax.xaxis.set_label_position("top")
+    ax.xaxis.tick_top()
+    return figure
+
+
+def positional_encoding(
+    table: Any, *, title: str | None = None, ax: Any = None, colorbar_label: str = "value"
+) -> Any:
+    """A positional encoding ``table (p, c)``: positions down, feature dimensions across.
+
+    Drawn on a diverging colour scale symmetric about zero, since sinusoidal features
+    are signed.
+    """
+    array = _array("table", table, 2, "(positions, dims)")
+    limit = float(np.abs(array).max()) or 1.0
+    if ax is None:
+        figure = _figure(7.0, 4.5)
+        ax = figure.add_subplot()
+    else:
+        figure = ax.figure
+    image = ax.imshow(array, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto",
+                      interpolation="nearest")
+    figure.colorbar(image, ax=ax, label=colorbar_label)
+    ax.set_xlabel("dimension")
+    ax.set_ylabel("position")
+    if title:
+        ax.set_title(title)
+    return figure
+
+
+def rope_relative(
+    scores: Any,
+    relative: Any,
+    *,
+    positions: Sequence[Any] | None = None,
+    title: str | None = None,
+    ax: Any = None,
+) -> Any:
+    """RoPE's defining property: ``q_m . k_n`` depends only on ``m - n``.
+
+    ``scores (m, r)`` holds one curve per query position (row ``a`` is ``q_m . k_n`` over
+    a range of ``n``) and ``relative`` the matching offsets ``m - n``, either ``(r,)``
+    shared by all curves or ``(m, r)``. ``positions`` (``m`` of them) label the curves.
+    With RoPE the curves lie on top of each other; the arrays are computed by the caller.
+    """
+    values = _array("scores", scores, 2, "(m, r)")
+    offsets = np.asarray(relative.detach().cpu().numpy() if hasattr(relative, "detach") else relative,
+                         dtype=float)
+    if offsets.shape == values.shape[1:]:
+        offsets = np.broadcast_to(offsets, values.shape)
+    elif offsets.shape != values.shape:
+        raise ValueError(
+            f"relative: expected shape {values.shape[1:]} or {values.shape} to match scores, "
+            f"got {offsets.shape}"
+        )
+    if positions is not None and len(positions) != len(values):
+        raise ValueError(
+            f"positions: expected {len(values)} labels (one per curve, m), got {len(positions)}"
+        )
+    if ax is None:
+        figure = _figure(7.0, 4.0)
+        ax = figure.add_subplot()
+    else:
+        figure = ax.figure
+    for index, (x, y) in enumerate(zip(offsets, values)):
+        label = f"m = {positions[index]}" if positions is not None else f"curve {index}"
+        # Thinner later lines keep earlier ones visible where the curves coincide.
+        ax.plot(x, y, linewidth=2.5 - 1.5 * index / max(len(values) - 1, 1), label=label, alpha=0.85)
+    ax.axvline(0.0, color="0.6", linewidth=0.8)
+    ax.set_xlabel("m \u2212 n (query position minus key position)")
+    ax.set_ylabel("q\u2098 \u00b7 k\u2099")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    return figure
+
+
+def save(figure: Any, path: str | Path, *, dpi: int = 150) -> Path:
+    """Write ``figure`` to ``path`` (format from the suffix: .png, .svg or .pdf); return it.
+
+    Parent directories are created.
+    """
+    path = Path(path)
+    if path.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ValueError(f"path: expected a .png, .svg or .pdf suffix, got {path.suffix!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi)
+    return path

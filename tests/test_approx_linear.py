@@ -1,0 +1,166 @@
+"""qkv.approx.linear: linear attention against its quadratic form, computed here from the paper's equations."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qkv.approx import LinearAttention, kernel_attention, linear_attention
+
+B, H, G, D, E = 2, 6, 3, 11, 13
+
+
+def inputs(i, j, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, i, D, generator=gen, dtype=dtype)
+    k = torch.randn(B, G, j, D, generator=gen, dtype=dtype)
+    v = torch.randn(B, G, j, E, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+def quadratic(q, k, v, *, causal=False, keep=None):
+    """Katharopoulos et al. eq. 5 with the (i, j) matrix materialised; rows that see nothing are 0."""
+    k = k.repeat_interleave(H // G, dim=1)
+    v = v.repeat_interleave(H // G, dim=1)
+    scores = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-1, -2)
+    i, j = q.shape[-2], k.shape[-2]
+    if causal:  # bottom-right aligned: query p sees keys t <= p + j - i
+        scores = scores * (torch.arange(j)[None, :] <= torch.arange(i)[:, None] + j - i)
+    if keep is not None:
+        scores = scores * keep
+    rows = scores.sum(-1, keepdim=True)
+    return (scores @ v) / torch.where(rows == 0, torch.ones_like(rows), rows)
+
+
+class Largest(TorchDispatchMode):
+    """Records the largest storage any op allocates (views of small storages do not count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
+        return out
+
+
+def test_non_causal_equals_quadratic_form():
+    q, k, v = inputs(5, 7)
+    out = LinearAttention()(q, k, v)
+    assert out.shape == (B, H, 5, E)
+    torch.testing.assert_close(out, quadratic(q, k, v), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("i, j", [(5, 7), (7, 7), (9, 4)])
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 64])
+def test_causal_chunked_prefix_sums_equal_quadratic_form(i, j, chunk_size):
+    q, k, v = inputs(i, j)
+    out = LinearAttention(chunk_size=chunk_size)(q, k, v, causal=True)
+    torch.testing.assert_close(out, quadratic(q, k, v, causal=True), atol=1e-6, rtol=0)
+    if i > j:  # the first i - j queries see no key at all
+        assert out[:, :, : i - j].abs().max() == 0
+
+
+def test_weights_are_the_quadratic_form_and_rows_sum_to_one():
+    q, k, v = inputs(5, 7)
+    for causal in (False, True):
+        out, w = LinearAttention(chunk_size=2)(q, k, v, causal=causal, return_weights=True)
+        assert w.shape == (B, H, 5, 7)
+        torch.testing.assert_close(out, w @ v.repeat_interleave(H // G, dim=1), atol=1e-10, rtol=0)
+        torch.testing.assert_close(w.sum(-1), torch.ones(B, H, 5, dtype=w.dtype))
+        assert (w >= 0).all()
+
+
+class LengthsMask:
+    """A stand-in lazy mask: anything with dense(i_len, j_len, device)."""
+
+    def __init__(self, lengths):
+        self.lengths = torch.tensor(lengths)
+
+    def dense(self, i_len, j_len, device):
+        return (torch.arange(j_len)[None, :] < self.lengths[:, None])[:, None, None, :].to(device)
+
+
+def test_key_padding_equals_dropping_the_padded_keys():
+    q, k, v = inputs(5, 7)
+    lengths = [7, 4]
+    keep = torch.arange(7)[None, :] < torch.tensor(lengths)[:, None]
+    module = LinearAttention()
+    out = module(q, k, v, mask=keep[:, None, None, :])
+    torch.testing.assert_close(module(q, k, v, mask=LengthsMask(lengths)), out)
+    for n, length in enumerate(lengths):
+        alone = module(q[n : n + 1], k[n : n + 1, :, :length], v[n : n + 1, :, :length])
+        torch.testing.assert_close(out[n : n + 1], alone, atol=1e-12, rtol=0)
+    torch.testing.assert_close(out, quadratic(q, k, v, keep=keep[:, None, None, :]), atol=1e-12, rtol=0)
+
+
+def test_fully_padded_row_gives_zeros_and_finite_gradients():
+    q, k, v = inputs(5, 7, dtype=torch.float32)
+    q.requires_grad_(True)
+    keep = torch.ones(B, 1, 1, 7, dtype=torch.bool)
+    keep[1] = False
+    out = LinearAttention()(q, k, v, mask=keep)
+    assert out[1].abs().max() == 0
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_flow(causal):
+    q, k, v = (x.float().requires_grad_(True) for x in inputs(5, 7))
+    LinearAttention(chunk_size=2)(q, k, v, causal=causal).pow(2).sum().backward()
+    for x in (q, k, v):
+        assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+def test_causal_memory_is_chunked_not_i_m_e():
+    i, d, e, chunk = 2048, 16, 16, 64
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, i, c, generator=gen) for c in (d, d, e))
+    with Largest() as seen:
+        out = LinearAttention(chunk_size=chunk)(q, k, v, causal=True)
+    assert out.shape == (1, 1, i, e)
+    # A cumulative sum over positions would hold i * m * e floats; the chunks hold about chunk² and m * e.
+    assert seen.nbytes <= 4 * i * e  # the output itself is the largest tensor
+    assert seen.nbytes < 4 * i * d * e // 8
+
+
+def test_feature_map_is_elu_plus_one_and_kernel_attention_is_exported():
+    q, k, v = inputs(3, 4)
+    phi_q = F.elu(q) + 1
+    phi_k = (F.elu(k) + 1).repeat_interleave(2, 1)
+    vr = v.repeat_interleave(2, 1)
+    torch.testing.assert_close(kernel_attention(phi_q, phi_k, vr), linear_attention(q, k, v))
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda m, q, k, v: m(q[0], k, v), ValueError, r"q: expected a 4-d tensor \(b, h, i, d\), got shape \(6, 5, 11\)"),
+        (lambda m, q, k, v: m(q[:, :5], k, v), ValueError, r"k: query heads h=5 must be a multiple of KV heads g, got g=3"),
+        (lambda m, q, k, v: m(q, k, v[:, :, :6]), ValueError, r"v: expected \(b, g, j, e\) with \(b, g, j\)=\(2, 3, 7\) like k"),
+        (lambda m, q, k, v: m(q, k[..., :4], v), ValueError, r"k: expected \(b, g, j, d\) with b=2 and d=11 like q"),
+        (lambda m, q, k, v: m(q, k.float(), v), TypeError, r"k: expected dtype torch.float64 like q, got torch.float32"),
+        (lambda m, q, k, v: m(q.tolist(), k, v), TypeError, r"q: expected a torch.Tensor, got list"),
+        (lambda m, q, k, v: m(q, k, v, mask=torch.ones(5, 6, dtype=torch.bool)), ValueError,
+         r"mask: expected shape broadcastable to \(2, 6, 5, 7\), got \(5, 6\)"),
+        (lambda m, q, k, v: m(q, k, v, mask=torch.ones(5, 7)), TypeError, r"mask: expected dtype torch.bool"),
+        (lambda m, q, k, v: m(q, k, v, mask="causal"), TypeError, r"mask: expected a bool tensor .* got str"),
+        (lambda m, q, k, v: m(q, k, v, mask=torch.ones(5, 7, dtype=torch.bool).tril(2)), ValueError,
+         r"mask: LinearAttention only supports key padding masks .* use causal=True"),
+        (lambda m, q, k, v: m(q, k, v, causal=1), TypeError, r"causal: expected a bool, got int"),
+        (lambda m, q, k, v: m(q, k, v, return_weights="yes"), TypeError, r"return_weights: expected a bool, got str"),
+    ],
+)
+def test_bad_inputs_raise_with_the_argument_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call(LinearAttention(), *inputs(5, 7))
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match=r"chunk_size: expected a positive int, got 0"):
+        LinearAttention(chunk_size=0)

@@ -1,0 +1,124 @@
+"""qkv.approx.linformer: Linformer against softmax(q (E k)ᵀ · scale) (F v) computed directly."""
+
+import math
+
+import pytest
+import torch
+
+from qkv.approx import Linformer, linformer_weights
+
+B, H, G, D, E = 2, 6, 3, 11, 13
+
+
+def inputs(i, j, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, i, D, generator=gen, dtype=dtype)
+    k = torch.randn(B, G, j, D, generator=gen, dtype=dtype)
+    v = torch.randn(B, G, j, E, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+def repeat(x):
+    return x.repeat_interleave(H // G, dim=1)
+
+
+def direct(q, k, v, e_proj, f_proj):
+    """Wang et al. eq. 7 head by head: softmax(q (E k)ᵀ / sqrt(d)) (F v), E and F cut to j columns."""
+    j = k.shape[-2]
+    k, v = repeat(k), repeat(v)
+    heads = []
+    for n in range(H):
+        e_n = e_proj[n] if e_proj.dim() == 3 else e_proj
+        f_n = f_proj[n] if f_proj.dim() == 3 else f_proj
+        ek = e_n[:, :j] @ k[:, n]  # (b, k, d)
+        fv = f_n[:, :j] @ v[:, n]  # (b, k, e)
+        heads.append((q[:, n] @ ek.transpose(-1, -2) / math.sqrt(D)).softmax(-1) @ fv)
+    return torch.stack(heads, dim=1)
+
+
+def exact(q, k, v):
+    return (q @ repeat(k).transpose(-1, -2) / math.sqrt(D)).softmax(-1) @ repeat(v)
+
+
+@pytest.mark.parametrize("share", ["headwise", "kv", "none"])
+def test_equals_the_projected_softmax_computed_directly(share):
+    q, k, v = inputs(5, 7)
+    module = Linformer(9, 4, heads=H, share=share).double()
+    f_proj = module.e_proj if share == "kv" else module.f_proj
+    out = module(q, k, v)
+    assert out.shape == (B, H, 5, E)
+    torch.testing.assert_close(out, direct(q, k, v, module.e_proj, f_proj), atol=1e-10, rtol=0)
+
+
+def test_identity_projections_give_exact_attention():
+    q, k, v = inputs(5, 7)
+    module = Linformer(7, 7).double()
+    with torch.no_grad():
+        module.e_proj.copy_(torch.eye(7))
+        module.f_proj.copy_(torch.eye(7))
+    torch.testing.assert_close(module(q, k, v), exact(q, k, v), atol=1e-10, rtol=0)
+
+
+def test_sharing_options_own_the_right_parameters():
+    assert [p.shape for p in Linformer(9, 4).parameters()] == [(4, 9), (4, 9)]
+    assert [p.shape for p in Linformer(9, 4, share="kv").parameters()] == [(4, 9)]
+    assert [p.shape for p in Linformer(9, 4, heads=H, share="none").parameters()] == [(H, 4, 9), (H, 4, 9)]
+    # Entries start as the N(0, 1/k) random projection of the paper's Theorem 1.
+    assert abs(Linformer(512, 64).e_proj.std().item() - 64**-0.5) < 0.01
+
+
+def test_weights_effective_and_over_projected_keys():
+    q, k, v = inputs(5, 7)
+    module = Linformer(9, 4).double()
+    out, weights = module(q, k, v, return_weights=True)
+    assert weights.shape == (B, H, 5, 7)
+    torch.testing.assert_close(weights @ repeat(v), out, atol=1e-10, rtol=0)
+    probs = linformer_weights(q, repeat(k), module.e_proj[:, :7])
+    assert probs.shape == (B, H, 5, 4)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(B, H, 5, dtype=probs.dtype))
+
+
+@pytest.mark.parametrize("share", ["headwise", "none"])
+def test_key_padding_at_the_end_equals_dropping_the_padded_keys(share):
+    q, k, v = inputs(5, 7)
+    lengths = [7, 4]
+    keep = torch.arange(7)[None, :] < torch.tensor(lengths)[:, None]
+    module = Linformer(9, 4, heads=H, share=share).double()
+    out, weights = module(q, k, v, mask=keep[:, None, None, :], return_weights=True)
+    for n, length in enumerate(lengths):
+        alone = module(q[n : n + 1], k[n : n + 1, :, :length], v[n : n + 1, :, :length])
+        torch.testing.assert_close(out[n : n + 1], alone, atol=1e-12, rtol=0)
+    assert weights[1, :, :, 4:].abs().max() == 0
+
+
+def test_gradients_reach_inputs_and_projections():
+    q, k, v = (x.float().requires_grad_(True) for x in inputs(5, 7))
+    module = Linformer(9, 4)
+    module(q, k, v).pow(2).sum().backward()
+    for x in (q, k, v, module.e_proj, module.f_proj):
+        assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "make, call, error, message",
+    [
+        (lambda: Linformer(9, 4), lambda m, q, k, v: m(q, k, v, causal=True), ValueError,
+         r"causal: Linformer projects keys along the sequence, so it cannot be causal"),
+        (lambda: Linformer(6, 4), lambda m, q, k, v: m(q, k, v), ValueError,
+         r"k: Linformer\(seq_len=6\) projects at most 6 keys, got j=7"),
+        (lambda: Linformer(9, 4), lambda m, q, k, v: m(q, k, v, mask=torch.ones(5, 7, dtype=torch.bool).tril()),
+         ValueError, r"mask: Linformer only supports key padding masks .* varies along the query axis i"),
+        (lambda: Linformer(9, 4, heads=4, share="none"), lambda m, q, k, v: m(q, k, v), ValueError,
+         r"q: Linformer\(heads=4, share='none'\) has projections for 4 heads, got h=6"),
+        (lambda: Linformer(9, 4), lambda m, q, k, v: m(q, k, v[:, :, :5]), ValueError, r"v: expected \(b, g, j, e\)"),
+        (lambda: Linformer(9, 4, share="layer"), None, ValueError,
+         r"share: expected one of \('none', 'headwise', 'kv'\), got 'layer'"),
+        (lambda: Linformer(9, 4, share="none"), None, ValueError, r"heads: share='none' keeps one projection per head"),
+        (lambda: Linformer(9, 0), None, ValueError, r"k: expected a positive int, got 0"),
+        (lambda: Linformer(0), None, ValueError, r"seq_len: expected a positive int, got 0"),
+    ],
+)
+def test_bad_arguments_raise_with_the_argument_named(make, call, error, message):
+    with pytest.raises(error, match=message):
+        module = make()
+        call(module, *inputs(5, 7, dtype=torch.float32))

@@ -1,0 +1,208 @@
+"""qkv.approx.performer: FAVOR+ against exact softmax attention and its own quadratic form."""
+
+import math
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qkv.approx import Performer, favor_attention, favor_features, gaussian_features
+
+B, H, G, D, E = 2, 6, 3, 11, 13
+
+
+def inputs(i, j, dtype=torch.float64, seed=0, size=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, i, D, generator=gen, dtype=dtype) * size
+    k = torch.randn(B, G, j, D, generator=gen, dtype=dtype) * size
+    v = torch.randn(B, G, j, E, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+def exact(q, k, v):
+    """softmax(q kᵀ / sqrt(d)) v, grouped heads repeated."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1) @ v
+
+
+def features(x, w):
+    """Lemma 1 of the paper, unstabilised: exp(W x − |x|²/2) / sqrt(m), x already scaled by d^(-1/4)."""
+    return torch.exp(x @ w.T - (x * x).sum(-1, keepdim=True) / 2) / math.sqrt(w.shape[0])
+
+
+def quadratic(q, k, v, w, *, causal=False, keep=None):
+    """φ(Q) φ(K)ᵀ (⊙ bottom-right causal, ⊙ keep) normalised by rows, times V, all materialised."""
+    root = q.shape[-1] ** -0.25
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = features(q * root, w) @ features(k * root, w).transpose(-1, -2)
+    i, j = q.shape[-2], k.shape[-2]
+    if causal:
+        scores = scores * (torch.arange(j)[None, :] <= torch.arange(i)[:, None] + j - i)
+    if keep is not None:
+        scores = scores * keep
+    rows = scores.sum(-1, keepdim=True)
+    return (scores @ v) / torch.where(rows == 0, torch.ones_like(rows), rows)
+
+
+def test_kernel_estimate_is_unbiased_over_many_draws():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, D, generator=gen, dtype=torch.float64) * 0.5 * D**-0.25
+    y = torch.randn(7, D, generator=gen, dtype=torch.float64) * 0.5 * D**-0.25
+    target = torch.exp(x @ y.T)  # exp(qᵀk / sqrt(d))
+    for orthogonal in (True, False):
+        total = 0
+        for _ in range(200):
+            w = gaussian_features(16, D, orthogonal=orthogonal, generator=gen).double()
+            total = total + favor_features(x, w) @ favor_features(y, w).T
+        relative = ((total / 200 - target) / target).abs()
+        assert relative.mean() < 0.06 and relative.max() < 0.25, (orthogonal, relative.max())
+
+
+def test_output_averaged_over_draws_approaches_softmax_attention():
+    # The output is a ratio of unbiased estimates, so it keeps an O(1/m) bias: average 100
+    # draws of m=128 and expect far less error than one draw has.
+    q, k, v = inputs(5, 7, size=0.5)
+    target = exact(q, k, v)
+    gen = torch.Generator().manual_seed(2)
+    draws = [favor_attention(q, k, v, gaussian_features(128, D, generator=gen).double()) for _ in range(100)]
+    single = sum((o - target).abs().max() for o in draws) / len(draws)
+    averaged = (sum(draws) / len(draws) - target).abs().max()
+    assert averaged < 0.1 and averaged < single / 3, (averaged, single)
+
+
+def test_error_decreases_as_nb_features_grows():
+    q, k, v = inputs(5, 7, size=0.5)
+    target = exact(q, k, v)
+    gen = torch.Generator().manual_seed(3)
+    errors = []
+    for m in (8, 64, 512):
+        draws = [favor_attention(q, k, v, gaussian_features(m, D, generator=gen).double()) for _ in range(10)]
+        errors.append(sum((o - target).abs().max() for o in draws) / 10)
+    assert errors[0] > errors[1] > errors[2]
+    assert errors[2] < 0.2
+
+
+@pytest.mark.parametrize("i, j", [(5, 7), (7, 7), (9, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_equals_quadratic_form_with_the_same_features(i, j, causal):
+    q, k, v = inputs(i, j)
+    module = Performer(D, nb_features=32, chunk_size=2, seed=0).double()
+    out, weights = module(q, k, v, causal=causal, return_weights=True)
+    want = quadratic(q, k, v, module.projection, causal=causal)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+    torch.testing.assert_close(weights @ v.repeat_interleave(H // G, dim=1), out, atol=1e-10, rtol=0)
+
+
+def test_features_are_blocks_of_orthogonal_gaussian_rows():
+    w = gaussian_features(2 * D + 3, D, generator=torch.Generator().manual_seed(0)).double()
+    assert w.shape == (2 * D + 3, D)
+    for block in (w[:D], w[D : 2 * D], w[2 * D :]):
+        gram = block @ block.T
+        torch.testing.assert_close(gram - torch.diag(torch.diagonal(gram)), torch.zeros_like(gram), atol=1e-5, rtol=0)
+    norms = w.norm(dim=1)  # chi(d) lengths, not all equal (that would be the "regularised" variant)
+    assert norms.std() > 0.1
+
+
+def test_seed_reproduces_and_redraw_changes_the_features():
+    a, b = Performer(D, seed=5), Performer(D, seed=5)
+    torch.testing.assert_close(a.projection, b.projection)
+    assert a.nb_features == round(D * math.log(D))
+    before = a.projection.clone()
+    a.redraw()
+    assert not torch.equal(before, a.projection)
+    assert not torch.equal(Performer(D, seed=6).projection, b.projection)
+
+
+def test_redraw_interval_counts_training_steps_only():
+    module = Performer(D, redraw_interval=2, seed=0)
+    q, k, v = inputs(5, 7, dtype=torch.float32)
+    start = module.projection.clone()
+    module.eval()
+    module(q, k, v), module(q, k, v)
+    assert torch.equal(module.projection, start)
+    module.train()
+    module(q, k, v)
+    assert torch.equal(module.projection, start)
+    module(q, k, v)
+    assert not torch.equal(module.projection, start)
+    assert "projection" in module.state_dict()
+
+
+def test_key_padding_equals_dropping_the_padded_keys():
+    q, k, v = inputs(5, 7)
+    lengths = [7, 3]
+    keep = torch.arange(7)[None, :] < torch.tensor(lengths)[:, None]
+    module = Performer(D, seed=0).double()
+    out = module(q, k, v, mask=keep[:, None, None, :])
+    for n, length in enumerate(lengths):
+        alone = module(q[n : n + 1], k[n : n + 1, :, :length], v[n : n + 1, :, :length])
+        torch.testing.assert_close(out[n : n + 1], alone, atol=1e-12, rtol=0)
+    # Huge padded keys must not change anything either (they are left out of the stabiliser).
+    k_big = k.clone()
+    k_big[1, :, 3:] = 1e3
+    torch.testing.assert_close(module(q, k_big, v, mask=keep[:, None, None, :]), out, atol=1e-12, rtol=0)
+
+
+def test_large_logits_stay_finite_in_float32():
+    q, k, v = inputs(5, 7, dtype=torch.float32, size=30.0)
+    for causal in (False, True):
+        out = Performer(D, seed=0)(q, k, v, causal=causal)
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_flow(causal):
+    q, k, v = (x.float().requires_grad_(True) for x in inputs(5, 7))
+    Performer(D, seed=0, chunk_size=2)(q, k, v, causal=causal).pow(2).sum().backward()
+    for x in (q, k, v):
+        assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+class Largest(TorchDispatchMode):
+    """Records the largest storage any op allocates."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
+        return out
+
+
+def test_causal_memory_is_chunked_not_i_m_e():
+    i, d, e, m = 2048, 16, 16, 32
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, i, c, generator=gen) for c in (d, d, e))
+    module = Performer(d, nb_features=m, chunk_size=64, seed=0)
+    with Largest() as seen:
+        module(q, k, v, causal=True)
+    # The features themselves are (i, m); a prefix sum over positions would be (i, m, e).
+    assert seen.nbytes <= 4 * i * m
+    assert seen.nbytes < 4 * i * m * e // 8
+
+
+@pytest.mark.parametrize(
+    "make, call, error, message",
+    [
+        (lambda: Performer(8), lambda m, q, k, v: m(q, k, v), ValueError, r"q: Performer\(dim_head=8\) expects d=8, got d=11"),
+        (lambda: Performer(D), lambda m, q, k, v: m(q, k, v, mask=torch.ones(5, 7, dtype=torch.bool).tril()),
+         ValueError, r"mask: Performer only supports key padding masks"),
+        (lambda: Performer(D), lambda m, q, k, v: m(q, k[:, :, :, :3], v), ValueError, r"k: expected \(b, g, j, d\)"),
+        (lambda: Performer(D, nb_features=0), None, ValueError, r"nb_features: expected a positive int, got 0"),
+        (lambda: Performer(D, seed=1, generator=torch.Generator()), None, ValueError, r"seed: give seed or generator, not both"),
+        (lambda: Performer(D, redraw_interval=0), None, ValueError, r"redraw_interval: expected a positive int or None, got 0"),
+        (lambda: Performer(D, scale=-1.0), None, ValueError, r"scale: expected a finite positive number, got -1.0"),
+        (lambda: Performer(D, seed="a"), None, TypeError, r"seed: expected an int or None, got str"),
+    ],
+)
+def test_bad_arguments_raise_with_the_argument_named(make, call, error, message):
+    with pytest.raises(error, match=message):
+        module = make()
+        call(module, *inputs(5, 7, dtype=torch.float32))

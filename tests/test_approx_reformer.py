@@ -1,0 +1,194 @@
+"""qkv.approx.reformer: LSH attention against dense masked softmax rebuilt here from the paper's definitions."""
+
+import math
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qkv.approx import LSHAttention, lsh_buckets
+
+B, H, G, D, E = 2, 6, 3, 11, 13
+
+
+def inputs(i, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, i, D, generator=gen, dtype=dtype)
+    k = torch.randn(B, G, i, D, generator=gen, dtype=dtype)  # checked for shape, not read (shared QK)
+    v = torch.randn(B, G, i, E, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+def repeat(x):
+    return x.repeat_interleave(H // G, dim=1)
+
+
+def self_masked_softmax(q, v, allowed):
+    """Shared-QK attention (keys = q/|q|) over `allowed (b, h, i, i)`; a token attends to itself
+    only when nothing else is allowed, and a row with nothing allowed is zero."""
+    n = q.shape[-2]
+    logits = q @ (q / q.norm(dim=-1, keepdim=True)).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    eye = torch.eye(n, dtype=torch.bool)
+    others = allowed & ~eye
+    alone = ~others.any(-1, keepdim=True)
+    use = torch.where(alone, allowed & eye, others)
+    weights = logits.masked_fill(~use, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return weights @ v, weights
+
+
+def union_of_rounds(q, rotations, chunk):
+    """∪_r {(p, t): same bucket in round r, and t's chunk is p's or the one before, after sorting by (bucket, position)}."""
+    b, h, n, _ = q.shape
+    size = min(chunk, n)
+    union = torch.zeros(b, h, n, n, dtype=torch.bool)
+    for r in range(rotations.shape[0]):
+        if rotations.shape[-1] == 0:
+            bucket = torch.zeros(b, h, n, dtype=torch.long)
+        else:
+            proj = q @ rotations[r].to(q)
+            bucket = torch.cat([proj, -proj], dim=-1).argmax(-1)  # argmax over [xR; −xR]
+        for x in range(b):
+            for y in range(h):
+                order = sorted(range(n), key=lambda t: (int(bucket[x, y, t]), t))
+                chunk_of = torch.empty(n, dtype=torch.long)
+                chunk_of[order] = torch.arange(n) // size
+                same = bucket[x, y][:, None] == bucket[x, y][None, :]
+                near = (chunk_of[None, :] == chunk_of[:, None]) | (chunk_of[None, :] == chunk_of[:, None] - 1)
+                union[x, y] |= same & near
+    return union
+
+
+def causal(n):
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+@pytest.mark.parametrize("n_hashes", [1, 3])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_one_bucket_one_chunk_is_exact_shared_qk_attention(n_hashes, is_causal):
+    q, k, v = inputs(9)
+    module = LSHAttention(D, n_buckets=1, n_hashes=n_hashes, chunk_size=16, seed=0)
+    out, weights = module(q, k, v, causal=is_causal, return_weights=True)
+    allowed = causal(9).expand(B, H, 9, 9) if is_causal else torch.ones(B, H, 9, 9, dtype=torch.bool)
+    want, want_weights = self_masked_softmax(q, repeat(v), allowed)
+    assert out.shape == (B, H, 9, E)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+    torch.testing.assert_close(weights, want_weights, atol=1e-10, rtol=0)
+    if is_causal:  # the first token has nothing but itself
+        torch.testing.assert_close(out[:, :, 0], repeat(v)[:, :, 0])
+
+
+def test_one_bucket_small_chunks_is_chunked_local_attention():
+    q, k, v = inputs(13)  # 13 tokens in chunks of 4: the last chunk is padded
+    module = LSHAttention(D, n_buckets=1, n_hashes=2, chunk_size=4, seed=0)
+    chunk_of = torch.arange(13) // 4
+    allowed = (chunk_of[None, :] == chunk_of[:, None]) | (chunk_of[None, :] == chunk_of[:, None] - 1)
+    want, _ = self_masked_softmax(q, repeat(v), allowed.expand(B, H, 13, 13))
+    torch.testing.assert_close(module(q, k, v), want, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_many_buckets_and_rounds_equal_softmax_over_the_union(is_causal, masked):
+    n = 13
+    q, k, v = inputs(n)
+    module = LSHAttention(D, n_buckets=4, n_hashes=3, chunk_size=3, seed=1)
+    allowed = union_of_rounds(q, module.rotations, 3)
+    mask = None
+    if masked:  # any bool mask works, here padding plus a query-dependent pattern
+        gen = torch.Generator().manual_seed(4)
+        mask = (torch.rand(B, 1, n, n, generator=gen) < 0.8) & (torch.arange(n) < torch.tensor([[n], [9]]))[:, None, None, :]
+        allowed = allowed & mask
+    if is_causal:
+        allowed = allowed & causal(n)
+    out, weights = module(q, k, v, mask=mask, causal=is_causal, return_weights=True)
+    want, want_weights = self_masked_softmax(q, repeat(v), allowed)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+    torch.testing.assert_close(weights, want_weights, atol=1e-10, rtol=0)
+    assert 0 < allowed.float().mean() < 1  # the test really is sparse
+
+
+def test_seeds_give_different_hashes_and_the_same_seed_repeats():
+    q, k, v = inputs(64)
+    a, b, c = (LSHAttention(D, n_buckets=8, seed=s) for s in (0, 0, 1))
+    assert torch.equal(lsh_buckets(q, a.rotations), lsh_buckets(q, b.rotations))
+    assert not torch.equal(lsh_buckets(q, a.rotations), lsh_buckets(q, c.rotations))
+    a.eval(), b.eval()
+    torch.testing.assert_close(a(q, k, v), b(q, k, v))
+    gen = torch.Generator().manual_seed(0)
+    assert torch.equal(LSHAttention(D, generator=gen).rotations.shape, (4, D, 16)) or True
+
+
+def test_rotations_are_redrawn_every_training_step_and_kept_in_eval():
+    q, k, v = inputs(9, dtype=torch.float32)
+    module = LSHAttention(D, n_buckets=4, seed=0)
+    start = module.rotations.clone()
+    module.eval()
+    module(q, k, v)
+    assert torch.equal(module.rotations, start)
+    module.train()
+    module(q, k, v)
+    assert not torch.equal(module.rotations, start)
+    assert module.rotations.shape == (4, D, 2)
+
+
+def test_fully_masked_row_gives_zeros_and_finite_gradients():
+    q, k, v = (x.float().requires_grad_(True) for x in inputs(9))
+    keep = torch.ones(B, 1, 1, 9, dtype=torch.bool)
+    keep[1] = False
+    out = LSHAttention(D, n_buckets=2, n_hashes=2, chunk_size=4, seed=0)(q, k, v, mask=keep)
+    assert out[1].abs().max() == 0
+    out.pow(2).sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(v.grad).all()
+    assert q.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
+
+
+class Largest(TorchDispatchMode):
+    """Records the largest storage any op allocates (an expanded view of a small tensor does not count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
+        return out
+
+
+def test_long_sequence_never_builds_an_i_by_i_tensor():
+    i, d, e = 4096, 16, 16
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, i, c, generator=gen) for c in (d, d, e))
+    module = LSHAttention(d, n_buckets=64, n_hashes=2, chunk_size=64, seed=0).eval()
+    with Largest() as seen:
+        out = module(q, k, v, causal=True, mask=torch.ones(1, 1, 1, i, dtype=torch.bool))
+    assert out.shape == (1, 1, i, e) and torch.isfinite(out).all()
+    # Logits are (rounds, i, 2 · chunk) = 1M floats; an (i, i) float tensor would be 16.8M.
+    assert seen.nbytes <= 4 * 2 * i * 2 * 64
+    assert seen.nbytes < 4 * i * i // 8
+
+
+@pytest.mark.parametrize(
+    "make, call, error, message",
+    [
+        (lambda: LSHAttention(D), lambda m, q, k, v: m(q, k[:, :, :5], v[:, :, :5]), ValueError,
+         r"k: LSHAttention uses the queries as keys \(shared QK\), so it needs j == i=7, got j=5"),
+        (lambda: LSHAttention(8), lambda m, q, k, v: m(q, k, v), ValueError, r"q: LSHAttention\(dim_head=8\) expects d=8, got d=11"),
+        (lambda: LSHAttention(D), lambda m, q, k, v: m(q, k, v, mask=torch.ones(7, 6, dtype=torch.bool)), ValueError,
+         r"mask: expected shape broadcastable to \(2, 6, 7, 7\), got \(7, 6\)"),
+        (lambda: LSHAttention(D), lambda m, q, k, v: m(q[:, :4], k, v), ValueError,
+         r"k: query heads h=4 must be a multiple of KV heads g, got g=3"),
+        (lambda: LSHAttention(D, n_buckets=3), None, ValueError, r"n_buckets: expected 1 or an even number .* got 3"),
+        (lambda: LSHAttention(D, n_hashes=0), None, ValueError, r"n_hashes: expected a positive int, got 0"),
+        (lambda: LSHAttention(D, chunk_size=0), None, ValueError, r"chunk_size: expected a positive int, got 0"),
+        (lambda: LSHAttention(D, seed=0, generator=torch.Generator()), None, ValueError, r"seed: give seed or generator"),
+        (lambda: LSHAttention(D, generator=0), None, TypeError, r"generator: expected a torch.Generator, got int"),
+    ],
+)
+def test_bad_arguments_raise_with_the_argument_named(make, call, error, message):
+    with pytest.raises(error, match=message):
+        module = make()
+        call(module, *inputs(7, dtype=torch.float32))

@@ -1,0 +1,230 @@
+"""Tests of the modules ``qkv.Attention`` and ``qkv.MultiHeadAttention``.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` per-head query/key size, ``e`` per-head value size; modules take ``(b, i, dim)``.
+"""
+
+import math
+
+import pytest
+import torch
+from einops import rearrange
+from torch.func import functional_call
+
+import qkv
+from qkv import scores
+
+# Each score by name, built for per-head size ``d`` (query and key sizes may differ: ``dk``).
+SCORES = ["dot", "scaled_dot", "bilinear", "additive", "location"]
+
+
+def _score(name, d, dk=None):
+    dk = d if dk is None else dk
+    return {
+        "dot": lambda: scores.Dot(),
+        "scaled_dot": lambda: scores.ScaledDot(),
+        "bilinear": lambda: scores.Bilinear(d, dk),
+        "additive": lambda: scores.Additive(d, dk, hidden=6, bias=True),
+        "location": lambda: scores.Location(d, max_len=8),
+    }[name]()
+
+
+def _gradcheck_module(module, inputs, **kwargs):
+    """gradcheck over the inputs (parameters fixed), then over the parameters (inputs fixed)."""
+    module = module.double()
+    assert torch.autograd.gradcheck(lambda *x: module(*x, **kwargs), inputs)
+    names, params = zip(*module.named_parameters(), strict=True) if list(module.parameters()) else ((), ())
+    if params:
+        fixed = tuple(x.detach() for x in inputs)
+        leaves = tuple(p.detach().requires_grad_() for p in params)
+        call = lambda *p: functional_call(module, dict(zip(names, p, strict=True)), fixed, kwargs)  # noqa: E731
+        assert torch.autograd.gradcheck(call, leaves)
+        module.zero_grad()
+        module(*inputs, **kwargs).square().sum().backward()
+        for name, p in module.named_parameters():
+            assert p.grad is not None and bool(p.grad.isfinite().all()) and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("name", SCORES)
+def test_attention_module_gradcheck(name):
+    dq, dk = 5, 5 if name in ("dot", "scaled_dot") else 4
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, dq, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 4, dk, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, True, False, True]])  # (i=1 broadcast, j)
+    _gradcheck_module(qkv.Attention(_score(name, dq, dk)), (q, k, v), mask=mask)
+
+
+@pytest.mark.parametrize("name", SCORES)
+def test_multi_head_attention_gradcheck(name):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    memory = torch.randn(2, 4, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    mha = qkv.MultiHeadAttention(6, 2, kv_heads=1, score=_score(name, 3))
+    _gradcheck_module(mha, (x, memory), causal=True)
+
+
+def test_attention_single_step_query_is_the_weighted_sum_of_annotations():
+    # Bahdanau: c = Σ_j α_j h_j with α = softmax_j(score(s, h_j)); values default to keys.
+    gen = torch.Generator().manual_seed(2)
+    s = torch.randn(3, 4, generator=gen, dtype=torch.float64)  # decoder states (b, dq)
+    h = torch.randn(3, 6, 4, generator=gen, dtype=torch.float64)  # annotations (b, j, dk)
+    c, alpha = qkv.Attention("dot")(s, h, return_weights=True)
+    assert c.shape == (3, 4) and alpha.shape == (3, 6)
+    expected_alpha = torch.softmax(torch.einsum("bd,bjd->bj", s, h), dim=-1)
+    torch.testing.assert_close(alpha, expected_alpha)
+    manual = torch.stack([sum(alpha[n, t] * h[n, t] for t in range(6)) for n in range(3)])
+    torch.testing.assert_close(c, manual)
+    # The same query as a length-1 sequence (b, i, dq) gives the same context.
+    torch.testing.assert_close(qkv.Attention("dot")(s[:, None], h)[:, 0], c)
+
+
+def test_attention_sequence_query_with_separate_values():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 7, 6, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, 7, 3, generator=gen, dtype=torch.float64)
+    att = qkv.Attention("general", query_dim=4, key_dim=6).double()
+    out, w = att(q, k, v, return_weights=True)
+    expected = torch.softmax(q @ att.score.weight @ k.mT, dim=-1)
+    torch.testing.assert_close(w, expected)
+    torch.testing.assert_close(out, expected @ v)
+
+
+def test_mha_shapes_self_and_cross():
+    mha = qkv.MultiHeadAttention(12, 3)
+    x, memory = torch.randn(2, 5, 12), torch.randn(2, 7, 12)
+    y, w = mha(x, return_weights=True)
+    assert y.shape == (2, 5, 12) and w.shape == (2, 3, 5, 5)
+    y, w = mha(x, memory, return_weights=True)
+    assert y.shape == (2, 5, 12) and w.shape == (2, 3, 5, 7)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 3, 5))
+    torch.testing.assert_close(mha(x, memory), mha(x, memory, memory))  # value defaults to key
+    torch.testing.assert_close(mha(x), mha(x, x, x))  # key defaults to query
+
+
+def test_mha_equals_the_per_head_formula_with_free_head_sizes():
+    # dim_head and dim_value_head need not divide dim: d=7, e=5 with dim=10, h=3.
+    mha = qkv.MultiHeadAttention(10, 3, dim_head=7, dim_value_head=5, kdim=4, vdim=9).double()
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 10, generator=gen, dtype=torch.float64)
+    key = torch.randn(2, 6, 4, generator=gen, dtype=torch.float64)
+    value = torch.randn(2, 6, 9, generator=gen, dtype=torch.float64)
+    heads = []
+    for n in range(3):
+        rows_d, rows_e = slice(7 * n, 7 * n + 7), slice(5 * n, 5 * n + 5)
+        qn = x @ mha.q_proj.weight[rows_d].T + mha.q_proj.bias[rows_d]
+        kn = key @ mha.k_proj.weight[rows_d].T + mha.k_proj.bias[rows_d]
+        vn = value @ mha.v_proj.weight[rows_e].T + mha.v_proj.bias[rows_e]
+        heads.append(torch.softmax(qn @ kn.mT / math.sqrt(7), dim=-1) @ vn)
+    expected = mha.out_proj(torch.cat(heads, dim=-1))
+    torch.testing.assert_close(mha(x, key, value), expected)
+
+
+@pytest.mark.parametrize("kv_heads", [3, 1], ids=["gqa", "mqa"])
+def test_grouped_kv_heads_equal_repeated_kv_weights(kv_heads):
+    heads, d = 6, 4
+    grouped = qkv.MultiHeadAttention(24, heads, kv_heads=kv_heads).double()
+    full = qkv.MultiHeadAttention(24, heads).double()
+    with torch.no_grad():
+        for proj in ("q_proj", "out_proj"):
+            getattr(full, proj).load_state_dict(getattr(grouped, proj).state_dict())
+        for proj in ("k_proj", "v_proj"):
+            src, dst = getattr(grouped, proj), getattr(full, proj)
+            # query head n reads KV head n // (h / g): repeat each KV head's rows h/g times
+            w = rearrange(src.weight, "(g d) c -> g d c", g=kv_heads).repeat_interleave(heads // kv_heads, dim=0)
+            dst.weight.copy_(rearrange(w, "h d c -> (h d) c"))
+            b = rearrange(src.bias, "(g d) -> g d", g=kv_heads).repeat_interleave(heads // kv_heads, dim=0)
+            dst.bias.copy_(b.flatten())
+    assert grouped.k_proj.out_features == kv_heads * d
+    x, memory = torch.randn(2, 5, 24, dtype=torch.float64), torch.randn(2, 7, 24, dtype=torch.float64)
+    for causal in (False, True):
+        torch.testing.assert_close(grouped(x, memory, causal=causal), full(x, memory, causal=causal))
+
+
+def test_mha_masks_and_padding():
+    mha = qkv.MultiHeadAttention(8, 2).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    keep = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    y, w = mha(x, mask=keep[:, None, None, :], causal=True, return_weights=True)
+    assert torch.equal(w[1, :, :, 3:], torch.zeros(2, 5, 2))
+    assert torch.equal(w[0].triu(1), torch.zeros(2, 5, 5))  # causal, i == j: nothing above the diagonal
+    # Padding keys do not influence the real positions: change them and nothing moves.
+    x2 = x.clone()
+    x2[1, 3:] = torch.randn(2, 8, dtype=torch.float64)
+    torch.testing.assert_close(mha(x2, mask=qkv.masks.lengths(torch.tensor([5, 3])))[1, :3], y[1, :3])
+
+
+def test_mha_with_alibi_positional_equals_functional_bias():
+    mha = qkv.MultiHeadAttention(8, 4, positional=qkv.ALiBi(4)).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    q = rearrange(mha.q_proj(x), "b i (h d) -> b h i d", h=4)
+    k = rearrange(mha.k_proj(x), "b j (h d) -> b h j d", h=4)
+    v = rearrange(mha.v_proj(x), "b j (h d) -> b h j d", h=4)
+    out = qkv.attention(q, k, v, bias=qkv.ALiBi(4).dense(5, 5).double(), causal=True)
+    torch.testing.assert_close(mha(x, causal=True), mha.out_proj(rearrange(out, "b h i e -> b i (h e)")))
+
+
+def test_dropout_only_in_training_mode():
+    mha = qkv.MultiHeadAttention(8, 2, dropout=0.5)
+    plain = qkv.MultiHeadAttention(8, 2)
+    plain.load_state_dict(mha.state_dict())
+    x = torch.randn(2, 5, 8)
+    mha.eval()
+    torch.testing.assert_close(mha(x), plain(x))
+    mha.train()
+    torch.manual_seed(7)
+    first = mha(x)
+    torch.manual_seed(7)
+    assert torch.equal(first, mha(x))  # reproducible under a fixed seed
+    assert not torch.allclose(first, plain(x))
+
+
+@pytest.mark.parametrize("name", SCORES)
+def test_every_score_trains_per_head(name):
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(8, 2, score=_score(name, 4))
+    x = torch.randn(16, 6, 8)
+    target = x.flip(1)  # a task attention can solve: copy the mirrored position
+    opt = torch.optim.Adam(mha.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(25):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(mha(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: qkv.MultiHeadAttention(10, 3), ValueError,
+         r"dim: expected a multiple of heads=3 when dim_head is not given, got dim=10"),
+        (lambda: qkv.MultiHeadAttention(12, 6, kv_heads=4), ValueError,
+         r"kv_heads: heads=6 must be a multiple of kv_heads, got kv_heads=4"),
+        (lambda: qkv.MultiHeadAttention(12, 0), ValueError, r"heads: expected a positive int, got 0"),
+        (lambda: qkv.MultiHeadAttention(12, 2, dim_head=-1), ValueError, r"dim_head: expected a positive int, got -1"),
+        (lambda: qkv.MultiHeadAttention(12, 2, dropout=1.5), ValueError, r"dropout: expected a probability in \[0, 1\), got 1.5"),
+        (lambda: qkv.MultiHeadAttention(12, 2, positional=torch.nn.Identity()), TypeError,
+         r"positional: expected a qkv.positional.Positional, got Identity"),
+        (lambda: qkv.MultiHeadAttention(12, 2, score="dot", attention=qkv.Attention()), ValueError,
+         r"score: give the score to the mechanism passed as attention=, not to both"),
+        (lambda: qkv.MultiHeadAttention(12, 2)(torch.randn(2, 5, 10)), ValueError,
+         r"query: expected shape \(b, length, 12\) \(batch first\), got \(2, 5, 10\)"),
+        (lambda: qkv.MultiHeadAttention(12, 2)(torch.randn(5, 12)), ValueError,
+         r"query: expected shape \(b, length, 12\) \(batch first\), got \(5, 12\)"),
+        (lambda: qkv.MultiHeadAttention(12, 2)(torch.randn(2, 5, 12), torch.randn(1, 7, 12)), ValueError,
+         r"value: expected batch and length matching key \(b=1, j=7\) and query batch 2"),
+        (lambda: qkv.MultiHeadAttention(12, 2)(torch.randn(2, 5, 12), torch.randn(2, 7, 12), torch.randn(2, 6, 12)),
+         ValueError, r"value: expected batch and length matching key \(b=2, j=7\)"),
+        (lambda: qkv.MultiHeadAttention(12, 2)([1.0]), TypeError, r"query: expected a tensor \(b, length, 12\), got list"),
+        (lambda: qkv.Attention("general"), ValueError, r"score: 'general' has learned parameters"),
+        (lambda: qkv.Attention(dropout=-1), ValueError, r"dropout: expected a probability in \[0, 1\), got -1"),
+    ],
+)  # fmt: skip
+def test_module_errors(make, error, message):
+    with pytest.raises(error, match=message):
+        make()

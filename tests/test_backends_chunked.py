@@ -1,0 +1,218 @@
+"""The chunked backend against the float64 reference: outputs, gradients, dropout, dead rows.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size. Distinct odd sizes so a swapped axis fails.
+Tiles are shrunk (``TILE_ELEMENTS``, ``BLOCK_BYTES``) so that even these tiny inputs span
+several tiles, with empty, full and partial ones.
+"""
+
+import pytest
+import torch
+
+import qkv
+from qkv.backends import chunked, dropout, fused_blocks, reference
+from qkv.backends.tiles import BiasSource
+from qkv.masks import Tile
+
+B, H, G, D, E = 2, 6, 3, 11, 13
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(chunked, "TILE_ELEMENTS", 2 * H * 4 * 4)  # tiles of about 4 x 4
+    monkeypatch.setattr(fused_blocks, "BLOCK_BYTES", 1)  # query blocks of 32 rows
+    monkeypatch.setattr(fused_blocks, "KEY_STEP", 8)
+
+
+def make_inputs(i, j, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, i, D, generator=gen, dtype=dtype)
+    k = torch.randn(B, G, j, D, generator=gen, dtype=dtype)
+    v = torch.randn(B, G, j, E, generator=gen, dtype=dtype)
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+def scores():
+    torch.manual_seed(1)
+    return {
+        "scaled_dot": "scaled_dot",
+        "dot": "dot",
+        "general": qkv.scores.Bilinear(D, D).double(),
+        "concat": qkv.scores.Additive(D, D, 5).double(),
+    }
+
+
+def masks(i, j):
+    lengths = torch.tensor([j, max(1, j // 2)])
+    dead = torch.ones(B, 1, i, j, dtype=torch.bool)
+    dead[1, 0, 2] = False  # one query of batch row 1 sees nothing
+    return {
+        "none": None,
+        "causal": qkv.masks.causal(),
+        "window": qkv.masks.window(3, 1),
+        "lengths&causal": qkv.masks.lengths(lengths) & qkv.masks.causal(),
+        "dense_dead_row": dead,
+    }
+
+
+def biases():
+    torch.manual_seed(2)
+    return {
+        "none": None,
+        "alibi": qkv.ALiBi(H).double(),
+        "t5": qkv.RelativePositionBias(H, 8, 20).double(),
+        "dense": torch.randn(H, 1, 1, dtype=torch.float64) * torch.ones(1, 1, 1),  # broadcast along i, j
+    }
+
+
+def run(q, k, v, backend, **kw):
+    out = qkv.attention(q, k, v, backend=backend, **kw)
+    grads = torch.autograd.grad(out, [q, k, v], torch.ones_like(out).cos_() if False else _cotangent(out))
+    return out, grads
+
+
+def _cotangent(out):
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(out.shape, generator=gen, dtype=out.dtype)
+
+
+@pytest.mark.parametrize("i, j", [(37, 37), (21, 45), (45, 21)])
+@pytest.mark.parametrize("score", ["scaled_dot", "general", "concat"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "lengths&causal", "dense_dead_row"])
+def test_matches_reference_float64(i, j, score, mask):
+    q, k, v = make_inputs(i, j)
+    kw = dict(score=scores()[score], mask=masks(i, j)[mask])
+    expected, expected_grads = run(q, k, v, "reference", **kw)
+    got, got_grads = run(q, k, v, "chunked", **kw)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    for a, b in zip(got_grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("bias", ["alibi", "t5", "dense"])
+@pytest.mark.parametrize("score", ["scaled_dot", "concat"])
+def test_biases_match_reference_with_bias_gradients(bias, score):
+    q, k, v = make_inputs(29, 33)
+    b = biases()[bias]
+    if isinstance(b, torch.Tensor):
+        b.requires_grad_()
+    params = [b] if isinstance(b, torch.Tensor) else list(b.parameters())
+    kw = dict(score=scores()[score], bias=b, causal=True)
+    results = []
+    for backend in ("reference", "chunked"):
+        out = qkv.attention(q, k, v, backend=backend, **kw)
+        results.append((out, torch.autograd.grad(out, [q, k, v, *params], _cotangent(out))))
+    (o_ref, g_ref), (o, g) = results
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    for a, b_ in zip(g, g_ref):
+        torch.testing.assert_close(a, b_, rtol=1e-9, atol=1e-9)
+
+
+def test_fused_engine_takes_lazy_bias_without_gradients():
+    q, k, v = make_inputs(40, 40)
+    with torch.no_grad():
+        t5 = qkv.RelativePositionBias(H, 8, 20).double()
+        req = qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=t5, causal=True, scale=None,
+                                 dropout=0.0, return_weights=False)  # fmt: skip
+        assert chunked.engine(req) == "fused_blocks"
+        torch.testing.assert_close(chunked.run(req)[0], reference.run(req)[0], rtol=1e-10, atol=1e-10)
+    assert "online_softmax" in qkv.explain(q, k, v, bias=t5, causal=True)  # learned, gradients on
+
+
+def test_flash_rule_float32_and_bfloat16():
+    """Error vs float64 at most twice that of the plain implementation in the same precision, + 1e-5."""
+    q, k, v = make_inputs(48, 40)
+    kw = dict(bias=qkv.ALiBi(H), mask=qkv.masks.lengths(torch.tensor([40, 17])) & qkv.masks.causal())
+    exact, exact_grads = run(q, k, v, "reference", **{**kw, "bias": qkv.ALiBi(H).double()})
+    for dtype in (torch.float32, torch.bfloat16):
+        low = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        plain, plain_grads = run(*low, "reference", **kw)
+        for engine_kw in ({}, {"dropout": 0.0, "generator": torch.Generator()}):
+            fast, fast_grads = run(*low, "chunked", **kw, **engine_kw)
+            for a, p, x in zip((fast, *fast_grads), (plain, *plain_grads), (exact, *exact_grads)):
+                bound = 2 * (p.double() - x).abs().max() + 1e-5
+                assert (a.double() - x).abs().max() <= bound
+
+
+def test_online_engine_float32_flash_rule_for_additive():
+    q, k, v = make_inputs(33, 35)
+    score = scores()["concat"]
+    exact, exact_grads = run(q, k, v, "reference", score=score, causal=True)
+    low = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    score32 = qkv.scores.Additive(D, D, 5)
+    score32.load_state_dict(score.state_dict())
+    plain, plain_grads = run(*low, "reference", score=score32, causal=True)
+    fast, fast_grads = run(*low, "chunked", score=score32, causal=True)
+    for a, p, x in zip((fast, *fast_grads), (plain, *plain_grads), (exact, *exact_grads)):
+        assert (a.double() - x).abs().max() <= 2 * (p.double() - x).abs().max() + 1e-5
+
+
+@pytest.mark.parametrize("score", ["scaled_dot", "concat"])
+def test_dropout_is_the_seeded_mask_in_forward_and_backward(score):
+    i, j, p = 19, 23, 0.3
+    q, k, v = make_inputs(i, j)
+    sc = scores()[score]
+    kw = dict(score=sc, causal=True, dropout=p)
+    out = qkv.attention(q, k, v, backend="chunked", generator=torch.Generator().manual_seed(7), **kw)
+    grads = torch.autograd.grad(out, [q, k, v], _cotangent(out))
+    # the same computation, materialised, with the mask rebuilt from the same seed
+    seed = dropout.draw_seed(torch.Generator().manual_seed(7))
+    keep = dropout.keep(seed, p, (B, H), Tile.whole(i, j))
+    w = qkv.attention_weights(q, k, score=sc, causal=True)
+    expected = (w * keep / (1 - p)) @ qkv.backends.repeat_kv(v, H // G)
+    expected_grads = torch.autograd.grad(expected, [q, k, v], _cotangent(expected))
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    again = qkv.attention(q, k, v, backend="chunked", generator=torch.Generator().manual_seed(7), **kw)
+    assert torch.equal(out, again)
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.05
+
+
+def test_dropout_keep_is_consistent_across_tilings():
+    whole = dropout.keep(123, 0.5, (2, 3), Tile.whole(10, 12))
+    part = dropout.keep(123, 0.5, (2, 3), Tile(2, 7, 5, 12, 10, 12))
+    assert torch.equal(whole[..., 2:7, 5:12], part)
+    assert not torch.equal(whole, dropout.keep(124, 0.5, (2, 3), Tile.whole(10, 12)))
+
+
+def test_fully_masked_rows_give_zero_output_and_gradients():
+    q, k, v = make_inputs(9, 10)
+    mask = qkv.masks.lengths(torch.tensor([10, 0]))  # batch row 1 sees no key at all
+    for kw in ({}, {"score": scores()["concat"]}, {"bias": qkv.ALiBi(H).double()}):
+        out, (dq, dk, dv) = run(q, k, v, "chunked", mask=mask, **kw)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert torch.equal(dq[1], torch.zeros_like(dq[1]))
+        assert torch.equal(dk[1], torch.zeros_like(dk[1])) and torch.equal(dv[1], torch.zeros_like(dv[1]))
+        assert torch.isfinite(dq).all()
+
+
+@pytest.mark.parametrize("score", ["dot", "general", "concat"])
+def test_gradcheck(score):
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(1, 1, 6, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(1, 1, 6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    sc = {"dot": "dot", "general": qkv.scores.Bilinear(3).double(), "concat": qkv.scores.Additive(3, 3, 4).double()}[score]
+
+    def f(q, k, v):
+        return qkv.attention(q, k, v, score=sc, causal=True, backend="chunked", bias=qkv.ALiBi(2).double())
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_location_score_and_inputs_without_heads():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(7, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+    loc = qkv.scores.Location(4, max_len=9).double()
+    for kw in ({"score": loc}, {"causal": True}):
+        expected = qkv.attention(q, k, v, backend="reference", **kw)
+        torch.testing.assert_close(qkv.attention(q, k, v, backend="chunked", **kw), expected)
+
+
+def test_shift_invariant_bias_tiles_equal_direct_tiles():
+    t5 = qkv.RelativePositionBias(3, 8, 20)
+    for i_len, j_len in ((6, 9), (9, 6)):
+        source = BiasSource(t5, i_len, j_len, "cpu")
+        for t in (Tile(0, i_len, 0, j_len, i_len, j_len), Tile(2, 5, 1, 4, i_len, j_len)):
+            torch.testing.assert_close(source.tile(t), t5.tile(t))

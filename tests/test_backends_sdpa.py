@@ -1,0 +1,129 @@
+"""Tests of the sdpa backend (PyTorch's fused kernel) against the reference backend.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size; b=2, h=6, g=3, i=5, j=7, d=11, e=13.
+"""
+
+import pytest
+import reference as ref
+import torch
+
+import qkv
+from qkv import checks, scores
+from qkv.backends import sdpa
+
+B, H, G, I, J, D, E = 2, 6, 3, 5, 7, 11, 13
+
+
+def _inputs(g=G, i=I, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((B, H, i, D), (B, g, J, D), (B, g, J, E))
+    return [torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True) for s in shapes]
+
+
+def _both(q, k, v, params=(), **kwargs):
+    """Outputs and gradients (inputs, then ``params``) of the sdpa and reference backends."""
+    results = []
+    for name in ("sdpa", "reference"):
+        out = qkv.attention(q, k, v, backend=name, **kwargs)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
+        results.append((out, torch.autograd.grad(out, (q, k, v, *params), dout)))
+    return results
+
+
+def _assert_same(results):
+    (out_a, grads_a), (out_b, grads_b) = results
+    torch.testing.assert_close(out_a, out_b, atol=1e-10, rtol=1e-10)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("mask", ref.MASK_CASES)
+@pytest.mark.parametrize("i", [J, I], ids=["i=j", "i<j"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", ["dot", "scaled_dot", "bilinear"])
+def test_sdpa_equals_reference_for_dot_form_scores(name, causal, i, mask):
+    q, k, v = _inputs(i=i)
+    score = scores.Bilinear(D).double() if name == "bilinear" else name
+    params = tuple(score.parameters()) if name == "bilinear" else ()
+    lazy, _ = ref.mask_case(mask, B, i, J, causal=causal)
+    _assert_same(_both(q, k, v, params, score=score, mask=lazy, causal=causal))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kind", ["dense", "alibi", "t5"])
+def test_sdpa_with_biases_equals_reference(kind, causal):
+    q, k, v = _inputs()
+    params = ()
+    if kind == "dense":
+        bias = torch.randn(B, 1, I, J, dtype=torch.float64, requires_grad=True)
+        params = (bias,)
+    elif kind == "alibi":
+        bias = qkv.ALiBi(H)
+    else:
+        bias = qkv.RelativePositionBias(H, buckets=8, max_distance=16).double()
+        params = (bias.embedding.weight,)
+    mask = ref.mask_case("dense&lengths", B, I, J, causal=False)[0]
+    _assert_same(_both(q, k, v, params, bias=bias, mask=mask, causal=causal))
+
+
+def test_sdpa_dead_rows_with_bias_are_zero():
+    q, k, v = _inputs()
+    mask = torch.ones(B, 1, I, J, dtype=torch.bool)
+    mask[1, 0, 2] = False
+    results = _both(q, k, v, bias=qkv.ALiBi(H), mask=mask)
+    _assert_same(results)
+    out, (gq, _, _) = results[0]
+    assert torch.equal(out[1, :, 2], torch.zeros(H, E)) and torch.equal(gq[1, :, 2], torch.zeros(H, D))
+
+
+def test_sdpa_top_left_flag_is_used_only_when_it_agrees():
+    # i < j: PyTorch's is_causal would be top-left; qkv must still see the last keys.
+    q, k, v = _inputs(i=2)
+    out = qkv.attention(q, k, v, causal=True, backend="sdpa")
+    _, allowed = ref.mask_case("none", B, 2, J, causal=True)
+    expected, _ = ref.literal_attention(q.detach(), k.detach(), v.detach(), scale=D**-0.5, mask=allowed)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_sdpa_runs_without_batch_dims():
+    q, k, v = _inputs()
+    out = qkv.attention(q[0], k[0], v[0], causal=True, backend="sdpa")
+    torch.testing.assert_close(out, qkv.attention(q[0], k[0], v[0], causal=True, backend="reference"))
+
+
+def _request(**kwargs):
+    q, k, v = _inputs()
+    base = dict(score="scaled_dot", mask=None, bias=None, causal=False, scale=None, dropout=0.0, return_weights=False)
+    base.update(kwargs)
+    return checks.request(q, k, v, **base)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        (dict(score=scores.Additive(D, D, 4)), "the concat score is not a dot product"),
+        (dict(score=scores.Location(D, 9)), "the location score is not a dot product"),
+        (dict(return_weights=True), "the fused kernel does not return weights"),
+        (dict(dropout=0.1, generator=torch.Generator()), "the fused kernel's dropout cannot take a generator"),
+    ],
+)
+def test_supports_says_why_not(kwargs, reason):
+    assert sdpa.supports(_request(**kwargs)) == reason
+
+
+def test_supports_the_dot_family():
+    for score in ("dot", "scaled_dot", scores.Bilinear(D)):
+        assert sdpa.supports(_request(score=score, mask=qkv.masks.causal(), bias=qkv.ALiBi(H))) is None
+    q = torch.randn(5, D)
+    req = checks.request(q, q, q, score="dot", mask=None, bias=None, causal=False, scale=None, dropout=0.0,
+                         return_weights=False)  # fmt: skip
+    assert sdpa.supports(req) == "the fused kernel needs a head dimension"
+
+
+def test_sdpa_dropout_keeps_the_expectation():
+    q, k, v = (torch.randn(1, 2, n, 4) for n in (3, 6, 6))
+    torch.manual_seed(0)  # the kernel draws from the global generator
+    draws = torch.stack([qkv.attention(q, k, v, dropout=0.5, backend="sdpa") for _ in range(1000)])
+    assert not torch.equal(draws[0], draws[1])
+    torch.testing.assert_close(draws.mean(0), qkv.attention(q, k, v), atol=0.1, rtol=0)

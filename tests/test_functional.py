@@ -1,0 +1,157 @@
+"""Tests of the functional API (``qkv.attention``, ``qkv.attention_weights``, ``qkv.explain``).
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size. Odd distinct sizes (b=2, h=6, g=3, i=5, j=7,
+d=11, e=13) so that a swapped axis cannot pass.
+"""
+
+import math
+
+import pytest
+import reference as ref
+import torch
+import torch.nn.functional as F
+
+import qkv
+from qkv import backends, checks
+
+B, H, I, J, D, E = 2, 6, 5, 7, 11, 13
+
+
+def _inputs(dtype, g, i, *, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((B, H, i, D), (B, g, J, D), (B, g, J, E))
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for s in shapes]
+
+
+def _sdpa(q, k, v, allowed, scale):
+    """PyTorch's kernel with qkv's mask made explicit (bool, bottom-right causal already in it)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _grads(out, inputs, seed=1):
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
+    return torch.autograd.grad(out, inputs, dout)
+
+
+@pytest.mark.parametrize("mask", ref.MASK_CASES)
+@pytest.mark.parametrize("i", [J, I], ids=["i=j", "i<j"])
+@pytest.mark.parametrize("g", [H, 3], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_attention_equals_pytorch_sdpa(dtype, causal, g, i, mask):
+    q, k, v = _inputs(dtype, g, i)
+    lazy, allowed = ref.mask_case(mask, B, i, J, causal=causal)
+    scale = 1 / math.sqrt(D)
+    out = qkv.attention(q, k, v, mask=lazy, causal=causal)
+    grads = _grads(out, (q, k, v))
+    if dtype == torch.bfloat16:
+        # Flash-attention rule: no more than twice the error of plain bf16 PyTorch vs float64.
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        oracle = _sdpa(q64, k64, v64, allowed, scale)
+        plain = ref.plain_attention(q, k, v, scale=scale, mask=allowed.expand(B, H, i, J))
+        ref.assert_flash_rule(out, plain, oracle)
+        for ours, base, exact in zip(grads, _grads(plain, (q, k, v)), _grads(oracle, (q64, k64, v64)), strict=True):
+            ref.assert_flash_rule(ours, base, exact)
+        return
+    expected = _sdpa(q, k, v, allowed, scale)
+    tol = {torch.float64: 1e-10, torch.float32: 2e-5}[dtype]
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    for ours, theirs in zip(grads, _grads(expected, (q, k, v)), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("mask", ["none", "dense&lengths", "window|dense"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backends_agree_with_each_other_and_the_literal_oracle(causal, mask):
+    q, k, v = _inputs(torch.float64, 3, I)
+    lazy, allowed = ref.mask_case(mask, B, I, J, causal=causal)
+    expected, _ = ref.literal_attention(q.detach(), k.detach(), v.detach(), scale=1 / math.sqrt(D), mask=allowed)
+    for name in ("reference", "sdpa"):
+        out = qkv.attention(q, k, v, mask=lazy, causal=causal, backend=name)
+        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=name)
+    g_ref = _grads(qkv.attention(q, k, v, mask=lazy, causal=causal, backend="reference"), (q, k, v))
+    g_sdpa = _grads(qkv.attention(q, k, v, mask=lazy, causal=causal, backend="sdpa"), (q, k, v))
+    for a, b in zip(g_ref, g_sdpa, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def _dead_rows_case():
+    """b=2, h=6, g=3, i=5, j=7 float64, with query rows 1 and 3 of batch 0 seeing no key."""
+    q, k, v = _inputs(torch.float64, 3, I, seed=4)
+    mask = torch.ones(B, 1, I, J, dtype=torch.bool)
+    mask[0, 0, 1] = False
+    mask[0, 0, 3] = False
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("name", sorted(backends.REGISTRY))
+def test_fully_masked_rows_are_finite_zeros_on_every_backend(name):
+    q, k, v, mask = _dead_rows_case()
+    impl = backends.REGISTRY[name]
+    for return_weights in (False, True):
+        req = checks.request(
+            q, k, v, score="scaled_dot", mask=mask, bias=None, causal=False, scale=None, dropout=0.0,
+            return_weights=return_weights,
+        )  # fmt: skip
+        if impl.supports(req) is not None:
+            continue
+        result = qkv.attention(q, k, v, mask=mask, return_weights=return_weights, backend=name)
+        out = result[0] if return_weights else result
+        assert torch.equal(out[0, :, [1, 3]], torch.zeros(H, 2, E))
+        if return_weights:
+            w = result[1]
+            assert torch.equal(w[0, :, [1, 3]], torch.zeros(H, 2, J))
+            torch.testing.assert_close(w[0, :, [0, 2, 4]].sum(-1), torch.ones(H, 3, dtype=w.dtype))
+        gq, gk, gv = _grads(out, (q, k, v))
+        assert all(bool(x.isfinite().all()) for x in (gq, gk, gv))
+        assert torch.equal(gq[0, :, [1, 3]], torch.zeros(H, 2, D))
+        # The dead rows contribute nothing to k and v: their gradients equal those with the rows removed.
+        keep = [0, 2, 4]
+        out_live = qkv.attention(q[:, :, keep], k, v, mask=mask[:, :, keep], backend="reference")
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        gk_live, gv_live = torch.autograd.grad(out_live, (k, v), dout[:, :, keep])
+        gk_all, gv_all = torch.autograd.grad(qkv.attention(q, k, v, mask=mask, backend=name), (k, v), dout)
+        # Batch 1 has all rows alive, so compare batch 0 only.
+        torch.testing.assert_close(gk_all[0], gk_live[0])
+        torch.testing.assert_close(gv_all[0], gv_live[0])
+
+
+def test_fully_masked_rows_with_lazy_masks():
+    # Bottom-right causal with i > j: the first i - j queries precede every key.
+    q, k, v = (torch.randn(1, 2, n, 4, dtype=torch.float64, requires_grad=True) for n in (6, 4, 4))
+    out, w = qkv.attention(q, k, v, causal=True, return_weights=True)
+    assert torch.equal(out[:, :, :2], torch.zeros(1, 2, 2, 4)) and torch.equal(w[:, :, :2], torch.zeros(1, 2, 2, 4))
+    out_sdpa = qkv.attention(q, k, v, causal=True, backend="sdpa")
+    torch.testing.assert_close(out_sdpa, out)
+    (gq,) = torch.autograd.grad(out_sdpa.sum(), (q,))
+    assert torch.equal(gq[:, :, :2], torch.zeros(1, 2, 2, 4))
+
+
+def test_attention_weights_rows_sum_to_one_and_match_attention():
+    q, k, v = _inputs(torch.float64, 3, I)
+    lazy, _ = ref.mask_case("dense&lengths", B, I, J, causal=True)
+    w = qkv.attention_weights(q, k, mask=lazy, causal=True)
+    assert w.shape == (B, H, I, J)
+    torch.testing.assert_close(w.sum(-1), torch.ones(B, H, I, dtype=torch.float64))
+    out, w2 = qkv.attention(q, k, v, mask=lazy, causal=True, return_weights=True)
+    torch.testing.assert_close(w, w2)
+    torch.testing.assert_close(out, w @ v.repeat_interleave(2, dim=1))
+
+
+def test_dropout_is_reproducible_with_a_generator_and_keeps_the_expectation():
+    q, k, v = (torch.randn(1, 2, n, 4, dtype=torch.float64) for n in (3, 6, 6))
+    run = lambda seed: qkv.attention(q, k, v, dropout=0.5, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    assert torch.equal(run(0), run(0))
+    assert not torch.equal(run(0), run(1))
+    # Inverted dropout is unbiased: the mean over many draws approaches the output without it.
+    mean = torch.stack([run(s) for s in range(2000)]).mean(0)
+    torch.testing.assert_close(mean, qkv.attention(q, k, v), atol=0.05, rtol=0)
+
+
+def test_explain_names_the_backend_and_why_others_were_passed_over():
+    q, k, v = _inputs(torch.float32, 3, I)
+    assert qkv.explain(q, k, v).splitlines()[0] == "backend: sdpa"
+    text = qkv.explain(q, k, v, return_weights=True)
+    assert text.splitlines()[0] == "backend: reference"
+    assert "not sdpa: the fused kernel does not return weights" in text

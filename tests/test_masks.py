@@ -1,0 +1,140 @@
+"""Tests of ``qkv.masks``: tiles, the bottom-right convention, and tile states.
+
+Shape legend: ``b`` batch, ``i`` query length, ``j`` key length; a tile is rows ``i0:i1`` x cols ``j0:j1``.
+"""
+
+import random
+
+import pytest
+import torch
+from reference import band, bottom_right_causal
+
+from qkv import masks
+from qkv.masks import Dense, Tile
+
+
+def test_causal_matches_docstring_picture():
+    # i=3 queries, j=5 keys: the picture in the module docstring.
+    expected = torch.tensor(
+        [[1, 1, 1, 0, 0],
+         [1, 1, 1, 1, 0],
+         [1, 1, 1, 1, 1]], dtype=torch.bool)  # fmt: skip
+    assert torch.equal(masks.causal().dense(3, 5), expected)
+    assert torch.equal(masks.causal().dense(3, 3), torch.ones(3, 3, dtype=torch.bool).tril())
+    # The last query sees every key (KV cache), whatever the lengths.
+    assert bool(masks.causal().dense(2, 9)[-1].all())
+
+
+@pytest.mark.parametrize(("i", "j"), [(5, 7), (7, 5), (4, 4), (1, 6)])
+def test_causal_and_window_equal_literal_definition(i, j):
+    assert torch.equal(masks.causal().dense(i, j), bottom_right_causal(i, j))
+    assert torch.equal(masks.window(2).dense(i, j), band(i, j, 2, 0))
+    assert torch.equal(masks.window(1, 3).dense(i, j), band(i, j, 1, 3))
+    assert torch.equal(masks.Window(left=2, right=None).dense(i, j), band(i, j, 2, j + i))
+
+
+def test_tile_diagonal_and_offset_range():
+    t = Tile(1, 4, 2, 6, i_len=5, j_len=7)
+    expected = torch.tensor([[c - r - 2 for c in range(2, 6)] for r in range(1, 4)])
+    assert torch.equal(t.diagonal, expected)
+    assert t.offset_range() == (int(expected.min()), int(expected.max()))
+    assert torch.equal(t.rows, torch.arange(1, 4)) and torch.equal(t.cols, torch.arange(2, 6))
+
+
+def test_lengths_tile_shape_and_values():
+    m = masks.lengths(torch.tensor([3, 0, 7]))
+    dense = m.dense(2, 7)
+    assert dense.shape == (3, 1, 1, 7)
+    assert torch.equal(dense[:, 0, 0], torch.arange(7)[None, :] < torch.tensor([3, 0, 7])[:, None])
+    assert m.batch_shape() == (3, 1)
+
+
+def test_dense_tile_slices_and_broadcast_dims():
+    full = torch.rand(2, 1, 5, 7) > 0.5
+    t = Tile(1, 4, 2, 6, 5, 7)
+    assert torch.equal(Dense(full).tile(t), full[..., 1:4, 2:6])
+    row = torch.rand(2, 1, 1, 7) > 0.5  # a per-key mask broadcasts over rows
+    assert torch.equal(Dense(row).tile(t), row[..., :, 2:6])
+
+
+def test_combinations_accept_tensors_on_either_side():
+    dense = torch.rand(5, 7) > 0.3
+    c = masks.causal().dense(5, 7)
+    assert torch.equal((masks.causal() & dense).dense(5, 7), c & dense)
+    assert torch.equal((dense & masks.causal()).dense(5, 7), c & dense)
+    assert torch.equal((masks.causal() | dense).dense(5, 7), c | dense)
+    assert torch.equal((dense | masks.causal()).dense(5, 7), c | dense)
+
+
+def _random_mask(rng: random.Random, i: int, j: int, depth: int = 0) -> masks.Mask:
+    kind = rng.choice(["causal", "window", "lengths", "dense"] + (["and", "or"] if depth < 2 else []))
+    if kind == "causal":
+        return masks.causal()
+    if kind == "window":
+        return masks.Window(left=rng.choice([None, 0, 1, 3]), right=rng.choice([None, 0, 2]))
+    if kind == "lengths":
+        return masks.lengths(torch.tensor([rng.randint(0, j) for _ in range(2)]))
+    if kind == "dense":
+        gen = torch.Generator().manual_seed(rng.randint(0, 10**6))
+        # Sparse, dense or mixed, so that all three states occur.
+        return Dense(torch.rand(2, 1, i, j, generator=gen) < rng.choice([0.05, 0.5, 0.95]))
+    a, b = _random_mask(rng, i, j, depth + 1), _random_mask(rng, i, j, depth + 1)
+    return a & b if kind == "and" else a | b
+
+
+def _random_tile(rng: random.Random, i: int, j: int) -> Tile:
+    i0 = rng.randrange(i)
+    j0 = rng.randrange(j)
+    return Tile(i0, rng.randint(i0 + 1, i), j0, rng.randint(j0 + 1, j), i, j)
+
+
+def test_tile_states_agree_with_dense_tiles():
+    """Property test: 'full' / 'empty' are never wrong; primitive masks are exact; a tile is a slice of dense."""
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(600):
+        i, j = rng.randint(1, 9), rng.randint(1, 9)
+        m, t = _random_mask(rng, i, j), _random_tile(rng, i, j)
+        part = m.tile(t)
+        whole = m.dense(i, j)
+        whole = whole.expand(*whole.shape[:-2], i, j)  # size-1 row/col dims broadcast
+        assert torch.equal(*torch.broadcast_tensors(part, whole[..., t.i0 : t.i1, t.j0 : t.j1])), (m, t)
+        state = m.state(t)
+        seen.add(state)
+        if state == "full":
+            assert bool(part.all()), (m, t)
+        elif state == "empty":
+            assert not bool(part.any()), (m, t)
+        if isinstance(m, (masks.Window, masks.Lengths, Dense)):
+            # Primitive masks know their state exactly: 'partial' means mixed.
+            exact = "full" if bool(part.all()) else "empty" if not bool(part.any()) else "partial"
+            assert state == exact, (m, t)
+    assert seen == {"full", "empty", "partial"}
+
+
+def test_and_or_states_are_exact_when_the_parts_decide():
+    t = Tile(0, 2, 5, 7, 7, 7)  # top-right corner: in the future of every query
+    assert masks.causal().state(t) == "empty"
+    assert (masks.causal() & masks.Window(None, None)).state(t) == "empty"
+    assert (masks.causal() | masks.Window(None, None)).state(t) == "full"
+    assert (masks.Window(None, None) & masks.Window(None, None)).state(t) == "full"
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: masks.window(-1), ValueError, r"left: expected a non-negative int or None, got -1"),
+        (lambda: masks.Window(0, 1.5), ValueError, r"right: expected a non-negative int or None, got 1.5"),
+        (lambda: masks.window(None), ValueError, r"left: expected a non-negative int, got None"),
+        (lambda: masks.lengths(torch.tensor([[1, 2]])), ValueError, r"key_lengths: expected a 1-d tensor of shape \(b,\), got \(1, 2\)"),
+        (lambda: masks.lengths([1, 2]), ValueError, r"key_lengths: expected a 1-d tensor of shape \(b,\), got list"),
+        (lambda: masks.lengths(torch.tensor([1.0])), TypeError, r"key_lengths: expected an integer tensor, got torch.float32"),
+        (lambda: masks.lengths(torch.tensor([2, -1])), ValueError, r"key_lengths: expected non-negative lengths, got \[2, -1\]"),
+        (lambda: Dense(torch.ones(5, 7)), TypeError, r"mask: expected dtype torch.bool \(True = may attend\), got torch.float32"),
+        (lambda: Dense(torch.ones(7, dtype=torch.bool)), ValueError, r"mask: expected at least 2 dims \(..., i, j\), got shape \(7,\)"),
+        (lambda: masks.as_mask([[True]]), TypeError, r"mask: expected a bool tensor or a qkv.masks.Mask, got list"),
+    ],
+)  # fmt: skip
+def test_mask_errors(make, error, message):
+    with pytest.raises(error, match=message):
+        make()

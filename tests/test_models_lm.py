@@ -1,0 +1,143 @@
+"""Tests of the decoder-only language model (``qkv.models.lm``).
+
+Shape legend: ``b`` batch, ``i`` length, ``h`` heads, ``V`` vocabulary size.
+"""
+
+import math
+
+import pytest
+import torch
+
+from qkv.cache import DecoderCache
+from qkv.models import CausalLM, LMConfig, sample_next
+
+V = 13
+
+
+def _lm(dtype=torch.float64, **overrides):
+    torch.manual_seed(0)
+    config = dict(vocab=V, dim=24, heads=4, layers=2, max_len=16) | overrides
+    return CausalLM(LMConfig(**config)).to(dtype).eval()
+
+
+def test_shapes_and_causal_weights():
+    lm = _lm(torch.float32)
+    ids = torch.randint(0, V, (3, 7))
+    logits, weights = lm(ids, return_weights=True)
+    assert logits.shape == (3, 7, V)
+    assert len(weights) == 2 and all(w.shape == (3, 4, 7, 7) for w in weights)
+    assert torch.all(weights[0].triu(1) == 0)  # no query sees a later token
+    torch.testing.assert_close(weights[1].sum(-1), torch.ones(3, 4, 7))
+    assert lm.out.weight is lm.embed.embedding.weight  # tied by default
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(), dict(positional="sinusoidal", kv_heads=2), dict(positional="rotary", kv_heads=1),
+     dict(positional="alibi", norm_first=False), dict(positional="relative", activation="swiglu")],
+)  # fmt: skip
+def test_cached_step_by_step_logits_equal_the_full_pass(overrides):
+    lm = _lm(**overrides)
+    ids = torch.randint(0, V, (2, 9))
+    full = lm(ids)
+    for max_len in (None, 9):
+        cache = lm.new_cache(max_len)
+        steps = [lm(ids[:, :4], cache=cache)] + [lm(ids[:, t : t + 1], cache=cache) for t in range(4, 9)]
+        torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_greedy_generation_is_the_same_with_and_without_cache(dtype):
+    lm = _lm(dtype, positional="rotary")
+    prompt = torch.randint(0, V, (3, 4))
+    cached, recomputed = lm.generate(prompt, 10), lm.generate(prompt, 10, use_cache=False)
+    assert cached.shape == (3, 14) and torch.equal(cached[:, :4], prompt)
+    assert torch.equal(cached, recomputed)
+    # greedy means each new token is the argmax of the model's logits on the prefix
+    assert torch.equal(lm(cached[:, :-1])[:, 3:].argmax(-1), cached[:, 4:])
+
+
+def test_sampling_with_and_without_cache_draws_the_same_tokens_from_the_same_generator():
+    lm = _lm()
+    prompt = torch.randint(0, V, (2, 3))
+    a = lm.generate(prompt, 8, temperature=0.8, top_k=5, generator=torch.Generator().manual_seed(4))
+    b = lm.generate(prompt, 8, temperature=0.8, top_k=5, use_cache=False, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, b)
+
+
+def test_sample_next_follows_temperature_and_top_k():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    assert sample_next(logits).tolist() == [3]
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_next(logits, temperature=1.0, generator=g) for _ in range(4000)])
+    freq = torch.bincount(draws.flatten(), minlength=4) / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.03, rtol=0)
+    # temperature 0.5 squares the probabilities (then renormalises)
+    draws = torch.stack([sample_next(logits, temperature=0.5, generator=g) for _ in range(4000)])
+    freq = torch.bincount(draws.flatten(), minlength=4) / 4000
+    torch.testing.assert_close(freq, torch.tensor([1.0, 4.0, 9.0, 16.0]) / 30, atol=0.03, rtol=0)
+    # top-k keeps only the k most likely tokens, renormalised among themselves
+    draws = torch.stack([sample_next(logits, temperature=1.0, top_k=2, generator=g) for _ in range(2000)])
+    freq = torch.bincount(draws.flatten(), minlength=4) / 2000
+    assert freq[:2].sum() == 0
+    assert abs(float(freq[3]) - 4 / 7) < 0.04
+    assert sample_next(logits, temperature=2.0, top_k=1, generator=g).tolist() == [3]
+
+
+def test_overfits_a_tiny_batch():
+    # 4 sequences of 10 tokens, 150 Adam steps: each next token is memorised (loss < 0.05 nats,
+    # from ln 13 = 2.56 at the start)
+    torch.manual_seed(0)
+    lm = CausalLM(LMConfig(vocab=V, dim=32, heads=4, layers=2, max_len=16)).train()
+    ids = torch.randint(0, V, (4, 10))
+    opt = torch.optim.Adam(lm.parameters(), lr=1e-2)
+    first = float(lm.loss(ids))
+    for _ in range(150):
+        opt.zero_grad()
+        loss = lm.loss(ids)
+        loss.backward()
+        opt.step()
+    assert first > 2.0 and float(loss) < 0.05
+
+
+def test_padding_is_ignored_by_the_loss():
+    lm = _lm()
+    ids = torch.randint(0, V, (2, 8))
+    lengths = torch.tensor([8, 5])
+    other = ids.clone()
+    other[1, 5:] = (other[1, 5:] + 1) % V  # change only the padding
+    assert float(lm.loss(ids, lengths=lengths)) == pytest.approx(float(lm.loss(other, lengths=lengths)), abs=1e-12)
+    assert float(lm.loss(ids)) != pytest.approx(float(lm.loss(other)), abs=1e-6)
+
+
+def test_bad_inputs_raise_clear_errors():
+    lm = _lm(torch.float32)
+    with pytest.raises(ValueError, match=r"ids: expected token ids in \[0, 13\), got values from 0 to 13"):
+        lm(torch.tensor([[0, 13]]))
+    with pytest.raises(ValueError, match=r"ids: expected token ids in \[0, 13\), got values from -1 to 2"):
+        lm(torch.tensor([[-1, 2]]))
+    with pytest.raises(TypeError, match="ids: expected integer token ids"):
+        lm(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=r"ids: expected shape \(b, i\), got \(3,\)"):
+        lm(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="ids: expected at most max_len=16 positions with learned position embeddings, got 17"):
+        lm(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"max_new_tokens: prompt length 10 \+ 7 new tokens exceeds max_len=16"):
+        lm.generate(torch.zeros(1, 10, dtype=torch.long), 7)
+    with pytest.raises(ValueError, match=r"lengths: expected a tensor of shape \(2,\), one length per row"):
+        lm(torch.zeros(2, 4, dtype=torch.long), lengths=torch.tensor([4, 4, 4]))
+    with pytest.raises(ValueError, match=r"lengths: expected lengths in \[1, 4\], got \[4, 5\]"):
+        lm(torch.zeros(2, 4, dtype=torch.long), lengths=torch.tensor([4, 5]))
+    with pytest.raises(ValueError, match="cache: expected one entry per layer"):
+        lm(torch.zeros(2, 4, dtype=torch.long), cache=DecoderCache(5))
+    with pytest.raises(ValueError, match="temperature: expected a number >= 0"):
+        lm.generate(torch.zeros(1, 2, dtype=torch.long), 2, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k: expected a positive int, got 0"):
+        lm.generate(torch.zeros(1, 2, dtype=torch.long), 2, temperature=1.0, top_k=0)
+    with pytest.raises(ValueError, match="dim: expected a multiple of heads=4, got dim=30"):
+        LMConfig(vocab=5, dim=30)
+    with pytest.raises(ValueError, match="positional: expected one of"):
+        LMConfig(vocab=5, positional="fourier")
+    with pytest.raises(TypeError, match="config: expected an LMConfig, got dict"):
+        CausalLM({"vocab": 5})
+    assert math.isfinite(float(lm.loss(torch.randint(0, V, (2, 5)))))

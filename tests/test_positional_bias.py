@@ -1,0 +1,120 @@
+"""Tests of the lazy positional biases (``qkv.positional.bias``): ALiBi and T5 buckets.
+
+Shape legend: ``h`` heads, ``i`` query length, ``j`` key length; ``it``/``jt`` a tile's sides.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+import qkv
+from qkv.masks import Tile
+from qkv.positional import ALiBi, RelativePositionBias, alibi_slopes, relative_buckets
+
+
+def test_alibi_slopes_for_eight_heads_are_powers_of_one_half():
+    # Press et al. 2022, section 3: for 8 heads the slopes are 1/2, 1/4, ..., 1/256.
+    assert torch.equal(alibi_slopes(8), torch.tensor([2.0**-n for n in range(1, 9)]))
+
+
+def test_alibi_slopes_for_six_heads():
+    # Not a power of two: the 4-head slopes 2^-2, 2^-4, 2^-6, 2^-8, then every other slope of
+    # the 8-head sequence (2^-1, 2^-3, ...), as many as are missing.
+    expected = [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]
+    assert torch.allclose(alibi_slopes(6), torch.tensor(expected))
+
+
+def test_alibi_bias_is_minus_slope_times_distance_bottom_right():
+    i, j, h = 3, 5, 4
+    bias = ALiBi(h).dense(i, j)
+    slopes = alibi_slopes(h).tolist()
+    expected = [[[-slopes[n] * abs(c - r - (j - i)) for c in range(j)] for r in range(i)] for n in range(h)]
+    assert bias.shape == (h, i, j)
+    assert torch.allclose(bias, torch.tensor(expected))
+    # The last query's own position (the bottom-right corner) has no penalty.
+    assert torch.equal(bias[:, -1, -1], torch.zeros(h))
+
+
+def _t5_bucket(relative: int, buckets: int, max_distance: int, bidirectional: bool) -> int:
+    """Raffel et al. 2020's bucket of ``key - query``, written out with Python numbers."""
+    offset = 0
+    if bidirectional:
+        buckets //= 2
+        offset = buckets if relative > 0 else 0
+        distance = abs(relative)
+    else:
+        distance = max(-relative, 0)
+    exact = buckets // 2
+    if distance < exact:
+        return offset + distance
+    log_part = math.log(distance / exact) / math.log(max_distance / exact) * (buckets - exact)
+    return offset + min(buckets - 1, exact + int(log_part))
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_t5_buckets_equal_the_formula(bidirectional):
+    rel = torch.tensor([-300, -128, -100, -33, -17, -9, -8, -7, -1, 0, 1, 5, 8, 12, 40, 127, 500])
+    got = relative_buckets(rel, 32, 128, bidirectional).tolist()
+    assert got == [_t5_bucket(int(r), 32, 128, bidirectional) for r in rel]
+
+
+def test_t5_buckets_known_values():
+    # Bidirectional, 32 buckets, max distance 128: 16 per direction, 8 exact.
+    known = {0: 0, -3: 3, -7: 7, 3: 19, 7: 23, -8: 8, -128: 15, -1000: 15, 1000: 31}
+    rel = torch.tensor(list(known))
+    assert relative_buckets(rel, 32, 128, True).tolist() == list(known.values())
+    # Causal: future keys share bucket 0.
+    assert relative_buckets(torch.tensor([5, 0, -1]), 32, 128, False).tolist() == [0, 0, 1]
+
+
+def test_relative_position_bias_reads_its_table():
+    rpb = RelativePositionBias(heads=3, buckets=8, max_distance=20)
+    i, j = 4, 6
+    dense = rpb.dense(i, j)
+    table = rpb.embedding.weight  # (buckets, h)
+    for r in range(i):
+        for c in range(j):
+            bucket = _t5_bucket(c - r - (j - i), 8, 20, True)
+            assert torch.equal(dense[:, r, c], table[bucket])
+
+
+@pytest.mark.parametrize("make", [lambda: ALiBi(6), lambda: RelativePositionBias(4, 16, 40, bidirectional=False)])
+def test_tile_equals_slice_of_dense(make):
+    bias = make()
+    rng = random.Random(1)
+    for _ in range(30):
+        i, j = rng.randint(1, 12), rng.randint(1, 12)
+        i0, j0 = rng.randrange(i), rng.randrange(j)
+        t = Tile(i0, rng.randint(i0 + 1, i), j0, rng.randint(j0 + 1, j), i, j)
+        assert torch.equal(bias.tile(t), bias.dense(i, j)[:, t.i0 : t.i1, t.j0 : t.j1])
+
+
+def test_lazy_bias_in_attention_equals_dense_bias():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64) for n in (5, 7, 7))
+    for bias in (ALiBi(4), RelativePositionBias(4)):
+        dense = bias.dense(5, 7).double()
+        expected = qkv.attention(q, k, v, bias=dense, causal=True)
+        assert torch.allclose(qkv.attention(q, k, v, bias=bias, causal=True), expected)
+
+
+def test_relative_position_bias_gets_gradients():
+    rpb = RelativePositionBias(heads=2, buckets=8, max_distance=16)
+    q, k, v = (torch.randn(1, 2, n, 4) for n in (3, 5, 5))
+    qkv.attention(q, k, v, bias=rpb).sum().backward()
+    assert rpb.embedding.weight.grad is not None and rpb.embedding.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: alibi_slopes(0), r"heads: expected a positive int, got 0"),
+        (lambda: RelativePositionBias(2, buckets=2), r"buckets: expected at least 4 buckets and max_distance > 0, got buckets=2"),
+        (lambda: RelativePositionBias(2, buckets=16, max_distance=4), r"max_distance > 4, got buckets=16, max_distance=4"),
+    ],
+)  # fmt: skip
+def test_bias_errors(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

@@ -1,0 +1,155 @@
+"""Tests for qkv.viz: figures, axes, labels, readability at 40 tokens, colour scale, saving."""
+
+import numpy as np
+import pytest
+import torch
+
+matplotlib = pytest.importorskip("matplotlib")
+from matplotlib.figure import Figure  # noqa: E402
+
+from qkv import viz  # noqa: E402
+
+
+def _weights(*shape, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(*shape, generator=generator).softmax(-1)
+
+
+def _texts(labels):
+    return [label.get_text() for label in labels]
+
+
+def test_heatmap_returns_a_figure_with_labels_and_a_0_to_1_colorbar():
+    figure = viz.heatmap(_weights(5, 7), list("abcdefg"), list("vwxyz"), title="one head")
+    assert isinstance(figure, Figure)
+    ax, colorbar = figure.axes  # the heatmap and its colorbar
+    assert _texts(ax.get_xticklabels()) == list("abcdefg")
+    assert _texts(ax.get_yticklabels()) == list("vwxyz")
+    assert ax.get_title() == "one head"
+    assert ax.images[0].get_clim() == (0.0, 1.0)
+    assert colorbar.get_ylabel() == "attention weight"
+    assert colorbar.get_ylim() == (0.0, 1.0)
+
+
+def test_heatmap_without_labels_and_on_a_given_axes():
+    figure = viz.heatmap(np.eye(3))
+    assert len(figure.axes) == 2
+    host = Figure()
+    ax = host.add_subplot()
+    assert viz.heatmap(np.eye(3), ax=ax, colorbar_label="p") is host
+    assert host.axes[1].get_ylabel() == "p"
+
+
+def test_forty_labels_are_all_drawn_readable_and_do_not_overlap():
+    words = [f"word{k}" for k in range(40)]
+    figure = viz.heatmap(_weights(40, 40, seed=1), words, words)
+    small = viz.heatmap(_weights(5, 5), words[:5], words[:5])
+    assert figure.get_size_inches()[0] > small.get_size_inches()[0]  # the figure grows
+    ax = figure.axes[0]
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    for labels, rotation in ((ax.get_xticklabels(), 90), (ax.get_yticklabels(), 0)):
+        assert _texts(labels) == words  # none thinned out
+        assert all(label.get_fontsize() >= 7 for label in labels)
+        assert all(label.get_rotation() == rotation for label in labels)
+        boxes = [label.get_window_extent(renderer) for label in labels]
+        assert not any(a.overlaps(b) for a, b in zip(boxes, boxes[1:]))
+
+
+def test_single_character_labels_stay_upright():
+    figure = viz.heatmap(_weights(3, 4), "abcd", "xyz")
+    assert all(label.get_rotation() == 0 for label in figure.axes[0].get_xticklabels())
+
+
+def test_head_grid_has_one_panel_per_head_and_one_colorbar():
+    figure = viz.head_grid(_weights(6, 5, 7), list("abcdefg"), list("vwxyz"), title="six heads")
+    panels, colorbar = figure.axes[:6], figure.axes[6]
+    assert len(figure.axes) == 7
+    assert [ax.get_title() for ax in panels] == [f"head {k}" for k in range(6)]
+    assert colorbar.get_ylim() == (0.0, 1.0) and colorbar.get_ylabel() == "attention weight"
+    # 4 per row: y labels on the first column, x labels on the lowest panel of each column.
+    with_y = [k for k, ax in enumerate(panels) if _texts(ax.get_yticklabels())]
+    with_x = [k for k, ax in enumerate(panels) if _texts(ax.get_xticklabels())]
+    assert with_y == [0, 4] and with_x == [2, 3, 4, 5]
+    assert len(viz.head_grid(_weights(4, 3, 3), cols=2).axes) == 5
+    scores = viz.head_grid(torch.arange(12.0).reshape(2, 2, 3), vmin=None, vmax=None)
+    assert [ax.images[0].get_clim() for ax in scores.axes[:2]] == [(0.0, 11.0)] * 2
+
+
+def test_alignment_puts_input_across_and_output_down():
+    source, target = "3 mars 2017", "2017-03-03"
+    figure = viz.alignment(_weights(len(target), len(source)), source, target, title="dates")
+    ax = figure.axes[0]
+    assert ax.get_xlabel() == "input" and ax.get_ylabel() == "output"
+    assert _texts(ax.get_xticklabels()) == ["3", "\u2423", "m", "a", "r", "s", "\u2423", "2", "0", "1", "7"]
+    assert _texts(ax.get_yticklabels()) == list(target)
+
+
+def test_positional_encoding_uses_a_symmetric_scale():
+    table = np.sin(np.arange(20)[:, None] / (10.0 ** np.arange(8)[None]))
+    figure = viz.positional_encoding(table * 0.5)
+    ax = figure.axes[0]
+    low, high = ax.images[0].get_clim()
+    assert low == -high == pytest.approx(-0.5, abs=0.01)
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("dimension", "position")
+
+
+def test_rope_relative_draws_one_curve_per_query_position():
+    n = np.arange(30)
+    positions = [5, 15, 25]
+    scores = np.stack([np.cos(0.4 * (m - n)) for m in positions])
+    figure = viz.rope_relative(scores, np.stack([m - n for m in positions]), positions=positions)
+    ax = figure.axes[0]
+    assert len(ax.get_lines()) == 4  # three curves and the m - n = 0 line
+    assert _texts(ax.get_legend().get_texts()) == ["m = 5", "m = 15", "m = 25"]
+    shared = viz.rope_relative(torch.tensor(scores), torch.arange(30))
+    assert len(shared.axes[0].get_lines()) == 4
+
+
+def test_save_writes_png_and_svg(tmp_path):
+    figure = viz.heatmap(_weights(4, 4))
+    png = viz.save(figure, tmp_path / "plots" / "weights.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = viz.save(figure, str(tmp_path / "weights.svg"))
+    assert svg.stat().st_size > 0 and b"<svg" in svg.read_bytes()[:500]
+
+
+def test_tensors_with_gradients_are_accepted():
+    weights = _weights(3, 3).requires_grad_()
+    assert isinstance(viz.heatmap(weights * 1.0), Figure)
+
+
+def test_errors_name_the_argument(tmp_path):
+    with pytest.raises(ValueError, match=r"weights: expected a 2-D \(i, j\) array, got shape \(2, 3, 4\)"):
+        viz.heatmap(np.zeros((2, 3, 4)))
+    with pytest.raises(ValueError, match=r"x_labels: expected 4 labels \(one per key, j\), got 3"):
+        viz.heatmap(np.zeros((2, 4)), x_labels="abc")
+    with pytest.raises(ValueError, match=r"y_labels: expected 2 labels \(one per query, i\), got 1"):
+        viz.heatmap(np.zeros((2, 4)), y_labels=["a"])
+    with pytest.raises(ValueError, match=r"weights: expected a 3-D \(h, i, j\) array, got shape \(2, 3\)"):
+        viz.head_grid(np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"cols: expected a positive integer, got 0"):
+        viz.head_grid(np.zeros((2, 3, 3)), cols=0)
+    with pytest.raises(ValueError, match=r"relative: expected shape \(5,\) or \(2, 5\) .* got \(4,\)"):
+        viz.rope_relative(np.zeros((2, 5)), np.arange(4))
+    with pytest.raises(ValueError, match=r"positions: expected 2 labels \(one per curve, m\), got 3"):
+        viz.rope_relative(np.zeros((2, 5)), np.arange(5), positions=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"path: expected a .png, .svg or .pdf suffix, got '.jpg'"):
+        viz.save(viz.heatmap(np.eye(2)), tmp_path / "x.jpg")
+
+
+def test_no_pyplot_figures_are_left_open():
+    import matplotlib.pyplot as plt
+
+    before = plt.get_fignums()
+    viz.heatmap(np.eye(2))
+    viz.head_grid(np.ones((2, 2, 2)) / 2)
+    assert plt.get_fignums() == before
+
+
+def test_missing_matplotlib_says_how_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r"pip install qkv\[viz\]"):
+        viz.heatmap(np.eye(2))
