@@ -1,4 +1,8 @@
-"""qkv.approx.linear: linear attention against its quadratic form, computed here from the paper's equations."""
+"""qkv.approx.linear: linear attention against its quadratic form, computed here from the paper's equations.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size; b=2, h=6, g=3, d=11, e=13 throughout.
+"""
 
 import pytest
 import torch
@@ -9,6 +13,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qkv.approx import LinearAttention, kernel_attention, linear_attention
 
 B, H, G, D, E = 2, 6, 3, 11, 13
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: one thread avoids OpenMP spin-waits on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def inputs(i, j, dtype=torch.float64, seed=0):

@@ -1,4 +1,8 @@
-"""qkv.approx.linformer: Linformer against softmax(q (E k)ᵀ · scale) (F v) computed directly."""
+"""qkv.approx.linformer: Linformer against softmax(q (E k)ᵀ · scale) (F v) computed directly.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size; b=2, h=6, g=3, d=11, e=13 throughout.
+"""
 
 import math
 
@@ -8,6 +12,15 @@ import torch
 from qkv.approx import Linformer, linformer_weights
 
 B, H, G, D, E = 2, 6, 3, 11, 13
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: one thread avoids OpenMP spin-waits on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def inputs(i, j, dtype=torch.float64, seed=0):

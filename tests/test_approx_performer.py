@@ -1,4 +1,8 @@
-"""qkv.approx.performer: FAVOR+ against exact softmax attention and its own quadratic form."""
+"""qkv.approx.performer: FAVOR+ against exact softmax attention and its own quadratic form.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size; b=2, h=6, g=3, d=11, e=13 throughout.
+"""
 
 import math
 
@@ -10,6 +14,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qkv.approx import Performer, favor_attention, favor_features, gaussian_features
 
 B, H, G, D, E = 2, 6, 3, 11, 13
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: one thread avoids OpenMP spin-waits on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def inputs(i, j, dtype=torch.float64, seed=0, size=1.0):
@@ -144,6 +157,17 @@ def test_key_padding_equals_dropping_the_padded_keys():
     k_big = k.clone()
     k_big[1, :, 3:] = 1e3
     torch.testing.assert_close(module(q, k_big, v, mask=keep[:, None, None, :]), out, atol=1e-12, rtol=0)
+
+
+def test_fully_padded_row_gives_zeros_and_finite_gradients():
+    q, k, v = (x.float().requires_grad_(True) for x in inputs(5, 7))
+    keep = torch.ones(B, 1, 1, 7, dtype=torch.bool)
+    keep[1] = False
+    for causal in (False, True):
+        out = Performer(D, seed=0, chunk_size=2)(q, k, v, mask=keep, causal=causal)
+        assert out[1].abs().max() == 0
+        out.pow(2).sum().backward()
+        assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
 
 
 def test_large_logits_stay_finite_in_float32():

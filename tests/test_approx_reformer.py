@@ -1,4 +1,8 @@
-"""qkv.approx.reformer: LSH attention against dense masked softmax rebuilt here from the paper's definitions."""
+"""qkv.approx.reformer: LSH attention against dense masked softmax rebuilt here from the paper's definitions.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size; b=2, h=6, g=3, d=11, e=13 throughout.
+"""
 
 import math
 
@@ -10,6 +14,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qkv.approx import LSHAttention, lsh_buckets
 
 B, H, G, D, E = 2, 6, 3, 11, 13
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: one thread avoids OpenMP spin-waits on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def inputs(i, dtype=torch.float64, seed=0):
@@ -92,7 +105,7 @@ def test_one_bucket_small_chunks_is_chunked_local_attention():
 def test_many_buckets_and_rounds_equal_softmax_over_the_union(is_causal, masked):
     n = 13
     q, k, v = inputs(n)
-    module = LSHAttention(D, n_buckets=4, n_hashes=3, chunk_size=3, seed=1)
+    module = LSHAttention(D, n_buckets=4, n_hashes=3, chunk_size=3, seed=1).eval()  # eval: no redraw
     allowed = union_of_rounds(q, module.rotations, 3)
     mask = None
     if masked:  # any bool mask works, here padding plus a query-dependent pattern
@@ -115,8 +128,7 @@ def test_seeds_give_different_hashes_and_the_same_seed_repeats():
     assert not torch.equal(lsh_buckets(q, a.rotations), lsh_buckets(q, c.rotations))
     a.eval(), b.eval()
     torch.testing.assert_close(a(q, k, v), b(q, k, v))
-    gen = torch.Generator().manual_seed(0)
-    assert torch.equal(LSHAttention(D, generator=gen).rotations.shape, (4, D, 16)) or True
+    assert LSHAttention(D, generator=torch.Generator().manual_seed(0)).rotations.shape == (4, D, 16)
 
 
 def test_rotations_are_redrawn_every_training_step_and_kept_in_eval():

@@ -22,10 +22,17 @@ def _inputs(g=G, i=I, seed=0):
 
 
 def _both(q, k, v, params=(), **kwargs):
-    """Outputs and gradients (inputs, then ``params``) of the sdpa and reference backends."""
+    """Outputs and gradients (inputs, then ``params``) of the sdpa and reference backends.
+
+    sdpa takes biases as tensors only, so a lazy bias reaches it materialised (through
+    ``dense``, which keeps the graph to a learned table) and the reference backend lazily.
+    """
     results = []
     for name in ("sdpa", "reference"):
-        out = qkv.attention(q, k, v, backend=name, **kwargs)
+        call = dict(kwargs)
+        if name == "sdpa" and isinstance(kwargs.get("bias"), qkv.positional.LazyBias):
+            call["bias"] = kwargs["bias"].dense(q.shape[-2], k.shape[-2]).to(q.dtype)
+        out = qkv.attention(q, k, v, backend=name, **call)
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
         results.append((out, torch.autograd.grad(out, (q, k, v, *params), dout)))
     return results
@@ -106,6 +113,7 @@ def _request(**kwargs):
         (dict(score=scores.Location(D, 9)), "the location score is not a dot product"),
         (dict(return_weights=True), "the fused kernel does not return weights"),
         (dict(dropout=0.1, generator=torch.Generator()), "the fused kernel's dropout cannot take a generator"),
+        (dict(bias=qkv.ALiBi(H)), "a lazy bias would be materialised as an (h, i, j) tensor"),
     ],
 )
 def test_supports_says_why_not(kwargs, reason):
@@ -114,7 +122,8 @@ def test_supports_says_why_not(kwargs, reason):
 
 def test_supports_the_dot_family():
     for score in ("dot", "scaled_dot", scores.Bilinear(D)):
-        assert sdpa.supports(_request(score=score, mask=qkv.masks.causal(), bias=qkv.ALiBi(H))) is None
+        bias = torch.zeros(H, I, J, dtype=torch.float64)
+        assert sdpa.supports(_request(score=score, mask=qkv.masks.causal(), bias=bias)) is None
     q = torch.randn(5, D)
     req = checks.request(q, q, q, score="dot", mask=None, bias=None, causal=False, scale=None, dropout=0.0,
                          return_weights=False)  # fmt: skip

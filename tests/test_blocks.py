@@ -128,6 +128,22 @@ def test_mechanism_module_is_copied_per_layer_and_factory_called_per_layer():
     assert isinstance(dec.layers[1].cross_attn.attention, qkv.Attention)
 
 
+def test_an_approximate_mechanism_plugs_into_the_stacks():
+    # qkv.approx classes share the mechanism call; a factory gives each layer its own
+    from qkv.approx import LinearAttention
+
+    enc = Encoder(2, DIM, HEADS, attention=LinearAttention)
+    assert all(isinstance(layer.self_attn.attention, LinearAttention) for layer in enc.layers)
+    x = torch.randn(2, 5, DIM, requires_grad=True)
+    y, weights = enc(x, causal=True, return_weights=True)
+    y.sum().backward()
+    assert y.shape == (2, 5, DIM) and torch.isfinite(x.grad).all()
+    assert torch.all(weights[0].triu(1) == 0)  # the causal flag reached the mechanism
+    exact = Encoder(2, DIM, HEADS)
+    exact.load_state_dict(enc.state_dict())
+    assert not torch.allclose(exact(x, causal=True), y)  # a different mechanism, a different output
+
+
 def test_dropout_is_active_in_training_only():
     layer = TransformerEncoderLayer(DIM, HEADS, dropout=0.5)
     x = torch.randn(2, 5, DIM)

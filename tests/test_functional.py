@@ -16,6 +16,7 @@ import qkv
 from qkv import backends, checks
 
 B, H, I, J, D, E = 2, 6, 5, 7, 11, 13
+_PLAIN = dict(score="scaled_dot", mask=None, bias=None, causal=False, scale=None, dropout=0.0, return_weights=False)
 
 
 def _inputs(dtype, g, i, *, seed=0):
@@ -76,45 +77,63 @@ def test_backends_agree_with_each_other_and_the_literal_oracle(causal, mask):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
-def _dead_rows_case():
-    """b=2, h=6, g=3, i=5, j=7 float64, with query rows 1 and 3 of batch 0 seeing no key."""
-    q, k, v = _inputs(torch.float64, 3, I, seed=4)
-    mask = torch.ones(B, 1, I, J, dtype=torch.bool)
-    mask[0, 0, 1] = False
-    mask[0, 0, 3] = False
-    return q, k, v, mask
+def _dead_rows_case(case):
+    """``(q, k, v, kwargs, dead)``: float64 b=2, h=6, g=3, j=7 inputs and a mask under which the
+    query rows ``dead`` of batch 0 see no key (batch 1 keeps every row alive)."""
+    i = 6 if case == "causal-i>j" else I
+    q, k, v = _inputs(torch.float64, 3, i, seed=4)
+    if case == "dense":
+        mask = torch.ones(B, 1, I, J, dtype=torch.bool)
+        mask[0, 0, [1, 3]] = False
+        return q, k, v, dict(mask=mask), [1, 3]
+    if case == "window&lengths":
+        # rows r see keys r .. r + 2 (window 2, j - i = 2); batch 0 has only 3 real keys
+        return q, k, v, dict(mask=qkv.masks.window(2) & qkv.masks.lengths(torch.tensor([3, 7]))), [3, 4]
+    # bottom-right causal with i > j: nothing to see for the first i - j queries, in every batch row
+    k, v = k[:, :, :4].detach().requires_grad_(), v[:, :, :4].detach().requires_grad_()
+    return q, k, v, dict(causal=True), [0, 1]
 
 
+@pytest.mark.parametrize("case", ["dense", "window&lengths", "causal-i>j"])
 @pytest.mark.parametrize("name", sorted(backends.REGISTRY))
-def test_fully_masked_rows_are_finite_zeros_on_every_backend(name):
-    q, k, v, mask = _dead_rows_case()
+def test_fully_masked_rows_are_finite_zeros_on_every_backend(name, case):
+    q, k, v, kwargs, dead = _dead_rows_case(case)
     impl = backends.REGISTRY[name]
+    ran = False
     for return_weights in (False, True):
-        req = checks.request(
-            q, k, v, score="scaled_dot", mask=mask, bias=None, causal=False, scale=None, dropout=0.0,
-            return_weights=return_weights,
-        )  # fmt: skip
+        req = checks.request(q, k, v, **{**_PLAIN, **kwargs, "return_weights": return_weights})
         if impl.supports(req) is not None:
             continue
-        result = qkv.attention(q, k, v, mask=mask, return_weights=return_weights, backend=name)
+        ran = True
+        result = qkv.attention(q, k, v, return_weights=return_weights, backend=name, **kwargs)
         out = result[0] if return_weights else result
-        assert torch.equal(out[0, :, [1, 3]], torch.zeros(H, 2, E))
+        assert torch.equal(out[0, :, dead], torch.zeros(H, len(dead), E))
         if return_weights:
             w = result[1]
-            assert torch.equal(w[0, :, [1, 3]], torch.zeros(H, 2, J))
-            torch.testing.assert_close(w[0, :, [0, 2, 4]].sum(-1), torch.ones(H, 3, dtype=w.dtype))
-        gq, gk, gv = _grads(out, (q, k, v))
-        assert all(bool(x.isfinite().all()) for x in (gq, gk, gv))
-        assert torch.equal(gq[0, :, [1, 3]], torch.zeros(H, 2, D))
-        # The dead rows contribute nothing to k and v: their gradients equal those with the rows removed.
-        keep = [0, 2, 4]
-        out_live = qkv.attention(q[:, :, keep], k, v, mask=mask[:, :, keep], backend="reference")
-        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-        gk_live, gv_live = torch.autograd.grad(out_live, (k, v), dout[:, :, keep])
-        gk_all, gv_all = torch.autograd.grad(qkv.attention(q, k, v, mask=mask, backend=name), (k, v), dout)
-        # Batch 1 has all rows alive, so compare batch 0 only.
-        torch.testing.assert_close(gk_all[0], gk_live[0])
-        torch.testing.assert_close(gv_all[0], gv_live[0])
+            assert torch.equal(w[0, :, dead], torch.zeros(H, len(dead), k.shape[-2]))
+            alive = [r for r in range(q.shape[-2]) if r not in dead]
+            torch.testing.assert_close(w[0, :, alive].sum(-1), torch.ones(H, len(alive), dtype=w.dtype))
+        grads = _grads(out, (q, k, v))
+        assert all(bool(x.isfinite().all()) for x in grads)
+        assert torch.equal(grads[0][0, :, dead], torch.zeros(H, len(dead), D))
+        expected = _grads(qkv.attention(q, k, v, backend="reference", **kwargs), (q, k, v))
+        for ours, exact in zip(grads, expected, strict=True):
+            torch.testing.assert_close(ours, exact)
+    if not ran:
+        pytest.skip(impl.supports(req))
+
+
+def test_dead_rows_do_not_touch_k_and_v_gradients():
+    # The reference's k and v gradients with dead rows equal those with the rows removed.
+    q, k, v, kwargs, dead = _dead_rows_case("dense")
+    mask = kwargs["mask"]
+    dout = torch.randn(B, H, I, E, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    gk, gv = torch.autograd.grad(qkv.attention(q, k, v, mask=mask, backend="reference"), (k, v), dout)
+    keep = [0, 2, 4]
+    out_live = qkv.attention(q[:, :, keep], k, v, mask=mask[:, :, keep], backend="reference")
+    gk_live, gv_live = torch.autograd.grad(out_live, (k, v), dout[:, :, keep])
+    torch.testing.assert_close(gk[0], gk_live[0])  # batch 1 had no dead rows, so only batch 0 is comparable
+    torch.testing.assert_close(gv[0], gv_live[0])
 
 
 def test_fully_masked_rows_with_lazy_masks():
@@ -151,7 +170,10 @@ def test_dropout_is_reproducible_with_a_generator_and_keeps_the_expectation():
 
 def test_explain_names_the_backend_and_why_others_were_passed_over():
     q, k, v = _inputs(torch.float32, 3, I)
-    assert qkv.explain(q, k, v).splitlines()[0] == "backend: sdpa"
-    text = qkv.explain(q, k, v, return_weights=True)
-    assert text.splitlines()[0] == "backend: reference"
-    assert "not sdpa: the fused kernel does not return weights" in text
+    text = qkv.explain(q, k, v)
+    assert text.splitlines()[0] == f"backend: {backends.choose(checks.request(q, k, v, **_PLAIN), 'auto')[0].name}"
+    text = qkv.explain(q, k, v, score=qkv.scores.Additive(D, D, 4))
+    assert text.startswith("backend: ") and not text.startswith("backend: sdpa")
+    assert "  not sdpa: the concat score is not a dot product" in text.splitlines()
+    assert qkv.explain(q, k, v, backend="reference") == "backend: reference"
+

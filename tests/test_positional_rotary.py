@@ -81,9 +81,10 @@ def test_rotary_in_multi_head_attention_is_shift_invariant():
     x = torch.randn(2, 5, 12, dtype=torch.float64)
     q = mha.q_proj(x).unflatten(-1, (3, 4)).transpose(1, 2)
     k = mha.k_proj(x).unflatten(-1, (3, 4)).transpose(1, 2)
-    logits = [
-        (lambda a, b: a @ b.transpose(-1, -2))(*mha.positional.rotate(q, k, start)) for start in (0, 10)
-    ]
+    logits = []
+    for start in (0, 10):
+        q_rot, k_rot = mha.positional.rotate(q, k, start)
+        logits.append(q_rot @ k_rot.transpose(-1, -2))
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-10)
     y_rope, w = mha(x, causal=True, return_weights=True)
     mha.positional = None
@@ -110,5 +111,6 @@ def test_angles_are_position_times_frequency():
     torch.testing.assert_close(angles, torch.tensor([[0.0, 0.0], [2.0, 2.0 / 10.0]], dtype=torch.float64))
     x = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
     out = apply_rotary(x, rotary_angles(torch.tensor([1]), 4, base=100.0))
-    expected = torch.tensor([[torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0)), torch.cos(torch.tensor(0.1)), torch.sin(torch.tensor(0.1))]])
+    one, tenth = torch.tensor(1.0), torch.tensor(0.1)  # angles of the two pairs at position 1
+    expected = torch.stack([one.cos(), one.sin(), tenth.cos(), tenth.sin()])[None]
     torch.testing.assert_close(out, expected)

@@ -59,7 +59,9 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> Dims:
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k: expected (b, g, j, d) with b={b} and d={d} like q, got shape {tuple(k.shape)}")
     if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v: expected (b, g, j, e) with (b, g, j)={tuple(k.shape[:3])} like k, got shape {tuple(v.shape)}")
+        raise ValueError(
+            f"v: expected (b, g, j, e) with (b, g, j)={tuple(k.shape[:3])} like k, got shape {tuple(v.shape)}"
+        )
     if g == 0 or h % g != 0:
         raise ValueError(f"k: query heads h={h} must be a multiple of KV heads g, got g={g}")
     return Dims(b, h, g, i, j, d, v.shape[3])

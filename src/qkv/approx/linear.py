@@ -141,7 +141,7 @@ def linear_attention(
     phi_k = repeat_kv(elu_feature_map(k), h)
     v = repeat_kv(v, h)
     if keep is not None:
-        phi_k = phi_k * keep[..., None].to(phi_k.dtype)
+        phi_k = phi_k.masked_fill(~keep[..., None], 0)
     out = kernel_attention(phi_q, phi_k, v, causal=causal, chunk_size=chunk_size)
     if return_weights:
         return out, kernel_attention_weights(phi_q, phi_k, causal=causal)

@@ -88,8 +88,8 @@ def linformer_attention(
     else:
         k, v = repeat_kv(k, h), repeat_kv(v, h)
         if keep is not None:
-            k = k * keep[..., None].to(k.dtype)
-            v = v * keep[..., None].to(v.dtype)
+            k = k.masked_fill(~keep[..., None], 0)
+            v = v.masked_fill(~keep[..., None], 0)
         k_proj, v_proj = _project(k, e_proj), _project(v, f_proj)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     probs = (einsum(q, k_proj, "b h i d, b h k d -> b h i k") * scale).softmax(-1)
@@ -98,7 +98,7 @@ def linformer_attention(
         return out
     effective = einsum(probs, f_proj, "b h i k, k j -> b h i j" if f_proj.dim() == 2 else "b h i k, h k j -> b h i j")
     if keep is not None:
-        effective = effective * keep[:, :, None, :].to(effective.dtype)
+        effective = effective.masked_fill(~keep[:, :, None, :], 0)
     return out, effective
 
 

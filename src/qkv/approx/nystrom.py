@@ -45,7 +45,16 @@ import torch
 from einops import einsum
 from torch import Tensor, nn
 
-from ._common import check_flags, check_qkv, check_scale, dense_mask, key_padding, masked_softmax, positive_int, repeat_kv
+from ._common import (
+    check_flags,
+    check_qkv,
+    check_scale,
+    dense_mask,
+    key_padding,
+    masked_softmax,
+    positive_int,
+    repeat_kv,
+)
 
 
 def segment_ids(n: int, m: int, device: torch.device | None = None) -> Tensor:
@@ -65,7 +74,7 @@ def segment_means(x: Tensor, m: int, keep: Tensor | None = None) -> tuple[Tensor
         return einsum(onehot, x, "m n, b h n c -> b h m c") / onehot.sum(-1)[:, None], None
     weight = onehot * keep[:, :, None, :].to(x.dtype)  # b h m n
     counts = weight.sum(-1)
-    sums = einsum(weight, x, "b h m n, b h n c -> b h m c")
+    sums = einsum(weight, x.masked_fill(~keep[..., None], 0), "b h m n, b h n c -> b h m c")
     return sums / counts.clamp_min(1)[..., None], counts > 0
 
 
@@ -87,7 +96,13 @@ def iterative_pinv(a: Tensor, iterations: int = 6) -> Tensor:
 
 
 def nystrom_parts(
-    q: Tensor, k: Tensor, *, num_landmarks: int, pinv_iterations: int = 6, keep: Tensor | None = None, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    *,
+    num_landmarks: int,
+    pinv_iterations: int = 6,
+    keep: Tensor | None = None,
+    scale: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(F̃ (b, h, i, m), Ã⁺ (b, h, m, m), B̃ (b, h, m, j))`` for ``q (b, h, i, d)``, ``k (b, h, j, d)``.
 
@@ -97,12 +112,14 @@ def nystrom_parts(
     q = q * scale
     q_marks, _ = segment_means(q, min(num_landmarks, q.shape[-2]))
     k_marks, valid = segment_means(k, min(num_landmarks, k.shape[-2]), keep)
-    f = masked_softmax(einsum(q, k_marks, "b h i d, b h m d -> b h i m"), None if valid is None else valid[:, :, None, :])
-    a = masked_softmax(
-        einsum(q_marks, k_marks, "b h n d, b h m d -> b h n m"), None if valid is None else valid[:, :, None, :]
-    )
-    bt = masked_softmax(einsum(q_marks, k, "b h m d, b h j d -> b h m j"), None if keep is None else keep[:, :, None, :])
-    return f, iterative_pinv(a, pinv_iterations), bt
+    marks_kept = None if valid is None else valid[:, :, None, :]
+    keys_kept = None if keep is None else keep[:, :, None, :]
+    f = masked_softmax(einsum(q, k_marks, "b h i d, b h m d -> b h i m"), marks_kept)
+    a = masked_softmax(einsum(q_marks, k_marks, "b h n d, b h m d -> b h n m"), marks_kept)
+    bt = masked_softmax(einsum(q_marks, k, "b h m d, b h j d -> b h m j"), keys_kept)
+    # The iteration multiplies m x m matrices 3 * pinv_iterations times: run it in at least float32.
+    a_pinv = iterative_pinv(a.to(torch.promote_types(a.dtype, torch.float32)), pinv_iterations).to(a.dtype)
+    return f, a_pinv, bt
 
 
 def nystrom_attention(
@@ -170,7 +187,9 @@ class NystromAttention(nn.Module):
                 raise ValueError(f"conv_kernel: expected an odd size (the output keeps the length), got {conv_kernel}")
             if heads is None:
                 raise ValueError("heads: conv_kernel needs one filter per head, so heads is required, got None")
-            self.conv = nn.Conv2d(heads, heads, (conv_kernel, 1), padding=(conv_kernel // 2, 0), groups=heads, bias=False)
+            self.conv = nn.Conv2d(
+                heads, heads, (conv_kernel, 1), padding=(conv_kernel // 2, 0), groups=heads, bias=False
+            )
 
     def forward(
         self,
@@ -197,9 +216,13 @@ class NystromAttention(nn.Module):
         )
         if self.conv is not None:
             if dims.h != self.heads:
-                raise ValueError(f"q: NystromAttention(heads={self.heads}) has conv filters for {self.heads} heads, got h={dims.h}")
+                raise ValueError(
+                    f"q: NystromAttention(heads={self.heads}) has conv filters for {self.heads} heads, got h={dims.h}"
+                )
             if dims.i != dims.j:
-                raise ValueError(f"k: the value convolution adds v to the output, so it needs j == i={dims.i}, got j={dims.j}")
+                raise ValueError(
+                    f"k: the value convolution adds v to the output, so it needs j == i={dims.i}, got j={dims.j}"
+                )
         result = nystrom_attention(
             q,
             k,
@@ -215,7 +238,7 @@ class NystromAttention(nn.Module):
         out, weights = result if return_weights else (result, None)
         values = repeat_kv(v, dims.h)
         if keep is not None:
-            values = values * keep[..., None].to(values.dtype)
+            values = values.masked_fill(~keep[..., None], 0)
         out = out + self.conv(values)
         return (out, weights) if return_weights else out
 

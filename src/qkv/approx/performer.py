@@ -94,20 +94,20 @@ def favor_features(
     """
     m = projection.shape[0]
     logits = einsum(x, projection.to(x), "... n d, m d -> ... n m") - (x * x).sum(-1, keepdim=True) / 2
+    lowest = torch.finfo(logits.dtype).min
+    if keep is not None:
+        logits = logits.masked_fill(~keep[..., None], lowest)  # exp gives exactly 0, never inf * 0
     if stabilize is not None:
-        masked = logits if keep is None else logits.masked_fill(~keep[..., None], torch.finfo(logits.dtype).min)
         if stabilize == "row":
-            top = masked.amax(-1, keepdim=True)
+            top = logits.amax(-1, keepdim=True)
         elif stabilize == "all":
-            top = masked.amax((-2, -1), keepdim=True)
+            top = logits.amax((-2, -1), keepdim=True)
         else:
             raise ValueError(f"stabilize: expected None, 'row' or 'all', got {stabilize!r}")
-        # The max only rescales numerator and denominator alike; no gradient flows through it.
-        logits = logits - top.detach()
-    phi = torch.exp(logits) / math.sqrt(m)
-    if keep is not None:
-        phi = phi * keep[..., None].to(phi.dtype)
-    return phi
+        # The max only rescales numerator and denominator alike, so no gradient flows through
+        # it; with every row padded there is nothing to rescale.
+        logits = logits - top.masked_fill(top == lowest, 0).detach()
+    return torch.exp(logits) / math.sqrt(m)
 
 
 def favor_attention(

@@ -51,7 +51,16 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import Tensor, nn
 
-from ._common import check_flags, check_interval, check_qkv, check_scale, dense_mask, make_generator, positive_int, repeat_kv
+from ._common import (
+    check_flags,
+    check_interval,
+    check_qkv,
+    check_scale,
+    dense_mask,
+    make_generator,
+    positive_int,
+    repeat_kv,
+)
 
 
 def random_rotations(

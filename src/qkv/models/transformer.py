@@ -13,7 +13,7 @@ embedding has unit-size entries like the sinusoid it is added to. Positions are 
 ``"relative"`` (inside self-attention, one module shared by the layers) or ``"none"``.
 Padding is given as ``lengths (b,)``: the number of real tokens at the start of each row.
 Training uses teacher forcing: ``model(src, tgt[:, :-1])`` predicts ``tgt[:, 1:]``.
-Tested in ``tests/test_models_transformer.py`` (overfits a small copy task; cached greedy
+Tested in ``tests/test_models_transformer.py`` (overfits a small reversal task; cached greedy
 decoding equals uncached).
 """
 
@@ -195,6 +195,8 @@ class Transformer(nn.Module):
         """
         tgt_lengths = check_lengths("tgt_lengths", tgt_lengths, _ids(tgt, "tgt"))
         check_batch(tgt=tgt, memory=memory, src_lengths=src_lengths, tgt_lengths=tgt_lengths)
+        if tgt_lengths is not None and cache is not None:
+            raise ValueError("tgt_lengths: target padding is not supported with a cache; decode rows of equal length")
         start = 0 if cache is None else cache.length
         x = self.tgt_embed(tgt, start, name="tgt")
         mask = key_padding(tgt_lengths)
@@ -236,6 +238,11 @@ class Transformer(nn.Module):
         if eos_id is not None:
             _token("eos_id", eos_id, self.config.tgt_vocab)
         positive_int("max_new_tokens", max_new_tokens)
+        if self.config.positional == "learned" and 1 + max_new_tokens > self.config.max_len:
+            raise ValueError(
+                f"max_new_tokens: BOS + {max_new_tokens} new tokens exceeds max_len={self.config.max_len} "
+                "of the learned positions"
+            )
         memory = self.encode(src, src_lengths=src_lengths)
         out = torch.full((src.shape[0], 1), bos_id, dtype=torch.long, device=src.device)
         cache = DecoderCache(self.config.decoder_layers, max_len=1 + max_new_tokens) if use_cache else None

@@ -1,0 +1,113 @@
+"""Tests for qkv.models.rnn: the bidirectional GRU encoder and the shared token checks.
+
+Shape legend: ``b`` batch, ``j`` source length, ``d`` annotation size.
+"""
+
+import pytest
+import torch
+
+from qkv.models.rnn import RNNEncoder, check_ids, check_lengths
+
+VOCAB, EMBED, HIDDEN = 23, 7, 5
+
+
+def _batch(generator, b=3, j=6, lengths=(6, 2, 4)):
+    source = torch.randint(1, VOCAB, (b, j), generator=generator)
+    lengths = torch.tensor(lengths)
+    for n, length in enumerate(lengths.tolist()):
+        source[n, length:] = 0
+    return source, lengths
+
+
+def test_shapes_and_zero_padding():
+    g = torch.Generator().manual_seed(1)
+    encoder = RNNEncoder(VOCAB, EMBED, HIDDEN, layers=2)
+    source, lengths = _batch(g)
+    annotations, final = encoder(source, lengths)
+    assert annotations.shape == (3, 6, 2 * HIDDEN) and encoder.out_dim == 2 * HIDDEN
+    assert final.shape == (2 * 2, 3, HIDDEN)
+    for n, length in enumerate(lengths.tolist()):
+        assert torch.all(annotations[n, length:] == 0)
+        assert torch.all(annotations[n, :length].abs().sum(-1) > 0)
+
+
+def test_each_row_is_encoded_as_if_alone_and_unpadded():
+    # Packing: the backward GRU of a short row starts at its own last token, not at padding.
+    g = torch.Generator().manual_seed(2)
+    encoder = RNNEncoder(VOCAB, EMBED, HIDDEN)
+    source, lengths = _batch(g)
+    annotations, final = encoder(source, lengths)
+    for n, length in enumerate(lengths.tolist()):
+        alone, alone_final = encoder(source[n : n + 1, :length])
+        torch.testing.assert_close(annotations[n : n + 1, :length], alone)
+        torch.testing.assert_close(final[:, n : n + 1], alone_final)
+
+
+def test_annotation_halves_are_forward_and_backward_gru_runs():
+    # h_j = [→h_j; ←h_j]: recompute both halves with the GRU's own weights, one direction at a time.
+    g = torch.Generator().manual_seed(3)
+    encoder = RNNEncoder(VOCAB, EMBED, HIDDEN)
+    source = torch.randint(1, VOCAB, (2, 5), generator=g)
+    annotations, _ = encoder(source)
+    x = encoder.embed(source)
+    rnn = encoder.rnn
+    forward = torch.nn.GRU(EMBED, HIDDEN, batch_first=True)
+    backward = torch.nn.GRU(EMBED, HIDDEN, batch_first=True)
+    with torch.no_grad():
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            getattr(forward, f"{name}_l0").copy_(getattr(rnn, f"{name}_l0"))
+            getattr(backward, f"{name}_l0").copy_(getattr(rnn, f"{name}_l0_reverse"))
+    expected_forward, _ = forward(x)
+    expected_backward, _ = backward(x.flip(1))
+    torch.testing.assert_close(annotations[..., :HIDDEN], expected_forward)
+    torch.testing.assert_close(annotations[..., HIDDEN:], expected_backward.flip(1))
+
+
+def test_unidirectional():
+    encoder = RNNEncoder(VOCAB, EMBED, HIDDEN, bidirectional=False)
+    annotations, final = encoder(torch.ones(2, 4, dtype=torch.long))
+    assert annotations.shape == (2, 4, HIDDEN) and final.shape == (1, 2, HIDDEN)
+
+
+def test_bad_ids():
+    encoder = RNNEncoder(VOCAB, EMBED, HIDDEN)
+    with pytest.raises(ValueError, match=r"source: expected token ids in \[0, 23\), got values in \[0, 23\]"):
+        encoder(torch.tensor([[0, 23]]))
+    with pytest.raises(ValueError, match=r"source: expected token ids in \[0, 23\), got values in \[-1, 3\]"):
+        encoder(torch.tensor([[-1, 3]]))
+    with pytest.raises(TypeError, match="source: expected an integer tensor of token ids, got torch.float32"):
+        encoder(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=r"source: expected shape \(b, length\), got \(3,\)"):
+        encoder(torch.ones(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"source: expected at least one token per row, got shape \(2, 0\)"):
+        encoder(torch.ones(2, 0, dtype=torch.long))
+
+
+def test_bad_lengths():
+    encoder = RNNEncoder(VOCAB, EMBED, HIDDEN)
+    source = torch.ones(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"source_lengths: expected shape \(2,\) \(one length per batch row\), got \(3,\)"):
+        encoder(source, torch.tensor([4, 4, 4]))
+    with pytest.raises(ValueError, match=r"source_lengths: expected lengths in \[1, 4\] \(the padded length\), got \[5, 1\]"):
+        encoder(source, torch.tensor([5, 1]))
+    with pytest.raises(ValueError, match=r"source_lengths: expected lengths in \[1, 4\]"):
+        encoder(source, torch.tensor([0, 1]))
+    with pytest.raises(TypeError, match="source_lengths: expected an integer tensor, got torch.float32"):
+        encoder(source, torch.tensor([4.0, 1.0]))
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="hidden: expected a positive int, got 0"):
+        RNNEncoder(VOCAB, EMBED, 0)
+    with pytest.raises(ValueError, match=r"pad_id: expected an id in \[0, 23\), got 23"):
+        RNNEncoder(VOCAB, EMBED, HIDDEN, pad_id=23)
+    with pytest.raises(ValueError, match=r"dropout: expected a probability in \[0, 1\), got 1.5"):
+        RNNEncoder(VOCAB, EMBED, HIDDEN, dropout=1.5)
+
+
+def test_check_helpers_pass_good_input_through():
+    ids = torch.tensor([[1, 2], [3, 4]])
+    assert check_ids("x", ids, 5) is ids
+    assert check_lengths("n", torch.tensor([1, 2], dtype=torch.int32), 2, 2).dtype == torch.long
+    with pytest.raises(ValueError, match=r"x: expected shape \(b,\), got \(2, 2\)"):
+        check_ids("x", ids, 5, dims=1)
