@@ -134,6 +134,12 @@ def test_attention_single_step_query_is_the_weighted_sum_of_annotations():
     torch.testing.assert_close(c, manual)
     # The same query as a length-1 sequence (b, i, dq) gives the same context.
     torch.testing.assert_close(qkv.Attention("dot")(s[:, None], h)[:, 0], c)
+    # A padding mask shaped like the single-step weights (b, j).
+    keep = torch.tensor([[True] * 6, [True] * 4 + [False] * 2, [True] * 2 + [False] * 4])
+    c_masked, alpha_masked = qkv.Attention("dot")(s, h, mask=keep, return_weights=True)
+    expected = torch.softmax(torch.einsum("bd,bjd->bj", s, h).masked_fill(~keep, float("-inf")), dim=-1)
+    torch.testing.assert_close(alpha_masked, expected)
+    torch.testing.assert_close(c_masked, torch.einsum("bj,bjd->bd", expected, h))
 
 
 def test_attention_sequence_query_with_separate_values():
@@ -278,6 +284,11 @@ def test_every_score_trains_per_head(name):
         (lambda: qkv.MultiHeadAttention(12, 2)(torch.randn(2, 5, 12), torch.randn(2, 7, 12), torch.randn(2, 6, 12)),
          ValueError, r"value: expected batch and length matching key \(b=2, j=7\)"),
         (lambda: qkv.MultiHeadAttention(12, 2)([1.0]), TypeError, r"query: expected a tensor \(b, length, 12\), got list"),
+        (lambda: qkv.Attention()(torch.randn(2, 5, 4), torch.randn(1, 7, 4)), ValueError,
+         r"key: expected batch 2 like query, got 1"),
+        (lambda: qkv.Attention()(torch.randn(2, 4), torch.randn(1, 7, 4)), ValueError, r"key: expected batch 2 like query, got 1"),
+        (lambda: qkv.Attention()(torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(1, 7, 3)), ValueError,
+         r"value: expected batch 2 like query, got 1"),
         (lambda: qkv.Attention("general"), ValueError, r"score: 'general' has learned parameters"),
         (lambda: qkv.Attention(dropout=-1), ValueError, r"dropout: expected a probability in \[0, 1\), got -1"),
     ],

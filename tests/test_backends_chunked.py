@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends import chunked, dropout, fused_blocks, reference
+from qkv.backends import bias_grad, chunked, dropout, fused_blocks, reference
 from qkv.backends.tiles import BiasSource
 from qkv.masks import Tile
 
@@ -22,6 +22,8 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(chunked, "TILE_ELEMENTS", 2 * H * 4 * 4)  # tiles of about 4 x 4
     monkeypatch.setattr(fused_blocks, "BLOCK_BYTES", 1)  # query blocks of 32 rows
     monkeypatch.setattr(fused_blocks, "KEY_STEP", 8)
+    monkeypatch.setattr(fused_blocks, "DIAGONAL_ROWS", 8)
+    monkeypatch.setattr(bias_grad, "BLOCK_ELEMENTS", 2 * H * 3 * 40)  # bias gradient by 3 rows
 
 
 def make_inputs(i, j, dtype=torch.float64, seed=0):

@@ -114,3 +114,17 @@ def test_decoder_stack_cached_equals_full_and_projects_memory_once(norm_first):
     torch.testing.assert_close(w["self"][0], w_full["self"][0][:, :, -1:], **TOL)
     assert sum(projected) == 2 * 7  # the memory was projected once per layer, not once per step
     assert cache.has_memory and cache.cross[0].length == 7 and cache.length == 5
+
+
+def test_growing_cache_works_under_autograd():
+    # max_len=None concatenates instead of writing into a buffer, so gradients flow through
+    # cached decoding and equal those of the full pass
+    mha = _mha("rotary")
+    x = torch.randn(2, 5, mha.dim, dtype=torch.float64)
+    mha(x, causal=True).square().sum().backward()
+    full_grad = mha.k_proj.weight.grad.clone()
+    mha.zero_grad()
+    cache = KVCache()
+    steps = [mha(x[:, t : t + 1], causal=True, cache=cache) for t in range(5)]
+    torch.cat(steps, 1).square().sum().backward()
+    torch.testing.assert_close(mha.k_proj.weight.grad, full_grad, rtol=0, atol=1e-10)

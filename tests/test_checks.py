@@ -68,6 +68,8 @@ CASES = [
      r"mask: expected shape broadcastable to \(2, 6, 5, 7\), got \(1, 2, 6, 5, 7\)"),
     ("mask-nested", lambda: _call(mask=masks.causal() & torch.ones(5, 6, dtype=torch.bool)), ValueError,
      r"mask: expected shape broadcastable to \(2, 6, 5, 7\), got \(5, 6\)"),
+    ("mask-nested-lengths", lambda: _call(mask=masks.lengths(torch.tensor([1, 2])) & masks.lengths(torch.tensor([1, 2, 3]))),
+     ValueError, r"mask: expected shape broadcastable to \(2, 6, 5, 7\), got \(3, 1, 1, 1\)"),
     ("mask-lengths-batch", lambda: _call(mask=masks.lengths(torch.tensor([1, 2, 3]))), ValueError,
      r"mask: expected shape broadcastable to \(2, 6, 5, 7\), got \(3, 1, 1, 1\)"),
     ("mask-float", lambda: _call(mask=torch.ones(5, 7)), TypeError,

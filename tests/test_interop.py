@@ -99,6 +99,20 @@ def test_causal_self_attention_matches():
              qkv_kwargs=dict(causal=True))  # fmt: skip
 
 
+def test_fully_padded_query_is_nan_in_pytorch_and_zero_in_qkv():
+    theirs, ours = _pair()
+    x, key, value = (t.detach() for t in _inputs())
+    blocked = torch.zeros(I, J, dtype=torch.bool)
+    blocked[2] = True  # query 2 may see no key
+    y_t, _ = theirs(x, key, value, attn_mask=blocked)
+    y_q, w_q = ours(x, key, value, mask=~blocked, return_weights=True)
+    assert bool(y_t[:, 2].isnan().all())  # the documented difference
+    assert torch.equal(w_q[:, :, 2], torch.zeros(B, HEADS, J))
+    # qkv's row is the output projection of a zero context: just the output bias.
+    torch.testing.assert_close(y_q[:, 2], ours.out_proj.bias.expand(B, DIM))
+    torch.testing.assert_close(y_q[:, [0, 1, 3, 4]], y_t[:, [0, 1, 3, 4]])
+
+
 def test_sequence_first_module_with_transposed_inputs():
     theirs, ours = _pair(batch_first=False)
     _compare(theirs, ours, _inputs(), torch_kwargs={}, qkv_kwargs={}, batch_first=False)

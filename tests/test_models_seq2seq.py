@@ -202,3 +202,14 @@ def test_bad_configs():
         Luong(Seq2SeqConfig(5, 5))
     with pytest.raises(TypeError, match="config: expected a Seq2SeqConfig, got dict"):
         Bahdanau({"source_vocab": 5})
+
+
+@pytest.mark.parametrize("kind", ["bahdanau", "luong"])
+def test_dropout_only_in_training_and_stacked_encoder(kind):
+    model = _model(kind, dropout=0.3, encoder_layers=2)
+    source, lengths, target = _data(7)
+    a, b = model(source, target, lengths), model(source, target, lengths)
+    assert not torch.equal(a, b)  # training mode: dropout draws differ
+    model.eval()
+    a, b = model(source, target, lengths), model(source, target, lengths)
+    assert torch.equal(a, b) and a.shape == (3, 6, TGT_VOCAB)

@@ -13,7 +13,8 @@ with grouped KV heads (Ainslie et al. 2023, GQA: ``g`` K/V heads shared by ``h/g
 heads each; ``g = 1`` is multi-query attention), any score per head, an optional positional
 module (RoPE rotates q and k, ALiBi / T5 buckets add a lazy bias) and a pluggable mechanism
 (``attention=``, e.g. a ``qkv.approx`` class). Checked against ``nn.MultiheadAttention`` in
-``tests/test_attention.py`` through :meth:`MultiHeadAttention.from_torch`.
+``tests/test_interop.py`` through :meth:`MultiHeadAttention.from_torch`, and by gradcheck for
+every score in ``tests/test_attention.py``.
 """
 
 from __future__ import annotations
@@ -73,12 +74,28 @@ class Attention(nn.Module):
         bias: Tensor | LazyBias | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """``query (..., i, dq)`` or a single step ``(b, dq)``; ``key (..., j, dk)``; ``value (..., j, e)``."""
+        """``query (..., i, dq)`` or a single step ``(b, dq)``; ``key (..., j, dk)``; ``value (..., j, e)``.
+
+        In the seq2seq form, ``(b, i, dq)`` with ``(b, j, dk)``, the first dim is the batch and
+        must be the same for all three (in ``(b, h, i, d)`` form the heads may be grouped).
+        For a single step, a tensor ``mask`` or ``bias`` shaped like its weights ``(b, j)``
+        is accepted.
+        """
         key = query if key is None else key
         value = key if value is None else value
         single_step = query.dim() == key.dim() - 1
         if single_step:
             query = query.unsqueeze(-2)  # (b, dq) -> (b, 1, dq)
+            # a mask / bias shaped like the single-step weights (b, j) gets the query axis too
+            if isinstance(mask, Tensor) and mask.dim() == key.dim() - 1:
+                mask = mask.unsqueeze(-2)
+            if isinstance(bias, Tensor) and bias.dim() == key.dim() - 1:
+                bias = bias.unsqueeze(-2)
+        if key.dim() == 3:
+            # (b, i, d) inputs: dim 0 is a batch, which qkv.attention would read as grouped heads
+            for name, x in (("key", key), ("value", value)):
+                if x.shape[0] != query.shape[0]:
+                    raise ValueError(f"{name}: expected batch {query.shape[0]} like query, got {x.shape[0]}")
         result = attention(
             query, key, value, score=self.score, mask=mask, bias=bias, causal=causal,
             dropout=self.dropout if self.training else 0.0, return_weights=return_weights,

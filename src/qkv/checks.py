@@ -120,12 +120,16 @@ def _mask_shape(mask: Mask, target: tuple[int, ...]) -> None:
 
 
 def _nested_dense(mask: Mask, target: tuple[int, ...]) -> None:
-    """Check dense masks inside ``&``/``|`` combinations too."""
-    from .masks import And, Dense, Or
+    """Check every part inside ``&``/``|`` combinations too.
+
+    A combination reports only its longer part's batch shape, so a second ``lengths`` (or
+    dense) part with another batch size would otherwise broadcast the output past ``q``.
+    """
+    from .masks import And, Or
 
     if isinstance(mask, (And, Or)):
         for part in (mask.a, mask.b):
-            _mask_shape(part, target) if isinstance(part, Dense) else _nested_dense(part, target)
+            _mask_shape(part, target)
 
 
 def _bias(bias: Tensor | LazyBias | None, target: tuple[int, ...], q: Tensor) -> Tensor | LazyBias | None:

@@ -113,7 +113,7 @@ class Window(Mask):
 
     def __init__(self, left: int | None = None, right: int | None = 0):
         for name, value in (("left", left), ("right", right)):
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
         self.left, self.right = left, right
 

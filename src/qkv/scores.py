@@ -27,7 +27,7 @@ location       (W_a q)_j   (query alone)           :class:`Location`
 
 ``vᵀ tanh(W[q; k]) = vᵀ tanh(W_q q + W_k k)`` with ``W = [W_q  W_k]``, so Bahdanau's MLP
 score and Luong's "concat" are the same class. Checked against the literal formulas in
-``tests/test_scores.py`` and by gradcheck.
+``tests/test_scores.py`` and by gradcheck through the modules (``tests/test_attention.py``).
 """
 
 from __future__ import annotations

@@ -30,9 +30,10 @@ from torch import Tensor
 
 from ..positional import LazyBias
 from . import dropout as drop
-from .fused_blocks import FusedBlocks, FusedPlan
+from .fused_blocks import DiagonalMask, FusedBlocks, FusedPlan
 from .online_softmax import Plan, TiledAttention
 from .request import Request
+from .tiles import BiasSource
 from .weights import rebuild
 
 name = "chunked"
@@ -53,9 +54,14 @@ def engine(req: Request) -> str:
         return "online_softmax"
     if req.dropout > 0 or req.q.dim() != 4:
         return "online_softmax"
-    if _trainable_bias(req):
-        return "online_softmax"
+    if _trainable_bias(req) and not (isinstance(req.bias, LazyBias) and DiagonalMask.applies(_fused_plan(req))):
+        return "online_softmax"  # the fused kernel cannot differentiate this bias
     return "fused_blocks"
+
+
+def _fused_plan(req: Request) -> FusedPlan:
+    causal_square = req.bias is None and req.is_causal_only and req.i == req.j
+    return FusedPlan(mask=req.mask, bias=req.bias, scale=req.scale, causal_square=causal_square)
 
 
 def _trainable_bias(req: Request) -> bool:
@@ -74,9 +80,10 @@ def forward(req: Request) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     qp, kp = req.score.prepare(q, k)
     if engine(req) == "fused_blocks":
-        causal_square = req.bias is None and req.is_causal_only and req.i == req.j
-        plan = FusedPlan(mask=req.mask, bias=req.bias, scale=req.scale, causal_square=causal_square)
-        out, lse = FusedBlocks.apply(plan, *same_head_size(qp, kp, v))
+        profile = None
+        if _trainable_bias(req):  # learned T5 buckets: the (h, L) profile carries the gradient
+            profile = BiasSource(req.bias, req.i, req.j, q.device, grad=True).profile_graph
+        out, lse = FusedBlocks.apply(_fused_plan(req), *same_head_size(qp, kp, v), profile)
         out = out[..., : v.shape[-1]]
     else:
         out, lse = _online(req, qp, kp, v)

@@ -26,14 +26,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..masks import Mask, Tile
-from .tiles import NEG_INF, BiasSource, as_heads, key_range
+from ..masks import Mask, Tile, Window
+from ..positional import LazyBias
+from .bias_grad import add_profile_grad
+from .tiles import NEG_INF, BiasSource, as_heads, key_range, shift_invariant
 
 _forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 #: Bytes allowed for one block's float bias/mask; blocks shrink to stay under it.
-BLOCK_BYTES = 16 * 2**20
+BLOCK_BYTES = 32 * 2**20
+#: Query rows per call when the mask is a view of the diagonal profile (fewer calls are
+#: faster; smaller blocks skip more of the keys a causal mask hides).
+DIAGONAL_ROWS = 512
 #: Key granularity for skipping keys a whole query block cannot see.
 KEY_STEP = 256
 
@@ -46,11 +51,13 @@ class FusedPlan:
     causal_square: bool  # the mask is exactly causal and i == j: the kernel's own flag is right
 
 
-def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int) -> int:
+def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> int:
     """Query rows per kernel call: all of them when there is nothing to build per block."""
     i_len = q.shape[-2]
     if (plan.mask is None and plan.bias is None) or plan.causal_square:
         return i_len
+    if diagonal:  # masks are free views; blocks only serve to skip keys a window hides
+        return i_len if plan.mask is None else min(i_len, DIAGONAL_ROWS)
     per_row = max(1, q.shape[0] * q.shape[1] * j_len * q.element_size())  # worst case: a (b, h, it, jt) mask
     rows = max(32, BLOCK_BYTES // per_row) // 32 * 32
     return min(i_len, rows)
@@ -78,9 +85,68 @@ def _block_mask(plan: FusedPlan, t: Tile, bias: BiasSource, dtype: torch.dtype) 
     return add, live
 
 
-def _blocks(plan: FusedPlan, q: Tensor, j_len: int):
+class DiagonalMask:
+    """Bias and window mask of a whole call as one ``(h|1, L)`` profile over query-key offsets.
+
+    When the mask is a ``Window`` (causal, sliding) or absent and the bias is shift-invariant
+    (ALiBi, T5 buckets) or absent, every logit's additive term depends only on the offset
+    ``c - r - (j - i)``. A block's ``(it, jt)`` mask is then the profile read along shifted
+    windows; with the block's query rows taken in reverse order it is even a plain
+    ``as_strided`` view (row stride 1, column stride 1: no copy, no ``(h, it, jt)``
+    tensor), which the fused kernel reads directly. Outputs are un-reversed afterwards.
+    """
+
+    def __init__(self, plan: FusedPlan, i_len: int, j_len: int, dtype: torch.dtype, device, profile: Tensor | None = None):
+        self.window, self.i_len, self.j_len = plan.mask, i_len, j_len
+        self.shift = j_len - i_len
+        self.offset0 = -(i_len - 1) - self.shift
+        offsets = torch.arange(self.offset0, self.offset0 + i_len + j_len - 1, device=device)
+        if profile is not None:  # a learned bias, evaluated (with its graph) by the caller
+            prof = profile.detach().to(dtype)
+        elif plan.bias is not None:
+            prof = BiasSource(plan.bias, i_len, j_len, device).profile.to(dtype)
+        else:
+            prof = torch.zeros(1, offsets.numel(), dtype=dtype, device=device)
+        w = self.window
+        if w is not None:
+            allowed = torch.ones_like(offsets, dtype=torch.bool)
+            if w.right is not None:
+                allowed &= offsets <= w.right
+            if w.left is not None:
+                allowed &= offsets >= -w.left
+            prof = prof.masked_fill(~allowed, NEG_INF)
+        self.profile = prof.contiguous()
+
+    @staticmethod
+    def applies(plan: FusedPlan) -> bool:
+        lazy_ok = plan.bias is None or (isinstance(plan.bias, LazyBias) and shift_invariant(plan.bias))
+        return lazy_ok and (plan.mask is None or isinstance(plan.mask, Window))
+
+    def base(self, t: Tile) -> int:
+        """Profile index of the reversed block's row 0, column 0 (query ``i1 - 1``, key ``j0``)."""
+        return t.j0 - t.i0 - self.shift - self.offset0 - (t.i1 - t.i0) + 1
+
+    def reversed_block(self, t: Tile) -> Tensor:
+        """``(1, h|1, it, jt)`` mask of tile ``t`` with its rows in reverse order (a view)."""
+        h, length = self.profile.shape
+        shape = (1, h, t.i1 - t.i0, t.j1 - t.j0)
+        return self.profile.as_strided(shape, (0, length, 1, 1), self.profile.storage_offset() + self.base(t))
+
+    def live(self, t: Tile) -> Tensor | None:
+        """Bool ``(it, 1)``: rows with at least one key in the window; None if all are."""
+        w = self.window
+        if w is None:
+            return None
+        rows = torch.arange(t.i0, t.i1, device=self.profile.device) + self.shift
+        lo = (rows - w.left).clamp(min=0) if w.left is not None else torch.zeros_like(rows)
+        hi = (rows + w.right).clamp(max=self.j_len - 1) if w.right is not None else torch.full_like(rows, self.j_len - 1)
+        live = lo <= hi
+        return None if bool(live.all()) else live[:, None]
+
+
+def _blocks(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool):
     i_len = q.shape[-2]
-    step = rows_per_block(plan, q, j_len)
+    step = rows_per_block(plan, q, j_len, diagonal)
     for i0 in range(0, i_len, step):
         i1 = min(i0 + step, i_len)
         if plan.causal_square:
@@ -94,19 +160,29 @@ class FusedBlocks(torch.autograd.Function):
     """``(q, k, v) -> (out, lse)`` with ``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)``."""
 
     @staticmethod
-    def forward(ctx, plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor):
+    def forward(ctx, plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, profile: Tensor | None = None):
         i_len, j_len = q.shape[-2], k.shape[-2]
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         lse = torch.full(q.shape[:-1], float("inf"), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-        bias = BiasSource(plan.bias, i_len, j_len, q.device)
+        diagonal = DiagonalMask(plan, i_len, j_len, q.dtype, q.device, profile) if DiagonalMask.applies(plan) else None
+        bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
         dead = []  # (rows, live) of blocks with rows that see no key
-        for t in _blocks(plan, q, j_len):
+        for t in _blocks(plan, q, j_len, diagonal is not None):
             rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
             if t.j0 == t.j1:
                 dead.append((rows, None))
                 continue
-            add, live = (None, None) if plan.causal_square else _block_mask(plan, t, bias, q.dtype)
-            o, m = _forward(q[..., rows, :], k[..., cols, :], v[..., cols, :], 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
+            kc, vc = k[..., cols, :], v[..., cols, :]
+            if plan.causal_square:
+                o, m = _forward(q[..., rows, :], kc, vc, 0.0, True, scale=plan.scale)
+                live = None
+            elif diagonal is not None:
+                add, live = diagonal.reversed_block(t), diagonal.live(t)
+                o, m = _forward(q[..., rows, :].flip(-2), kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
+                o, m = o.flip(-2), m.flip(-1)
+            else:
+                add, live = _block_mask(plan, t, bias, q.dtype)
+                o, m = _forward(q[..., rows, :], kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
             if live is not None:
                 o = o * live
                 m = torch.where(live.squeeze(-1), m, float("inf"))
@@ -114,14 +190,14 @@ class FusedBlocks(torch.autograd.Function):
             out[..., rows, :] = o
             lse[..., rows] = m
         ctx.plan, ctx.dead = plan, dead
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, profile)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
         plan: FusedPlan = ctx.plan
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, profile = ctx.saved_tensors
         i_len, j_len = q.shape[-2], k.shape[-2]
         d_out = d_out.contiguous()
         for rows, live in ctx.dead:  # no gradient flows from rows that see no key
@@ -129,18 +205,34 @@ class FusedBlocks(torch.autograd.Function):
         # the kernel's backward wants its own lse: finite for dead rows (their d_out is 0 anyway)
         lse = torch.where(torch.isinf(lse), 0.0, lse)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        bias = BiasSource(plan.bias, i_len, j_len, q.device)
-        for t in _blocks(plan, q, j_len):
+        diagonal = DiagonalMask(plan, i_len, j_len, q.dtype, q.device, profile) if DiagonalMask.applies(plan) else None
+        d_profile = None
+        if profile is not None and ctx.needs_input_grad[4]:
+            d_profile = torch.zeros(profile.shape, dtype=torch.float32, device=q.device)
+            delta = (d_out.float() * out.float()).sum(-1)  # D = rowsum(dO ∘ O)
+        bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
+        for t in _blocks(plan, q, j_len, diagonal is not None):
             if t.j0 == t.j1:
                 continue
             rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
-            add = None if plan.causal_square else _block_mask(plan, t, bias, q.dtype)[0]
-            gq, gk, gv = _backward(
-                d_out[..., rows, :], q[..., rows, :], k[..., cols, :], v[..., cols, :],
-                out[..., rows, :], lse[..., rows], 0.0, plan.causal_square, attn_mask=add, scale=plan.scale,
-            )  # fmt: skip
+            args = [d_out[..., rows, :], q[..., rows, :], k[..., cols, :], v[..., cols, :], out[..., rows, :], lse[..., rows]]
+            add, flip = None, diagonal is not None and not plan.causal_square
+            if flip:
+                add = diagonal.reversed_block(t)
+                args = [x.flip(-1 if n == 5 else -2) if n in (0, 1, 4, 5) else x for n, x in enumerate(args)]
+            elif not plan.causal_square:
+                add = _block_mask(plan, t, bias, q.dtype)[0]
+            gq, gk, gv = _backward(*args, 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
+            if flip:
+                gq = gq.flip(-2)
+            if d_profile is not None:
+                add_profile_grad(
+                    d_profile, args[1], args[2], args[3], args[0], args[5], delta[..., rows].flip(-1),
+                    add, diagonal.base(t), plan.scale,
+                )  # fmt: skip
             dq[..., rows, :] = gq
             dk[..., cols, :] += gk
             dv[..., cols, :] += gv
-        return None, dq, dk, dv
+        d_profile = None if d_profile is None else d_profile.to(profile.dtype)
+        return None, dq, dk, dv, d_profile
 

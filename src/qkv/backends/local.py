@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from ..masks import And, Dense, Mask, Or, Tile, Window
+from ..masks import And, Dense, Lengths, Mask, Or, Tile, Window
+from ..positional import LazyBias
 from .chunked import same_head_size
 from .request import Request
-from .tiles import NEG_INF, BiasSource, as_heads
+from .tiles import NEG_INF, BiasSource, as_heads, shift_invariant
 
 name = "local"
 selects_weights = False
@@ -75,8 +76,8 @@ def supports(req: Request) -> str | None:
     if req.bias is not None and _trainable(req.bias):
         return "the fused kernel cannot differentiate a learned bias"
     span = block_size(window) + window.left + window.right
-    if 2 * span > req.j:
-        return f"the window (block + left + right = {span} keys) covers most of the j={req.j} keys"
+    if 2 * span > req.j or span > req.i:
+        return f"the window (block + left + right = {span} keys) covers most of the i={req.i}, j={req.j} positions"
     return None
 
 
@@ -107,6 +108,8 @@ class _Kernel(torch.autograd.Function):
 
 def _block_masks(req: Request, window: Window, size: int, n: int, first: int, width: int) -> Tensor:
     """Float ``(b|1, n, h|1, B, W)``: 0 where block ``m`` row ``a`` may see window key ``w``, else -inf."""
+    if _by_offset(req):
+        return _offset_masks(req, size, n, first, width)
     bias = BiasSource(req.bias, req.i, req.j, req.q.device) if req.bias is not None else None
     blocks = []
     for m in range(n):
@@ -126,6 +129,42 @@ def _block_masks(req: Request, window: Window, size: int, n: int, first: int, wi
     return torch.stack([x.expand(shapes) for x in blocks], dim=1)  # (b|1, n, h|1, B, W)
 
 
+def _by_offset(req: Request) -> bool:
+    """True when mask and bias depend on the offset alone (plus key lengths): no per-block work."""
+    parts = [req.mask.a, req.mask.b] if isinstance(req.mask, And) else [req.mask]
+    if not all(isinstance(m, (Window, Lengths)) for m in parts) or sum(isinstance(m, Lengths) for m in parts) > 1:
+        return False
+    return req.bias is None or (isinstance(req.bias, LazyBias) and shift_invariant(req.bias))
+
+
+def _offset_masks(req: Request, size: int, n: int, first: int, width: int) -> Tensor:
+    """:func:`_block_masks` when it is one ``(h|1, B, W)`` pattern for every block, cut by key validity.
+
+    In block coordinates query row ``a`` and window key ``w`` are at offset
+    ``c - r - (j - i) = w - a - left`` whatever the block, so windows and shift-invariant
+    biases are one pattern; only whether key ``c = first + m·B + w`` exists (``0 <= c <
+    j``, or below a batch row's length) changes from block to block.
+    """
+    device, dtype = req.q.device, req.q.dtype
+    pattern = Tile(0, size, first, first + width, req.i, req.j, device)  # block 0's coordinates
+    parts = [req.mask.a, req.mask.b] if isinstance(req.mask, And) else [req.mask]
+    allowed = torch.ones(size, width, dtype=torch.bool, device=device)
+    limit = torch.tensor([req.j], device=device)
+    for m in parts:
+        if isinstance(m, Window):
+            allowed &= m.tile(pattern)
+        else:
+            limit = m.key_lengths.to(device).clamp(max=req.j)  # (b,)
+    cols = first + torch.arange(n, device=device)[:, None] * size + torch.arange(width, device=device)  # (n, W)
+    valid = (cols >= 0) & (cols < limit[:, None, None])  # (b|1, n, W)
+    ok = allowed[None, None, :, :] & valid[:, :, None, :]  # (b|1, n, B, W)
+    add = torch.zeros((), dtype=dtype, device=device).masked_fill(torch.tensor(True), NEG_INF)
+    add = torch.where(ok, torch.zeros((), dtype=dtype, device=device), add)[:, :, None]  # (b|1, n, 1, B, W)
+    if req.bias is not None:
+        add = add + BiasSource(req.bias, req.i, req.j, device).tile(pattern).to(dtype)[None, None]
+    return add
+
+
 def run(req: Request) -> tuple[Tensor, None]:
     window = find_window(req.mask)
     qp, kp = req.score.prepare(req.q, req.k)
@@ -134,20 +173,58 @@ def run(req: Request) -> tuple[Tensor, None]:
     b, h, i_len, _ = qp.shape
     size = block_size(window)
     n = math.ceil(i_len / size)
-    shift = req.j - req.i
-    first = shift - window.left  # window start of query row 0
+    first = (req.j - req.i) - window.left  # window start of query row 0
     width = size + window.left + window.right
     pad_front = max(0, -first)
     pad_back = max(0, first + (n - 1) * size + width - req.j)
     start = first + pad_front  # where block 0's window starts in the padded keys
-    # keys and values cut into n overlapping windows of W positions, one every B positions
-    k_win = F.pad(kp, (0, 0, pad_front, pad_back))[..., start:, :].unfold(-2, width, size)[:, :, :n]
-    v_win = F.pad(v, (0, 0, pad_front, pad_back))[..., start:, :].unfold(-2, width, size)[:, :, :n]
-    k_blocks = rearrange(k_win, "b g n d w -> (b n) g w d")
-    v_blocks = rearrange(v_win, "b g n e w -> (b n) g w e")
-    q_blocks = rearrange(F.pad(qp, (0, 0, 0, n * size - i_len)), "b h (n r) d -> (b n) h r d", n=n)
-    add = _block_masks(req, window, size, n, first, width)
-    add = rearrange(add.expand(b, *add.shape[1:]), "b n h r w -> (b n) h r w")
-    out = _Kernel.apply(q_blocks, k_blocks.contiguous(), v_blocks.contiguous(), add, req.scale)
-    out = rearrange(out, "(b n) h r e -> b h (n r) e", b=b)[:, :, :i_len, :e]
+    # keys and values cut into n overlapping windows of W positions, one every B positions:
+    # views (b, n, g, W, d) of the padded keys, which the kernel reads without a copy
+    k_blocks = F.pad(kp, (0, 0, pad_front, pad_back))[..., start:, :].unfold(-2, width, size)[:, :, :n].permute(0, 2, 1, 4, 3)
+    v_blocks = F.pad(v, (0, 0, pad_front, pad_back))[..., start:, :].unfold(-2, width, size)[:, :, :n].permute(0, 2, 1, 4, 3)
+    q_blocks = rearrange(F.pad(qp, (0, 0, 0, n * size - i_len)), "b h (n r) d -> b n h r d", n=n)
+    if _by_offset(req) and not _has_lengths(req.mask):
+        # one (h|1, B, W) pattern serves every block whose window lies inside the keys;
+        # only the blocks at the two ends need their own masks
+        pattern, valid = _pattern(req, size, n, first, width)
+        inside = valid.all(-1)
+        lo = int(inside.int().argmax()) if bool(inside.any()) else n
+        hi = n - int(inside.flip(0).int().argmax()) if bool(inside.any()) else n
+        pieces = []
+        for m0, m1, add in ((0, lo, None), (lo, hi, pattern[None]), (hi, n, None)):
+            if m1 <= m0:
+                continue
+            if add is None:
+                cut = torch.zeros((), dtype=pattern.dtype, device=pattern.device).masked_fill(~valid[m0:m1, None, None, :], NEG_INF)
+                add = (pattern[None] + cut).unsqueeze(0).expand(b, -1, -1, -1, -1).flatten(0, 1)  # ((b m), h|1, B, W)
+            pieces.append(_blocks_call(q_blocks[:, m0:m1], k_blocks[:, m0:m1], v_blocks[:, m0:m1], add, req.scale))
+        out = torch.cat(pieces, dim=1)
+    else:
+        add = _block_masks(req, window, size, n, first, width)  # (b|1, n, h|1, B, W)
+        out = _blocks_call(q_blocks, k_blocks, v_blocks, add.expand(b, *add.shape[1:]).flatten(0, 1), req.scale)
+    out = rearrange(out, "b n h r e -> b h (n r) e")[:, :, :i_len, :e]
     return out, None
+
+
+def _blocks_call(q: Tensor, k: Tensor, v: Tensor, add: Tensor, scale: float) -> Tensor:
+    """The kernel on ``(b, m, h, B, d)`` query blocks and ``(b, m, g, W, d)`` key windows."""
+    b, m = q.shape[:2]
+    out = _Kernel.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), add, scale)
+    return out.unflatten(0, (b, m))
+
+
+def _has_lengths(mask: Mask) -> bool:
+    parts = [mask.a, mask.b] if isinstance(mask, And) else [mask]
+    return any(isinstance(part, Lengths) for part in parts)
+
+
+def _pattern(req: Request, size: int, n: int, first: int, width: int) -> tuple[Tensor, Tensor]:
+    """Float ``(h|1, B, W)`` window-and-bias pattern shared by all blocks, and bool ``(n, W)`` key validity."""
+    device, dtype = req.q.device, req.q.dtype
+    t = Tile(0, size, first, first + width, req.i, req.j, device)  # block 0's coordinates
+    allowed = req.mask.tile(t)  # windows only (no lengths): (B, W)
+    pattern = torch.zeros((), dtype=dtype, device=device).masked_fill(~allowed, NEG_INF)[None]
+    if req.bias is not None:
+        pattern = pattern + BiasSource(req.bias, req.i, req.j, device).tile(t).to(dtype)
+    cols = first + torch.arange(n, device=device)[:, None] * size + torch.arange(width, device=device)
+    return pattern, (cols >= 0) & (cols < req.j)

@@ -72,9 +72,15 @@ def _check_out(out: Path) -> None:
 def _make_temporary(out: Path) -> Path:
     """A fresh hidden folder beside ``out`` (same file system, so the final rename is atomic)."""
     try:
-        return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        temporary = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     except OSError as error:
         raise DemoError(f"--out: cannot create a folder in {out.parent} ({error.strerror})") from None
+    # mkdtemp makes the folder private (0700); the published output should get the usual
+    # permissions, as if made by mkdir under the user's umask.
+    umask = os.umask(0)
+    os.umask(umask)
+    temporary.chmod(0o777 & ~umask)
+    return temporary
 
 
 def _publish(temporary: Path, out: Path) -> None:
@@ -139,10 +145,16 @@ def run(
 
     ctx = Context(out=temporary, seed=seed, quick=quick, steps=steps, quiet=quiet, echo=say)
     started = time.perf_counter()
+    # One intra-op thread: the models are tiny (batches of 64 × 64-wide layers), so extra
+    # threads only add synchronisation, and on a busy machine they made a run several
+    # times slower. It also fixes the order of float sums, so a seed gives the same
+    # numbers on any number of cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         plan = _steps()
         say(f"qkv {__version__} demo: seed {seed}, {'quick' if quick else 'full'} run, "
-            f"{torch.get_num_threads()} CPU threads, output in {out}")  # fmt: skip
+            f"output in {out}")  # fmt: skip
         results = []
         for number, (title, step) in enumerate(plan, start=1):
             say("")
@@ -172,4 +184,6 @@ def run(
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+    finally:
+        torch.set_num_threads(threads)
     return results

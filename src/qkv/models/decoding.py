@@ -130,6 +130,13 @@ def beam_search(
             score, token = top, new_token.view(-1)
             if bool(finished.all()):
                 break
+            if not length_penalty:
+                # Log-probabilities are <= 0, so a live hypothesis can only lose score: once a
+                # finished one beats every live one in its row, the search cannot change.
+                live = score.masked_fill(finished, float("-inf")).amax(1)
+                done = score.masked_fill(~finished, float("-inf")).amax(1)
+                if bool((done >= live).all()):
+                    break
         ranking = score / lengths.clamp(min=1).to(score.dtype) ** length_penalty if length_penalty else score
         best = ranking.argmax(dim=1)  # (b,)
         pick = torch.arange(b, device=device)

@@ -95,7 +95,7 @@ class LuongAlignment(nn.Module):
         score: Score,
         alignment: str = "global",
         *,
-        window: int = 5,
+        window: int = 10,
         query_dim: int | None = None,
         predictor_hidden: int = 64,
         backend: str = "auto",
@@ -110,7 +110,9 @@ class LuongAlignment(nn.Module):
         self.predictor = None
         if alignment == "local-p":
             if query_dim is None:
-                raise ValueError("query_dim: local-p predicts positions from the decoder state, so it needs its size, got None")
+                raise ValueError(
+                    "query_dim: local-p predicts positions from the decoder state, so it needs its size, got None"
+                )
             self.predictor = PositionPredictor(query_dim, predictor_hidden)
 
     def forward(

@@ -85,7 +85,8 @@ class RNNEncoder(nn.Module):
         dropout: float = 0.0,
     ):
         super().__init__()
-        for arg, value in (("vocab_size", vocab_size), ("embed_dim", embed_dim), ("hidden", hidden), ("layers", layers)):
+        sizes = {"vocab_size": vocab_size, "embed_dim": embed_dim, "hidden": hidden, "layers": layers}
+        for arg, value in sizes.items():
             positive_int(arg, value)
         if not isinstance(pad_id, int) or not 0 <= pad_id < vocab_size:
             raise ValueError(f"pad_id: expected an id in [0, {vocab_size}), got {pad_id!r}")

@@ -73,7 +73,9 @@ class Seq2SeqConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.target_vocab:
                 raise ValueError(f"{name}: expected an id in [0, {self.target_vocab}), got {value!r}")
         if self.pad_id >= self.source_vocab:
-            raise ValueError(f"pad_id: expected an id in [0, {self.source_vocab}) of the source vocabulary, got {self.pad_id}")
+            raise ValueError(
+                f"pad_id: expected an id in [0, {self.source_vocab}) of the source vocabulary, got {self.pad_id}"
+            )
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class LuongConfig(Seq2SeqConfig):
 
     score: str = "general"  # "dot", "general", "concat" or "location" (qkv.scores names)
     alignment: str = "global"  # "global", "local-m" or "local-p"
-    window: int = 5  # D: local windows are [p_t - D, p_t + D]; local-p's σ = D / 2
+    window: int = 10  # D: local windows are [p_t - D, p_t + D]; local-p's σ = D / 2 (the paper's D = 10)
     input_feeding: bool = True  # feed h̃_{t-1} into the next step's GRU input
     max_source_len: int | None = None  # longest source the location score accepts (location only)
 
@@ -180,7 +182,10 @@ class _Seq2Seq(nn.Module):
         return torch.stack(logits, 1), torch.stack(weights, 1)
 
     def loss(self, source: Tensor, target: Tensor, source_lengths: Tensor | None = None) -> Tensor:
-        """Mean cross-entropy of ``target[:, 1:]`` given ``target[:, :-1]`` (``target (b, u)`` = bos … eos, padded)."""
+        """Mean cross-entropy of ``target[:, 1:]`` given ``target[:, :-1]``.
+
+        ``target (b, u)`` is bos, the tokens, eos, then padding (ignored).
+        """
         self._target(target, source)
         if target.shape[1] < 2:
             raise ValueError(f"target: expected at least bos and one token per row, got shape {tuple(target.shape)}")

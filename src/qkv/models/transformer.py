@@ -123,10 +123,10 @@ def check_ids(name: str, ids: object, vocab: int) -> None:
         raise TypeError(f"{name}: expected integer token ids (torch.long), got {ids.dtype}")
     if ids.dim() != 2:
         raise ValueError(f"{name}: expected shape (b, i), got {tuple(ids.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(
-            f"{name}: expected token ids in [0, {vocab}), got values from {int(ids.min())} to {int(ids.max())}"
-        )
+    if ids.numel():
+        lo, hi = (int(x) for x in torch.aminmax(ids))
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{name}: expected token ids in [0, {vocab}), got values from {lo} to {hi}")
 
 
 def check_lengths(name: str, lengths: object, ids: Tensor) -> Tensor | None:

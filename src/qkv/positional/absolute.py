@@ -105,8 +105,7 @@ class LearnedPositionalEmbedding(nn.Module):
                 f"length: learned positions cover at most max_len={self.max_len} tokens, "
                 f"got positions {start}..{start + length - 1} (start={start}, length={length})"
             )
-        index = torch.arange(start, start + length, device=self.embedding.weight.device)
-        return self.embedding(index)
+        return self.embedding.weight[start : start + length]  # rows = positions: a slice, no lookup
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
         """``x (b, i, dim)`` whose first token is at position ``start`` -> ``x + P`` of the same shape."""

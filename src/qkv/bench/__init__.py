@@ -1,0 +1,147 @@
+"""Benchmarks: ``qkv bench`` / ``python -m qkv.bench``, writing ``benchmarks/RESULTS.md``.
+
+Every figure is a ratio measured side by side in one process (medians over interleaved
+repeats, see :mod:`qkv.bench.measure`) against what a user would run instead, plus peak
+memory measured in a fresh subprocess per case. ``--quick`` runs tiny sizes in under a
+minute (a smoke test of the machinery, not figures to quote).
+
+Adding a suite
+--------------
+A suite is one module in this package plus one line in :data:`SUITES`::
+
+    SUITES["mysuite"] = "qkv.bench.mysuite"
+
+The module defines
+
+* ``NAME`` and ``DESCRIPTION`` (strings);
+* ``section(quick: bool, say: Callable[[str], None]) -> str``: run the suite and return its
+  markdown section (tables, and a targets table with "met" / "not met" and the figure);
+  ``say`` prints progress lines;
+* optionally ``build(spec: dict) -> Callable[[], object]``: rebuild one case from a JSON-able
+  ``spec`` (which carries ``"suite": NAME``) so that :func:`qkv.bench.measure.peak_memory`
+  can run it in a fresh process.
+
+A suite without ``section`` but with ``run(setup, progress=...)`` returning an object with
+``.markdown()`` (and a ``QUICK`` setup for ``--quick``) is run through that instead.
+``qkv bench --suite NAME`` (repeatable, or ``all``) runs only those suites; the sections of
+suites not run are kept in RESULTS.md as they were, between ``<!-- suite: NAME -->``
+markers.
+
+Entry points for the command line: :func:`add_arguments` (fills an ``argparse`` parser)
+and :func:`run` (takes the parsed namespace, returns the exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+#: Suites by name -> module. Register a new suite by adding it here.
+SUITES: dict[str, str] = {
+    "engine": "qkv.bench.engine",
+    "modules": "qkv.bench.modules",
+    "approx": "qkv.bench.approx",
+    "generation": "qkv.bench.generation",
+}
+#: Suites run when ``--suite`` is not given.
+DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")
+DEFAULT_OUT = Path("benchmarks/RESULTS.md")
+
+
+def suite_module(name: str) -> ModuleType:
+    if name not in SUITES:
+        raise ValueError(f"--suite: expected one of {sorted(SUITES)} or 'all', got {name!r}")
+    return importlib.import_module(SUITES[name])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``qkv bench`` (also used by ``python -m qkv.bench``)."""
+    parser.add_argument(
+        "--suite", action="append", default=None, metavar="NAME",
+        help=f"suite to run (repeatable; 'all' for every one): {', '.join(SUITES)}; default {', '.join(DEFAULT_SUITES)}",
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: checks the machinery in < 1 min")
+    parser.add_argument("--out", type=Path, default=None, help=f"markdown file to write (default {DEFAULT_OUT})")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: one memory case, JSON
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen suites and write the results file; returns the exit status."""
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    if args.case is not None:
+        from .measure import run_case
+
+        print(json.dumps(run_case(json.loads(args.case))))
+        return 0
+    names = list(DEFAULT_SUITES) if not args.suite else args.suite
+    if "all" in names:
+        names = list(SUITES)
+    for name in names:
+        suite_module(name)  # fail fast on a wrong name
+    out = args.out if args.out is not None else (Path("benchmarks/RESULTS-quick.md") if args.quick else DEFAULT_OUT)
+    from .measure import machine
+
+    sections = {}
+    for name in names:
+        module = suite_module(name)
+        print(f"== suite {name}: {module.DESCRIPTION}", flush=True)
+        sections[name] = _section(module, args.quick)
+        write(out, sections, machine(), quick=args.quick)  # after each suite, so a long run keeps what it has
+    print(f"wrote {out}")
+    return 0
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _section(module: ModuleType, quick: bool) -> str:
+    if hasattr(module, "section"):
+        return module.section(quick, _say)
+    setup = getattr(module, "QUICK", None) if quick else None
+    return module.run(setup, progress=_say).markdown()
+
+
+def write(path: Path, sections: dict[str, str], info: dict[str, str], *, quick: bool = False) -> None:
+    """Write RESULTS.md: header, machine, then one marked section per suite (others' kept)."""
+    old = path.read_text() if path.exists() else ""
+    kept = dict(re.findall(r"<!-- suite: (\S+) -->\n(.*?)<!-- end: \1 -->", old, flags=re.S))
+    kept.update({name: text.rstrip() + "\n" for name, text in sections.items()})
+    lines = [
+        "# qkv benchmark results",
+        "",
+        "Written by `qkv bench` (`python -m qkv.bench`). Times are ratios of medians measured side by side",
+        "in one process, with the contenders interleaved round by round; memory is the peak resident set of",
+        "a fresh subprocess per case, above the same process's peak after building the inputs.",
+        "",
+    ]
+    if quick:
+        lines += ["**Quick run: tiny sizes, a smoke test of the machinery. These are not the figures to quote.**", ""]
+    lines += ["## Machine", "", "| | |", "|---|---|"]
+    lines += [f"| {key} | {value} |" for key, value in info.items()]
+    lines.append("")
+    order = [n for n in SUITES if n in kept] + [n for n in kept if n not in SUITES]
+    for name in order:
+        lines += [f"<!-- suite: {name} -->", kept[name].rstrip(), f"<!-- end: {name} -->", ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qkv.bench", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+__all__ = ["DEFAULT_SUITES", "SUITES", "add_arguments", "main", "run", "suite_module", "write"]
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

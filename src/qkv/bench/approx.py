@@ -1,0 +1,485 @@
+"""Benchmark: approximate attention against exact attention, and against the peer packages.
+
+Shape legend: ``b`` batch, ``h`` heads, ``i`` sequence length (self-attention, ``j = i``),
+``d`` query/key size (``e = d``), ``dim = h · d`` model size (peer modules with projections).
+
+For each sequence length ``i`` in ``setup.sizes`` every method runs on the same structured
+inputs (:mod:`qkv.bench.inputs`, family ``setup.family``), forward only, float32, under
+``torch.inference_mode``:
+
+- **time**: median of ``repeats`` calls (fewer at the large sizes, see :class:`ApproxSetup`),
+  taken round-robin over the methods with the order rotated each round, so drifting machine
+  load falls on every method alike; one warm-up call per method and size first (exact
+  attention is warmed up only at ``i <= big``, where a call is cheap);
+- **peak memory**: the peak RSS of a fresh ``python`` process that builds the inputs and
+  makes one call (``--case``), beside a process that only builds the inputs;
+- **error**: ``‖out − exact‖_F / ‖exact‖_F`` of the first timed call. Reformer's LSH
+  attention shares queries and keys (``k = q/|q|``) and never attends to itself, so its
+  reference is exact attention with those keys and the diagonal masked, built only at
+  ``i <= lsh_error_max`` (the dense mask is ``i²``);
+- **scaling exponent**: the least-squares slope of ``log time`` against ``log i`` over the
+  sizes in ``[4096, 32768]`` (:func:`fit_exponent`).
+
+A second table gives the error of each method at ``i = error_size`` on every input
+family, with how spread the exact rows are (:func:`qkv.bench.inputs.effective_keys`).
+
+**Peers** (:func:`compare_peers`): the same computation in performer-pytorch, linformer,
+nystrom-attention and reformer-pytorch, with their parameters copied into ours so the math
+is the same (or, for Reformer, the hash rotations shared), timed side by side. Peers whose
+modules include the Q/K/V/O projections are compared with our mechanism inside
+``qkv.MultiHeadAttention`` of the same ``dim`` and heads. A peer that is not installed is
+skipped with a note (they are the benchmark-only ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import approx
+from ..functional import attention
+from .inputs import FAMILIES, effective_keys, make_inputs, relative_error
+
+NAME = "approx"
+DESCRIPTION = "approximate attention (Linformer, Reformer LSH, Performer, linear, Nyström) vs exact and vs peer packages"
+METHODS = ("exact", "linformer", "reformer_lsh", "performer", "linear", "nystrom")
+LABELS = {
+    "exact": "exact (`qkv.attention`, SDPA)",
+    "linformer": "Linformer",
+    "reformer_lsh": "Reformer LSH",
+    "performer": "Performer",
+    "linear": "linear (elu+1)",
+    "nystrom": "Nyström",
+}
+TARGET_SPEEDUP = 20.0  # at i = 16384, exact time / method time
+TARGET_EXPONENT = 1.15  # log-log slope of time between 4K and 32K
+
+
+@dataclass(frozen=True)
+class ApproxSetup:
+    sizes: tuple[int, ...] = (1024, 4096, 16384, 32768)  # sequence lengths i
+    batch: int = 1  # b
+    heads: int = 8  # h
+    dim_head: int = 64  # d (= e)
+    family: str = "lowrank_local"  # input family of the main table (qkv.bench.inputs)
+    repeats: int = 5  # timed calls per method at i <= big
+    large_repeats: int = 3  # timed calls of each approximate method at i > big
+    exact_large_repeats: tuple[int, ...] = (2, 1)  # exact at the sizes above big, in order (last one repeats)
+    big: int = 4096  # where "large" starts
+    fit_range: tuple[int, int] = (4096, 32768)  # sizes the scaling exponent is fitted over
+    error_size: int = 4096  # i of the error-by-family table
+    lsh_error_max: int = 4096  # largest i with an LSH error (dense i² mask for its reference)
+    memory: bool = True  # measure peak RSS in subprocesses
+    peer_sizes: tuple[int, ...] = (4096, 16384)  # i of the peer comparison; () skips it
+    peer_repeats: int = 3  # timed calls of each side of a peer pair
+    linformer_k: int = 256  # projected length k
+    nb_features: int = 256  # Performer random features m
+    landmarks: int = 64  # Nyström landmarks
+    lsh_hashes: int = 4  # Reformer hash rounds
+    lsh_chunk: int = 64  # Reformer chunk (bucket) size; n_buckets = i / chunk
+    seed: int = 0  # inputs and module parameters
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family: expected one of {FAMILIES}, got {self.family!r}")
+        if not self.sizes or any(s < 1 for s in self.sizes):
+            raise ValueError(f"sizes: expected positive lengths, got {self.sizes}")
+
+    def repeats_for(self, method: str, i: int) -> int:
+        """Timed calls of ``method`` at length ``i``."""
+        if i <= self.big:
+            return self.repeats
+        if method != "exact":
+            return self.large_repeats
+        rank = sorted(s for s in self.sizes if s > self.big).index(i)
+        return self.exact_large_repeats[min(rank, len(self.exact_large_repeats) - 1)]
+
+
+def build(method: str, i: int, setup: ApproxSetup) -> Callable[..., Tensor]:
+    """The mechanism of ``method`` for length ``i``, with parameters seeded by ``setup.seed``."""
+    torch.manual_seed(setup.seed)
+    d = setup.dim_head
+    if method == "exact":
+        return attention
+    if method == "linformer":
+        return approx.Linformer(i, setup.linformer_k).eval()
+    if method == "reformer_lsh":
+        buckets = max(2, 2 * (i // setup.lsh_chunk // 2))
+        return approx.LSHAttention(d, n_buckets=buckets, n_hashes=setup.lsh_hashes, chunk_size=setup.lsh_chunk,
+                                   seed=setup.seed).eval()  # fmt: skip
+    if method == "performer":
+        return approx.Performer(d, nb_features=setup.nb_features, seed=setup.seed).eval()
+    if method == "linear":
+        return approx.LinearAttention().eval()
+    if method == "nystrom":
+        return approx.NystromAttention(setup.landmarks).eval()
+    raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+
+
+def inputs(i: int, setup: ApproxSetup, family: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    return make_inputs(family or setup.family, i, b=setup.batch, h=setup.heads, d=setup.dim_head, seed=setup.seed)
+
+
+def lsh_reference(q: Tensor, v: Tensor) -> Tensor:
+    """Exact shared-QK attention (keys ``q/|q|``), a token never attending to itself."""
+    i = q.shape[-2]
+    keep = ~torch.eye(i, dtype=torch.bool, device=q.device)
+    return attention(q, F.normalize(q, dim=-1), v, mask=keep, backend="reference" if i <= 512 else "auto")
+
+
+def timed(fn: Callable[[], Tensor]) -> tuple[float, Tensor]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def fit_exponent(sizes: list[int], seconds: list[float], lo: int = 4096, hi: int = 32768) -> float:
+    """Least-squares slope of ``log seconds`` against ``log size`` over the sizes in ``[lo, hi]``."""
+    pts = [(math.log(s), math.log(t)) for s, t in zip(sizes, seconds, strict=True) if lo <= s <= hi]
+    if len(pts) < 2:
+        raise ValueError(f"sizes: expected at least two sizes in [{lo}, {hi}] to fit a slope, got {sizes}")
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+
+
+@dataclass
+class ApproxResult:
+    setup: ApproxSetup
+    times: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (method, i) -> seconds per call
+    errors: dict[tuple[str, int], float] = field(default_factory=dict)  # (method, i) -> relative error
+    rss: dict[tuple[str, int], float] = field(default_factory=dict)  # (method or "inputs", i) -> MiB
+    family_errors: dict[tuple[str, str], float] = field(default_factory=dict)  # (method, family) -> error
+    spread: dict[str, float] = field(default_factory=dict)  # family -> effective keys per row
+    peers: list[dict] = field(default_factory=list)  # rows of the peer table
+    threads: int = 1
+    load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average at start and end
+    seconds: float = 0.0  # wall time of the whole suite
+
+    def median(self, method: str, i: int) -> float:
+        return statistics.median(self.times[method, i])
+
+    def speedup(self, method: str, i: int) -> float:
+        return self.median("exact", i) / self.median(method, i)
+
+    def exponent(self, method: str) -> float:
+        sizes = [s for s in self.setup.sizes if (method, s) in self.times]
+        return fit_exponent(sizes, [self.median(method, s) for s in sizes], *self.setup.fit_range)
+
+    def markdown(self) -> str:
+        return render(self)
+
+
+def run(setup: ApproxSetup | None = None, *, progress: Callable[[str], None] | None = None) -> ApproxResult:
+    """Run the whole suite; ``progress`` receives a line of text after each step."""
+    setup = ApproxSetup() if setup is None else setup
+    say = progress or (lambda _line: None)
+    import os
+
+    result = ApproxResult(setup, threads=torch.get_num_threads(), load=(os.getloadavg()[0], 0.0))
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in setup.sizes:
+            _time_size(i, setup, result, say)
+        _family_errors(setup, result, say)
+    if setup.memory:
+        for i in setup.sizes:
+            for method in ("inputs", *METHODS):
+                result.rss[method, i] = peak_rss(method, i, setup)
+            say(f"memory i={i}: " + ", ".join(f"{m} {result.rss[m, i]:.0f} MiB" for m in ("inputs", *METHODS)))
+    if setup.peer_sizes:
+        result.peers = compare_peers(setup, say)
+    result.load = (result.load[0], os.getloadavg()[0])
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _time_size(i: int, setup: ApproxSetup, result: ApproxResult, say: Callable[[str], None]) -> None:
+    q, k, v = inputs(i, setup)
+    modules = {m: build(m, i, setup) for m in METHODS}
+    calls = {m: (lambda fn=fn: fn(q, k, v)) for m, fn in modules.items()}
+    for m, call in calls.items():
+        if m != "exact" or i <= setup.big:
+            call()  # warm-up
+    outs: dict[str, Tensor] = {}
+    rounds = max(setup.repeats_for(m, i) for m in METHODS)
+    for r in range(rounds):
+        order = METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]
+        for m in order:
+            if len(result.times.setdefault((m, i), [])) < setup.repeats_for(m, i):
+                seconds, out = timed(calls[m])
+                result.times[m, i].append(seconds)
+                outs.setdefault(m, out)
+    for m in METHODS[1:]:
+        if m != "reformer_lsh":
+            result.errors[m, i] = relative_error(outs[m], outs["exact"])
+        elif i <= setup.lsh_error_max:
+            result.errors[m, i] = relative_error(outs[m], lsh_reference(q, v))
+    say(f"i={i}: " + ", ".join(f"{m} {result.median(m, i):.3g}s" for m in METHODS))
+
+
+def _family_errors(setup: ApproxSetup, result: ApproxResult, say: Callable[[str], None]) -> None:
+    i = setup.error_size
+    for family in FAMILIES:
+        q, k, v = inputs(i, setup, family)
+        result.spread[family] = effective_keys(q, k)
+        exact = attention(q, k, v)
+        for m in METHODS[1:]:
+            out = build(m, i, setup)(q, k, v)
+            ref = lsh_reference(q, v) if m == "reformer_lsh" else exact
+            result.family_errors[m, family] = relative_error(out, ref)
+        say(f"errors on {family}: " + ", ".join(f"{m} {result.family_errors[m, family]:.3g}" for m in METHODS[1:]))
+
+
+def peak_rss(method: str, i: int, setup: ApproxSetup) -> float:
+    """Peak RSS in MiB of a fresh process that builds the inputs and runs ``method`` once
+    (``method="inputs"``: builds the inputs only)."""
+    code = (
+        "import sys; from qkv.bench.approx import _case; "
+        f"_case({method!r}, {i}, {setup.batch}, {setup.heads}, {setup.dim_head}, {setup.family!r}, {setup.seed})"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory case {method} i={i} failed: {done.stderr.strip()[-500:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def _case(method: str, i: int, b: int, h: int, d: int, family: str, seed: int) -> None:
+    """Body of the memory subprocess: print the peak RSS in MiB after one call."""
+    setup = ApproxSetup(sizes=(i,), batch=b, heads=h, dim_head=d, family=family, seed=seed)
+    with torch.inference_mode():
+        q, k, v = inputs(i, setup)
+        if method != "inputs":
+            build(method, i, setup)(q, k, v)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # Linux: KiB
+
+
+# ---------------------------------------------------------------- peer packages
+
+PEERS = ("performer-pytorch", "linformer", "nystrom-attention", "reformer-pytorch")
+
+
+def _zero_biases(mha) -> None:
+    with torch.no_grad():
+        for proj in (mha.q_proj, mha.k_proj, mha.v_proj):
+            proj.bias.zero_()
+
+
+def _peer_performer(i: int, setup: ApproxSetup):
+    from performer_pytorch import FastAttention  # noqa: PLC0415
+
+    q, k, v = inputs(i, setup)
+    ours = build("performer", i, setup)
+    theirs = FastAttention(setup.dim_head, nb_features=setup.nb_features).eval()
+    theirs.projection_matrix.copy_(ours.projection)
+    note = "same projection matrix copied in; theirs adds eps=1e-4 to every feature"
+    return (lambda: ours(q, k, v)), (lambda: theirs(q, k, v)), note
+
+
+def _projected_pair(i: int, setup: ApproxSetup, mechanism):
+    """Our ``MultiHeadAttention`` with ``mechanism``, and the input ``x (b, i, dim)``."""
+    from ..attention import MultiHeadAttention  # noqa: PLC0415
+
+    dim = setup.heads * setup.dim_head
+    ours = MultiHeadAttention(dim, setup.heads, attention=mechanism).eval()
+    _zero_biases(ours)
+    x = torch.randn(setup.batch, i, dim, generator=torch.Generator().manual_seed(setup.seed))
+    return ours, x
+
+
+def _peer_linformer(i: int, setup: ApproxSetup):
+    from linformer import LinformerSelfAttention  # noqa: PLC0415
+
+    torch.manual_seed(setup.seed)
+    dim = setup.heads * setup.dim_head
+    theirs = LinformerSelfAttention(dim, seq_len=i, k=setup.linformer_k, heads=setup.heads).eval()
+    ours, x = _projected_pair(i, setup, approx.Linformer(i, setup.linformer_k))
+    with torch.no_grad():
+        ours.q_proj.weight.copy_(theirs.to_q.weight)
+        ours.k_proj.weight.copy_(theirs.to_k.weight)
+        ours.v_proj.weight.copy_(theirs.to_v.weight)
+        ours.out_proj.load_state_dict(theirs.to_out.state_dict())
+        ours.attention.e_proj.copy_(theirs.proj_k.T)  # theirs (seq_len, k), ours (k, seq_len)
+        ours.attention.f_proj.copy_(theirs.proj_v.T)
+    note = "E, F and projections copied in; ours inside `qkv.MultiHeadAttention`"
+    return (lambda: ours(x)), (lambda: theirs(x)), note
+
+
+def _peer_nystrom(i: int, setup: ApproxSetup):
+    from nystrom_attention import NystromAttention  # noqa: PLC0415
+
+    torch.manual_seed(setup.seed)
+    dim = setup.heads * setup.dim_head
+    theirs = NystromAttention(dim, dim_head=setup.dim_head, heads=setup.heads, num_landmarks=setup.landmarks,
+                              pinv_iterations=6, residual=False).eval()  # fmt: skip
+    ours, x = _projected_pair(i, setup, approx.NystromAttention(setup.landmarks, pinv_iterations=6))
+    with torch.no_grad():
+        wq, wk, wv = theirs.to_qkv.weight.chunk(3, dim=0)
+        ours.q_proj.weight.copy_(wq)
+        ours.k_proj.weight.copy_(wk)
+        ours.v_proj.weight.copy_(wv)
+        ours.out_proj.load_state_dict(theirs.to_out[0].state_dict())
+    note = ("residual=False, projections copied in; ours inside `qkv.MultiHeadAttention`; the pseudo-inverse "
+            "starts from a per-head norm in ours, the max over all heads in theirs")  # fmt: skip
+    return (lambda: ours(x)), (lambda: theirs(x)), note
+
+
+def _peer_reformer(i: int, setup: ApproxSetup):
+    from reformer_pytorch.reformer_pytorch import LSHAttention  # noqa: PLC0415
+
+    b, h, d, r = setup.batch, setup.heads, setup.dim_head, setup.lsh_hashes
+    q, _, v = inputs(i, setup)
+    theirs = LSHAttention(bucket_size=setup.lsh_chunk, n_hashes=r, causal=False,
+                          allow_duplicate_attention=False, attend_across_buckets=False).eval()  # fmt: skip
+    n_buckets = i // setup.lsh_chunk
+    ours = approx.LSHAttention(d, n_buckets=n_buckets, n_hashes=r, chunk_size=setup.lsh_chunk, seed=setup.seed).eval()
+    # Share the hash: theirs draws (1, d, r, n_buckets/2) from the global RNG on every call.
+    torch.manual_seed(setup.seed)
+    ours.rotations.copy_(torch.randn(1, d, r, n_buckets // 2)[0].permute(1, 0, 2))
+    qk, vv = q.reshape(b * h, i, d), v.reshape(b * h, i, d)
+
+    def theirs_call() -> Tensor:
+        torch.manual_seed(setup.seed)
+        return theirs(qk, vv)[0].reshape(b, h, i, d)
+
+    note = ("same rotations; attend_across_buckets=False, allow_duplicate_attention=False; their first chunk "
+            "also looks back at the last chunk (wrap-around), ours does not")  # fmt: skip
+    return (lambda: ours(q, q, v)), theirs_call, note
+
+
+_PEER_PAIRS = {"performer-pytorch": _peer_performer, "linformer": _peer_linformer,
+               "nystrom-attention": _peer_nystrom, "reformer-pytorch": _peer_reformer}  # fmt: skip
+
+
+def compare_peers(setup: ApproxSetup, say: Callable[[str], None]) -> list[dict]:
+    """Rows ``{peer, i, ours, theirs (median seconds), ratio, diff, note}`` or ``{peer, i, skipped}``."""
+    rows = []
+    with torch.inference_mode():
+        for i in setup.peer_sizes:
+            for peer, pair in _PEER_PAIRS.items():
+                try:
+                    ours, theirs, note = pair(i, setup)
+                except ImportError as err:
+                    rows.append(dict(peer=peer, i=i, skipped=f"not installed ({err.name}); `pip install qkv[bench]`"))
+                    say(f"peer {peer}: skipped, not installed")
+                    continue
+                ours(), theirs()  # warm-up
+                t_ours, t_theirs, outs = [], [], []
+                for rep in range(setup.peer_repeats):
+                    for side in ((0, 1) if rep % 2 == 0 else (1, 0)):
+                        seconds, out = timed(ours if side == 0 else theirs)
+                        (t_ours if side == 0 else t_theirs).append(seconds)
+                        if rep == 0:
+                            outs.append((side, out))
+                got = dict(outs)
+                row = dict(peer=peer, i=i, ours=statistics.median(t_ours), theirs=statistics.median(t_theirs),
+                           diff=relative_error(got[0], got[1]), note=note)  # fmt: skip
+                row["ratio"] = row["ours"] / row["theirs"]
+                rows.append(row)
+                say(f"peer {peer} i={i}: ours/theirs {row['ratio']:.2f}, diff {row['diff']:.2e}")
+    return rows
+
+
+# ---------------------------------------------------------------- report
+
+def _size(i: int) -> str:
+    return f"{i // 1024}K" if i % 1024 == 0 else str(i)
+
+
+def _fmt(x: float | None, spec: str = ".3g") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def render(res: ApproxResult) -> str:
+    """The markdown section of ``benchmarks/RESULTS.md``."""
+    s = res.setup
+    lines = [
+        "### Approximate attention vs exact (`qkv bench --suite approx`)",
+        "",
+        f"b={s.batch}, h={s.heads}, d=e={s.dim_head}, self-attention, float32, forward only under "
+        f"`torch.inference_mode`, {res.threads} torch threads; inputs: `{s.family}` "
+        f"(`qkv.bench.inputs`). Methods: Linformer k={s.linformer_k} (random projections, untrained); "
+        f"Reformer LSH {s.lsh_hashes} rounds, chunk {s.lsh_chunk}, i/{s.lsh_chunk} buckets; Performer "
+        f"m={s.nb_features} orthogonal features; linear attention elu+1; Nyström {s.landmarks} landmarks, "
+        f"6 pinv iterations. Time: median of {s.repeats} calls at i ≤ {_size(s.big)}, {s.large_repeats} for "
+        f"the approximations above; exact attention {', '.join(map(str, s.exact_large_repeats))} call(s) "
+        f"at the larger sizes; calls interleaved round-robin. Peak RSS: a fresh process per case "
+        f"(\"inputs\" = building the inputs only). Error: ‖out − exact‖_F / ‖exact‖_F; Reformer's against "
+        f"exact shared-QK attention without self-attention, only at i ≤ {_size(s.lsh_error_max)}. "
+        f"Machine load (1-min average) {res.load[0]:.1f} at start, {res.load[1]:.1f} at end, on 2 cores; "
+        f"whole suite {res.seconds / 60:.1f} min.",
+        "",
+        "| method | i | time (s) | × faster than exact | peak RSS (MiB) | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i in s.sizes:
+        for m in METHODS:
+            rss = res.rss.get((m, i))
+            speed = "1" if m == "exact" else f"{res.speedup(m, i):.1f}"
+            lines.append(f"| {LABELS[m]} | {_size(i)} | {res.median(m, i):.3g} | {speed} | {_fmt(rss, '.0f')} | "
+                         f"{_fmt(res.errors.get((m, i)))} |")  # fmt: skip
+        if (("inputs", i)) in res.rss:
+            lines.append(f"| (inputs only) | {_size(i)} | | | {res.rss['inputs', i]:.0f} | |")
+    lo, hi = s.fit_range
+    target = max((x for x in s.sizes if x <= 16384), default=s.sizes[-1])
+    lines += ["", f"Targets: at i = {_size(target)} ≥ {TARGET_SPEEDUP:g}× faster than exact; time exponent "
+              f"(log-log slope, {_size(lo)}–{_size(hi)}) ≤ {TARGET_EXPONENT}.", "",
+              f"| method | × faster at {_size(target)} | exponent | speed target | exponent target |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for m in METHODS:
+        exp = res.exponent(m)
+        if m == "exact":
+            lines.append(f"| {LABELS[m]} | 1 | {exp:.2f} | | |")
+            continue
+        speed = res.speedup(m, target)
+        lines.append(f"| {LABELS[m]} | {speed:.1f} | {exp:.2f} | {'met' if speed >= TARGET_SPEEDUP else 'NOT met'} | "
+                     f"{'met' if exp <= TARGET_EXPONENT else 'NOT met'} |")  # fmt: skip
+    lines += ["", f"Error by input family at i = {_size(s.error_size)} (effective keys per row = exp(entropy) of "
+              "exact attention, averaged over 256 rows: i for uniform rows, 1 for one-hot):", "",
+              "| method | " + " | ".join(f"`{f}` ({res.spread[f]:.0f} keys)" for f in FAMILIES) + " |",
+              "|---" * (len(FAMILIES) + 1) + "|"]  # fmt: skip
+    for m in METHODS[1:]:
+        lines.append(f"| {LABELS[m]} | " + " | ".join(f"{res.family_errors[m, f]:.3g}" for f in FAMILIES) + " |")
+    if res.peers:
+        lines += ["", f"Peer packages, same configuration, median of {s.peer_repeats} calls each, interleaved "
+                  "(ratio = qkv time / peer time, target ≤ 1; difference = relative Frobenius difference of "
+                  "the outputs):", "", "| peer | i | qkv (s) | peer (s) | ratio | difference | how compared |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for row in res.peers:
+            if "skipped" in row:
+                lines.append(f"| {row['peer']} | {_size(row['i'])} | | | | | skipped: {row['skipped']} |")
+                continue
+            lines.append(f"| {row['peer']} | {_size(row['i'])} | {row['ours']:.3g} | {row['theirs']:.3g} | "
+                         f"{row['ratio']:.2f} | {row['diff']:.2e} | {row['note']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m qkv.bench.approx [--quick]``: run and print the markdown section."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m qkv.bench.approx", description=DESCRIPTION)
+    parser.add_argument("--quick", action="store_true", help="i = 256, 512, 1024; no memory; a smoke run")
+    args = parser.parse_args(argv)
+    setup = QUICK if args.quick else ApproxSetup()
+    print(run(setup, progress=print).markdown())
+    return 0
+
+
+#: a smoke-sized setup (seconds, not minutes), used by ``--quick`` and the tests
+QUICK = ApproxSetup(sizes=(256, 512, 1024), repeats=2, large_repeats=1, big=256, fit_range=(256, 1024), error_size=256,
+                    lsh_error_max=1024, memory=False, peer_sizes=(512,), peer_repeats=1,
+                    linformer_k=32, nb_features=32, landmarks=16, lsh_chunk=32)  # fmt: skip
+
+if __name__ == "__main__":
+    raise SystemExit(main())

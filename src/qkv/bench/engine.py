@@ -1,0 +1,209 @@
+"""Benchmark suite ``engine``: the backends against what a user would call instead.
+
+Shape legend: ``b`` batch, ``h`` heads, ``i = j`` sequence length, ``d = e`` head size,
+``n`` the additive score's hidden size. float32, batch 1, inputs drawn from a seeded
+generator.
+
+Cases (each timed forward, under ``no_grad``, and forward + backward):
+
+* **dot** — dot, scaled dot and bilinear scores, ``h = 8, d = 64``, ``i = 1024, 4096``,
+  against ``F.scaled_dot_product_attention`` (on ``q W`` for the bilinear score).
+* **bias** — ALiBi and T5 relative-position buckets, ``i = 4096, h = 8, d = 64``, against
+  SDPA without a bias (the target's yardstick), SDPA with the dense ``(h, i, j)`` bias
+  (what a user does today), ``flex_attention`` compiled with the bias as a ``score_mod``
+  (forward only: it has no CPU backward) and the materialised reference backend.
+* **window** — a 256-key sliding window, ``i = 16384, h = 4``, against SDPA with the
+  window as a dense bool mask (full cost) and SDPA with ``is_causal``.
+* **additive** — ``vᵀ tanh(W_q q + W_k k)``, ``n = 128, h = 1``, ``i = 2048``, chunked
+  against the materialised path; ``i = 8192`` chunked alone, for its peak memory.
+
+Peak memory of the chosen cases is measured in a fresh process each (``measure``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .. import positional, scores
+from ..functional import attention
+from ..masks import Tile, window
+from .measure import interleaved, mib, peak_memory
+from .report import Targets, table
+
+NAME = "engine"
+DESCRIPTION = "backends (sdpa, chunked, local) vs F.scaled_dot_product_attention, flex_attention, materialised"
+
+#: Sizes and repeats of the full run and of --quick.
+FULL = dict(dot=(1024, 4096), bias=4096, window=16384, window_heads=4, additive=2048, additive_big=8192, repeats=5, big_repeats=3, flex=True)
+QUICK = dict(dot=(128,), bias=256, window=1024, window_heads=2, additive=128, additive_big=256, repeats=2, big_repeats=2, flex=False)
+
+
+def _inputs(spec: dict, grad: bool):
+    gen = torch.Generator().manual_seed(spec.get("seed", 0))
+    h, i, d = spec["h"], spec["i"], spec.get("d", 64)
+    q, k, v = (torch.randn(1, h, i, d, generator=gen) for _ in range(3))
+    if grad:
+        for x in (q, k, v):
+            x.requires_grad_()
+    return q, k, v, torch.randn(1, h, i, d, generator=gen)
+
+
+def _flex(bias, i: int):
+    """``flex_attention`` compiled, with the bias as a score_mod reading an ``(h, 2i - 1)`` table by offset."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with torch.no_grad():  # offsets -(i-1) .. i-1 along one row (see qkv.backends.tiles)
+        table = bias.tile(Tile(0, 1, 0, 2 * i - 1, 1, i))[:, 0, :].clone()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, kv_idx - q_idx + i - 1]
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: compiled(q, k, v, score_mod=score_mod)
+
+
+def build(spec: dict) -> Callable[[], object]:
+    """One call of one contender (see the module docstring); ``spec`` is JSON-able."""
+    grad = spec["mode"] == "fwdbwd"
+    q, k, v, cot = _inputs(spec, grad)
+    case, impl, i = spec["case"], spec["impl"], spec["i"]
+    torch.manual_seed(0)
+    if case == "dot":
+        score = scores.Bilinear(q.shape[-1]) if spec["score"] == "general" else spec["score"]
+        scale = 1.0 / math.sqrt(q.shape[-1]) if spec["score"] == "scaled_dot" else 1.0
+        if impl == "qkv":
+            fn = lambda: attention(q, k, v, score=score, scale=scale)  # noqa: E731
+        else:
+            fn = lambda: F.scaled_dot_product_attention(q @ score.weight if spec["score"] == "general" else q, k, v, scale=scale)  # noqa: E731
+    elif case == "bias":
+        bias = positional.ALiBi(spec["h"]) if spec["bias"] == "alibi" else positional.RelativePositionBias(spec["h"], 32, 128)
+        if impl == "qkv":
+            fn = lambda: attention(q, k, v, bias=bias)  # noqa: E731
+        elif impl == "sdpa_no_bias":
+            fn = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+        elif impl == "sdpa_dense_bias":
+            fixed = bias.dense(i, i).detach() if spec["bias"] == "alibi" else None  # ALiBi is a constant: built once
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=fixed if fixed is not None else bias.dense(i, i))  # noqa: E731
+        elif impl == "flex":
+            flex = _flex(bias, i)
+            fn = lambda: flex(q, k, v)  # noqa: E731
+        else:
+            fn = lambda: attention(q, k, v, bias=bias, backend="reference")  # noqa: E731
+    elif case == "window":
+        mask = window(spec["window"])
+        if impl == "qkv":
+            fn = lambda: attention(q, k, v, mask=mask)  # noqa: E731
+        elif impl == "sdpa_dense_mask":
+            dense = mask.dense(i, i)
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)  # noqa: E731
+        else:
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    elif case == "additive":
+        score = scores.Additive(q.shape[-1], q.shape[-1], spec["hidden"])
+        backend = "chunked" if impl == "qkv" else "reference"
+        fn = lambda: attention(q, k, v, score=score, backend=backend)  # noqa: E731
+    else:
+        raise ValueError(f"case: expected dot, bias, window or additive, got {case!r}")
+    if not grad:
+        def call():
+            with torch.no_grad():
+                return fn()
+        return call
+
+    def step():
+        out = fn()
+        out.backward(cot)
+        for x in (q, k, v):
+            x.grad = None
+    return step
+
+
+def _time(say, label: str, base: dict, impls: list[str], repeats: int) -> dict[str, float]:
+    fns = {impl: build({**base, "impl": impl}) for impl in impls}
+    result = interleaved(fns, repeats)
+    say(f"  {label}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in result.items()))
+    return result
+
+
+def section(quick: bool, say: Callable[[str], None]) -> str:
+    cfg = QUICK if quick else FULL
+    targets = Targets()
+    parts = ["## Engine: backends against PyTorch", ""]
+
+    # -- dot family ------------------------------------------------------------------
+    rows = []
+    for i in cfg["dot"]:
+        reps = cfg["repeats"] if i <= 1024 else cfg["big_repeats"]
+        for score in ("dot", "scaled_dot", "general"):
+            for mode in ("fwd", "fwdbwd"):
+                base = {"case": "dot", "score": score, "i": i, "h": 8, "mode": mode}
+                t = _time(say, f"dot {score} i={i} {mode}", base, ["qkv", "sdpa"], reps)
+                ratio = t["qkv"] / t["sdpa"]
+                rows.append([score, i, mode, f"{t['qkv'] * 1e3:.1f}", f"{t['sdpa'] * 1e3:.1f}", f"{ratio:.3f}"])
+                if i in (1024, 4096):
+                    targets.add(f"dot family ({score}), i = {i}, {mode}: time / SDPA ≤ 1.05", ratio, 1.05)
+    parts += ["### Dot-family scores (h = 8, d = 64, b = 1)", ""]
+    parts += table(["score", "i", "mode", "qkv ms", "SDPA ms", "qkv / SDPA"], rows) + [""]
+
+    # -- positional biases -----------------------------------------------------------
+    i = cfg["bias"]
+    rows = []
+    bias_bytes = 8 * i * i * 4
+    for bias in ("alibi", "t5"):
+        base = {"case": "bias", "bias": bias, "i": i, "h": 8}
+        fwd_impls = ["qkv", "sdpa_no_bias", "sdpa_dense_bias", "reference"] + (["flex"] if cfg["flex"] else [])
+        t = _time(say, f"bias {bias} fwd", {**base, "mode": "fwd"}, fwd_impls, cfg["big_repeats"])
+        tb = _time(say, f"bias {bias} fwdbwd", {**base, "mode": "fwdbwd"}, ["qkv", "sdpa_no_bias", "sdpa_dense_bias"], cfg["big_repeats"])
+        mem_q = peak_memory(NAME, {**base, "mode": "fwdbwd", "impl": "qkv"})
+        mem_s = peak_memory(NAME, {**base, "mode": "fwdbwd", "impl": "sdpa_no_bias"})
+        extra = mem_q["peak"] - mem_s["peak"]
+        flex_ratio = t["flex"] / t["qkv"] if "flex" in t else float("nan")
+        rows.append([bias, "fwd", f"{t['qkv'] * 1e3:.0f}", f"{t['qkv'] / t['sdpa_no_bias']:.2f}", f"{t['qkv'] / t['sdpa_dense_bias']:.2f}",
+                     f"{flex_ratio:.2f}" if "flex" in t else "not run (quick)", f"{t['qkv'] / t['reference']:.2f}", ""])  # fmt: skip
+        rows.append([bias, "fwd+bwd", f"{tb['qkv'] * 1e3:.0f}", f"{tb['qkv'] / tb['sdpa_no_bias']:.2f}", f"{tb['qkv'] / tb['sdpa_dense_bias']:.2f}",
+                     "no CPU backward", "", f"{mib(extra)} above SDPA without bias ({100 * extra / bias_bytes:.1f}% of the {mib(bias_bytes)} bias)"])  # fmt: skip
+        targets.add(f"{bias}, i = {i}, fwd+bwd: time / SDPA without bias ≤ 1.3", tb["qkv"] / tb["sdpa_no_bias"], 1.3)
+        targets.add(f"{bias}, i = {i}: peak memory above unbiased SDPA ≤ 10% of the (h, i, j) bias", 100 * extra / bias_bytes, 10.0, unit="%")
+        if "flex" in t:
+            targets.add(f"{bias}, i = {i}, fwd: compiled flex_attention time / qkv ≥ 2", flex_ratio, 2.0, higher=True)
+    parts += [f"### Positional biases (i = j = {i}, h = 8, d = 64, b = 1)", ""]
+    parts += table(["bias", "mode", "qkv ms", "/ SDPA no bias", "/ SDPA dense bias", "flex (compiled) / qkv", "/ materialised", "peak memory (fwd+bwd)"], rows) + [""]
+
+    # -- sliding window --------------------------------------------------------------
+    i, hw = cfg["window"], cfg["window_heads"]
+    rows = []
+    for mode in ("fwd", "fwdbwd"):
+        base = {"case": "window", "window": 256, "i": i, "h": hw, "mode": mode}
+        t = _time(say, f"window i={i} {mode}", base, ["qkv", "sdpa_dense_mask", "sdpa_causal"], cfg["big_repeats"])
+        speedup = t["sdpa_dense_mask"] / t["qkv"]
+        rows.append([mode, f"{t['qkv'] * 1e3:.0f}", f"{speedup:.1f}", f"{t['sdpa_causal'] / t['qkv']:.1f}"])
+        targets.add(f"window 256, i = {i}, {mode}: full SDPA time / qkv ≥ 10", speedup, 10.0, higher=True)
+    parts += [f"### Sliding window 256 (i = j = {i}, h = {hw}, d = 64, b = 1; `local` backend)", ""]
+    parts += table(["mode", "qkv ms", "SDPA with the dense window mask / qkv", "SDPA is_causal / qkv"], rows) + [""]
+
+    # -- additive --------------------------------------------------------------------
+    i = cfg["additive"]
+    rows = []
+    base = {"case": "additive", "hidden": 128, "i": i, "h": 1}
+    for mode in ("fwd", "fwdbwd"):
+        t = _time(say, f"additive i={i} {mode}", {**base, "mode": mode}, ["qkv", "materialised"], cfg["big_repeats"])
+        rows.append([i, mode, f"{t['qkv'] * 1e3:.0f}", f"{t['qkv'] / t['materialised']:.2f}", ""])
+        targets.add(f"additive, i = {i}, {mode}: time / materialised ≤ 1.0", t["qkv"] / t["materialised"], 1.0)
+    mem_q = peak_memory(NAME, {**base, "mode": "fwdbwd", "impl": "qkv"})
+    mem_m = peak_memory(NAME, {**base, "mode": "fwdbwd", "impl": "materialised"})
+    frac = mem_q["extra"] / max(1, mem_m["extra"])
+    rows.append([i, "fwd+bwd memory", "", "", f"{mib(mem_q['extra'])} vs {mib(mem_m['extra'])} materialised ({frac:.3f}×)"])
+    targets.add(f"additive, i = {i}: peak memory (above inputs) / materialised ≤ 1/8", frac, 1 / 8)
+    big = cfg["additive_big"]
+    mem_big = peak_memory(NAME, {**base, "i": big, "mode": "fwdbwd", "impl": "qkv"})
+    rows.append([big, "fwd+bwd memory", "", "", f"peak RSS {mib(mem_big['peak'])} (whole process)"])
+    targets.add(f"additive, i = {big}, fwd+bwd: whole-process peak RSS ≤ 2 GiB", mem_big["peak"] / 2**30, 2.0, unit=" GiB")
+    parts += [f"### Additive score (n = 128, h = 1, d = 64, b = 1; `chunked` backend)", ""]
+    parts += table(["i", "mode", "qkv ms", "qkv / materialised", "memory"], rows) + [""]
+
+    parts += ["### Targets", ""] + targets.lines()
+    return "\n".join(parts)

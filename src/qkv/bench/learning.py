@@ -1,0 +1,231 @@
+"""Benchmark: can a small model learn with each approximate mechanism? (issue 6, learning check)
+
+Shape legend: ``b`` batch, ``t`` sequence length, ``r`` queries per sequence, ``dim`` model
+size, ``h`` heads, ``d`` head size.
+
+Task: multi-query associative recall (:func:`qkv.tasks.make_recall_task`; Arora et al.
+2023 "Zoology"): ``n_pairs`` key-value pairs, filler up to ``seq_len`` tokens, a separator
+and ``n_queries`` keys; the answer to each query is the value stored after that key. It
+needs attention to find the matching key anywhere in the sequence and to read the token
+after it, so it separates mechanisms that keep sharp, long-range attention from those
+that blur it.
+
+Model, the same for every mechanism: token embedding + learned absolute positions, a
+2-layer pre-norm :class:`qkv.blocks.Encoder` (bidirectional) whose attention is the
+mechanism, and a linear read-out at the query positions. Trained with AdamW for a fixed
+number of steps on the same seeded batches; reported: accuracy on the held-out test
+sequences (every query counts), beside chance levels (``1 / n_values`` guessing any value,
+``1 / n_pairs`` guessing among the values present in the sequence).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import approx
+from .._args import positive_int
+from ..blocks import Encoder
+from ..tasks import RecallTask, make_recall_task
+
+NAME = "learning"
+DESCRIPTION = "2-layer model on associative recall with each attention mechanism, fixed training budget"
+METHODS = ("exact", "linformer", "reformer_lsh", "performer", "linear", "nystrom")
+LABELS = {"exact": "exact", "linformer": "Linformer", "reformer_lsh": "Reformer LSH", "performer": "Performer",
+          "linear": "linear (elu+1)", "nystrom": "Nyström"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LearningSetup:
+    steps: int = 1500  # optimiser steps per model
+    batch: int = 64  # sequences per step
+    lr: float = 3e-3  # AdamW learning rate (linear warm-up over 5% of steps, then cosine decay)
+    dim: int = 64  # model size
+    heads: int = 4  # attention heads (head size dim / heads)
+    layers: int = 2  # encoder layers
+    n_pairs: int = 8  # key-value pairs per sequence
+    n_queries: int = 4  # queries per sequence
+    vocab_size: int = 32  # key and value symbols (half each)
+    seq_len: int = 64  # tokens per sequence (pairs, filler, separator, queries)
+    n_train: int = 20000  # training sequences
+    n_test: int = 1000  # held-out sequences
+    linformer_k: int = 16  # Linformer projected length
+    landmarks: int = 8  # Nyström landmarks
+    nb_features: int = 32  # Performer random features
+    lsh_buckets: int = 4  # Reformer buckets per round
+    lsh_hashes: int = 2  # Reformer rounds
+    lsh_chunk: int = 16  # Reformer chunk size
+    methods: tuple[str, ...] = METHODS  # which mechanisms to train
+    seed: int = 0  # data, weights and batch order
+
+    def __post_init__(self):
+        for name in ("steps", "batch", "dim", "heads", "layers", "n_pairs", "n_queries", "seq_len"):
+            positive_int(name, getattr(self, name))
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise ValueError(f"methods: expected names from {METHODS}, got {sorted(unknown)}")
+
+    @property
+    def dim_head(self) -> int:
+        return self.dim // self.heads
+
+
+def mechanism(method: str, setup: LearningSetup) -> Callable[[], nn.Module] | None:
+    """A zero-argument factory of the mechanism (None: exact attention), one instance per layer."""
+    s, d = setup, setup.dim_head
+    factories = {
+        "exact": None,
+        "linformer": lambda: approx.Linformer(s.seq_len, s.linformer_k),
+        "reformer_lsh": lambda: approx.LSHAttention(d, n_buckets=s.lsh_buckets, n_hashes=s.lsh_hashes,
+                                                    chunk_size=s.lsh_chunk),  # fmt: skip
+        "performer": lambda: approx.Performer(d, nb_features=s.nb_features),
+        "linear": lambda: approx.LinearAttention(),
+        "nystrom": lambda: approx.NystromAttention(s.landmarks),
+    }
+    return factories[method]
+
+
+class RecallModel(nn.Module):
+    """Embeddings, an :class:`Encoder` with the given mechanism, and a read-out at the queries."""
+
+    def __init__(self, vocab: int, setup: LearningSetup, attention: Callable[[], nn.Module] | None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, setup.dim)
+        self.position = nn.Parameter(torch.randn(setup.seq_len, setup.dim) * 0.02)
+        self.encoder = Encoder(setup.layers, setup.dim, setup.heads, norm_first=True, attention=attention)
+        self.out = nn.Linear(setup.dim, vocab)
+
+    def forward(self, ids: Tensor, where: Tensor) -> Tensor:
+        """``ids (b, t)``, ``where (r,)`` query positions -> logits ``(b, r, vocab)``."""
+        x = self.embed(ids) + self.position[: ids.shape[1]]
+        return self.out(self.encoder(x)[:, where])
+
+
+@dataclass
+class LearningResult:
+    setup: LearningSetup
+    accuracy: dict[str, float] = field(default_factory=dict)  # method -> test accuracy
+    loss: dict[str, float] = field(default_factory=dict)  # method -> mean training loss of the last 5% of steps
+    seconds: dict[str, float] = field(default_factory=dict)  # method -> training wall time
+    chance_values: float = 0.0  # 1 / n_values
+    chance_pairs: float = 0.0  # 1 / n_pairs
+    threads: int = 1
+    load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average at start and end
+
+    def markdown(self) -> str:
+        s = self.setup
+        total = sum(self.seconds.values())
+        lines = [
+            "### Learning check: associative recall (`qkv bench --suite learning`)",
+            "",
+            f"Multi-query associative recall (`qkv.tasks.make_recall_task`): {s.n_pairs} key-value pairs, "
+            f"{s.n_queries} queries, sequences of {s.seq_len} tokens, {s.vocab_size // 2} keys and "
+            f"{s.vocab_size - s.vocab_size // 2} values; {s.n_train} training and {s.n_test} test sequences. "
+            f"Model: embeddings + learned positions, {s.layers}-layer pre-norm `qkv.blocks.Encoder`, dim {s.dim}, "
+            f"{s.heads} heads (d={s.dim_head}), linear read-out at the queries. {s.steps} AdamW steps of "
+            f"{s.batch} sequences, lr {s.lr:g} (warm-up, cosine), seed {s.seed}, the same batches for every "
+            f"mechanism. Mechanisms: Linformer k={s.linformer_k}; Reformer LSH {s.lsh_buckets} buckets, "
+            f"{s.lsh_hashes} rounds, chunk {s.lsh_chunk} (fresh hashes every step); Performer "
+            f"m={s.nb_features}; linear elu+1; Nyström {s.landmarks} landmarks. {self.threads} torch threads, "
+            f"load (1-min average) {self.load[0]:.1f} at start, {self.load[1]:.1f} at end, on 2 cores; "
+            f"{total / 60:.1f} min of training in all.",
+            "",
+            "| mechanism | test accuracy | final training loss | training time (s) |",
+            "|---|---|---|---|",
+        ]
+        for m in s.methods:
+            lines.append(f"| {LABELS[m]} | {self.accuracy[m]:.1%} | {self.loss[m]:.3f} | {self.seconds[m]:.0f} |")
+        lines += ["", f"Chance: {self.chance_values:.1%} guessing any value, {self.chance_pairs:.1%} guessing "
+                  "among the values present in the sequence."]  # fmt: skip
+        return "\n".join(lines)
+
+
+def _schedule(step: int, steps: int) -> float:
+    warm = max(1, steps // 20)
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(1, steps - warm)
+    return 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
+
+
+def train_one(method: str, task: RecallTask, setup: LearningSetup) -> tuple[float, float, float]:
+    """Train a model with ``method``; return ``(test accuracy, final loss, seconds)``."""
+    torch.manual_seed(setup.seed)
+    model = RecallModel(len(task.vocab), setup, mechanism(method, setup))
+    opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, setup.steps))
+    order = torch.Generator().manual_seed(setup.seed)
+    where = task.query_positions
+    tail: list[float] = []
+    start = time.perf_counter()
+    model.train()
+    for step in range(setup.steps):
+        idx = torch.randint(task.train_x.shape[0], (setup.batch,), generator=order)
+        logits = model(task.train_x[idx], where)
+        loss = F.cross_entropy(logits.flatten(0, 1), task.train_y[idx].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step >= setup.steps - max(1, setup.steps // 20):
+            tail.append(loss.item())
+    seconds = time.perf_counter() - start
+    model.eval()
+    with torch.inference_mode():
+        hits = 0
+        for b0 in range(0, task.test_x.shape[0], 250):
+            pred = model(task.test_x[b0 : b0 + 250], where).argmax(-1)
+            hits += int((pred == task.test_y[b0 : b0 + 250]).sum())
+    return hits / task.test_y.numel(), sum(tail) / len(tail), seconds
+
+
+def run(setup: LearningSetup | None = None, *, progress: Callable[[str], None] | None = None) -> LearningResult:
+    """Train one model per mechanism in ``setup.methods``; ``progress`` gets a line after each."""
+    setup = LearningSetup() if setup is None else setup
+    task = make_recall_task(setup.n_train, setup.n_test, n_pairs=setup.n_pairs, vocab_size=setup.vocab_size,
+                            seq_len=setup.seq_len, n_queries=setup.n_queries, seed=setup.seed)  # fmt: skip
+    result = LearningResult(setup, chance_values=1 / task.n_values, chance_pairs=1 / task.n_pairs,
+                            threads=torch.get_num_threads(), load=(os.getloadavg()[0], 0.0))  # fmt: skip
+    for m in setup.methods:
+        acc, loss, seconds = train_one(m, task, setup)
+        result.accuracy[m], result.loss[m], result.seconds[m] = acc, loss, seconds
+        if progress is not None:
+            progress(f"{m}: test accuracy {acc:.1%}, final loss {loss:.3f}, {seconds:.0f} s")
+    result.load = (result.load[0], os.getloadavg()[0])
+    return result
+
+
+#: a smoke-sized setup (seconds), used by ``--quick`` and the tests
+QUICK = LearningSetup(steps=5, batch=8, dim=32, heads=2, n_pairs=4, n_queries=2, vocab_size=16, seq_len=32,
+                      n_train=64, n_test=32, linformer_k=8, landmarks=4, nb_features=8, lsh_buckets=2,
+                      lsh_chunk=8)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m qkv.bench.learning [--quick] [--steps N]``: run and print the markdown section."""
+    import argparse
+    from dataclasses import replace
+
+    parser = argparse.ArgumentParser(prog="python -m qkv.bench.learning", description=DESCRIPTION)
+    parser.add_argument("--quick", action="store_true", help="a few steps on tiny data (a smoke run)")
+    parser.add_argument("--steps", type=int, default=None, help="optimiser steps per model")
+    parser.add_argument("--methods", default=None, help="comma-separated subset of " + ",".join(METHODS))
+    args = parser.parse_args(argv)
+    setup = QUICK if args.quick else LearningSetup()
+    if args.steps is not None:
+        setup = replace(setup, steps=args.steps)
+    if args.methods:
+        setup = replace(setup, methods=tuple(args.methods.split(",")))
+    print(run(setup, progress=print).markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

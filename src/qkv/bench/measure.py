@@ -1,0 +1,113 @@
+"""Measuring tools for the benchmark suites: interleaved timing, peak memory, machine description.
+
+Timing. A shared machine's speed drifts while a benchmark runs, so contenders are never
+timed one after the other. :func:`interleaved` runs one call of each contender per round,
+rotating the order every round, and keeps the median per contender; what is reported is
+the ratio of medians taken in the same rounds.
+
+Memory. The peak resident set of a process only ever grows, so each measurement runs in a
+fresh ``python -m qkv.bench --case ...`` process (:func:`peak_memory`): it builds the
+inputs, notes its peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``), makes one call, notes
+the peak again and prints both. The difference is the memory the call needed above its
+inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+#: ``ru_maxrss`` unit: KiB on Linux, bytes on macOS.
+_RSS_UNIT = 1 if sys.platform == "darwin" else 1024
+
+
+def interleaved(contenders: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each contender, over ``repeats`` rounds run in rotating order."""
+    names = list(contenders)
+    for _ in range(warmup):
+        for name in names:
+            contenders[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            contenders[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT
+
+
+def peak_memory(suite: str, case: dict, timeout: float = 1800.0) -> dict[str, float]:
+    """Run one case in a fresh process; ``{"inputs": bytes, "peak": bytes, "extra": bytes}``.
+
+    ``extra`` is the peak during the call minus the peak after building its inputs.
+    """
+    spec = json.dumps({"suite": suite, **case})
+    cmd = [sys.executable, "-m", "qkv.bench", "--case", spec]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory case {spec} failed:\n{done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["extra"] = max(0, result["peak"] - result["inputs"])
+    return result
+
+
+def run_case(spec: dict) -> dict[str, int]:
+    """Child side of :func:`peak_memory`: build the case, call it once, report peak RSS."""
+    from . import suite_module
+
+    module = suite_module(spec["suite"])
+    call = module.build(spec)
+    inputs = peak_rss_bytes()
+    call()
+    return {"inputs": inputs, "peak": peak_rss_bytes()}
+
+
+def machine() -> dict[str, str]:
+    """What the figures were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    try:
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        load = "n/a"
+    return {
+        "cpu": cpu,
+        "cores": str(cores),
+        "torch": torch.__version__,
+        "torch threads": str(torch.get_num_threads()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load average at start (1, 5, 15 min)": load,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def mib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**20:.0f} MiB"
