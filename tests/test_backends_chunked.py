@@ -118,7 +118,11 @@ def test_fused_engine_takes_lazy_bias_without_gradients():
                                  dropout=0.0, return_weights=False)  # fmt: skip
         assert chunked.engine(req) == "fused_blocks"
         torch.testing.assert_close(chunked.run(req)[0], reference.run(req)[0], rtol=1e-10, atol=1e-10)
-    assert "online_softmax" in qkv.explain(q, k, v, bias=t5, causal=True)  # learned, gradients on
+    # learned and differentiated: the fused engine when the mask is a window (the bias
+    # gradient is rebuilt along diagonals), the online engine under any other mask
+    assert "fused_blocks" in qkv.explain(q, k, v, bias=t5, causal=True)
+    lengths = qkv.masks.lengths(torch.tensor([40, 9]))
+    assert "online_softmax" in qkv.explain(q, k, v, bias=t5, mask=lengths)
 
 
 def test_flash_rule_float32_and_bfloat16():

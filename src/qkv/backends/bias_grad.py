@@ -54,16 +54,17 @@ def add_profile_grad(
     ``v (b, g, jt, e)`` its keys; ``base`` the profile index of reversed row 0, key 0.
     """
     b, h, it, _ = q_rev.shape
+    acc = torch.promote_types(q_rev.dtype, torch.float32)
     g, jt = k.shape[-3], k.shape[-2]
     step = max(1, BLOCK_ELEMENTS // max(1, b * h * jt))
     for a0 in range(0, it, step):
         a1 = min(a0 + step, it)
         q5 = q_rev[..., a0:a1, :].unflatten(1, (g, h // g))
-        s = (q5 @ k.unsqueeze(2).transpose(-1, -2)).flatten(1, 2).float() * scale
-        s = s + mask_rev[..., a0:a1, :].float()
-        p = torch.exp(s - lse_rev[..., a0:a1, None].float())
+        s = (q5 @ k.unsqueeze(2).transpose(-1, -2)).flatten(1, 2).to(acc) * scale
+        s = s + mask_rev[..., a0:a1, :].to(acc)
+        p = torch.exp(s - lse_rev[..., a0:a1, None].to(acc))
         dp = (d_out_rev[..., a0:a1, :].unflatten(1, (g, h // g)) @ v.unsqueeze(2).transpose(-1, -2)).flatten(1, 2)
-        ds = p * (dp.float() - delta_rev[..., a0:a1, None])
+        ds = p * (dp.to(acc) - delta_rev[..., a0:a1, None])
         ds = ds.sum(0)  # (h, rows, jt): the bias is shared by the batch
         if d_profile.shape[0] == 1:
             ds = ds.sum(0, keepdim=True)

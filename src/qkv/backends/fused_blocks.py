@@ -208,8 +208,9 @@ class FusedBlocks(torch.autograd.Function):
         diagonal = DiagonalMask(plan, i_len, j_len, q.dtype, q.device, profile) if DiagonalMask.applies(plan) else None
         d_profile = None
         if profile is not None and ctx.needs_input_grad[4]:
-            d_profile = torch.zeros(profile.shape, dtype=torch.float32, device=q.device)
-            delta = (d_out.float() * out.float()).sum(-1)  # D = rowsum(dO ∘ O)
+            acc = torch.promote_types(q.dtype, torch.float32)
+            d_profile = torch.zeros(profile.shape, dtype=acc, device=q.device)
+            delta = (d_out.to(acc) * out.to(acc)).sum(-1)  # D = rowsum(dO ∘ O)
         bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
         for t in _blocks(plan, q, j_len, diagonal is not None):
             if t.j0 == t.j1:

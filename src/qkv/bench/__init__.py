@@ -48,6 +48,7 @@ SUITES: dict[str, str] = {
     "engine": "qkv.bench.engine",
     "modules": "qkv.bench.modules",
     "approx": "qkv.bench.approx",
+    "learning": "qkv.bench.learning",
     "generation": "qkv.bench.generation",
 }
 #: Suites run when ``--suite`` is not given.

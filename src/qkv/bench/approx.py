@@ -9,10 +9,12 @@ inputs (:mod:`qkv.bench.inputs`, family ``setup.family``), forward only, float32
 
 - **time**: median of ``repeats`` calls (fewer at the large sizes, see :class:`ApproxSetup`),
   taken round-robin over the methods with the order rotated each round, so drifting machine
-  load falls on every method alike; one warm-up call per method and size first (exact
-  attention is warmed up only at ``i <= big``, where a call is cheap);
-- **peak memory**: the peak RSS of a fresh ``python`` process that builds the inputs and
-  makes one call (``--case``), beside a process that only builds the inputs;
+  load falls on every method alike (the procedure of :func:`qkv.bench.measure.interleaved`,
+  with fewer calls for the slow contenders at the large sizes and the first output kept for
+  the error); one warm-up call per method at each ``i <= big``;
+- **peak memory**: the peak RSS of a fresh process that builds the inputs and makes one
+  call (:func:`qkv.bench.measure.peak_memory` with :func:`build`), and how much of it came
+  after the inputs were built;
 - **error**: ``‖out − exact‖_F / ‖exact‖_F`` of the first timed call. Reformer's LSH
   attention shares queries and keys (``k = q/|q|``) and never attends to itself, so its
   reference is exact attention with those keys and the diagonal masked, built only at
@@ -34,10 +36,7 @@ skipped with a note (they are the benchmark-only ``bench`` extra).
 from __future__ import annotations
 
 import math
-import resource
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -49,6 +48,7 @@ from torch import Tensor
 from .. import approx
 from ..functional import attention
 from .inputs import FAMILIES, effective_keys, make_inputs, relative_error
+from .report import Targets
 
 NAME = "approx"
 DESCRIPTION = "approximate attention (Linformer, Reformer LSH, Performer, linear, Nyström) vs exact and vs peer packages"
@@ -73,7 +73,7 @@ class ApproxSetup:
     dim_head: int = 64  # d (= e)
     family: str = "lowrank_local"  # input family of the main table (qkv.bench.inputs)
     repeats: int = 5  # timed calls per method at i <= big
-    large_repeats: int = 3  # timed calls of each approximate method at i > big
+    large_repeats: tuple[int, ...] = (3, 2)  # approximate methods at the sizes above big, in order
     exact_large_repeats: tuple[int, ...] = (2, 1)  # exact at the sizes above big, in order (last one repeats)
     big: int = 4096  # where "large" starts
     fit_range: tuple[int, int] = (4096, 32768)  # sizes the scaling exponent is fitted over
@@ -82,6 +82,7 @@ class ApproxSetup:
     memory: bool = True  # measure peak RSS in subprocesses
     peer_sizes: tuple[int, ...] = (4096, 16384)  # i of the peer comparison; () skips it
     peer_repeats: int = 3  # timed calls of each side of a peer pair
+    reformer_peer_max: int = 4096  # largest i of the Reformer pair (both take about a minute a call at 16K)
     linformer_k: int = 256  # projected length k
     nb_features: int = 256  # Performer random features m
     landmarks: int = 64  # Nyström landmarks
@@ -99,13 +100,12 @@ class ApproxSetup:
         """Timed calls of ``method`` at length ``i``."""
         if i <= self.big:
             return self.repeats
-        if method != "exact":
-            return self.large_repeats
+        counts = self.exact_large_repeats if method == "exact" else self.large_repeats
         rank = sorted(s for s in self.sizes if s > self.big).index(i)
-        return self.exact_large_repeats[min(rank, len(self.exact_large_repeats) - 1)]
+        return counts[min(rank, len(counts) - 1)]
 
 
-def build(method: str, i: int, setup: ApproxSetup) -> Callable[..., Tensor]:
+def mechanism(method: str, i: int, setup: ApproxSetup) -> Callable[..., Tensor]:
     """The mechanism of ``method`` for length ``i``, with parameters seeded by ``setup.seed``."""
     torch.manual_seed(setup.seed)
     d = setup.dim_head
@@ -158,7 +158,7 @@ class ApproxResult:
     setup: ApproxSetup
     times: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (method, i) -> seconds per call
     errors: dict[tuple[str, int], float] = field(default_factory=dict)  # (method, i) -> relative error
-    rss: dict[tuple[str, int], float] = field(default_factory=dict)  # (method or "inputs", i) -> MiB
+    rss: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # (method, i) -> (peak, added) MiB
     family_errors: dict[tuple[str, str], float] = field(default_factory=dict)  # (method, family) -> error
     spread: dict[str, float] = field(default_factory=dict)  # family -> effective keys per row
     peers: list[dict] = field(default_factory=list)  # rows of the peer table
@@ -194,9 +194,9 @@ def run(setup: ApproxSetup | None = None, *, progress: Callable[[str], None] | N
         _family_errors(setup, result, say)
     if setup.memory:
         for i in setup.sizes:
-            for method in ("inputs", *METHODS):
-                result.rss[method, i] = peak_rss(method, i, setup)
-            say(f"memory i={i}: " + ", ".join(f"{m} {result.rss[m, i]:.0f} MiB" for m in ("inputs", *METHODS)))
+            for method in METHODS:
+                result.rss[method, i] = peak_memory(method, i, setup)
+            say(f"memory i={i}: " + ", ".join(f"{m} {result.rss[m, i][0]:.0f} MiB" for m in METHODS))
     if setup.peer_sizes:
         result.peers = compare_peers(setup, say)
     result.load = (result.load[0], os.getloadavg()[0])
@@ -206,10 +206,10 @@ def run(setup: ApproxSetup | None = None, *, progress: Callable[[str], None] | N
 
 def _time_size(i: int, setup: ApproxSetup, result: ApproxResult, say: Callable[[str], None]) -> None:
     q, k, v = inputs(i, setup)
-    modules = {m: build(m, i, setup) for m in METHODS}
+    modules = {m: mechanism(m, i, setup) for m in METHODS}
     calls = {m: (lambda fn=fn: fn(q, k, v)) for m, fn in modules.items()}
-    for m, call in calls.items():
-        if m != "exact" or i <= setup.big:
+    if i <= setup.big:
+        for call in calls.values():
             call()  # warm-up
     outs: dict[str, Tensor] = {}
     rounds = max(setup.repeats_for(m, i) for m in METHODS)
@@ -235,33 +235,37 @@ def _family_errors(setup: ApproxSetup, result: ApproxResult, say: Callable[[str]
         result.spread[family] = effective_keys(q, k)
         exact = attention(q, k, v)
         for m in METHODS[1:]:
-            out = build(m, i, setup)(q, k, v)
+            out = mechanism(m, i, setup)(q, k, v)
             ref = lsh_reference(q, v) if m == "reformer_lsh" else exact
             result.family_errors[m, family] = relative_error(out, ref)
         say(f"errors on {family}: " + ", ".join(f"{m} {result.family_errors[m, family]:.3g}" for m in METHODS[1:]))
 
 
-def peak_rss(method: str, i: int, setup: ApproxSetup) -> float:
-    """Peak RSS in MiB of a fresh process that builds the inputs and runs ``method`` once
-    (``method="inputs"``: builds the inputs only)."""
-    code = (
-        "import sys; from qkv.bench.approx import _case; "
-        f"_case({method!r}, {i}, {setup.batch}, {setup.heads}, {setup.dim_head}, {setup.family!r}, {setup.seed})"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"memory case {method} i={i} failed: {done.stderr.strip()[-500:]}")
-    return float(done.stdout.strip().splitlines()[-1])
+def build(spec: dict) -> Callable[[], Tensor]:
+    """One memory case for :func:`qkv.bench.measure.peak_memory`: inputs built, one call to make.
+
+    ``spec``: ``method``, ``i``, ``batch``, ``heads``, ``dim_head``, ``family``, ``seed``.
+    """
+    setup = ApproxSetup(sizes=(spec["i"],), batch=spec["batch"], heads=spec["heads"], dim_head=spec["dim_head"],
+                        family=spec["family"], seed=spec["seed"])  # fmt: skip
+    q, k, v = inputs(spec["i"], setup)
+    fn = mechanism(spec["method"], spec["i"], setup)
+
+    def call() -> Tensor:
+        with torch.inference_mode():
+            return fn(q, k, v)
+
+    return call
 
 
-def _case(method: str, i: int, b: int, h: int, d: int, family: str, seed: int) -> None:
-    """Body of the memory subprocess: print the peak RSS in MiB after one call."""
-    setup = ApproxSetup(sizes=(i,), batch=b, heads=h, dim_head=d, family=family, seed=seed)
-    with torch.inference_mode():
-        q, k, v = inputs(i, setup)
-        if method != "inputs":
-            build(method, i, setup)(q, k, v)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # Linux: KiB
+def peak_memory(method: str, i: int, setup: ApproxSetup) -> tuple[float, float]:
+    """``(peak RSS, RSS added by the call)`` in MiB of one call in a fresh process."""
+    from .measure import peak_memory as measure_peak  # noqa: PLC0415
+
+    case = dict(method=method, i=i, batch=setup.batch, heads=setup.heads, dim_head=setup.dim_head,
+                family=setup.family, seed=setup.seed)  # fmt: skip
+    got = measure_peak(NAME, case)
+    return got["peak"] / 2**20, got["extra"] / 2**20
 
 
 # ---------------------------------------------------------------- peer packages
@@ -279,10 +283,21 @@ def _peer_performer(i: int, setup: ApproxSetup):
     from performer_pytorch import FastAttention  # noqa: PLC0415
 
     q, k, v = inputs(i, setup)
-    ours = build("performer", i, setup)
+    ours = mechanism("performer", i, setup)
     theirs = FastAttention(setup.dim_head, nb_features=setup.nb_features).eval()
     theirs.projection_matrix.copy_(ours.projection)
-    note = "same projection matrix copied in; theirs adds eps=1e-4 to every feature"
+    # Theirs adds eps = 1e-4 to every feature after the max-subtraction; with that eps set to 0
+    # (the only difference) the two should agree to float32 rounding.
+    import performer_pytorch.performer_pytorch as theirs_module  # noqa: PLC0415
+
+    defaults = theirs_module.softmax_kernel.__kwdefaults__
+    eps, defaults["eps"] = defaults["eps"], 0.0
+    try:
+        same = relative_error(ours(q, k, v), theirs(q, k, v))
+    finally:
+        defaults["eps"] = eps
+    note = (f"same projection matrix copied in; difference with their default eps={eps:g} added to every feature; "
+            f"with their eps set to 0: {same:.1e}")  # fmt: skip
     return (lambda: ours(q, k, v)), (lambda: theirs(q, k, v)), note
 
 
@@ -367,13 +382,16 @@ def compare_peers(setup: ApproxSetup, say: Callable[[str], None]) -> list[dict]:
     with torch.inference_mode():
         for i in setup.peer_sizes:
             for peer, pair in _PEER_PAIRS.items():
+                if peer == "reformer-pytorch" and i > setup.reformer_peer_max:
+                    continue
                 try:
                     ours, theirs, note = pair(i, setup)
                 except ImportError as err:
                     rows.append(dict(peer=peer, i=i, skipped=f"not installed ({err.name}); `pip install qkv[bench]`"))
                     say(f"peer {peer}: skipped, not installed")
                     continue
-                ours(), theirs()  # warm-up
+                if i <= setup.big:
+                    ours(), theirs()  # warm-up
                 t_ours, t_theirs, outs = [], [], []
                 for rep in range(setup.peer_repeats):
                     for side in ((0, 1) if rep % 2 == 0 else (1, 0)):
@@ -403,6 +421,7 @@ def _fmt(x: float | None, spec: str = ".3g") -> str:
 def render(res: ApproxResult) -> str:
     """The markdown section of ``benchmarks/RESULTS.md``."""
     s = res.setup
+    large = [_size(x) for x in s.sizes if x > s.big] or ["—"]
     lines = [
         "### Approximate attention vs exact (`qkv bench --suite approx`)",
         "",
@@ -411,39 +430,34 @@ def render(res: ApproxResult) -> str:
         f"(`qkv.bench.inputs`). Methods: Linformer k={s.linformer_k} (random projections, untrained); "
         f"Reformer LSH {s.lsh_hashes} rounds, chunk {s.lsh_chunk}, i/{s.lsh_chunk} buckets; Performer "
         f"m={s.nb_features} orthogonal features; linear attention elu+1; Nyström {s.landmarks} landmarks, "
-        f"6 pinv iterations. Time: median of {s.repeats} calls at i ≤ {_size(s.big)}, {s.large_repeats} for "
-        f"the approximations above; exact attention {', '.join(map(str, s.exact_large_repeats))} call(s) "
-        f"at the larger sizes; calls interleaved round-robin. Peak RSS: a fresh process per case "
-        f"(\"inputs\" = building the inputs only). Error: ‖out − exact‖_F / ‖exact‖_F; Reformer's against "
+        f"6 pinv iterations. Time: median of {s.repeats} calls at i ≤ {_size(s.big)}; above that "
+        f"{', '.join(map(str, s.large_repeats))} calls for the approximations and "
+        f"{', '.join(map(str, s.exact_large_repeats))} for exact attention at {', '.join(large)}; calls "
+        f"interleaved round-robin. Peak RSS: a fresh process per case. Error: ‖out − exact‖_F / ‖exact‖_F; "
+        f"Reformer's against "
         f"exact shared-QK attention without self-attention, only at i ≤ {_size(s.lsh_error_max)}. "
         f"Machine load (1-min average) {res.load[0]:.1f} at start, {res.load[1]:.1f} at end, on 2 cores; "
         f"whole suite {res.seconds / 60:.1f} min.",
         "",
-        "| method | i | time (s) | × faster than exact | peak RSS (MiB) | error |",
-        "|---|---|---|---|---|---|",
+        "| method | i | time (s) | × faster than exact | peak RSS (MiB) | RSS added by the call (MiB) | error |",
+        "|---|---|---|---|---|---|---|",
     ]
     for i in s.sizes:
         for m in METHODS:
-            rss = res.rss.get((m, i))
+            peak, added = res.rss.get((m, i), (None, None))
             speed = "1" if m == "exact" else f"{res.speedup(m, i):.1f}"
-            lines.append(f"| {LABELS[m]} | {_size(i)} | {res.median(m, i):.3g} | {speed} | {_fmt(rss, '.0f')} | "
-                         f"{_fmt(res.errors.get((m, i)))} |")  # fmt: skip
-        if (("inputs", i)) in res.rss:
-            lines.append(f"| (inputs only) | {_size(i)} | | | {res.rss['inputs', i]:.0f} | |")
+            lines.append(f"| {LABELS[m]} | {_size(i)} | {res.median(m, i):.3g} | {speed} | {_fmt(peak, '.0f')} | "
+                         f"{_fmt(added, '.0f')} | {_fmt(res.errors.get((m, i)))} |")  # fmt: skip
     lo, hi = s.fit_range
     target = max((x for x in s.sizes if x <= 16384), default=s.sizes[-1])
-    lines += ["", f"Targets: at i = {_size(target)} ≥ {TARGET_SPEEDUP:g}× faster than exact; time exponent "
-              f"(log-log slope, {_size(lo)}–{_size(hi)}) ≤ {TARGET_EXPONENT}.", "",
-              f"| method | × faster at {_size(target)} | exponent | speed target | exponent target |",
-              "|---|---|---|---|---|"]  # fmt: skip
-    for m in METHODS:
-        exp = res.exponent(m)
-        if m == "exact":
-            lines.append(f"| {LABELS[m]} | 1 | {exp:.2f} | | |")
-            continue
-        speed = res.speedup(m, target)
-        lines.append(f"| {LABELS[m]} | {speed:.1f} | {exp:.2f} | {'met' if speed >= TARGET_SPEEDUP else 'NOT met'} | "
-                     f"{'met' if exp <= TARGET_EXPONENT else 'NOT met'} |")  # fmt: skip
+    targets = Targets()
+    exponents = {m: res.exponent(m) for m in METHODS}
+    for m in METHODS[1:]:
+        targets.add(f"{LABELS[m]}: × faster than exact at i = {_size(target)}", res.speedup(m, target),
+                    TARGET_SPEEDUP, higher=True, unit="×")  # fmt: skip
+        targets.add(f"{LABELS[m]}: time exponent {_size(lo)}–{_size(hi)}", exponents[m], TARGET_EXPONENT)
+    lines += ["", f"Scaling exponent (least-squares log-log slope of time, {_size(lo)}–{_size(hi)}): "
+              + ", ".join(f"{LABELS[m]} {exponents[m]:.2f}" for m in METHODS) + ".", "", *targets.lines()]
     lines += ["", f"Error by input family at i = {_size(s.error_size)} (effective keys per row = exp(entropy) of "
               "exact attention, averaged over 256 rows: i for uniform rows, 1 for one-hot):", "",
               "| method | " + " | ".join(f"`{f}` ({res.spread[f]:.0f} keys)" for f in FAMILIES) + " |",
@@ -477,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: a smoke-sized setup (seconds, not minutes), used by ``--quick`` and the tests
-QUICK = ApproxSetup(sizes=(256, 512, 1024), repeats=2, large_repeats=1, big=256, fit_range=(256, 1024), error_size=256,
+QUICK = ApproxSetup(sizes=(256, 512, 1024), repeats=2, large_repeats=(1,), reformer_peer_max=512, big=256, fit_range=(256, 1024), error_size=256,
                     lsh_error_max=1024, memory=False, peer_sizes=(512,), peer_repeats=1,
                     linformer_k=32, nb_features=32, landmarks=16, lsh_chunk=32)  # fmt: skip
 

@@ -38,7 +38,8 @@ def run(ctx: Context) -> StepResult:
     out, weights = compute()
     ctx.echo("four words, W^Q, W^K, W^V from numpy seed 42, qkv.attention (scaled dot product):")
     # np.array2string with 8 digits is what the seed's print(attention) shows.
-    ctx.echo(np.array2string(out, precision=8))
+    for line in np.array2string(out, precision=8).splitlines():
+        ctx.echo(line)
     row_error = float(np.abs(weights.sum(-1) - 1.0).max())
     figure = viz.heatmap(weights, WORDS, WORDS, title="seed 002: softmax(QKᵀ/√3)")
     viz.save(figure, ctx.out / "seed002_weights.png")

@@ -58,8 +58,9 @@ class Seq2SeqConfig:
     pad_id: int = 0  # padding id in both vocabularies (ignored by the loss)
     bos_id: int = 1  # target id that starts decoding
     eos_id: int = 2  # target id that ends a hypothesis
-    # qkv backend of the attention step; "reference" materialises the (b, i, j) logits,
-    # which at these sizes beats tiling them (measured: several times faster on CPU).
+    # qkv backend of the attention step; "reference" materialises the (b, i, j) logits, which
+    # at these sizes beats tiling them ("auto" picks the chunked backend for the additive
+    # score: a training step took 1.6-2x as long, batch 64, 30 source characters, 1 CPU core).
     backend: str = "reference"
 
     def __post_init__(self):

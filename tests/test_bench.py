@@ -1,0 +1,87 @@
+"""The benchmark machinery on tiny sizes: it runs, writes tables, measures memory in a subprocess.
+
+No timing is asserted (the figures belong in benchmarks/RESULTS.md, not in unit tests).
+"""
+
+import argparse
+
+import pytest
+
+from qkv import bench
+from qkv.bench import measure, modules
+from qkv.bench.report import Targets, table
+
+
+def test_interleaved_calls_each_contender_warmup_plus_repeats_times():
+    calls = {"a": 0, "b": 0}
+
+    def make(name):
+        def fn():
+            calls[name] += 1
+
+        return fn
+
+    medians = measure.interleaved({"a": make("a"), "b": make("b")}, repeats=4, warmup=1)
+    assert calls == {"a": 5, "b": 5}
+    assert set(medians) == {"a", "b"} and all(t >= 0 for t in medians.values())
+
+
+def test_peak_memory_is_measured_in_a_fresh_process():
+    """The materialised additive score holds (i, j, n) tensors; the chunked one only tiles."""
+    spec = {"case": "additive", "hidden": 128, "i": 512, "h": 1, "mode": "fwd"}
+    materialised = measure.peak_memory("engine", {**spec, "impl": "materialised"})
+    chunked = measure.peak_memory("engine", {**spec, "impl": "qkv"})
+    one = 512 * 512 * 128 * 4  # bytes of one (i, j, n) float32 tensor
+    assert materialised["inputs"] > 0 and materialised["peak"] >= materialised["inputs"]
+    assert materialised["extra"] >= one
+    assert chunked["extra"] < materialised["extra"] / 2
+
+
+def test_a_failing_case_reports_the_child_error():
+    with pytest.raises(RuntimeError, match="memory case .* failed"):
+        measure.peak_memory("engine", {"case": "nonsense", "i": 8, "h": 1, "mode": "fwd", "impl": "qkv"})
+
+
+def test_machine_description_names_cpu_torch_and_threads():
+    info = measure.machine()
+    assert {"cpu", "cores", "torch", "torch threads"} <= set(info)
+
+
+def test_targets_met_and_not_met():
+    t = Targets()
+    assert t.add("ratio", 0.9, 1.0)
+    assert not t.add("speedup", 5.0, 10.0, higher=True)
+    assert not t.add("missing", float("nan"), 1.0)
+    lines = t.lines()
+    assert lines[0] == "| target | measured | status |"
+    assert lines[2:] == ["| ratio | 0.9 | met |", "| speedup | 5 | **not met** |", "| missing | nan | **not met** |"]
+    assert table(["a", "b"], [[1, 2]]) == ["| a | b |", "|---|---|", "| 1 | 2 |"]
+
+
+def test_quick_modules_suite_writes_a_results_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(modules, "QUICK", dict(lengths=(16,), tokens=32, repeats=1))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "RESULTS.md"
+    assert bench.run(parser.parse_args(["--suite", "modules", "--quick", "--out", str(out)])) == 0
+    text = out.read_text()
+    assert "## Machine" in text and "| torch |" in text
+    assert "<!-- suite: modules -->" in text and "<!-- end: modules -->" in text
+    assert "| 16 | 2 |" in text  # the row for i = 16, b = 32 / 16
+    assert "### Targets" in text
+
+
+def test_sections_of_suites_not_run_are_kept(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    info = {"cpu": "x"}
+    bench.write(out, {"engine": "## Engine\nold engine\n"}, info)
+    bench.write(out, {"modules": "## Modules\nnew modules\n"}, info)
+    bench.write(out, {"engine": "## Engine\nnew engine\n"}, info)
+    text = out.read_text()
+    assert "new engine" in text and "new modules" in text and "old engine" not in text
+    assert text.index("<!-- suite: engine -->") < text.index("<!-- suite: modules -->")
+
+
+def test_unknown_suite_is_an_error_naming_the_choices():
+    with pytest.raises(ValueError, match=r"--suite: expected one of \[.*'engine'.*\] or 'all', got 'nope'"):
+        bench.suite_module("nope")

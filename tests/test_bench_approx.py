@@ -1,0 +1,183 @@
+"""Tests of the approximate-attention suites: qkv.bench.approx, qkv.bench.learning, qkv.bench.inputs.
+
+Closed-form checks of the error metric and of the scaling-exponent fit, the input families'
+structure, and both suites run end to end on tiny sizes producing tables with the right
+columns (the figures themselves are measured by ``qkv bench``, not here).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from qkv.bench import approx, learning
+from qkv.bench.inputs import FAMILIES, effective_keys, make_inputs, relative_error
+
+TINY = approx.ApproxSetup(
+    sizes=(64, 128), heads=2, dim_head=16, repeats=1, large_repeats=(1,), exact_large_repeats=(1,), big=64,
+    fit_range=(64, 128), error_size=64, lsh_error_max=128, memory=False, peer_sizes=(), peer_repeats=1,
+    reformer_peer_max=128, linformer_k=8, nb_features=16, landmarks=128, lsh_hashes=2, lsh_chunk=16,
+    family="gaussian",
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------- metric and fit
+
+
+def test_relative_error_closed_form():
+    exact = torch.tensor([[3.0, 0.0], [0.0, 4.0]])  # ‖exact‖ = 5
+    assert relative_error(exact, exact) == 0.0
+    assert relative_error(exact * 1.1, exact) == pytest.approx(0.1)
+    off = exact.clone()
+    off[0, 1] = 1.5  # ‖diff‖ = 1.5
+    assert relative_error(off, exact) == pytest.approx(0.3)
+
+
+def test_relative_error_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"approx: expected the shape of exact \(2,\), got \(3,\)"):
+        relative_error(torch.zeros(3), torch.ones(2))
+    with pytest.raises(ValueError, match="exact: the reference output is all zeros"):
+        relative_error(torch.ones(2), torch.zeros(2))
+
+
+@pytest.mark.parametrize("power", [1.0, 1.15, 2.0])
+def test_fit_exponent_recovers_power_law(power):
+    sizes = [1024, 4096, 16384, 32768]
+    seconds = [3e-9 * s**power for s in sizes]
+    assert approx.fit_exponent(sizes, seconds) == pytest.approx(power)
+
+
+def test_fit_exponent_uses_only_the_range_and_is_least_squares():
+    # The point at 1024 lies far off the line and is outside [4096, 32768]: ignored.
+    sizes = [1024, 4096, 16384, 32768]
+    seconds = [100.0, 1.0, 4.0, 8.0]  # slope exactly 1 over the last three
+    assert approx.fit_exponent(sizes, seconds) == pytest.approx(1.0)
+    # Noisy points: the slope is the least-squares one, computed here by hand.
+    xs = [math.log(s) for s in (4096, 16384, 32768)]
+    ys = [math.log(t) for t in (1.0, 5.0, 8.0)]
+    mx, my = sum(xs) / 3, sum(ys) / 3
+    want = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    assert approx.fit_exponent(sizes, [100.0, 1.0, 5.0, 8.0]) == pytest.approx(want)
+    with pytest.raises(ValueError, match="at least two sizes"):
+        approx.fit_exponent([1024, 4096], [1.0, 2.0])
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inputs_shapes_and_seed(family):
+    q, k, v = make_inputs(family, 40, b=2, h=3, d=8, seed=1)
+    assert q.shape == k.shape == v.shape == (2, 3, 40, 8)
+    again = make_inputs(family, 40, b=2, h=3, d=8, seed=1)
+    assert all(torch.equal(x, y) for x, y in zip((q, k, v), again))
+    assert not torch.equal(q, make_inputs(family, 40, b=2, h=3, d=8, seed=2)[0])
+
+
+def test_inputs_are_structured():
+    spread = {f: effective_keys(*make_inputs(f, 512, h=2, d=32)[:2]) for f in FAMILIES}
+    assert spread["gaussian"] > 100  # close to uniform rows
+    for family in ("local", "lowrank_local", "peaked"):
+        assert spread[family] < spread["gaussian"] / 5
+    # local: the strongest key of a query is near it
+    q, k, _ = make_inputs("local", 512, h=1, d=32)
+    top = (q @ k.transpose(-1, -2))[0, 0].argmax(-1)
+    assert (top - torch.arange(512)).abs().float().median() <= 4
+
+
+def test_effective_keys_extremes():
+    q = torch.zeros(1, 1, 4, 8)
+    assert effective_keys(q, torch.randn(1, 1, 50, 8)) == pytest.approx(50)
+    k = torch.eye(8)[None, None] * 100
+    assert effective_keys(k, k) == pytest.approx(1, abs=1e-3)
+
+
+def test_inputs_errors_name_the_argument():
+    with pytest.raises(ValueError, match="family: expected one of"):
+        make_inputs("noise", 8)
+    with pytest.raises(ValueError, match="i: expected a positive int, got 0"):
+        make_inputs("local", 0)
+
+
+# ---------------------------------------------------------------- approx suite
+
+
+def test_approx_suite_tiny_produces_the_tables():
+    result = approx.run(TINY)
+    for m in approx.METHODS:
+        for i in TINY.sizes:
+            assert len(result.times[m, i]) == 1 and result.times[m, i][0] > 0
+    assert set(result.errors) == {(m, i) for m in approx.METHODS[1:] for i in TINY.sizes}
+    assert all(e >= 0 for e in result.errors.values())
+    # Known answer: with as many landmarks as tokens Nyström is exact, up to the pinv iteration.
+    assert result.errors["nystrom", 64] < 1e-3 and result.errors["nystrom", 128] < 1e-3
+    text = result.markdown()
+    assert "| method | i | time (s) | × faster than exact | peak RSS (MiB) | RSS added by the call (MiB) | error |" in text
+    assert "| target | measured | status |" in text
+    assert text.count("× faster than exact at i = 128") == 5 and text.count("time exponent 64–128") == 5
+    assert "| method | `gaussian`" in text and "`peaked`" in text
+
+
+def test_lsh_reference_is_shared_qk_without_self():
+    q, _, v = make_inputs("gaussian", 12, h=1, d=4)
+    keys = torch.nn.functional.normalize(q, dim=-1)
+    logits = (q @ keys.transpose(-1, -2)) / 2  # scale 1/sqrt(4)
+    logits = logits.masked_fill(torch.eye(12, dtype=torch.bool), float("-inf"))
+    assert torch.allclose(approx.lsh_reference(q, v), logits.softmax(-1) @ v, atol=1e-5)
+
+
+def test_memory_case_builds_one_call():
+    call = approx.build(dict(suite="approx", method="linear", i=32, batch=1, heads=2, dim_head=8,
+                             family="local", seed=0))  # fmt: skip
+    assert call().shape == (1, 2, 32, 8)
+
+
+def test_repeats_for_large_sizes():
+    setup = approx.ApproxSetup()
+    assert setup.repeats_for("exact", 4096) == setup.repeats
+    assert setup.repeats_for("exact", 16384) == 2 and setup.repeats_for("exact", 32768) == 1
+    assert setup.repeats_for("linear", 16384) == 3 and setup.repeats_for("linear", 32768) == 2
+
+
+def test_peers_same_math_and_skip(monkeypatch):
+    for name in ("performer_pytorch", "linformer", "nystrom_attention", "reformer_pytorch"):
+        pytest.importorskip(name)
+    setup = replace(TINY, peer_sizes=(128,))
+    monkeypatch.setitem(sys.modules, "nystrom_attention", None)  # as if not installed
+    rows = {row["peer"]: row for row in approx.compare_peers(setup, lambda _: None)}
+    assert "not installed" in rows["nystrom-attention"]["skipped"]
+    assert rows["linformer"]["diff"] < 1e-5  # same E, F and projections
+    assert rows["reformer-pytorch"]["diff"] < 1e-4  # same rotations
+    assert "with their eps set to 0: " in rows["performer-pytorch"]["note"]
+    same = float(rows["performer-pytorch"]["note"].rsplit(": ", 1)[1])
+    assert same < 1e-4
+    assert all(row["ratio"] > 0 for row in rows.values() if "skipped" not in row)
+
+
+# ---------------------------------------------------------------- learning suite
+
+
+def test_learning_suite_tiny_produces_the_table():
+    setup = replace(learning.QUICK, steps=2)
+    result = learning.run(setup)
+    assert set(result.accuracy) == set(learning.METHODS)
+    assert all(0.0 <= a <= 1.0 for a in result.accuracy.values())
+    text = result.markdown()
+    assert "| mechanism | test accuracy | final training loss | training time (s) |" in text
+    assert "Chance: 12.5% guessing any value, 25.0% guessing among the values present" in text
+    assert torch.get_num_threads() >= 1  # threads restored (run sets 1 while training)
+
+
+def test_learning_is_seeded():
+    setup = replace(learning.QUICK, steps=3, methods=("exact", "linear"))
+    a, b = learning.run(setup), learning.run(setup)
+    assert a.accuracy == b.accuracy and a.loss == b.loss
+
+
+def test_learning_rejects_unknown_method():
+    with pytest.raises(ValueError, match="methods: expected names from"):
+        learning.LearningSetup(methods=("exact", "flash"))
