@@ -60,11 +60,11 @@ def add_profile_grad(
     for a0 in range(0, it, step):
         a1 = min(a0 + step, it)
         q5 = q_rev[..., a0:a1, :].unflatten(1, (g, h // g))
-        s = (q5 @ k.unsqueeze(2).transpose(-1, -2)).flatten(1, 2).to(acc) * scale
-        s = s + mask_rev[..., a0:a1, :].to(acc)
-        p = torch.exp(s - lse_rev[..., a0:a1, None].to(acc))
+        s = (q5 @ k.unsqueeze(2).transpose(-1, -2)).flatten(1, 2).to(acc)
+        # in place: these (b, h, rows, jt) blocks are the bulk of the extra work
+        p = s.mul_(scale).add_(mask_rev[..., a0:a1, :]).sub_(lse_rev[..., a0:a1, None]).exp_()
         dp = (d_out_rev[..., a0:a1, :].unflatten(1, (g, h // g)) @ v.unsqueeze(2).transpose(-1, -2)).flatten(1, 2)
-        ds = p * (dp.to(acc) - delta_rev[..., a0:a1, None])
+        ds = dp.to(acc).sub_(delta_rev[..., a0:a1, None]).mul_(p)
         ds = ds.sum(0)  # (h, rows, jt): the bias is shared by the batch
         if d_profile.shape[0] == 1:
             ds = ds.sum(0, keepdim=True)

@@ -6,14 +6,17 @@ hidden size.
 
 Two engines, one contract (``out``, and the log-sum-exp ``lse (..., h, i)`` of every row):
 
-* ``fused_blocks`` — dot-form scores (dot, scaled dot, bilinear) without dropout or learned
-  biases: query blocks through PyTorch's fused CPU kernel, the lazy bias and mask built
-  one block at a time. The speed of ``F.scaled_dot_product_attention`` with
-  ``O(h·it·j)`` extra memory instead of ``O(h·i·j)``.
-* ``online_softmax`` — everything else (additive and location scores, learned biases,
-  dropout, inputs without a batch or head dim): a Python loop over tiles with an online
-  softmax and a custom backward that recomputes each tile. Memory is one tile, e.g.
-  ``(it, jt, n)`` for the additive score instead of the reference's ``(i, j, n)``.
+* ``fused_blocks`` — dot-form scores (dot, scaled dot, bilinear) without dropout: PyTorch's
+  fused CPU kernel, given the bias and mask without an ``(h, i, j)`` tensor. A window mask
+  with ALiBi or T5 buckets is a function of the query-key offset, handed to the kernel as
+  a zero-copy strided view of an ``(h, i + j - 1)`` profile (a learned T5 table gets its
+  gradient from ``bias_grad``); other masks and biases are built one query block at a
+  time. The speed of ``F.scaled_dot_product_attention`` with at most one block's mask.
+* ``online_softmax`` — everything else (additive and location scores, dropout, learned
+  biases under other masks, dense biases that need a gradient, inputs without a batch or
+  head dim): a Python loop over tiles with an online softmax and a custom backward that
+  recomputes each tile. Memory is one tile, e.g. ``(it, jt, n)`` for the additive score
+  instead of the reference's ``(i, j, n)``.
 
 Both skip tiles that the mask reports empty. Weights, when asked for, are rebuilt from
 ``lse`` (``backends.weights``), optionally for a few heads or rows only. Checked against
@@ -118,7 +121,7 @@ def _online(req: Request, qp: Tensor, kp: Tensor, v: Tensor) -> tuple[Tensor, Te
         params += list(lazy.parameters())
     block_i, block_j = _blocks(req, qp)
     seed = drop.draw_seed(req.generator) if req.dropout > 0 else 0
-    plan = Plan(req.score, req.mask, lazy, req.scale, req.dropout, seed, block_i, block_j, len(params))
+    plan = Plan(req.score, req.mask, lazy, req.scale, req.dropout, seed, block_i, block_j)
     return TiledAttention.apply(plan, qp, kp, v, dense, *params)
 
 

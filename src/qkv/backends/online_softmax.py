@@ -50,7 +50,6 @@ class Plan:
     seed: int  # dropout seed (unused when dropout == 0)
     block_i: int  # query tile side
     block_j: int  # key tile side
-    n_params: int = 0  # trailing inputs that are score / bias parameters
 
 
 def _logits(plan: Plan, qp5: Tensor, kp5: Tensor, bias: BiasSource, dense_t: Tensor | None, t: Tile, state: str) -> Tensor:

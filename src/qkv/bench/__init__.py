@@ -116,7 +116,9 @@ def write(path: Path, sections: dict[str, str], info: dict[str, str], *, quick: 
     """Write RESULTS.md: header, machine, then one marked section per suite (others' kept)."""
     old = path.read_text() if path.exists() else ""
     kept = dict(re.findall(r"<!-- suite: (\S+) -->\n(.*?)<!-- end: \1 -->", old, flags=re.S))
-    kept.update({name: text.rstrip() + "\n" for name, text in sections.items()})
+    # each section carries the conditions it was measured under: suites may be run apart
+    stamp = f"_Measured {info.get('date', '?')}, torch threads {info.get('torch threads', '?')}, load average {info.get('load average at start (1, 5, 15 min)', '?')}._"
+    kept.update({name: _stamped(text, stamp) for name, text in sections.items()})
     lines = [
         "# qkv benchmark results",
         "",
@@ -127,7 +129,7 @@ def write(path: Path, sections: dict[str, str], info: dict[str, str], *, quick: 
     ]
     if quick:
         lines += ["**Quick run: tiny sizes, a smoke test of the machinery. These are not the figures to quote.**", ""]
-    lines += ["## Machine", "", "| | |", "|---|---|"]
+    lines += ["## Machine (of the latest run)", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in info.items()]
     lines.append("")
     order = [n for n in SUITES if n in kept] + [n for n in kept if n not in SUITES]
@@ -135,6 +137,11 @@ def write(path: Path, sections: dict[str, str], info: dict[str, str], *, quick: 
         lines += [f"<!-- suite: {name} -->", kept[name].rstrip(), f"<!-- end: {name} -->", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
+
+
+def _stamped(text: str, stamp: str) -> str:
+    head, _, rest = text.strip().partition("\n")
+    return f"{head}\n\n{stamp}\n{rest}\n" if head.startswith("#") else f"{stamp}\n\n{text.strip()}\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,6 +88,7 @@ class ApproxSetup:
     landmarks: int = 64  # Nyström landmarks
     lsh_hashes: int = 4  # Reformer hash rounds
     lsh_chunk: int = 64  # Reformer chunk (bucket) size; n_buckets = i / chunk
+    lsh_norm: float = 10.0  # Reformer's queries rescaled to norm lsh_norm·√d (see lsh_queries)
     seed: int = 0  # inputs and module parameters
 
     def __post_init__(self):
@@ -130,6 +131,27 @@ def inputs(i: int, setup: ApproxSetup, family: str | None = None) -> tuple[Tenso
     return make_inputs(family or setup.family, i, b=setup.batch, h=setup.heads, d=setup.dim_head, seed=setup.seed)
 
 
+def lsh_queries(q: Tensor, setup: ApproxSetup) -> Tensor:
+    """The queries given to Reformer: ``q`` rescaled to norm ``lsh_norm · √d``.
+
+    Shared QK normalises the keys, so a logit is ``|q| cos θ / √d``: with the inputs' own
+    norms (about 1.5 √d) every row of the shared-QK softmax is nearly uniform whatever the
+    structure. Fixing the norm makes the logits ``lsh_norm · cos θ``, so the directions'
+    structure shows in the attention (same time: hashing does not depend on norms).
+    """
+    return F.normalize(q, dim=-1) * (setup.lsh_norm * q.shape[-1] ** 0.5)
+
+
+def lsh_spread(q: Tensor, rows: int = 256) -> float:
+    """:func:`effective_keys` of the shared-QK reference (keys ``q/|q|``, self excluded)."""
+    sub = q[..., :rows, :]
+    logits = sub @ F.normalize(q, dim=-1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    itself = torch.arange(sub.shape[-2])[:, None] == torch.arange(q.shape[-2])[None, :]
+    logp = logits.masked_fill(itself, float("-inf")).log_softmax(-1)
+    entropy = -(logp.exp() * logp.masked_fill(itself, 0)).sum(-1)
+    return float(entropy.exp().mean())
+
+
 def lsh_reference(q: Tensor, v: Tensor) -> Tensor:
     """Exact shared-QK attention (keys ``q/|q|``), a token never attending to itself."""
     i = q.shape[-2]
@@ -160,7 +182,7 @@ class ApproxResult:
     errors: dict[tuple[str, int], float] = field(default_factory=dict)  # (method, i) -> relative error
     rss: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # (method, i) -> (peak, added) MiB
     family_errors: dict[tuple[str, str], float] = field(default_factory=dict)  # (method, family) -> error
-    spread: dict[str, float] = field(default_factory=dict)  # family -> effective keys per row
+    spread: dict = field(default_factory=dict)  # family, or ("reformer_lsh", family) -> effective keys per row
     peers: list[dict] = field(default_factory=list)  # rows of the peer table
     threads: int = 1
     load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average at start and end
@@ -189,8 +211,7 @@ def run(setup: ApproxSetup | None = None, *, progress: Callable[[str], None] | N
     result = ApproxResult(setup, threads=torch.get_num_threads(), load=(os.getloadavg()[0], 0.0))
     start = time.perf_counter()
     with torch.inference_mode():
-        for i in setup.sizes:
-            _time_size(i, setup, result, say)
+        _time_all(setup, result, say)
         _family_errors(setup, result, say)
     if setup.memory:
         for i in setup.sizes:
@@ -204,28 +225,40 @@ def run(setup: ApproxSetup | None = None, *, progress: Callable[[str], None] | N
     return result
 
 
-def _time_size(i: int, setup: ApproxSetup, result: ApproxResult, say: Callable[[str], None]) -> None:
-    q, k, v = inputs(i, setup)
-    modules = {m: mechanism(m, i, setup) for m in METHODS}
-    calls = {m: (lambda fn=fn: fn(q, k, v)) for m, fn in modules.items()}
-    if i <= setup.big:
-        for call in calls.values():
-            call()  # warm-up
-    outs: dict[str, Tensor] = {}
-    rounds = max(setup.repeats_for(m, i) for m in METHODS)
+def _time_all(setup: ApproxSetup, result: ApproxResult, say: Callable[[str], None]) -> None:
+    """Time every (method, size), round-robin over sizes as well as methods.
+
+    Interleaving the sizes too puts every size under the same drift of machine load, which
+    matters for the scaling exponent (a ratio of times at different sizes).
+    """
+    cases = {}
+    for i in setup.sizes:
+        q, k, v = inputs(i, setup)
+        cases[i] = (q, k, v, {m: mechanism(m, i, setup) for m in METHODS})
+        if i <= setup.big:
+            for m, fn in cases[i][3].items():
+                fn(lsh_queries(q, setup) if m == "reformer_lsh" else q, k, v)  # warm-up
+    outs: dict[tuple[str, int], Tensor] = {}
+    rounds = max(setup.repeats_for(m, i) for m in METHODS for i in setup.sizes)
     for r in range(rounds):
-        order = METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]
-        for m in order:
-            if len(result.times.setdefault((m, i), [])) < setup.repeats_for(m, i):
-                seconds, out = timed(calls[m])
-                result.times[m, i].append(seconds)
-                outs.setdefault(m, out)
-    for m in METHODS[1:]:
-        if m != "reformer_lsh":
-            result.errors[m, i] = relative_error(outs[m], outs["exact"])
-        elif i <= setup.lsh_error_max:
-            result.errors[m, i] = relative_error(outs[m], lsh_reference(q, v))
-    say(f"i={i}: " + ", ".join(f"{m} {result.median(m, i):.3g}s" for m in METHODS))
+        for i in setup.sizes:
+            q, k, v, fns = cases[i]
+            lq = lsh_queries(q, setup)
+            for m in METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]:
+                if len(result.times.setdefault((m, i), [])) < setup.repeats_for(m, i):
+                    qm = lq if m == "reformer_lsh" else q
+                    seconds, out = timed(lambda fn=fns[m], qm=qm: fn(qm, k, v))
+                    result.times[m, i].append(seconds)
+                    outs.setdefault((m, i), out)
+        say(f"timing round {r + 1}/{rounds} done")
+    for i in setup.sizes:
+        q, _, v, _ = cases[i]
+        for m in METHODS[1:]:
+            if m != "reformer_lsh":
+                result.errors[m, i] = relative_error(outs[m, i], outs["exact", i])
+            elif i <= setup.lsh_error_max:
+                result.errors[m, i] = relative_error(outs[m, i], lsh_reference(lsh_queries(q, setup), v))
+        say(f"i={i}: " + ", ".join(f"{m} {result.median(m, i):.3g}s" for m in METHODS))
 
 
 def _family_errors(setup: ApproxSetup, result: ApproxResult, say: Callable[[str], None]) -> None:
@@ -234,9 +267,11 @@ def _family_errors(setup: ApproxSetup, result: ApproxResult, say: Callable[[str]
         q, k, v = inputs(i, setup, family)
         result.spread[family] = effective_keys(q, k)
         exact = attention(q, k, v)
+        lq = lsh_queries(q, setup)
+        result.spread["reformer_lsh", family] = lsh_spread(lq)
         for m in METHODS[1:]:
-            out = mechanism(m, i, setup)(q, k, v)
-            ref = lsh_reference(q, v) if m == "reformer_lsh" else exact
+            out = mechanism(m, i, setup)(lq if m == "reformer_lsh" else q, k, v)
+            ref = lsh_reference(lq, v) if m == "reformer_lsh" else exact
             result.family_errors[m, family] = relative_error(out, ref)
         say(f"errors on {family}: " + ", ".join(f"{m} {result.family_errors[m, family]:.3g}" for m in METHODS[1:]))
 
@@ -250,6 +285,9 @@ def build(spec: dict) -> Callable[[], Tensor]:
                         family=spec["family"], seed=spec["seed"])  # fmt: skip
     q, k, v = inputs(spec["i"], setup)
     fn = mechanism(spec["method"], spec["i"], setup)
+
+    if spec["method"] == "reformer_lsh":
+        q = lsh_queries(q, setup)
 
     def call() -> Tensor:
         with torch.inference_mode():
@@ -354,6 +392,7 @@ def _peer_reformer(i: int, setup: ApproxSetup):
 
     b, h, d, r = setup.batch, setup.heads, setup.dim_head, setup.lsh_hashes
     q, _, v = inputs(i, setup)
+    q = lsh_queries(q, setup)
     theirs = LSHAttention(bucket_size=setup.lsh_chunk, n_hashes=r, causal=False,
                           allow_duplicate_attention=False, attend_across_buckets=False).eval()  # fmt: skip
     n_buckets = i // setup.lsh_chunk
@@ -464,6 +503,10 @@ def render(res: ApproxResult) -> str:
               "|---" * (len(FAMILIES) + 1) + "|"]  # fmt: skip
     for m in METHODS[1:]:
         lines.append(f"| {LABELS[m]} | " + " | ".join(f"{res.family_errors[m, f]:.3g}" for f in FAMILIES) + " |")
+    lines += ["", "Reformer's reference is exact shared-QK attention (keys q/|q|, no self-attention) on its "
+              f"queries rescaled to norm {s.lsh_norm:g}·√d (`lsh_queries`: with the inputs' own norms the "
+              "shared-QK softmax is nearly uniform); effective keys of that reference: "
+              + ", ".join(f"`{f}` {res.spread['reformer_lsh', f]:.0f}" for f in FAMILIES) + "."]
     if res.peers:
         lines += ["", f"Peer packages, same configuration, median of {s.peer_repeats} calls each, interleaved "
                   "(ratio = qkv time / peer time, target ≤ 1; difference = relative Frobenius difference of "

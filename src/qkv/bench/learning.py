@@ -10,7 +10,8 @@ needs attention to find the matching key anywhere in the sequence and to read th
 after it, so it separates mechanisms that keep sharp, long-range attention from those
 that blur it.
 
-Model, the same for every mechanism: token embedding + learned absolute positions, a
+Model, the same for every mechanism: token embedding + learned absolute positions, RoPE on
+half of each head's dims (Su et al. 2021; applied to q and k before the mechanism), a
 2-layer pre-norm :class:`qkv.blocks.Encoder` (bidirectional) whose attention is the
 mechanism, and a linear read-out at the query positions. Trained with AdamW for a fixed
 number of steps on the same seeded batches; reported: accuracy on the held-out test
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 from .. import approx
 from .._args import positive_int
 from ..blocks import Encoder
+from ..positional import Rotary
 from ..tasks import RecallTask, make_recall_task
 
 NAME = "learning"
@@ -49,6 +51,7 @@ class LearningSetup:
     dim: int = 64  # model size
     heads: int = 4  # attention heads (head size dim / heads)
     layers: int = 2  # encoder layers
+    rotary: bool = True  # RoPE on half of each head's dims, besides learned absolute positions
     n_pairs: int = 8  # key-value pairs per sequence
     n_queries: int = 4  # queries per sequence
     vocab_size: int = 32  # key and value symbols (half each)
@@ -99,7 +102,11 @@ class RecallModel(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, setup.dim)
         self.position = nn.Parameter(torch.randn(setup.seq_len, setup.dim) * 0.02)
-        self.encoder = Encoder(setup.layers, setup.dim, setup.heads, norm_first=True, attention=attention)
+        # Partial RoPE (GPT-NeoX style) lets a key find "the token after me" by relative position
+        # while the other half of each head matches content.
+        rope = Rotary(setup.dim_head, rotary_dim=2 * (setup.dim_head // 4)) if setup.rotary else None
+        self.encoder = Encoder(setup.layers, setup.dim, setup.heads, norm_first=True, positional=rope,
+                               attention=attention)  # fmt: skip
         self.out = nn.Linear(setup.dim, vocab)
 
     def forward(self, ids: Tensor, where: Tensor) -> Tensor:
@@ -128,7 +135,7 @@ class LearningResult:
             f"Multi-query associative recall (`qkv.tasks.make_recall_task`): {s.n_pairs} key-value pairs, "
             f"{s.n_queries} queries, sequences of {s.seq_len} tokens, {s.vocab_size // 2} keys and "
             f"{s.vocab_size - s.vocab_size // 2} values; {s.n_train} training and {s.n_test} test sequences. "
-            f"Model: embeddings + learned positions, {s.layers}-layer pre-norm `qkv.blocks.Encoder`, dim {s.dim}, "
+            f"Model: embeddings + learned positions{' + RoPE on half of each head' if s.rotary else ''}, {s.layers}-layer pre-norm `qkv.blocks.Encoder`, dim {s.dim}, "
             f"{s.heads} heads (d={s.dim_head}), linear read-out at the queries. {s.steps} AdamW steps of "
             f"{s.batch} sequences, lr {s.lr:g} (warm-up, cosine), seed {s.seed}, the same batches for every "
             f"mechanism. Mechanisms: Linformer k={s.linformer_k}; Reformer LSH {s.lsh_buckets} buckets, "

@@ -42,10 +42,11 @@ def _loss(model, source: Tensor, lengths: Tensor, target: Tensor) -> Tensor:
     return model.loss(source[:, : int(lengths.max())], target, lengths)
 
 
-def decode(model, source: Tensor, lengths: Tensor, *, batch_size: int = 500):
+def decode(model, source: Tensor, lengths: Tensor, *, ctx: Context, desc: str = "decoding", batch_size: int = 250):
     """Greedy decoding in batches: generated ids ``(n, t)`` and their attention ``(n, t, j)``."""
     tokens, weights = [], []
-    for start in range(0, source.shape[0], batch_size):
+    starts = range(0, source.shape[0], batch_size)
+    for start in ctx.progress(starts, total=len(starts), desc=desc):
         rows = slice(start, start + batch_size)
         width = int(lengths[rows].max())
         out = model.greedy(source[rows, :width], lengths[rows], max_len=12)
@@ -131,7 +132,7 @@ def run(ctx: Context) -> StepResult:
     for offset, (name, model) in enumerate(models.items()):
         fit(model, _loss, train, ctx=ctx, steps=steps, generator=ctx.generator(30 + offset),
             batch_size=64, lr=3e-3, desc=name)  # fmt: skip
-        tokens, weights = decode(model, task.test_source, task.test_source_lengths)
+        tokens, weights = decode(model, task.test_source, task.test_source_lengths, ctx=ctx, desc=f"{name}: decoding")
         predicted = ["".join(task.target_vocab.decode(row)) for row in tokens]
         exact = sum(p == t for p, t in zip(predicted, task.test_targets)) / n_test
         hits = alignment_hits(weights, task.test_spans, task.test_sources)
