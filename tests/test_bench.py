@@ -83,3 +83,18 @@ def test_sections_of_suites_not_run_are_kept(tmp_path):
 def test_unknown_suite_is_an_error_naming_the_choices():
     with pytest.raises(ValueError, match=r"--suite: expected one of \[.*'engine'.*\] or 'all', got 'nope'"):
         bench.suite_module("nope")
+
+
+def test_a_suite_run_part_by_part_replaces_the_whole(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    bench.write(out, {"engine": "## Engine\nold\n"}, {})
+    bench.write(out, {"engine-bias": "## Engine (bias)\nnew bias\n"}, {})
+    assert "old" in out.read_text()  # other parts not rerun yet: the whole run is kept
+    bench.write(out, {f"engine-{p}": f"## Engine ({p})\nnew {p}\n" for p in ("dot", "window", "additive")}, {})
+    text = out.read_text()
+    assert "old" not in text and "new bias" in text and "new additive" in text
+
+
+def test_a_part_runs_only_its_cases():
+    part = bench.suite_module("engine-window")
+    assert part.NAME == "engine" and part.DESCRIPTION.endswith("[window only]")

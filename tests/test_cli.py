@@ -48,8 +48,8 @@ def test_help_on_each_command(capsys, command):
 
 
 def test_python_dash_m(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "qkv", "--version"], capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0 and done.stdout.strip() == f"qkv {qkv.__version__}"
+    # One subprocess (importing torch is slow): `python -m qkv` reaches the parser and
+    # returns its exit code.
     done = subprocess.run([sys.executable, "-m", "qkv", "dmeo"], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

@@ -52,7 +52,7 @@ def quick(tmp_path_factory):
 def test_quick_run_writes_every_figure_and_index(quick):
     out, _, results = quick
     figures = [figure.file for result in results for figure in result.figures]
-    assert len(figures) == 6 and len(set(figures)) == 6
+    assert len(figures) == 7 and len(set(figures)) == 7
     for file in figures:
         data = (out / file).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n", file

@@ -142,3 +142,13 @@ def test_bad_inputs_raise_clear_errors():
         LMConfig(vocab=5, positional="fourier")
     with pytest.raises(TypeError, match="config: expected an LMConfig, got dict"):
         CausalLM({"vocab": 5})
+
+
+def test_generated_ids_are_ordinary_tensors_usable_in_training():
+    # generate runs under inference mode; its output must still be trainable data
+    lm = _lm(torch.float32)
+    ids = lm.generate(torch.randint(0, V, (2, 3)), 4)
+    assert not ids.is_inference()
+    lm.train()
+    lm.loss(ids).backward()
+    assert lm.embed.embedding.weight.grad is not None

@@ -1,5 +1,7 @@
 """The ``qkv`` command line: ``qkv demo``, ``qkv bench``, ``qkv plot``, ``qkv --version``.
 
+Shape legend (``qkv plot``): ``h`` heads, ``i`` queries (rows), ``j`` keys (columns).
+
 Every bad argument ends the program with exit code 2 and one line on stderr,
 ``qkv <command>: error: <what is wrong>`` (argparse's default prints the usage first; one
 line is easier to read and to test). Heavy imports (torch models, matplotlib, the

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from ..masks import Mask, Tile, Window
-from ..positional import LazyBias
-from .bias_grad import add_profile_grad
+from ..positional import LazyBias, RelativePositionBias
+from .bias_grad import add_profile_grad, saturating_profile_grad
 from .tiles import NEG_INF, BiasSource, as_heads, key_range, shift_invariant
 
 _forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -144,6 +144,13 @@ class DiagonalMask:
         return None if bool(live.all()) else live[:, None]
 
 
+def saturation(bias) -> int | None:
+    """Offset beyond which a learned bias is one value per side (T5's ``max_distance``), or None."""
+    if isinstance(bias, RelativePositionBias):
+        return bias.max_distance
+    return None
+
+
 def _blocks(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool):
     i_len = q.shape[-2]
     step = rows_per_block(plan, q, j_len, diagonal)
@@ -212,6 +219,10 @@ class FusedBlocks(torch.autograd.Function):
             d_profile = torch.zeros(profile.shape, dtype=acc, device=q.device)
             delta = (d_out.to(acc) * out.to(acc)).sum(-1)  # D = rowsum(dO ∘ O)
         bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
+        reach = saturation(plan.bias)
+        if d_profile is not None and reach is not None:
+            true_lse = ctx.saved_tensors[4]  # +inf on rows that see no key
+            saturating_profile_grad(d_profile, diagonal, q, k, v, d_out, true_lse, delta, plan.scale, reach, _forward)
         for t in _blocks(plan, q, j_len, diagonal is not None):
             if t.j0 == t.j1:
                 continue
@@ -226,7 +237,7 @@ class FusedBlocks(torch.autograd.Function):
             gq, gk, gv = _backward(*args, 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
             if flip:
                 gq = gq.flip(-2)
-            if d_profile is not None:
+            if d_profile is not None and reach is None:
                 add_profile_grad(
                     d_profile, args[1], args[2], args[3], args[0], args[5], delta[..., rows].flip(-1),
                     add, diagonal.base(t), plan.scale,

@@ -39,13 +39,18 @@ import json
 import re
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 
 #: Suites by name -> module. Register a new suite by adding it here.
 SUITES: dict[str, str] = {
     "engine": "qkv.bench.engine",
+    # the engine suite's parts alone ("module:part" runs ``module.section(..., parts=(part,))``)
+    "engine-dot": "qkv.bench.engine:dot",
+    "engine-bias": "qkv.bench.engine:bias",
+    "engine-window": "qkv.bench.engine:window",
+    "engine-additive": "qkv.bench.engine:additive",
     "modules": "qkv.bench.modules",
     "approx": "qkv.bench.approx",
     "learning": "qkv.bench.learning",
@@ -56,10 +61,20 @@ DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")
 DEFAULT_OUT = Path("benchmarks/RESULTS.md")
 
 
-def suite_module(name: str) -> ModuleType:
+def suite_module(name: str) -> ModuleType | SimpleNamespace:
+    """The suite's module, or for a ``"module:part"`` entry a view of it that runs that part only."""
     if name not in SUITES:
         raise ValueError(f"--suite: expected one of {sorted(SUITES)} or 'all', got {name!r}")
-    return importlib.import_module(SUITES[name])
+    path, _, part = SUITES[name].partition(":")
+    module = importlib.import_module(path)
+    if not part:
+        return module
+    return SimpleNamespace(
+        NAME=module.NAME,
+        DESCRIPTION=f"{module.DESCRIPTION} [{part} only]",
+        section=lambda quick, say: module.section(quick, say, parts=(part,)),
+        build=module.build,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     names = list(DEFAULT_SUITES) if not args.suite else args.suite
     if "all" in names:
-        names = list(SUITES)
+        names = [n for n in SUITES if ":" not in SUITES[n]]  # parts are inside their suite
     for name in names:
         suite_module(name)  # fail fast on a wrong name
     out = args.out if args.out is not None else (Path("benchmarks/RESULTS-quick.md") if args.quick else DEFAULT_OUT)
@@ -119,6 +134,10 @@ def write(path: Path, sections: dict[str, str], info: dict[str, str], *, quick: 
     # each section carries the conditions it was measured under: suites may be run apart
     stamp = f"_Measured {info.get('date', '?')}, torch threads {info.get('torch threads', '?')}, load average {info.get('load average at start (1, 5, 15 min)', '?')}._"
     kept.update({name: _stamped(text, stamp) for name, text in sections.items()})
+    for whole in [n for n in kept if ":" not in SUITES.get(n, ":")]:
+        parts = [n for n, path in SUITES.items() if path.startswith(SUITES[whole] + ":")]
+        if parts and whole not in sections and all(p in kept for p in parts):
+            del kept[whole]  # superseded by a run of each of its parts
     lines = [
         "# qkv benchmark results",
         "",

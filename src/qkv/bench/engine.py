@@ -138,12 +138,7 @@ def _extra(extra: float, bias_bytes: int) -> str:
     return f"{mib(extra)} above SDPA without bias ({100 * extra / bias_bytes:.1f}% of the {mib(bias_bytes)} bias)"
 
 
-def section(quick: bool, say: Callable[[str], None]) -> str:
-    cfg = QUICK if quick else FULL
-    targets = Targets()
-    parts = ["## Engine: backends against PyTorch", ""]
-
-    # -- dot family ------------------------------------------------------------------
+def _dot(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[str]:
     rows = []
     for i in cfg["dot"]:
         reps = cfg["repeats"] if i <= 1024 else cfg["big_repeats"]
@@ -155,10 +150,11 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
                 rows.append([score, i, mode, f"{t['qkv'] * 1e3:.1f}", f"{t['sdpa'] * 1e3:.1f}", f"{ratio:.3f}"])
                 if i in (1024, 4096):
                     targets.add(f"dot family ({score}), i = {i}, {mode}: time / SDPA ≤ 1.05", ratio, 1.05)
-    parts += ["### Dot-family scores (h = 8, d = 64, b = 1)", ""]
-    parts += table(["score", "i", "mode", "qkv ms", "SDPA ms", "qkv / SDPA"], rows) + [""]
+    parts = ["### Dot-family scores (h = 8, d = 64, b = 1)", ""]
+    return parts + table(["score", "i", "mode", "qkv ms", "SDPA ms", "qkv / SDPA"], rows) + [""]
 
-    # -- positional biases -----------------------------------------------------------
+
+def _bias(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[str]:
     i = cfg["bias"]
     rows = []
     bias_bytes = 8 * i * i * 4
@@ -182,10 +178,12 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
             targets.add(f"{bias}, i = {i}: peak memory above unbiased SDPA ≤ 10% of the (h, i, j) bias", 100 * extra / bias_bytes, 10.0, unit="%")
         if "flex" in t:
             targets.add(f"{bias}, i = {i}, fwd: compiled flex_attention time / qkv ≥ 2", flex_ratio, 2.0, higher=True)
-    parts += [f"### Positional biases (i = j = {i}, h = 8, d = 64, b = 1)", ""]
-    parts += table(["bias", "mode", "qkv ms", "/ SDPA no bias", "/ SDPA dense bias", "flex (compiled) / qkv", "/ materialised", "peak memory (fwd+bwd)"], rows) + [""]
+    parts = [f"### Positional biases (i = j = {i}, h = 8, d = 64, b = 1)", ""]
+    return parts + table(["bias", "mode", "qkv ms", "/ SDPA no bias", "/ SDPA dense bias", "flex (compiled) / qkv",
+                          "/ materialised", "peak memory (fwd+bwd)"], rows) + [""]  # fmt: skip
 
-    # -- sliding window --------------------------------------------------------------
+
+def _window(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[str]:
     i, hw = cfg["window"], cfg["window_heads"]
     rows = []
     for mode in ("fwd", "fwdbwd"):
@@ -194,10 +192,11 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
         speedup = t["sdpa_dense_mask"] / t["qkv"]
         rows.append([mode, f"{t['qkv'] * 1e3:.0f}", f"{speedup:.1f}", f"{t['sdpa_causal'] / t['qkv']:.1f}"])
         targets.add(f"window 256, i = {i}, {mode}: full SDPA time / qkv ≥ 10", speedup, 10.0, higher=True)
-    parts += [f"### Sliding window 256 (i = j = {i}, h = {hw}, d = 64, b = 1; `local` backend)", ""]
-    parts += table(["mode", "qkv ms", "SDPA with the dense window mask / qkv", "SDPA is_causal / qkv"], rows) + [""]
+    parts = [f"### Sliding window 256 (i = j = {i}, h = {hw}, d = 64, b = 1; `local` backend)", ""]
+    return parts + table(["mode", "qkv ms", "SDPA with the dense window mask / qkv", "SDPA is_causal / qkv"], rows) + [""]
 
-    # -- additive --------------------------------------------------------------------
+
+def _additive(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[str]:
     i = cfg["additive"]
     rows = []
     base = {"case": "additive", "hidden": 128, "i": i, "h": 1}
@@ -215,8 +214,22 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     mem_big = peak_memory(NAME, {**base, "i": big, "mode": "fwdbwd", "impl": "qkv"})
     rows.append([big, "fwd+bwd memory", "", "", f"peak RSS {mib(mem_big['peak'])} (whole process)"])
     targets.add(f"additive, i = {big}, fwd+bwd: whole-process peak RSS ≤ 2 GiB", mem_big["peak"] / 2**30, 2.0, unit=" GiB")
-    parts += [f"### Additive score (n = 128, h = 1, d = 64, b = 1; `chunked` backend)", ""]
-    parts += table(["i", "mode", "qkv ms", "qkv / materialised", "memory"], rows) + [""]
+    parts = ["### Additive score (n = 128, h = 1, d = 64, b = 1; `chunked` backend)", ""]
+    return parts + table(["i", "mode", "qkv ms", "qkv / materialised", "memory"], rows) + [""]
 
-    parts += ["### Targets", ""] + targets.lines()
-    return "\n".join(parts)
+
+#: The parts of this suite, each also registered alone as ``engine-NAME`` (see ``qkv.bench``).
+PARTS = {"dot": _dot, "bias": _bias, "window": _window, "additive": _additive}
+
+
+def section(quick: bool, say: Callable[[str], None], parts: tuple[str, ...] | None = None) -> str:
+    """The markdown section of the chosen ``parts`` (default all), with its targets."""
+    cfg = QUICK if quick else FULL
+    targets = Targets()
+    names = tuple(PARTS) if parts is None else parts
+    title = "Engine: backends against PyTorch" + ("" if parts is None else f" ({', '.join(names)})")
+    lines = [f"## {title}", ""]
+    for name in names:
+        lines += PARTS[name](cfg, say, targets)
+    lines += ["### Targets", ""] + targets.lines()
+    return "\n".join(lines)

@@ -47,7 +47,18 @@ def interleaved(contenders: dict[str, Callable[[], object]], repeats: int, warmu
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far."""
+    """Peak resident set size of this process so far.
+
+    On Linux ``VmHWM`` of ``/proc/self/status``: ``ru_maxrss`` survives ``exec``, so a child
+    started by a large parent (subprocess forks/vforks) reports the parent's size as its own.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT
 
 

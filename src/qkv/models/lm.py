@@ -28,7 +28,15 @@ from torch import Tensor, nn
 from .._args import positive_int
 from ..blocks import Encoder
 from ..cache import DecoderCache
-from .transformer import TokenEmbedding, attention_positional, check_batch, check_common, check_lengths, key_padding
+from .transformer import (
+    TokenEmbedding,
+    attention_positional,
+    check_batch,
+    check_common,
+    check_lengths,
+    inference,
+    key_padding,
+)
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,7 @@ class CausalLM(nn.Module):
         keep = torch.arange(targets.shape[1], device=ids.device)[None, :] < (lengths[:, None] - 1)
         return nn.functional.cross_entropy(logits[keep], targets[keep])
 
-    @torch.no_grad()
+    @inference
     def generate(self, prompt: Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
                  use_cache: bool = True, generator: torch.Generator | None = None) -> Tensor:  # fmt: skip
         """``prompt (b, i)`` followed by ``max_new_tokens`` generated ids: ``(b, i + n)``.
