@@ -510,7 +510,8 @@ def render(res: ApproxResult) -> str:
     if res.peers:
         lines += ["", f"Peer packages, same configuration, median of {s.peer_repeats} calls each, interleaved "
                   "(ratio = qkv time / peer time, target ≤ 1; difference = relative Frobenius difference of "
-                  "the outputs):", "", "| peer | i | qkv (s) | peer (s) | ratio | difference | how compared |",
+                  f"the outputs; reformer-pytorch only at i ≤ {_size(s.reformer_peer_max)}, where both sides "
+                  "already take seconds a call):", "", "| peer | i | qkv (s) | peer (s) | ratio | difference | how compared |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
         for row in res.peers:
             if "skipped" in row:

@@ -27,7 +27,7 @@ from .report import Targets, table
 NAME = "modules"
 DESCRIPTION = "qkv.MultiHeadAttention vs nn.MultiheadAttention (training step and inference)"
 
-FULL = dict(lengths=(128, 256, 512, 1024, 2048), tokens=4096, repeats=9)
+FULL = dict(lengths=(128, 256, 512, 1024, 2048), tokens=4096, repeats=15)
 QUICK = dict(lengths=(32,), tokens=128, repeats=2)
 DIM, HEADS = 512, 8
 

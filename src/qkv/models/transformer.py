@@ -113,7 +113,7 @@ class TokenEmbedding(nn.Module):
         x = self.embedding(ids) * math.sqrt(self.dim)
         if self.position is not None:
             x = self.position(x, start)
-        return self.dropout(x)
+        return self.dropout(x) if self.training else x  # identity in eval: skip the call
 
 
 def inference(method):
