@@ -18,7 +18,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 $(ARGS)
 
+# The benchmarks also install the peer packages they compare against (the `peers` extra).
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -c requirements/cpu.txt -e ".[dev,peers]"
 	$(BIN)/qkv bench $(ARGS)
 
 setup: $(STAMP)

@@ -16,9 +16,10 @@ inputs (:mod:`qkv.bench.inputs`, family ``setup.family``), forward only, float32
   call (:func:`qkv.bench.measure.peak_memory` with :func:`build`), and how much of it came
   after the inputs were built;
 - **error**: ``‖out − exact‖_F / ‖exact‖_F`` of the first timed call. Reformer's LSH
-  attention shares queries and keys (``k = q/|q|``) and never attends to itself, so its
-  reference is exact attention with those keys and the diagonal masked, built only at
-  ``i <= lsh_error_max`` (the dense mask is ``i²``);
+  attention shares queries and keys (``k = q/|q|``) and never attends to itself, so it gets
+  its queries rescaled (:func:`lsh_queries`) and its reference is exact attention with
+  those keys and the diagonal masked, built only at ``i <= lsh_error_max`` (the dense mask
+  is ``i²``);
 - **scaling exponent**: the least-squares slope of ``log time`` against ``log i`` over the
   sizes in ``[4096, 32768]`` (:func:`fit_exponent`).
 
@@ -30,7 +31,7 @@ nystrom-attention and reformer-pytorch, with their parameters copied into ours s
 is the same (or, for Reformer, the hash rotations shared), timed side by side. Peers whose
 modules include the Q/K/V/O projections are compared with our mechanism inside
 ``qkv.MultiHeadAttention`` of the same ``dim`` and heads. A peer that is not installed is
-skipped with a note (they are the benchmark-only ``bench`` extra).
+skipped with a note (they are the benchmark-only ``peers`` extra).
 """
 
 from __future__ import annotations
@@ -426,7 +427,7 @@ def compare_peers(setup: ApproxSetup, say: Callable[[str], None]) -> list[dict]:
                 try:
                     ours, theirs, note = pair(i, setup)
                 except ImportError as err:
-                    rows.append(dict(peer=peer, i=i, skipped=f"not installed ({err.name}); `pip install qkv[bench]`"))
+                    rows.append(dict(peer=peer, i=i, skipped=f"not installed ({err.name}); `pip install qkv[peers]`"))
                     say(f"peer {peer}: skipped, not installed")
                     continue
                 if i <= setup.big:

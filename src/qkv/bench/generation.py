@@ -122,7 +122,7 @@ def run(setup: GenerationSetup | None = None, *, progress=None) -> GenerationRes
     for n in setup.tokens:
         outputs: dict[bool, torch.Tensor] = {}
 
-        def call(use_cache: bool, n: int = n):
+        def call(use_cache: bool, n: int = n, outputs: dict = outputs):
             outputs[use_cache] = model.generate(prompt, n, use_cache=use_cache)
 
         times = interleaved({"cached": lambda: call(True), "recompute": lambda: call(False)}, setup.repeats, warmup=0)
