@@ -296,3 +296,13 @@ def test_every_score_trains_per_head(name):
 def test_module_errors(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+def test_positional_bias_with_an_approximate_mechanism_is_refused():
+    from qkv.approx import LinearAttention
+
+    with pytest.raises(ValueError, match=r"positional: ALiBi adds a bias to the logits, which the mechanism LinearAttention"):
+        qkv.MultiHeadAttention(16, 4, positional=qkv.ALiBi(4), attention=LinearAttention())
+    # a rotation needs no logits, so it works with any mechanism
+    mha = qkv.MultiHeadAttention(16, 4, positional=qkv.Rotary(4), attention=LinearAttention())
+    assert mha(torch.randn(2, 5, 16)).shape == (2, 5, 16)

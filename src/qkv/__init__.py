@@ -9,10 +9,12 @@ See DESIGN.md for the layers; every name exported here is public and stable.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import backends, masks, positional, scores
+from . import approx, backends, blocks, cache, masks, models, positional, scores, tasks
 from .attention import Attention, MultiHeadAttention
+from .blocks import Decoder, Encoder, FeedForward, TransformerDecoderLayer, TransformerEncoderLayer
+from .cache import DecoderCache, KVCache
 from .functional import attention, attention_weights, explain
-from .positional import ALiBi, RelativePositionBias
+from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
 
 try:
     __version__ = version("qkv")
@@ -22,14 +24,29 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "ALiBi",
     "Attention",
+    "Decoder",
+    "DecoderCache",
+    "Encoder",
+    "FeedForward",
+    "KVCache",
+    "LearnedPositionalEmbedding",
     "MultiHeadAttention",
     "RelativePositionBias",
+    "Rotary",
+    "SinusoidalEncoding",
+    "TransformerDecoderLayer",
+    "TransformerEncoderLayer",
     "__version__",
+    "approx",
     "attention",
     "attention_weights",
     "backends",
+    "blocks",
+    "cache",
     "explain",
     "masks",
+    "models",
     "positional",
     "scores",
+    "tasks",
 ]

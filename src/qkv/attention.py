@@ -175,6 +175,12 @@ class MultiHeadAttention(nn.Module):
             attention = Attention(make(score, dim_head, dim_head, hidden=dim_head), dropout=dropout)
         elif score != "scaled_dot":
             raise ValueError("score: give the score to the mechanism passed as attention=, not to both")
+        elif positional is not None and positional.bias() is not None and not isinstance(attention, Attention):
+            # Approximate mechanisms never form the (i, j) logits, so there is nothing to add a bias to.
+            raise ValueError(
+                f"positional: {type(positional).__name__} adds a bias to the logits, which the mechanism "
+                f"{type(attention).__name__} cannot take; use qkv.positional.Rotary or exact attention"
+            )
         self.attention = attention
 
     @classmethod

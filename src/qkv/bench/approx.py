@@ -26,12 +26,9 @@ inputs (:mod:`qkv.bench.inputs`, family ``setup.family``), forward only, float32
 A second table gives the error of each method at ``i = error_size`` on every input
 family, with how spread the exact rows are (:func:`qkv.bench.inputs.effective_keys`).
 
-**Peers** (:func:`compare_peers`): the same computation in performer-pytorch, linformer,
-nystrom-attention and reformer-pytorch, with their parameters copied into ours so the math
-is the same (or, for Reformer, the hash rotations shared), timed side by side. Peers whose
-modules include the Q/K/V/O projections are compared with our mechanism inside
-``qkv.MultiHeadAttention`` of the same ``dim`` and heads. A peer that is not installed is
-skipped with a note (they are the benchmark-only ``peers`` extra).
+**Peers**: the same computation in performer-pytorch, linformer, nystrom-attention and
+reformer-pytorch, timed side by side with ours, is :mod:`qkv.bench.peers`; :func:`run` calls
+it at ``setup.peer_sizes`` and its table ends this suite's section.
 """
 
 from __future__ import annotations
@@ -220,6 +217,8 @@ def run(setup: ApproxSetup | None = None, *, progress: Callable[[str], None] | N
                 result.rss[method, i] = peak_memory(method, i, setup)
             say(f"memory i={i}: " + ", ".join(f"{m} {result.rss[m, i][0]:.0f} MiB" for m in METHODS))
     if setup.peer_sizes:
+        from .peers import compare_peers  # noqa: PLC0415 (peers imports this module's setup and inputs)
+
         result.peers = compare_peers(setup, say)
     result.load = (result.load[0], os.getloadavg()[0])
     result.seconds = time.perf_counter() - start
@@ -307,150 +306,10 @@ def peak_memory(method: str, i: int, setup: ApproxSetup) -> tuple[float, float]:
     return got["peak"] / 2**20, got["extra"] / 2**20
 
 
-# ---------------------------------------------------------------- peer packages
-
-PEERS = ("performer-pytorch", "linformer", "nystrom-attention", "reformer-pytorch")
-
-
-def _zero_biases(mha) -> None:
-    with torch.no_grad():
-        for proj in (mha.q_proj, mha.k_proj, mha.v_proj):
-            proj.bias.zero_()
-
-
-def _peer_performer(i: int, setup: ApproxSetup):
-    from performer_pytorch import FastAttention  # noqa: PLC0415
-
-    q, k, v = inputs(i, setup)
-    ours = mechanism("performer", i, setup)
-    theirs = FastAttention(setup.dim_head, nb_features=setup.nb_features).eval()
-    theirs.projection_matrix.copy_(ours.projection)
-    # Theirs adds eps = 1e-4 to every feature after the max-subtraction; with that eps set to 0
-    # (the only difference) the two should agree to float32 rounding.
-    import performer_pytorch.performer_pytorch as theirs_module  # noqa: PLC0415
-
-    defaults = theirs_module.softmax_kernel.__kwdefaults__
-    eps, defaults["eps"] = defaults["eps"], 0.0
-    try:
-        same = relative_error(ours(q, k, v), theirs(q, k, v))
-    finally:
-        defaults["eps"] = eps
-    note = (f"same projection matrix copied in; difference with their default eps={eps:g} added to every feature; "
-            f"with their eps set to 0: {same:.1e}")  # fmt: skip
-    return (lambda: ours(q, k, v)), (lambda: theirs(q, k, v)), note
-
-
-def _projected_pair(i: int, setup: ApproxSetup, mechanism):
-    """Our ``MultiHeadAttention`` with ``mechanism``, and the input ``x (b, i, dim)``."""
-    from ..attention import MultiHeadAttention  # noqa: PLC0415
-
-    dim = setup.heads * setup.dim_head
-    ours = MultiHeadAttention(dim, setup.heads, attention=mechanism).eval()
-    _zero_biases(ours)
-    x = torch.randn(setup.batch, i, dim, generator=torch.Generator().manual_seed(setup.seed))
-    return ours, x
-
-
-def _peer_linformer(i: int, setup: ApproxSetup):
-    from linformer import LinformerSelfAttention  # noqa: PLC0415
-
-    torch.manual_seed(setup.seed)
-    dim = setup.heads * setup.dim_head
-    theirs = LinformerSelfAttention(dim, seq_len=i, k=setup.linformer_k, heads=setup.heads).eval()
-    ours, x = _projected_pair(i, setup, approx.Linformer(i, setup.linformer_k))
-    with torch.no_grad():
-        ours.q_proj.weight.copy_(theirs.to_q.weight)
-        ours.k_proj.weight.copy_(theirs.to_k.weight)
-        ours.v_proj.weight.copy_(theirs.to_v.weight)
-        ours.out_proj.load_state_dict(theirs.to_out.state_dict())
-        ours.attention.e_proj.copy_(theirs.proj_k.T)  # theirs (seq_len, k), ours (k, seq_len)
-        ours.attention.f_proj.copy_(theirs.proj_v.T)
-    note = "E, F and projections copied in; ours inside `qkv.MultiHeadAttention`"
-    return (lambda: ours(x)), (lambda: theirs(x)), note
-
-
-def _peer_nystrom(i: int, setup: ApproxSetup):
-    from nystrom_attention import NystromAttention  # noqa: PLC0415
-
-    torch.manual_seed(setup.seed)
-    dim = setup.heads * setup.dim_head
-    theirs = NystromAttention(dim, dim_head=setup.dim_head, heads=setup.heads, num_landmarks=setup.landmarks,
-                              pinv_iterations=6, residual=False).eval()  # fmt: skip
-    ours, x = _projected_pair(i, setup, approx.NystromAttention(setup.landmarks, pinv_iterations=6))
-    with torch.no_grad():
-        wq, wk, wv = theirs.to_qkv.weight.chunk(3, dim=0)
-        ours.q_proj.weight.copy_(wq)
-        ours.k_proj.weight.copy_(wk)
-        ours.v_proj.weight.copy_(wv)
-        ours.out_proj.load_state_dict(theirs.to_out[0].state_dict())
-    note = ("residual=False, projections copied in; ours inside `qkv.MultiHeadAttention`; the pseudo-inverse "
-            "starts from a per-head norm in ours, the max over all heads in theirs")  # fmt: skip
-    return (lambda: ours(x)), (lambda: theirs(x)), note
-
-
-def _peer_reformer(i: int, setup: ApproxSetup):
-    from reformer_pytorch.reformer_pytorch import LSHAttention  # noqa: PLC0415
-
-    b, h, d, r = setup.batch, setup.heads, setup.dim_head, setup.lsh_hashes
-    q, _, v = inputs(i, setup)
-    q = lsh_queries(q, setup)
-    theirs = LSHAttention(bucket_size=setup.lsh_chunk, n_hashes=r, causal=False,
-                          allow_duplicate_attention=False, attend_across_buckets=False).eval()  # fmt: skip
-    n_buckets = i // setup.lsh_chunk
-    ours = approx.LSHAttention(d, n_buckets=n_buckets, n_hashes=r, chunk_size=setup.lsh_chunk, seed=setup.seed).eval()
-    # Share the hash: theirs draws (1, d, r, n_buckets/2) from the global RNG on every call.
-    torch.manual_seed(setup.seed)
-    ours.rotations.copy_(torch.randn(1, d, r, n_buckets // 2)[0].permute(1, 0, 2))
-    qk, vv = q.reshape(b * h, i, d), v.reshape(b * h, i, d)
-
-    def theirs_call() -> Tensor:
-        torch.manual_seed(setup.seed)
-        return theirs(qk, vv)[0].reshape(b, h, i, d)
-
-    note = ("same rotations; attend_across_buckets=False, allow_duplicate_attention=False; their first chunk "
-            "also looks back at the last chunk (wrap-around), ours does not")  # fmt: skip
-    return (lambda: ours(q, q, v)), theirs_call, note
-
-
-_PEER_PAIRS = {"performer-pytorch": _peer_performer, "linformer": _peer_linformer,
-               "nystrom-attention": _peer_nystrom, "reformer-pytorch": _peer_reformer}  # fmt: skip
-
-
-def compare_peers(setup: ApproxSetup, say: Callable[[str], None]) -> list[dict]:
-    """Rows ``{peer, i, ours, theirs (median seconds), ratio, diff, note}`` or ``{peer, i, skipped}``."""
-    rows = []
-    with torch.inference_mode():
-        for i in setup.peer_sizes:
-            for peer, pair in _PEER_PAIRS.items():
-                if peer == "reformer-pytorch" and i > setup.reformer_peer_max:
-                    continue
-                try:
-                    ours, theirs, note = pair(i, setup)
-                except ImportError as err:
-                    rows.append(dict(peer=peer, i=i, skipped=f"not installed ({err.name}); `pip install qkv[peers]`"))
-                    say(f"peer {peer}: skipped, not installed")
-                    continue
-                if i <= setup.big:
-                    ours(), theirs()  # warm-up
-                t_ours, t_theirs, outs = [], [], []
-                for rep in range(setup.peer_repeats):
-                    for side in ((0, 1) if rep % 2 == 0 else (1, 0)):
-                        seconds, out = timed(ours if side == 0 else theirs)
-                        (t_ours if side == 0 else t_theirs).append(seconds)
-                        if rep == 0:
-                            outs.append((side, out))
-                got = dict(outs)
-                row = dict(peer=peer, i=i, ours=statistics.median(t_ours), theirs=statistics.median(t_theirs),
-                           diff=relative_error(got[0], got[1]), note=note)  # fmt: skip
-                row["ratio"] = row["ours"] / row["theirs"]
-                rows.append(row)
-                say(f"peer {peer} i={i}: ours/theirs {row['ratio']:.2f}, diff {row['diff']:.2e}")
-    return rows
-
-
 # ---------------------------------------------------------------- report
 
-def _size(i: int) -> str:
+def size_label(i: int) -> str:
+    """``4096 -> '4K'``: lengths as the tables print them."""
     return f"{i // 1024}K" if i % 1024 == 0 else str(i)
 
 
@@ -461,7 +320,7 @@ def _fmt(x: float | None, spec: str = ".3g") -> str:
 def render(res: ApproxResult) -> str:
     """The markdown section of ``benchmarks/RESULTS.md``."""
     s = res.setup
-    large = [_size(x) for x in s.sizes if x > s.big] or ["—"]
+    large = [size_label(x) for x in s.sizes if x > s.big] or ["—"]
     lines = [
         "### Approximate attention vs exact (`qkv bench --suite approx`)",
         "",
@@ -470,12 +329,12 @@ def render(res: ApproxResult) -> str:
         f"(`qkv.bench.inputs`). Methods: Linformer k={s.linformer_k} (random projections, untrained); "
         f"Reformer LSH {s.lsh_hashes} rounds, chunk {s.lsh_chunk}, i/{s.lsh_chunk} buckets; Performer "
         f"m={s.nb_features} orthogonal features; linear attention elu+1; Nyström {s.landmarks} landmarks, "
-        f"6 pinv iterations. Time: median of {s.repeats} calls at i ≤ {_size(s.big)}; above that "
+        f"6 pinv iterations. Time: median of {s.repeats} calls at i ≤ {size_label(s.big)}; above that "
         f"{', '.join(map(str, s.large_repeats))} calls for the approximations and "
         f"{', '.join(map(str, s.exact_large_repeats))} for exact attention at {', '.join(large)}; calls "
         f"interleaved round-robin. Peak RSS: a fresh process per case. Error: ‖out − exact‖_F / ‖exact‖_F; "
         f"Reformer's against "
-        f"exact shared-QK attention without self-attention, only at i ≤ {_size(s.lsh_error_max)}. "
+        f"exact shared-QK attention without self-attention, only at i ≤ {size_label(s.lsh_error_max)}. "
         f"Machine load (1-min average) {res.load[0]:.1f} at start, {res.load[1]:.1f} at end, on 2 cores; "
         f"whole suite {res.seconds / 60:.1f} min.",
         "",
@@ -486,19 +345,19 @@ def render(res: ApproxResult) -> str:
         for m in METHODS:
             peak, added = res.rss.get((m, i), (None, None))
             speed = "1" if m == "exact" else f"{res.speedup(m, i):.1f}"
-            lines.append(f"| {LABELS[m]} | {_size(i)} | {res.median(m, i):.3g} | {speed} | {_fmt(peak, '.0f')} | "
+            lines.append(f"| {LABELS[m]} | {size_label(i)} | {res.median(m, i):.3g} | {speed} | {_fmt(peak, '.0f')} | "
                          f"{_fmt(added, '.0f')} | {_fmt(res.errors.get((m, i)))} |")  # fmt: skip
     lo, hi = s.fit_range
     target = max((x for x in s.sizes if x <= 16384), default=s.sizes[-1])
     targets = Targets()
     exponents = {m: res.exponent(m) for m in METHODS}
     for m in METHODS[1:]:
-        targets.add(f"{LABELS[m]}: × faster than exact at i = {_size(target)}", res.speedup(m, target),
+        targets.add(f"{LABELS[m]}: × faster than exact at i = {size_label(target)}", res.speedup(m, target),
                     TARGET_SPEEDUP, higher=True, unit="×")  # fmt: skip
-        targets.add(f"{LABELS[m]}: time exponent {_size(lo)}–{_size(hi)}", exponents[m], TARGET_EXPONENT)
-    lines += ["", f"Scaling exponent (least-squares log-log slope of time, {_size(lo)}–{_size(hi)}): "
+        targets.add(f"{LABELS[m]}: time exponent {size_label(lo)}–{size_label(hi)}", exponents[m], TARGET_EXPONENT)
+    lines += ["", f"Scaling exponent (least-squares log-log slope of time, {size_label(lo)}–{size_label(hi)}): "
               + ", ".join(f"{LABELS[m]} {exponents[m]:.2f}" for m in METHODS) + ".", "", *targets.lines()]
-    lines += ["", f"Error by input family at i = {_size(s.error_size)} (effective keys per row = exp(entropy) of "
+    lines += ["", f"Error by input family at i = {size_label(s.error_size)} (effective keys per row = exp(entropy) of "
               "exact attention, averaged over 256 rows: i for uniform rows, 1 for one-hot):", "",
               "| method | " + " | ".join(f"`{f}` ({res.spread[f]:.0f} keys)" for f in FAMILIES) + " |",
               "|---" * (len(FAMILIES) + 1) + "|"]  # fmt: skip
@@ -508,18 +367,9 @@ def render(res: ApproxResult) -> str:
               f"queries rescaled to norm {s.lsh_norm:g}·√d (`lsh_queries`: with the inputs' own norms the "
               "shared-QK softmax is nearly uniform); effective keys of that reference: "
               + ", ".join(f"`{f}` {res.spread['reformer_lsh', f]:.0f}" for f in FAMILIES) + "."]
-    if res.peers:
-        lines += ["", f"Peer packages, same configuration, median of {s.peer_repeats} calls each, interleaved "
-                  "(ratio = qkv time / peer time, target ≤ 1; difference = relative Frobenius difference of "
-                  f"the outputs; reformer-pytorch only at i ≤ {_size(s.reformer_peer_max)}, where both sides "
-                  "already take seconds a call):", "", "| peer | i | qkv (s) | peer (s) | ratio | difference | how compared |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
-        for row in res.peers:
-            if "skipped" in row:
-                lines.append(f"| {row['peer']} | {_size(row['i'])} | | | | | skipped: {row['skipped']} |")
-                continue
-            lines.append(f"| {row['peer']} | {_size(row['i'])} | {row['ours']:.3g} | {row['theirs']:.3g} | "
-                         f"{row['ratio']:.2f} | {row['diff']:.2e} | {row['note']} |")  # fmt: skip
+    from .peers import render_peers  # noqa: PLC0415 (peers imports this module)
+
+    lines += render_peers(res.peers, s)
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from .._args import positive_int
 from ..blocks import Encoder
 from ..cache import DecoderCache
+from .sampling import sample_next
 from .transformer import (
     TokenEmbedding,
     attention_positional,
@@ -58,23 +59,6 @@ class LMConfig:
         check_common(self)
         positive_int("vocab", self.vocab)
         positive_int("layers", self.layers)
-
-
-def sample_next(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None,
-                generator: torch.Generator | None = None) -> Tensor:  # fmt: skip
-    """Next token ids ``(b,)`` from ``logits (b, V)``: argmax if ``temperature == 0``, else a draw."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature: expected a number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None:
-        positive_int("top_k", top_k)
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]  # the k-th largest logit per row
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 class CausalLM(nn.Module):

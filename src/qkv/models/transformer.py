@@ -30,6 +30,7 @@ from .. import masks
 from .._args import positive_int, probability
 from ..blocks import ACTIVATIONS, Decoder, Encoder
 from ..cache import DecoderCache
+from .sampling import sample_next
 from ..positional import ALiBi, LearnedPositionalEmbedding, Positional, RelativePositionBias, Rotary, SinusoidalEncoding
 
 POSITIONS = ("sinusoidal", "learned", "rotary", "alibi", "relative", "none")
@@ -252,7 +253,6 @@ class Transformer(nn.Module):
         Rows that emitted ``eos_id`` keep emitting it; decoding stops early once every row
         has. ``use_cache=False`` recomputes the whole prefix each step (same tokens, slower).
         """
-        from .lm import sample_next  # lm imports this module
 
         _token("bos_id", bos_id, self.config.tgt_vocab)
         if eos_id is not None:
