@@ -1,12 +1,10 @@
-"""Test set-up: one torch thread per pytest-xdist worker (the machine has 2 cores), fixed seeds."""
-
-import os
+"""Test set-up: one torch thread (the tensors are tiny; pytest-xdist runs a worker per core,
+and more threads only spin-wait on a shared 2-core machine), fixed seeds."""
 
 import pytest
 import torch
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

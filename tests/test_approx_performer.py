@@ -12,25 +12,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.approx import Performer, favor_attention, favor_features, gaussian_features
-
-B, H, G, D, E = 2, 6, 3, 11, 13
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one thread avoids OpenMP spin-waits on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def inputs(i, j, dtype=torch.float64, seed=0, size=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, i, D, generator=gen, dtype=dtype) * size
-    k = torch.randn(B, G, j, D, generator=gen, dtype=dtype) * size
-    v = torch.randn(B, G, j, E, generator=gen, dtype=dtype)
-    return q, k, v
+from approx_inputs import B, D, E, G, H, inputs
 
 
 def exact(q, k, v):

@@ -26,10 +26,11 @@ from torch import Tensor
 
 from ..masks import Tile
 
-#: Query rows per block in :func:`saturating_profile_grad` (twice that for the kernel calls).
-BAND_ROWS = 256
+#: Query rows per block in :func:`saturating_profile_grad` (twice that for the kernel calls):
+#: few blocks, because on a busy machine every small parallel op waits for a free core.
+BAND_ROWS = 512
 #: Elements of one block of logits (batch x heads x rows x keys) in the bias gradient.
-BLOCK_ELEMENTS = 2**22
+BLOCK_ELEMENTS = 2**21
 
 
 def antidiagonal_sums(x: Tensor) -> Tensor:

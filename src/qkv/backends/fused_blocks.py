@@ -36,8 +36,9 @@ _backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.
 
 #: Bytes allowed for one block's float bias/mask; blocks shrink to stay under it.
 BLOCK_BYTES = 32 * 2**20
-#: Query rows per call when the mask is a view of the diagonal profile (fewer calls are
-#: faster; smaller blocks skip more of the keys a causal mask hides).
+#: Query rows per call when the mask is a view of the diagonal profile (twice that without
+#: a window): fewer calls are faster; smaller blocks skip more of the keys a causal mask
+#: hides and keep the reversed copies of q, out and their gradients small.
 DIAGONAL_ROWS = 512
 #: Key granularity for skipping keys a whole query block cannot see.
 KEY_STEP = 256
@@ -56,8 +57,8 @@ def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> in
     i_len = q.shape[-2]
     if (plan.mask is None and plan.bias is None) or plan.causal_square:
         return i_len
-    if diagonal:  # masks are free views; blocks only serve to skip keys a window hides
-        return i_len if plan.mask is None else min(i_len, DIAGONAL_ROWS)
+    if diagonal:  # masks are free views; blocks skip keys a window hides and bound the row flips
+        return min(i_len, DIAGONAL_ROWS if plan.mask is not None else 2 * DIAGONAL_ROWS)
     per_row = max(1, q.shape[0] * q.shape[1] * j_len * q.element_size())  # worst case: a (b, h, it, jt) mask
     rows = max(32, BLOCK_BYTES // per_row) // 32 * 32
     return min(i_len, rows)

@@ -49,7 +49,8 @@ from .inputs import FAMILIES, effective_keys, make_inputs, relative_error
 from .report import Targets
 
 NAME = "approx"
-DESCRIPTION = "approximate attention (Linformer, Reformer LSH, Performer, linear, Nyström) vs exact and vs peer packages"
+DESCRIPTION = ("approximate attention (Linformer, Reformer LSH, Performer, linear, Nyström) vs exact "
+               "and vs peer packages")
 METHODS = ("exact", "linformer", "reformer_lsh", "performer", "linear", "nystrom")
 LABELS = {
     "exact": "exact (`qkv.attention`, SDPA)",
@@ -386,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: a smoke-sized setup (seconds, not minutes), used by ``--quick`` and the tests
-QUICK = ApproxSetup(sizes=(256, 512, 1024), repeats=2, large_repeats=(1,), reformer_peer_max=512, big=256, fit_range=(256, 1024), error_size=256,
-                    lsh_error_max=1024, memory=False, peer_sizes=(512,), peer_repeats=1,
+QUICK = ApproxSetup(sizes=(256, 512, 1024), repeats=2, large_repeats=(1,), reformer_peer_max=512, big=256,
+                    fit_range=(256, 1024), error_size=256, lsh_error_max=1024, memory=False, peer_sizes=(512,),
+                    peer_repeats=1,
                     linformer_k=32, nb_features=32, landmarks=16, lsh_chunk=32)  # fmt: skip
 
 if __name__ == "__main__":

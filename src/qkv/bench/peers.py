@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .. import approx
+from .. import approx as qkv_approx  # the mechanisms (this package's approx is the suite)
 from .approx import ApproxSetup, inputs, lsh_queries, mechanism, size_label, timed
 from .inputs import relative_error
 
@@ -35,6 +35,7 @@ PEERS = ("performer-pytorch", "linformer", "nystrom-attention", "reformer-pytorc
 
 
 def _zero_biases(mha) -> None:
+    # the peers' q/k/v projections have no biases; ours start with random ones
     with torch.no_grad():
         for proj in (mha.q_proj, mha.k_proj, mha.v_proj):
             proj.bias.zero_()
@@ -63,7 +64,7 @@ def _peer_performer(i: int, setup: ApproxSetup):
 
 
 def _projected_pair(i: int, setup: ApproxSetup, mechanism):
-    """Our ``MultiHeadAttention`` with ``mechanism`` (biases zeroed, as the peers have none), and the input ``x (b, i, dim)``."""
+    """Our ``MultiHeadAttention`` with ``mechanism`` (q/k/v biases zeroed), and the input ``x (b, i, dim)``."""
     from ..attention import MultiHeadAttention  # noqa: PLC0415
 
     dim = setup.heads * setup.dim_head
@@ -79,7 +80,7 @@ def _peer_linformer(i: int, setup: ApproxSetup):
     torch.manual_seed(setup.seed)
     dim = setup.heads * setup.dim_head
     theirs = LinformerSelfAttention(dim, seq_len=i, k=setup.linformer_k, heads=setup.heads).eval()
-    ours, x = _projected_pair(i, setup, approx.Linformer(i, setup.linformer_k))
+    ours, x = _projected_pair(i, setup, qkv_approx.Linformer(i, setup.linformer_k))
     with torch.no_grad():
         ours.q_proj.weight.copy_(theirs.to_q.weight)
         ours.k_proj.weight.copy_(theirs.to_k.weight)
@@ -98,7 +99,7 @@ def _peer_nystrom(i: int, setup: ApproxSetup):
     dim = setup.heads * setup.dim_head
     theirs = NystromAttention(dim, dim_head=setup.dim_head, heads=setup.heads, num_landmarks=setup.landmarks,
                               pinv_iterations=6, residual=False).eval()  # fmt: skip
-    ours, x = _projected_pair(i, setup, approx.NystromAttention(setup.landmarks, pinv_iterations=6))
+    ours, x = _projected_pair(i, setup, qkv_approx.NystromAttention(setup.landmarks, pinv_iterations=6))
     with torch.no_grad():
         wq, wk, wv = theirs.to_qkv.weight.chunk(3, dim=0)
         ours.q_proj.weight.copy_(wq)
@@ -119,7 +120,8 @@ def _peer_reformer(i: int, setup: ApproxSetup):
     theirs = LSHAttention(bucket_size=setup.lsh_chunk, n_hashes=r, causal=False,
                           allow_duplicate_attention=False, attend_across_buckets=False).eval()  # fmt: skip
     n_buckets = i // setup.lsh_chunk
-    ours = approx.LSHAttention(d, n_buckets=n_buckets, n_hashes=r, chunk_size=setup.lsh_chunk, seed=setup.seed).eval()
+    ours = qkv_approx.LSHAttention(d, n_buckets=n_buckets, n_hashes=r, chunk_size=setup.lsh_chunk,
+                                   seed=setup.seed).eval()  # fmt: skip
     # Share the hash: theirs draws (1, d, r, n_buckets/2) from the global RNG on every call.
     torch.manual_seed(setup.seed)
     ours.rotations.copy_(torch.randn(1, d, r, n_buckets // 2)[0].permute(1, 0, 2))
@@ -177,7 +179,8 @@ def render_peers(rows: list[dict], setup: ApproxSetup) -> list[str]:
     lines = ["", f"Peer packages, same configuration, median of {setup.peer_repeats} calls each, interleaved "
              "(ratio = qkv time / peer time, target ≤ 1; difference = relative Frobenius difference of "
              f"the outputs; reformer-pytorch only at i ≤ {size_label(setup.reformer_peer_max)}, where both sides "
-             "already take seconds a call):", "", "| peer | i | qkv (s) | peer (s) | ratio | difference | how compared |",
+             "already take seconds a call):", "",
+             "| peer | i | qkv (s) | peer (s) | ratio | difference | how compared |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         if "skipped" in row:
