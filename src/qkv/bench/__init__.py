@@ -106,12 +106,13 @@ def run(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else (Path("benchmarks/RESULTS-quick.md") if args.quick else DEFAULT_OUT)
     from .measure import machine
 
-    sections = {}
+    sections, infos = {}, {}
     for name in names:
         module = suite_module(name)
         print(f"== suite {name}: {module.DESCRIPTION}", flush=True)
+        infos[name] = machine()  # the conditions at the start of this suite
         sections[name] = _section(module, args.quick)
-        write(out, sections, machine(), quick=args.quick)  # after each suite, so a long run keeps what it has
+        write(out, sections, machine(), quick=args.quick, infos=infos)  # after each suite: a long run keeps what it has
     print(f"wrote {out}")
     return 0
 
@@ -127,13 +128,18 @@ def _section(module: ModuleType, quick: bool) -> str:
     return module.run(setup, progress=_say).markdown()
 
 
-def write(path: Path, sections: dict[str, str], info: dict[str, str], *, quick: bool = False) -> None:
+def write(
+    path: Path, sections: dict[str, str], info: dict[str, str], *, quick: bool = False, infos: dict | None = None
+) -> None:
     """Write RESULTS.md: header, machine, then one marked section per suite (others' kept)."""
     old = path.read_text() if path.exists() else ""
     kept = dict(re.findall(r"<!-- suite: (\S+) -->\n(.*?)<!-- end: \1 -->", old, flags=re.S))
     # each section carries the conditions it was measured under: suites may be run apart
-    stamp = f"_Measured {info.get('date', '?')}, torch threads {info.get('torch threads', '?')}, load average {info.get('load average at start (1, 5, 15 min)', '?')}._"
-    kept.update({name: _stamped(text, stamp) for name, text in sections.items()})
+    def stamp(at: dict[str, str]) -> str:
+        load = at.get("load average at start (1, 5, 15 min)", "?")
+        return f"_Started {at.get('date', '?')}, torch threads {at.get('torch threads', '?')}, load average {load}._"
+
+    kept.update({name: _stamped(text, stamp((infos or {}).get(name, info))) for name, text in sections.items()})
     for whole in [n for n in kept if ":" not in SUITES.get(n, ":")]:
         parts = [n for n, path in SUITES.items() if path.startswith(SUITES[whole] + ":")]
         if parts and whole not in sections and all(p in kept for p in parts):
