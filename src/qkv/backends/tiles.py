@@ -20,21 +20,14 @@ import torch
 from torch import Tensor
 
 from ..masks import Mask, Tile
-from ..positional import ALiBi, LazyBias, RelativePositionBias
+from ..positional import LazyBias
 
 NEG_INF = float("-inf")
 
 
 def shift_invariant(bias: LazyBias) -> bool:
-    """True when the bias depends on positions only through ``Tile.diagonal``.
-
-    A lazy bias may declare it with a class attribute ``shift_invariant = True``; the two
-    built-in ones are known to be.
-    """
-    declared = getattr(bias, "shift_invariant", None)
-    if declared is not None:
-        return bool(declared)
-    return type(bias) in (ALiBi, RelativePositionBias)
+    """True when the bias depends on positions only through ``Tile.diagonal`` (it says so)."""
+    return bool(bias.shift_invariant)
 
 
 class BiasSource:

@@ -42,6 +42,10 @@ class LazyBias(Positional):
 
     #: number of heads the bias has (1 = shared by every head)
     heads: int = 1
+    #: True when the bias depends on positions only through ``tile.diagonal`` (key minus
+    #: query position), so a backend may compute one ``(h, i + j)`` profile and cut every
+    #: tile from it as a strided view.
+    shift_invariant: bool = False
 
     def tile(self, t: Tile) -> Tensor:
         """Float ``(h, it, jt)`` bias for one tile."""

@@ -45,6 +45,8 @@ def alibi_slopes(heads: int) -> Tensor:
 class ALiBi(LazyBias):
     """Attention with Linear Biases: ``bias[h, r, c] = -slope_h · |c - r - (j - i)|``."""
 
+    shift_invariant = True
+
     def __init__(self, heads: int):
         super().__init__()
         self.heads = heads
@@ -79,6 +81,8 @@ def relative_buckets(relative: Tensor, buckets: int, max_distance: int, bidirect
 
 class RelativePositionBias(LazyBias):
     """T5-style learned bias per (head, relative-position bucket)."""
+
+    shift_invariant = True
 
     def __init__(self, heads: int, buckets: int = 32, max_distance: int = 128, *, bidirectional: bool = True):
         super().__init__()
