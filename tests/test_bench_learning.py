@@ -2,7 +2,8 @@
 
 The suite runs end to end on tiny sizes and produces its table (the figures themselves are
 measured by ``qkv bench --suite learning``, not here); training is seeded; which models are
-trained causally and which bidirectionally; errors name the argument.
+trained causally and which bidirectionally; checkpoint evaluations leave training as it
+was; errors name the argument.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def test_learning_suite_tiny_produces_the_table():
     assert list(result.accuracy) == learning.runs(setup)
     assert all(0.0 <= a <= 1.0 for a in result.accuracy.values())
     text = result.markdown()
-    assert "| mechanism | attention | test accuracy | final training loss | training time (s) |" in text
+    assert "| mechanism | attention | test accuracy (final) | final training loss | training time (s) |" in text
     assert "| exact | causal |" in text and "| exact | bidirectional |" in text
     assert "| Linformer | bidirectional |" in text and "| Nyström | bidirectional |" in text
     assert "Chance: 12.5% guessing any value, 25.0% guessing among the values present" in text
@@ -52,6 +53,21 @@ def test_model_is_causal_when_asked():
         model = learning.RecallModel(18, setup, None, causal=causal).eval()
         a, b = model(ids, where), model(other, where)
         assert torch.allclose(a[:, :-1], b[:, :-1], atol=1e-6) == causal
+
+
+def test_checkpoints_are_shown_and_do_not_change_training():
+    # The checkpoint evaluations run inside the training loop; Reformer LSH draws its hashes
+    # from the global generator, so an evaluation that consumed random numbers would show here.
+    setup = replace(learning.QUICK, steps=4, checkpoints=(2, 3, 4, 9), methods=("reformer_lsh", "exact"))
+    assert setup.shown == (2, 3)  # the last step is the final accuracy; later ones never come
+    watched = learning.run(setup)
+    plain = learning.run(replace(setup, checkpoints=()))
+    assert watched.accuracy == plain.accuracy and watched.loss == plain.loss
+    assert all(set(early) == {2, 3} for early in watched.early.values())
+    text = watched.markdown()
+    assert ("| mechanism | attention | test accuracy after 2 steps | test accuracy after 3 steps | "
+            "test accuracy (final) | final training loss | training time (s) |") in text  # fmt: skip
+    assert "|---|---|---|---|---|---|---|" in text
 
 
 def test_learning_is_seeded():

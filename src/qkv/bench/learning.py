@@ -64,6 +64,7 @@ LABELS = {"exact": "exact", "linformer": "Linformer", "reformer_lsh": "Reformer 
 @dataclass(frozen=True)
 class LearningSetup:
     steps: int = 1500  # optimiser steps per model (exact attention, causal, is at 99-100% after 200)
+    checkpoints: tuple[int, ...] = (200, 500)  # test accuracy also measured after these steps (how fast it learns)
     batch: int = 32  # sequences per step
     lr: float = 3e-3  # AdamW learning rate (linear warm-up over 5% of steps, then cosine decay)
     dim: int = 64  # model size
@@ -97,6 +98,11 @@ class LearningSetup:
     @property
     def dim_head(self) -> int:
         return self.dim // self.heads
+
+    @property
+    def shown(self) -> tuple[int, ...]:
+        """The checkpoints before the last step, in order (the last step is the final accuracy)."""
+        return tuple(sorted(c for c in set(self.checkpoints) if 0 < c < self.steps))
 
 
 def mechanism(method: str, setup: LearningSetup) -> Callable[[], nn.Module] | None:
@@ -153,6 +159,7 @@ def runs(setup: LearningSetup) -> list[tuple[str, bool]]:
 class LearningResult:
     setup: LearningSetup
     accuracy: dict[tuple[str, bool], float] = field(default_factory=dict)  # (method, causal) -> test accuracy
+    early: dict[tuple[str, bool], dict[int, float]] = field(default_factory=dict)  # -> {checkpoint step: accuracy}
     loss: dict[tuple[str, bool], float] = field(default_factory=dict)  # -> mean training loss, last 5% of steps
     seconds: dict[tuple[str, bool], float] = field(default_factory=dict)  # -> training wall time
     chance_values: float = 0.0  # 1 / n_values
@@ -178,12 +185,14 @@ class LearningResult:
             f"{s.landmarks} landmarks. {self.threads} torch threads, load (1-min average) {self.load[0]:.1f} at "
             f"start, {self.load[1]:.1f} at end, on 2 cores; {total / 60:.1f} min of training in all.",
             "",
-            "| mechanism | attention | test accuracy | final training loss | training time (s) |",
-            "|---|---|---|---|---|",
+            f"| mechanism | attention | {' | '.join(f'test accuracy after {c} steps' for c in s.shown)}"
+            f"{' | ' if s.shown else ''}test accuracy (final) | final training loss | training time (s) |",
+            "|---|---|" + "---|" * (len(s.shown) + 3),
         ]
         for key in runs(s):
             m, causal = key
-            lines.append(f"| {LABELS[m]} | {'causal' if causal else 'bidirectional'} | {self.accuracy[key]:.1%} | "
+            early = "".join(f"{self.early[key][c]:.1%} | " for c in s.shown)
+            lines.append(f"| {LABELS[m]} | {'causal' if causal else 'bidirectional'} | {early}{self.accuracy[key]:.1%} | "
                          f"{self.loss[key]:.3f} | {self.seconds[key]:.0f} |")  # fmt: skip
         lines += ["", f"Chance: {self.chance_values:.1%} guessing any value, {self.chance_pairs:.1%} guessing "
                   "among the values present in the sequence. Read each row against exact attention with the "
@@ -193,7 +202,9 @@ class LearningResult:
                   "sequence: no previous-token head forms when every position sees the whole sequence and "
                   "positions are weak); the pairs sit at the same positions in every sequence, and a mixer "
                   "along the sequence (Linformer's learned projection, Nyström's segment-mean landmarks) "
-                  "can tie each key to the value beside it directly. A fixed-budget check, not a ranking."]  # fmt: skip
+                  "can tie each key to the value beside it directly. The accuracies at the checkpoints are of the same "
+                  "runs (the schedule spans every step), so they show how fast each model learns. A fixed-budget "
+                  "check, not a ranking."]  # fmt: skip
         return "\n".join(lines)
 
 
@@ -205,9 +216,23 @@ def _schedule(step: int, steps: int) -> float:
     return 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
 
 
+def evaluate(model: RecallModel, task: RecallTask) -> float:
+    """Accuracy of ``model`` on the test sequences, every query counted (the model left in eval mode)."""
+    model.eval()
+    hits = 0
+    with torch.inference_mode():
+        for b0 in range(0, task.test_x.shape[0], 250):
+            pred = model(task.test_x[b0 : b0 + 250], task.query_positions).argmax(-1)
+            hits += int((pred == task.test_y[b0 : b0 + 250]).sum())
+    return hits / task.test_y.numel()
+
+
 def train_one(method: str, task: RecallTask, setup: LearningSetup, *,
-              causal: bool = True) -> tuple[float, float, float]:  # fmt: skip
-    """Train a model with ``method``; return ``(test accuracy, final loss, seconds)``."""
+              causal: bool = True) -> tuple[float, float, float, dict[int, float]]:  # fmt: skip
+    """Train a model with ``method``; return ``(test accuracy, final loss, seconds, {checkpoint: accuracy})``.
+
+    ``seconds`` is the training time alone: the evaluations at the checkpoints are left out.
+    """
     if causal and method in NOT_CAUSAL:
         raise ValueError(f"causal: {method} cannot be causal (it mixes the whole sequence); pass causal=False")
     torch.manual_seed(setup.seed)
@@ -217,6 +242,8 @@ def train_one(method: str, task: RecallTask, setup: LearningSetup, *,
     order = torch.Generator().manual_seed(setup.seed)
     where = task.query_positions
     tail: list[float] = []
+    early: dict[int, float] = {}
+    seconds = 0.0
     start = time.perf_counter()
     model.train()
     for step in range(setup.steps):
@@ -230,14 +257,14 @@ def train_one(method: str, task: RecallTask, setup: LearningSetup, *,
         sched.step()
         if step >= setup.steps - max(1, setup.steps // 20):
             tail.append(loss.item())
-    seconds = time.perf_counter() - start
-    model.eval()
-    with torch.inference_mode():
-        hits = 0
-        for b0 in range(0, task.test_x.shape[0], 250):
-            pred = model(task.test_x[b0 : b0 + 250], where).argmax(-1)
-            hits += int((pred == task.test_y[b0 : b0 + 250]).sum())
-    return hits / task.test_y.numel(), sum(tail) / len(tail), seconds
+        if step + 1 in setup.shown:
+            seconds += time.perf_counter() - start
+            with torch.random.fork_rng(devices=[]):  # LSH hashes draw from it: training goes on as if unobserved
+                early[step + 1] = evaluate(model, task)
+            model.train()
+            start = time.perf_counter()
+    seconds += time.perf_counter() - start
+    return evaluate(model, task), sum(tail) / len(tail), seconds, early
 
 
 def run(setup: LearningSetup | None = None, *, progress: Callable[[str], None] | None = None) -> LearningResult:
@@ -260,8 +287,8 @@ def _run(setup: LearningSetup, progress: Callable[[str], None] | None) -> Learni
                             threads=torch.get_num_threads(), load=(os.getloadavg()[0], 0.0))  # fmt: skip
     for key in runs(setup):
         m, causal = key
-        acc, loss, seconds = train_one(m, task, setup, causal=causal)
-        result.accuracy[key], result.loss[key], result.seconds[key] = acc, loss, seconds
+        acc, loss, seconds, early = train_one(m, task, setup, causal=causal)
+        result.accuracy[key], result.loss[key], result.seconds[key], result.early[key] = acc, loss, seconds, early
         if progress is not None:
             kind = "causal" if causal else "bidirectional"
             progress(f"{m} ({kind}): test accuracy {acc:.1%}, final loss {loss:.3f}, {seconds:.0f} s")
@@ -272,7 +299,7 @@ def _run(setup: LearningSetup, progress: Callable[[str], None] | None) -> Learni
 #: a smoke-sized setup (seconds), used by ``--quick`` and the tests
 QUICK = LearningSetup(steps=5, batch=8, dim=32, heads=2, n_pairs=4, n_queries=2, vocab_size=16, seq_len=32,
                       n_train=64, n_test=32, linformer_k=8, landmarks=4, nb_features=8, lsh_buckets=2,
-                      lsh_chunk=8)  # fmt: skip
+                      lsh_chunk=8, checkpoints=(3,))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
