@@ -92,14 +92,7 @@ def _backends_for(score_names):
     cases = []
     for name in score_names:
         for backend in sorted(qkv.backends.REGISTRY):
-            marks = ()
-            if backend == "chunked" and name == "additive":
-                marks = pytest.mark.xfail(
-                    strict=True,
-                    reason="chunked recomputes the score in backward from the module's attributes, "
-                    "so parameters bound by torch.func.functional_call get no gradient",
-                )
-            cases.append(pytest.param(name, backend, marks=marks, id=f"{name}-{backend}"))
+            cases.append(pytest.param(name, backend, id=f"{name}-{backend}"))
     return cases
 
 

@@ -27,10 +27,12 @@ drops exactly the weights the forward dropped. Half-precision inputs accumulate 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.utils.stateless import _reparametrize_module
 
 from ..masks import Mask, Tile
 from ..scores import Score
@@ -140,80 +142,107 @@ class TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
-        plan: Plan = ctx.plan
-        qp, kp, v, dense, out, lse = ctx.saved_tensors
-        g, i_len, j_len = kp.shape[-3], qp.shape[-2], kp.shape[-2]
-        heads_shape = (*qp.shape[:-2],)
-        acc = out.dtype
-        d_out = d_out.to(acc)
-        delta = (d_out * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ O)
-        dq = torch.zeros_like(qp, dtype=torch.promote_types(qp.dtype, acc))
-        dk = torch.zeros_like(kp, dtype=dq.dtype)
-        dv = torch.zeros_like(v, dtype=acc)
-        d_dense = torch.zeros_like(dense, dtype=acc) if dense is not None and ctx.needs_input_grad[4] else None
-        trainable = [p for p in ctx.params if p.requires_grad]
-        d_params = [torch.zeros_like(p) for p in trainable]
-        lazy = plan.lazy_bias
-        learned_bias = lazy is not None and any(p.requires_grad for p in lazy.parameters())
-        use_autograd = (not plan.score.dot_form) or learned_bias or d_dense is not None
-        bias = BiasSource(lazy, i_len, j_len, qp.device, grad=learned_bias)
-        d_profile = None
-        q5, k5, v5 = _split(qp, kp, v, g)
-        d_out5 = d_out.unflatten(-3, (g, -1))
-        for t, state in _tiles(plan, i_len, j_len, qp.device):
-            rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
-            qt, kt = q5[..., rows, :], k5[..., cols, :]
-            dense_t = None if dense is None else dense_tile(dense, t)
-            leaves: list[Tensor] = []
-            if use_autograd:
-                qt, kt = qt.detach().requires_grad_(), kt.detach().requires_grad_()
-                leaves = [qt, kt]
-                if d_dense is not None:
-                    dense_t = dense_t.detach().requires_grad_()
-                    leaves.append(dense_t)
-                if bias.profile_graph is not None:
-                    leaves.append(bias.profile)
-                leaves += trainable
-            with torch.set_grad_enabled(use_autograd):
-                s = _logits(plan, qt, kt, bias, dense_t, t, state)
-            p = torch.exp(s.detach() - lse[..., rows, None])
-            dp = (d_out5[..., rows, :] @ v5[..., cols, :].transpose(-1, -2).to(acc)).flatten(-4, -3)
-            p_used = p
-            if plan.dropout > 0:
-                keep = drop.keep(plan.seed, plan.dropout, heads_shape, t).to(acc) / (1.0 - plan.dropout)
-                p_used, dp = p * keep, dp * keep
-            # dV += Pᵀ dO, summed over the r query heads that share a KV head
-            dv[..., cols, :] += torch.einsum("...rij,...rie->...je", p_used.unflatten(-3, (g, -1)), d_out5[..., rows, :])
-            ds = p * (dp - delta[..., rows, :])
-            if use_autograd:
-                grads = list(torch.autograd.grad(s, leaves, ds, allow_unused=True))
-                gq, gk = grads.pop(0), grads.pop(0)
-                if gq is not None:
-                    dq[..., rows, :] += gq.flatten(-4, -3).to(dq.dtype)
-                if gk is not None:
-                    dk[..., cols, :] += gk.squeeze(-3).to(dk.dtype)
-                if d_dense is not None:
-                    dense_tile(d_dense, t).add_(_sum_to(grads.pop(0), dense_t.shape))
-                if bias.profile_graph is not None:
-                    gp = grads.pop(0)
-                    d_profile = gp if d_profile is None else d_profile + gp
-                for n, grad in enumerate(grads):
-                    if grad is not None:
-                        d_params[n] += grad
-            else:
-                ds5 = (ds * plan.scale).unflatten(-3, (g, -1))
-                dq[..., rows, :] += (ds5 @ kt.to(acc)).flatten(-4, -3).to(dq.dtype)
-                dk[..., cols, :] += torch.einsum("...rij,...rid->...jd", ds5, qt.to(acc)).to(dk.dtype)
-        if d_profile is not None:
-            # one backward through the bias for the whole call: (h, L) profile -> parameters
-            bias_grads = torch.autograd.grad(bias.profile_graph, trainable, d_profile, allow_unused=True)
-            for n, grad in enumerate(bias_grads):
+        with _bound(ctx.plan, ctx.params):
+            return _backward(ctx, d_out)
+
+
+@contextlib.contextmanager
+def _bound(plan: Plan, params: tuple[Tensor, ...]):
+    """Recompute the tiles with the parameter tensors the forward pass used.
+
+    The backward calls ``score.pairwise`` and the lazy bias again, which read the modules'
+    attributes. Under ``torch.func.functional_call`` those attributes are the module's own
+    parameters again by the time backward runs, not the tensors the forward saw (``params``);
+    without rebinding, those tensors would silently get no gradient.
+    """
+    modules = ([] if plan.score.dot_form else [plan.score]) + [m for m in (plan.lazy_bias,) if m is not None]
+    owned = [p for m in modules for p in m.parameters()]
+    if len(owned) == len(params) and all(a is b for a, b in zip(owned, params)):
+        yield  # the usual case: nothing was swapped
+        return
+    with contextlib.ExitStack() as stack:
+        given = iter(params)
+        for module in modules:
+            names = [name for name, _ in module.named_parameters()]
+            stack.enter_context(_reparametrize_module(module, {name: next(given) for name in names}))
+        yield
+
+
+def _backward(ctx, d_out: Tensor) -> tuple:
+    plan: Plan = ctx.plan
+    qp, kp, v, dense, out, lse = ctx.saved_tensors
+    g, i_len, j_len = kp.shape[-3], qp.shape[-2], kp.shape[-2]
+    heads_shape = (*qp.shape[:-2],)
+    acc = out.dtype
+    d_out = d_out.to(acc)
+    delta = (d_out * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ O)
+    dq = torch.zeros_like(qp, dtype=torch.promote_types(qp.dtype, acc))
+    dk = torch.zeros_like(kp, dtype=dq.dtype)
+    dv = torch.zeros_like(v, dtype=acc)
+    d_dense = torch.zeros_like(dense, dtype=acc) if dense is not None and ctx.needs_input_grad[4] else None
+    trainable = [p for p in ctx.params if p.requires_grad]
+    d_params = [torch.zeros_like(p) for p in trainable]
+    lazy = plan.lazy_bias
+    learned_bias = lazy is not None and any(p.requires_grad for p in lazy.parameters())
+    use_autograd = (not plan.score.dot_form) or learned_bias or d_dense is not None
+    bias = BiasSource(lazy, i_len, j_len, qp.device, grad=learned_bias)
+    d_profile = None
+    q5, k5, v5 = _split(qp, kp, v, g)
+    d_out5 = d_out.unflatten(-3, (g, -1))
+    for t, state in _tiles(plan, i_len, j_len, qp.device):
+        rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
+        qt, kt = q5[..., rows, :], k5[..., cols, :]
+        dense_t = None if dense is None else dense_tile(dense, t)
+        leaves: list[Tensor] = []
+        if use_autograd:
+            qt, kt = qt.detach().requires_grad_(), kt.detach().requires_grad_()
+            leaves = [qt, kt]
+            if d_dense is not None:
+                dense_t = dense_t.detach().requires_grad_()
+                leaves.append(dense_t)
+            if bias.profile_graph is not None:
+                leaves.append(bias.profile)
+            leaves += trainable
+        with torch.set_grad_enabled(use_autograd):
+            s = _logits(plan, qt, kt, bias, dense_t, t, state)
+        p = torch.exp(s.detach() - lse[..., rows, None])
+        dp = (d_out5[..., rows, :] @ v5[..., cols, :].transpose(-1, -2).to(acc)).flatten(-4, -3)
+        p_used = p
+        if plan.dropout > 0:
+            keep = drop.keep(plan.seed, plan.dropout, heads_shape, t).to(acc) / (1.0 - plan.dropout)
+            p_used, dp = p * keep, dp * keep
+        # dV += Pᵀ dO, summed over the r query heads that share a KV head
+        dv[..., cols, :] += torch.einsum("...rij,...rie->...je", p_used.unflatten(-3, (g, -1)), d_out5[..., rows, :])
+        ds = p * (dp - delta[..., rows, :])
+        if use_autograd:
+            grads = list(torch.autograd.grad(s, leaves, ds, allow_unused=True))
+            gq, gk = grads.pop(0), grads.pop(0)
+            if gq is not None:
+                dq[..., rows, :] += gq.flatten(-4, -3).to(dq.dtype)
+            if gk is not None:
+                dk[..., cols, :] += gk.squeeze(-3).to(dk.dtype)
+            if d_dense is not None:
+                dense_tile(d_dense, t).add_(_sum_to(grads.pop(0), dense_t.shape))
+            if bias.profile_graph is not None:
+                gp = grads.pop(0)
+                d_profile = gp if d_profile is None else d_profile + gp
+            for n, grad in enumerate(grads):
                 if grad is not None:
                     d_params[n] += grad
-        it = iter(d_params)
-        grads_params = [next(it) if p.requires_grad else None for p in ctx.params]
-        d_dense = None if d_dense is None else d_dense.to(dense.dtype)
-        return None, dq.to(qp.dtype), dk.to(kp.dtype), dv.to(v.dtype), d_dense, *grads_params
+        else:
+            ds5 = (ds * plan.scale).unflatten(-3, (g, -1))
+            dq[..., rows, :] += (ds5 @ kt.to(acc)).flatten(-4, -3).to(dq.dtype)
+            dk[..., cols, :] += torch.einsum("...rij,...rid->...jd", ds5, qt.to(acc)).to(dk.dtype)
+    if d_profile is not None:
+        # one backward through the bias for the whole call: (h, L) profile -> parameters
+        bias_grads = torch.autograd.grad(bias.profile_graph, trainable, d_profile, allow_unused=True)
+        for n, grad in enumerate(bias_grads):
+            if grad is not None:
+                d_params[n] += grad
+    it = iter(d_params)
+    grads_params = [next(it) if p.requires_grad else None for p in ctx.params]
+    d_dense = None if d_dense is None else d_dense.to(dense.dtype)
+    return None, dq.to(qp.dtype), dk.to(kp.dtype), dv.to(v.dtype), d_dense, *grads_params
 
 
 def _sum_to(x: Tensor, shape: torch.Size) -> Tensor:
