@@ -104,13 +104,13 @@ def test_bag_of_words_overfits_a_bag_task():
 
 def test_bad_inputs_raise_clear_errors():
     model = _clf("cls", torch.float32, positional="learned")
-    with pytest.raises(ValueError, match=r"ids: expected token ids in \[0, 10\), got values from 0 to 12"):
+    with pytest.raises(ValueError, match=r"ids: expected token ids in \[0, 10\), got values in \[0, 12\]"):
         model(torch.tensor([[0, 12]]))
     with pytest.raises(ValueError, match=r"ids: expected at most max_len - 1 = 8 tokens \(CLS takes a position\), got 9"):
         model(torch.zeros(1, 9, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"lengths: expected a tensor of shape \(2,\), one length per row of the ids, got \(1,\)"):
+    with pytest.raises(ValueError, match=r"lengths: expected shape \(2,\) \(one length per batch row\), got \(1,\)"):
         model(torch.zeros(2, 3, dtype=torch.long), lengths=torch.tensor([3]))
-    with pytest.raises(TypeError, match="lengths: expected integer lengths, got torch.float32"):
+    with pytest.raises(TypeError, match="lengths: expected an integer tensor, got torch.float32"):
         model(torch.zeros(2, 3, dtype=torch.long), lengths=torch.tensor([3.0, 1.0]))
     with pytest.raises(ValueError, match="pooling: expected one of"):
         ClassifierConfig(vocab=3, classes=2, pooling="max")
@@ -118,5 +118,5 @@ def test_bad_inputs_raise_clear_errors():
         ClassifierConfig(vocab=3, classes=2, pooling="attention", pool_heads=5)
     with pytest.raises(ValueError, match="classes: expected a positive int, got 0"):
         BagOfWordsConfig(vocab=3, classes=0)
-    with pytest.raises(TypeError, match="ids: expected integer token ids"):
+    with pytest.raises(TypeError, match="ids: expected an integer tensor of token ids, got torch.float32"):
         BagOfWords(BagOfWordsConfig(vocab=3, classes=2))(torch.zeros(1, 2))

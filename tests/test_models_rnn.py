@@ -1,4 +1,4 @@
-"""Tests for qkv.models.rnn: the bidirectional GRU encoder and the shared token checks.
+"""Tests for qkv.models.rnn: the bidirectional GRU encoder.
 
 Shape legend: ``b`` batch, ``j`` source length, ``d`` annotation size.
 """
@@ -6,7 +6,7 @@ Shape legend: ``b`` batch, ``j`` source length, ``d`` annotation size.
 import pytest
 import torch
 
-from qkv.models.rnn import RNNEncoder, check_ids, check_lengths
+from qkv.models.rnn import RNNEncoder
 
 VOCAB, EMBED, HIDDEN = 23, 7, 5
 
@@ -103,11 +103,3 @@ def test_bad_constructor_arguments():
         RNNEncoder(VOCAB, EMBED, HIDDEN, pad_id=23)
     with pytest.raises(ValueError, match=r"dropout: expected a probability in \[0, 1\), got 1.5"):
         RNNEncoder(VOCAB, EMBED, HIDDEN, dropout=1.5)
-
-
-def test_check_helpers_pass_good_input_through():
-    ids = torch.tensor([[1, 2], [3, 4]])
-    assert check_ids("x", ids, 5) is ids
-    assert check_lengths("n", torch.tensor([1, 2], dtype=torch.int32), 2, 2).dtype == torch.long
-    with pytest.raises(ValueError, match=r"x: expected shape \(b,\), got \(2, 2\)"):
-        check_ids("x", ids, 5, dims=1)

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from .._args import positive_int
 from ..attention import MultiHeadAttention
 from ..blocks import Encoder
-from .transformer import TokenEmbedding, attention_positional, check_batch, check_common, check_ids, check_lengths
+from .checks import check_batch, check_ids
+from .transformer import TokenEmbedding, attention_positional, check_common, lengths_for
 
 POOLINGS = ("mean", "cls", "attention")
 
@@ -113,7 +114,7 @@ class EncoderClassifier(nn.Module):
                 f"ids: expected at most max_len - 1 = {self.config.max_len - 1} tokens (CLS takes a position), "
                 f"got {ids.shape[1]}"
             )
-        lengths = check_lengths("lengths", lengths, ids)
+        lengths = lengths_for("lengths", lengths, ids)
         check_batch(ids=ids, lengths=lengths)
         x = self.embed(ids, start=1 if cls else 0)  # with CLS the tokens sit at positions 1..i
         if cls:
@@ -164,7 +165,7 @@ class BagOfWords(nn.Module):
         """``ids (b, i)`` -> logits ``(b, C)``; with ``return_weights=True`` also ``{"pooling": (b, 1, i)}``,
         the uniform weights ``1/length`` of the mean."""
         check_ids("ids", ids, self.config.vocab)
-        lengths = check_lengths("lengths", lengths, ids)
+        lengths = lengths_for("lengths", lengths, ids)
         check_batch(ids=ids, lengths=lengths)
         pooled, w = _mean(self.embedding(ids), lengths)
         logits = self.mlp(pooled)

@@ -28,16 +28,9 @@ from torch import Tensor, nn
 from .._args import positive_int
 from ..blocks import Encoder
 from ..cache import DecoderCache
+from .checks import check_batch
 from .sampling import sample_next
-from .transformer import (
-    TokenEmbedding,
-    attention_positional,
-    check_batch,
-    check_common,
-    check_lengths,
-    inference,
-    key_padding,
-)
+from .transformer import TokenEmbedding, attention_positional, check_common, inference, key_padding, lengths_for
 
 
 @dataclass(frozen=True)
@@ -89,7 +82,7 @@ class CausalLM(nn.Module):
         ``cache``, ``ids`` are the new tokens only and their positions start at ``cache.length``.
         """
         x = self.embed(ids, 0 if cache is None else cache.length)
-        lengths = check_lengths("lengths", lengths, ids)
+        lengths = lengths_for("lengths", lengths, ids)
         check_batch(ids=ids, lengths=lengths)
         if lengths is not None and cache is not None:
             raise ValueError("lengths: padding is not supported with a cache; decode rows of equal length")

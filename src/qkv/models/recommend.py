@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .._args import positive_int, probability
 from ..attention import Attention
-from .rnn import check_ids
+from .checks import check_ids
 
 
 class TargetAttention(nn.Module):

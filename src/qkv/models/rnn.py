@@ -1,4 +1,4 @@
-"""The recurrent encoder of the seq2seq models, and the token checks every model here shares.
+"""The recurrent encoder of the seq2seq models.
 
 Shape legend: ``b`` batch, ``j`` source length (the keys of the decoder's attention),
 ``d`` encoder output size (``hidden`` per direction, times 2 when bidirectional), ``l``
@@ -23,41 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .._args import positive_int, probability
-
-
-def check_ids(name: str, ids: object, vocab_size: int, *, dims: int = 2) -> Tensor:
-    """``ids`` if it is an integer tensor of ``dims`` dims with values in ``[0, vocab_size)``.
-
-    Raises ``TypeError`` for a non-tensor or non-integer dtype and ``ValueError`` for a
-    wrong number of dims or an id out of range, naming the argument.
-    """
-    if not isinstance(ids, Tensor):
-        raise TypeError(f"{name}: expected a tensor of token ids, got {type(ids).__name__}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise TypeError(f"{name}: expected an integer tensor of token ids, got {ids.dtype}")
-    if ids.dim() != dims:
-        layout = {1: "(b,)", 2: "(b, length)"}.get(dims, f"{dims} dims")
-        raise ValueError(f"{name}: expected shape {layout}, got {tuple(ids.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(
-            f"{name}: expected token ids in [0, {vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
-        )
-    return ids
-
-
-def check_lengths(name: str, lengths: object, batch: int, longest: int, *, minimum: int = 1) -> Tensor:
-    """``lengths`` as a long ``(b,)`` tensor with ``minimum <= lengths <= longest``."""
-    if not isinstance(lengths, Tensor):
-        raise TypeError(f"{name}: expected an integer tensor of shape ({batch},), got {type(lengths).__name__}")
-    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise TypeError(f"{name}: expected an integer tensor, got {lengths.dtype}")
-    if tuple(lengths.shape) != (batch,):
-        raise ValueError(f"{name}: expected shape ({batch},) (one length per batch row), got {tuple(lengths.shape)}")
-    if batch and (int(lengths.min()) < minimum or int(lengths.max()) > longest):
-        raise ValueError(
-            f"{name}: expected lengths in [{minimum}, {longest}] (the padded length), got {lengths.tolist()}"
-        )
-    return lengths.long()
+from .checks import check_ids, check_lengths
 
 
 class RNNEncoder(nn.Module):

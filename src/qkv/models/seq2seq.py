@@ -39,9 +39,10 @@ from torch import Tensor, nn
 from .._args import positive_int, probability
 from ..attention import Attention
 from ..scores import Additive, Location, make
+from .checks import check_ids, check_lengths
 from .decoding import Decoded, beam_search, greedy
 from .luong import ALIGNMENTS, LuongAlignment, padding_mask
-from .rnn import RNNEncoder, check_ids, check_lengths
+from .rnn import RNNEncoder
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ from .. import masks
 from .._args import positive_int, probability
 from ..blocks import ACTIVATIONS, Decoder, Encoder
 from ..cache import DecoderCache
-from .sampling import sample_next
 from ..positional import ALiBi, LearnedPositionalEmbedding, Positional, RelativePositionBias, Rotary, SinusoidalEncoding
+from .checks import check_batch, check_ids, check_lengths
+from .sampling import sample_next
 
 POSITIONS = ("sinusoidal", "learned", "rotary", "alibi", "relative", "none")
 
@@ -136,46 +137,16 @@ def inference(method):
     return wrapper
 
 
-def check_ids(name: str, ids: object, vocab: int) -> None:
-    """``ids`` must be an integer tensor ``(b, i)`` with values in ``[0, vocab)``."""
-    if not isinstance(ids, Tensor):
-        raise TypeError(f"{name}: expected a LongTensor of token ids (b, i), got {type(ids).__name__}")
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-        raise TypeError(f"{name}: expected integer token ids (torch.long), got {ids.dtype}")
-    if ids.dim() != 2:
-        raise ValueError(f"{name}: expected shape (b, i), got {tuple(ids.shape)}")
-    if ids.numel():
-        lo, hi = (int(x) for x in torch.aminmax(ids))
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"{name}: expected token ids in [0, {vocab}), got values from {lo} to {hi}")
-
-
-def check_lengths(name: str, lengths: object, ids: Tensor) -> Tensor | None:
-    """``lengths (b,)`` integer, each in ``[1, i]`` for ``ids (b, i)``; None passes through."""
+def lengths_for(name: str, lengths: object, ids: Tensor) -> Tensor | None:
+    """``lengths (b,)`` for ``ids (b, i)``, each in ``[1, i]``, on the ids' device; None passes through."""
     if lengths is None:
         return None
-    b, i = ids.shape
-    if not isinstance(lengths, Tensor) or lengths.dim() != 1 or lengths.shape[0] != b:
-        got = tuple(lengths.shape) if isinstance(lengths, Tensor) else type(lengths).__name__
-        raise ValueError(f"{name}: expected a tensor of shape ({b},), one length per row of the ids, got {got}")
-    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise TypeError(f"{name}: expected integer lengths, got {lengths.dtype}")
-    if int(lengths.min()) < 1 or int(lengths.max()) > i:
-        raise ValueError(f"{name}: expected lengths in [1, {i}], got {lengths.tolist()}")
-    return lengths.to(ids.device)
+    return check_lengths(name, lengths, ids.shape[0], ids.shape[1]).to(ids.device)
 
 
 def key_padding(lengths: Tensor | None) -> masks.Mask | None:
     """A lazy key-padding mask (True = real token) from ``lengths``, or None."""
     return None if lengths is None else masks.lengths(lengths)
-
-
-def check_batch(**tensors: Tensor | None) -> None:
-    """Every given tensor has the same batch size (dim 0)."""
-    given = {name: t.shape[0] for name, t in tensors.items() if t is not None}
-    if len(set(given.values())) > 1:
-        sizes = ", ".join(f"{name} {size}" for name, size in given.items())
-        raise ValueError(f"batch: expected the same batch size for every input, got {sizes}")
 
 
 class Transformer(nn.Module):
@@ -201,7 +172,7 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor, *, src_lengths: Tensor | None = None, return_weights: bool = False):
         """``src (b, s)`` -> memory ``(b, s, dim)``, and per-layer weights ``(b, h, s, s)`` on request."""
-        src_lengths = check_lengths("src_lengths", src_lengths, _ids(src, "src"))
+        src_lengths = lengths_for("src_lengths", src_lengths, _ids(src, "src"))
         check_batch(src=src, src_lengths=src_lengths)
         return self.encoder(self.src_embed(src, name="src"), mask=key_padding(src_lengths),
                             return_weights=return_weights)  # fmt: skip
@@ -214,7 +185,7 @@ class Transformer(nn.Module):
         With a ``cache``, ``tgt`` holds only the new tokens and ``memory`` may be None after
         the first call. With ``return_weights=True`` also ``{"self": [...], "cross": [...]}``.
         """
-        tgt_lengths = check_lengths("tgt_lengths", tgt_lengths, _ids(tgt, "tgt"))
+        tgt_lengths = lengths_for("tgt_lengths", tgt_lengths, _ids(tgt, "tgt"))
         check_batch(tgt=tgt, memory=memory, src_lengths=src_lengths, tgt_lengths=tgt_lengths)
         if tgt_lengths is not None and cache is not None:
             raise ValueError("tgt_lengths: target padding is not supported with a cache; decode rows of equal length")
