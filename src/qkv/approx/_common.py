@@ -23,8 +23,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from einops import repeat
 from torch import Tensor
+
+from ..backends.request import repeat_kv as repeat_groups
 
 
 class Dims(NamedTuple):
@@ -76,12 +77,9 @@ def check_flags(causal: object, return_weights: object) -> None:
 
 
 def repeat_kv(x: Tensor, h: int) -> Tensor:
-    """``(b, g, n, c) -> (b, h, n, c)``: query head ``n`` reads KV head ``n // (h // g)``.
-
-    This is the grouping of ``scaled_dot_product_attention(enable_gqa=True)``.
-    """
-    g = x.shape[1]
-    return x if g == h else repeat(x, "b g n c -> b (g r) n c", r=h // g)
+    """``(b, g, n, c) -> (b, h, n, c)``: query head ``n`` reads KV head ``n // (h // g)``, the
+    grouping of exact attention (``qkv.backends.repeat_kv``)."""
+    return repeat_groups(x, h // x.shape[1])
 
 
 def dense_mask(mask: object, dims: Dims, device: torch.device) -> Tensor | None:
@@ -165,13 +163,6 @@ def check_interval(value: object) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"redraw_interval: expected a positive int or None, got {value!r}")
-    return value
-
-
-def positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int >= 1, else ``ValueError`` naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return value
 
 

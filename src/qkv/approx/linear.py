@@ -43,15 +43,8 @@ import torch.nn.functional as F
 from einops import einsum
 from torch import Tensor, nn
 
-from ._common import (
-    check_flags,
-    check_qkv,
-    dense_mask,
-    key_padding,
-    positive_int,
-    repeat_kv,
-    safe_divide,
-)
+from .._args import positive_int
+from ._common import check_flags, check_qkv, dense_mask, key_padding, repeat_kv, safe_divide
 
 
 def elu_feature_map(x: Tensor) -> Tensor:

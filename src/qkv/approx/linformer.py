@@ -41,7 +41,8 @@ import torch
 from einops import einsum
 from torch import Tensor, nn
 
-from ._common import check_flags, check_qkv, check_scale, dense_mask, key_padding, positive_int, repeat_kv
+from .._args import positive_int
+from ._common import check_flags, check_qkv, check_scale, dense_mask, key_padding, repeat_kv
 
 SHARES = ("none", "headwise", "kv")
 

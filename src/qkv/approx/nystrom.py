@@ -45,6 +45,7 @@ import torch
 from einops import einsum
 from torch import Tensor, nn
 
+from .._args import positive_int
 from ._common import (
     check_flags,
     check_qkv,
@@ -52,7 +53,6 @@ from ._common import (
     dense_mask,
     key_padding,
     masked_softmax,
-    positive_int,
     repeat_kv,
 )
 

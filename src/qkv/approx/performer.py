@@ -47,6 +47,7 @@ import torch
 from einops import einsum
 from torch import Tensor, nn
 
+from .._args import positive_int
 from ._common import (
     check_flags,
     check_interval,
@@ -55,7 +56,6 @@ from ._common import (
     dense_mask,
     key_padding,
     make_generator,
-    positive_int,
     repeat_kv,
 )
 from .linear import kernel_attention, kernel_attention_weights

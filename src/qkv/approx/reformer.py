@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import Tensor, nn
 
+from .._args import positive_int
 from ._common import (
     check_flags,
     check_interval,
@@ -58,7 +59,6 @@ from ._common import (
     check_scale,
     dense_mask,
     make_generator,
-    positive_int,
     repeat_kv,
 )
 
