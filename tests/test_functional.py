@@ -187,3 +187,34 @@ def test_explain_names_the_backend_and_why_others_were_passed_over():
     assert "  not sdpa: the concat score is not a dot product" in text.splitlines()
     assert qkv.explain(q, k, v, backend="reference") == "backend: reference"
 
+
+
+@pytest.mark.parametrize("score_name", ["scaled_dot", "concat"])
+def test_attention_weights_on_the_fast_path_equal_the_reference(score_name, monkeypatch):
+    # Force the fast path (CHUNK_ELEMENTS = 0 makes every call "large") and compare with the oracle.
+    torch.manual_seed(0)
+    q, k, _ = _inputs(torch.float64, 3, I)
+    score = "scaled_dot" if score_name == "scaled_dot" else qkv.scores.Additive(D, D, 5).double()
+    lazy, _ = ref.mask_case("dense&lengths", B, I, J, causal=True)
+    expected = qkv.attention_weights(q, k, score=score, mask=lazy, backend="reference")
+    monkeypatch.setattr(qkv.backends.weights, "CHUNK_ELEMENTS", 0)
+    fast = qkv.attention_weights(q, k, score=score, mask=lazy)
+    torch.testing.assert_close(fast, expected)
+    picked = qkv.attention_weights(q, k, score=score, mask=lazy, weights_for={"heads": [0, 2], "rows": slice(1, 4)})
+    torch.testing.assert_close(picked, expected[:, [0, 2]][:, :, 1:4])
+
+
+def test_attention_weights_selects_heads_and_rows_on_the_small_path_too():
+    q, k, _ = _inputs(torch.float64, 3, I)
+    full = qkv.attention_weights(q, k, backend="reference")
+    got = qkv.attention_weights(q, k, weights_for={"rows": [0, 4]}, backend="reference")
+    torch.testing.assert_close(got, full[..., [0, 4], :])
+
+
+def test_attention_weights_gradients_flow_on_the_fast_path(monkeypatch):
+    q, k, _ = _inputs(torch.float64, 3, I)
+    q.requires_grad_(True)
+    (g_ref,) = torch.autograd.grad((qkv.attention_weights(q, k, causal=True) ** 2).sum(), (q,))
+    monkeypatch.setattr(qkv.backends.weights, "CHUNK_ELEMENTS", 0)
+    (g_fast,) = torch.autograd.grad((qkv.attention_weights(q, k, causal=True) ** 2).sum(), (q,))
+    torch.testing.assert_close(g_fast, g_ref)

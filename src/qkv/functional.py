@@ -18,6 +18,7 @@ from torch import Tensor
 
 from . import backends, checks
 from .backends import reference
+from .backends import weights as weights_module
 from .masks import Mask
 from .positional import LazyBias
 from .scores import Score
@@ -137,14 +138,48 @@ def attention_weights(
     bias: Tensor | LazyBias | None = None,
     causal: bool = False,
     scale: float | None = None,
+    weights_for: dict | None = None,
+    backend: str = "auto",
 ) -> Tensor:
-    """Only the weights ``α (..., h, i, j)`` of :func:`attention` (rows sum to 1, or 0 if fully masked)."""
+    """Only the weights ``α (..., h, i, j)`` of :func:`attention` (rows sum to 1, or 0 if fully masked).
+
+    ``weights_for`` selects heads and rows as in :func:`attention`. With ``backend="auto"``
+    a call whose logits (times the additive score's hidden size) fit in
+    ``backends.weights.CHUNK_ELEMENTS`` is materialised by the reference backend, one
+    softmax, the fastest way when the weights are the whole output anyway. A larger call,
+    or one with ``weights_for``, runs :func:`attention` on a one-column stand-in for the
+    values: the fast backend saves its log-sum-exp and the weights are rebuilt from it in
+    row chunks, so additive scores never build the ``(i, j, hidden)`` tensor and a few
+    rows of a long sequence never build all ``(h, i, j)`` weights.
+    """
     v = k.new_empty((*k.shape[:-1], 0))  # the weights do not depend on v
     req = checks.request(
         q, k, v, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
         dropout=0.0, return_weights=True,
     )  # fmt: skip
-    return reference.weights(req).to(q.dtype)
+    width = 1 if req.score.dot_form else _prepared_width(req)
+    small = req.q[..., 0].numel() * req.j * width <= weights_module.CHUNK_ELEMENTS
+    if backend == "reference" or (backend == "auto" and small and weights_for is None):
+        w = reference.weights(req).to(q.dtype)
+        if weights_for is None:
+            return w
+        heads, rows = _weights_for(weights_for, req)
+        w = w if heads is None else w.index_select(-3, heads.to(w.device))
+        return w if rows is None else w.index_select(-2, rows.to(w.device))
+    # One zero column stands in for the values: (..., g, j, 1), a broadcast view, no copy.
+    stand_in = k.new_zeros(()).expand(*k.shape[:-1], 1)
+    _, w = attention(
+        q, k, stand_in, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
+        return_weights=True, backend=backend, weights_for=weights_for,
+    )  # fmt: skip
+    return w
+
+
+def _prepared_width(req: backends.Request) -> int:
+    """Size of a prepared query (the additive score's hidden size): one row prepared to find out."""
+    with torch.no_grad():
+        qp, _ = req.score.prepare(req.q[..., :1, :], req.k[..., :1, :])
+    return max(1, qp.shape[-1])
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
