@@ -30,8 +30,8 @@ class Markov:
         self.table = torch.log_softmax(logits, -1)
         self.c = c
 
-    def start(self, source, source_lengths=None):
-        return (source,), (torch.zeros(source.shape[0], dtype=torch.long),)
+    def start(self, src, src_lengths=None):
+        return (src,), (torch.zeros(src.shape[0], dtype=torch.long),)
 
     def step(self, memory, state, token, position):
         weights = torch.nn.functional.one_hot(token, self.c).to(torch.float64)  # j = c "source positions"
@@ -75,8 +75,8 @@ def test_wide_beam_finds_the_exhaustive_optimum(seed, alpha):
 def test_greedy_equals_beam_of_one_on_a_markov_model(seed):
     model = Markov(seed=seed)
     source = torch.zeros(3, 5, dtype=torch.long)
-    a = greedy(model, source, max_len=6)
-    b = beam_search(model, source, beam_size=1, max_len=6)
+    a = greedy(model, src=source, max_len=6)  # src / src_lengths: the transformer's names
+    b = beam_search(model, src=source, src_lengths=None, beam_size=1, max_len=6)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
     torch.testing.assert_close(a.log_prob, b.log_prob)
     torch.testing.assert_close(a.weights, b.weights)
@@ -109,7 +109,7 @@ def test_max_len_without_eos():
 
 
 def _models():
-    sizes = dict(source_vocab=15, target_vocab=9, embed_dim=8, hidden=16, attention_dim=8)
+    sizes = dict(src_vocab=15, tgt_vocab=9, embed_dim=8, hidden=16, attention_dim=8)
     yield Bahdanau(Seq2SeqConfig(**sizes))
     yield Luong(LuongConfig(**sizes, alignment="local-m", window=2))  # uses the step position
     yield Luong(LuongConfig(**sizes, score="concat", alignment="local-p", input_feeding=False))
@@ -154,7 +154,7 @@ def test_returned_hypothesis_matches_teacher_forcing(index):
 
 def test_beam_is_at_least_as_likely_as_greedy_on_a_trained_model():
     torch.manual_seed(0)
-    model = Bahdanau(Seq2SeqConfig(source_vocab=12, target_vocab=12, embed_dim=12, hidden=24, attention_dim=12))
+    model = Bahdanau(Seq2SeqConfig(src_vocab=12, tgt_vocab=12, embed_dim=12, hidden=24, attention_dim=12))
     g = torch.Generator().manual_seed(0)
     # Reverse sequences of 3-5 symbols. 20 steps (loss ~2.4 -> ~0.8) leave the model unsure
     # enough that search matters: the beam wins on about half of the rows.

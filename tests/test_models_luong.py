@@ -91,17 +91,18 @@ def test_window_helpers_closed_form():
         [True, True, False, False, False, False],
         [False, False, False, True, True, True],
     ]
-    assert padding_mask(torch.tensor([2, 3]), 4).tolist() == [[[True, True, False, False]], [[True, True, True, False]]]
+    keep = padding_mask(src_lengths=torch.tensor([2, 3]), j=4)
+    assert keep.tolist() == [[[True, True, False, False]], [[True, True, True, False]]]
 
 
 def test_location_score_in_local_p():
     # The location score looks at the query only; local-p still multiplies in the Gaussian.
     module = LuongAlignment(Location(DQ, max_len=12), "local-p", window=3, query_dim=DQ).double()
     query, keys = _inputs(3)
-    _, weights = module(query, keys, LENGTHS)
+    _, weights = module(query, keys, src_lengths=LENGTHS)
     logits = (query @ module.score.proj.weight.T + module.score.proj.bias)[..., :J]
     logits = logits.masked_fill(torch.arange(J) >= LENGTHS[:, None, None], float("-inf"))
-    p = module.predictor(query, LENGTHS)
+    p = module.predictor(query, src_lengths=LENGTHS)
     torch.testing.assert_close(weights, torch.softmax(logits, -1) * gaussian_window(p, J, 3))
 
 
@@ -117,7 +118,7 @@ def test_local_p_position_predictor_learns():
 
 def _model(alignment, window, input_feeding):
     config = LuongConfig(
-        source_vocab=17, target_vocab=11, embed_dim=6, hidden=8, attention_dim=5,
+        src_vocab=17, tgt_vocab=11, embed_dim=6, hidden=8, attention_dim=5,
         score="general", alignment=alignment, window=window, input_feeding=input_feeding,
     )  # fmt: skip
     return Luong(config).double()

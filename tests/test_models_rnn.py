@@ -41,6 +41,9 @@ def test_each_row_is_encoded_as_if_alone_and_unpadded():
         alone, alone_final = encoder(source[n : n + 1, :length])
         torch.testing.assert_close(annotations[n : n + 1, :length], alone)
         torch.testing.assert_close(final[:, n : n + 1], alone_final)
+    # The inputs are named src / src_lengths, like the transformer's encoder.
+    by_name, by_name_final = encoder(src=source, src_lengths=lengths)
+    assert torch.equal(by_name, annotations) and torch.equal(by_name_final, final)
 
 
 def test_annotation_halves_are_forward_and_backward_gru_runs():
@@ -71,28 +74,28 @@ def test_unidirectional():
 
 def test_bad_ids():
     encoder = RNNEncoder(VOCAB, EMBED, HIDDEN)
-    with pytest.raises(ValueError, match=r"source: expected token ids in \[0, 23\), got values in \[0, 23\]"):
+    with pytest.raises(ValueError, match=r"src: expected token ids in \[0, 23\), got values in \[0, 23\]"):
         encoder(torch.tensor([[0, 23]]))
-    with pytest.raises(ValueError, match=r"source: expected token ids in \[0, 23\), got values in \[-1, 3\]"):
+    with pytest.raises(ValueError, match=r"src: expected token ids in \[0, 23\), got values in \[-1, 3\]"):
         encoder(torch.tensor([[-1, 3]]))
-    with pytest.raises(TypeError, match="source: expected an integer tensor of token ids, got torch.float32"):
+    with pytest.raises(TypeError, match="src: expected an integer tensor of token ids, got torch.float32"):
         encoder(torch.zeros(1, 3))
-    with pytest.raises(ValueError, match=r"source: expected shape \(b, length\), got \(3,\)"):
+    with pytest.raises(ValueError, match=r"src: expected shape \(b, length\), got \(3,\)"):
         encoder(torch.ones(3, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"source: expected at least one token per row, got shape \(2, 0\)"):
+    with pytest.raises(ValueError, match=r"src: expected at least one token per row, got shape \(2, 0\)"):
         encoder(torch.ones(2, 0, dtype=torch.long))
 
 
 def test_bad_lengths():
     encoder = RNNEncoder(VOCAB, EMBED, HIDDEN)
     source = torch.ones(2, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"source_lengths: expected shape \(2,\) \(one length per batch row\), got \(3,\)"):
+    with pytest.raises(ValueError, match=r"src_lengths: expected shape \(2,\) \(one length per batch row\), got \(3,\)"):
         encoder(source, torch.tensor([4, 4, 4]))
-    with pytest.raises(ValueError, match=r"source_lengths: expected lengths in \[1, 4\] \(the padded length\), got \[5, 1\]"):
+    with pytest.raises(ValueError, match=r"src_lengths: expected lengths in \[1, 4\] \(the padded length\), got \[5, 1\]"):
         encoder(source, torch.tensor([5, 1]))
-    with pytest.raises(ValueError, match=r"source_lengths: expected lengths in \[1, 4\]"):
+    with pytest.raises(ValueError, match=r"src_lengths: expected lengths in \[1, 4\]"):
         encoder(source, torch.tensor([0, 1]))
-    with pytest.raises(TypeError, match="source_lengths: expected an integer tensor, got torch.float32"):
+    with pytest.raises(TypeError, match="src_lengths: expected an integer tensor, got torch.float32"):
         encoder(source, torch.tensor([4.0, 1.0]))
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from qkv.models.seq2seq import Bahdanau, Luong, LuongConfig, Seq2SeqConfig
 
 SRC_VOCAB, TGT_VOCAB = 19, 13
-SIZES = dict(source_vocab=SRC_VOCAB, target_vocab=TGT_VOCAB, embed_dim=6, hidden=10, attention_dim=7)
+SIZES = dict(src_vocab=SRC_VOCAB, tgt_vocab=TGT_VOCAB, embed_dim=6, hidden=10, attention_dim=7)
 LUONG_VARIANTS = [
     (score, alignment, feeding)
     for score in ("dot", "general", "concat", "location")
@@ -23,7 +23,7 @@ def _model(kind="bahdanau", score="general", alignment="global", feeding=True, *
     if kind == "bahdanau":
         return Bahdanau(Seq2SeqConfig(**SIZES, **extra))
     config = LuongConfig(
-        **SIZES, score=score, alignment=alignment, window=2, input_feeding=feeding, max_source_len=12, **extra
+        **SIZES, score=score, alignment=alignment, window=2, input_feeding=feeding, max_src_len=12, **extra
     )
     return Luong(config)
 
@@ -119,6 +119,25 @@ def test_score_sequences_is_the_sum_of_token_log_probs():
     torch.testing.assert_close(model.score_sequences(source, target, lengths), expected)
 
 
+@pytest.mark.parametrize("kind", ["bahdanau", "luong"])
+def test_inputs_take_the_transformer_names(kind):
+    # src / tgt / src_lengths as in torch.nn.Transformer and qkv.models.transformer; by keyword
+    # they must give exactly what the positional calls give.
+    model = _model(kind).double().eval()
+    source, lengths, target = _data(8)
+    torch.testing.assert_close(
+        model(src=source, tgt=target[:, :-1], src_lengths=lengths), model(source, target[:, :-1], lengths)
+    )
+    for method in (model.loss, model.score_sequences):
+        torch.testing.assert_close(method(src=source, tgt=target, src_lengths=lengths), method(source, target, lengths))
+    (annotations, kept), _ = model.start(src=source, src_lengths=lengths)
+    assert torch.equal(kept, lengths) and annotations.shape[:2] == source.shape
+    a, b = model.greedy(src=source, src_lengths=lengths, max_len=4), model.greedy(source, lengths, max_len=4)
+    assert torch.equal(a.tokens, b.tokens)
+    a = model.beam_search(src=source, src_lengths=lengths, beam_size=2, max_len=4)
+    assert torch.equal(a.tokens, model.beam_search(source, lengths, beam_size=2, max_len=4).tokens)
+
+
 def _copy_task(seed, b=8):
     """Reverse a short sequence of symbols: learnable only by attending to the right source position."""
     g = torch.Generator().manual_seed(seed)
@@ -157,30 +176,30 @@ def test_overfits_a_tiny_batch(kind, alignment):
 def test_bad_inputs_name_the_argument():
     model = _model("bahdanau")
     source, lengths, target = _data(6)
-    with pytest.raises(ValueError, match=r"source: expected token ids in \[0, 19\), got values in \[0, 19\]"):
+    with pytest.raises(ValueError, match=r"src: expected token ids in \[0, 19\), got values in \[0, 19\]"):
         bad = source.clone()
         bad[0, 0] = SRC_VOCAB
         model(bad, target, lengths)
-    with pytest.raises(ValueError, match=r"target: expected token ids in \[0, 13\), got values in \[-1, 12\]"):
+    with pytest.raises(ValueError, match=r"tgt: expected token ids in \[0, 13\), got values in \[-1, 12\]"):
         model.loss(source, target.masked_fill(target == 4, -1), lengths)
-    with pytest.raises(ValueError, match=r"target_in: expected token ids in \[0, 13\), got values in \[13, 13\]"):
+    with pytest.raises(ValueError, match=r"tgt: expected token ids in \[0, 13\), got values in \[13, 13\]"):
         model(source, torch.full((3, 2), 13), lengths)
-    with pytest.raises(ValueError, match=r"target: expected the batch size of source \(3\), got 2 \(shape \(2, 6\)\)"):
+    with pytest.raises(ValueError, match=r"tgt: expected the batch size of src \(3\), got 2 \(shape \(2, 6\)\)"):
         model.loss(source, target[:2], lengths)
-    with pytest.raises(ValueError, match=r"target_in: expected the batch size of source \(3\), got 4"):
+    with pytest.raises(ValueError, match=r"tgt: expected the batch size of src \(3\), got 4"):
         model(source, torch.ones(4, 2, dtype=torch.long), lengths)
-    with pytest.raises(ValueError, match=r"source_lengths: expected shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"src_lengths: expected shape \(3,\)"):
         model(source, target, lengths[:2])
-    with pytest.raises(ValueError, match=r"target: expected at least bos and one token per row, got shape \(3, 1\)"):
+    with pytest.raises(ValueError, match=r"tgt: expected at least bos and one token per row, got shape \(3, 1\)"):
         model.loss(source, target[:, :1], lengths)
 
 
 def test_location_score_rejects_a_source_over_its_maximum():
-    model = _model("luong", score="location")  # max_source_len=12
+    model = _model("luong", score="location")  # max_src_len=12
     source = torch.ones(2, 13, dtype=torch.long)
-    with pytest.raises(ValueError, match="source: the location score was built for max_source_len=12, got a source of length 13"):
+    with pytest.raises(ValueError, match="src: the location score was built for max_src_len=12, got a source of length 13"):
         model(source, torch.ones(2, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match="source: the location score was built for max_source_len=12"):
+    with pytest.raises(ValueError, match="src: the location score was built for max_src_len=12"):
         model.greedy(source)
     assert model(source[:, :12], torch.ones(2, 3, dtype=torch.long)).shape == (2, 3, TGT_VOCAB)
 
@@ -188,7 +207,7 @@ def test_location_score_rejects_a_source_over_its_maximum():
 def test_bad_configs():
     with pytest.raises(ValueError, match="hidden: expected an even size"):
         Seq2SeqConfig(5, 5, hidden=9)
-    with pytest.raises(ValueError, match="target_vocab: expected a positive int, got 0"):
+    with pytest.raises(ValueError, match="tgt_vocab: expected a positive int, got 0"):
         Seq2SeqConfig(5, 0)
     with pytest.raises(ValueError, match=r"eos_id: expected an id in \[0, 5\), got 7"):
         Seq2SeqConfig(5, 5, eos_id=7)
@@ -196,12 +215,12 @@ def test_bad_configs():
         LuongConfig(5, 5, score="cosine")
     with pytest.raises(ValueError, match="alignment: expected one of"):
         LuongConfig(5, 5, alignment="local")
-    with pytest.raises(ValueError, match="max_source_len: expected a positive int, got None"):
+    with pytest.raises(ValueError, match="max_src_len: expected a positive int, got None"):
         LuongConfig(5, 5, score="location")
     with pytest.raises(TypeError, match="config: expected a LuongConfig, got Seq2SeqConfig"):
         Luong(Seq2SeqConfig(5, 5))
     with pytest.raises(TypeError, match="config: expected a Seq2SeqConfig, got dict"):
-        Bahdanau({"source_vocab": 5})
+        Bahdanau({"src_vocab": 5})
 
 
 @pytest.mark.parametrize("kind", ["bahdanau", "luong"])

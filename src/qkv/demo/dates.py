@@ -37,20 +37,20 @@ _FIELD_OF_POSITION = {0: 0, 1: 0, 2: 0, 3: 0, 5: 1, 6: 1, 8: 2, 9: 2}
 FIELDS = ("year", "month", "day")
 
 
-def _loss(model, source: Tensor, lengths: Tensor, target: Tensor) -> Tensor:
+def _loss(model, src: Tensor, src_lengths: Tensor, tgt: Tensor) -> Tensor:
     # Trim the padding columns no row of this batch uses: the encoder's cost is per column.
-    return model.loss(source[:, : int(lengths.max())], target, lengths)
+    return model.loss(src[:, : int(src_lengths.max())], tgt, src_lengths)
 
 
-def decode(model, source: Tensor, lengths: Tensor, *, ctx: Context, desc: str = "decoding", batch_size: int = 250):
-    """Greedy decoding in batches: generated ids ``(n, t)`` and their attention ``(n, t, j)``."""
+def decode(model, src: Tensor, src_lengths: Tensor, *, ctx: Context, desc: str = "decoding", batch_size: int = 250):
+    """Greedy decoding of ``src (n, j)`` in batches: generated ids ``(n, t)`` and their attention ``(n, t, j)``."""
     tokens, weights = [], []
-    starts = range(0, source.shape[0], batch_size)
+    starts = range(0, src.shape[0], batch_size)
     for start in ctx.progress(starts, total=len(starts), desc=desc):
         rows = slice(start, start + batch_size)
-        width = int(lengths[rows].max())
-        out = model.greedy(source[rows, :width], lengths[rows], max_len=12)
-        w = torch.zeros(out.weights.shape[0], 12, source.shape[1])
+        width = int(src_lengths[rows].max())
+        out = model.greedy(src[rows, :width], src_lengths[rows], max_len=12)
+        w = torch.zeros(out.weights.shape[0], 12, src.shape[1])
         w[:, : out.weights.shape[1], :width] = out.weights
         t = torch.zeros(out.tokens.shape[0], 12, dtype=torch.long)
         t[:, : out.tokens.shape[1]] = out.tokens

@@ -5,9 +5,9 @@ Shape legend: ``b`` batch, ``k`` beam size, ``t`` generated steps, ``j`` source 
 
 A model decodes here if it has ``bos_id``, ``eos_id`` and ``pad_id`` attributes and
 
-* ``start(source, source_lengths) -> (memory, state)``: encode once; both are tuples of
-  tensors whose first dim is the batch (so beams can be copied and reordered with
-  ``index_select``);
+* ``start(src (b, j), src_lengths (b,) or None) -> (memory, state)``: encode once; both
+  are tuples of tensors whose first dim is the batch (so beams can be copied and
+  reordered with ``index_select``);
 * ``step(memory, state, token (b,), position: int) -> (log_probs (b, c), state, weights (b, j))``:
   one decoder step from the previous token, returning next-token log-probabilities and
   the attention weights used for them.
@@ -37,7 +37,7 @@ class StepDecoder(Protocol):
     eos_id: int
     pad_id: int
 
-    def start(self, source: Tensor, source_lengths: Tensor | None) -> tuple[tuple, tuple]: ...
+    def start(self, src: Tensor, src_lengths: Tensor | None) -> tuple[tuple, tuple]: ...
 
     def step(self, memory: tuple, state: tuple, token: Tensor, position: int) -> tuple[Tensor, tuple, Tensor]: ...
 
@@ -52,16 +52,16 @@ class Decoded:
     lengths: Tensor  # (b,) long: tokens up to and including eos (t when no eos came)
 
 
-def greedy(model: StepDecoder, source: Tensor, source_lengths: Tensor | None = None, *, max_len: int = 64) -> Decoded:
-    """Pick the most probable token at every step until EOS or ``max_len`` tokens (no gradients)."""
+def greedy(model: StepDecoder, src: Tensor, src_lengths: Tensor | None = None, *, max_len: int = 64) -> Decoded:
+    """Decode ``src (b, j)``: the most probable token at every step until EOS or ``max_len`` tokens (no gradients)."""
     positive_int("max_len", max_len)
     with torch.no_grad():
-        memory, state = model.start(source, source_lengths)
-        b = source.shape[0]
-        token = torch.full((b,), model.bos_id, dtype=torch.long, device=source.device)
-        finished = torch.zeros(b, dtype=torch.bool, device=source.device)
-        log_prob = torch.zeros(b, device=source.device)
-        lengths = torch.zeros(b, dtype=torch.long, device=source.device)
+        memory, state = model.start(src, src_lengths)
+        b = src.shape[0]
+        token = torch.full((b,), model.bos_id, dtype=torch.long, device=src.device)
+        finished = torch.zeros(b, dtype=torch.bool, device=src.device)
+        log_prob = torch.zeros(b, device=src.device)
+        lengths = torch.zeros(b, dtype=torch.long, device=src.device)
         tokens, weights = [], []
         for position in range(max_len):
             log_probs, state, w = model.step(memory, state, token, position)
@@ -80,14 +80,14 @@ def greedy(model: StepDecoder, source: Tensor, source_lengths: Tensor | None = N
 
 def beam_search(
     model: StepDecoder,
-    source: Tensor,
-    source_lengths: Tensor | None = None,
+    src: Tensor,
+    src_lengths: Tensor | None = None,
     *,
     beam_size: int = 4,
     max_len: int = 64,
     length_penalty: float = 0.0,
 ) -> Decoded:
-    """Beam search with ``beam_size`` hypotheses per row; returns the best one (no gradients).
+    """Beam search over ``src (b, j)`` with ``beam_size`` hypotheses per row; returns the best (no gradients).
 
     ``length_penalty`` is ``α`` in the final ranking ``log p / length^α`` (0 = raw sums).
     """
@@ -97,8 +97,8 @@ def beam_search(
         raise ValueError(f"length_penalty: expected a non-negative number, got {length_penalty!r}")
     k = beam_size
     with torch.no_grad():
-        memory, state = model.start(source, source_lengths)
-        b, device = source.shape[0], source.device
+        memory, state = model.start(src, src_lengths)
+        b, device = src.shape[0], src.device
         # Every beam of a row starts as a copy of the row: (b, ...) -> (b·k, ...).
         memory, state = _repeat(memory, k), _repeat(state, k)
         token = torch.full((b * k,), model.bos_id, dtype=torch.long, device=device)

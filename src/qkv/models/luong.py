@@ -38,10 +38,10 @@ from ..scores import Score
 ALIGNMENTS = ("global", "local-m", "local-p")
 
 
-def padding_mask(source_lengths: Tensor, j: int) -> Tensor:
-    """Bool ``(b, 1, j)``: True at the first ``source_lengths[n]`` positions of row ``n``."""
-    positions = torch.arange(j, device=source_lengths.device)
-    return (positions[None, :] < source_lengths[:, None])[:, None, :]
+def padding_mask(src_lengths: Tensor, j: int) -> Tensor:
+    """Bool ``(b, 1, j)``: True at the first ``src_lengths[n]`` positions of row ``n``."""
+    positions = torch.arange(j, device=src_lengths.device)
+    return (positions[None, :] < src_lengths[:, None])[:, None, :]
 
 
 def monotonic_mask(steps: Tensor, j: int, window: int) -> Tensor:
@@ -72,10 +72,10 @@ class PositionPredictor(nn.Module):
         self.proj = nn.Linear(query_dim, hidden, bias=False)  # W_p
         self.v = nn.Linear(hidden, 1, bias=False)  # v_p
 
-    def forward(self, query: Tensor, source_lengths: Tensor) -> Tensor:
-        """``query (b, i, dq)``, ``source_lengths (b,)`` -> ``p (b, i)`` in ``[0, S]``."""
+    def forward(self, query: Tensor, src_lengths: Tensor) -> Tensor:
+        """``query (b, i, dq)``, ``src_lengths (b,)`` -> ``p (b, i)`` in ``[0, S]``."""
         unit = torch.sigmoid(self.v(torch.tanh(self.proj(query)))).squeeze(-1)  # (b, i) in (0, 1)
-        return source_lengths.to(unit.dtype)[:, None] * unit
+        return src_lengths.to(unit.dtype)[:, None] * unit
 
 
 class LuongAlignment(nn.Module):
@@ -116,17 +116,17 @@ class LuongAlignment(nn.Module):
             self.predictor = PositionPredictor(query_dim, predictor_hidden)
 
     def forward(
-        self, query: Tensor, keys: Tensor, source_lengths: Tensor, *, first_step: int = 0
+        self, query: Tensor, keys: Tensor, src_lengths: Tensor, *, first_step: int = 0
     ) -> tuple[Tensor, Tensor]:
         """Contexts ``(b, i, d)`` and weights ``(b, i, j)``.
 
         ``query (b, i, dq)`` holds decoder steps ``first_step, first_step + 1, ...`` (the
         step number is local-m's position); ``keys (b, j, d)`` the annotations, which are
-        also the values; ``source_lengths (b,)`` the real source length of each row.
+        also the values; ``src_lengths (b,)`` the real source length of each row.
         """
         b, i, _ = query.shape
         j = keys.shape[1]
-        keep = padding_mask(source_lengths, j)  # (b, 1, j)
+        keep = padding_mask(src_lengths, j)  # (b, 1, j)
         if self.alignment == "global":
             return attention(query, keys, keys, score=self.score, mask=keep, return_weights=True, backend=self.backend)
         if self.alignment == "local-m":
@@ -135,7 +135,7 @@ class LuongAlignment(nn.Module):
             # A step past the end of a short source has no key in its window: zero context.
             return attention(query, keys, keys, score=self.score, mask=mask, return_weights=True, backend=self.backend)
         global_weights = attention_weights(query, keys, score=self.score, mask=keep)  # (b, i, j)
-        centres = self.predictor(query, source_lengths)  # (b, i)
+        centres = self.predictor(query, src_lengths)  # (b, i)
         weights = global_weights * gaussian_window(centres, j, self.window)
         return weights @ keys, weights
 

@@ -71,24 +71,24 @@ class RNNEncoder(nn.Module):
         """Size ``d`` of each annotation."""
         return self.hidden * (2 if self.bidirectional else 1)
 
-    def forward(self, source: Tensor, source_lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Encode ``source (b, j)`` ids with ``source_lengths (b,)`` real tokens per row (default all ``j``).
+    def forward(self, src: Tensor, src_lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Encode ``src (b, j)`` ids with ``src_lengths (b,)`` real tokens per row (default all ``j``).
 
         Returns:
             ``annotations (b, j, d)`` (zero at padding) and the final states ``(l, b, hidden)``
             in ``nn.GRU`` order (layer by layer, forward then backward), each taken at the
             row's own last real token.
         """
-        check_ids("source", source, self.vocab_size)
-        b, j = source.shape
+        check_ids("src", src, self.vocab_size)
+        b, j = src.shape
         if j == 0:
-            raise ValueError(f"source: expected at least one token per row, got shape {tuple(source.shape)}")
-        if source_lengths is None:
-            source_lengths = torch.full((b,), j, dtype=torch.long, device=source.device)
-        source_lengths = check_lengths("source_lengths", source_lengths, b, j)
-        x = self.drop(self.embed(source))
+            raise ValueError(f"src: expected at least one token per row, got shape {tuple(src.shape)}")
+        if src_lengths is None:
+            src_lengths = torch.full((b,), j, dtype=torch.long, device=src.device)
+        src_lengths = check_lengths("src_lengths", src_lengths, b, j)
+        x = self.drop(self.embed(src))
         # pack_padded_sequence wants the lengths on the CPU; enforce_sorted=False sorts internally.
-        packed = nn.utils.rnn.pack_padded_sequence(x, source_lengths.cpu(), batch_first=True, enforce_sorted=False)
+        packed = nn.utils.rnn.pack_padded_sequence(x, src_lengths.cpu(), batch_first=True, enforce_sorted=False)
         out, final = self.rnn(packed)
         annotations, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=j)
         return annotations, final

@@ -22,10 +22,12 @@ the query and in where the context enters:
   The paper's stacked LSTMs are GRUs here; ``h_0`` is the encoder's final states.
 
 Both train with teacher forcing (:meth:`loss`) and decode with :meth:`greedy` and
-:meth:`beam_search` (:mod:`qkv.models.decoding`). A target sequence is ``bos y_1 … y_n
-eos`` padded with ``pad_id``, the layout of ``qkv.tasks``. Checked in
-``tests/test_models_seq2seq.py``: teacher-forced logits equal step-by-step decoding,
-padding does not change results, and each model overfits a tiny batch.
+:meth:`beam_search` (:mod:`qkv.models.decoding`). Inputs are named as in
+``torch.nn.Transformer`` and :mod:`qkv.models.transformer`: ``src (b, j)`` source ids,
+``src_lengths (b,)`` real source tokens per row, ``tgt`` target ids. A full target
+sequence is ``bos y_1 … y_n eos`` padded with ``pad_id``, the layout of ``qkv.tasks``.
+Checked in ``tests/test_models_seq2seq.py``: teacher-forced logits equal step-by-step
+decoding, padding does not change results, and each model overfits a tiny batch.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ from .rnn import RNNEncoder
 class Seq2SeqConfig:
     """Sizes and special ids shared by :class:`Bahdanau` and :class:`Luong`."""
 
-    source_vocab: int  # number of source token ids; ids lie in [0, source_vocab)
-    target_vocab: int  # number of target token ids; the size of the output softmax
+    src_vocab: int  # number of source token ids; ids lie in [0, src_vocab)
+    tgt_vocab: int  # number of target token ids; the size of the output softmax
     embed_dim: int = 64  # size of the source and target token embeddings
     hidden: int = 128  # decoder state size; the annotations too (hidden // 2 per direction)
     attention_dim: int = 128  # hidden size n of the additive (concat) score vᵀ tanh(W_q q + W_k k)
@@ -65,18 +67,18 @@ class Seq2SeqConfig:
     backend: str = "reference"
 
     def __post_init__(self):
-        for name in ("source_vocab", "target_vocab", "embed_dim", "hidden", "attention_dim", "encoder_layers"):
+        for name in ("src_vocab", "tgt_vocab", "embed_dim", "hidden", "attention_dim", "encoder_layers"):
             positive_int(name, getattr(self, name))
         if self.hidden % 2:
             raise ValueError(f"hidden: expected an even size (split over two encoder directions), got {self.hidden}")
         probability("dropout", self.dropout)
         for name in ("pad_id", "bos_id", "eos_id"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.target_vocab:
-                raise ValueError(f"{name}: expected an id in [0, {self.target_vocab}), got {value!r}")
-        if self.pad_id >= self.source_vocab:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.tgt_vocab:
+                raise ValueError(f"{name}: expected an id in [0, {self.tgt_vocab}), got {value!r}")
+        if self.pad_id >= self.src_vocab:
             raise ValueError(
-                f"pad_id: expected an id in [0, {self.source_vocab}) of the source vocabulary, got {self.pad_id}"
+                f"pad_id: expected an id in [0, {self.src_vocab}) of the source vocabulary, got {self.pad_id}"
             )
 
 
@@ -88,7 +90,7 @@ class LuongConfig(Seq2SeqConfig):
     alignment: str = "global"  # "global", "local-m" or "local-p"
     window: int = 10  # D: local windows are [p_t - D, p_t + D]; local-p's σ = D / 2 (the paper's D = 10)
     input_feeding: bool = True  # feed h̃_{t-1} into the next step's GRU input
-    max_source_len: int | None = None  # longest source the location score accepts (location only)
+    max_src_len: int | None = None  # longest source the location score accepts (location only)
 
     def __post_init__(self):
         super().__post_init__()
@@ -98,7 +100,7 @@ class LuongConfig(Seq2SeqConfig):
             raise ValueError(f"alignment: expected one of {ALIGNMENTS}, got {self.alignment!r}")
         positive_int("window", self.window)
         if self.score == "location":
-            positive_int("max_source_len", self.max_source_len)
+            positive_int("max_src_len", self.max_src_len)
 
 
 class _Seq2Seq(nn.Module):
@@ -111,35 +113,34 @@ class _Seq2Seq(nn.Module):
         self.config = config
         self.pad_id, self.bos_id, self.eos_id = config.pad_id, config.bos_id, config.eos_id
         self.encoder = RNNEncoder(
-            config.source_vocab, config.embed_dim, config.hidden // 2, layers=config.encoder_layers,
+            config.src_vocab, config.embed_dim, config.hidden // 2, layers=config.encoder_layers,
             bidirectional=True, pad_id=config.pad_id, dropout=config.dropout,
         )  # fmt: skip
-        self.target_embed = nn.Embedding(config.target_vocab, config.embed_dim, padding_idx=config.pad_id)
+        self.target_embed = nn.Embedding(config.tgt_vocab, config.embed_dim, padding_idx=config.pad_id)
         self.drop = nn.Dropout(config.dropout)
 
     # -- inputs ---------------------------------------------------------------------------
-    def _source(self, source: Tensor, source_lengths: Tensor | None) -> tuple[Tensor, Tensor]:
-        check_ids("source", source, self.config.source_vocab)
-        b, j = source.shape
-        if source_lengths is None:
-            source_lengths = torch.full((b,), j, dtype=torch.long, device=source.device)
-        return source, check_lengths("source_lengths", source_lengths, b, j)
+    def _src(self, src: Tensor, src_lengths: Tensor | None) -> tuple[Tensor, Tensor]:
+        check_ids("src", src, self.config.src_vocab)
+        b, j = src.shape
+        if src_lengths is None:
+            src_lengths = torch.full((b,), j, dtype=torch.long, device=src.device)
+        return src, check_lengths("src_lengths", src_lengths, b, j)
 
-    def _target(self, target: Tensor, source: Tensor, name: str = "target") -> Tensor:
-        check_ids(name, target, self.config.target_vocab)
-        if target.shape[0] != source.shape[0]:
+    def _tgt(self, tgt: Tensor, src: Tensor) -> Tensor:
+        check_ids("tgt", tgt, self.config.tgt_vocab)
+        if tgt.shape[0] != src.shape[0]:
             raise ValueError(
-                f"{name}: expected the batch size of source ({source.shape[0]}), got {target.shape[0]} "
-                f"(shape {tuple(target.shape)})"
+                f"tgt: expected the batch size of src ({src.shape[0]}), got {tgt.shape[0]} (shape {tuple(tgt.shape)})"
             )
-        return target
+        return tgt
 
     # -- the decoding protocol (qkv.models.decoding) ----------------------------------------
-    def start(self, source: Tensor, source_lengths: Tensor | None = None) -> tuple[tuple, tuple]:
-        """Encode: ``memory = (annotations (b, j, d), source_lengths (b,))`` and the first decoder state."""
-        source, source_lengths = self._source(source, source_lengths)
-        annotations, final = self.encoder(source, source_lengths)
-        memory = (annotations, source_lengths)
+    def start(self, src: Tensor, src_lengths: Tensor | None = None) -> tuple[tuple, tuple]:
+        """Encode ``src (b, j)``: ``memory = (annotations (b, j, d), src_lengths (b,))``, first decoder state."""
+        src, src_lengths = self._src(src, src_lengths)
+        annotations, final = self.encoder(src, src_lengths)
+        memory = (annotations, src_lengths)
         return memory, self._initial_state(annotations, final)
 
     def step(self, memory: tuple, state: tuple, token: Tensor, position: int) -> tuple[Tensor, tuple, Tensor]:
@@ -157,21 +158,22 @@ class _Seq2Seq(nn.Module):
     # -- training ---------------------------------------------------------------------------
     def forward(
         self,
-        source: Tensor,
-        target_in: Tensor,
-        source_lengths: Tensor | None = None,
+        src: Tensor,
+        tgt: Tensor,
+        src_lengths: Tensor | None = None,
         *,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Teacher forcing: ``source (b, j)``, ``target_in (b, i)`` (starting with bos) -> ``logits (b, i, c)``.
+        """Teacher forcing: ``src (b, j)``, ``tgt (b, i)`` (starting with bos) -> ``logits (b, i, c)``.
 
-        Step ``t`` reads ``target_in[:, t]`` and predicts the next token. The logits of
-        ``pad_id`` and ``bos_id`` are ``-inf``: the model never writes them. With
-        ``return_weights=True`` also the attention weights ``(b, i, j)``.
+        ``tgt`` is the decoder input: a full target ``bos … eos`` without its last column,
+        as :meth:`loss` passes it. Step ``t`` reads ``tgt[:, t]`` and predicts the next
+        token. The logits of ``pad_id`` and ``bos_id`` are ``-inf``: the model never
+        writes them. With ``return_weights=True`` also the attention weights ``(b, i, j)``.
         """
-        memory, state = self.start(source, source_lengths)
-        self._target(target_in, source, "target_in")
-        logits, weights = self._teacher_forced(memory, state, self.target_embed(target_in))
+        memory, state = self.start(src, src_lengths)
+        self._tgt(tgt, src)
+        logits, weights = self._teacher_forced(memory, state, self.target_embed(tgt))
         logits = self._never_specials(logits)
         return (logits, weights) if return_weights else logits
 
@@ -183,49 +185,54 @@ class _Seq2Seq(nn.Module):
             weights.append(w)
         return torch.stack(logits, 1), torch.stack(weights, 1)
 
-    def loss(self, source: Tensor, target: Tensor, source_lengths: Tensor | None = None) -> Tensor:
-        """Mean cross-entropy of ``target[:, 1:]`` given ``target[:, :-1]``.
+    def loss(self, src: Tensor, tgt: Tensor, src_lengths: Tensor | None = None) -> Tensor:
+        """Mean cross-entropy of ``tgt[:, 1:]`` given ``src`` and ``tgt[:, :-1]``.
 
-        ``target (b, u)`` is bos, the tokens, eos, then padding (ignored).
+        ``tgt (b, u)`` is the full target: it starts with bos and ends with eos, then
+        padding (ignored by the loss).
         """
-        self._target(target, source)
-        if target.shape[1] < 2:
-            raise ValueError(f"target: expected at least bos and one token per row, got shape {tuple(target.shape)}")
-        logits = self(source, target[:, :-1], source_lengths)
-        return F.cross_entropy(logits.flatten(0, 1), target[:, 1:].flatten(), ignore_index=self.pad_id)
+        self._tgt(tgt, src)
+        if tgt.shape[1] < 2:
+            raise ValueError(f"tgt: expected at least bos and one token per row, got shape {tuple(tgt.shape)}")
+        logits = self(src, tgt[:, :-1], src_lengths)
+        return F.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten(), ignore_index=self.pad_id)
 
-    def score_sequences(self, source: Tensor, target: Tensor, source_lengths: Tensor | None = None) -> Tensor:
-        """Total log-probability ``(b,)`` of each ``target`` row (bos … eos, padded); padding counts 0."""
-        self._target(target, source)
-        log_probs = F.log_softmax(self(source, target[:, :-1], source_lengths), dim=-1)
-        gained = log_probs.gather(-1, target[:, 1:, None]).squeeze(-1)
-        return gained.masked_fill(target[:, 1:] == self.pad_id, 0.0).sum(1)
+    def score_sequences(self, src: Tensor, tgt: Tensor, src_lengths: Tensor | None = None) -> Tensor:
+        """Total log-probability ``(b,)`` of each ``tgt`` row given ``src``; padding counts 0.
+
+        ``tgt (b, u)`` is the full target, as in :meth:`loss`: it starts with bos and ends
+        with eos, then padding.
+        """
+        self._tgt(tgt, src)
+        log_probs = F.log_softmax(self(src, tgt[:, :-1], src_lengths), dim=-1)
+        gained = log_probs.gather(-1, tgt[:, 1:, None]).squeeze(-1)
+        return gained.masked_fill(tgt[:, 1:] == self.pad_id, 0.0).sum(1)
 
     # -- decoding ---------------------------------------------------------------------------
-    def greedy(self, source: Tensor, source_lengths: Tensor | None = None, *, max_len: int = 64) -> Decoded:
-        """Greedy decoding; see :func:`qkv.models.decoding.greedy`."""
-        return greedy(self, source, source_lengths, max_len=max_len)
+    def greedy(self, src: Tensor, src_lengths: Tensor | None = None, *, max_len: int = 64) -> Decoded:
+        """Greedy decoding of ``src (b, j)``; see :func:`qkv.models.decoding.greedy`."""
+        return greedy(self, src, src_lengths, max_len=max_len)
 
     def beam_search(
         self,
-        source: Tensor,
-        source_lengths: Tensor | None = None,
+        src: Tensor,
+        src_lengths: Tensor | None = None,
         *,
         beam_size: int = 4,
         max_len: int = 64,
         length_penalty: float = 0.0,
     ) -> Decoded:
-        """Beam search; see :func:`qkv.models.decoding.beam_search`."""
+        """Beam search over ``src (b, j)``; see :func:`qkv.models.decoding.beam_search`."""
         return beam_search(
-            self, source, source_lengths, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty
+            self, src, src_lengths, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty
         )
 
 
 class Bahdanau(_Seq2Seq):
     """Bahdanau et al. 2015: bi-GRU encoder, additive attention queried by ``s_{i−1}``, GRU decoder.
 
-    >>> model = Bahdanau(Seq2SeqConfig(source_vocab=40, target_vocab=15, hidden=32))
-    >>> logits, weights = model(source, target[:, :-1], source_lengths, return_weights=True)
+    >>> model = Bahdanau(Seq2SeqConfig(src_vocab=40, tgt_vocab=15, hidden=32))
+    >>> logits, weights = model(src, tgt[:, :-1], src_lengths, return_weights=True)
     """
 
     def __init__(self, config: Seq2SeqConfig):
@@ -235,7 +242,7 @@ class Bahdanau(_Seq2Seq):
         self.attention = Attention(Additive(dh, dh, config.attention_dim), backend=config.backend)
         self.cell = nn.GRUCell(e + dh, dh)
         self.deep_output = nn.Linear(dh + e + dh, 2 * dh)  # [U_o V_o C_o], two maxout pieces per unit
-        self.out = nn.Linear(dh, config.target_vocab)  # W_o
+        self.out = nn.Linear(dh, config.tgt_vocab)  # W_o
 
     def _initial_state(self, annotations: Tensor, final: Tensor) -> tuple:
         backward_first = annotations[:, 0, self.config.hidden // 2 :]  # ←h_1: read the whole source
@@ -256,7 +263,7 @@ class Bahdanau(_Seq2Seq):
 class Luong(_Seq2Seq):
     """Luong et al. 2015: bi-GRU encoder, GRU decoder queried by ``h_t``, global or local attention.
 
-    >>> model = Luong(LuongConfig(source_vocab=40, target_vocab=15, score="dot", alignment="local-p"))
+    >>> model = Luong(LuongConfig(src_vocab=40, tgt_vocab=15, score="dot", alignment="local-p"))
     """
 
     def __init__(self, config: LuongConfig):
@@ -264,23 +271,23 @@ class Luong(_Seq2Seq):
             raise TypeError(f"config: expected a LuongConfig, got {type(config).__name__}")
         super().__init__(config)
         dh, e = config.hidden, config.embed_dim
-        score = make(config.score, dh, dh, hidden=config.attention_dim, max_len=config.max_source_len)
+        score = make(config.score, dh, dh, hidden=config.attention_dim, max_len=config.max_src_len)
         self.alignment = LuongAlignment(
             score, config.alignment, window=config.window, query_dim=dh, backend=config.backend
         )
         self.rnn = nn.GRU(e + (dh if config.input_feeding else 0), dh, batch_first=True)
         self.combine = nn.Linear(2 * dh, dh, bias=False)  # W_c: h̃_t = tanh(W_c [c_t; h_t])
-        self.out = nn.Linear(dh, config.target_vocab)  # W_s
+        self.out = nn.Linear(dh, config.tgt_vocab)  # W_s
 
-    def _source(self, source: Tensor, source_lengths: Tensor | None) -> tuple[Tensor, Tensor]:
-        source, source_lengths = super()._source(source, source_lengths)
+    def _src(self, src: Tensor, src_lengths: Tensor | None) -> tuple[Tensor, Tensor]:
+        src, src_lengths = super()._src(src, src_lengths)
         score = self.alignment.score
-        if isinstance(score, Location) and source.shape[1] > score.max_len:
+        if isinstance(score, Location) and src.shape[1] > score.max_len:
             raise ValueError(
-                f"source: the location score was built for max_source_len={score.max_len}, "
-                f"got a source of length {source.shape[1]}"
+                f"src: the location score was built for max_src_len={score.max_len}, "
+                f"got a source of length {src.shape[1]}"
             )
-        return source, source_lengths
+        return src, src_lengths
 
     def _initial_state(self, annotations: Tensor, final: Tensor) -> tuple:
         # The top layer's forward and backward final states, side by side: (b, dh).
