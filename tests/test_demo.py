@@ -77,7 +77,7 @@ def test_quick_run_prints_the_measured_numbers(quick):
     saved = json.loads((out / "results.json").read_text(encoding="utf-8"))
     metrics = [m for step in saved["steps"] for m in step["metrics"]]
     names = {(m["model"], m["measure"]) for m in metrics}
-    for model in ("bag of words", "attention + sinusoidal positions", "Bahdanau", "Luong"):
+    for model in ("bag of words", "attention + reads the next two words, relative positions", "Bahdanau", "Luong"):
         assert any(m == model for m, _ in names), model
     # Every accuracy in results.json is the one printed on screen (as a percentage).
     for metric in metrics:
@@ -91,6 +91,21 @@ def test_quick_run_prints_the_measured_numbers(quick):
     # Bag of words is at chance by construction (every test bag occurs with both labels).
     bow = next(m for m in metrics if m["model"] == "bag of words")
     assert bow["value"] == pytest.approx(0.5, abs=0.06)
+
+
+def test_order_step_states_its_model_and_measures_the_negation_link(quick):
+    out, lines, results = quick
+    text = "\n".join(lines)
+    assert "attention = a one-layer encoder in which each word reads the two words after it" in text
+    order = next(r for r in results if r.name == "order matters")
+    links = order.data["links"]
+    forward = links["negation → negated word"]
+    # measured on the test sentences with a negation, printed as measured
+    assert forward["sentences"] > 0 and 0.0 <= forward["top_link"] <= 1.0
+    assert f"the row's top link in {100 * forward['top_link']:3.0f}%" in text
+    # the negated word cannot see the negation before it (the reach is rightward only)
+    assert links["negated word → negation"]["top_link"] == 0.0
+    assert links["negated word → negation"]["mean_weight"] == 0.0
 
 
 def test_same_seed_prints_the_same_numbers(tmp_path):

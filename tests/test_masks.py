@@ -139,3 +139,46 @@ def test_and_or_states_are_exact_when_the_parts_decide():
 def test_mask_errors(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+def test_offsets_match_the_docstring_picture_and_their_definition():
+    picture = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(masks.offsets(1, 2).dense(4, 4), picture)
+    # bottom-right aligned like every mask: with i < j the offsets move with the diagonal
+    i, j = 3, 6
+    rows, cols = torch.arange(i)[:, None], torch.arange(j)[None, :]
+    expected = ((cols - rows - (j - i)) >= -1) & ((cols - rows - (j - i)) <= 0)
+    assert torch.equal(masks.offsets(-1, 0).dense(i, j), expected)
+    # a Window is the offset range that contains 0
+    assert torch.equal(masks.offsets(-2, 1).dense(5, 7), masks.Window(left=2, right=1).dense(5, 7))
+    assert torch.equal(masks.offsets(None, 0).dense(5, 7), masks.causal().dense(5, 7))
+
+
+def test_offsets_states_agree_with_their_tiles():
+    for lo, hi in [(1, 2), (0, None), (None, -1), (-2, 3), (None, None)]:
+        mask = masks.offsets(lo, hi)
+        for i0, i1, j0, j1 in [(0, 3, 0, 3), (0, 2, 4, 8), (5, 8, 0, 3), (2, 4, 3, 5), (0, 8, 0, 8)]:
+            t = Tile(i0, i1, j0, j1, 8, 8)
+            tile = mask.tile(t)
+            state = "full" if tile.all() else "empty" if not tile.any() else "partial"
+            assert mask.state(t) == state, (lo, hi, i0, i1, j0, j1)
+
+
+def test_offsets_rows_with_no_key_give_zeros_on_every_backend():
+    import qkv
+
+    q, k, v = (torch.randn(1, 2, 4, 3, dtype=torch.float64) for _ in range(3))
+    expected = qkv.attention(q, k, v, mask=masks.offsets(1, 2), backend="reference")
+    assert torch.equal(expected[..., 3, :], torch.zeros(1, 2, 3, dtype=torch.float64))
+    for backend in ("chunked",):
+        torch.testing.assert_close(qkv.attention(q, k, v, mask=masks.offsets(1, 2), backend=backend), expected)
+
+
+@pytest.mark.parametrize(
+    "lo, hi, error, message",
+    [(2, 1, ValueError, "offsets: expected lo <= hi, got lo=2, hi=1"), (0.5, 1, TypeError, "lo: expected an int or None, got float"),
+     (0, True, TypeError, "hi: expected an int or None, got bool")],
+)  # fmt: skip
+def test_offsets_errors(lo, hi, error, message):
+    with pytest.raises(error, match=message):
+        masks.offsets(lo, hi)

@@ -6,6 +6,7 @@ Shape legend: ``b`` batch, ``i`` length, ``h`` heads, ``C`` classes.
 import pytest
 import torch
 
+from qkv.masks import Tile
 from qkv.models import AttentionPooling, BagOfWords, BagOfWordsConfig, ClassifierConfig, EncoderClassifier
 
 V, C = 10, 3
@@ -120,3 +121,41 @@ def test_bad_inputs_raise_clear_errors():
         BagOfWordsConfig(vocab=3, classes=0)
     with pytest.raises(TypeError, match="ids: expected an integer tensor of token ids, got torch.float32"):
         BagOfWords(BagOfWordsConfig(vocab=3, classes=2))(torch.zeros(1, 2))
+
+
+def test_reach_limits_self_attention_to_the_given_offsets():
+    ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([6, 4])
+    for lo, hi in [(1, 2), (0, None), (-1, 1)]:
+        model = _clf("mean", reach=(lo, hi), layers=1, positional="relative")
+        _, w = model(ids, lengths=lengths, return_weights=True)
+        w = w["layers"][0]  # (b, h, i, j)
+        offset = torch.arange(6)[None, :] - torch.arange(6)[:, None]  # key - query
+        outside = (offset < lo) | (offset > (6 if hi is None else hi))
+        assert torch.all(w[:, :, outside] == 0), (lo, hi)
+        assert torch.all(w[1, :, :, 4:] == 0)  # padding is still masked
+        # a row with at least one key in reach sums to 1; a row with none is all zeros
+        sees = (~outside)[None, :, :] & (torch.arange(6) < lengths[:, None, None])  # (b, i, j)
+        expected = sees.any(-1).to(w.dtype)[:, None, :].expand(-1, 2, -1)
+        torch.testing.assert_close(w.sum(-1)[:, :, :4], expected[:, :, :4])
+
+
+def test_reach_rightward_rows_ignore_earlier_tokens_and_none_is_all_to_all():
+    ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(2))
+    other = ids.clone()
+    other[:, :2] = (other[:, :2] + 1) % V
+    model = _clf("mean", reach=(0, None), layers=1, positional="relative")
+    _, w = model(ids, return_weights=True)
+    _, w_other = model(other, return_weights=True)
+    # one layer: rows 2.. see only tokens 2.., so changing tokens 0 and 1 leaves them alone
+    torch.testing.assert_close(w["layers"][0][:, :, 2:], w_other["layers"][0][:, :, 2:], rtol=0, atol=0)
+    assert not torch.allclose(w["layers"][0][:, :, :2], w_other["layers"][0][:, :, :2])
+    # no limit on either side is the plain encoder
+    plain, unbounded = _clf("mean"), _clf("mean", reach=(None, None))
+    torch.testing.assert_close(plain(ids), unbounded(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reach", [(2, 1), (0.5, 1), (1,), [0, 1], (True, 2)])
+def test_bad_reach_is_refused(reach):
+    with pytest.raises(ValueError, match=r"reach: expected None or a pair \(lo, hi\) of ints or None with lo <= hi"):
+        ClassifierConfig(vocab=3, classes=2, reach=reach)

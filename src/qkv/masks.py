@@ -154,6 +154,55 @@ def window(left: int, right: int = 0) -> Window:
     return Window(left=left, right=right)
 
 
+class Offsets(Mask):
+    """Keys whose offset ``c - r - (j - i)`` (:attr:`Tile.diagonal`) lies in ``lo..hi``; None = no bound.
+
+    A :class:`Window` always contains the query's own position; an offset range need not,
+    e.g. ``offsets(1, 2)``, "the next two tokens only", or ``offsets(None, -1)``, strictly
+    the past. A query whose range holds no key gets zero output, like any fully masked row::
+
+        offsets(1, 2), i = j = 4
+            k0 k1 k2 k3
+        q0   .  1  1  .
+        q1   .  .  1  1
+        q2   .  .  .  1
+        q3   .  .  .  .
+    """
+
+    def __init__(self, lo: int | None, hi: int | None):
+        for name, value in (("lo", lo), ("hi", hi)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"offsets: expected lo <= hi, got lo={lo}, hi={hi}")
+        self.lo, self.hi = lo, hi
+
+    def tile(self, t: Tile) -> Tensor:
+        offset = t.diagonal
+        allowed = torch.ones_like(offset, dtype=torch.bool)
+        if self.lo is not None:
+            allowed &= offset >= self.lo
+        if self.hi is not None:
+            allowed &= offset <= self.hi
+        return allowed
+
+    def state(self, t: Tile) -> State:
+        first, last = t.offset_range()
+        lo = -float("inf") if self.lo is None else self.lo
+        hi = float("inf") if self.hi is None else self.hi
+        if last < lo or first > hi:
+            return "empty"
+        return "full" if first >= lo and last <= hi else "partial"
+
+    def __repr__(self) -> str:
+        return f"offsets({self.lo}, {self.hi})"
+
+
+def offsets(lo: int | None, hi: int | None) -> Offsets:
+    """Each query sees the keys at offsets ``lo..hi`` from its bottom-right aligned position."""
+    return Offsets(lo, hi)
+
+
 class Lengths(Mask):
     """Key padding: in batch row ``n`` only the first ``key_lengths[n]`` keys are real.
 

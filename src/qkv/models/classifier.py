@@ -8,17 +8,19 @@ classes. Token ids are ``(b, i)`` int64; ``lengths (b,)`` marks right padding.
   ``"mean"`` over real tokens; ``"cls"`` reads a learned vector prepended to the sequence
   (BERT, Devlin et al. 2019); ``"attention"`` lets a learned query attend over the tokens
   (:class:`AttentionPooling`; Lin et al. 2017, "A Structured Self-Attentive Sentence
-  Embedding"), whose weights say which tokens decided the class. ``window_left`` and
-  ``window_right`` limit how far each token's self-attention reaches (a
-  :func:`qkv.masks.window`; both None, the default, is the usual all-to-all encoder).
-  ``window_left=0`` makes every token read only itself and the tokens after it, e.g.::
+  Embedding"), whose weights say which tokens decided the class. ``reach = (lo, hi)``
+  limits which keys each token's self-attention sees: those whose offset ``key − query``
+  lies in ``lo..hi`` (None = unbounded on that side; the default, no limit, is the usual
+  all-to-all encoder). ``(0, None)`` is a token and everything after it; ``(1, 2)`` the
+  next two tokens only (its own content still reaches the output through the residual;
+  with CLS pooling the CLS vector is position 0 and gets the same reach)::
 
-      window_left=0, window_right=None      window_left=0, window_right=1
-          k0 k1 k2 k3                           k0 k1 k2 k3
-      q0   1  1  1  1                       q0   1  1  .  .
-      q1   .  1  1  1                       q1   .  1  1  .
-      q2   .  .  1  1                       q2   .  .  1  1
-      q3   .  .  .  1                       q3   .  .  .  1
+      reach=(0, None)        reach=(1, 2)
+          k0 k1 k2 k3            k0 k1 k2 k3
+      q0   1  1  1  1        q0   .  1  1  .
+      q1   .  1  1  1        q1   .  .  1  1
+      q2   .  .  1  1        q2   .  .  .  1
+      q3   .  .  .  1        q3   .  .  .  .     (no key: the row's output is 0)
 * :class:`BagOfWords` — ``logits = MLP(mean_t E[ids_t])``: a permutation of the tokens
   leaves it unchanged, so on tasks where order matters (seed 003's example) it stays near
   chance while the transformer learns them. Its mean is attention with fixed uniform
@@ -38,7 +40,7 @@ from torch import Tensor, nn
 from .._args import positive_int
 from ..attention import MultiHeadAttention
 from ..blocks import Encoder
-from ..masks import Window
+from ..masks import Offsets
 from .checks import check_batch, check_ids
 from .transformer import TokenEmbedding, attention_positional, check_common, lengths_for
 
@@ -61,15 +63,17 @@ class ClassifierConfig:
     pooling: str = "mean"  # mean, cls or attention
     pool_heads: int = 1  # heads of the attention pooling's learned query
     kv_heads: int | None = None  # grouped K/V heads (None = heads)
-    window_left: int | None = None  # self-attention sees at most this many earlier tokens (None = all)
-    window_right: int | None = None  # ... and at most this many later tokens (None = all)
+    reach: tuple[int | None, int | None] | None = None  # keys at offsets key - query in lo..hi (None = all)
 
     def __post_init__(self):
         check_common(self)
-        for name in ("window_left", "window_right"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
+        if self.reach is not None:
+            ok = isinstance(self.reach, tuple) and len(self.reach) == 2
+            ok = ok and all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in self.reach)
+            if not ok or (None not in self.reach and self.reach[0] > self.reach[1]):
+                raise ValueError(
+                    f"reach: expected None or a pair (lo, hi) of ints or None with lo <= hi, got {self.reach!r}"
+                )
         positive_int("vocab", self.vocab)
         positive_int("classes", self.classes)
         positive_int("layers", self.layers)
@@ -115,9 +119,8 @@ class EncoderClassifier(nn.Module):
         self.cls = nn.Parameter(torch.randn(1, 1, c.dim) * c.dim**-0.5) if c.pooling == "cls" else None
         self.pool = AttentionPooling(c.dim, c.pool_heads) if c.pooling == "attention" else None
         self.head = nn.Linear(c.dim, c.classes)
-        # Chosen once: None (no reach limit) keeps the plain padding mask on the fast path.
-        limited = c.window_left is not None or c.window_right is not None
-        self.window = Window(left=c.window_left, right=c.window_right) if limited else None
+        # Chosen once: no reach limit keeps the plain padding mask.
+        self.reach = None if c.reach is None or c.reach == (None, None) else Offsets(*c.reach)
 
     def forward(self, ids: Tensor, *, lengths: Tensor | None = None, return_weights: bool = False):
         """``ids (b, i)`` -> logits ``(b, C)``.
@@ -145,8 +148,8 @@ class EncoderClassifier(nn.Module):
         seq_lengths = None if lengths is None else lengths + int(cls)
         n = x.shape[1]
         mask = None if seq_lengths is None else _keep(seq_lengths, n)[:, None, None, :]
-        if self.window is not None:
-            mask = self.window if mask is None else self.window & mask
+        if self.reach is not None:
+            mask = self.reach if mask is None else self.reach & mask
         y = self.encoder(x, mask=mask, return_weights=return_weights)
         y, layer_weights = y if return_weights else (y, None)
         pool_weights = None
@@ -205,3 +208,4 @@ def _mean(x: Tensor, lengths: Tensor | None) -> tuple[Tensor, Tensor]:
     keep = torch.ones(b, n, dtype=torch.bool, device=x.device) if lengths is None else _keep(lengths, n)
     w = keep.to(x.dtype) / keep.sum(dim=1, keepdim=True).to(x.dtype)  # (b, i)
     return torch.einsum("bi,bid->bd", w, x), w[:, None, :]
+
