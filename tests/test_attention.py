@@ -12,7 +12,7 @@ from einops import rearrange
 from torch.func import functional_call
 
 import qkv
-from qkv import scores
+from qkv import projection, scores
 
 # Each score by name, built for per-head size ``d`` (query and key sizes may differ: ``dk``).
 SCORES = ["dot", "scaled_dot", "bilinear", "additive", "location"]
@@ -175,6 +175,37 @@ def test_mha_equals_the_per_head_formula_with_free_head_sizes():
         heads.append(torch.softmax(qn @ kn.mT / math.sqrt(7), dim=-1) @ vn)
     expected = mha.out_proj(torch.cat(heads, dim=-1))
     torch.testing.assert_close(mha(x, key, value), expected)
+
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="the oneDNN projection route needs oneDNN")
+@pytest.mark.parametrize("kv_heads", [6, 3], ids=["mha", "gqa"])
+@pytest.mark.filterwarnings("ignore:TF32 acceleration")  # torch's mkldnn.flags() resets every flag
+def test_mha_with_onednn_projections_matches_the_float64_formula(kv_heads):
+    # 2 · 528 = 1056 tokens (16 · 66): the q/k/v/out projections run as 1×1 convolutions
+    # (qkv.projection); outputs and parameter gradients must stay within the flash-attention
+    # rule of a float64 run, which takes F.linear.
+    mha = qkv.MultiHeadAttention(24, 6, kv_heads=kv_heads, dim_value_head=5)
+    mha64 = qkv.MultiHeadAttention(24, 6, kv_heads=kv_heads, dim_value_head=5).double()
+    mha64.load_state_dict(mha.state_dict())
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 528, 24, generator=gen)
+    dy = torch.randn(2, 528, 24, generator=gen)
+    assert projection.uses_convolution(x, mha.q_proj.weight)
+
+    def run(module, inputs):
+        module.zero_grad()
+        y = module(inputs, causal=True)
+        y.backward(dy.to(y.dtype))
+        return [y.detach()] + [p.grad.clone() for p in module.parameters()]
+
+    exact, ours = run(mha64, x.double()), run(mha, x)
+    with torch.backends.mkldnn.flags(enabled=False):  # F.linear projections: PyTorch's own float32 error
+        assert not projection.uses_convolution(x, mha.q_proj.weight)
+        plain = run(mha, x)
+    for e, a, p in zip(exact, ours, plain):
+        err_ours, err_plain = (a.double() - e).abs().max().item(), (p.double() - e).abs().max().item()
+        assert err_ours <= 2 * err_plain + 1e-5 * e.abs().max().item(), (err_ours, err_plain)
 
 
 @pytest.mark.parametrize("kv_heads", [3, 1], ids=["gqa", "mqa"])

@@ -6,6 +6,7 @@ No timing is asserted (the figures belong in benchmarks/RESULTS.md, not in unit 
 import argparse
 
 import pytest
+import torch
 
 from qkv import bench
 from qkv.bench import measure, modules
@@ -66,8 +67,23 @@ def test_quick_modules_suite_writes_a_results_file(tmp_path, monkeypatch):
     assert "## Machine" in text and "| torch |" in text and "_Started " in text
     assert "<!-- suite: modules -->" in text and "<!-- end: modules -->" in text
     assert "| 16 | 2 |" in text  # the row for i = 16, b = 32 / 16
+    assert "qkv's four projections ran on F.linear (BLAS)" in text  # 32 tokens: too few for oneDNN
     assert "### Targets" in text
 
+
+
+def test_modules_contenders_compute_the_same_attention():
+    # a fair race: the same input, the same weights, the same output from every contender
+    outs = {}
+    for impl in ("qkv", "torch_fast", "torch_default"):
+        module, fn = modules.call({"i": 16, "tokens": 32, "impl": impl})
+        if impl != "qkv":
+            assert module.batch_first  # qkv modules are always batch-first
+        with torch.no_grad():
+            outs[impl] = fn()
+    assert outs["qkv"].shape == (2, 16, modules.DIM)
+    torch.testing.assert_close(outs["qkv"], outs["torch_fast"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["torch_default"], outs["torch_fast"], rtol=1e-5, atol=1e-5)
 
 def test_sections_of_suites_not_run_are_kept(tmp_path):
     out = tmp_path / "RESULTS.md"

@@ -30,6 +30,7 @@ from ._args import probability
 from .functional import attention
 from .masks import Mask
 from .positional import LazyBias, Positional
+from .projection import Linear
 from .scores import Score, make
 
 
@@ -166,10 +167,11 @@ class MultiHeadAttention(nn.Module):
             raise TypeError(f"positional: expected a qkv.positional.Positional, got {type(positional).__name__}")
         self.dim, self.heads, self.kv_heads = dim, heads, kv_heads
         self.dim_head, self.dim_value_head = dim_head, dim_value_head
-        self.q_proj = nn.Linear(dim, heads * dim_head, bias=bias)
-        self.k_proj = nn.Linear(kdim or dim, kv_heads * dim_head, bias=bias)
-        self.v_proj = nn.Linear(vdim or dim, kv_heads * dim_value_head, bias=bias)
-        self.out_proj = nn.Linear(heads * dim_value_head, dim, bias=bias)
+        # nn.Linear subclasses that run large float32 inputs on oneDNN (qkv.projection says why)
+        self.q_proj = Linear(dim, heads * dim_head, bias=bias)
+        self.k_proj = Linear(kdim or dim, kv_heads * dim_head, bias=bias)
+        self.v_proj = Linear(vdim or dim, kv_heads * dim_value_head, bias=bias)
+        self.out_proj = Linear(heads * dim_value_head, dim, bias=bias)
         self.positional = positional
         if attention is None:
             attention = Attention(make(score, dim_head, dim_head, hidden=dim_head), dropout=dropout)

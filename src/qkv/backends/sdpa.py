@@ -43,6 +43,10 @@ def supports(req: Request) -> str | None:
 
 
 def run(req: Request) -> tuple[Tensor, None]:
+    # No short-sequence switch to the math path: with b·i = 4096 tokens, 8 heads, d = 64, one
+    # thread, forward + backward, PyTorch's flash kernel beat bmm + softmax + bmm (its MATH
+    # backend and a hand-written one) at every length tried, i = 64 to 512 (i = 64: 175 ms
+    # against 259 and 216; i = 128: 240 against 329 and 288), medians of 7 interleaved rounds.
     qp, kp = req.score.prepare(req.q, req.k)
     attn_mask, is_causal, live_rows = _mask(req)
     out = F.scaled_dot_product_attention(

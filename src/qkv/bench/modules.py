@@ -11,6 +11,11 @@ Contenders, per length ``i``:
   averaged over heads);
 * inference (forward under ``no_grad``, module in eval mode): ours vs
   ``need_weights=False``.
+
+The two modules do the same arithmetic (four ``dim × dim`` projections and the fused
+attention kernel) through different matmul libraries: qkv's projections run on oneDNN
+when ``qkv.projection`` takes its convolution route, PyTorch's on BLAS. The section says
+which route ran, since on CPUs where MKL is slow (AMD) most of the difference comes from there.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .. import projection
 from ..attention import MultiHeadAttention
 from .measure import interleaved
 from .report import Targets, table
@@ -32,22 +38,31 @@ QUICK = dict(lengths=(32,), tokens=128, repeats=2)
 DIM, HEADS = 512, 8
 
 
-def build(spec: dict) -> Callable[[], object]:
-    """One training step or inference call of one contender."""
+def call(spec: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """The module of one contender and its forward call on the suite's input ``(b, i, dim)``.
+
+    Every contender gets the same ``x`` and the same weights (ours is
+    ``MultiHeadAttention.from_torch`` of the PyTorch module), both batch-first; PyTorch's
+    module is called as self-attention code calls it, ``mha(x, x, x, ...)``.
+    """
     torch.manual_seed(spec.get("seed", 0))
     i, b = spec["i"], spec["tokens"] // spec["i"]
     ref = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
     x = torch.randn(b, i, DIM, generator=torch.Generator().manual_seed(1))
-    impl, mode = spec["impl"], spec["mode"]
+    impl = spec["impl"]
     if impl == "qkv":
         module = MultiHeadAttention.from_torch(ref)
-        fn = lambda: module(x)  # noqa: E731
-    elif impl == "torch_fast":
-        module = ref
-        fn = lambda: ref(x, x, x, need_weights=False)[0]  # noqa: E731
-    else:  # the default call: weights computed (averaged over heads) and returned
-        module = ref
-        fn = lambda: ref(x, x, x)[0]  # noqa: E731
+        return module, lambda: module(x)
+    if impl == "torch_fast":
+        return ref, lambda: ref(x, x, x, need_weights=False)[0]
+    # the default call: weights computed (averaged over heads) and returned
+    return ref, lambda: ref(x, x, x)[0]
+
+
+def build(spec: dict) -> Callable[[], object]:
+    """One training step or inference call of one contender."""
+    module, fn = call(spec)
+    mode = spec["mode"]
     if mode == "inference":
         module.eval()
 
@@ -85,6 +100,9 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
         targets.add(f"MHA training step, i = {i}: time / nn.MultiheadAttention (defaults) ≤ 0.7", r_default, 0.7)
         targets.add(f"MHA inference, i = {i}: time / nn.MultiheadAttention(need_weights=False) ≤ 1.0", r_inf, 1.0)
     parts = [f"## Modules: MultiHeadAttention (dim {DIM}, {HEADS} heads, b · i = {cfg['tokens']} tokens)", ""]
+    onednn = projection.uses_convolution(torch.empty(cfg["tokens"], DIM), torch.empty(DIM, DIM))
+    route = "oneDNN, as 1×1 convolutions" if onednn else "F.linear (BLAS), like PyTorch's"
+    parts += [f"qkv's four projections ran on {route} (`qkv.projection`); PyTorch's run on F.linear.", ""]
     parts += table(["i", "b", "qkv train ms", "train / torch need_weights=False", "train / torch defaults",
                     "qkv inference ms", "inference / torch need_weights=False"], rows)  # fmt: skip
     parts += ["", "### Targets", ""] + targets.lines()
