@@ -4,6 +4,7 @@ Shape legend: ``b`` batch, ``h`` heads, ``i`` target length, ``j`` key length, `
 length, ``dim`` model size.
 """
 
+import copy
 import math
 
 import pytest
@@ -229,3 +230,16 @@ def test_bad_inputs_raise_clear_errors():
         Encoder(2, DIM, HEADS)(torch.randn(2, 5, DIM), cache=[])
     with pytest.raises(ValueError, match="depth: expected a positive int, got 0"):
         Encoder(0, DIM, HEADS)
+
+
+def test_feed_forward_on_the_onednn_route_matches_float64():
+    # 1024 float32 tokens take qkv.projection's convolution route; the float64 twin does not.
+    from qkv.projection import uses_convolution
+
+    torch.manual_seed(0)
+    ff = FeedForward(16, 24, activation="swiglu")
+    x = torch.randn(8, 128, 16)
+    assert uses_convolution(x, ff.w_in.weight)
+    expected = copy.deepcopy(ff).double()(x.double())
+    torch.testing.assert_close(ff(x).double(), expected, atol=1e-5, rtol=1e-4)
+    assert set(ff.state_dict()) == {"w_in.weight", "w_in.bias", "w_out.weight", "w_out.bias"}
