@@ -117,3 +117,18 @@ def test_bad_arguments_raise_with_the_argument_named(make, call, error, message)
     with pytest.raises(error, match=message):
         module = make()
         call(module, *inputs(5, 7, dtype=torch.float32))
+
+
+def test_chunked_softmax_and_interleaved_heads_equal_the_direct_form(monkeypatch):
+    import qkv.approx.linformer as linformer_module
+
+    monkeypatch.setattr(linformer_module, "CHUNK_ELEMENTS", 2 * H * 4)  # two query rows a chunk
+    q, k, v = inputs(5, 7)
+    module = Linformer(9, 4).double()
+    want = direct(q, k, v, module.e_proj, module.f_proj)
+    torch.testing.assert_close(module(q, k, v), want, atol=1e-10, rtol=0)
+    # Heads interleaved in memory, (b, j, g, d) as MultiHeadAttention splits them: the
+    # projection takes the one-matmul-per-batch-row path.
+    k_mha = k.transpose(1, 2).contiguous().transpose(1, 2)
+    v_mha = v.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.testing.assert_close(module(q, k_mha, v_mha), want, atol=1e-10, rtol=0)

@@ -212,3 +212,63 @@ def test_bad_arguments_raise_with_the_argument_named(make, call, error, message)
     with pytest.raises(error, match=message):
         module = make()
         call(module, *inputs(5, 7, dtype=torch.float32))
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of a few rows, so the streamed path crosses many chunk boundaries."""
+    import qkv.approx.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "CHUNK_ELEMENTS", 64)
+
+
+def test_streamed_path_equals_quadratic_form_over_many_chunks(small_chunks):
+    # One key a chunk, key norms growing along j: the running max rises in most chunks (15 of
+    # 22 here) and the state is rescaled each time; the first keys of row 1 are padded, so its
+    # first chunks are empty and its stabiliser starts at the first real key.
+    q, k, v = inputs(9, 23)
+    k = k * torch.linspace(0.2, 2.0, 23, dtype=k.dtype)[:, None]
+    keep = torch.ones(B, H, 1, 23, dtype=torch.bool)
+    keep[1, :, :, :13] = False
+    keep[0, 1, :, 20:] = False  # differs between the two query heads of KV group 0
+    module = Performer(D, nb_features=32, seed=0).double()
+    out = module(q, k, v, mask=keep)
+    want = quadratic(q, k, v, module.projection, keep=keep)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+
+
+def test_streamed_path_is_stable_where_unshifted_features_overflow(small_chunks):
+    # At this size query logits reach about 100 (exp overflows float32 past 88) and in some
+    # heads every key log-feature is below -150 (exp underflows to 0): only the row max and
+    # the keys' running max keep the float32 result finite and equal to the float64 one,
+    # here the materialised form (return_weights) with the max over all keys subtracted.
+    q, k, v = inputs(6, 19, dtype=torch.float32, size=15.0)
+    module = Performer(D, nb_features=32, seed=0)
+    out = module(q, k, v)
+    want, _ = module.double()(q.double(), k.double(), v.double(), return_weights=True)
+    assert torch.isfinite(out).all()
+    assert (out - want).abs().max() < 1e-4 * want.abs().max()
+
+
+def test_non_causal_memory_holds_no_i_by_m_features(monkeypatch):
+    import qkv.approx.linear as linear_module
+
+    i, d, e, m = 4096, 16, 16, 128
+    monkeypatch.setattr(linear_module, "CHUNK_ELEMENTS", 64 * m)  # 64 rows a chunk
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, i, c, generator=gen) for c in (d, d, e))
+    module = Performer(d, nb_features=m, seed=0)
+    with torch.no_grad(), Largest() as seen:
+        module(q, k, v)
+    # The largest buffers are [k, |k|², c] and [v, 1] (i, d + 2) and the output; features are (i, m).
+    assert seen.nbytes <= 4 * i * (max(d, e) + 2)
+    assert seen.nbytes < 4 * i * m // 4
+
+
+def test_streamed_gradients_equal_those_of_the_quadratic_form(small_chunks):
+    q, k, v = (x.requires_grad_(True) for x in inputs(9, 23))
+    module = Performer(D, nb_features=32, seed=0).double()
+    got = torch.autograd.grad(module(q, k, v).pow(2).sum(), (q, k, v))
+    want = torch.autograd.grad(quadratic(q, k, v, module.projection).pow(2).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)

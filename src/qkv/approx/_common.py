@@ -175,3 +175,14 @@ def check_scale(scale: object) -> float | None:
     if not 0 < float(scale) < float("inf"):
         raise ValueError(f"scale: expected a finite positive number, got {scale}")
     return float(scale)
+
+
+#: Elements (of the float32 ``(b h, rows, m)`` block) in one chunk of a method that streams
+#: over the sequence (:func:`qkv.approx.linear.streamed_kernel_attention`, Linformer's
+#: softmax). 2**22 float32 are 16 MiB: the block stays in the last-level cache between the
+#: matmul that makes it and the one that reads it, and a buffer that size is reused by the
+#: allocator from call to call instead of being mapped afresh (page faults). Larger chunks
+#: mean fewer ops: each multi-threaded op hands work to the other thread, which costs much
+#: more than the op itself when the cores are busy with other processes. At b=1, h=8,
+#: m=256, i=16K that is 8 chunks a pass.
+CHUNK_ELEMENTS = 1 << 22

@@ -22,13 +22,18 @@ qkv, ``p' = p + j - i``; rows that see no key give zeros::
     query 1         1 1 1 1 0
     query 2         1 1 1 1 1
 
+Without ``return_weights`` the non-causal form is :func:`streamed_kernel_attention`: the
+features are made and used a chunk of rows at a time (never ``(i, m)`` at once) and the KV
+heads of a group are not repeated for its query heads.
+
 :func:`kernel_attention` is shared with :mod:`qkv.approx.performer` (FAVOR+ is linear
 attention with random features). :func:`kernel_attention_weights` is its slow twin: the
 ``(i, j)`` matrix ``φ(Q) φ(K)ᵀ ⊙ causal`` normalised by rows, materialised.
 
 Checked against (tests/test_approx_linear.py): the quadratic form ``(φ(Q)φ(K)ᵀ ⊙ causal) V /
 rowsum`` computed in the test, to 1e-6 in float64 for causal (chunked, with i < j, i == j,
-i > j) and non-causal; key padding equal to dropping the padded keys.
+i > j) and non-causal (also streamed over many chunks, with padding that differs between
+heads); key padding equal to dropping the padded keys.
 
 ``return_weights=True`` returns ``(out, weights)`` with the implicit ``(b, h, i, j)`` weight
 matrix materialised (``out == weights @ v``): ``O(i j)`` memory, for inspection only.
@@ -38,18 +43,25 @@ with the query are not (use ``causal=True`` for the causal one).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from einops import einsum
 from torch import Tensor, nn
 
 from .._args import positive_int
-from ._common import check_flags, check_qkv, dense_mask, key_padding, repeat_kv, safe_divide
+from ._common import CHUNK_ELEMENTS, check_flags, check_qkv, dense_mask, key_padding, repeat_kv, safe_divide
 
 
 def elu_feature_map(x: Tensor) -> Tensor:
     """``φ(x) = elu(x) + 1``, positive everywhere (Katharopoulos et al. 2020, eq. 7)."""
     return F.elu(x) + 1
+
+
+def _elu_plus_one(x: Tensor) -> Tensor:
+    """:func:`elu_feature_map` adding the 1 in place: one buffer per chunk instead of two."""
+    return F.elu(x).add_(1)
 
 
 def causal_keep(i: int, j: int, device: torch.device) -> Tensor:
@@ -102,6 +114,101 @@ def kernel_attention(
     return torch.cat(outs, dim=-2)
 
 
+def streamed_kernel_attention(
+    q: Tensor,
+    v: Tensor,
+    query_map: Callable[[Tensor], Tensor],
+    key_map: Callable[[int, int, Tensor | None], Tensor],
+    m: int,
+    *,
+    keep: Tensor | None = None,
+    log_keys: bool = False,
+    chunk_elements: int | None = None,
+) -> Tensor:
+    """Non-causal ``φ(Q) (φ(K)ᵀ V) / φ(Q) (φ(K)ᵀ 1)``, the features made and used chunk by chunk.
+
+    ``q (b, h, i, d)``, ``v (b, g, j, e)`` -> ``(b, h, i, e)``. The maps make ``m`` features
+    of a chunk of rows, heads flattened into the batch: ``query_map(x (b h, n, d)) -> (b h,
+    n, m)`` for queries ``x``, and ``key_map(t0, t1, shift) -> (b g, t1 − t0, m)`` for keys
+    ``t0 <= t < t1``. A query's features may be off by a positive factor common to the whole
+    row (it cancels in the row's ratio); a key's may not. ``keep (b|1, g|1, j)`` zeroes
+    padded keys. ``chunk_elements``: size of a chunk's ``(b g, n, m)`` block, default
+    :data:`CHUNK_ELEMENTS`. Grouped heads are not repeated: the state ``[φ(K)ᵀ V | φ(K)ᵀ 1]
+    (b g, m, e + 1)`` is built once per KV head and read by the ``h / g`` query heads of its
+    group.
+
+    With ``log_keys`` the key map returns *log*-features minus ``shift (b g, 1, 1)`` (None:
+    minus nothing) and ``exp`` is taken here. ``shift`` is the largest log-feature seen so
+    far (per ``(b, g)``, padded keys left out); when a chunk holds a larger one, the chunk
+    and the state are rescaled by ``exp(old − new)``. At the end every key carries the
+    factor ``exp(−max)``, as if the max over all keys had been subtracted first (the
+    paper's stabiliser), and that factor cancels between numerator and denominator.
+
+    Equal to :func:`kernel_attention` on the materialised features up to rounding, but no
+    ``(i, m)`` or ``(j, m)`` tensor is held: each chunk's block stays in cache between the
+    matmul that makes it and the one that reads it, and nothing larger than ``[V | 1]`` and
+    ``[num | den]`` of the output is allocated.
+    """
+    b, h, i, d = q.shape
+    g, j, e = v.shape[1], v.shape[2], v.shape[3]
+    if j == 0:
+        return q.new_zeros(b, h, i, e)
+    lowest = torch.finfo(q.dtype).min
+    padded = None if keep is None else ~keep.expand(b, g, j).reshape(b * g, j, 1)
+    # [V | 1] once for all keys: the column of ones makes the same matmul give Σ φ(k).
+    v1 = torch.cat([v, v.new_ones(()).expand(b, g, j, 1)], dim=-1).reshape(b * g, j, e + 1)
+    state = None  # (b g, m, e + 1): [Σ φ(k) vᵀ | Σ φ(k)] over the keys so far
+    seen = None  # (b g, 1, 1): largest key log-feature so far, lowest if none (log_keys only)
+    shift = None  # what the key map subtracts: seen, or 0 where seen is lowest
+    chunk_elements = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+    step = max(1, chunk_elements // (b * g * m))
+    for t0 in range(0, j, step):
+        t1 = min(t0 + step, j)
+        fk = key_map(t0, t1, shift)  # b g, n, m
+        if padded is not None:
+            fk = fk.masked_fill_(padded[:, t0:t1], lowest if log_keys else 0)  # exp(lowest) is exactly 0
+        if log_keys:
+            top = fk.detach().amax((-2, -1), keepdim=True)
+            if shift is not None:
+                top = top + shift
+            if seen is None or bool((top > seen).any()):
+                new = top if seen is None else torch.maximum(seen, top)
+                new_shift = new.masked_fill(new == lowest, 0)  # an all-padded (b, g) subtracts 0
+                fk = fk.sub_(new_shift if shift is None else new_shift - shift)
+                if state is not None:
+                    # Rescale what was summed with the old max: a factor in [0, 1] (0 for a
+                    # state that is still empty, whose seen is lowest).
+                    state = state.mul_(torch.exp(seen - new))
+                seen, shift = new, new_shift
+            fk = fk.exp_()
+        fk_t = fk.transpose(1, 2)
+        # In place: no op saves the state for its backward until the queries read it.
+        state = torch.bmm(fk_t, v1[:, t0:t1]) if state is None else state.baddbmm_(fk_t, v1[:, t0:t1])
+    # Every query head reads its group's state: (b g, m, e+1) -> (b h, m, e+1).
+    r = h // g
+    state = state.unflatten(0, (b, g)).unsqueeze(2).expand(b, g, r, m, e + 1).reshape(b * h, m, e + 1)
+    rows = max(1, chunk_elements // (b * h * m))
+    both = torch.cat(
+        [
+            torch.bmm(query_map(q[:, :, p0 : p0 + rows].reshape(b * h, -1, d)), state)  # b h, n, e + 1
+            for p0 in range(0, i, rows)
+        ],
+        dim=1,
+    )
+    # Features are non-negative, so den = 0 means num = 0 (no key seen): 0 / tiny = 0.
+    out = both[..., :e] / both[..., e:].clamp_min(torch.finfo(q.dtype).tiny)
+    return out.unflatten(0, (b, h))
+
+
+def grouped_keep(k: Tensor, v: Tensor, keep: Tensor | None, h: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(k, v, keep)`` ready for :func:`streamed_kernel_attention`: ``keep (b|1, h|1, j)`` as
+    ``(b|1, g|1, j)``; a mask that differs between the query heads of a group needs one state
+    per query head, so then ``k`` and ``v`` are repeated to ``h`` heads."""
+    if keep is None or keep.shape[1] == 1 or k.shape[1] == h:
+        return k, v, keep
+    return repeat_kv(k, h), repeat_kv(v, h), keep
+
+
 def kernel_attention_weights(phi_q: Tensor, phi_k: Tensor, *, causal: bool = False) -> Tensor:
     """The slow twin: ``(φ(Q) φ(K)ᵀ ⊙ causal) / rowsum`` as a ``(b, h, i, j)`` tensor.
 
@@ -129,6 +236,14 @@ def linear_attention(
     ``keep (b|1, h|1, j)`` is an optional key padding mask (True = real key). Returns
     ``out (b, h, i, e)``, and the implicit ``(b, h, i, j)`` weights if asked.
     """
+    if not causal and not return_weights:
+        k, v, keep = grouped_keep(k, v, keep, q.shape[1])
+        b, g, _, d = k.shape
+
+        def key_features(t0: int, t1: int, _shift: None) -> Tensor:
+            return _elu_plus_one(k[:, :, t0:t1].reshape(b * g, t1 - t0, d))
+
+        return streamed_kernel_attention(q, v, _elu_plus_one, key_features, d, keep=keep)
     h = q.shape[1]
     phi_q = elu_feature_map(q)
     phi_k = repeat_kv(elu_feature_map(k), h)

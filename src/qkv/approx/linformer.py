@@ -30,9 +30,14 @@ cannot be honoured and raise ``ValueError``.
 (``out == weights @ v``); they need not be positive nor sum to one. The probabilities over
 the ``k`` projected positions are :func:`linformer_weights`.
 
+Speed: ``E K`` and ``F V`` are plain batched matmuls over the keys' memory (one per batch
+row when the heads are interleaved, as :class:`qkv.MultiHeadAttention` lays them out), the
+scale is folded into ``E K``, and without ``return_weights`` the softmax runs over a chunk
+of query rows at a time, so the ``(i, k)`` weights are never held whole.
+
 Checked against (tests/test_approx_linformer.py): ``softmax(q (E k)ᵀ · scale) (F v)``
-computed directly in the test; with ``k == seq_len`` and ``E = F = I`` it equals exact
-attention.
+computed directly in the test (also in chunks of two query rows, and with heads interleaved
+in memory); with ``k == seq_len`` and ``E = F = I`` it equals exact attention.
 """
 
 from __future__ import annotations
@@ -42,16 +47,23 @@ from einops import einsum
 from torch import Tensor, nn
 
 from .._args import positive_int
-from ._common import check_flags, check_qkv, check_scale, dense_mask, key_padding, repeat_kv
+from ._common import CHUNK_ELEMENTS, check_flags, check_qkv, check_scale, dense_mask, key_padding, repeat_kv
 
 SHARES = ("none", "headwise", "kv")
 
 
 def _project(x: Tensor, proj: Tensor) -> Tensor:
-    """``(b, h, j, c)`` projected along ``j`` by ``proj (k, j)`` or per head ``(h, k, j)`` -> ``(b, h, k, c)``."""
-    if proj.dim() == 2:
-        return einsum(proj, x, "k j, b h j c -> b h k c")
-    return einsum(proj, x, "h k j, b h j c -> b h k c")
+    """``(b, h, j, c)`` projected along ``j`` by ``proj (k, j)`` or per head ``(h, k, j)`` -> ``(b, h, k, c)``.
+
+    Batched matmuls straight over ``x``'s memory (an einsum would first permute ``x`` into
+    a ``(j, b h c)`` copy). When the heads of ``x`` are interleaved in memory, ``(b, j, h,
+    c)`` as :class:`qkv.MultiHeadAttention` splits them, a shared ``proj`` is one matmul
+    per batch row with all heads side by side.
+    """
+    b, h, j, c = x.shape
+    if proj.dim() == 2 and x.transpose(1, 2).is_contiguous():
+        return (proj @ x.transpose(1, 2).reshape(b, j, h * c)).unflatten(-1, (h, c)).transpose(1, 2)
+    return torch.matmul(proj, x)
 
 
 def linformer_weights(q: Tensor, k: Tensor, e_proj: Tensor, *, scale: float | None = None) -> Tensor:
@@ -81,26 +93,40 @@ def linformer_attention(
     ``e_proj, f_proj``: ``(k, j)`` shared across heads or ``(h, k, j)`` per head, already cut
     to ``j`` columns. ``keep (b|1, h|1, j)``: optional key padding mask.
     """
-    h = q.shape[1]
-    if keep is None and e_proj.dim() == 2 and f_proj.dim() == 2:
-        # Shared projections commute with the head repeat: project the g KV heads, then repeat.
-        k_proj, v_proj = _project(k, e_proj), _project(v, f_proj)
-        k_proj, v_proj = repeat_kv(k_proj, h), repeat_kv(v_proj, h)
-    else:
-        k, v = repeat_kv(k, h), repeat_kv(v, h)
-        if keep is not None:
-            k = k.masked_fill(~keep[..., None], 0)
-            v = v.masked_fill(~keep[..., None], 0)
-        k_proj, v_proj = _project(k, e_proj), _project(v, f_proj)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    probs = (einsum(q, k_proj, "b h i d, b h k d -> b h i k") * scale).softmax(-1)
-    out = einsum(probs, v_proj, "b h i k, b h k e -> b h i e")
+    h, d = q.shape[1], q.shape[-1]
+    if (keep is not None and keep.shape[1] != 1) or e_proj.dim() == 3 or f_proj.dim() == 3:
+        k, v = repeat_kv(k, h), repeat_kv(v, h)  # a per-head mask or projection: one copy per query head
+    if keep is not None:
+        # Zero the padded keys and values before the projection (a copy, only when masked).
+        k, v = k.masked_fill(~keep[..., None], 0), v.masked_fill(~keep[..., None], 0)
+    # Shared projections commute with the head repeat: project the g KV heads, then repeat.
+    scale = d**-0.5 if scale is None else scale
+    k_proj = repeat_kv(_project(k, e_proj) * scale, h)  # b h k d, the scale folded in
+    v_proj = repeat_kv(_project(v, f_proj), h)  # b h k e
     if not return_weights:
-        return out
+        return _chunked_softmax_attention(q, k_proj, v_proj)
+    probs = (q @ k_proj.transpose(-1, -2)).softmax(-1)
+    out = probs @ v_proj
     effective = einsum(probs, f_proj, "b h i k, k j -> b h i j" if f_proj.dim() == 2 else "b h i k, h k j -> b h i j")
     if keep is not None:
         effective = effective.masked_fill(~keep[:, :, None, :], 0)
     return out, effective
+
+
+def _chunked_softmax_attention(q: Tensor, k_proj: Tensor, v_proj: Tensor) -> Tensor:
+    """``softmax(q k_projᵀ) v_proj`` for ``q (b, h, i, d)``, ``k_proj (b, h, k, d)``, ``v_proj
+    (b, h, k, e)``, a chunk of query rows at a time, so the ``(i, k)`` logits are never held
+    whole (no large buffer is allocated and each block stays in cache)."""
+    b, h, i, d = q.shape
+    n_proj, e = k_proj.shape[2], v_proj.shape[-1]
+    keys_t = k_proj.reshape(b * h, n_proj, d).transpose(1, 2)
+    values = v_proj.reshape(b * h, n_proj, e)
+    rows = max(1, CHUNK_ELEMENTS // (b * h * n_proj))
+    outs = [
+        torch.bmm(torch.bmm(q[:, :, p0 : p0 + rows].reshape(b * h, -1, d), keys_t).softmax(-1), values)
+        for p0 in range(0, i, rows)
+    ]
+    return torch.cat(outs, dim=1).unflatten(0, (b, h))
 
 
 class Linformer(nn.Module):

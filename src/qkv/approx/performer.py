@@ -25,6 +25,13 @@ of a (b, h) by ``exp(max over j and m)`` (a constant across keys, it cancels too
 keys are left out of that maximum and their features zeroed. A row whose features all
 underflow, or that sees no key, gives zeros.
 
+Speed: without ``return_weights`` the non-causal form never holds the ``(i, m)`` or
+``(j, m)`` features: :func:`qkv.approx.linear.streamed_kernel_attention` makes and uses them
+a chunk of rows at a time, the key max is kept as a running max (the state rescaled when it
+grows), and factors that cancel in the ratio are not computed (see :func:`_favor_streamed`).
+The causal form, and ``return_weights``, materialise the features with
+:func:`favor_features`, the literal form of the paper.
+
 Redrawing: ``redraw()`` draws a new ``W`` from the module's generator; with
 ``redraw_interval=n`` the module does so every ``n`` forward calls in training mode (the
 paper redraws periodically during training). ``W`` is a buffer, saved in the state dict.
@@ -35,8 +42,10 @@ causal), materialised as ``(b, h, i, j)`` from the same features, so ``out == we
 
 Checked against (tests/test_approx_performer.py): averaged over 200 feature draws the
 kernel estimate approaches ``exp(qᵀk/√d)`` and the output approaches exact softmax
-attention computed in the test; the error falls as ``nb_features`` grows; causal equals the
-quadratic masked form with the same features; key padding equals dropping the keys.
+attention computed in the test; the error falls as ``nb_features`` grows; causal and the
+streamed non-causal form (over many chunks, a rising key max, padding that differs between
+heads) equal the quadratic masked form with the same features; key padding equals dropping
+the keys.
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ from ._common import (
     make_generator,
     repeat_kv,
 )
-from .linear import kernel_attention, kernel_attention_weights
+from .linear import grouped_keep, kernel_attention, kernel_attention_weights, streamed_kernel_attention
 
 
 def gaussian_features(
@@ -129,6 +138,8 @@ def favor_attention(
     """
     h, d = q.shape[1], q.shape[-1]
     root = (d**-0.5 if scale is None else scale) ** 0.5
+    if not causal and not return_weights:
+        return _favor_streamed(q, k, v, projection, root, keep)
     k = repeat_kv(k, h)
     v = repeat_kv(v, h)
     if keep is not None:
@@ -139,6 +150,47 @@ def favor_attention(
     if return_weights:
         return out, kernel_attention_weights(phi_q, phi_k, causal=causal)
     return out
+
+
+def _favor_streamed(q: Tensor, k: Tensor, v: Tensor, projection: Tensor, root: float, keep: Tensor | None) -> Tensor:
+    """Non-causal FAVOR+ without materialising the features: :func:`streamed_kernel_attention`
+    with the maps of :func:`favor_features` fused per chunk.
+
+    The same estimator as ``favor_features`` + ``kernel_attention``, written so that each
+    chunk is a few large ops: ``√scale`` is folded into ``W``, and a key's log-feature minus
+    the running max, ``W k − |k|²/2 − c``, is one matmul of ``[k, |k|², c]`` with
+    ``[Wᵀ; −1/2; −1]``. Factors that cancel between numerator and denominator are left
+    out: ``1/√m`` (every feature), ``exp(−max)`` of the keys (every key of a head), and for a
+    query everything common to its ``m`` features, so its features are ``softmax(W q)``,
+    which is ``exp(W q − |q|²/2) / √m`` times a per-row constant.
+    """
+    m, d = projection.shape
+    k, v, keep = grouped_keep(k, v, keep, q.shape[1])
+    b, g, _, _ = k.shape
+    w = projection.to(q).T * root  # d m
+    # [Wᵀ; −1/2; −1] with root² folded in: [x, |x|², c] @ it = W(root x) − |root x|²/2 − c.
+    w_keys = torch.cat([w, w.new_full((1, m), -root * root / 2), w.new_full((1, m), -1.0)])  # d+2 m
+    # [k, |k|², c] for all keys, the last column rewritten with each chunk's c (a few numbers per row).
+    rows = torch.cat(
+        [k, torch.linalg.vector_norm(k, dim=-1, keepdim=True).square(), k.new_zeros(()).expand(b, g, k.shape[2], 1)],
+        dim=-1,
+    ).reshape(b * g, k.shape[2], d + 2)
+
+    # bmm saves its inputs for the backward pass only if something needs a gradient.
+    differentiable = rows.requires_grad or w_keys.requires_grad
+
+    def key_logits(t0: int, t1: int, shift: Tensor | None) -> Tensor:  # -> (b g, n, m)
+        chunk = rows[:, t0:t1]
+        if shift is not None and differentiable:
+            chunk = torch.cat([chunk[..., : d + 1], shift.expand(b * g, t1 - t0, 1)], dim=-1)
+        elif shift is not None:  # nothing to differentiate: overwrite the column in place
+            chunk[..., d + 1 :] = shift.expand(b * g, t1 - t0, 1)
+        return torch.bmm(chunk, w_keys.expand(b * g, d + 2, m))
+
+    def query_features(x: Tensor) -> Tensor:  # (b h, n, d) -> (b h, n, m)
+        return torch.bmm(x, w.expand(x.shape[0], d, m)).softmax(-1)
+
+    return streamed_kernel_attention(q, v, query_features, key_logits, m, keep=keep, log_keys=True)
 
 
 class Performer(nn.Module):
