@@ -105,55 +105,6 @@ class Mask:
         return Or(as_mask(other), self)
 
 
-class Window(Mask):
-    """Keys within ``left`` steps before and ``right`` steps after each query's (bottom-right aligned) position.
-
-    ``causal()`` is ``Window(left=None, right=0)``; ``None`` means unbounded on that side.
-    """
-
-    def __init__(self, left: int | None = None, right: int | None = 0):
-        for name, value in (("left", left), ("right", right)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
-        self.left, self.right = left, right
-
-    def tile(self, t: Tile) -> Tensor:
-        offset = t.diagonal
-        allowed = torch.ones_like(offset, dtype=torch.bool)
-        if self.right is not None:
-            allowed &= offset <= self.right
-        if self.left is not None:
-            allowed &= offset >= -self.left
-        return allowed
-
-    def state(self, t: Tile) -> State:
-        lo, hi = t.offset_range()
-        right = float("inf") if self.right is None else self.right
-        left = float("inf") if self.left is None else self.left
-        if lo > right or hi < -left:
-            return "empty"
-        if hi <= right and lo >= -left:
-            return "full"
-        return "partial"
-
-    def __repr__(self) -> str:
-        if self.left is None and self.right == 0:
-            return "causal()"
-        return f"window(left={self.left}, right={self.right})"
-
-
-def causal() -> Window:
-    """Causal mask aligned bottom-right: query ``r`` sees keys ``c <= r + (j - i)``."""
-    return Window(left=None, right=0)
-
-
-def window(left: int, right: int = 0) -> Window:
-    """Sliding window: each query sees ``left`` keys before its position and ``right`` after."""
-    if left is None:
-        raise ValueError("left: expected a non-negative int, got None (use causal() for no left bound)")
-    return Window(left=left, right=right)
-
-
 class Offsets(Mask):
     """Keys whose offset ``c - r - (j - i)`` (:attr:`Tile.diagonal`) lies in ``lo..hi``; None = no bound.
 
@@ -201,6 +152,39 @@ class Offsets(Mask):
 def offsets(lo: int | None, hi: int | None) -> Offsets:
     """Each query sees the keys at offsets ``lo..hi`` from its bottom-right aligned position."""
     return Offsets(lo, hi)
+
+
+class Window(Offsets):
+    """Keys within ``left`` steps before and ``right`` steps after each query's (bottom-right aligned) position.
+
+    ``causal()`` is ``Window(left=None, right=0)``; ``None`` means unbounded on that side.
+    It is the offset range ``-left..right``, which always holds the query's own position;
+    backends read ``left`` and ``right`` to run it block-locally.
+    """
+
+    def __init__(self, left: int | None = None, right: int | None = 0):
+        for name, value in (("left", left), ("right", right)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
+        super().__init__(None if left is None else -left, right)
+        self.left, self.right = left, right
+
+    def __repr__(self) -> str:
+        if self.left is None and self.right == 0:
+            return "causal()"
+        return f"window(left={self.left}, right={self.right})"
+
+
+def causal() -> Window:
+    """Causal mask aligned bottom-right: query ``r`` sees keys ``c <= r + (j - i)``."""
+    return Window(left=None, right=0)
+
+
+def window(left: int, right: int = 0) -> Window:
+    """Sliding window: each query sees ``left`` keys before its position and ``right`` after."""
+    if left is None:
+        raise ValueError("left: expected a non-negative int, got None (use causal() for no left bound)")
+    return Window(left=left, right=right)
 
 
 class Lengths(Mask):
