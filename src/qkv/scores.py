@@ -132,7 +132,9 @@ class Additive(Score):
 
     ``W_q (n, dq)``, ``W_k (n, dk)`` and ``v (n,)`` are learned; q and k sizes may differ.
     ``prepare`` projects every query and key once (O((i + j)·n)); ``pairwise`` builds the
-    ``(it, jt, n)`` sum only for one tile, which is what bounds the chunked backend's memory.
+    ``(it, jt, n)`` sum only for one tile. The chunked backend evaluates the same formula in
+    cache-sized pieces of that tile, with a hand-written backward
+    (``qkv.backends.additive_tiles``), so its memory does not grow with ``n·i·j``.
     """
 
     name = "concat"

@@ -14,9 +14,11 @@ each tile's logits, ``P = exp(s - lse)``, and uses ``D = rowsum(dO ∘ O)``::
 
     dV += Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP - D)      d(logits) = dS
 
-so memory is one tile of logits (``(it, jt, n)`` for the additive score) at a time.
-Dot-form scores take the explicit ``dQ = scale·dS K``, ``dK = scale·dSᵀ Q``; any other
-score (and any learned bias) is differentiated by autograd on the recomputed tile.
+so memory is one tile of logits at a time. Dot-form scores take the explicit
+``dQ = scale·dS K``, ``dK = scale·dSᵀ Q``. The additive score (``qkv.scores.Additive``) is
+computed and differentiated by hand in ``backends.additive_tiles``, in cache-sized
+sub-blocks of its ``(it, jt, n)`` intermediate. Any other score (and any learned bias) is
+differentiated by autograd on the recomputed tile.
 
 Tiles that the mask reports "empty" are skipped; on "full" ones the mask is not built. A
 query with no allowed key has ``l = 0``: its output is 0 and its ``lse`` is ``+inf``, so
@@ -36,7 +38,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..masks import Mask, Tile
 from ..scores import Score
+from . import additive_tiles
 from . import dropout as drop
+from .additive_tiles import AdditiveTiles
 from .tiles import NEG_INF, BiasSource, dense_tile, mask_state
 
 
@@ -54,16 +58,20 @@ class Plan:
     block_j: int  # key tile side
 
 
-def _logits(plan: Plan, qp5: Tensor, kp5: Tensor, bias: BiasSource, dense_t: Tensor | None, t: Tile, state: str) -> Tensor:
+def _pairwise(plan: Plan, qp5: Tensor, kp5: Tensor, t: Tile) -> Tensor:
+    """Unscaled scores of one tile, ``(..., g, r, it, jt)``, through autograd-visible ops."""
+    if plan.score.dot_form:
+        return qp5 @ kp5.transpose(-1, -2)
+    return plan.score.pairwise(qp5, kp5, t)
+
+
+def _logits(plan: Plan, raw: Tensor, bias: BiasSource, dense_t: Tensor | None, t: Tile, state: str) -> Tensor:
     """Scaled, biased, masked logits of one tile in float32 (or wider), ``(..., h, it, jt)``.
 
-    ``dense_t`` is the tile of a dense bias, already sliced.
+    ``raw`` is the tile's unscaled scores ``(..., g, r, it, jt)``; ``dense_t`` the tile of a
+    dense bias, already sliced.
     """
-    if plan.score.dot_form:
-        s = qp5 @ kp5.transpose(-1, -2)
-    else:
-        s = plan.score.pairwise(qp5, kp5, t)
-    s = s.flatten(-4, -3)  # (..., g, r, it, jt) -> (..., h, it, jt)
+    s = raw.flatten(-4, -3)  # (..., g, r, it, jt) -> (..., h, it, jt)
     if s.dtype in (torch.float16, torch.bfloat16):
         s = s.float()
     s = s * plan.scale
@@ -103,6 +111,7 @@ class TiledAttention(torch.autograd.Function):
         out = torch.zeros((*heads_shape, i_len, v.shape[-1]), dtype=acc_dtype, device=v.device)
         lse = torch.full((*heads_shape, i_len), float("inf"), dtype=acc_dtype, device=v.device)
         q5, k5, v5 = _split(qp, kp, v, g)
+        additive = AdditiveTiles(q5, k5, plan.score.v) if additive_tiles.applies(plan.score) else None
         bias = BiasSource(plan.lazy_bias, i_len, j_len, qp.device)
         current, m, l, acc = None, None, None, None
 
@@ -122,7 +131,11 @@ class TiledAttention(torch.autograd.Function):
                 l = torch.zeros(shape, dtype=acc_dtype, device=v.device)
                 acc = torch.zeros((*heads_shape, t.i1 - t.i0, v.shape[-1]), dtype=acc_dtype, device=v.device)
             dense_t = None if dense is None else dense_tile(dense, t)
-            s = _logits(plan, q5[..., t.i0 : t.i1, :], k5[..., t.j0 : t.j1, :], bias, dense_t, t, state)
+            if additive is not None:
+                raw = additive.logits(t)
+            else:
+                raw = _pairwise(plan, q5[..., t.i0 : t.i1, :], k5[..., t.j0 : t.j1, :], t)
+            s = _logits(plan, raw, bias, dense_t, t, state)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
             p = torch.exp(s - base)
@@ -184,27 +197,37 @@ def _backward(ctx, d_out: Tensor) -> tuple:
     d_params = [torch.zeros_like(p) for p in trainable]
     lazy = plan.lazy_bias
     learned_bias = lazy is not None and any(p.requires_grad for p in lazy.parameters())
-    use_autograd = (not plan.score.dot_form) or learned_bias or d_dense is not None
+    q5, k5, v5 = _split(qp, kp, v, g)
+    additive, w_slot = None, None
+    if additive_tiles.applies(plan.score):  # hand-written tile backward (backends.additive_tiles)
+        w_slot = next((n for n, p in enumerate(trainable) if p is plan.score.v), None)
+        grad_score = ctx.needs_input_grad[1] or ctx.needs_input_grad[2] or w_slot is not None
+        additive = AdditiveTiles(q5, k5, plan.score.v, grad=grad_score, grad_w=w_slot is not None)
+    use_autograd = (not plan.score.dot_form and additive is None) or learned_bias or d_dense is not None
+    grad_qk = use_autograd and additive is None  # q and k tiles as autograd leaves
     bias = BiasSource(lazy, i_len, j_len, qp.device, grad=learned_bias)
     d_profile = None
-    q5, k5, v5 = _split(qp, kp, v, g)
     d_out5 = d_out.unflatten(-3, (g, -1))
     for t, state in _tiles(plan, i_len, j_len, qp.device):
         rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
         qt, kt = q5[..., rows, :], k5[..., cols, :]
         dense_t = None if dense is None else dense_tile(dense, t)
         leaves: list[Tensor] = []
-        if use_autograd:
+        if grad_qk:
             qt, kt = qt.detach().requires_grad_(), kt.detach().requires_grad_()
             leaves = [qt, kt]
+        if use_autograd:
             if d_dense is not None:
                 dense_t = dense_t.detach().requires_grad_()
                 leaves.append(dense_t)
             if bias.profile_graph is not None:
                 leaves.append(bias.profile)
             leaves += trainable
+        raw = additive.logits(t) if additive is not None else None  # no graph: differentiated by hand
         with torch.set_grad_enabled(use_autograd):
-            s = _logits(plan, qt, kt, bias, dense_t, t, state)
+            if raw is None:
+                raw = _pairwise(plan, qt, kt, t)
+            s = _logits(plan, raw, bias, dense_t, t, state)
         p = torch.exp(s.detach() - lse[..., rows, None])
         dp = (d_out5[..., rows, :] @ v5[..., cols, :].transpose(-1, -2).to(acc)).flatten(-4, -3)
         p_used = p
@@ -216,11 +239,12 @@ def _backward(ctx, d_out: Tensor) -> tuple:
         ds = p * (dp - delta[..., rows, :])
         if use_autograd:
             grads = list(torch.autograd.grad(s, leaves, ds, allow_unused=True))
-            gq, gk = grads.pop(0), grads.pop(0)
-            if gq is not None:
-                dq[..., rows, :] += gq.flatten(-4, -3).to(dq.dtype)
-            if gk is not None:
-                dk[..., cols, :] += gk.squeeze(-3).to(dk.dtype)
+            if grad_qk:
+                gq, gk = grads.pop(0), grads.pop(0)
+                if gq is not None:
+                    dq[..., rows, :] += gq.flatten(-4, -3).to(dq.dtype)
+                if gk is not None:
+                    dk[..., cols, :] += gk.squeeze(-3).to(dk.dtype)
             if d_dense is not None:
                 dense_tile(d_dense, t).add_(_sum_to(grads.pop(0), dense_t.shape))
             if bias.profile_graph is not None:
@@ -229,10 +253,19 @@ def _backward(ctx, d_out: Tensor) -> tuple:
             for n, grad in enumerate(grads):
                 if grad is not None:
                     d_params[n] += grad
-        else:
+        if additive is not None:
+            if additive.grad:
+                additive.backward(t, (ds * plan.scale).unflatten(-3, (g, -1)))
+        elif not use_autograd:
             ds5 = (ds * plan.scale).unflatten(-3, (g, -1))
             dq[..., rows, :] += (ds5 @ kt.to(acc)).flatten(-4, -3).to(dq.dtype)
             dk[..., cols, :] += torch.einsum("...rij,...rid->...jd", ds5, qt.to(acc)).to(dk.dtype)
+    if additive is not None and additive.grad:
+        da, db, dw = additive.grads()
+        dq += da.flatten(-4, -3).to(dq.dtype)
+        dk += db.squeeze(-3).to(dk.dtype)
+        if dw is not None:
+            d_params[w_slot] += dw.to(d_params[w_slot].dtype)
     if d_profile is not None:
         # one backward through the bias for the whole call: (h, L) profile -> parameters
         bias_grads = torch.autograd.grad(bias.profile_graph, trainable, d_profile, allow_unused=True)
