@@ -227,3 +227,67 @@ def test_shift_invariant_bias_tiles_equal_direct_tiles():
         source = BiasSource(t5, i_len, j_len, "cpu")
         for t in (Tile(0, i_len, 0, j_len, i_len, j_len), Tile(2, 5, 1, 4, i_len, j_len)):
             torch.testing.assert_close(source.tile(t), t5.tile(t))
+
+
+@pytest.mark.parametrize("i, j", [(37, 37), (21, 45), (45, 21), (45, 7)])
+@pytest.mark.parametrize("mask", ["none", "far_window", "causal"])
+def test_learned_t5_split_forward_and_bias_gradient(i, j, mask):
+    """Learned T5 buckets on the fused engine: near and far keys attended apart and merged.
+
+    ``max_distance = 6`` so that most keys are in the saturated far regions; the window
+    ``(3, 9)`` reaches past it, and with ``i = 45, j = 7`` its early rows see no key at all.
+    """
+    q, k, v = make_inputs(i, j)
+    torch.manual_seed(6)
+    t5 = qkv.RelativePositionBias(H, 8, 6).double()
+    params = list(t5.parameters())
+    kw = dict(bias=t5, mask={"none": None, "far_window": qkv.masks.window(3, 9), "causal": qkv.masks.causal()}[mask])
+    assert "fused_blocks" in qkv.explain(q, k, v, **kw)
+    results = []
+    for backend in ("reference", "chunked"):
+        out = qkv.attention(q, k, v, backend=backend, **kw)
+        results.append((out, torch.autograd.grad(out, [q, k, v, *params], _cotangent(out))))
+    (o_ref, g_ref), (o, g) = results
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    for a, b_ in zip(g, g_ref):
+        torch.testing.assert_close(a, b_, rtol=1e-9, atol=1e-9)
+
+
+def test_split_block_keeps_the_far_share():
+    """``far_share`` is the softmax mass of keys at offset >= reach, ``far_out`` their part of out."""
+    i, j, reach = 11, 13, 4
+    q, k, v = chunked.same_head_size(*(x.detach() for x in make_inputs(i, j)))  # the kernel wants d == e
+    t5 = qkv.RelativePositionBias(H, 8, reach).double()
+    plan = fused_blocks.FusedPlan(mask=None, bias=t5, scale=0.3, causal_square=False)
+    diagonal = fused_blocks.DiagonalMask(plan, i, j, q.dtype, q.device)
+    t = Tile(0, i, 0, j, i, j)
+    near, far = diagonal.clipped(hi=reach - 1), diagonal.clipped(lo=reach)
+    out, lse, far_out, far_share = fused_blocks._split_block(near, far, t, q, k, v, 0.3, reach)
+    kr, vr = qkv.backends.repeat_kv(k, H // G), qkv.backends.repeat_kv(v, H // G)
+    logits = 0.3 * q @ kr.transpose(-1, -2) + t5.dense(i, j)
+    w = logits.softmax(-1)
+    is_far = (torch.arange(j)[None, :] - torch.arange(i)[:, None] - (j - i)) >= reach
+    torch.testing.assert_close(out, w @ vr)
+    torch.testing.assert_close(lse, logits.logsumexp(-1))
+    torch.testing.assert_close(far_share, (w * is_far).sum(-1))
+    torch.testing.assert_close(far_out, (w * is_far) @ vr)
+
+
+def test_learned_t5_float32_flash_rule():
+    """In float32 the split forward and rebuilt bias gradient stay within the flash-attention rule."""
+    q, k, v = make_inputs(40, 40)
+    torch.manual_seed(7)
+    t5_64 = qkv.RelativePositionBias(H, 8, 6).double()
+    t5_32 = qkv.RelativePositionBias(H, 8, 6)
+    t5_32.load_state_dict(t5_64.state_dict())
+    low = [x.detach().float().requires_grad_() for x in (q, k, v)]
+
+    def grads(inputs, t5, backend):
+        out = qkv.attention(*inputs, bias=t5, backend=backend)
+        return (out, *torch.autograd.grad(out, [*inputs, *t5.parameters()], _cotangent(out)))
+
+    exact = grads([q, k, v], t5_64, "reference")
+    plain = grads(low, t5_32, "reference")
+    fast = grads(low, t5_32, "chunked")
+    for a, p, x in zip(fast, plain, exact):
+        assert (a.double() - x).abs().max() <= 2 * (p.double() - x).abs().max() + 1e-5

@@ -9,7 +9,12 @@ A shift-invariant bias (T5 buckets, Raffel et al. 2020) enters the logits as
 ``dS = P ∘ (dO Vᵀ - D)`` (FlashAttention's backward, ``D = rowsum(dO ∘ O)``) along each
 diagonal, and over the batch. The fused kernel's backward returns dq, dk and dv but not
 dS, so dS is recomputed here one block of rows at a time (two matmuls and an exponential
-per block) and folded into the ``(h, L)`` profile gradient.
+per block) and folded into the ``(h, L)`` profile gradient. For T5's saturating buckets
+only a band of ``2 · max_distance - 1`` diagonals is recomputed; the two far regions are a
+sum each, the future one from what the forward pass kept (:func:`far_profile_grad`) and
+the past one from rows of ``dS`` summing to zero.
+
+Checked against the float64 reference backend in ``tests/test_backends_chunked.py``.
 
 The blocks come in the reversed-row order of ``fused_blocks.DiagonalMask`` (block row
 ``a'`` is query ``i1 - 1 - a'``), where offsets run along anti-diagonals: row ``a'``,
@@ -26,10 +31,12 @@ from torch import Tensor
 
 from ..masks import Tile
 
-#: Query rows per block in :func:`saturating_profile_grad` (twice that for the kernel calls):
-#: few blocks, because on a busy machine every small parallel op waits for a free core.
-BAND_ROWS = 512
-#: Elements of one block of logits (batch x heads x rows x keys) in the bias gradient.
+#: Query rows per block in :func:`saturating_profile_grad`. Each block recomputes ``dS`` on
+#: ``BAND_ROWS + 2·max_distance`` keys, so smaller blocks waste less; but every block is a
+#: dozen small parallel ops, each of which waits for a free core on a busy machine.
+BAND_ROWS = 256
+#: Elements of one block of logits (batch x heads x rows x keys) in the bias gradient: 8 MiB
+#: per float32 buffer, against 512 MiB for the (h, i, j) bias of 8 heads at i = j = 4096.
 BLOCK_ELEMENTS = 2**21
 
 
@@ -51,12 +58,14 @@ def add_profile_grad(
     mask_rev: Tensor,
     base: int,
     scale: float,
+    keep: tuple[int, int] | None = None,
 ) -> None:
     """Add one block's contribution to ``d_profile (h|1, L)``, in place.
 
     ``q_rev (b, h, it, d)``, ``d_out_rev (b, h, it, e)``, ``lse_rev``/``delta_rev (b, h, it)``
     and ``mask_rev (1, h|1, it, jt)`` are the block's rows in reverse order; ``k (b, g, jt, d)``,
-    ``v (b, g, jt, e)`` its keys; ``base`` the profile index of reversed row 0, key 0.
+    ``v (b, g, jt, e)`` its keys; ``base`` the profile index of reversed row 0, key 0; only
+    profile indices in ``keep = (first, last)`` (inclusive) are updated when it is given.
     """
     b, h, it, _ = q_rev.shape
     acc = torch.promote_types(q_rev.dtype, torch.float32)
@@ -64,33 +73,57 @@ def add_profile_grad(
     step = max(1, BLOCK_ELEMENTS // max(1, b * h * jt))
     for a0 in range(0, it, step):
         a1 = min(a0 + step, it)
-        q5 = q_rev[..., a0:a1, :].unflatten(1, (g, h // g))
+        # In place and as few passes as possible: these (b, h, rows, jt) blocks are the bulk of
+        # the extra work, and on a busy machine each pass also waits for a free core. The
+        # scale goes on the (rows, d) queries, unless they are of lower precision than acc.
+        exact = q_rev.dtype == acc
+        q5 = (q_rev[..., a0:a1, :] * scale if exact else q_rev[..., a0:a1, :]).unflatten(1, (g, h // g))
         s = (q5 @ k.unsqueeze(2).transpose(-1, -2)).flatten(1, 2).to(acc)
-        # in place: these (b, h, rows, jt) blocks are the bulk of the extra work
-        p = s.mul_(scale).add_(mask_rev[..., a0:a1, :]).sub_(lse_rev[..., a0:a1, None]).exp_()
+        s = s if exact else s.mul_(scale)
+        p = s.add_(mask_rev[..., a0:a1, :]).sub_(lse_rev[..., a0:a1, None]).exp_()
         dp = (d_out_rev[..., a0:a1, :].unflatten(1, (g, h // g)) @ v.unsqueeze(2).transpose(-1, -2)).flatten(1, 2)
         ds = dp.to(acc).sub_(delta_rev[..., a0:a1, None]).mul_(p)
-        ds = ds.sum(0)  # (h, rows, jt): the bias is shared by the batch
+        ds = ds[0] if b == 1 else ds.sum(0)  # (h, rows, jt): the bias is shared by the batch
         if d_profile.shape[0] == 1:
             ds = ds.sum(0, keepdim=True)
         sums = antidiagonal_sums(ds)
-        start = base + a0
-        d_profile[:, start : start + sums.shape[-1]] += sums.to(d_profile.dtype)
+        start, stop = base + a0, base + a0 + sums.shape[-1]
+        if keep is not None:  # entries outside are counted elsewhere (saturating_profile_grad)
+            lo, hi = max(start, keep[0]), min(stop, keep[1] + 1)
+            if lo >= hi:
+                continue
+            sums, start, stop = sums[..., lo - start : hi - start], lo, hi
+        d_profile[:, start:stop] += sums.to(d_profile.dtype)
 
 
-def saturating_profile_grad(d_profile: Tensor, diagonal, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor,
-                            lse: Tensor, delta: Tensor, scale: float, reach: int, forward_op) -> None:  # fmt: skip
+def far_profile_grad(d_profile: Tensor, d_out: Tensor, delta: Tensor, reach: int, offset0: int, far: tuple[Tensor, Tensor]) -> None:
+    """Add the far future's share of ``dL/d profile`` (offsets ``>= reach``) to ``d_profile``.
+
+    For the far future ``C`` of row ``r``, ``Σ_{c∈C} dS_rc = Σ_C P_rc (dO_r·v_c) - D_r Σ_C P_rc
+    = dO_r · far_out_r - D_r far_share_r``, with ``far_out = Σ_C P_rc v_c`` and ``far_share =
+    Σ_C P_rc`` kept by the forward pass (``fused_blocks._split_block``). All offsets of ``C``
+    share one bucket, so the sum goes to the profile entry of offset ``reach``.
+    ``d_out (b, h, i, e)``, ``delta (b, h, i)``, ``far = (far_out (b, h, i, e), far_share (b, h, i))``.
+    """
+    far_out, far_share = far
+    acc = d_profile.dtype
+    # einsum contracts through bmm: no (b, h, i, e) product in memory
+    part = torch.einsum("...e,...e->...", d_out.to(acc), far_out.to(acc)) - delta * far_share.to(acc)
+    part = part.flatten(0, -3).sum(0)  # (h, i): the bias is shared by the batch
+    d_profile[:, reach - offset0] += part.sum(-1) if d_profile.shape[0] > 1 else part.sum()
+
+
+def saturating_profile_grad(d_profile: Tensor, diagonal, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor,
+                            delta: Tensor, scale: float, reach: int) -> None:  # fmt: skip
     """``dL/d profile`` of a bias that is one value per side beyond ``|offset| >= reach``.
 
     T5's buckets saturate at ``max_distance``: every key at least that far in the future
     shares one bucket, and so does every key that far in the past. Only the sums of ``dS``
     over those two regions are needed there, not ``dS`` itself:
 
-    * the band ``|offset| < reach`` is done exactly (:func:`add_profile_grad`), costing
-      ``O(i · reach)``;
-    * for the far future ``C``, ``Σ_{c∈C} dS_rc = Σ_C P_rc (dO_r·v_c) - D_r Σ_C P_rc
-      = e^{lse^C_r - lse_r} (dO_r · out^C_r - D_r)``, where ``out^C, lse^C`` are the fused
-      kernel's output and log-sum-exp with the keys restricted to ``C``: one forward call;
+    * the band ``|offset| < reach`` is done exactly (:func:`add_profile_grad` on blocks of
+      :data:`BAND_ROWS` rows and the keys around their diagonal), costing ``O(i · reach)``;
+    * the far future is :func:`far_profile_grad`, which the caller must have added already;
     * for the far past, each row of ``dS`` sums to zero (``Σ_c P(dP - D) = D - D``), so its
       sum is minus everything else.
 
@@ -100,51 +133,19 @@ def saturating_profile_grad(d_profile: Tensor, diagonal, q: Tensor, k: Tensor, v
     i_len, j_len = q.shape[-2], k.shape[-2]
     rows = BAND_ROWS
     shift, off0, device = diagonal.shift, diagonal.offset0, q.device
-    prof = diagonal.profile
-    heads, length = prof.shape
-    # 1. the band |offset| < reach
+    band = (-reach + 1 - off0, reach - 1 - off0)  # profile indices of the band, inclusive
+    # 1. the band |offset| < reach: every key of a block of rows that is that close to one of them
     for i0 in range(0, i_len, rows):
         i1 = min(i0 + rows, i_len)
         jlo, jhi = max(0, i0 + shift - reach + 1), min(j_len, i1 - 1 + shift + reach)
         if jlo >= jhi:
             continue
         t = Tile(i0, i1, jlo, jhi, i_len, j_len, device)
-        back = torch.arange(i1 - i0, device=device)[:, None]  # reversed row a' is query i1 - 1 - a'
-        offset = jlo + torch.arange(jhi - jlo, device=device)[None, :] - (i1 - 1 - back) - shift
-        band = torch.zeros((), dtype=prof.dtype, device=device).masked_fill(offset.abs() >= reach, float("-inf"))
         r = slice(i0, i1)
         add_profile_grad(d_profile, q[..., r, :].flip(-2), k[..., jlo:jhi, :], v[..., jlo:jhi, :], d_out[..., r, :].flip(-2),
-                         lse[..., r].flip(-1), delta[..., r].flip(-1), diagonal.reversed_block(t) + band, diagonal.base(t), scale)  # fmt: skip
-    # 2. the far future, offset >= reach, through the kernel
-    far_index = reach - off0
-    if far_index < length:
-        far = prof.clone()
-        far[:, :far_index] = float("-inf")
-        total = torch.zeros(heads, dtype=d_profile.dtype, device=device)
-        w = diagonal.window
-        for i0 in range(0, i_len, 2 * rows):
-            i1 = min(i0 + 2 * rows, i_len)
-            jlo = max(0, i0 + shift + reach)
-            if jlo >= j_len:
-                continue
-            t = Tile(i0, i1, jlo, j_len, i_len, j_len, device)
-            view = far.as_strided((1, heads, i1 - i0, j_len - jlo), (0, length, 1, 1), far.storage_offset() + diagonal.base(t))
-            r = slice(i0, i1)
-            o, m = forward_op(q[..., r, :].flip(-2), k[..., jlo:, :], v[..., jlo:, :], 0.0, False, attn_mask=view, scale=scale)
-            o, m = o.flip(-2).to(d_profile.dtype), m.flip(-1).to(d_profile.dtype)
-            # rows with at least one allowed key in the region (else the kernel's o, m mean nothing)
-            row = torch.arange(i0, i1, device=device)
-            lo = torch.clamp(-row - shift, min=reach)
-            if w is not None and w.left is not None:
-                lo = torch.clamp(lo, min=-w.left)
-            hi = j_len - 1 - row - shift
-            if w is not None and w.right is not None:
-                hi = torch.clamp(hi, max=w.right)
-            part = torch.exp(m - lse[..., r]) * ((d_out[..., r, :].to(o.dtype) * o).sum(-1) - delta[..., r])
-            part = torch.where(lo <= hi, part, 0.0).sum(-1)  # (b, h)
-            total += part.sum(0) if heads > 1 else part.sum()
-        d_profile[:, far_index] += total
-    # 3. the far past, offset <= -reach: rows of dS sum to zero
+                         lse[..., r].flip(-1), delta[..., r].flip(-1), diagonal.reversed_block(t), diagonal.base(t), scale,
+                         keep=band)  # fmt: skip
+    # 2. the far past, offset <= -reach: rows of dS sum to zero
     past_index = -reach - off0
     if past_index >= 0:
         d_profile[:, past_index] -= d_profile.sum(-1)

@@ -10,8 +10,8 @@ Two engines, one contract (``out``, and the log-sum-exp ``lse (..., h, i)`` of e
   fused CPU kernel, given the bias and mask without an ``(h, i, j)`` tensor. A window mask
   with ALiBi or T5 buckets is a function of the query-key offset, handed to the kernel as
   a zero-copy strided view of an ``(h, i + j - 1)`` profile (a learned T5 table gets its
-  gradient from ``bias_grad``); other masks and biases are built one query block at a
-  time. The speed of ``F.scaled_dot_product_attention`` with at most one block's mask.
+  gradient from ``bias_grad``, with the far keys' share kept by a split forward); other
+  masks and biases are built one query block at a time. The speed of ``F.scaled_dot_product_attention`` with at most one block's mask.
 * ``online_softmax`` — everything else (additive and location scores, dropout, learned
   biases under other masks, dense biases that need a gradient, inputs without a batch or
   head dim): a Python loop over tiles with an online softmax and a custom backward that

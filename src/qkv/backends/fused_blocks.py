@@ -12,15 +12,25 @@ or mask tile by tile. So the queries are cut into blocks; each block gets its bi
 mask as one ``(h, it, jt)`` float tensor (masked entries ``-inf``) over only the keys its
 mask leaves visible (``tiles.key_range``), and one kernel call. Memory beyond the plain
 kernel is one block's bias, not the ``(h, i, j)`` tensor. The backward calls the kernel's
-own backward per block with the same bias, summing the key and value gradients.
+own backward per block with the same bias, summing the key and value gradients. Without a
+mask there are no keys to skip, and a single call over all rows is both the fastest and
+the smallest: its gradients are the result, with no accumulators or per-block copies.
 
 A query with no visible key comes out of the kernel as 0; its ``lse`` is set to ``+inf``
 (weights exp(s - lse) = 0) and its incoming gradient is zeroed, so its gradients are 0.
-The kernel cannot differentiate the bias, so learned biases go to ``online_softmax``.
+
+The kernel cannot differentiate the bias. For a learned shift-invariant bias under a
+window mask or none (T5 buckets) the gradient is rebuilt by ``bias_grad`` from the
+diagonals of ``dS``; beyond ``max_distance`` only region sums are needed, and those come
+from the forward pass: each query block is attended over its near keys (offset <
+``max_distance``) and its far-future keys separately, two kernel calls whose partial
+softmaxes are merged by their log-sum-exp, which leaves the far keys' share of every row
+(``_split_block``). Other learned biases go to ``online_softmax``.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +38,7 @@ from torch import Tensor
 
 from ..masks import Mask, Tile, Window
 from ..positional import LazyBias, RelativePositionBias
-from .bias_grad import add_profile_grad, saturating_profile_grad
+from .bias_grad import add_profile_grad, far_profile_grad, saturating_profile_grad
 from .tiles import NEG_INF, BiasSource, as_heads, key_range, shift_invariant
 
 _forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -36,9 +46,11 @@ _backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.
 
 #: Bytes allowed for one block's float bias/mask; blocks shrink to stay under it.
 BLOCK_BYTES = 32 * 2**20
-#: Query rows per call when the mask is a view of the diagonal profile (twice that without
-#: a window): fewer calls are faster; smaller blocks skip more of the keys a causal mask
-#: hides and keep the reversed copies of q, out and their gradients small.
+#: Query rows per call when the mask is a window read from the diagonal profile, and per
+#: near/far pair of calls of a learned T5 bias (whose key ranges overlap by this much):
+#: fewer calls are faster; smaller blocks skip more of the keys a causal mask hides and
+#: keep the reversed copies of q, out and their gradients small. Without a mask it is one
+#: call over all rows.
 DIAGONAL_ROWS = 512
 #: Key granularity for skipping keys a whole query block cannot see.
 KEY_STEP = 256
@@ -47,7 +59,7 @@ KEY_STEP = 256
 @dataclass
 class FusedPlan:
     mask: Mask | None
-    bias: object  # Tensor (dense, no grad), LazyBias without trainable parameters, or None
+    bias: object  # Tensor (dense, no grad), LazyBias (trainable only if shift-invariant), or None
     scale: float
     causal_square: bool  # the mask is exactly causal and i == j: the kernel's own flag is right
 
@@ -58,7 +70,7 @@ def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> in
     if (plan.mask is None and plan.bias is None) or plan.causal_square:
         return i_len
     if diagonal:  # masks are free views; blocks skip keys a window hides and bound the row flips
-        return min(i_len, DIAGONAL_ROWS if plan.mask is not None else 2 * DIAGONAL_ROWS)
+        return min(i_len, DIAGONAL_ROWS)
     per_row = max(1, q.shape[0] * q.shape[1] * j_len * q.element_size())  # worst case: a (b, h, it, jt) mask
     rows = max(32, BLOCK_BYTES // per_row) // 32 * 32
     return min(i_len, rows)
@@ -135,14 +147,35 @@ class DiagonalMask:
 
     def live(self, t: Tile) -> Tensor | None:
         """Bool ``(it, 1)``: rows with at least one key in the window; None if all are."""
-        w = self.window
-        if w is None:
+        if self.window is None:
             return None
-        rows = torch.arange(t.i0, t.i1, device=self.profile.device) + self.shift
-        lo = (rows - w.left).clamp(min=0) if w.left is not None else torch.zeros_like(rows)
-        hi = (rows + w.right).clamp(max=self.j_len - 1) if w.right is not None else torch.full_like(rows, self.j_len - 1)
-        live = lo <= hi
+        live = self.sees(t)
         return None if bool(live.all()) else live[:, None]
+
+    def sees(self, t: Tile, lo: int | None = None, hi: int | None = None) -> Tensor:
+        """Bool ``(it,)``: rows of ``t`` with a key in the window whose offset lies in ``[lo, hi]``."""
+        rows = torch.arange(t.i0, t.i1, device=self.profile.device) + self.shift
+        first, last = -rows, self.j_len - 1 - rows  # offsets of key 0 and of the last key
+        w = self.window
+        for bound in (lo, None if w is None or w.left is None else -w.left):
+            if bound is not None:
+                first = first.clamp(min=bound)
+        for bound in (hi, None if w is None else w.right):
+            if bound is not None:
+                last = last.clamp(max=bound)
+        return first <= last
+
+    def clipped(self, lo: int | None = None, hi: int | None = None) -> DiagonalMask:
+        """The same mask with every offset outside ``[lo, hi]`` masked too (a copy of the profile)."""
+        out = copy.copy(self)
+        offsets = torch.arange(self.offset0, self.offset0 + self.profile.shape[-1], device=self.profile.device)
+        outside = torch.zeros_like(offsets, dtype=torch.bool)
+        if lo is not None:
+            outside |= offsets < lo
+        if hi is not None:
+            outside |= offsets > hi
+        out.profile = self.profile.masked_fill(outside, NEG_INF)
+        return out
 
 
 def saturation(bias) -> int | None:
@@ -152,9 +185,9 @@ def saturation(bias) -> int | None:
     return None
 
 
-def _blocks(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool):
+def _blocks(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool, split: bool = False, whole: bool = False):
     i_len = q.shape[-2]
-    step = rows_per_block(plan, q, j_len, diagonal)
+    step = i_len if whole else min(i_len, DIAGONAL_ROWS) if split else rows_per_block(plan, q, j_len, diagonal)
     for i0 in range(0, i_len, step):
         i1 = min(i0 + step, i_len)
         if plan.causal_square:
@@ -162,6 +195,45 @@ def _blocks(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool):
             continue
         jlo, jhi = key_range(plan.mask, i0, i1, i_len, j_len, KEY_STEP, q.device)
         yield Tile(i0, i1, jlo, jhi, i_len, j_len, q.device)
+
+
+def far_reach(plan: FusedPlan, diagonal: DiagonalMask | None, profile: Tensor | None) -> int | None:
+    """``max_distance`` when a learned saturating bias has keys at offsets >= it, else None."""
+    reach = saturation(plan.bias)
+    if profile is None or diagonal is None or reach is None:
+        return None
+    w = diagonal.window
+    farthest = diagonal.i_len - 1 if w is None or w.right is None else min(diagonal.i_len - 1, w.right)
+    return reach if farthest >= reach else None
+
+
+def _split_block(near: DiagonalMask, far: DiagonalMask, t: Tile, q: Tensor, k: Tensor, v: Tensor, scale: float, reach: int):
+    """One block attended over offsets ``< reach`` and ``>= reach`` separately, then merged.
+
+    Returns ``(out, lse, far_out, far_share)`` for rows ``t.i0:t.i1``: ``far_share`` is the
+    softmax mass ``Σ_{c far} P_rc`` of the far keys and ``far_out = Σ_{c far} P_rc v_c``, which
+    the bias gradient needs (``bias_grad.saturating_profile_grad``). Merging two partial
+    softmaxes is ``lse = logaddexp(lse_1, lse_2)``, ``out = Σ_n exp(lse_n - lse) out_n``.
+    Each part costs its keys only: the two key ranges overlap by the block's height.
+    """
+    shift = near.shift
+    q_rev = q[..., t.i0 : t.i1, :].flip(-2)
+    parts = []
+    ranges = ((near, None, reach - 1, t.j0, min(t.j1, t.i1 - 1 + shift + reach)), (far, reach, None, max(t.j0, t.i0 + shift + reach), t.j1))
+    for mask, lo, hi, j0, j1 in ranges:
+        live = mask.sees(t, lo, hi) if j0 < j1 else None
+        if live is None or not bool(live.any()):
+            parts.append((0.0, torch.full(q_rev.shape[:-1], NEG_INF, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)))
+            continue
+        sub = Tile(t.i0, t.i1, j0, j1, t.i_len, t.j_len, q.device)
+        o, m = _forward(q_rev, k[..., j0:j1, :], v[..., j0:j1, :], 0.0, False, attn_mask=mask.reversed_block(sub), scale=scale)
+        parts.append((o.flip(-2), torch.where(live, m.flip(-1), NEG_INF)))  # the kernel gives a row with no key lse 0
+    (o_near, m_near), (o_far, m_far) = parts
+    lse = torch.logaddexp(m_near, m_far)  # -inf on rows that see no key at all
+    ref = torch.where(torch.isinf(lse), 0.0, lse)
+    w_near, far_share = torch.exp(m_near - ref), torch.exp(m_far - ref)
+    far_out = o_far * far_share[..., None].to(q.dtype)
+    return o_near * w_near[..., None].to(q.dtype) + far_out, lse, far_out, far_share
 
 
 class FusedBlocks(torch.autograd.Function):
@@ -175,13 +247,23 @@ class FusedBlocks(torch.autograd.Function):
         diagonal = DiagonalMask(plan, i_len, j_len, q.dtype, q.device, profile) if DiagonalMask.applies(plan) else None
         bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
         dead = []  # (rows, live) of blocks with rows that see no key
-        for t in _blocks(plan, q, j_len, diagonal is not None):
+        reach = far_reach(plan, diagonal, profile)
+        far_out = far_share = None
+        if reach is not None:  # learned T5 buckets: keep the far keys' share for the bias gradient
+            far_out, far_share = torch.zeros_like(out), torch.zeros_like(lse)
+            near, far = diagonal.clipped(hi=reach - 1), diagonal.clipped(lo=reach)
+        whole = diagonal is not None and plan.mask is None and reach is None  # nothing to skip: one call
+        for t in _blocks(plan, q, j_len, diagonal is not None, split=reach is not None, whole=whole):
             rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
             if t.j0 == t.j1:
                 dead.append((rows, None))
                 continue
             kc, vc = k[..., cols, :], v[..., cols, :]
-            if plan.causal_square:
+            if reach is not None:
+                o, m, far_out[..., rows, :], far_share[..., rows] = _split_block(near, far, t, q, k, v, plan.scale, reach)
+                live = torch.isfinite(m)[..., None]
+                live = None if bool(live.all()) else live
+            elif plan.causal_square:
                 o, m = _forward(q[..., rows, :], kc, vc, 0.0, True, scale=plan.scale)
                 live = None
             elif diagonal is not None:
@@ -197,7 +279,8 @@ class FusedBlocks(torch.autograd.Function):
                 dead.append((rows, live))
             out[..., rows, :] = o
             lse[..., rows] = m
-        ctx.plan, ctx.dead = plan, dead
+        # the far keys' share is an intermediate: kept on ctx so that backward can free it early
+        ctx.plan, ctx.dead, ctx.far = plan, dead, None if far_out is None else (far_out, far_share)
         ctx.save_for_backward(q, k, v, out, lse, profile)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -206,25 +289,29 @@ class FusedBlocks(torch.autograd.Function):
     def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
         plan: FusedPlan = ctx.plan
         q, k, v, out, lse, profile = ctx.saved_tensors
+        far, ctx.far = ctx.far, None
         i_len, j_len = q.shape[-2], k.shape[-2]
         d_out = d_out.contiguous()
         for rows, live in ctx.dead:  # no gradient flows from rows that see no key
             d_out[..., rows, :] = 0.0 if live is None else d_out[..., rows, :] * live
         # the kernel's backward wants its own lse: finite for dead rows (their d_out is 0 anyway)
         lse = torch.where(torch.isinf(lse), 0.0, lse)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq = dk = dv = None  # allocated by the first block that does not cover every row and key
         diagonal = DiagonalMask(plan, i_len, j_len, q.dtype, q.device, profile) if DiagonalMask.applies(plan) else None
         d_profile = None
         if profile is not None and ctx.needs_input_grad[4]:
             acc = torch.promote_types(q.dtype, torch.float32)
             d_profile = torch.zeros(profile.shape, dtype=acc, device=q.device)
-            delta = (d_out.to(acc) * out.to(acc)).sum(-1)  # D = rowsum(dO ∘ O)
+            delta = torch.einsum("...e,...e->...", d_out.to(acc), out.to(acc))  # D = rowsum(dO ∘ O), via bmm
         bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
         reach = saturation(plan.bias)
-        if d_profile is not None and reach is not None:
-            true_lse = ctx.saved_tensors[4]  # +inf on rows that see no key
-            saturating_profile_grad(d_profile, diagonal, q, k, v, d_out, true_lse, delta, plan.scale, reach, _forward)
-        for t in _blocks(plan, q, j_len, diagonal is not None):
+        if d_profile is not None and far is not None:
+            far_profile_grad(d_profile, d_out, delta, reach, diagonal.offset0, far)
+        del far  # freed before the kernel's backward allocates its gradients, which can reuse it
+        # Without a mask there are no keys to skip: one call over every row, whose gradients are
+        # the result (no accumulators and no per-block copies, which is what bounds the memory).
+        whole = diagonal is not None and plan.mask is None
+        for t in _blocks(plan, q, j_len, diagonal is not None, whole=whole):
             if t.j0 == t.j1:
                 continue
             rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
@@ -236,16 +323,27 @@ class FusedBlocks(torch.autograd.Function):
             elif not plan.causal_square:
                 add = _block_mask(plan, t, bias, q.dtype)[0]
             gq, gk, gv = _backward(*args, 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
-            if flip:
-                gq = gq.flip(-2)
             if d_profile is not None and reach is None:
                 add_profile_grad(
                     d_profile, args[1], args[2], args[3], args[0], args[5], delta[..., rows].flip(-1),
                     add, diagonal.base(t), plan.scale,
                 )  # fmt: skip
+            del args  # the flipped copies, before gq's
+            if flip:
+                gq = gq.flip(-2)
+            if (t.i1 - t.i0, t.j1 - t.j0) == (i_len, j_len):
+                dq, dk, dv = gq, gk, gv
+                continue
+            if dq is None:
+                dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
             dq[..., rows, :] = gq
             dk[..., cols, :] += gk
             dv[..., cols, :] += gv
+        if dq is None:  # every row saw no key
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if d_profile is not None and reach is not None:  # after the loop: its blocks reuse the freed memory
+            true_lse = ctx.saved_tensors[4]  # +inf on rows that see no key
+            saturating_profile_grad(d_profile, diagonal, q, k, v, d_out, true_lse, delta, plan.scale, reach)
         d_profile = None if d_profile is None else d_profile.to(profile.dtype)
         return None, dq, dk, dv, d_profile
 
