@@ -15,8 +15,8 @@ Two engines, one contract (``out``, and the log-sum-exp ``lse (..., h, i)`` of e
 * ``online_softmax`` — everything else (additive and location scores, dropout, learned
   biases under other masks, dense biases that need a gradient, inputs without a batch or
   head dim): a Python loop over tiles with an online softmax and a custom backward that
-  recomputes each tile. Memory is one tile, e.g. ``(it, jt, n)`` for the additive score
-  instead of the reference's ``(i, j, n)``.
+  recomputes each tile. Memory is one tile of logits plus, for the additive score, one
+  cache-sized ``(ib, jb, n)`` scratch block, instead of the reference's ``(i, j, n)``.
 
 Both skip tiles that the mask reports empty. Weights, when asked for, are rebuilt from
 ``lse`` (``backends.weights``), optionally for a few heads or rows only. Checked against
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..positional import LazyBias
+from . import additive_tiles
 from . import dropout as drop
 from .fused_blocks import DiagonalMask, FusedBlocks, FusedPlan
 from .online_softmax import Plan, TiledAttention
@@ -43,7 +44,8 @@ name = "chunked"
 #: This backend returns only the weights ``req.weights_for`` selects (others return all).
 selects_weights = True
 
-#: Elements of one tile of logits summed over batch and heads (times ``n`` for additive):
+#: Elements of one tile of logits summed over batch and heads (times ``n`` for a generic
+#: non-dot score that builds ``(it, jt, n)``):
 #: 64 MiB per float32 intermediate. Large tiles keep the Python loop short, which matters
 #: most on a busy machine, where every small parallel op waits for a thread to be scheduled.
 TILE_ELEMENTS = 2**24
@@ -128,7 +130,11 @@ def _online(req: Request, qp: Tensor, kp: Tensor, v: Tensor) -> tuple[Tensor, Te
 def _blocks(req: Request, qp: Tensor) -> tuple[int, int]:
     """Tile sides: as large as :data:`TILE_ELEMENTS` allows, so the Python loop stays short."""
     rows = math.prod(qp.shape[:-2])  # batch x heads
-    width = 1 if req.score.dot_form else max(1, qp.shape[-1])  # the additive score's (it, jt, n)
+    # A generic score builds (it, jt, n) per tile; the additive kernel sub-blocks its own
+    # (ib, jb, n) scratch (backends.additive_tiles), so its tiles are sized as logits only:
+    # fewer, larger tiles (measured 2.3x faster fwd+bwd at i = 2048 than n-wide sizing).
+    plain = req.score.dot_form or additive_tiles.applies(req.score)
+    width = 1 if plain else max(1, qp.shape[-1])
     budget = max(256, TILE_ELEMENTS // (rows * width))
     block_j = min(req.j, 1024, max(16, int(math.sqrt(budget))))
     block_i = min(req.i, max(16, budget // block_j))
