@@ -163,3 +163,18 @@ def test_bad_arguments_raise_with_the_argument_named(make, call, error, message)
     with pytest.raises(error, match=message):
         module = make()
         call(module, *inputs(5, 7, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("d, e, dtype, tol", [(D, E, torch.float64, 1e-10), (16, 16, torch.float32, 1e-5)])
+def test_unmasked_fused_path_equals_the_materialised_formula(d, e, dtype, tol):
+    # float32: the pseudo-inverse amplifies rounding, so the bound is relative (outputs reach ~30)
+    # Without a mask the module runs F̃ (Ã⁺ (B̃ V)) as two fused attention calls; with
+    # return_weights it builds F̃, Ã⁺, B̃ explicitly. d == e float32 takes PyTorch's flash kernel.
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, 21, d, generator=gen, dtype=dtype) * 2
+    k = torch.randn(B, G, 26, d, generator=gen, dtype=dtype) * 2
+    v = torch.randn(B, G, 26, e, generator=gen, dtype=dtype)
+    module = NystromAttention(5, pinv_iterations=8)
+    fused = module(q, k, v)
+    explicit, _ = module(q, k, v, return_weights=True)
+    torch.testing.assert_close(fused, explicit, atol=tol, rtol=tol if dtype == torch.float32 else 0)

@@ -186,3 +186,42 @@ def test_bad_arguments_raise_with_the_argument_named(make, call, error, message)
     with pytest.raises(error, match=message):
         module = make()
         call(module, *inputs(7, dtype=torch.float32))
+
+
+def test_flash_kernel_and_plain_twin_agree():
+    from qkv.approx._lsh import chunk_attention, plain_chunk_attention
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(5, n, 8, generator=gen, dtype=torch.float64) for n in (4, 8, 8))
+    bias = torch.zeros(5, 4, 8, dtype=torch.float64)
+    bias.masked_fill_(torch.rand(5, 4, 8, generator=gen) < 0.4, torch.finfo(torch.float64).min)
+    bias[:, :, 0] = 0  # every row keeps a key
+    out, lse = chunk_attention(q, k, v, bias, 0.3)
+    want, want_lse = plain_chunk_attention(q, k, v, bias, 0.3)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("d, e", [(D, E), (E, E)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_slabs_and_blocks_do_not_change_the_result(monkeypatch, d, e, is_causal):
+    # Tiny slabs and blocks: chunks of one slab span (b, h) rows, and blocks split the heads;
+    # the mask rows come from two half-line tables instead of the table of all intervals.
+    import qkv.approx.reformer as reformer
+
+    n = 23
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H, n, d, generator=gen, dtype=torch.float64) * 3
+    v = torch.randn(B, G, n, e, generator=gen, dtype=torch.float64)
+    module = LSHAttention(d, n_buckets=4, n_hashes=3, chunk_size=4, seed=2).eval()
+    mask = torch.rand(B, 1, n, n, generator=gen) < 0.85
+    want = module(q, q[:, :G], v, mask=mask, causal=is_causal)
+    monkeypatch.setattr(reformer, "SLAB", 3 * 4 * 8)
+    monkeypatch.setattr(reformer, "BLOCK_ROWS", 3 * 24)
+    monkeypatch.setattr(reformer, "INTERVAL_TABLE", 0)  # the two half-line tables instead of one
+    got = module(q, q[:, :G], v, mask=mask, causal=is_causal)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    allowed = union_of_rounds(q, module.rotations, 4) & mask
+    if is_causal:
+        allowed = allowed & causal(n)
+    torch.testing.assert_close(got, self_masked_softmax(q, repeat(v), allowed)[0], atol=1e-10, rtol=0)

@@ -10,8 +10,13 @@ queries and keys, and with ``s = scale``::
     F̃ = softmax(s Q K̃ᵀ) (i, m),   Ã = softmax(s Q̃ K̃ᵀ) (m, m),   B̃ = softmax(s Q̃ Kᵀ) (m, j)
     out = F̃ Ã⁺ (B̃ V)
 
-so nothing of size ``(i, j)`` is built. ``Ã⁺`` is the iterative Moore-Penrose inverse of the
-paper (eq. 16, after Razavi et al. 2014), started from ``Z₀ = Ãᵀ / (‖Ã‖₁ ‖Ã‖∞)``::
+so nothing of size ``(i, j)`` is built. Without a mask (and without ``return_weights``) the
+two products with ``V`` are fused attention calls, ``B̃ V = softmax(s Q̃ Kᵀ) V`` and
+``F̃ W = softmax(s Q K̃ᵀ) W`` with ``W = Ã⁺ B̃ V``, so neither ``(m, j)`` nor ``(i, m)`` is
+stored; landmarks are a reshape-mean (or one ``index_add``), ``O(n d)``.
+
+``Ã⁺`` is the iterative Moore-Penrose inverse of the paper (eq. 16, after Razavi et al.
+2014), started from ``Z₀ = Ãᵀ / (‖Ã‖₁ ‖Ã‖∞)``::
 
     Z ← ¼ Z (13 I − ÃZ (15 I − ÃZ (7 I − ÃZ)))        ``pinv_iterations`` times (paper: 6)
 
@@ -36,13 +41,14 @@ guaranteed non-negative. ``O(i j)`` memory, for inspection only.
 
 Checked against (tests/test_approx_nystrom.py): exact softmax attention computed in the test
 when ``num_landmarks >= i, j``; ``torch.linalg.pinv`` for the iteration; the formula above
-computed directly with explicit landmark segments.
+computed directly with explicit landmark segments; the fused path against the materialised
+``F̃ Ã⁺ B̃``. nystrom-attention (the peer package) agrees to float32 rounding (``qkv bench``).
 """
 
 from __future__ import annotations
 
 import torch
-from einops import einsum
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._args import positive_int
@@ -66,15 +72,20 @@ def segment_means(x: Tensor, m: int, keep: Tensor | None = None) -> tuple[Tensor
     """Landmarks of ``x (b, h, n, c)``: the means of ``m`` consecutive segments, ``(b, h, m, c)``.
 
     With ``keep (b, h, n)`` padded positions are left out of the means, and the second
-    result ``valid (b, h, m)`` says which segments had any real position.
+    result ``valid (b, h, m)`` says which segments had any real position. ``O(n c)`` work:
+    a reshape when ``m`` divides ``n``, else one ``index_add`` over the segment ids (a
+    one-hot ``(m, n)`` product would cost ``O(m n c)``, more than the attention itself).
     """
-    n = x.shape[-2]
-    onehot = (segment_ids(n, m, x.device)[None, :] == torch.arange(m, device=x.device)[:, None]).to(x.dtype)
+    b, h, n, c = x.shape
+    if keep is None and n % m == 0:
+        return x.reshape(b, h, m, n // m, c).mean(3), None
+    ids = segment_ids(n, m, x.device)
     if keep is None:
-        return einsum(onehot, x, "m n, b h n c -> b h m c") / onehot.sum(-1)[:, None], None
-    weight = onehot * keep[:, :, None, :].to(x.dtype)  # b h m n
-    counts = weight.sum(-1)
-    sums = einsum(weight, x.masked_fill(~keep[..., None], 0), "b h m n, b h n c -> b h m c")
+        counts = torch.bincount(ids, minlength=m).to(x.dtype)
+        return x.new_zeros(b, h, m, c).index_add(2, ids, x) / counts[:, None], None
+    weight = keep.to(x.dtype)  # b h n
+    counts = weight.new_zeros(keep.shape[:2] + (m,)).index_add(2, ids, weight)
+    sums = x.new_zeros(b, h, m, c).index_add(2, ids, x.masked_fill(~keep[..., None], 0))
     return sums / counts.clamp_min(1)[..., None], counts > 0
 
 
@@ -109,14 +120,16 @@ def nystrom_parts(
     ``keep (b, h, j)``: optional key padding mask.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q = q * scale
+    # The scale goes on the (m, d) landmarks, not on the (i, d) queries: every logit is
+    # linear in one landmark, and the means of scaled queries are the scaled means.
     q_marks, _ = segment_means(q, min(num_landmarks, q.shape[-2]))
     k_marks, valid = segment_means(k, min(num_landmarks, k.shape[-2]), keep)
+    q_marks, k_scaled = q_marks * scale, k_marks * scale
     marks_kept = None if valid is None else valid[:, :, None, :]
     keys_kept = None if keep is None else keep[:, :, None, :]
-    f = masked_softmax(einsum(q, k_marks, "b h i d, b h m d -> b h i m"), marks_kept)
-    a = masked_softmax(einsum(q_marks, k_marks, "b h n d, b h m d -> b h n m"), marks_kept)
-    bt = masked_softmax(einsum(q_marks, k, "b h m d, b h j d -> b h m j"), keys_kept)
+    f = masked_softmax(q @ k_scaled.transpose(-1, -2), marks_kept)  # b h i m
+    a = masked_softmax(q_marks @ k_marks.transpose(-1, -2), marks_kept)  # b h m m
+    bt = masked_softmax(q_marks @ k.transpose(-1, -2), keys_kept)  # b h m j
     # The iteration multiplies m x m matrices 3 * pinv_iterations times: run it in at least float32.
     a_pinv = iterative_pinv(a.to(torch.promote_types(a.dtype, torch.float32)), pinv_iterations).to(a.dtype)
     return f, a_pinv, bt
@@ -139,6 +152,8 @@ def nystrom_attention(
     """
     b, h = q.shape[:2]
     k, v = repeat_kv(k, h), repeat_kv(v, h)
+    if keep is None and not return_weights:
+        return _fused(q, k, v, num_landmarks=num_landmarks, pinv_iterations=pinv_iterations, scale=scale)
     if keep is not None:
         keep = keep.expand(b, h, k.shape[-2])
     f, a_pinv, bt = nystrom_parts(
@@ -149,6 +164,24 @@ def nystrom_attention(
     if return_weights:
         return out, f @ (a_pinv @ bt)
     return out
+
+
+def _fused(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, pinv_iterations: int, scale: float | None) -> Tensor:
+    """:func:`nystrom_attention` without masks: ``F̃ (Ã⁺ (B̃ V))`` as two fused attention calls.
+
+    ``B̃ V = softmax(s Q̃ Kᵀ) V`` is attention of the landmark queries over all keys, and
+    ``F̃ W = softmax(s Q K̃ᵀ) W`` attention of all queries over the landmark keys with values
+    ``W = Ã⁺ B̃ V (m, e)``; ``scaled_dot_product_attention`` computes each without storing the
+    ``(m, j)`` and ``(i, m)`` weights (at long lengths those tensors, not the arithmetic, were
+    the cost).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_marks, _ = segment_means(q, min(num_landmarks, q.shape[-2]))
+    k_marks, _ = segment_means(k, min(num_landmarks, k.shape[-2]))
+    a = (q_marks @ k_marks.transpose(-1, -2) * scale).softmax(-1)
+    a_pinv = iterative_pinv(a.to(torch.promote_types(a.dtype, torch.float32)), pinv_iterations).to(a.dtype)
+    values = a_pinv @ F.scaled_dot_product_attention(q_marks, k, v, scale=scale)  # b h m e
+    return F.scaled_dot_product_attention(q, k_marks, values, scale=scale)
 
 
 class NystromAttention(nn.Module):

@@ -17,16 +17,32 @@ Kitaev, Kaiser, Levskaya, "Reformer: The Efficient Transformer" (ICLR 2020), sec
   chunks of ``chunk_size``; each chunk attends to itself and to the chunk before it in
   sorted order (the first chunk has none), and only to keys of the query's own bucket
   (eq. 3, ``m(j, P_i) = ∞`` outside the bucket). Logits ``scale · q_p · k_t``.
-- **Rounds.** With ``P_p^(r)`` what query ``p`` sees in round ``r`` and ``N_pt`` the number of
-  rounds in which it sees key ``t``, each round's logits get ``− log N_pt`` and the rounds
-  are combined by their log-sum-exp ``z_r``: ``out_p = Σ_r exp(z_r − logsumexp_r z_r) out_p^(r)``.
-  That is exactly softmax attention over the union ``∪_r P_p^(r)`` (section 2, "multi-round
-  LSH attention"), each key counted once.
+- **Rounds.** A key that query ``p`` sees in several rounds is counted once: the paper
+  subtracts ``log N_pt`` (``N_pt`` rounds see the pair) and combines the rounds by their
+  log-sum-exp ``z_r``, ``out_p = Σ_r exp(z_r − logsumexp_r z_r) out_p^(r)``, which is softmax
+  attention over the union ``∪_r P_p^(r)`` (section 2, "multi-round LSH attention"). Here
+  each pair is kept in the first round that sees it and masked in later ones: the same
+  union, each key once, and no count to compute.
+
+How it is computed (``O(b h r i · chunk)`` time and memory, no ``(i, j)`` tensor): inside a
+round, the sorted order is bucket-major and position-ordered within a bucket, so the keys a
+sorted query may see form one interval of its window (its bucket, cut to the window;
+causal: up to itself). Whether round ``r'`` already paired ``p`` and ``t`` is one integer
+test: with ``code(s)`` counting +2 at each bucket change and +1 at each chunk start along
+round ``r'``'s sorted order, ``p`` sees ``t`` in that round exactly when
+``code(p) − code(t) ∈ {0, 1}`` (same bucket and same or previous chunk). The intervals, the
+earlier-round test and the self penalty become one additive mask per slab of chunks, and
+one fused attention call (PyTorch's CPU flash kernel, which also returns each row's
+log-sum-exp) does the rest. Work is done in blocks of ``(b, h)`` rows and slabs of chunks
+with buffers reused across them: at long lengths, allocating fresh pages costs as much as
+the arithmetic. The many small bookkeeping ops run on one thread and only the attention
+kernel and the hashing matmul use the caller's thread count (on a busy machine, a thread
+team per small op stalls). The pieces (hashing, intervals, codes, windows, the kernel and
+its plain twin, round combination) are in :mod:`qkv.approx._lsh`.
 
 Causal (``causal=True``) also drops keys after the query; any bool mask ``(b, h, i, j)`` is
-honoured by reading its entries for the pairs inside the chunks. Memory is
-``O(b h r i · chunk)``: no ``(i, j)`` tensor is built. A length that is not a multiple of
-``chunk_size`` is padded with tokens that sort last and are never attended to.
+honoured by reading its entries for the pairs inside the chunks. A length that is not a
+multiple of ``chunk_size`` is padded with tokens that sort last, in a bucket of their own.
 
 Randomness: the rotations are a buffer drawn from the module's generator (``seed`` or
 ``generator``, reproducible). The paper hashes with fresh rotations at every step; here
@@ -39,7 +55,8 @@ scattered into a dense matrix, ``O(i²)`` memory, for inspection only.
 Checked against (tests/test_approx_reformer.py): exact shared-QK attention with the self
 mask computed in the test (``n_buckets=1``, one chunk); a dense masked softmax over the
 union of buckets-and-chunks rebuilt in the test from the module's own hashes (several
-rounds, causal, padding); a run at ``i = 4096`` whose largest intermediate is far below ``i²``.
+rounds, causal, padding, masks, the flash kernel and the plain fallback); a run at
+``i = 4096`` whose largest intermediate is far below ``i²``.
 """
 
 from __future__ import annotations
@@ -48,19 +65,24 @@ import math
 
 import torch
 import torch.nn.functional as F
-from einops import einsum, rearrange
 from torch import Tensor, nn
 
 from .._args import positive_int
-from ._common import (
-    check_flags,
-    check_interval,
-    check_qkv,
-    check_scale,
-    dense_mask,
-    make_generator,
-    repeat_kv,
+from ._common import check_flags, check_interval, check_qkv, check_scale, dense_mask, make_generator, repeat_kv
+from ._lsh import (
+    Buffers,
+    chunk_attention,
+    combine_rounds,
+    dense_weights,
+    hash_into,
+    interval_bounds,
+    window_codes,
+    windows,
 )
+
+BLOCK_ROWS = 1 << 14  # sorted positions per block of (b, h) rows: a block's buffers stay ~50 MB at d = e = 64
+SLAB = 1 << 21  # logits per slab of chunks: one mask of 8 MB (float32), one attention call
+INTERVAL_TABLE = 1 << 20  # largest table of all (lo, hi) mask rows, in entries (chunk_size <= 50)
 
 
 def random_rotations(
@@ -74,25 +96,16 @@ def random_rotations(
 def lsh_buckets(x: Tensor, rotations: Tensor) -> Tensor:
     """Bucket of each vector of ``x (b, h, n, d)`` in each round: ``(b, h, r, n)`` in ``[0, n_buckets)``.
 
-    ``argmax([xR; −xR])``; with zero-width rotations (``n_buckets=1``) every bucket is 0.
+    ``argmax([xR; −xR])`` (first maximum on ties); with zero-width rotations (``n_buckets=1``)
+    every bucket is 0.
     """
-    b, h, n, _ = x.shape
-    if rotations.shape[-1] == 0:
-        return torch.zeros(b, h, rotations.shape[0], n, dtype=torch.long, device=x.device)
-    proj = einsum(x, rotations.to(x), "b h n d, r d k -> b h r n k")
-    return torch.cat([proj, -proj], dim=-1).argmax(-1)
-
-
-def _per_round(x: Tensor, order: Tensor) -> Tensor:
-    """``x (b, h, n, f)`` read in each round's order ``(b, h, r, n)`` -> ``(b, h, r, n, f)``."""
-    b, h, r, n = order.shape
-    f = x.shape[-1]
-    return x[:, :, None].expand(b, h, r, n, f).gather(3, order[..., None].expand(b, h, r, n, f))
-
-
-def _with_previous(x: Tensor) -> Tensor:
-    """Chunks ``(b, h, r, c, x, ...)`` joined with the chunk before them -> ``(b, h, r, c, 2x, ...)``."""
-    return torch.cat([x, x.roll(1, dims=3)], dim=4)
+    b, h, n, d = x.shape
+    rounds, _, half = rotations.shape
+    if half == 0:
+        return torch.zeros(b, h, rounds, n, dtype=torch.long, device=x.device)
+    out = torch.empty(b * h * n, rounds, dtype=torch.long, device=x.device)
+    hash_into(out, x.reshape(b * h * n, d), rotations.to(x))
+    return out.view(b, h, n, rounds).permute(0, 1, 3, 2)
 
 
 def lsh_attention(
@@ -110,82 +123,182 @@ def lsh_attention(
 
     ``rotations (r, d, n_buckets // 2)``; ``mask``: bool, 4-d, broadcastable to ``(b, h, i, i)``.
     """
+    # Intra-op threads are left as the caller set them: scoping the bookkeeping to one thread
+    # helped only on an oversubscribed machine (quiet, 2 threads: 0.51 s with the caller's
+    # threads vs 0.59 s scoped at i = 16K) and changing the global count is not thread-safe.
+    return _lsh_attention(q, v, rotations, chunk_size, mask, causal, scale, return_weights)
+
+
+def _lsh_attention(q, v, rotations, chunk_size, mask, causal, scale, return_weights):
     b, h, n, d = q.shape
     e = v.shape[-1]
-    scale = d**-0.5 if scale is None else scale
-    n_buckets = max(1, 2 * rotations.shape[-1])
+    w = max(d, e)  # the flash kernel wants one head size: q, k or v get zero columns
+    rounds, _, half = rotations.shape
+    n_buckets = max(1, 2 * half)
     size = min(chunk_size, n)
-    length = math.ceil(n / size) * size  # padded length, a whole number of chunks
-    chunks = length // size
-    pad = length - n
-
-    buckets = lsh_buckets(q.detach(), rotations)  # b h r n
-    buckets = F.pad(buckets, (0, pad), value=n_buckets)  # padding sorts after every real bucket
-    rounds = buckets.shape[2]
-    positions = torch.arange(length, device=q.device)
-    order = (buckets * length + positions).argsort(-1)  # sorted slot -> position; keys are unique
-    slot = order.argsort(-1)  # position -> sorted slot
-
-    queries = F.pad(q, (0, 0, 0, pad))
-    keys = F.normalize(queries, dim=-1)
-    values = F.pad(v, (0, 0, 0, pad))
-    split = "b h r (c x) f -> b h r c x f"
-    sq = rearrange(_per_round(queries, order), split, x=size)
-    sk = _with_previous(rearrange(_per_round(keys, order), split, x=size))
-    sv = _with_previous(rearrange(_per_round(values, order), split, x=size))
-    qpos = rearrange(order, "b h r (c x) -> b h r c x", x=size)
-    kpos = _with_previous(qpos)
-    qbucket = buckets.gather(-1, order).view_as(qpos)
-    kbucket = _with_previous(qbucket)
-
-    logits = einsum(sq, sk, "b h r c x d, b h r c y d -> b h r c x y") * scale
-    allowed = (qbucket[..., :, None] == kbucket[..., None, :]) & (kpos < n)[..., None, :]
-    first = torch.zeros(chunks, 1, 2 * size, dtype=torch.bool, device=q.device)
-    first[0, :, size:] = True  # the first chunk has no previous chunk (roll wrapped the last one in)
-    allowed = allowed & ~first
-    if causal:
-        allowed = allowed & (kpos[..., None, :] <= qpos[..., :, None])
-    if mask is not None:
-        full = mask.expand(b, h, n, n)
-        bi = torch.arange(b, device=q.device).view(b, 1, 1, 1, 1, 1)
-        hi = torch.arange(h, device=q.device).view(1, h, 1, 1, 1, 1)
-        allowed = allowed & full[bi, hi, qpos.clamp(max=n - 1)[..., :, None], kpos.clamp(max=n - 1)[..., None, :]]
-
-    if rounds > 1:
-        # N_pt: in how many rounds query p sees key t (same bucket, same or previous chunk).
-        chunk_of = slot // size  # b h r n
-        seen = torch.zeros_like(logits)
-        for other in range(rounds):
-            cq = chunk_of[:, :, other].gather(-1, qpos.flatten(2)).view_as(qpos)
-            ck = chunk_of[:, :, other].gather(-1, kpos.flatten(2)).view_as(kpos)
-            bq = buckets[:, :, other].gather(-1, qpos.flatten(2)).view_as(qpos)
-            bk = buckets[:, :, other].gather(-1, kpos.flatten(2)).view_as(kpos)
-            near = (ck[..., None, :] == cq[..., :, None]) | (ck[..., None, :] == cq[..., :, None] - 1)
-            seen = seen + (near & (bk[..., None, :] == bq[..., :, None])).to(seen.dtype)
-        logits = logits - seen.clamp_min(1).log()
-
-    lowest = torch.finfo(logits.dtype).min
-    itself = qpos[..., :, None] == kpos[..., None, :]
-    logits = logits.masked_fill(~allowed, lowest)
-    # Self pairs at lowest/2: zero weight next to any real key, all the weight if alone.
-    logits = logits.masked_fill(itself & allowed, lowest / 2)
-    lse = logits.logsumexp(-1)  # b h r c x
-    probs = (logits - lse[..., None]).exp() * allowed  # rows with nothing allowed are zeros
-    out = einsum(probs, sv, "b h r c x y, b h r c y e -> b h r c x e")
-    out = rearrange(out, "b h r c x e -> b h r (c x) e")
-    lse = rearrange(lse.masked_fill(~allowed.any(-1), lowest), "b h r c x -> b h r (c x)")
-
-    # Back to positions, then combine the rounds by their share of the total mass.
-    out = out.gather(3, slot[..., None].expand(b, h, rounds, length, e))
-    share = lse.gather(3, slot).softmax(dim=2)  # b h r n
-    result = (share[..., None] * out).sum(2)[:, :, :n]
+    length = math.ceil(n / size) * size
+    step = max(1, BLOCK_ROWS // length)  # (b, h) rows per block
+    # Buffers are reused across blocks, rounds and slabs, unless autograd has to keep them.
+    bufs = Buffers(not (torch.is_grad_enabled() and (q.requires_grad or v.requires_grad)), q.device)
+    call = _Call(size=size, w=w, scale=d**-0.5 if scale is None else scale, n=n, heads=h, dtype=q.dtype,
+                 per_slab=max(1, SLAB // (size * 2 * size)), bufs=bufs,
+                 mask=None if mask is None else mask.expand(b, h, n, n))  # fmt: skip
+    rot = rotations.to(q)
+    results, weights = [], []
+    final = q.new_empty(b * h, n, e) if bufs.reuse else None  # written block by block
+    for i0 in range(0, b * h, step):
+        m = min(step, b * h - i0)
+        qb, vb = q.reshape(b * h, n, d)[i0 : i0 + m], v.reshape(b * h, n, e)[i0 : i0 + m]
+        buckets = torch.full((m, rounds, length), n_buckets, dtype=torch.long, device=q.device)  # padding sorts last
+        if half:
+            hashed = torch.empty(m * n, rounds, dtype=torch.long, device=q.device)
+            hash_into(hashed, qb.detach().reshape(m * n, d), rot)
+            buckets[:, :, :n] = hashed.view(m, n, rounds).transpose(1, 2)
+        else:
+            buckets[:, :, :n] = 0
+        sorted_buckets, order = buckets.sort(dim=-1, stable=True)  # m r length: slot -> position
+        lo, hi = interval_bounds(sorted_buckets, size, causal)
+        code = window_codes(sorted_buckets, order, size) if rounds > 1 else None
+        # [q | q/|q| | v] by position, zero-padded to the width w and the length
+        table = bufs.get("table", (m * length, 3 * w), q.dtype).view(m, length, 3 * w)
+        if w != d or w != e or length != n:
+            table.zero_()
+        table[:, :n, :d] = qb
+        table[:, :n, w : w + d] = F.normalize(qb, dim=-1)
+        table[:, :n, 2 * w : 2 * w + e] = vb
+        offsets = (torch.arange(m, device=q.device) * length)[:, None]
+        heads = torch.arange(i0, i0 + m, device=q.device)
+        outs, lses, kept = [], [], []
+        for r in range(rounds):
+            # the same rows by sorted slot, after `size` zero rows (the first chunk's empty window half)
+            flat = (order[:, r] + offsets).reshape(-1)
+            if bufs.reuse:
+                rows = bufs.get("rows", (size + m * length, 3 * w), q.dtype)
+                rows[:size] = 0
+                torch.index_select(table.view(-1, 3 * w), 0, flat, out=rows[size:])
+            else:
+                rows = torch.cat([table.new_zeros(size, 3 * w), table.view(-1, 3 * w).index_select(0, flat)])
+            earlier = None
+            if r > 0:  # the earlier rounds' codes, read in this round's sorted order
+                earlier = code[:, :r].gather(-1, order[:, r : r + 1].expand(m, r, length))
+                earlier = earlier.transpose(0, 1).reshape(r, m * length)
+            out_r, lse_r, empty_r, logits_r = _round(call, rows, lo[:, r], hi[:, r], earlier, order[:, r], heads,
+                                                     return_weights)  # fmt: skip
+            back = torch.empty_like(order[:, r]).scatter_(-1, order[:, r], _arange(length, q.device).expand(m, length))
+            back = (back[:, :n] + offsets).reshape(-1)  # position -> flat sorted row
+            if bufs.reuse:
+                outs.append(torch.index_select(out_r, 0, back, out=bufs.get(f"by_position{r}", (m * n, w), q.dtype)))
+            else:
+                outs.append(out_r.index_select(0, back))
+            outs[-1] = outs[-1].view(m, n, w)
+            lses.append(lse_r.index_select(0, back).view(m, n))
+            kept.append(None if empty_r is None else ~empty_r.index_select(0, back).view(m, n))
+            if return_weights:
+                weights.append((i0, order[:, r], logits_r - lse_r.view(-1, size, 1)))
+        out, share = combine_rounds(outs, lses, kept)
+        if final is not None:
+            final[i0 : i0 + m] = out[..., :e]
+        else:
+            results.append(out[..., :e])
+        if return_weights:
+            weights.append((i0, None, share))
+    out = (final if final is not None else torch.cat(results)).view(b, h, n, e)
     if not return_weights:
-        return result
-    weights = probs * rearrange(share.gather(3, order), "b h r (c x) -> b h r c x", x=size)[..., None]
-    flat = (qpos[..., :, None] * length + kpos[..., None, :]).expand_as(weights)
-    dense = torch.zeros(b, h, length * length, dtype=weights.dtype, device=q.device)
-    dense = dense.scatter_add(2, flat.flatten(2), weights.flatten(2))
-    return result, dense.view(b, h, length, length)[:, :, :n, :n]
+        return out
+    return out, dense_weights(weights, b * h, n, length, size).view(b, h, n, n)
+
+
+def _arange(n: int, device: torch.device) -> Tensor:
+    return torch.arange(n, device=device)
+
+
+class _Call:
+    """What every round of one call shares: sizes, the mask, the buffers, the interval tables."""
+
+    def __init__(self, *, size, w, scale, n, heads, dtype, per_slab, bufs, mask):
+        self.size, self.w, self.scale, self.n, self.heads = size, w, scale, n, heads
+        self.per_slab, self.bufs, self.mask = per_slab, bufs, mask
+        self.lowest = torch.finfo(dtype).min
+        # Masked keys get `lowest`, keys seen in an earlier round `lowest / 2`, the self pair
+        # `lowest / 16`: each is far below the next (exp of the gap is 0), all far below real logits.
+        self.self_logit = self.lowest / 16
+        y = torch.arange(2 * size + 1, device=bufs.device)
+        # rows of the additive interval mask: `above[lo]` keeps y >= lo, `below[hi]` keeps y < hi
+        self.above = y.new_zeros(2 * size + 1, 2 * size, dtype=dtype).masked_fill_(y[None, :-1] < y[:, None], self.lowest)
+        self.below = y.new_zeros(2 * size + 1, 2 * size, dtype=dtype).masked_fill_(y[None, :-1] >= y[:, None], self.lowest)
+        self.intervals = None  # all (lo, hi) rows at once when that table is small (chunk_size <= 50)
+        if (2 * size + 1) ** 2 * 2 * size <= INTERVAL_TABLE:
+            self.intervals = torch.minimum(self.above[:, None], self.below[None]).view(-1, 2 * size)
+
+
+def _round(call, rows, lo, hi, earlier, order, heads, keep_logits):
+    """One hash round of a block: ``(out (m length, w), lse (m length), empty or None, logits or None)`` by sorted slot.
+
+    ``rows (size + m length, 3 w)``: ``[q | k | v]`` by sorted slot after ``size`` zero rows;
+    ``lo, hi (m, length)``: the interval each slot may see; ``earlier (r', m length)``:
+    window codes of the earlier rounds; ``order (m, length)``: slot -> position.
+    """
+    size, w, bufs = call.size, call.w, call.bufs
+    total = rows.shape[0] - size
+    dtype = rows.dtype
+    lo, hi = lo.reshape(-1), hi.reshape(-1)
+    out = bufs.get("out", (total, w), dtype) if bufs.reuse else []
+    lse = bufs.get("lse", (total,), dtype) if bufs.reuse else []
+    empty = None if call.mask is None else torch.empty(total, dtype=torch.bool, device=rows.device)
+    kept_logits = []
+    if earlier is not None:
+        rounds = earlier.shape[0]
+        cq = 2 * earlier - 1
+        ck = torch.cat([earlier.new_zeros(rounds, size), 2 * earlier], 1)
+        stretch = torch.tensor(-call.lowest / 2, dtype=dtype)
+    if call.mask is not None:
+        positions = torch.cat([order.new_zeros(size), order.reshape(-1)]).clamp_(max=call.n - 1)
+        chunks_per_row = order.shape[1] // size
+    for g0 in range(0, total // size, call.per_slab):
+        s = min(call.per_slab, total // size - g0)
+        part = slice(g0 * size, (g0 + s) * size)
+        bias = bufs.get("bias", (s, size, 2 * size), dtype)
+        other = bufs.get("other", (s, size, 2 * size), dtype)
+        if call.intervals is not None:  # one row per (lo, hi) pair
+            torch.index_select(call.intervals, 0, lo[part] * (2 * size + 1) + hi[part], out=bias.view(-1, 2 * size))
+        else:
+            torch.index_select(call.above, 0, lo[part], out=bias.view(-1, 2 * size))
+            torch.index_select(call.below, 0, hi[part], out=other.view(-1, 2 * size))
+            torch.minimum(bias, other, out=bias)
+        if earlier is not None:
+            # |2 code(p) − 1 − 2 code(t)| is 1 exactly when an earlier round paired p and t
+            cqs = cq[:, part].view(rounds, s, size, 1)
+            cks = ck.as_strided((rounds, s, 1, 2 * size), (ck.stride(0), size, 0, 1), ck.storage_offset() + g0 * size)
+            gap = torch.sub(cqs, cks, out=bufs.get("gaps", (rounds, s, size, 2 * size), ck.dtype)).abs_()
+            if rounds > 1:
+                gap = torch.amin(gap, 0, out=bufs.get("closest", (s, size, 2 * size), ck.dtype))
+            else:
+                gap = gap[0]
+            # (gap − 2) · |lowest|/2: lowest/2 for a pair seen before, >= 0 (no change) otherwise
+            torch.minimum(bias, torch.mul(gap.sub_(2), stretch, out=other), out=bias)
+        bias[:, :, size:].diagonal(dim1=1, dim2=2).fill_(call.self_logit)
+        if call.mask is not None:
+            qpos = positions[size:][part].view(s, 1, size, 1)
+            kpos = windows(positions[:, None], size, s, g0, slice(None)).view(s, 1, 1, 2 * size)
+            row = torch.div(torch.arange(g0, g0 + s, device=rows.device), chunks_per_row, rounding_mode="floor")
+            flat = heads[row].view(s, 1, 1, 1)
+            allowed = call.mask[flat // call.heads, flat % call.heads, qpos, kpos].view(s, size, 2 * size)
+            bias.masked_fill_(~allowed, call.lowest)
+            empty[part] = (bias.amax(-1) < call.lowest / 4).view(-1)  # no key and not even itself
+        q_s = rows[size:][part, :w].view(s, size, w)
+        k_s, v_s = windows(rows, size, s, g0, slice(w, 2 * w)), windows(rows, size, s, g0, slice(2 * w, 3 * w))
+        o, l = chunk_attention(q_s, k_s, v_s, bias, call.scale)
+        if bufs.reuse:
+            out[part].view(s, size, w).copy_(o)
+            lse[part].view(s, size).copy_(l)
+        else:
+            out.append(o.reshape(-1, w))
+            lse.append(l.reshape(-1))
+        if keep_logits:
+            kept_logits.append(torch.baddbmm(bias, q_s, k_s.transpose(1, 2), alpha=call.scale))
+    if not bufs.reuse:
+        out, lse = torch.cat(out), torch.cat(lse)
+    return out, lse, empty, (torch.cat(kept_logits) if keep_logits else None)
 
 
 class LSHAttention(nn.Module):

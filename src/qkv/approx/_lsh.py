@@ -1,0 +1,178 @@
+"""Pieces of the fast LSH attention in :mod:`qkv.approx.reformer`: hashing, windows, masks, chunk attention.
+
+Shape legend: ``b`` batch, ``h`` heads, ``i`` length, ``d`` query/key size, ``e`` value size
+(``w = max(d, e)`` the common width), ``r`` hash rounds, ``s`` chunks of a slab, ``x``
+queries of a chunk (``chunk_size``), ``y`` keys a chunk sees (``2 · chunk_size``).
+
+Everything here works on *sorted slots*: within a round, the positions of a ``(b, h)`` row
+sorted by ``(bucket, position)``, cut into chunks of ``x``; chunk ``c`` sees the slots
+``[(c − 1) x, (c + 1) x)`` (its own chunk and the one before). See the reformer module for
+the paper and the overall algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+HASH_ROWS = 1 << 12  # rows per projection block: one (rows, r · n_buckets/2) score buffer, few matmul calls
+
+_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def hash_into(out: Tensor, x: Tensor, rotations: Tensor) -> None:
+    """Angular LSH buckets ``argmax([xR; −xR])`` of ``x (n, d)`` for ``rotations (r, d, k)`` into ``out (n, r)``.
+
+    The first maximum wins, as ``argmax`` over the concatenation would pick it: the ``+``
+    half when ``max(xR) >= −min(xR)``, else ``k`` plus the first column holding the minimum.
+    Scores are made a block of rows at a time into one buffer (no ``(n, r, 2k)`` tensor).
+    """
+    n, d = x.shape
+    rounds, _, k = rotations.shape
+    flat = rotations.permute(1, 0, 2).reshape(d, rounds * k)
+    earlier_first = torch.arange(k - 1, -1, -1, dtype=torch.int16, device=x.device)  # larger for earlier columns
+    scores = x.new_empty(min(n, HASH_ROWS), rounds * k)
+    for start in range(0, n, HASH_ROWS):
+        stop = min(n, start + HASH_ROWS)
+        proj = torch.mm(x[start:stop], flat, out=scores[: stop - start]).view(stop - start, rounds, k)
+        top, low = proj.amax(-1, keepdim=True), proj.amin(-1, keepdim=True)
+        plus = top >= -low
+        hits = proj == torch.where(plus, top, low)
+        first = (k - 1) - (hits * earlier_first).amax(-1)
+        torch.add(first, (~plus[..., 0]).long() * k, out=out[start:stop])
+
+
+def interval_bounds(sorted_buckets: Tensor, size: int, causal: bool) -> tuple[Tensor, Tensor]:
+    """For each sorted slot, the keys it may see as ``[lo, hi)`` in its window's ``2 · size`` slots.
+
+    ``sorted_buckets (..., length)`` non-decreasing. Same bucket and inside the window:
+    ``[max(bucket start, window start), min(bucket end, window end))``; causal stops at the
+    slot itself (inside a bucket, slots are in position order). The first chunk's window
+    starts at its own chunk (no wrap-around).
+    """
+    length = sorted_buckets.shape[-1]
+    slots = torch.arange(length, device=sorted_buckets.device)
+    window = (slots // size - 1) * size  # first slot of the window (negative for the first chunk)
+    start = torch.searchsorted(sorted_buckets, sorted_buckets, side="left")
+    lo = torch.maximum(start, window) - window
+    if causal:
+        hi = (slots + 1 - window).expand_as(lo)
+    else:
+        end = torch.searchsorted(sorted_buckets, sorted_buckets, side="right")
+        hi = torch.minimum(end, window + 2 * size) - window
+    return lo, hi
+
+
+def window_codes(sorted_buckets: Tensor, order: Tensor, size: int) -> Tensor:
+    """``code (..., r, length)`` by position: ``p`` sees ``t`` in round ``r`` iff ``code(p) − code(t) ∈ {0, 1}``.
+
+    Along each round's sorted order the code grows by 2 at a bucket change and by 1 at a
+    chunk start: same bucket and same chunk differ by 0, same bucket and the previous chunk
+    by 1, anything else by at least 2 in absolute value. int16 when it fits.
+    """
+    length = sorted_buckets.shape[-1]
+    changes = int((sorted_buckets[..., 1:] != sorted_buckets[..., :-1]).sum(-1).max()) if length > 1 else 0
+    dtype = torch.int16 if 4 * (2 * changes + length // size) + 4 < 2**15 else torch.int32
+    step = torch.zeros(sorted_buckets.shape, dtype=dtype, device=sorted_buckets.device)
+    step[..., ::size] = 1
+    step[..., 1:].masked_fill_(sorted_buckets[..., 1:] != sorted_buckets[..., :-1], 2)
+    step[..., 0] = 0
+    return torch.empty_like(step).scatter_(-1, order, step.cumsum(-1, dtype=dtype))
+
+
+def windows(rows: Tensor, size: int, chunks: int, first: int, cols: slice) -> Tensor:
+    """``(s, y, f)`` view of ``rows`` (slot-ordered, after ``size`` leading rows): chunk ``first + s``'s window.
+
+    Overlapping windows share storage (no copy): window ``g`` starts at row ``g · size``,
+    which is the chunk before ``g`` once the ``size`` leading rows are counted.
+    """
+    part = rows[:, cols]
+    stride = part.stride(0)
+    return part.as_strided(
+        (chunks, 2 * size, part.shape[-1]), (size * stride, stride, 1), part.storage_offset() + first * size * stride
+    )
+
+
+def chunk_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Softmax attention per chunk with an additive mask -> ``(out (s, x, w), lse (s, x))``.
+
+    ``q (s, x, w)``, ``k, v (s, y, w)``, ``bias (s, x, y)``. On CPU this is PyTorch's fused
+    flash kernel (which returns the log-sum-exp the rounds are combined with);
+    elsewhere :func:`plain_chunk_attention`.
+    """
+    if _flash is not None and q.device.type == "cpu":
+        out, lse = _flash(q[None], k[None], v[None], attn_mask=bias[None], scale=scale)
+        return out[0], lse[0].to(q.dtype)
+    return plain_chunk_attention(q, k, v, bias, scale)
+
+
+def plain_chunk_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """:func:`chunk_attention` with batched matmuls and a softmax (any device; the tests' twin of the kernel)."""
+    logits = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
+    lse = logits.logsumexp(-1)
+    return (logits - lse[..., None]).exp() @ v, lse
+
+
+class Buffers:
+    """Named scratch tensors: one per name, grown as needed and reused (inference), or fresh (autograd)."""
+
+    def __init__(self, reuse: bool, device: torch.device):
+        self.reuse, self.device, self.store = reuse, device, {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        numel = math.prod(shape)
+        if not self.reuse:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        t = self.store.get(name)
+        if t is None or t.numel() < numel or t.dtype != dtype:
+            t = self.store[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return t[:numel].view(shape)
+
+
+def combine_rounds(outs, lses, kept):
+    """Rounds -> ``(out (m, n, w), share (r, m, n))``: each round weighted by its share of the mass.
+
+    ``kept[r] (m, n)``: rows that saw anything in round ``r`` (None: all); rows that saw
+    nothing in any round give zeros (and shares 0).
+    """
+    lse = torch.stack(lses)  # r m n
+    seen = None
+    if kept[0] is not None:
+        seen_r = torch.stack(kept)
+        lse = lse.masked_fill(~seen_r, torch.finfo(lse.dtype).min)
+        seen = seen_r.any(0)
+    share = (lse - lse.amax(0)).exp()
+    share = share / share.sum(0)
+    out = outs[0] * share[0, ..., None]
+    for r in range(1, len(outs)):
+        out = out.addcmul_(outs[r], share[r, ..., None]) if not out.requires_grad else out + outs[r] * share[r, ..., None]
+    if seen is not None:
+        out = out.masked_fill(~seen[..., None], 0)
+        share = share.masked_fill(~seen, 0)
+    return out, share
+
+
+def dense_weights(parts, rows, n, length, size) -> Tensor:
+    """Scatter every round's weights ``share_r · exp(logit − lse_r)`` into ``(rows, n, n)`` (inspection only).
+
+    ``parts``: per block, ``(i0, order_r, logit − lse_r (c, x, y))`` for each round, then
+    ``(i0, None, share (r, m, n))``.
+    """
+    dense, block = None, []
+    for i0, order, part in parts:
+        if order is not None:
+            block.append((order, part))
+            continue
+        m = part.shape[1]
+        share = torch.cat([part, part.new_zeros(part.shape[0], m, length - n)], 2)  # padding: weight 0
+        dense = share.new_zeros(rows, length * length) if dense is None else dense
+        for r, (order_r, logp) in enumerate(block):
+            qpos = order_r.view(m, -1, size)  # m c x
+            kpos = torch.cat([order_r.new_zeros(m, size), order_r], 1).unfold(1, 2 * size, size)  # m c y
+            weight = logp.view(m, -1, size, 2 * size).exp() * share[r].gather(1, order_r).view(m, -1, size, 1)
+            flat = qpos[..., :, None] * length + kpos[..., None, :]
+            dense[i0 : i0 + m].scatter_add_(1, flat.reshape(m, -1), weight.reshape(m, -1))
+        block = []
+    return dense.view(rows, length, length)[:, :n, :n]
