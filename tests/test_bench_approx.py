@@ -151,8 +151,8 @@ def test_memory_case_builds_one_call():
 def test_repeats_for_large_sizes():
     setup = approx.ApproxSetup()
     assert setup.repeats_for("exact", 4096) == setup.repeats
-    assert setup.repeats_for("exact", 16384) == 2 and setup.repeats_for("exact", 32768) == 1
-    assert setup.repeats_for("linear", 16384) == 3 and setup.repeats_for("linear", 32768) == 2
+    assert setup.repeats_for("exact", 16384) == 3 and setup.repeats_for("exact", 32768) == 2
+    assert setup.repeats_for("linear", 16384) == 7 and setup.repeats_for("linear", 32768) == 5
 
 
 def test_approx_section_ends_with_the_peer_table(monkeypatch):

@@ -155,9 +155,9 @@ def streamed_kernel_attention(
         return q.new_zeros(b, h, i, e)
     lowest = torch.finfo(q.dtype).min
     padded = None if keep is None else ~keep.expand(b, g, j).reshape(b * g, j, 1)
-    # [V | 1] once for all keys: the column of ones makes the same matmul give Σ φ(k).
-    v1 = torch.cat([v, v.new_ones(()).expand(b, g, j, 1)], dim=-1).reshape(b * g, j, e + 1)
-    state = None  # (b g, m, e + 1): [Σ φ(k) vᵀ | Σ φ(k)] over the keys so far
+    vf = v.reshape(b * g, j, e)
+    state = None  # (b g, m, e): Σ φ(k) vᵀ over the keys so far
+    norm = None  # (b g, 1, m): Σ φ(k) over the keys so far
     seen = None  # (b g, 1, 1): largest key log-feature so far, lowest if none (log_keys only)
     shift = None  # what the key map subtracts: seen, or 0 where seen is lowest
     chunk_elements = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
@@ -178,25 +178,31 @@ def streamed_kernel_attention(
                 if state is not None:
                     # Rescale what was summed with the old max: a factor in [0, 1] (0 for a
                     # state that is still empty, whose seen is lowest).
-                    state = state.mul_(torch.exp(seen - new))
+                    factor = torch.exp(seen - new)
+                    state, norm = state.mul_(factor), norm.mul_(factor)
                 seen, shift = new, new_shift
             fk = fk.exp_()
         fk_t = fk.transpose(1, 2)
         # In place: no op saves the state for its backward until the queries read it.
-        state = torch.bmm(fk_t, v1[:, t0:t1]) if state is None else state.baddbmm_(fk_t, v1[:, t0:t1])
-    # Every query head reads its group's state: (b g, m, e+1) -> (b h, m, e+1).
+        if state is None:
+            state, norm = torch.bmm(fk_t, vf[:, t0:t1]), fk.sum(1, keepdim=True)
+        else:
+            state, norm = state.baddbmm_(fk_t, vf[:, t0:t1]), norm.add_(fk.sum(1, keepdim=True))
+    # [Σ φ(k) vᵀ | Σ φ(k)] (b g, m, e + 1): one matmul per query chunk gives numerator and
+    # denominator. Joined here, on the small state, not as a column of ones on all of V.
+    both = torch.cat([state, norm.transpose(1, 2)], dim=-1)
+    # Every query head reads its group's state: (b g, m, e + 1) -> (b h, m, e + 1).
     r = h // g
-    state = state.unflatten(0, (b, g)).unsqueeze(2).expand(b, g, r, m, e + 1).reshape(b * h, m, e + 1)
+    both = both.unflatten(0, (b, g)).unsqueeze(2).expand(b, g, r, m, e + 1).reshape(b * h, m, e + 1)
     rows = max(1, chunk_elements // (b * h * m))
-    both = torch.cat(
-        [
-            torch.bmm(query_map(q[:, :, p0 : p0 + rows].reshape(b * h, -1, d)), state)  # b h, n, e + 1
-            for p0 in range(0, i, rows)
-        ],
-        dim=1,
-    )
-    # Features are non-negative, so den = 0 means num = 0 (no key seen): 0 / tiny = 0.
-    out = both[..., :e] / both[..., e:].clamp_min(torch.finfo(q.dtype).tiny)
+    tiny = torch.finfo(q.dtype).tiny
+    parts = []
+    for p0 in range(0, i, rows):
+        fq = query_map(q[:, :, p0 : p0 + rows].reshape(b * h, -1, d))  # b h, n, m
+        nd = torch.bmm(fq, both)  # b h, n, e + 1
+        # Features are non-negative, so den = 0 means num = 0 (no key seen): 0 / tiny = 0.
+        parts.append(nd[..., :e] / nd[..., e:].clamp_min(tiny))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     return out.unflatten(0, (b, h))
 
 

@@ -11,7 +11,8 @@ inputs (:mod:`qkv.bench.inputs`, family ``setup.family``), forward only, float32
   taken round-robin over the methods with the order rotated each round, so drifting machine
   load falls on every method alike (the procedure of :func:`qkv.bench.measure.interleaved`,
   with fewer calls for the slow contenders at the large sizes and the first output kept for
-  the error); one warm-up call per method at each ``i <= big``;
+  the error); one warm-up call per method at each size (exact attention only at
+  ``i <= big``: above that a call takes seconds and its first call is no slower);
 - **peak memory**: the peak RSS of a fresh process that builds the inputs and makes one
   call (:func:`qkv.bench.measure.peak_memory` with :func:`build`), and how much of it came
   after the inputs were built;
@@ -71,9 +72,9 @@ class ApproxSetup:
     heads: int = 8  # h
     dim_head: int = 64  # d (= e)
     family: str = "lowrank_local"  # input family of the main table (qkv.bench.inputs)
-    repeats: int = 5  # timed calls per method at i <= big
-    large_repeats: tuple[int, ...] = (3, 2)  # approximate methods at the sizes above big, in order
-    exact_large_repeats: tuple[int, ...] = (2, 1)  # exact at the sizes above big, in order (last one repeats)
+    repeats: int = 9  # timed calls per method at i <= big
+    large_repeats: tuple[int, ...] = (7, 5)  # approximate methods at the sizes above big, in order
+    exact_large_repeats: tuple[int, ...] = (3, 2)  # exact at the sizes above big, in order (last one repeats)
     big: int = 4096  # where "large" starts
     fit_range: tuple[int, int] = (4096, 32768)  # sizes the scaling exponent is fitted over
     error_size: int = 4096  # i of the error-by-family table
@@ -236,9 +237,9 @@ def _time_all(setup: ApproxSetup, result: ApproxResult, say: Callable[[str], Non
     for i in setup.sizes:
         q, k, v = inputs(i, setup)
         cases[i] = (q, k, v, {m: mechanism(m, i, setup) for m in METHODS})
-        if i <= setup.big:
-            for m, fn in cases[i][3].items():
-                fn(lsh_queries(q, setup) if m == "reformer_lsh" else q, k, v)  # warm-up
+        for m, fn in cases[i][3].items():
+            if i <= setup.big or m != "exact":  # one warm-up call; exact's cost seconds above big
+                fn(lsh_queries(q, setup) if m == "reformer_lsh" else q, k, v)
     outs: dict[tuple[str, int], Tensor] = {}
     rounds = max(setup.repeats_for(m, i) for m in METHODS for i in setup.sizes)
     for r in range(rounds):
