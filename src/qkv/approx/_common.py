@@ -179,10 +179,11 @@ def check_scale(scale: object) -> float | None:
 
 #: Elements (of the float32 ``(b h, rows, m)`` block) in one chunk of a method that streams
 #: over the sequence (:func:`qkv.approx.linear.streamed_kernel_attention`, Linformer's
-#: softmax). 2**22 float32 are 16 MiB: the block stays in the last-level cache between the
-#: matmul that makes it and the one that reads it, and a buffer that size is reused by the
-#: allocator from call to call instead of being mapped afresh (page faults). Larger chunks
-#: mean fewer ops: each multi-threaded op hands work to the other thread, which costs much
-#: more than the op itself when the cores are busy with other processes. At b=1, h=8,
-#: m=256, i=16K that is 8 chunks a pass.
-CHUNK_ELEMENTS = 1 << 22
+#: softmax). 2**19 float32 are 2 MiB, about a core's L2 cache: the block stays in cache
+#: between the matmul that makes it and the one that reads it. Measured on the benchmark
+#: machine (2 threads, quiet, b=1, h=8, m=256; Performer / Linformer / linear, ms):
+#: 2**18: 50 / 34 / 8.1 at 4K, 172 / 146 / 31 at 16K; 2**19: 41 / 33 / 7.8 and 186 / 155 / 36;
+#: 2**20: 48 / 36 / 8.4 and 191 / 187 / 43; 2**22: 70 / 45 / 8.3 and 212 / 174 / 54.
+#: Smaller chunks mean more ops, each a parallel region that waits for a free core on a
+#: busy machine, so the smallest size is not taken.
+CHUNK_ELEMENTS = 1 << 19
