@@ -176,3 +176,19 @@ def mask_case(name: str, b: int, i: int, j: int, *, causal: bool, seed: int = 0)
     if causal:
         allowed = allowed & bottom_right_causal(i, j)
     return lazy, allowed
+
+
+def tile_masks(b: int, i: int, j: int) -> dict:
+    """Masks that cut tiles every way: none, causal, a window, lengths & causal, and a dense
+    mask with one dead row (query 2 of batch row 1 sees nothing)."""
+    import qkv
+
+    dead = torch.ones(b, 1, i, j, dtype=torch.bool)
+    dead[1, 0, 2] = False
+    return {
+        "none": None,
+        "causal": qkv.masks.causal(),
+        "window": qkv.masks.window(3, 1),
+        "lengths&causal": qkv.masks.lengths(torch.tensor([j, max(1, j // 2)])) & qkv.masks.causal(),
+        "dense_dead_row": dead,
+    }

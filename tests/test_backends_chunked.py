@@ -7,6 +7,7 @@ several tiles, with empty, full and partial ones.
 """
 
 import pytest
+import reference as ref
 import torch
 
 import qkv
@@ -46,16 +47,19 @@ def scores():
 
 
 def masks(i, j):
-    lengths = torch.tensor([j, max(1, j // 2)])
-    dead = torch.ones(B, 1, i, j, dtype=torch.bool)
-    dead[1, 0, 2] = False  # one query of batch row 1 sees nothing
-    return {
-        "none": None,
-        "causal": qkv.masks.causal(),
-        "window": qkv.masks.window(3, 1),
-        "lengths&causal": qkv.masks.lengths(lengths) & qkv.masks.causal(),
-        "dense_dead_row": dead,
-    }
+    return ref.tile_masks(B, i, j)
+
+
+def _assert_chunked_matches_reference(q, k, v, params, **kw):
+    """Output and the gradients of q, k, v and ``params`` of the chunked backend equal the reference's (float64)."""
+    results = []
+    for backend in ("reference", "chunked"):
+        out = qkv.attention(q, k, v, backend=backend, **kw)
+        results.append((out, torch.autograd.grad(out, [q, k, v, *params], _cotangent(out))))
+    (o_ref, g_ref), (o, g) = results
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    for a, b_ in zip(g, g_ref):
+        torch.testing.assert_close(a, b_, rtol=1e-9, atol=1e-9)
 
 
 def biases():
@@ -105,14 +109,7 @@ def test_biases_match_reference_with_bias_gradients(bias, score, mask):
         b.requires_grad_()
     params = [b] if isinstance(b, torch.Tensor) else list(b.parameters())
     kw = dict(score=scores()[score], bias=b, mask={"causal": qkv.masks.causal(), "none": None, "window": qkv.masks.window(25, 22)}[mask])
-    results = []
-    for backend in ("reference", "chunked"):
-        out = qkv.attention(q, k, v, backend=backend, **kw)
-        results.append((out, torch.autograd.grad(out, [q, k, v, *params], _cotangent(out))))
-    (o_ref, g_ref), (o, g) = results
-    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
-    for a, b_ in zip(g, g_ref):
-        torch.testing.assert_close(a, b_, rtol=1e-9, atol=1e-9)
+    _assert_chunked_matches_reference(q, k, v, params, **kw)
 
 
 def test_fused_engine_takes_lazy_bias_without_gradients():
@@ -243,14 +240,7 @@ def test_learned_t5_split_forward_and_bias_gradient(i, j, mask):
     params = list(t5.parameters())
     kw = dict(bias=t5, mask={"none": None, "far_window": qkv.masks.window(3, 9), "causal": qkv.masks.causal()}[mask])
     assert "fused_blocks" in qkv.explain(q, k, v, **kw)
-    results = []
-    for backend in ("reference", "chunked"):
-        out = qkv.attention(q, k, v, backend=backend, **kw)
-        results.append((out, torch.autograd.grad(out, [q, k, v, *params], _cotangent(out))))
-    (o_ref, g_ref), (o, g) = results
-    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
-    for a, b_ in zip(g, g_ref):
-        torch.testing.assert_close(a, b_, rtol=1e-9, atol=1e-9)
+    _assert_chunked_matches_reference(q, k, v, params, **kw)
 
 
 def test_split_block_keeps_the_far_share():

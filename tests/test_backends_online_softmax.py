@@ -13,6 +13,7 @@ reference backend, gradients of the inputs *and* of every score parameter includ
 import math
 
 import pytest
+import reference as ref
 import torch
 from torch.func import functional_call
 
@@ -163,15 +164,7 @@ def test_huge_projections_take_the_sigmoid_form_and_saturate(dtype):
 
 
 def masks(i, j):
-    dead = torch.ones(B, 1, i, j, dtype=torch.bool)
-    dead[1, 0, 2] = False  # one query of batch row 1 sees nothing
-    return {
-        "none": None,
-        "causal": qkv.masks.causal(),
-        "window": qkv.masks.window(3, 1),
-        "lengths&causal": qkv.masks.lengths(torch.tensor([j, max(1, j // 2)])) & qkv.masks.causal(),
-        "dense_dead_row": dead,
-    }
+    return ref.tile_masks(B, i, j)
 
 
 @pytest.mark.parametrize("i, j", [(37, 37), (21, 45), (45, 21)])
