@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.approx import LinearAttention, kernel_attention, linear_attention
-from approx_inputs import B, D, E, G, H, inputs
+from approx_inputs import B, E, G, H, inputs
 
 
 def quadratic(q, k, v, *, causal=False, keep=None):

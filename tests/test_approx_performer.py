@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.approx import Performer, favor_attention, favor_features, gaussian_features
-from approx_inputs import B, D, E, G, H, inputs
+from approx_inputs import B, D, G, H, inputs
 
 
 def exact(q, k, v):

@@ -156,10 +156,8 @@ def test_repeats_for_large_sizes():
 
 
 def test_approx_section_ends_with_the_peer_table(monkeypatch):
-    # run() hands peer_sizes to qkv.bench.peers and render() appends its table.
-    from qkv.bench import peers
-
+    # run() hands peer_sizes to qkv.bench.peers' compare_peers and render() appends its table.
     row = dict(peer="linformer", i=64, ours=0.5, theirs=0.25, ratio=2.0, diff=1e-7, note="copied")
-    monkeypatch.setattr(peers, "compare_peers", lambda setup, say: [row])
+    monkeypatch.setattr(approx, "compare_peers", lambda setup, say: [row])
     text = approx.run(replace(TINY, peer_sizes=(64,))).markdown()
     assert text.rstrip().endswith("| linformer | 64 | 0.5 | 0.25 | 2.00 | 1.00e-07 | copied |")

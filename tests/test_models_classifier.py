@@ -6,7 +6,6 @@ Shape legend: ``b`` batch, ``i`` length, ``h`` heads, ``C`` classes.
 import pytest
 import torch
 
-from qkv.masks import Tile
 from qkv.models import AttentionPooling, BagOfWords, BagOfWordsConfig, ClassifierConfig, EncoderClassifier
 
 V, C = 10, 3

@@ -15,7 +15,7 @@ skipped with a note (they are the benchmark-only ``peers`` extra).
 
 :func:`compare_peers` is called by :func:`qkv.bench.approx.run` and :func:`render_peers` by
 its report, so ``qkv bench --suite approx`` prints this table in its section; this module
-only borrows the approx suite's setup, inputs and mechanisms, so both sides of a pair see
+only borrows the approx suite's setup, inputs and mechanisms (:mod:`qkv.bench.approx_setup`), so both sides of a pair see
 what the main table measures.
 """
 
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import approx as qkv_approx  # the mechanisms (this package's approx is the suite)
-from .approx import ApproxSetup, inputs, lsh_queries, mechanism, size_label, timed
+from .approx_setup import ApproxSetup, inputs, lsh_queries, mechanism, size_label, timed
 from .inputs import relative_error
 
 PEERS = ("performer-pytorch", "linformer", "nystrom-attention", "reformer-pytorch")
