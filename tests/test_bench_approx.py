@@ -148,13 +148,6 @@ def test_memory_case_builds_one_call():
     assert call().shape == (1, 2, 32, 8)
 
 
-def test_repeats_for_large_sizes():
-    setup = approx.ApproxSetup()
-    assert setup.repeats_for("exact", 4096) == setup.repeats
-    assert setup.repeats_for("exact", 16384) == 3 and setup.repeats_for("exact", 32768) == 2
-    assert setup.repeats_for("linear", 16384) == 7 and setup.repeats_for("linear", 32768) == 5
-
-
 def test_approx_section_ends_with_the_peer_table(monkeypatch):
     # run() hands peer_sizes to qkv.bench.peers' compare_peers and render() appends its table.
     row = dict(peer="linformer", i=64, ours=0.5, theirs=0.25, ratio=2.0, diff=1e-7, note="copied")

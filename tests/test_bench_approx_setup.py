@@ -1,0 +1,50 @@
+"""Tests of the approx suite's configuration (``qkv.bench.approx_setup``).
+
+Shape legend: ``b`` batch, ``h`` heads, ``i`` sequence length, ``d`` head size.
+"""
+
+import pytest
+import torch
+
+from qkv.bench import approx_setup
+from qkv.bench.approx_setup import METHODS, ApproxSetup, inputs, lsh_queries, mechanism, size_label
+
+
+def test_repeats_for_large_sizes():
+    setup = ApproxSetup()
+    assert setup.repeats_for("exact", 4096) == setup.repeats
+    assert setup.repeats_for("exact", 16384) == 3 and setup.repeats_for("exact", 32768) == 2
+    assert setup.repeats_for("linear", 16384) == 7 and setup.repeats_for("linear", 32768) == 5
+
+
+def test_every_method_runs_on_the_inputs_and_keeps_their_shape():
+    setup = ApproxSetup(sizes=(128,), heads=2, dim_head=8, linformer_k=16, nb_features=16, landmarks=8, lsh_chunk=16)
+    q, k, v = inputs(128, setup)
+    assert q.shape == k.shape == v.shape == (1, 2, 128, 8)
+    with torch.inference_mode():
+        for m in METHODS:
+            query = lsh_queries(q, setup) if m == "reformer_lsh" else q
+            assert mechanism(m, 128, setup)(query, k, v).shape == (1, 2, 128, 8), m
+    with pytest.raises(ValueError, match="method: expected one of"):
+        mechanism("flash", 128, setup)
+
+
+def test_lsh_queries_have_the_fixed_norm_and_the_same_directions():
+    setup = ApproxSetup(dim_head=16)
+    q = torch.randn(1, 2, 5, 16)
+    lq = lsh_queries(q, setup)
+    torch.testing.assert_close(lq.norm(dim=-1), torch.full((1, 2, 5), setup.lsh_norm * 4.0))
+    torch.testing.assert_close(torch.nn.functional.cosine_similarity(lq, q, dim=-1), torch.ones(1, 2, 5))
+
+
+def test_size_labels_and_timing():
+    assert [size_label(i) for i in (1024, 4096, 16384, 1000)] == ["1K", "4K", "16K", "1000"]
+    seconds, out = approx_setup.timed(lambda: torch.ones(3))
+    assert seconds >= 0 and torch.equal(out, torch.ones(3))
+
+
+def test_bad_setups_are_refused():
+    with pytest.raises(ValueError, match="family: expected one of"):
+        ApproxSetup(family="noise")
+    with pytest.raises(ValueError, match="sizes: expected positive lengths"):
+        ApproxSetup(sizes=())
