@@ -281,3 +281,23 @@ def test_learned_t5_float32_flash_rule():
     fast = grads(low, t5_32, "chunked")
     for a, p, x in zip(fast, plain, exact):
         assert (a.double() - x).abs().max() <= 2 * (p.double() - x).abs().max() + 1e-5
+
+
+def test_learned_t5_bias_gradient_is_the_same_on_a_second_backward():
+    # The far keys' share kept by the forward must survive the first backward (retain_graph).
+    q, k, v = make_inputs(40, 40)
+    t5 = qkv.RelativePositionBias(H, 8, 6).double()
+    out = qkv.attention(q, k, v, bias=t5, backend="chunked")
+    cot = _cotangent(out)
+    first = torch.autograd.grad(out, [q, *t5.parameters()], cot, retain_graph=True)
+    second = torch.autograd.grad(out, [q, *t5.parameters()], cot)
+    for a, b_ in zip(first, second):
+        torch.testing.assert_close(a, b_, rtol=0, atol=0)
+
+
+def test_backward_does_not_write_into_the_incoming_gradient():
+    q, k, v = make_inputs(6, 4)
+    out = qkv.attention(q, k, v, causal=True, backend="chunked")  # i > j: the first two rows see no key
+    cot = torch.ones_like(out)
+    torch.autograd.grad(out, [q], cot)
+    assert torch.equal(cot, torch.ones_like(out))

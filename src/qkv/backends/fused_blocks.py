@@ -279,7 +279,7 @@ class FusedBlocks(torch.autograd.Function):
                 dead.append((rows, live))
             out[..., rows, :] = o
             lse[..., rows] = m
-        # the far keys' share is an intermediate: kept on ctx so that backward can free it early
+        # the far keys' share and output: read by every backward over this graph (retain_graph)
         ctx.plan, ctx.dead, ctx.far = plan, dead, None if far_out is None else (far_out, far_share)
         ctx.save_for_backward(q, k, v, out, lse, profile)
         ctx.mark_non_differentiable(lse)
@@ -289,9 +289,10 @@ class FusedBlocks(torch.autograd.Function):
     def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
         plan: FusedPlan = ctx.plan
         q, k, v, out, lse, profile = ctx.saved_tensors
-        far, ctx.far = ctx.far, None
+        far = ctx.far  # not cleared: a second backward (retain_graph=True) needs it again
         i_len, j_len = q.shape[-2], k.shape[-2]
-        d_out = d_out.contiguous()
+        # a copy when dead rows are zeroed below: never write into the caller's gradient
+        d_out = d_out.clone(memory_format=torch.contiguous_format) if ctx.dead else d_out.contiguous()
         for rows, live in ctx.dead:  # no gradient flows from rows that see no key
             d_out[..., rows, :] = 0.0 if live is None else d_out[..., rows, :] * live
         # the kernel's backward wants its own lse: finite for dead rows (their d_out is 0 anyway)
@@ -307,7 +308,6 @@ class FusedBlocks(torch.autograd.Function):
         reach = saturation(plan.bias)
         if d_profile is not None and far is not None:
             far_profile_grad(d_profile, d_out, delta, reach, diagonal.offset0, far)
-        del far  # freed before the kernel's backward allocates its gradients, which can reuse it
         # Without a mask there are no keys to skip: one call over every row, whose gradients are
         # the result (no accumulators and no per-block copies, which is what bounds the memory).
         whole = diagonal is not None and plan.mask is None
