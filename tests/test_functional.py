@@ -218,3 +218,18 @@ def test_attention_weights_gradients_flow_on_the_fast_path(monkeypatch):
     monkeypatch.setattr(qkv.backends.weights, "CHUNK_ELEMENTS", 0)
     (g_fast,) = torch.autograd.grad((qkv.attention_weights(q, k, causal=True) ** 2).sum(), (q,))
     torch.testing.assert_close(g_fast, g_ref)
+
+
+@pytest.mark.parametrize("kind", ["t5", "dense"])
+def test_attention_weights_on_the_fast_path_give_the_bias_its_gradient(kind, monkeypatch):
+    q, k, _ = _inputs(torch.float64, 3, I)
+    torch.manual_seed(1)
+    bias = qkv.RelativePositionBias(H, 8, 4).double() if kind == "t5" else torch.randn(H, I, J, dtype=torch.float64)
+    params = list(bias.parameters()) if kind == "t5" else [bias.requires_grad_()]
+    cot = torch.randn(B, H, I, J, dtype=torch.float64)
+    (expected,) = torch.autograd.grad(qkv.attention_weights(q, k, bias=bias, backend="reference"), params, cot)
+    monkeypatch.setattr(qkv.backends.weights, "CHUNK_ELEMENTS", 0)
+    w = qkv.attention_weights(q, k, bias=bias)
+    assert w.requires_grad
+    (got,) = torch.autograd.grad(w, params, cot)
+    torch.testing.assert_close(got, expected)

@@ -12,7 +12,8 @@ a 4096-token sequence costs ``2·4096·j`` numbers, not ``h·4096·j``.
 
 When gradients are being recorded the weights are instead a plain softmax of the same
 logits (identical values): ``lse`` comes out of a custom function without a gradient, and
-a softmax lets gradients through the weights reach ``q``, ``k`` and the score.
+a softmax lets gradients through the weights reach ``q``, ``k``, the score and the bias
+(a learned lazy bias's own tiles, or a dense bias that requires grad).
 """
 
 from __future__ import annotations
@@ -54,8 +55,16 @@ def rebuild(
     q_sel = qp.index_select(-3, head_ids)
     k_sel = kp.index_select(-3, torch.div(head_ids, h // g, rounding_mode="floor"))
     lse_sel = lse.index_select(-2, head_ids)
-    differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in (qp, kp))
-    bias = BiasSource(req.bias, i_len, j_len, qp.device) if isinstance(req.bias, LazyBias) else None
+    differentiable = torch.is_grad_enabled() and (
+        any(x.requires_grad for x in (qp, kp))
+        or (isinstance(req.bias, Tensor) and req.bias.requires_grad)
+        or (isinstance(req.bias, LazyBias) and any(p.requires_grad for p in req.bias.parameters()))
+    )
+    bias = None
+    if isinstance(req.bias, LazyBias):
+        # with gradients: the bias's own tiles, whose graph reaches its parameters (a
+        # BiasSource profile is built without one, for the custom backward's own use)
+        bias = req.bias if differentiable else BiasSource(req.bias, i_len, j_len, qp.device)
     width = 1 if req.score.dot_form else max(1, qp.shape[-1])
     chunk = max(1, CHUNK_ELEMENTS // max(1, math.prod(q_sel.shape[:-2]) * j_len * width))
     parts = []
