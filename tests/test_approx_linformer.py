@@ -132,3 +132,8 @@ def test_chunked_softmax_and_interleaved_heads_equal_the_direct_form(monkeypatch
     k_mha = k.transpose(1, 2).contiguous().transpose(1, 2)
     v_mha = v.transpose(1, 2).contiguous().transpose(1, 2)
     torch.testing.assert_close(module(q, k_mha, v_mha), want, atol=1e-10, rtol=0)
+
+
+def test_no_queries_give_an_empty_output():
+    q, k, v = torch.randn(1, 2, 0, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 5)
+    assert Linformer(16, 4)(q, k, v).shape == (1, 2, 0, 5)

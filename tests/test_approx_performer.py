@@ -272,3 +272,8 @@ def test_streamed_gradients_equal_those_of_the_quadratic_form(small_chunks):
     want = torch.autograd.grad(quadratic(q, k, v, module.projection).pow(2).sum(), (q, k, v))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_no_queries_give_an_empty_output():
+    q, k, v = torch.randn(1, 2, 0, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 5)
+    assert Performer(8, nb_features=16, seed=0)(q, k, v).shape == (1, 2, 0, 5)

@@ -151,7 +151,7 @@ def streamed_kernel_attention(
     """
     b, h, i, d = q.shape
     g, j, e = v.shape[1], v.shape[2], v.shape[3]
-    if j == 0:
+    if j == 0 or i == 0:
         return q.new_zeros(b, h, i, e)
     lowest = torch.finfo(q.dtype).min
     padded = None if keep is None else ~keep.expand(b, g, j).reshape(b * g, j, 1)

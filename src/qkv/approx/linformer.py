@@ -119,6 +119,8 @@ def _chunked_softmax_attention(q: Tensor, k_proj: Tensor, v_proj: Tensor) -> Ten
     whole (no large buffer is allocated and each block stays in cache)."""
     b, h, i, d = q.shape
     n_proj, e = k_proj.shape[2], v_proj.shape[-1]
+    if i == 0:
+        return q.new_zeros(b, h, 0, e)
     keys_t = k_proj.reshape(b * h, n_proj, d).transpose(1, 2)
     values = v_proj.reshape(b * h, n_proj, e)
     rows = max(1, CHUNK_ELEMENTS // (b * h * n_proj))

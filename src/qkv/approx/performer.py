@@ -22,8 +22,9 @@ and its variance drops (section 2.4, "orthogonal random features").
 Numerics: ``exp`` overflows for large logits, so each query's features are divided by
 ``exp(max over m)`` (a per-row constant, it cancels in the row normalisation) and all keys
 of a (b, h) by ``exp(max over j and m)`` (a constant across keys, it cancels too); padded
-keys are left out of that maximum and their features zeroed. A row whose features all
-underflow, or that sees no key, gives zeros.
+keys are left out of that maximum and their features zeroed. A row that sees no key
+gives zeros; on the causal and ``return_weights`` paths so does a row whose features all
+underflow (the streamed path's query features are a softmax over m and cannot).
 
 Speed: without ``return_weights`` the non-causal form never holds the ``(i, m)`` or
 ``(j, m)`` features: :func:`qkv.approx.linear.streamed_kernel_attention` makes and uses them

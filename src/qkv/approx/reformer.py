@@ -35,9 +35,7 @@ earlier-round test and the self penalty become one additive mask per slab of chu
 one fused attention call (PyTorch's CPU flash kernel, which also returns each row's
 log-sum-exp) does the rest. Work is done in blocks of ``(b, h)`` rows and slabs of chunks
 with buffers reused across them: at long lengths, allocating fresh pages costs as much as
-the arithmetic. The many small bookkeeping ops run on one thread and only the attention
-kernel and the hashing matmul use the caller's thread count (on a busy machine, a thread
-team per small op stalls). The pieces (hashing, intervals, codes, windows, the kernel and
+the arithmetic. Every op runs with the caller's thread count. The pieces (hashing, intervals, codes, windows, the kernel and
 its plain twin, round combination) are in :mod:`qkv.approx._lsh`.
 
 Causal (``causal=True``) also drops keys after the query; any bool mask ``(b, h, i, j)`` is
