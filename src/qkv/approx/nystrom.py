@@ -106,6 +106,18 @@ def iterative_pinv(a: Tensor, iterations: int = 6) -> Tensor:
     return z
 
 
+def _landmarks(q: Tensor, k: Tensor, num_landmarks: int, pinv_iterations: int, keep: Tensor | None, scale: float):
+    """``(Q̃ (b, h, m, d), K̃ (b, h, m, d), valid (b, h, m) | None, Ã⁺ (b, h, m, m))``: the
+    segment-mean landmarks (keys' means over kept keys only) and the pseudo-inverse of
+    ``Ã = softmax(s Q̃ K̃ᵀ)`` over the valid key landmarks."""
+    q_marks, _ = segment_means(q, min(num_landmarks, q.shape[-2]))
+    k_marks, valid = segment_means(k, min(num_landmarks, k.shape[-2]), keep)
+    a = masked_softmax(q_marks @ k_marks.transpose(-1, -2) * scale, None if valid is None else valid[:, :, None, :])
+    # The iteration multiplies m x m matrices 3 * pinv_iterations times: run it in at least float32.
+    a_pinv = iterative_pinv(a.to(torch.promote_types(a.dtype, torch.float32)), pinv_iterations).to(a.dtype)
+    return q_marks, k_marks, valid, a_pinv
+
+
 def nystrom_parts(
     q: Tensor,
     k: Tensor,
@@ -120,18 +132,13 @@ def nystrom_parts(
     ``keep (b, h, j)``: optional key padding mask.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_marks, k_marks, valid, a_pinv = _landmarks(q, k, num_landmarks, pinv_iterations, keep, scale)
     # The scale goes on the (m, d) landmarks, not on the (i, d) queries: every logit is
     # linear in one landmark, and the means of scaled queries are the scaled means.
-    q_marks, _ = segment_means(q, min(num_landmarks, q.shape[-2]))
-    k_marks, valid = segment_means(k, min(num_landmarks, k.shape[-2]), keep)
-    q_marks, k_scaled = q_marks * scale, k_marks * scale
     marks_kept = None if valid is None else valid[:, :, None, :]
     keys_kept = None if keep is None else keep[:, :, None, :]
-    f = masked_softmax(q @ k_scaled.transpose(-1, -2), marks_kept)  # b h i m
-    a = masked_softmax(q_marks @ k_marks.transpose(-1, -2), marks_kept)  # b h m m
-    bt = masked_softmax(q_marks @ k.transpose(-1, -2), keys_kept)  # b h m j
-    # The iteration multiplies m x m matrices 3 * pinv_iterations times: run it in at least float32.
-    a_pinv = iterative_pinv(a.to(torch.promote_types(a.dtype, torch.float32)), pinv_iterations).to(a.dtype)
+    f = masked_softmax(q @ (k_marks * scale).transpose(-1, -2), marks_kept)  # b h i m
+    bt = masked_softmax(q_marks * scale @ k.transpose(-1, -2), keys_kept)  # b h m j
     return f, a_pinv, bt
 
 
@@ -176,10 +183,7 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, pinv_iteratio
     the cost).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q_marks, _ = segment_means(q, min(num_landmarks, q.shape[-2]))
-    k_marks, _ = segment_means(k, min(num_landmarks, k.shape[-2]))
-    a = (q_marks @ k_marks.transpose(-1, -2) * scale).softmax(-1)
-    a_pinv = iterative_pinv(a.to(torch.promote_types(a.dtype, torch.float32)), pinv_iterations).to(a.dtype)
+    q_marks, k_marks, _, a_pinv = _landmarks(q, k, num_landmarks, pinv_iterations, None, scale)
     values = a_pinv @ F.scaled_dot_product_attention(q_marks, k, v, scale=scale)  # b h m e
     return F.scaled_dot_product_attention(q, k_marks, values, scale=scale)
 
