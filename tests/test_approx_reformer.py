@@ -32,17 +32,29 @@ def self_masked_softmax(q, v, allowed):
     return weights @ v, weights
 
 
-def union_of_rounds(q, rotations, chunk):
+def paper_buckets(x, rotation, factors):
+    """Bucket of each row of ``x (..., d)`` for one round's ``rotation (d, Σ f/2)``: per factor
+    argmax over [xR_f; −xR_f], the indices combined as digits (the first factor lowest)."""
+    bucket = torch.zeros(x.shape[:-1], dtype=torch.long)
+    col, place = 0, 1
+    for f in factors:
+        proj = x @ rotation[:, col : col + f // 2].to(x)
+        bucket += place * torch.cat([proj, -proj], dim=-1).argmax(-1)
+        col, place = col + f // 2, place * f
+    return bucket
+
+
+def union_of_rounds(q, rotations, chunk, factors=None):
     """∪_r {(p, t): same bucket in round r, and t's chunk is p's or the one before, after sorting by (bucket, position)}."""
     b, h, n, _ = q.shape
     size = min(chunk, n)
     union = torch.zeros(b, h, n, n, dtype=torch.bool)
+    factors = (2 * rotations.shape[-1],) if factors is None else factors
     for r in range(rotations.shape[0]):
         if rotations.shape[-1] == 0:
             bucket = torch.zeros(b, h, n, dtype=torch.long)
         else:
-            proj = q @ rotations[r].to(q)
-            bucket = torch.cat([proj, -proj], dim=-1).argmax(-1)  # argmax over [xR; −xR]
+            bucket = paper_buckets(q, rotations[r], factors)
         for x in range(b):
             for y in range(h):
                 order = sorted(range(n), key=lambda t: (int(bucket[x, y, t]), t))
@@ -103,6 +115,37 @@ def test_many_buckets_and_rounds_equal_softmax_over_the_union(is_causal, masked)
     assert 0 < allowed.float().mean() < 1  # the test really is sparse
 
 
+@pytest.mark.parametrize("factors", [(8,), (2, 4), (4, 2, 6)])
+def test_buckets_follow_the_paper_hash_and_factorised_buckets_combine_as_digits(factors):
+    q, _, _ = inputs(40)
+    q[0, 0, :3] = 0  # a zero vector ties everywhere: the first maximum wins, bucket 0
+    module = LSHAttention(D, n_buckets=factors if len(factors) > 1 else factors[0], n_hashes=3, seed=0)
+    assert module.rotations.shape == (3, D, sum(f // 2 for f in factors))
+    got = lsh_buckets(q, module.rotations, module.n_buckets)
+    assert got.shape == (B, H, 3, 40)
+    for r in range(3):
+        assert torch.equal(got[:, :, r], paper_buckets(q, module.rotations[r], factors))
+    assert got.max() < math.prod(factors) and (got[0, 0, :, :3] == 0).all()
+    assert len(got.unique()) > math.prod(factors) // 2  # the buckets are really used
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_factorised_buckets_equal_softmax_over_the_union(is_causal, monkeypatch):
+    import qkv.approx._lsh as lsh
+
+    n = 29
+    q, k, v = inputs(n)
+    module = LSHAttention(D, n_buckets=(2, 4), n_hashes=3, chunk_size=4, seed=3).eval()
+    allowed = union_of_rounds(q, module.rotations, 4, factors=(2, 4))
+    if is_causal:
+        allowed = allowed & causal(n)
+    want = self_masked_softmax(q, repeat(v), allowed)[0]
+    torch.testing.assert_close(module(q, k, v, causal=is_causal), want, atol=1e-10, rtol=0)
+    # the earlier-round test with int32 window codes (long sequences) gives the same result
+    monkeypatch.setattr(lsh, "INT16_CODES", 0)
+    torch.testing.assert_close(module(q, k, v, causal=is_causal), want, atol=1e-10, rtol=0)
+
+
 def test_seeds_give_different_hashes_and_the_same_seed_repeats():
     q, k, v = inputs(64)
     a, b, c = (LSHAttention(D, n_buckets=8, seed=s) for s in (0, 0, 1))
@@ -153,15 +196,16 @@ class Largest(TorchDispatchMode):
 
 
 def test_long_sequence_never_builds_an_i_by_i_tensor():
-    i, d, e = 4096, 16, 16
+    i, d, e = 8192, 16, 16
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, i, c, generator=gen) for c in (d, d, e))
-    module = LSHAttention(d, n_buckets=64, n_hashes=2, chunk_size=64, seed=0).eval()
+    module = LSHAttention(d, n_buckets=(8, 16), n_hashes=2, chunk_size=64, seed=0).eval()
     with Largest() as seen:
         out = module(q, k, v, causal=True, mask=torch.ones(1, 1, 1, i, dtype=torch.bool))
     assert out.shape == (1, 1, i, e) and torch.isfinite(out).all()
-    # Logits are (rounds, i, 2 · chunk) = 1M floats; an (i, i) float tensor would be 16.8M.
-    assert seen.nbytes <= 4 * 2 * i * 2 * 64
+    # Logits are (rounds, i, 2 · chunk) = 2.1M floats, the table of all mask rows (one per
+    # (lo, hi) pair, whatever i) 2.1M too; an (i, i) float tensor would be 67M.
+    assert seen.nbytes <= 4 * max(2 * i * 2 * 64, (2 * 64 + 1) ** 2 * 2 * 64)
     assert seen.nbytes < 4 * i * i // 8
 
 
@@ -176,6 +220,9 @@ def test_long_sequence_never_builds_an_i_by_i_tensor():
         (lambda: LSHAttention(D), lambda m, q, k, v: m(q[:, :4], k, v), ValueError,
          r"k: query heads h=4 must be a multiple of KV heads g, got g=3"),
         (lambda: LSHAttention(D, n_buckets=3), None, ValueError, r"n_buckets: expected 1 or an even number .* got 3"),
+        (lambda: LSHAttention(D, n_buckets=(4, 3)), None, ValueError, r"n_buckets: expected factors that are even ints >= 2, got \(4, 3\)"),
+        (lambda: LSHAttention(D, n_buckets=()), None, ValueError, r"n_buckets: expected factors .* got \(\)"),
+        (lambda: LSHAttention(D, n_buckets=2.0), None, TypeError, r"n_buckets: expected an int or a sequence of ints, got float"),
         (lambda: LSHAttention(D, n_hashes=0), None, ValueError, r"n_hashes: expected a positive int, got 0"),
         (lambda: LSHAttention(D, chunk_size=0), None, ValueError, r"chunk_size: expected a positive int, got 0"),
         (lambda: LSHAttention(D, seed=0, generator=torch.Generator()), None, ValueError, r"seed: give seed or generator"),
@@ -186,6 +233,17 @@ def test_bad_arguments_raise_with_the_argument_named(make, call, error, message)
     with pytest.raises(error, match=message):
         module = make()
         call(module, *inputs(7, dtype=torch.float32))
+
+
+def test_buckets_given_to_the_function_must_match_the_rotations():
+    from qkv.approx import lsh_attention, random_rotations
+
+    q, _, v = inputs(8, dtype=torch.float32)
+    rotations = random_rotations(2, D, (4, 4))
+    with pytest.raises(ValueError, match=r"n_buckets: \(4, 8\) needs 6 rotation columns, the rotations have 4"):
+        lsh_attention(q, repeat(v), rotations, n_buckets=(4, 8))
+    # without n_buckets the columns are read as one factor: 8 buckets
+    assert lsh_attention(q, repeat(v), rotations, chunk_size=4).shape == (B, H, 8, E)
 
 
 def test_flash_kernel_and_plain_twin_agree():
@@ -207,6 +265,7 @@ def test_flash_kernel_and_plain_twin_agree():
 def test_slabs_and_blocks_do_not_change_the_result(monkeypatch, d, e, is_causal):
     # Tiny slabs and blocks: chunks of one slab span (b, h) rows, and blocks split the heads;
     # the mask rows come from two half-line tables instead of the table of all intervals.
+    import qkv.approx._lsh_round as lsh_round
     import qkv.approx.reformer as reformer
 
     n = 23
@@ -218,7 +277,8 @@ def test_slabs_and_blocks_do_not_change_the_result(monkeypatch, d, e, is_causal)
     want = module(q, q[:, :G], v, mask=mask, causal=is_causal)
     monkeypatch.setattr(reformer, "SLAB", 3 * 4 * 8)
     monkeypatch.setattr(reformer, "BLOCK_ROWS", 3 * 24)
-    monkeypatch.setattr(reformer, "INTERVAL_TABLE", 0)  # the two half-line tables instead of one
+    monkeypatch.setattr(lsh_round, "INTERVAL_TABLE", 0)
+    lsh_round.interval_rows.cache_clear()  # the two half-line tables instead of one
     got = module(q, q[:, :G], v, mask=mask, causal=is_causal)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     allowed = union_of_rounds(q, module.rotations, 4) & mask

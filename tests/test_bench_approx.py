@@ -19,7 +19,7 @@ from qkv.bench.inputs import FAMILIES, effective_keys, make_inputs, relative_err
 TINY = approx.ApproxSetup(
     sizes=(64, 128), heads=2, dim_head=16, repeats=1, large_repeats=(1,), exact_large_repeats=(1,), big=64,
     fit_range=(64, 128), error_size=64, lsh_error_max=128, memory=False, peer_sizes=(), peer_repeats=1,
-    reformer_peer_max=128, linformer_k=8, nb_features=16, landmarks=8, lsh_hashes=2, lsh_chunk=16,
+    reformer_peer_max=128, linformer_k=8, nb_features=16, landmarks=8, lsh_hashes=2, lsh_hashes_more=3, lsh_chunk=16,
     family="gaussian",
 )  # fmt: skip
 
@@ -130,7 +130,8 @@ def test_approx_suite_tiny_produces_the_tables(monkeypatch):
     text = result.markdown()
     assert "| method | i | time (s) | × faster than exact | peak RSS (MiB) | RSS added by the call (MiB) | error |" in text
     assert "| target | measured | status |" in text
-    assert text.count("× faster than exact at i = 128") == 5 and text.count("time exponent 64–128") == 5
+    assert text.count("× faster than exact at i = 128") == 6 and text.count("time exponent 64–128") == 6
+    assert "Reformer LSH, 3 rounds: time exponent" in text
     assert "| method | `gaussian`" in text and "`peaked`" in text
 
 

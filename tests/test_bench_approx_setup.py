@@ -7,7 +7,17 @@ import pytest
 import torch
 
 from qkv.bench import approx_setup
-from qkv.bench.approx_setup import METHODS, ApproxSetup, inputs, lsh_queries, mechanism, size_label
+from qkv.bench.approx_setup import (
+    METHODS,
+    ApproxSetup,
+    inputs,
+    is_lsh,
+    label,
+    lsh_bucket_count,
+    lsh_queries,
+    mechanism,
+    size_label,
+)
 
 
 def test_repeats_for_large_sizes():
@@ -23,10 +33,22 @@ def test_every_method_runs_on_the_inputs_and_keeps_their_shape():
     assert q.shape == k.shape == v.shape == (1, 2, 128, 8)
     with torch.inference_mode():
         for m in METHODS:
-            query = lsh_queries(q, setup) if m == "reformer_lsh" else q
+            query = lsh_queries(q, setup) if is_lsh(m) else q
             assert mechanism(m, 128, setup)(query, k, v).shape == (1, 2, 128, 8), m
     with pytest.raises(ValueError, match="method: expected one of"):
         mechanism("flash", 128, setup)
+
+
+def test_reformer_rows_name_their_rounds_and_factorise_many_buckets():
+    setup = ApproxSetup()
+    assert label("reformer_lsh", setup) == "Reformer LSH, 2 rounds"
+    assert label("reformer_lsh_more", setup) == "Reformer LSH, 4 rounds"
+    assert mechanism("reformer_lsh_more", 1024, setup).n_hashes == 4
+    # i / 64 buckets, one number up to 128, then two even factors near the square root
+    assert [lsh_bucket_count(i, setup) for i in (1024, 4096, 8192, 16384, 32768)] == [16, 64, 128, (16, 16), (16, 32)]
+    assert lsh_bucket_count(64 * 134, setup) == 134  # 134 = 2 · 67: no two even factors
+    assert lsh_bucket_count(64 * 144, setup) == (12, 12)
+    assert mechanism("reformer_lsh", 16384, setup).n_buckets == (16, 16)
 
 
 def test_lsh_queries_have_the_fixed_norm_and_the_same_directions():

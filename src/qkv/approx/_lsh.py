@@ -17,52 +17,84 @@ import math
 import torch
 from torch import Tensor
 
-HASH_ROWS = 1 << 12  # rows per projection block: one (rows, r · n_buckets/2) score buffer, few matmul calls
+INT16_CODES = 2**15  # window codes (times 4, the largest arithmetic on them) below this are int16
+HASH_ROWS = 1 << 12  # rows per projection block: one (r · Σ f/2, rows) score buffer that stays in cache
 
 _flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def hash_into(out: Tensor, x: Tensor, rotations: Tensor) -> None:
-    """Angular LSH buckets ``argmax([xR; −xR])`` of ``x (n, d)`` for ``rotations (r, d, k)`` into ``out (n, r)``.
+def hash_buckets(x: Tensor, rotations: Tensor, factors: tuple[int, ...]) -> Tensor:
+    """Angular LSH bucket of each row of ``x (n, d)`` in each round -> ``(r, n)`` long.
 
-    The first maximum wins, as ``argmax`` over the concatenation would pick it: the ``+``
-    half when ``max(xR) >= −min(xR)``, else ``k`` plus the first column holding the minimum.
-    Scores are made a block of rows at a time into one buffer (no ``(n, r, 2k)`` tensor).
+    ``rotations (r, d, Σ f/2)`` holds one block of ``f/2`` columns per factor ``f`` of
+    ``factors``. A factor's index is ``argmax([xR_f; −xR_f])`` (the paper's hash; the first
+    maximum wins, as ``argmax`` over the concatenation picks it: the ``+`` half when
+    ``max(xR) >= −min(xR)``, else ``f/2`` plus the first column holding the minimum). Several
+    factors give the bucket ``Σ_k idx_k · Π_{k' < k} f_k'`` (the factorised buckets of the
+    authors' trax code and of HF's Reformer): ``Π f`` buckets for ``Σ f/2`` columns, so the
+    hash of ``i/64`` buckets costs ``O(i √i)``, not ``O(i²)``. ``factors == ()``: bucket 0.
+
+    Scores are made ``HASH_ROWS`` rows at a time as ``(r, Σ f/2, rows)``: the reductions then
+    run over a middle axis, vectorised along the rows (a reduction over a short last axis is
+    several times slower).
     """
     n, d = x.shape
-    rounds, _, k = rotations.shape
-    flat = rotations.permute(1, 0, 2).reshape(d, rounds * k)
-    earlier_first = torch.arange(k - 1, -1, -1, dtype=torch.int16, device=x.device)  # larger for earlier columns
-    scores = x.new_empty(min(n, HASH_ROWS), rounds * k)
+    rounds, _, width = rotations.shape
+    out = torch.zeros(rounds, n, dtype=torch.long, device=x.device)
+    if width == 0:
+        return out
+    if sum(f // 2 for f in factors) != width:
+        raise ValueError(f"factors: expected halves summing to the rotations' {width} columns, got {factors}")
+    flat = rotations.permute(0, 2, 1).reshape(rounds * width, d)
+    scores = x.new_empty(rounds * width * min(n, HASH_ROWS))
+    earlier_first = {f: torch.arange(f // 2 - 1, -1, -1, dtype=torch.int16, device=x.device)[:, None] for f in factors}
     for start in range(0, n, HASH_ROWS):
         stop = min(n, start + HASH_ROWS)
-        proj = torch.mm(x[start:stop], flat, out=scores[: stop - start]).view(stop - start, rounds, k)
-        top, low = proj.amax(-1, keepdim=True), proj.amin(-1, keepdim=True)
-        plus = top >= -low
-        hits = proj == torch.where(plus, top, low)
-        first = (k - 1) - (hits * earlier_first).amax(-1)
-        torch.add(first, (~plus[..., 0]).long() * k, out=out[start:stop])
+        rows = stop - start
+        proj = torch.mm(flat, x[start:stop].T, out=scores[: rounds * width * rows].view(rounds * width, rows))
+        proj = proj.view(rounds, width, rows)
+        col, stride = 0, 1
+        for f in factors:
+            k = f // 2
+            part = proj[:, col : col + k]
+            top, low = part.amax(1, keepdim=True), part.amin(1, keepdim=True)
+            plus = top >= -low
+            hits = part == torch.where(plus, top, low)
+            first = (k - 1) - (hits * earlier_first[f]).amax(1)  # r rows
+            index = first.long().add_((~plus[:, 0]).long(), alpha=k)
+            out[:, start:stop].add_(index, alpha=stride)
+            col, stride = col + k, stride * f
+    return out
 
 
-def interval_bounds(sorted_buckets: Tensor, size: int, causal: bool) -> tuple[Tensor, Tensor]:
+def interval_bounds(sorted_buckets: Tensor, size: int, causal: bool, n_values: int) -> tuple[Tensor, Tensor]:
     """For each sorted slot, the keys it may see as ``[lo, hi)`` in its window's ``2 · size`` slots.
 
-    ``sorted_buckets (..., length)`` non-decreasing. Same bucket and inside the window:
-    ``[max(bucket start, window start), min(bucket end, window end))``; causal stops at the
-    slot itself (inside a bucket, slots are in position order). The first chunk's window
-    starts at its own chunk (no wrap-around).
+    ``sorted_buckets (..., length)`` non-decreasing, values in ``[0, n_values)``. Same bucket
+    and inside the window: ``[max(bucket start, window start), min(bucket end, window end))``;
+    causal stops at the slot itself (inside a bucket, slots are in position order). The
+    first chunk's window starts at its own chunk (no wrap-around). A bucket's start and end
+    are its counts summed (one ``bincount`` over all rows, linear, where a binary search per
+    slot would be ``O(length log length)``).
     """
     length = sorted_buckets.shape[-1]
-    slots = torch.arange(length, device=sorted_buckets.device)
+    rows = sorted_buckets.reshape(-1, length)
+    device = sorted_buckets.device
+    key = (torch.arange(rows.shape[0], device=device)[:, None] * n_values + rows).reshape(-1)
+    count = torch.bincount(key, minlength=rows.shape[0] * n_values)
+    end = count.cumsum(0)
+    # rows are sorted, so (row, bucket) groups follow each other: a group's place in the
+    # whole flat order, less the row's first slot, is its place in the row
+    first = (torch.arange(rows.shape[0], device=device) * length)[:, None]
+    slots = torch.arange(length, device=device)
     window = (slots // size - 1) * size  # first slot of the window (negative for the first chunk)
-    start = torch.searchsorted(sorted_buckets, sorted_buckets, side="left")
+    start = (end - count)[key].view(rows.shape) - first
     lo = torch.maximum(start, window) - window
     if causal:
         hi = (slots + 1 - window).expand_as(lo)
     else:
-        end = torch.searchsorted(sorted_buckets, sorted_buckets, side="right")
-        hi = torch.minimum(end, window + 2 * size) - window
-    return lo, hi
+        hi = torch.minimum(end[key].view(rows.shape) - first, window + 2 * size) - window
+    return lo.view(sorted_buckets.shape), hi.reshape(sorted_buckets.shape)
 
 
 def window_codes(sorted_buckets: Tensor, order: Tensor, size: int) -> Tensor:
@@ -74,7 +106,7 @@ def window_codes(sorted_buckets: Tensor, order: Tensor, size: int) -> Tensor:
     """
     length = sorted_buckets.shape[-1]
     changes = int((sorted_buckets[..., 1:] != sorted_buckets[..., :-1]).sum(-1).max()) if length > 1 else 0
-    dtype = torch.int16 if 4 * (2 * changes + length // size) + 4 < 2**15 else torch.int32
+    dtype = torch.int16 if 4 * (2 * changes + length // size) + 4 < INT16_CODES else torch.int32
     step = torch.zeros(sorted_buckets.shape, dtype=dtype, device=sorted_buckets.device)
     step[..., ::size] = 1
     step[..., 1:].masked_fill_(sorted_buckets[..., 1:] != sorted_buckets[..., :-1], 2)
@@ -104,7 +136,7 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float)
     """
     if _flash is not None and q.device.type == "cpu":
         out, lse = _flash(q[None], k[None], v[None], attn_mask=bias[None], scale=scale)
-        return out[0], lse[0].to(q.dtype)
+        return out[0], lse[0].to(torch.promote_types(q.dtype, torch.float32))
     return plain_chunk_attention(q, k, v, bias, scale)
 
 
@@ -131,11 +163,12 @@ class Buffers:
         return t[:numel].view(shape)
 
 
-def combine_rounds(outs, lses, kept):
+def combine_rounds(outs, lses, kept, into: Tensor | None = None):
     """Rounds -> ``(out (m, n, w), share (r, m, n))``: each round weighted by its share of the mass.
 
     ``kept[r] (m, n)``: rows that saw anything in round ``r`` (None: all); rows that saw
-    nothing in any round give zeros (and shares 0).
+    nothing in any round give zeros (and shares 0). ``into``: where ``out`` is written (no
+    autograd), else a new tensor.
     """
     lse = torch.stack(lses)  # r m n
     seen = None
@@ -143,13 +176,16 @@ def combine_rounds(outs, lses, kept):
         seen_r = torch.stack(kept)
         lse = lse.masked_fill(~seen_r, torch.finfo(lse.dtype).min)
         seen = seen_r.any(0)
-    share = (lse - lse.amax(0)).exp()
-    share = share / share.sum(0)
-    out = outs[0] * share[0, ..., None]
+    share = (lse - lse.amax(0)).exp_()
+    share = (share / share.sum(0)).to(outs[0].dtype)
+    if into is not None:
+        out = torch.mul(outs[0], share[0, ..., None], out=into)
+    else:
+        out = outs[0] * share[0, ..., None]
     for r in range(1, len(outs)):
         out = out.addcmul_(outs[r], share[r, ..., None]) if not out.requires_grad else out + outs[r] * share[r, ..., None]
     if seen is not None:
-        out = out.masked_fill(~seen[..., None], 0)
+        out = out.masked_fill_(~seen[..., None], 0) if into is not None else out.masked_fill(~seen[..., None], 0)
         share = share.masked_fill(~seen, 0)
     return out, share
 

@@ -13,6 +13,10 @@ Kitaev, Kaiser, Levskaya, "Reformer: The Efficient Transformer" (ICLR 2020), sec
   (e.g. the first token of a causal sequence).
 - **Hash.** Per round a random rotation ``R (d, n_buckets/2)``; ``bucket(x) =
   argmax([xR; −xR])`` (angular LSH). ``n_buckets=1`` puts every token in one bucket.
+  ``n_buckets=(f_1, f_2, …)`` hashes with one rotation per factor and combines the indices
+  into ``Π f`` buckets (the factorised buckets of the authors' trax code and of HF's
+  Reformer, meant for long sequences): ``i/64`` buckets cost ``Σ f/2`` columns of
+  ``xR``, about ``√(i/64)``, instead of ``i/128``, so hashing stops growing as ``i²``.
 - **Sort and chunk.** Per round, tokens are sorted by ``(bucket, position)`` and cut into
   chunks of ``chunk_size``; each chunk attends to itself and to the chunk before it in
   sorted order (the first chunk has none), and only to keys of the query's own bucket
@@ -35,8 +39,9 @@ earlier-round test and the self penalty become one additive mask per slab of chu
 one fused attention call (PyTorch's CPU flash kernel, which also returns each row's
 log-sum-exp) does the rest. Work is done in blocks of ``(b, h)`` rows and slabs of chunks
 with buffers reused across them: at long lengths, allocating fresh pages costs as much as
-the arithmetic. Every op runs with the caller's thread count. The pieces (hashing, intervals, codes, windows, the kernel and
-its plain twin, round combination) are in :mod:`qkv.approx._lsh`.
+the arithmetic. Every op runs with the caller's thread count. The pieces (hashing, intervals,
+codes, windows, the kernel and its plain twin, round combination) are in
+:mod:`qkv.approx._lsh`; one round's masks and kernel calls in :mod:`qkv.approx._lsh_round`.
 
 Causal (``causal=True``) also drops keys after the query; any bool mask ``(b, h, i, j)`` is
 honoured by reading its entries for the pairs inside the chunks. A length that is not a
@@ -60,6 +65,7 @@ rounds, causal, padding, masks, the flash kernel and the plain fallback); a run 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,43 +73,58 @@ from torch import Tensor, nn
 
 from .._args import positive_int
 from ._common import check_flags, check_interval, check_qkv, check_scale, dense_mask, make_generator, repeat_kv
-from ._lsh import (
-    Buffers,
-    chunk_attention,
-    combine_rounds,
-    dense_weights,
-    hash_into,
-    interval_bounds,
-    window_codes,
-    windows,
-)
+from ._lsh import Buffers, combine_rounds, dense_weights, hash_buckets, interval_bounds, window_codes
+from ._lsh_round import RoundSetup, attend_round
 
 BLOCK_ROWS = 1 << 14  # sorted positions per block of (b, h) rows: a block's buffers stay ~50 MB at d = e = 64
 SLAB = 1 << 21  # logits per slab of chunks: one mask of 8 MB (float32), one attention call
-INTERVAL_TABLE = 1 << 20  # largest table of all (lo, hi) mask rows, in entries (chunk_size <= 50)
+
+
+def bucket_factors(n_buckets: int | Sequence[int]) -> tuple[int, ...]:
+    """``n_buckets`` as the factors the hash is built from: ``()`` for one bucket, else even sizes.
+
+    An int is one factor (the paper's hash); a sequence is factorised buckets (``Π f`` in all).
+    """
+    if isinstance(n_buckets, bool) or not isinstance(n_buckets, (int, Sequence)):
+        raise TypeError(f"n_buckets: expected an int or a sequence of ints, got {type(n_buckets).__name__}")
+    if isinstance(n_buckets, int):
+        positive_int("n_buckets", n_buckets)
+        if n_buckets != 1 and n_buckets % 2:
+            raise ValueError(f"n_buckets: expected 1 or an even number (buckets come in ± pairs), got {n_buckets}")
+        return () if n_buckets == 1 else (n_buckets,)
+    factors = tuple(n_buckets)
+    if not factors or any(isinstance(f, bool) or not isinstance(f, int) or f < 2 or f % 2 for f in factors):
+        raise ValueError(f"n_buckets: expected factors that are even ints >= 2, got {n_buckets!r}")
+    return factors
 
 
 def random_rotations(
-    n_hashes: int, d: int, n_buckets: int, *, generator: torch.Generator | None = None
+    n_hashes: int, d: int, n_buckets: int | Sequence[int], *, generator: torch.Generator | None = None
 ) -> Tensor:
-    """Gaussian rotations ``(r, d, n_buckets // 2)`` for angular LSH, float32."""
+    """Gaussian rotations ``(r, d, Σ f/2)`` for angular LSH (``f`` the factors of ``n_buckets``), float32."""
     device = generator.device if generator is not None else None
-    return torch.randn(n_hashes, d, n_buckets // 2, generator=generator, device=device)
+    columns = sum(f // 2 for f in bucket_factors(n_buckets))
+    return torch.randn(n_hashes, d, columns, generator=generator, device=device)
 
 
-def lsh_buckets(x: Tensor, rotations: Tensor) -> Tensor:
-    """Bucket of each vector of ``x (b, h, n, d)`` in each round: ``(b, h, r, n)`` in ``[0, n_buckets)``.
+def lsh_buckets(x: Tensor, rotations: Tensor, n_buckets: int | Sequence[int] | None = None) -> Tensor:
+    """Bucket of each vector of ``x (b, h, n, d)`` in each round: ``(b, h, r, n)`` in ``[0, Π f)``.
 
-    ``argmax([xR; −xR])`` (first maximum on ties); with zero-width rotations (``n_buckets=1``)
-    every bucket is 0.
+    ``n_buckets`` as given to :func:`random_rotations`; None: one factor ``2 · columns`` (or 1).
     """
     b, h, n, d = x.shape
-    rounds, _, half = rotations.shape
-    if half == 0:
-        return torch.zeros(b, h, rounds, n, dtype=torch.long, device=x.device)
-    out = torch.empty(b * h * n, rounds, dtype=torch.long, device=x.device)
-    hash_into(out, x.reshape(b * h * n, d), rotations.to(x))
-    return out.view(b, h, n, rounds).permute(0, 1, 3, 2)
+    factors = _factors(rotations, n_buckets)
+    out = hash_buckets(x.reshape(b * h * n, d), rotations.to(x), factors)
+    return out.view(-1, b, h, n).permute(1, 2, 0, 3)
+
+
+def _factors(rotations: Tensor, n_buckets) -> tuple[int, ...]:
+    width = rotations.shape[-1]
+    factors = (2 * width,) if n_buckets is None and width else bucket_factors(1 if n_buckets is None else n_buckets)
+    if sum(f // 2 for f in factors) != width:
+        raise ValueError(f"n_buckets: {n_buckets!r} needs {sum(f // 2 for f in factors)} rotation columns, "
+                         f"the rotations have {width}")  # fmt: skip
+    return factors
 
 
 def lsh_attention(
@@ -111,6 +132,7 @@ def lsh_attention(
     v: Tensor,
     rotations: Tensor,
     *,
+    n_buckets: int | Sequence[int] | None = None,
     chunk_size: int = 64,
     mask: Tensor | None = None,
     causal: bool = False,
@@ -119,83 +141,71 @@ def lsh_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Shared-QK LSH attention of ``q (b, h, i, d)`` over ``v (b, h, i, e)`` -> ``(b, h, i, e)``.
 
-    ``rotations (r, d, n_buckets // 2)``; ``mask``: bool, 4-d, broadcastable to ``(b, h, i, i)``.
+    ``rotations (r, d, Σ f/2)`` for the factors ``f`` of ``n_buckets`` (None: one factor,
+    ``2 · columns`` buckets); ``mask``: bool, 4-d, broadcastable to ``(b, h, i, i)``.
     """
     # Intra-op threads are left as the caller set them: scoping the bookkeeping to one thread
     # helped only on an oversubscribed machine (quiet, 2 threads: 0.51 s with the caller's
     # threads vs 0.59 s scoped at i = 16K) and changing the global count is not thread-safe.
-    return _lsh_attention(q, v, rotations, chunk_size, mask, causal, scale, return_weights)
+    factors = _factors(rotations, n_buckets)
+    return _lsh_attention(q, v, rotations, factors, chunk_size, mask, causal, scale, return_weights)
 
 
-def _lsh_attention(q, v, rotations, chunk_size, mask, causal, scale, return_weights):
+def _lsh_attention(q, v, rotations, factors, chunk_size, mask, causal, scale, return_weights):
     b, h, n, d = q.shape
     e = v.shape[-1]
     w = max(d, e)  # the flash kernel wants one head size: q, k or v get zero columns
-    rounds, _, half = rotations.shape
-    n_buckets = max(1, 2 * half)
+    rounds = rotations.shape[0]
     size = min(chunk_size, n)
     length = math.ceil(n / size) * size
     step = max(1, BLOCK_ROWS // length)  # (b, h) rows per block
     # Buffers are reused across blocks, rounds and slabs, unless autograd has to keep them.
     bufs = Buffers(not (torch.is_grad_enabled() and (q.requires_grad or v.requires_grad)), q.device)
-    call = _Call(size=size, w=w, scale=d**-0.5 if scale is None else scale, n=n, heads=h, dtype=q.dtype,
-                 per_slab=max(1, SLAB // (size * 2 * size)), bufs=bufs,
-                 mask=None if mask is None else mask.expand(b, h, n, n))  # fmt: skip
+    setup = RoundSetup(size=size, w=w, scale=d**-0.5 if scale is None else scale, n=n, heads=h, dtype=q.dtype,
+                       per_slab=max(1, SLAB // (size * 2 * size)), bufs=bufs,
+                       mask=None if mask is None else mask.expand(b, h, n, n))  # fmt: skip
     rot = rotations.to(q)
+    qf = F.pad(q.reshape(b * h, n, d), (0, w - d)) if w != d else q.reshape(b * h, n, d)
+    vf = F.pad(v.reshape(b * h, n, e), (0, w - e)) if w != e else v.reshape(b * h, n, e)
     results, weights = [], []
     final = q.new_empty(b * h, n, e) if bufs.reuse else None  # written block by block
     for i0 in range(0, b * h, step):
         m = min(step, b * h - i0)
-        qb, vb = q.reshape(b * h, n, d)[i0 : i0 + m], v.reshape(b * h, n, e)[i0 : i0 + m]
-        buckets = torch.full((m, rounds, length), n_buckets, dtype=torch.long, device=q.device)  # padding sorts last
-        if half:
-            hashed = torch.empty(m * n, rounds, dtype=torch.long, device=q.device)
-            hash_into(hashed, qb.detach().reshape(m * n, d), rot)
-            buckets[:, :, :n] = hashed.view(m, n, rounds).transpose(1, 2)
-        else:
-            buckets[:, :, :n] = 0
+        qb, vb = qf[i0 : i0 + m], vf[i0 : i0 + m]
+        buckets = torch.full((m, rounds, length), math.prod(factors), dtype=torch.long, device=q.device)  # padding last
+        hashed = hash_buckets(qb.detach().reshape(m * n, w)[:, :d], rot, factors)  # r (m n)
+        buckets[:, :, :n] = hashed.view(rounds, m, n).transpose(0, 1)
         sorted_buckets, order = buckets.sort(dim=-1, stable=True)  # m r length: slot -> position
-        lo, hi = interval_bounds(sorted_buckets, size, causal)
+        lo, hi = interval_bounds(sorted_buckets, size, causal, math.prod(factors) + 1)  # + the padding bucket
         code = window_codes(sorted_buckets, order, size) if rounds > 1 else None
-        # [q | q/|q| | v] by position, zero-padded to the width w and the length
-        table = bufs.get("table", (m * length, 3 * w), q.dtype).view(m, length, 3 * w)
-        if w != d or w != e or length != n:
-            table.zero_()
-        table[:, :n, :d] = qb
-        table[:, :n, w : w + d] = F.normalize(qb, dim=-1)
-        table[:, :n, 2 * w : 2 * w + e] = vb
+        # k = q/|q| (F.normalize's eps), a multiplication by the reciprocal: a division costs several times more
+        unit = qb * torch.linalg.vector_norm(qb, dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()
+        sources = (qb.reshape(m * n, w), unit.reshape(m * n, w), vb.reshape(m * n, w))
         offsets = (torch.arange(m, device=q.device) * length)[:, None]
+        starts = (torch.arange(m, device=q.device) * n)[:, None]
         heads = torch.arange(i0, i0 + m, device=q.device)
         outs, lses, kept = [], [], []
         for r in range(rounds):
-            # the same rows by sorted slot, after `size` zero rows (the first chunk's empty window half)
-            flat = (order[:, r] + offsets).reshape(-1)
-            if bufs.reuse:
-                rows = bufs.get("rows", (size + m * length, 3 * w), q.dtype)
-                rows[:size] = 0
-                torch.index_select(table.view(-1, 3 * w), 0, flat, out=rows[size:])
-            else:
-                rows = torch.cat([table.new_zeros(size, 3 * w), table.view(-1, 3 * w).index_select(0, flat)])
+            flat = (order[:, r] + offsets).reshape(-1)  # sorted slot -> flat position row (padding included)
+            pick = (order[:, r].clamp(max=n - 1) + starts).reshape(-1)  # sorted slot -> row of the sources
+            rows = [_sorted_rows(x, pick, size, m, n, length, bufs, key) for x, key in zip(sources, "qkv")]
             earlier = None
             if r > 0:  # the earlier rounds' codes, read in this round's sorted order
                 earlier = code[:, :r].gather(-1, order[:, r : r + 1].expand(m, r, length))
                 earlier = earlier.transpose(0, 1).reshape(r, m * length)
-            out_r, lse_r, empty_r, logits_r = _round(call, rows, lo[:, r], hi[:, r], earlier, order[:, r], heads,
-                                                     return_weights)  # fmt: skip
-            back = torch.empty_like(order[:, r]).scatter_(-1, order[:, r], _arange(length, q.device).expand(m, length))
-            back = (back[:, :n] + offsets).reshape(-1)  # position -> flat sorted row
-            if bufs.reuse:
-                outs.append(torch.index_select(out_r, 0, back, out=bufs.get(f"by_position{r}", (m * n, w), q.dtype)))
-            else:
-                outs.append(out_r.index_select(0, back))
-            outs[-1] = outs[-1].view(m, n, w)
-            lses.append(lse_r.index_select(0, back).view(m, n))
-            kept.append(None if empty_r is None else ~empty_r.index_select(0, back).view(m, n))
+            out_r, lse_r, empty_r, logits_r = attend_round(setup, rows, lo[:, r], hi[:, r], earlier, order[:, r],
+                                                           heads, flat, f"by_position{r}", return_weights)  # fmt: skip
+            outs.append(out_r.view(m, length, w)[:, :n])
+            lses.append(lse_r.view(m, length)[:, :n])
+            kept.append(None if empty_r is None else ~empty_r.view(m, length)[:, :n])
             if return_weights:
-                weights.append((i0, order[:, r], logits_r - lse_r.view(-1, size, 1)))
-        out, share = combine_rounds(outs, lses, kept)
+                lse_sorted = lse_r.view(m, length).gather(1, order[:, r])  # by sorted slot
+                weights.append((i0, order[:, r], logits_r - lse_sorted.view(-1, size, 1)))
+        into = final[i0 : i0 + m] if final is not None and w == e else None
+        out, share = combine_rounds(outs, lses, kept, into=into)
         if final is not None:
-            final[i0 : i0 + m] = out[..., :e]
+            if into is None:
+                final[i0 : i0 + m] = out[..., :e]
         else:
             results.append(out[..., :e])
         if return_weights:
@@ -206,97 +216,21 @@ def _lsh_attention(q, v, rotations, chunk_size, mask, causal, scale, return_weig
     return out, dense_weights(weights, b * h, n, length, size).view(b, h, n, n)
 
 
-def _arange(n: int, device: torch.device) -> Tensor:
-    return torch.arange(n, device=device)
+def _sorted_rows(source: Tensor, pick: Tensor, size: int, m: int, n: int, length: int, bufs: Buffers, key: str) -> Tensor:
+    """``source (m n, w)`` rows in sorted-slot order after ``size`` zero rows -> ``(size + m length, w)``.
 
-
-class _Call:
-    """What every round of one call shares: sizes, the mask, the buffers, the interval tables."""
-
-    def __init__(self, *, size, w, scale, n, heads, dtype, per_slab, bufs, mask):
-        self.size, self.w, self.scale, self.n, self.heads = size, w, scale, n, heads
-        self.per_slab, self.bufs, self.mask = per_slab, bufs, mask
-        self.lowest = torch.finfo(dtype).min
-        # Masked keys get `lowest`, keys seen in an earlier round `lowest / 2`, the self pair
-        # `lowest / 16`: each is far below the next (exp of the gap is 0), all far below real logits.
-        self.self_logit = self.lowest / 16
-        y = torch.arange(2 * size + 1, device=bufs.device)
-        # rows of the additive interval mask: `above[lo]` keeps y >= lo, `below[hi]` keeps y < hi
-        self.above = y.new_zeros(2 * size + 1, 2 * size, dtype=dtype).masked_fill_(y[None, :-1] < y[:, None], self.lowest)
-        self.below = y.new_zeros(2 * size + 1, 2 * size, dtype=dtype).masked_fill_(y[None, :-1] >= y[:, None], self.lowest)
-        self.intervals = None  # all (lo, hi) rows at once when that table is small (chunk_size <= 50)
-        if (2 * size + 1) ** 2 * 2 * size <= INTERVAL_TABLE:
-            self.intervals = torch.minimum(self.above[:, None], self.below[None]).view(-1, 2 * size)
-
-
-def _round(call, rows, lo, hi, earlier, order, heads, keep_logits):
-    """One hash round of a block: ``(out (m length, w), lse (m length), empty or None, logits or None)`` by sorted slot.
-
-    ``rows (size + m length, 3 w)``: ``[q | k | v]`` by sorted slot after ``size`` zero rows;
-    ``lo, hi (m, length)``: the interval each slot may see; ``earlier (r', m length)``:
-    window codes of the earlier rounds; ``order (m, length)``: slot -> position.
+    Padding slots (the last ``length − n`` of each row: they sort last) are zero rows.
     """
-    size, w, bufs = call.size, call.w, call.bufs
-    total = rows.shape[0] - size
-    dtype = rows.dtype
-    lo, hi = lo.reshape(-1), hi.reshape(-1)
-    out = bufs.get("out", (total, w), dtype) if bufs.reuse else []
-    lse = bufs.get("lse", (total,), dtype) if bufs.reuse else []
-    empty = None if call.mask is None else torch.empty(total, dtype=torch.bool, device=rows.device)
-    kept_logits = []
-    if earlier is not None:
-        rounds = earlier.shape[0]
-        cq = 2 * earlier - 1
-        ck = torch.cat([earlier.new_zeros(rounds, size), 2 * earlier], 1)
-        stretch = torch.tensor(-call.lowest / 2, dtype=dtype)
-    if call.mask is not None:
-        positions = torch.cat([order.new_zeros(size), order.reshape(-1)]).clamp_(max=call.n - 1)
-        chunks_per_row = order.shape[1] // size
-    for g0 in range(0, total // size, call.per_slab):
-        s = min(call.per_slab, total // size - g0)
-        part = slice(g0 * size, (g0 + s) * size)
-        bias = bufs.get("bias", (s, size, 2 * size), dtype)
-        other = bufs.get("other", (s, size, 2 * size), dtype)
-        if call.intervals is not None:  # one row per (lo, hi) pair
-            torch.index_select(call.intervals, 0, lo[part] * (2 * size + 1) + hi[part], out=bias.view(-1, 2 * size))
-        else:
-            torch.index_select(call.above, 0, lo[part], out=bias.view(-1, 2 * size))
-            torch.index_select(call.below, 0, hi[part], out=other.view(-1, 2 * size))
-            torch.minimum(bias, other, out=bias)
-        if earlier is not None:
-            # |2 code(p) − 1 − 2 code(t)| is 1 exactly when an earlier round paired p and t
-            cqs = cq[:, part].view(rounds, s, size, 1)
-            cks = ck.as_strided((rounds, s, 1, 2 * size), (ck.stride(0), size, 0, 1), ck.storage_offset() + g0 * size)
-            gap = torch.sub(cqs, cks, out=bufs.get("gaps", (rounds, s, size, 2 * size), ck.dtype)).abs_()
-            if rounds > 1:
-                gap = torch.amin(gap, 0, out=bufs.get("closest", (s, size, 2 * size), ck.dtype))
-            else:
-                gap = gap[0]
-            # (gap − 2) · |lowest|/2: lowest/2 for a pair seen before, >= 0 (no change) otherwise
-            torch.minimum(bias, torch.mul(gap.sub_(2), stretch, out=other), out=bias)
-        bias[:, :, size:].diagonal(dim1=1, dim2=2).fill_(call.self_logit)
-        if call.mask is not None:
-            qpos = positions[size:][part].view(s, 1, size, 1)
-            kpos = windows(positions[:, None], size, s, g0, slice(None)).view(s, 1, 1, 2 * size)
-            row = torch.div(torch.arange(g0, g0 + s, device=rows.device), chunks_per_row, rounding_mode="floor")
-            flat = heads[row].view(s, 1, 1, 1)
-            allowed = call.mask[flat // call.heads, flat % call.heads, qpos, kpos].view(s, size, 2 * size)
-            bias.masked_fill_(~allowed, call.lowest)
-            empty[part] = (bias.amax(-1) < call.lowest / 4).view(-1)  # no key and not even itself
-        q_s = rows[size:][part, :w].view(s, size, w)
-        k_s, v_s = windows(rows, size, s, g0, slice(w, 2 * w)), windows(rows, size, s, g0, slice(2 * w, 3 * w))
-        o, l = chunk_attention(q_s, k_s, v_s, bias, call.scale)
-        if bufs.reuse:
-            out[part].view(s, size, w).copy_(o)
-            lse[part].view(s, size).copy_(l)
-        else:
-            out.append(o.reshape(-1, w))
-            lse.append(l.reshape(-1))
-        if keep_logits:
-            kept_logits.append(torch.baddbmm(bias, q_s, k_s.transpose(1, 2), alpha=call.scale))
-    if not bufs.reuse:
-        out, lse = torch.cat(out), torch.cat(lse)
-    return out, lse, empty, (torch.cat(kept_logits) if keep_logits else None)
+    w = source.shape[-1]
+    if bufs.reuse:
+        rows = bufs.get("rows_" + key, (size + m * length, w), source.dtype)
+        rows[:size] = 0
+        torch.index_select(source, 0, pick, out=rows[size:])
+    else:
+        rows = torch.cat([source.new_zeros(size, w), source.index_select(0, pick)])
+    if length != n:
+        rows[size:].view(m, length, w)[:, n:] = 0
+    return rows
 
 
 class LSHAttention(nn.Module):
@@ -308,7 +242,9 @@ class LSHAttention(nn.Module):
 
     Args:
         dim_head: ``d``, the size the rotations are drawn for.
-        n_buckets: hash buckets per round, 1 or even (the paper uses about ``i / chunk_size``).
+        n_buckets: hash buckets per round, 1 or even (the paper uses about ``i / chunk_size``);
+            or a sequence of even factors, factorised buckets (``Π f`` buckets hashed with
+            ``Σ f/2`` rotation columns instead of ``Π f / 2``, for long sequences).
         n_hashes: hash rounds; more rounds, fewer missed neighbours, proportionally more work.
         chunk_size: tokens per chunk of the sorted sequence; each sees ``2 · chunk_size`` keys.
         scale: logits are ``scale · q · k/|k|``; default ``1/sqrt(d)``.
@@ -321,7 +257,7 @@ class LSHAttention(nn.Module):
         self,
         dim_head: int,
         *,
-        n_buckets: int = 32,
+        n_buckets: int | Sequence[int] = 32,
         n_hashes: int = 4,
         chunk_size: int = 64,
         scale: float | None = None,
@@ -331,10 +267,8 @@ class LSHAttention(nn.Module):
     ):
         super().__init__()
         self.dim_head = positive_int("dim_head", dim_head)
-        positive_int("n_buckets", n_buckets)
-        if n_buckets != 1 and n_buckets % 2:
-            raise ValueError(f"n_buckets: expected 1 or an even number (buckets come in ± pairs), got {n_buckets}")
-        self.n_buckets = n_buckets
+        self.factors = bucket_factors(n_buckets)
+        self.n_buckets = n_buckets if isinstance(n_buckets, int) else self.factors
         self.n_hashes = positive_int("n_hashes", n_hashes)
         self.chunk_size = positive_int("chunk_size", chunk_size)
         self.scale = check_scale(scale)
@@ -379,6 +313,7 @@ class LSHAttention(nn.Module):
             q,
             repeat_kv(v, dims.h),
             self.rotations,
+            n_buckets=self.n_buckets,
             chunk_size=self.chunk_size,
             mask=mask,
             causal=causal,

@@ -45,10 +45,12 @@ from torch import Tensor
 
 from ..functional import attention
 from .approx_setup import (
-    LABELS,
     METHODS,
     ApproxSetup,
     inputs,
+    is_lsh,
+    label,
+    lsh_bucket_count,
     lsh_queries,
     lsh_reference,
     lsh_spread,
@@ -140,7 +142,7 @@ def _time_all(setup: ApproxSetup, result: ApproxResult, say: Callable[[str], Non
         cases[i] = (q, k, v, {m: mechanism(m, i, setup) for m in METHODS})
         for m, fn in cases[i][3].items():
             if i <= setup.big or m != "exact":  # one warm-up call; exact's cost seconds above big
-                fn(lsh_queries(q, setup) if m == "reformer_lsh" else q, k, v)
+                fn(lsh_queries(q, setup) if is_lsh(m) else q, k, v)
     outs: dict[tuple[str, int], Tensor] = {}
     rounds = max(setup.repeats_for(m, i) for m in METHODS for i in setup.sizes)
     for r in range(rounds):
@@ -149,7 +151,7 @@ def _time_all(setup: ApproxSetup, result: ApproxResult, say: Callable[[str], Non
             lq = lsh_queries(q, setup)
             for m in METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]:
                 if len(result.times.setdefault((m, i), [])) < setup.repeats_for(m, i):
-                    qm = lq if m == "reformer_lsh" else q
+                    qm = lq if is_lsh(m) else q
                     seconds, out = timed(lambda fn=fns[m], qm=qm: fn(qm, k, v))
                     result.times[m, i].append(seconds)
                     outs.setdefault((m, i), out)
@@ -157,7 +159,7 @@ def _time_all(setup: ApproxSetup, result: ApproxResult, say: Callable[[str], Non
     for i in setup.sizes:
         q, _, v, _ = cases[i]
         for m in METHODS[1:]:
-            if m != "reformer_lsh":
+            if not is_lsh(m):
                 result.errors[m, i] = relative_error(outs[m, i], outs["exact", i])
             elif i <= setup.lsh_error_max:
                 result.errors[m, i] = relative_error(outs[m, i], lsh_reference(lsh_queries(q, setup), v))
@@ -173,8 +175,8 @@ def _family_errors(setup: ApproxSetup, result: ApproxResult, say: Callable[[str]
         lq = lsh_queries(q, setup)
         result.spread["reformer_lsh", family] = lsh_spread(lq)
         for m in METHODS[1:]:
-            out = mechanism(m, i, setup)(lq if m == "reformer_lsh" else q, k, v)
-            ref = lsh_reference(lq, v) if m == "reformer_lsh" else exact
+            out = mechanism(m, i, setup)(lq if is_lsh(m) else q, k, v)
+            ref = lsh_reference(lq, v) if is_lsh(m) else exact
             result.family_errors[m, family] = relative_error(out, ref)
         say(f"errors on {family}: " + ", ".join(f"{m} {result.family_errors[m, family]:.3g}" for m in METHODS[1:]))
 
@@ -189,7 +191,7 @@ def build(spec: dict) -> Callable[[], Tensor]:
     q, k, v = inputs(spec["i"], setup)
     fn = mechanism(spec["method"], spec["i"], setup)
 
-    if spec["method"] == "reformer_lsh":
+    if is_lsh(spec["method"]):
         q = lsh_queries(q, setup)
 
     def call() -> Tensor:
@@ -211,6 +213,10 @@ def peak_memory(method: str, i: int, setup: ApproxSetup) -> tuple[float, float]:
 
 # ---------------------------------------------------------------- report
 
+def _buckets(count: int | tuple[int, int]) -> str:
+    return str(count) if isinstance(count, int) else "×".join(map(str, count))
+
+
 def _fmt(x: float | None, spec: str = ".3g") -> str:
     return "—" if x is None else format(x, spec)
 
@@ -225,7 +231,9 @@ def render(res: ApproxResult) -> str:
         f"b={s.batch}, h={s.heads}, d=e={s.dim_head}, self-attention, float32, forward only under "
         f"`torch.inference_mode`, {res.threads} torch threads; inputs: `{s.family}` "
         f"(`qkv.bench.inputs`). Methods: Linformer k={s.linformer_k} (random projections, untrained); "
-        f"Reformer LSH {s.lsh_hashes} rounds, chunk {s.lsh_chunk}, i/{s.lsh_chunk} buckets; Performer "
+        f"Reformer LSH {s.lsh_hashes} and {s.lsh_hashes_more} rounds, chunk {s.lsh_chunk}, i/{s.lsh_chunk} "
+        f"buckets, as two factors above {s.lsh_factorise_above} ("
+        + ", ".join(f"{size_label(i)}: {_buckets(lsh_bucket_count(i, s))}" for i in s.sizes) + "); Performer "
         f"m={s.nb_features} orthogonal features; linear attention elu+1; Nyström {s.landmarks} landmarks, "
         f"6 pinv iterations. Time: median of {s.repeats} calls at i ≤ {size_label(s.big)}; above that "
         f"{', '.join(map(str, s.large_repeats))} calls for the approximations and "
@@ -243,24 +251,24 @@ def render(res: ApproxResult) -> str:
         for m in METHODS:
             peak, added = res.rss.get((m, i), (None, None))
             speed = "1" if m == "exact" else f"{res.speedup(m, i):.1f}"
-            lines.append(f"| {LABELS[m]} | {size_label(i)} | {res.median(m, i):.3g} | {speed} | {_fmt(peak, '.0f')} | "
+            lines.append(f"| {label(m, s)} | {size_label(i)} | {res.median(m, i):.3g} | {speed} | {_fmt(peak, '.0f')} | "
                          f"{_fmt(added, '.0f')} | {_fmt(res.errors.get((m, i)))} |")  # fmt: skip
     lo, hi = s.fit_range
     target = max((x for x in s.sizes if x <= 16384), default=s.sizes[-1])
     targets = Targets()
     exponents = {m: res.exponent(m) for m in METHODS}
     for m in METHODS[1:]:
-        targets.add(f"{LABELS[m]}: × faster than exact at i = {size_label(target)}", res.speedup(m, target),
+        targets.add(f"{label(m, s)}: × faster than exact at i = {size_label(target)}", res.speedup(m, target),
                     TARGET_SPEEDUP, higher=True, unit="×")  # fmt: skip
-        targets.add(f"{LABELS[m]}: time exponent {size_label(lo)}–{size_label(hi)}", exponents[m], TARGET_EXPONENT)
+        targets.add(f"{label(m, s)}: time exponent {size_label(lo)}–{size_label(hi)}", exponents[m], TARGET_EXPONENT)
     lines += ["", f"Scaling exponent (least-squares log-log slope of time, {size_label(lo)}–{size_label(hi)}): "
-              + ", ".join(f"{LABELS[m]} {exponents[m]:.2f}" for m in METHODS) + ".", "", *targets.lines()]
+              + ", ".join(f"{label(m, s)} {exponents[m]:.2f}" for m in METHODS) + ".", "", *targets.lines()]
     lines += ["", f"Error by input family at i = {size_label(s.error_size)} (effective keys per row = exp(entropy) of "
               "exact attention, averaged over 256 rows: i for uniform rows, 1 for one-hot):", "",
               "| method | " + " | ".join(f"`{f}` ({res.spread[f]:.0f} keys)" for f in FAMILIES) + " |",
               "|---" * (len(FAMILIES) + 1) + "|"]  # fmt: skip
     for m in METHODS[1:]:
-        lines.append(f"| {LABELS[m]} | " + " | ".join(f"{res.family_errors[m, f]:.3g}" for f in FAMILIES) + " |")
+        lines.append(f"| {label(m, s)} | " + " | ".join(f"{res.family_errors[m, f]:.3g}" for f in FAMILIES) + " |")
     lines += ["", "Reformer's reference is exact shared-QK attention (keys q/|q|, no self-attention) on its "
               f"queries rescaled to norm {s.lsh_norm:g}·√d (`lsh_queries`: with the inputs' own norms the "
               "shared-QK softmax is nearly uniform); effective keys of that reference: "

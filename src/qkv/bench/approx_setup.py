@@ -9,6 +9,7 @@ calls against the peer packages), so both measure the same mechanisms on the sam
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -21,11 +22,12 @@ from .. import approx
 from ..functional import attention
 from .inputs import FAMILIES, make_inputs
 
-METHODS = ("exact", "linformer", "reformer_lsh", "performer", "linear", "nystrom")
+METHODS = ("exact", "linformer", "reformer_lsh", "reformer_lsh_more", "performer", "linear", "nystrom")
 LABELS = {
     "exact": "exact (`qkv.attention`, SDPA)",
     "linformer": "Linformer",
     "reformer_lsh": "Reformer LSH",
+    "reformer_lsh_more": "Reformer LSH",
     "performer": "Performer",
     "linear": "linear (elu+1)",
     "nystrom": "Nyström",
@@ -52,8 +54,10 @@ class ApproxSetup:
     linformer_k: int = 256  # projected length k
     nb_features: int = 256  # Performer random features m
     landmarks: int = 64  # Nyström landmarks
-    lsh_hashes: int = 4  # Reformer hash rounds
+    lsh_hashes: int = 2  # Reformer hash rounds ("reformer_lsh")
+    lsh_hashes_more: int = 4  # Reformer hash rounds of the second, slower and more accurate row ("reformer_lsh_more")
     lsh_chunk: int = 64  # Reformer chunk (bucket) size; n_buckets = i / chunk
+    lsh_factorise_above: int = 128  # more buckets than this are hashed as two factors (lsh_bucket_count)
     lsh_norm: float = 10.0  # Reformer's queries rescaled to norm lsh_norm·√d (see lsh_queries)
     seed: int = 0  # inputs and module parameters
 
@@ -80,10 +84,9 @@ def mechanism(method: str, i: int, setup: ApproxSetup) -> Callable[..., Tensor]:
         return attention
     if method == "linformer":
         return approx.Linformer(i, setup.linformer_k).eval()
-    if method == "reformer_lsh":
-        buckets = max(2, 2 * (i // setup.lsh_chunk // 2))
-        return approx.LSHAttention(d, n_buckets=buckets, n_hashes=setup.lsh_hashes, chunk_size=setup.lsh_chunk,
-                                   seed=setup.seed).eval()  # fmt: skip
+    if is_lsh(method):
+        return approx.LSHAttention(d, n_buckets=lsh_bucket_count(i, setup), n_hashes=lsh_rounds(method, setup),
+                                   chunk_size=setup.lsh_chunk, seed=setup.seed).eval()  # fmt: skip
     if method == "performer":
         return approx.Performer(d, nb_features=setup.nb_features, seed=setup.seed).eval()
     if method == "linear":
@@ -91,6 +94,38 @@ def mechanism(method: str, i: int, setup: ApproxSetup) -> Callable[..., Tensor]:
     if method == "nystrom":
         return approx.NystromAttention(setup.landmarks).eval()
     raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+
+
+def is_lsh(method: str) -> bool:
+    """Whether ``method`` is one of the Reformer rows (shared QK: they get :func:`lsh_queries`)."""
+    return method.startswith("reformer_lsh")
+
+
+def lsh_rounds(method: str, setup: ApproxSetup) -> int:
+    return setup.lsh_hashes_more if method == "reformer_lsh_more" else setup.lsh_hashes
+
+
+def label(method: str, setup: ApproxSetup) -> str:
+    """The table's name of ``method`` (Reformer's rows with their rounds)."""
+    if is_lsh(method):
+        return f"{LABELS[method]}, {lsh_rounds(method, setup)} rounds"
+    return LABELS[method]
+
+
+def lsh_bucket_count(i: int, setup: ApproxSetup) -> int | tuple[int, int]:
+    """Reformer's buckets at length ``i``: about ``i / chunk`` (even), as the paper sets them.
+
+    Above ``lsh_factorise_above`` buckets they are two even factors as close to ``√n`` as
+    divide it (HF's Reformer factorises the same way for long inputs), so hashing costs
+    ``O(i √i)`` rather than ``O(i²)``; with no such factors the count stays one number.
+    """
+    buckets = max(2, 2 * (i // setup.lsh_chunk // 2))
+    if buckets <= setup.lsh_factorise_above:
+        return buckets
+    for low in range(int(math.isqrt(buckets)) // 2 * 2, 1, -2):
+        if buckets % low == 0 and (buckets // low) % 2 == 0:
+            return low, buckets // low
+    return buckets
 
 
 def inputs(i: int, setup: ApproxSetup, family: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
