@@ -246,6 +246,20 @@ def test_buckets_given_to_the_function_must_match_the_rotations():
     assert lsh_attention(q, repeat(v), rotations, chunk_size=4).shape == (B, H, 8, E)
 
 
+def test_bfloat16_follows_float32_with_the_same_buckets():
+    # bf16 inputs are hashed in float32 and the rounds combined by a float32 log-sum-exp, so
+    # the output is the float32 result of the same (rounded) inputs, to bf16 precision
+    gen = torch.Generator().manual_seed(0)
+    q = (torch.randn(2, 3, 200, 16, generator=gen) * 4).bfloat16()
+    v = torch.randn(2, 3, 200, 16, generator=gen).bfloat16()
+    module = LSHAttention(16, n_buckets=(4, 4), n_hashes=3, chunk_size=16, seed=0).eval()
+    assert torch.equal(lsh_buckets(q, module.rotations, module.n_buckets), lsh_buckets(q.float(), module.rotations, module.n_buckets))
+    with torch.inference_mode():
+        got, want = module(q, q, v), module(q.float(), q.float(), v.float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
 def test_flash_kernel_and_plain_twin_agree():
     from qkv.approx._lsh import chunk_attention, plain_chunk_attention
 

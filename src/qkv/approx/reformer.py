@@ -114,7 +114,8 @@ def lsh_buckets(x: Tensor, rotations: Tensor, n_buckets: int | Sequence[int] | N
     """
     b, h, n, d = x.shape
     factors = _factors(rotations, n_buckets)
-    out = hash_buckets(x.reshape(b * h * n, d), rotations.to(x), factors)
+    dtype = torch.promote_types(x.dtype, torch.float32)  # as lsh_attention hashes
+    out = hash_buckets(x.reshape(b * h * n, d).to(dtype), rotations.to(device=x.device, dtype=dtype), factors)
     return out.view(-1, b, h, n).permute(1, 2, 0, 3)
 
 
@@ -164,7 +165,8 @@ def _lsh_attention(q, v, rotations, factors, chunk_size, mask, causal, scale, re
     setup = RoundSetup(size=size, w=w, scale=d**-0.5 if scale is None else scale, n=n, heads=h, dtype=q.dtype,
                        per_slab=max(1, SLAB // (size * 2 * size)), bufs=bufs,
                        mask=None if mask is None else mask.expand(b, h, n, n))  # fmt: skip
-    rot = rotations.to(q)
+    hash_dtype = torch.promote_types(q.dtype, torch.float32)  # a bf16 projection would move tokens across borders
+    rot = rotations.to(device=q.device, dtype=hash_dtype)
     qf = F.pad(q.reshape(b * h, n, d), (0, w - d)) if w != d else q.reshape(b * h, n, d)
     vf = F.pad(v.reshape(b * h, n, e), (0, w - e)) if w != e else v.reshape(b * h, n, e)
     results, weights = [], []
@@ -173,13 +175,14 @@ def _lsh_attention(q, v, rotations, factors, chunk_size, mask, causal, scale, re
         m = min(step, b * h - i0)
         qb, vb = qf[i0 : i0 + m], vf[i0 : i0 + m]
         buckets = torch.full((m, rounds, length), math.prod(factors), dtype=torch.long, device=q.device)  # padding last
-        hashed = hash_buckets(qb.detach().reshape(m * n, w)[:, :d], rot, factors)  # r (m n)
+        hashed = hash_buckets(qb.detach().reshape(m * n, w)[:, :d].to(hash_dtype), rot, factors)  # r (m n)
         buckets[:, :, :n] = hashed.view(rounds, m, n).transpose(0, 1)
         sorted_buckets, order = buckets.sort(dim=-1, stable=True)  # m r length: slot -> position
         lo, hi = interval_bounds(sorted_buckets, size, causal, math.prod(factors) + 1)  # + the padding bucket
         code = window_codes(sorted_buckets, order, size) if rounds > 1 else None
         # k = q/|q| (F.normalize's eps), a multiplication by the reciprocal: a division costs several times more
-        unit = qb * torch.linalg.vector_norm(qb, dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()
+        inverse = torch.linalg.vector_norm(qb, dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()
+        unit = torch.mul(qb, inverse, out=bufs.get("unit", qb.shape, qb.dtype)) if bufs.reuse else qb * inverse
         sources = (qb.reshape(m * n, w), unit.reshape(m * n, w), vb.reshape(m * n, w))
         offsets = (torch.arange(m, device=q.device) * length)[:, None]
         starts = (torch.arange(m, device=q.device) * n)[:, None]
