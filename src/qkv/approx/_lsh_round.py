@@ -71,6 +71,10 @@ def attend_round(setup: RoundSetup, rows, lo, hi, earlier, order, heads, flat, n
     ``flat (m length)``: slot -> flat position row; ``name``: the buffer ``out`` is written to.
     ``out``, ``lse`` and ``empty`` (rows that may see no key, not even themselves; None without
     a caller's mask) are by position, ``logits`` by sorted slot.
+
+    Results are made by slot and moved to positions at the end by one gather with the
+    inverse permutation: ``index_select`` is about five times faster than the scatter
+    (``index_copy_``) that would write each slab to its positions directly.
     """
     size, w, bufs = setup.size, setup.w, setup.bufs
     qs, ks, vs = rows
@@ -78,12 +82,8 @@ def attend_round(setup: RoundSetup, rows, lo, hi, earlier, order, heads, flat, n
     dtype = qs.dtype
     lse_dtype = torch.promote_types(dtype, torch.float32)  # a bf16 log-sum-exp would blur the rounds' shares
     lo, hi = lo.reshape(-1), hi.reshape(-1)
-    if bufs.reuse:  # each slab's output goes straight to its positions
-        out = bufs.get(name, (total, w), dtype)
-        lse = bufs.get(name + "_lse", (total,), lse_dtype)
-    else:
-        out, lse = [], []
-    empty = None if setup.mask is None else torch.empty(total, dtype=torch.bool, device=qs.device)
+    slabs = range(0, total // size, setup.per_slab)
+    out, lse, empty = [], [], None if setup.mask is None else []
     kept_logits = []
     if earlier is not None:
         rounds = earlier.shape[0]
@@ -92,7 +92,7 @@ def attend_round(setup: RoundSetup, rows, lo, hi, earlier, order, heads, flat, n
     if setup.mask is not None:
         positions = torch.cat([order.new_zeros(size), order.reshape(-1)]).clamp_(max=setup.n - 1)
         chunks_per_row = order.shape[1] // size
-    for g0 in range(0, total // size, setup.per_slab):
+    for g0 in slabs:
         s = min(setup.per_slab, total // size - g0)
         part = slice(g0 * size, (g0 + s) * size)
         bias = bufs.get("bias", (s, size, 2 * size), dtype)
@@ -126,20 +126,24 @@ def attend_round(setup: RoundSetup, rows, lo, hi, earlier, order, heads, flat, n
             at = heads[row].view(s, 1, 1, 1)
             allowed = setup.mask[at // setup.heads, at % setup.heads, qpos, kpos].view(s, size, 2 * size)
             bias.masked_fill_(~allowed, setup.lowest)
-            empty.index_copy_(0, flat[part], (bias.amax(-1) < setup.lowest / 4).view(-1))
+            empty.append((bias.amax(-1) < setup.lowest / 4).view(-1))
         q_s = qs[size:][part].view(s, size, w)
         k_s, v_s = windows(ks, size, s, g0, slice(None)), windows(vs, size, s, g0, slice(None))
         o, l = chunk_attention(q_s, k_s, v_s, bias, setup.scale)
-        if bufs.reuse:
-            out.index_copy_(0, flat[part], o.reshape(-1, w))
-            lse.index_copy_(0, flat[part], l.reshape(-1).to(lse_dtype))
+        if bufs.reuse and len(slabs) > 1:  # the kernel's outputs, by slot, in one buffer
+            by_slot = bufs.get(name + "_slots", (total, w), dtype)
+            by_slot[part].view(s, size, w).copy_(o)
+            out = [by_slot]
         else:
             out.append(o.reshape(-1, w))
-            lse.append(l.reshape(-1).to(lse_dtype))
+        lse.append(l.reshape(-1).to(lse_dtype))
         if keep_logits:
             kept_logits.append(torch.baddbmm(bias, q_s, k_s.transpose(1, 2), alpha=setup.scale))
-    if not bufs.reuse:  # by sorted slot -> by position
-        out, lse = torch.cat(out), torch.cat(lse)
-        out = out.new_empty(total, w).index_copy(0, flat, out)
-        lse = lse.new_empty(total).index_copy(0, flat, lse)
+    # by sorted slot -> by position: gather with the inverse permutation
+    back = torch.empty_like(flat).scatter_(0, flat, torch.arange(total, device=flat.device))
+    out = out[0] if len(out) == 1 else torch.cat(out)
+    out = torch.index_select(out, 0, back, out=bufs.get(name, (total, w), dtype)) if bufs.reuse else out[back]
+    lse = torch.cat(lse)[back]
+    if empty is not None:
+        empty = torch.cat(empty)[back]
     return out, lse, empty, (torch.cat(kept_logits) if keep_logits else None)
