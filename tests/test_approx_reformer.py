@@ -146,6 +146,23 @@ def test_factorised_buckets_equal_softmax_over_the_union(is_causal, monkeypatch)
     torch.testing.assert_close(module(q, k, v, causal=is_causal), want, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gradients_equal_those_of_softmax_over_the_union(is_causal):
+    n = 13
+    q, k, v = inputs(n)
+    module = LSHAttention(D, n_buckets=(2, 2), n_hashes=3, chunk_size=3, seed=1).eval()
+    allowed = union_of_rounds(q, module.rotations, 3, factors=(2, 2))
+    if is_causal:
+        allowed = allowed & causal(n)
+    grad = torch.randn(B, H, n, E, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    q1, v1 = q.clone().requires_grad_(True), v.clone().requires_grad_(True)
+    (module(q1, k, v1, causal=is_causal) * grad).sum().backward()
+    q2, v2 = q.clone().requires_grad_(True), v.clone().requires_grad_(True)
+    (self_masked_softmax(q2, repeat(v2), allowed)[0] * grad).sum().backward()
+    torch.testing.assert_close(q1.grad, q2.grad, atol=1e-9, rtol=0)
+    torch.testing.assert_close(v1.grad, v2.grad, atol=1e-9, rtol=0)
+
+
 def test_seeds_give_different_hashes_and_the_same_seed_repeats():
     q, k, v = inputs(64)
     a, b, c = (LSHAttention(D, n_buckets=8, seed=s) for s in (0, 0, 1))

@@ -131,13 +131,43 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float)
     """Softmax attention per chunk with an additive mask -> ``(out (s, x, w), lse (s, x))``.
 
     ``q (s, x, w)``, ``k, v (s, y, w)``, ``bias (s, x, y)``. On CPU this is PyTorch's fused
-    flash kernel (which returns the log-sum-exp the rounds are combined with);
-    elsewhere :func:`plain_chunk_attention`.
+    flash kernel (which returns the log-sum-exp the rounds are combined with), under
+    autograd with :class:`_FlashChunks`' backward; elsewhere :func:`plain_chunk_attention`.
     """
     if _flash is not None and q.device.type == "cpu":
-        out, lse = _flash(q[None], k[None], v[None], attn_mask=bias[None], scale=scale)
-        return out[0], lse[0].to(torch.promote_types(q.dtype, torch.float32))
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = _FlashChunks.apply(q, k, v, bias, scale)
+        else:
+            out, lse = (t[0] for t in _flash(q[None], k[None], v[None], attn_mask=bias[None], scale=scale))
+        return out, lse.to(torch.promote_types(q.dtype, torch.float32))
     return plain_chunk_attention(q, k, v, bias, scale)
+
+
+class _FlashChunks(torch.autograd.Function):
+    """The flash kernel's forward, with a backward that also carries the log-sum-exp's gradient.
+
+    PyTorch's own backward treats the kernel's log-sum-exp as a constant, but the rounds are
+    weighted by it, so its gradient reaches the queries and keys (``∂lse/∂S = P``). The
+    backward recomputes ``P = exp(S − lse)`` of the slab, ``S = scale · QKᵀ + bias``::
+
+        dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O) + d lse),   dQ = scale · dS K,
+        dK = scale · dSᵀ Q,                          dV = Pᵀ dO.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale):
+        out, lse = (t[0] for t in _flash(q[None], k[None], v[None], attn_mask=bias[None], scale=scale))
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        p = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=ctx.scale).sub_(lse[..., None].to(q.dtype)).exp_()
+        row = (d_out * out).sum(-1, keepdim=True) - d_lse[..., None].to(q.dtype)
+        ds = p * (d_out @ v.transpose(1, 2) - row)
+        return (ds @ k) * ctx.scale, (ds.transpose(1, 2) @ q) * ctx.scale, p.transpose(1, 2) @ d_out, None, None
 
 
 def plain_chunk_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> tuple[Tensor, Tensor]:
