@@ -129,16 +129,19 @@ def test_buckets_follow_the_paper_hash_and_factorised_buckets_combine_as_digits(
     assert len(got.unique()) > math.prod(factors) // 2  # the buckets are really used
 
 
+def factorised_case(n, factors, chunk, seed, is_causal):
+    """Inputs, a 3-round module with factorised buckets, and the pairs it may attend (rebuilt here)."""
+    q, k, v = inputs(n)
+    module = LSHAttention(D, n_buckets=factors, n_hashes=3, chunk_size=chunk, seed=seed).eval()
+    allowed = union_of_rounds(q, module.rotations, chunk, factors=factors)
+    return q, k, v, module, (allowed & causal(n) if is_causal else allowed)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_factorised_buckets_equal_softmax_over_the_union(is_causal, monkeypatch):
     import qkv.approx._lsh as lsh
 
-    n = 29
-    q, k, v = inputs(n)
-    module = LSHAttention(D, n_buckets=(2, 4), n_hashes=3, chunk_size=4, seed=3).eval()
-    allowed = union_of_rounds(q, module.rotations, 4, factors=(2, 4))
-    if is_causal:
-        allowed = allowed & causal(n)
+    q, k, v, module, allowed = factorised_case(29, (2, 4), 4, 3, is_causal)
     want = self_masked_softmax(q, repeat(v), allowed)[0]
     torch.testing.assert_close(module(q, k, v, causal=is_causal), want, atol=1e-10, rtol=0)
     # the earlier-round test with int32 window codes (long sequences) gives the same result
@@ -148,13 +151,8 @@ def test_factorised_buckets_equal_softmax_over_the_union(is_causal, monkeypatch)
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gradients_equal_those_of_softmax_over_the_union(is_causal):
-    n = 13
-    q, k, v = inputs(n)
-    module = LSHAttention(D, n_buckets=(2, 2), n_hashes=3, chunk_size=3, seed=1).eval()
-    allowed = union_of_rounds(q, module.rotations, 3, factors=(2, 2))
-    if is_causal:
-        allowed = allowed & causal(n)
-    grad = torch.randn(B, H, n, E, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    q, k, v, module, allowed = factorised_case(13, (2, 2), 3, 1, is_causal)
+    grad = torch.randn(B, H, 13, E, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     q1, v1 = q.clone().requires_grad_(True), v.clone().requires_grad_(True)
     (module(q1, k, v1, causal=is_causal) * grad).sum().backward()
     q2, v2 = q.clone().requires_grad_(True), v.clone().requires_grad_(True)
