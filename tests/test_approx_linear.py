@@ -219,3 +219,32 @@ def test_streamed_gradients_equal_those_of_the_quadratic_form(monkeypatch):
 def test_no_queries_give_an_empty_output():
     q, k, v = torch.randn(1, 2, 0, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 5)
     assert LinearAttention()(q, k, v).shape == (1, 2, 0, 5)
+
+
+
+def test_float32_streamed_path_is_as_accurate_as_a_plain_float32_quadratic_form(monkeypatch):
+    import qkv.approx.linear as linear_module
+
+    # Many blocks, the output written in place block by block (no autograd). The
+    # flash-attention rule: error against the float64 quadratic form at most twice that of
+    # the same quadratic form in float32, plus a small floor.
+    monkeypatch.setattr(linear_module, "CHUNK_ELEMENTS", 2 * H * 11 * 100)  # 100 rows of every head a block
+    q, k, v = inputs(1024, 1024, dtype=torch.float32)
+    keep = torch.ones(B, 1, 1, 1024, dtype=torch.bool)
+    keep[1, ..., 700:] = False
+    with torch.no_grad():
+        out = LinearAttention()(q, k, v, mask=keep)
+    want = quadratic(q.double(), k.double(), v.double(), keep=keep)
+    plain = quadratic(q, k, v, keep=keep).double()
+    assert (out.double() - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-6
+
+
+def test_padded_keys_holding_inf_or_nan_change_nothing():
+    q, k, v = inputs(5, 7)
+    keep = torch.ones(B, 1, 1, 7, dtype=torch.bool)
+    keep[1, ..., 4:] = False
+    out = LinearAttention()(q, k, v, mask=keep)
+    bad = k.clone()
+    bad[1, :, 4] = float("inf")
+    bad[1, :, 5:] = float("nan")
+    torch.testing.assert_close(LinearAttention()(q, bad, v, mask=keep), out, atol=1e-12, rtol=0)

@@ -277,3 +277,85 @@ def test_streamed_gradients_equal_those_of_the_quadratic_form(small_chunks):
 def test_no_queries_give_an_empty_output():
     q, k, v = torch.randn(1, 2, 0, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 5)
     assert Performer(8, nb_features=16, seed=0)(q, k, v).shape == (1, 2, 0, 5)
+
+
+class Ops(TorchDispatchMode):
+    """Records the names of the aten ops that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def long_inputs(grad=False):
+    """float32, long enough that the streamed path takes oneDNN for every large product
+    (qkv.projection.linear's convolution from 1024 rows, grouped_matmul from 256 features);
+    two query heads share one KV head and the last 100 keys are padding."""
+    gen = torch.Generator().manual_seed(7)
+    i, d, e = 2048, 16, 24
+    q = torch.randn(1, 2, i, d, generator=gen)
+    k = torch.randn(1, 1, i, d, generator=gen) * torch.linspace(0.5, 1.5, i)[:, None]  # a rising key max
+    v = torch.randn(1, 1, i, e, generator=gen)
+    keep = torch.ones(1, 1, 1, i, dtype=torch.bool)
+    keep[..., -100:] = False
+    return [x.requires_grad_(grad) for x in (q, k, v)], keep
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_float32_onednn_route_is_as_accurate_as_a_plain_float32_quadratic_form():
+    # The flash-attention rule: error against the float64 quadratic form at most twice that
+    # of the same quadratic form computed in float32, plus a small floor.
+    (q, k, v), keep = long_inputs()
+    module = Performer(16, nb_features=256, seed=0)
+    with torch.no_grad(), Ops() as seen:
+        out = module(q, k, v, mask=keep)
+    assert any(name.startswith("mkldnn_convolution") for name in seen.names)
+    w = module.projection
+    want = quadratic(q.double(), k.double(), v.double(), w.double(), keep=keep)
+    plain = quadratic(q, k, v, w, keep=keep).double()
+    assert (out.double() - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-6
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_float32_onednn_route_gradients_are_as_accurate_as_a_plain_float32_quadratic_form():
+    (q, k, v), keep = long_inputs(grad=True)
+    module = Performer(16, nb_features=256, seed=0)
+    up = torch.randn(1, 2, 2048, 24, generator=torch.Generator().manual_seed(8))
+    got = torch.autograd.grad((module(q, k, v, mask=keep) * up).sum(), (q, k, v))
+    plain = torch.autograd.grad((quadratic(q, k, v, module.projection, keep=keep) * up).sum(), (q, k, v))
+    x64 = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    want = torch.autograd.grad(
+        (quadratic(*x64, module.projection.double(), keep=keep) * up.double()).sum(), x64
+    )
+    for a, p, b in zip(got, plain, want):
+        assert (a.double() - b).abs().max() <= 2 * (p.double() - b).abs().max() + 1e-6
+
+
+def test_padded_keys_holding_inf_or_nan_change_nothing():
+    q, k, v = inputs(5, 7)
+    keep = torch.ones(B, 1, 1, 7, dtype=torch.bool)
+    keep[1, ..., 4:] = False
+    module = Performer(D, nb_features=32, seed=0).double()
+    out = module(q, k, v, mask=keep)
+    bad = k.clone()
+    bad[1, :, 4] = float("inf")
+    bad[1, :, 5:] = float("nan")
+    torch.testing.assert_close(module(q, bad, v, mask=keep), out, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_streamed_path_is_as_accurate_as_a_plain_quadratic_form(dtype, small_chunks):
+    # The flash-attention rule in bfloat16 and float16, over many blocks with a rising key max.
+    q, k, v = inputs(9, 23, dtype=torch.float32)
+    k = k * torch.linspace(0.2, 2.0, 23)[:, None]
+    module = Performer(D, nb_features=32, seed=0)
+    w = module.projection
+    want = quadratic(q.double(), k.double(), v.double(), w.double())
+    out = module.to(dtype)(q.to(dtype), k.to(dtype), v.to(dtype))
+    assert out.dtype == dtype
+    plain = quadratic(q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype)).double()
+    assert (out.double() - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3

@@ -16,16 +16,24 @@ same for every query of a row (it depends on ``b``, ``h`` and ``j`` only)::
 with a ``ValueError`` that names the method and what to use instead. Lazy masks (anything
 with ``dense(i_len, j_len, device)``, e.g. ``qkv.masks.lengths``) are made dense first, so
 this package does not import the mask module.
+
+Speed helpers of the streamed methods (:func:`qkv.approx.linear.streamed_kernel_attention`),
+each measured on the benchmark machine and each falling back to the plain torch op:
+:func:`grouped_matmul` (one large float32 product through oneDNN, about 1.5× MKL's rate
+there), :class:`Scratch` (buffers reused across a call's blocks) and :func:`project_into`
+(:func:`qkv.projection.linear` written into such a buffer).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..backends.request import repeat_kv as repeat_groups
+from ..projection import IMAGES, linear, uses_convolution
 
 
 class Dims(NamedTuple):
@@ -180,10 +188,132 @@ def check_scale(scale: object) -> float | None:
 #: Elements (of the float32 ``(b h, rows, m)`` block) in one chunk of a method that streams
 #: over the sequence (:func:`qkv.approx.linear.streamed_kernel_attention`, Linformer's
 #: softmax). 2**19 float32 are 2 MiB, about a core's L2 cache: the block stays in cache
-#: between the matmul that makes it and the one that reads it. Measured on the benchmark
+#: between the op that makes it and the one that reads it. Measured on the benchmark
 #: machine (2 threads, quiet, b=1, h=8, m=256; Performer / Linformer / linear, ms):
 #: 2**18: 50 / 34 / 8.1 at 4K, 172 / 146 / 31 at 16K; 2**19: 41 / 33 / 7.8 and 186 / 155 / 36;
 #: 2**20: 48 / 36 / 8.4 and 191 / 187 / 43; 2**22: 70 / 45 / 8.3 and 212 / 174 / 54.
 #: Smaller chunks mean more ops, each a parallel region that waits for a free core on a
 #: busy machine, so the smallest size is not taken.
 CHUNK_ELEMENTS = 1 << 19
+
+
+def needs_grad(*tensors: Tensor) -> bool:
+    """True when autograd will record ops on any of ``tensors``."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class Scratch:
+    """Buffers reused across the blocks of one call of a streamed method, when no gradient is needed.
+
+    Why: a block's temporaries are a few MiB each, and freeing two or three of them at once
+    can leave more free memory at the top of glibc's heap than its trim threshold (twice
+    the mmap threshold, itself 2 MiB after a 2 MiB block was freed), so the heap is shrunk
+    and the next block faults the same memory back in. One core, a ``(2048, 64) -> (2048,
+    256)`` projection then a softmax: 3.9 ms with a fresh softmax output, 0.86 ms writing it
+    into a reused buffer (the projection alone 0.5 ms). ``get`` returns None when buffers
+    are off (autograd needs every block's values), and the caller allocates as usual.
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
+        """A contiguous ``shape`` tensor (dtype and device of ``like``) that the last call with
+        this ``name`` may have written; None when buffers are off."""
+        if not self.enabled:
+            return None
+        n = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < n or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = self._buffers[name] = like.new_empty(n)
+        return buffer[:n].view(shape)
+
+
+#: Fewest elements of ``x`` for which :func:`grouped_matmul` calls oneDNN (below, ``bmm``):
+#: oneDNN's fixed cost per call is tens of microseconds.
+GROUPED_MIN_ELEMENTS = 1 << 14
+#: Fewest columns ``p`` of ``x`` for which :func:`grouped_matmul` calls oneDNN. One core,
+#: ``(64, n) @ (n, p)`` with n = 1024-8192, per 16K rows of 8 heads: p = 256, oneDNN 36-40 ms
+#: against 55-60 for MKL's ``bmm``; p = 64, oneDNN 20-51 ms against 15.
+GROUPED_MIN_PIXELS = 256
+
+
+def grouped_matmul(w: Tensor, x: Tensor) -> Tensor:
+    """``w (n, o, c) @ x (n, c, p) -> (n, o, p)``, the product ``torch.bmm`` computes.
+
+    For one float32 product on the CPU (``n = 1``) it runs as a ``1 × 1`` convolution in
+    oneDNN: ``x`` is one image of ``p`` pixels with ``c`` channels, the filters are the
+    ``o`` rows of ``w``, so output channel ``o`` at pixel ``p`` is ``Σ_c w[o, c] · x[c,
+    p]``. ``x`` contiguous is that image in NCHW layout and the output comes back as ``(o,
+    p)`` contiguous. On the benchmark machine (AMD EPYC, see :mod:`qkv.projection` for why
+    MKL is slow there), one core, ``(64, 2048) @ (2048, 256)``: 137 GFLOP/s against 90 for
+    ``bmm``. The same as a grouped convolution (``n`` groups) ran at about 40 GFLOP/s, so
+    batches of several products stay ``bmm``, as do other dtypes and devices, small ``x``
+    and few columns. The call is ``aten::mkldnn_convolution``, the op ``F.conv2d``
+    dispatches to, named directly because ``F.conv2d`` sends a single image on one thread
+    to its im2col + BLAS path; it has a backward like any convolution.
+    """
+    n, o, c = w.shape
+    p = x.shape[-1]
+    if not (
+        n == 1
+        and x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.numel() >= GROUPED_MIN_ELEMENTS
+        and p >= GROUPED_MIN_PIXELS
+        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled
+    ):
+        return torch.bmm(w, x)
+    image = x.contiguous().reshape(1, n * c, p, 1)
+    # Not made contiguous here: oneDNN reorders the filters into its own layout anyway and
+    # takes a transposed view too (one core, (64, 2048) @ (2048, 256): 0.60 ms for the view,
+    # 0.46 contiguous + 0.09 to copy), so only a caller that has the layout for free gains.
+    filters = w.reshape(n * o, c, 1, 1)
+    out = torch.ops.aten.mkldnn_convolution(image, filters, None, [0, 0], [1, 1], [1, 1], 1)
+    return out.reshape(n, o, p)
+
+
+_CONV_ADD = None  # torch.ops.mkldnn._convolution_pointwise_.binary, False where missing
+
+
+def project_into(x: Tensor, weight: Tensor, out: Tensor | None) -> Tensor:
+    """:func:`qkv.projection.linear` without bias, ``x (..., c) @ weight (o, c)ᵀ -> (..., o)``,
+    written into ``out`` (contiguous, shape ``(..., o)``, a :class:`Scratch` buffer) when it
+    can be.
+
+    Why: the projection's convolution returns a fresh tensor, and a streamed method makes
+    one per block; freed together with the block's other temporaries it is often handed
+    back to the kernel and faulted in again (see :class:`Scratch`). oneDNN's in-place
+    convolution with an ``add`` post-op, ``out = conv(x) + out`` on a zeroed ``out`` (the op
+    inductor fuses convolutions into), writes the same product into a reused buffer. Two
+    threads, a loop of 64 key and query blocks of Performer's shapes: 124 ms with fresh
+    outputs, 79 ms into buffers. Where the route does not apply (``out`` None, not
+    :func:`qkv.projection.uses_convolution`, the op missing from this torch) the result is
+    :func:`qkv.projection.linear`'s, in a new tensor. No autograd on the in-place route:
+    callers pass ``out`` only when no gradient is needed.
+    """
+    global _CONV_ADD
+    if out is None or not uses_convolution(x, weight):
+        return linear(x, weight)
+    if _CONV_ADD is None:
+        try:
+            _CONV_ADD = torch.ops.mkldnn._convolution_pointwise_.binary
+        except (AttributeError, RuntimeError):
+            _CONV_ADD = False
+    if _CONV_ADD is False:
+        return linear(x, weight)
+    o, c = weight.shape
+    tokens = x.numel() // c
+    # The layout of qkv.projection.linear: the tokens as IMAGES channels-last images.
+    images = x.reshape(IMAGES, tokens // IMAGES, 1, c).permute(0, 3, 1, 2)
+    target = out.view(IMAGES, tokens // IMAGES, 1, o).permute(0, 3, 1, 2)
+    out.zero_()
+    try:
+        _CONV_ADD(target, images, weight.reshape(o, c, 1, 1), None, [0, 0], [1, 1], [1, 1], 1, "add", None, None, [], None)
+    except (RuntimeError, TypeError):  # an internal op: another torch may have changed it
+        _CONV_ADD = False
+        return linear(x, weight)
+    return out

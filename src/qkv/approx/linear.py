@@ -23,8 +23,8 @@ qkv, ``p' = p + j - i``; rows that see no key give zeros::
     query 2         1 1 1 1 1
 
 Without ``return_weights`` the non-causal form is :func:`streamed_kernel_attention`: the
-features are made and used a chunk of rows at a time (never ``(i, m)`` at once) and the KV
-heads of a group are not repeated for its query heads.
+features are made and used a block of rows at a time (never ``(i, m)`` at once), the KV
+heads of a group are not repeated for its query heads, and the output is written in place.
 
 :func:`kernel_attention` is shared with :mod:`qkv.approx.performer` (FAVOR+ is linear
 attention with random features). :func:`kernel_attention_weights` is its slow twin: the
@@ -32,8 +32,9 @@ attention with random features). :func:`kernel_attention_weights` is its slow tw
 
 Checked against (tests/test_approx_linear.py): the quadratic form ``(φ(Q)φ(K)ᵀ ⊙ causal) V /
 rowsum`` computed in the test, to 1e-6 in float64 for causal (chunked, with i < j, i == j,
-i > j) and non-causal (also streamed over many chunks, with padding that differs between
-heads); key padding equal to dropping the padded keys.
+i > j) and non-causal (also streamed over many blocks, with padding that differs between
+heads; in float32 as accurate as the quadratic form in float32); key padding equal to
+dropping the padded keys, whatever the padded keys hold (inf, NaN).
 
 ``return_weights=True`` returns ``(out, weights)`` with the implicit ``(b, h, i, j)`` weight
 matrix materialised (``out == weights @ v``): ``O(i j)`` memory, for inspection only.
@@ -51,7 +52,19 @@ from einops import einsum
 from torch import Tensor, nn
 
 from .._args import positive_int
-from ._common import CHUNK_ELEMENTS, check_flags, check_qkv, dense_mask, key_padding, repeat_kv, safe_divide
+from ._common import (
+    CHUNK_ELEMENTS,
+    GROUPED_MIN_PIXELS,
+    Scratch,
+    check_flags,
+    check_qkv,
+    dense_mask,
+    grouped_matmul,
+    key_padding,
+    project_into,
+    repeat_kv,
+    safe_divide,
+)
 
 
 def elu_feature_map(x: Tensor) -> Tensor:
@@ -113,95 +126,157 @@ def kernel_attention(
     return torch.cat(outs, dim=-2)
 
 
+def blocks(heads: int, length: int, m: int, chunk_elements: int) -> tuple[int, int]:
+    """``(heads per block, rows per block)`` of a ``(heads, length, m)`` tensor made a block
+    of about ``chunk_elements`` at a time.
+
+    With ``m >= GROUPED_MIN_PIXELS`` (the products go to oneDNN, per head) rows of one head
+    come first, several heads only when a whole head fits: long sequences give one-head
+    blocks, whose query product is one :func:`qkv.projection.linear`. With fewer features
+    the products stay batched ``bmm`` over all heads, and fewer, wider blocks mean fewer
+    ops (2 threads, m = 64: one-head blocks were 10-20% slower at 4K and 16K).
+    """
+    if m < GROUPED_MIN_PIXELS:
+        return heads, max(1, min(length, chunk_elements // (heads * m)))
+    rows = max(1, min(length, chunk_elements // m))
+    return max(1, min(heads, chunk_elements // (rows * m))), rows
+
+
 def streamed_kernel_attention(
     q: Tensor,
     v: Tensor,
     query_map: Callable[[Tensor], Tensor],
-    key_map: Callable[[int, int, Tensor | None], Tensor],
+    key_map: Callable[[int, int, int, int], tuple[Tensor, Tensor | None]],
     m: int,
     *,
     keep: Tensor | None = None,
-    log_keys: bool = False,
     chunk_elements: int | None = None,
+    scratch: Scratch | None = None,
 ) -> Tensor:
-    """Non-causal ``φ(Q) (φ(K)ᵀ V) / φ(Q) (φ(K)ᵀ 1)``, the features made and used chunk by chunk.
+    """Non-causal ``φ(Q) (φ(K)ᵀ V) / φ(Q) (φ(K)ᵀ 1)``, the features made and used block by block.
 
-    ``q (b, h, i, d)``, ``v (b, g, j, e)`` -> ``(b, h, i, e)``. The maps make ``m`` features
-    of a chunk of rows, heads flattened into the batch: ``query_map(x (b h, n, d)) -> (b h,
-    n, m)`` for queries ``x``, and ``key_map(t0, t1, shift) -> (b g, t1 − t0, m)`` for keys
-    ``t0 <= t < t1``. A query's features may be off by a positive factor common to the whole
-    row (it cancels in the row's ratio); a key's may not. ``keep (b|1, g|1, j)`` zeroes
-    padded keys. ``chunk_elements``: size of a chunk's ``(b g, n, m)`` block, default
-    :data:`CHUNK_ELEMENTS`. Grouped heads are not repeated: the state ``[φ(K)ᵀ V | φ(K)ᵀ 1]
-    (b g, m, e + 1)`` is built once per KV head and read by the ``h / g`` query heads of its
-    group.
+    ``q (b, h, i, d)``, ``v (b, g, j, e)`` -> ``(b, h, i, e)``. Heads are flattened into one
+    axis (``b h`` for queries, ``b g`` for keys) and the maps make ``m`` features of a block
+    of heads and rows: ``query_map(x (n_h, n, d)) -> (n_h, n, m)`` for queries ``x``, and
+    ``key_map(s0, s1, t0, t1) -> (f (n_h, n, m), log_w (n_h, n) or None)`` for keys ``t0 <=
+    t < t1`` of KV heads ``s0 <= s < s1``, where ``φ(k_t) = f_t · exp(log_w_t)`` (None: ``φ
+    = f``). A query's features may be off by a positive factor common to the whole row (it
+    cancels in the row's ratio); a key's may not, which is what ``log_w`` carries.
+    ``keep (b|1, g|1, j)`` drops padded keys. ``chunk_elements``: size of a block's ``(n_h,
+    n, m)`` features, default :data:`CHUNK_ELEMENTS` (see :func:`blocks`). ``scratch``: the
+    call's reusable buffers (:class:`Scratch`, the maps may use it too), None for none;
+    with buffers on, the key features a map returns are overwritten here (padding zeroed).
 
-    With ``log_keys`` the key map returns *log*-features minus ``shift (b g, 1, 1)`` (None:
-    minus nothing) and ``exp`` is taken here. ``shift`` is the largest log-feature seen so
-    far (per ``(b, g)``, padded keys left out); when a chunk holds a larger one, the chunk
-    and the state are rescaled by ``exp(old − new)``. At the end every key carries the
-    factor ``exp(−max)``, as if the max over all keys had been subtracted first (the
-    paper's stabiliser), and that factor cancels between numerator and denominator.
+    The per-key factor goes on the small side of the products: the state is ``[V | 1]ᵀ
+    diag(w) F`` (``(b g, e + 1, m)``; ``(w V)ᵀ F`` and ``wᵀ F`` computed apart and stacked),
+    with ``w_t = exp(log_w_t − c)``, 0 for a padded key. ``c`` is the largest ``log_w`` seen
+    so far in the head; when a block holds a larger one the state is rescaled by ``exp(old −
+    new)``, so at the end every key carries the factor ``exp(−max log_w)``, a constant that
+    cancels between numerator and denominator and keeps every ``w_t <= 1``. Grouped heads
+    are not repeated: the state is built once per KV head and read by the ``h / g`` query
+    heads of its group.
 
     Equal to :func:`kernel_attention` on the materialised features up to rounding, but no
-    ``(i, m)`` or ``(j, m)`` tensor is held: each chunk's block stays in cache between the
-    matmul that makes it and the one that reads it, and nothing larger than ``[V | 1]`` and
-    ``[num | den]`` of the output is allocated.
+    ``(i, m)`` or ``(j, m)`` tensor is held: each block stays in cache between the op that
+    makes it and the one that reads it. Speed (float32, CPU): with ``m >= 256`` features
+    (Performer) the keys' product runs through :func:`grouped_matmul` and, in one-head
+    blocks, the queries' through :func:`qkv.projection.linear`, both oneDNN (about twice
+    MKL's rate on the benchmark machine); with fewer (linear attention, ``m = d``) both stay
+    ``bmm``. Without autograd the output is written in place, block by block, into one
+    tensor (no list of parts and no concatenation), and ``scratch`` buffers are reused.
     """
     b, h, i, d = q.shape
     g, j, e = v.shape[1], v.shape[2], v.shape[3]
     if j == 0 or i == 0:
         return q.new_zeros(b, h, i, e)
-    lowest = torch.finfo(q.dtype).min
-    padded = None if keep is None else ~keep.expand(b, g, j).reshape(b * g, j, 1)
-    vf = v.reshape(b * g, j, e)
-    state = None  # (b g, m, e): Σ φ(k) vᵀ over the keys so far
-    norm = None  # (b g, 1, m): Σ φ(k) over the keys so far
-    seen = None  # (b g, 1, 1): largest key log-feature so far, lowest if none (log_keys only)
-    shift = None  # what the key map subtracts: seen, or 0 where seen is lowest
-    chunk_elements = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
-    step = max(1, chunk_elements // (b * g * m))
-    for t0 in range(0, j, step):
-        t1 = min(t0 + step, j)
-        fk = key_map(t0, t1, shift)  # b g, n, m
-        if padded is not None:
-            fk = fk.masked_fill_(padded[:, t0:t1], lowest if log_keys else 0)  # exp(lowest) is exactly 0
-        if log_keys:
-            top = fk.detach().amax((-2, -1), keepdim=True)
-            if shift is not None:
-                top = top + shift
-            if seen is None or bool((top > seen).any()):
-                new = top if seen is None else torch.maximum(seen, top)
-                new_shift = new.masked_fill(new == lowest, 0)  # an all-padded (b, g) subtracts 0
-                fk = fk.sub_(new_shift if shift is None else new_shift - shift)
-                if state is not None:
-                    # Rescale what was summed with the old max: a factor in [0, 1] (0 for a
-                    # state that is still empty, whose seen is lowest).
-                    factor = torch.exp(seen - new)
-                    state, norm = state.mul_(factor), norm.mul_(factor)
-                seen, shift = new, new_shift
-            fk = fk.exp_()
-        fk_t = fk.transpose(1, 2)
-        # In place: no op saves the state for its backward until the queries read it.
-        if state is None:
-            state, norm = torch.bmm(fk_t, vf[:, t0:t1]), fk.sum(1, keepdim=True)
-        else:
-            state, norm = state.baddbmm_(fk_t, vf[:, t0:t1]), norm.add_(fk.sum(1, keepdim=True))
-    # [Σ φ(k) vᵀ | Σ φ(k)] (b g, m, e + 1): one matmul per query chunk gives numerator and
-    # denominator. Joined here, on the small state, not as a column of ones on all of V.
-    both = torch.cat([state, norm.transpose(1, 2)], dim=-1)
-    # Every query head reads its group's state: (b g, m, e + 1) -> (b h, m, e + 1).
-    r = h // g
-    both = both.unflatten(0, (b, g)).unsqueeze(2).expand(b, g, r, m, e + 1).reshape(b * h, m, e + 1)
-    rows = max(1, chunk_elements // (b * h * m))
+    scratch = Scratch(False) if scratch is None else scratch
     tiny = torch.finfo(q.dtype).tiny
-    parts = []
-    for p0 in range(0, i, rows):
-        fq = query_map(q[:, :, p0 : p0 + rows].reshape(b * h, -1, d))  # b h, n, m
-        nd = torch.bmm(fq, both)  # b h, n, e + 1
-        # Features are non-negative, so den = 0 means num = 0 (no key seen): 0 / tiny = 0.
-        parts.append(nd[..., :e] / nd[..., e:].clamp_min(tiny))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    chunk_elements = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+    kept = None if keep is None else keep.expand(b, g, j).reshape(b * g, j)
+    vf = v.reshape(b * g, j, e)
+    states = []  # per block of KV heads: (n_h, e + 1, m) = [Σ w φ(k) vᵀ ; Σ w φ(k)]ᵀ
+    per, rows = blocks(b * g, j, m, chunk_elements)
+    for s0 in range(0, b * g, per):
+        s1 = min(s0 + per, b * g)
+        num = den = None  # (n_h, e, m), (n_h, 1, m): the state [Σ w v φ(k)ᵀ ; Σ w φ(k)ᵀ]
+        seen = None  # (n_h, 1): largest log_w so far, lowest while every key was padded
+        for t0 in range(0, j, rows):
+            t1 = min(t0 + rows, j)
+            fk, log_w = key_map(s0, s1, t0, t1)  # (n_h, n, m), (n_h, n) or None
+            if kept is not None:
+                # A padded key weighs 0, but 0 · inf is NaN: its features are zeroed too, so
+                # whatever a padded key holds (inf, NaN) it adds exactly nothing.
+                padded = ~kept[s0:s1, t0:t1, None]
+                fk = fk.masked_fill_(padded, 0) if scratch.enabled else fk.masked_fill(padded, 0)
+            weight = None
+            if log_w is not None:
+                lowest = torch.finfo(log_w.dtype).min  # log_w may be wider than q (see the key map)
+                if kept is not None:
+                    log_w = log_w.masked_fill(~kept[s0:s1, t0:t1], lowest)  # exp(lowest − c) is exactly 0
+                top = log_w.detach().amax(-1, keepdim=True)
+                if seen is None or bool((top > seen).any()):
+                    new = top if seen is None else torch.maximum(seen, top)
+                    if num is not None:
+                        # Rescale what was summed with the old max: a factor in [0, 1] (0 for
+                        # a state that is still empty, whose seen is lowest).
+                        factor = torch.exp(seen - new)[..., None].to(num.dtype)
+                        num, den = num * factor, den * factor
+                    seen = new
+                # The max only rescales numerator and denominator alike (no gradient flows
+                # through it); a head with every key so far padded subtracts 0.
+                weight = torch.exp(log_w - seen.masked_fill(seen == lowest, 0)).to(vf.dtype)
+            elif kept is not None:
+                weight = kept[s0:s1, t0:t1].to(vf.dtype)
+            values = vf[s0:s1, t0:t1].transpose(1, 2)  # n_h, e, n
+            # (w v)ᵀ laid out (e, n) in a reused buffer for oneDNN's product, which reads it 25%
+            # faster than the transposed view (one core, 0.46 against 0.60 ms); bmm takes the view.
+            onednn = s1 - s0 == 1 and m >= GROUPED_MIN_PIXELS  # grouped_matmul's own test, roughly
+            scaled = scratch.get("values", tuple(values.shape), vf) if onednn else None
+            if scaled is None:
+                scaled = values if weight is None else values * weight[:, None, :]
+            elif weight is None:
+                scaled.copy_(values)
+            else:
+                torch.mul(values, weight[:, None, :], out=scaled)
+            # Numerator and denominator apart: e = 64 rows suit oneDNN's blocks of 16, e + 1 not.
+            part = grouped_matmul(scaled, fk)  # n_h, e, m: Σ w v φ(k)ᵀ
+            total = fk.sum(1, keepdim=True) if weight is None else torch.bmm(weight.unsqueeze(1), fk)  # n_h, 1, m
+            # In place when possible: nothing saves the state for its backward until the queries read it.
+            if num is None:
+                num, den = part, total
+            else:
+                num, den = num.add_(part), den.add_(total)
+        states.append(torch.cat([num, den], dim=1))
+    state = states[0] if len(states) == 1 else torch.cat(states)
+    # Every query head reads its group's state: (b g, e + 1, m) -> (b h, e + 1, m).
+    r = h // g
+    state = state.unflatten(0, (b, g)).unsqueeze(2).expand(b, g, r, e + 1, m).reshape(b * h, e + 1, m)
+    qf = q.reshape(b * h, i, d)
+    out = None  # (b h, i, e), written block by block when nothing needs a gradient
+    parts = []  # per block of heads, the list of its row blocks (autograd only)
+    per, rows = blocks(b * h, i, m, chunk_elements)
+    for s0 in range(0, b * h, per):
+        s1 = min(s0 + per, b * h)
+        parts.append([])
+        for p0 in range(0, i, rows):
+            fq = query_map(qf[s0:s1, p0 : p0 + rows])  # n_h, n, m
+            if s1 - s0 == 1:  # one head: its state is the weight of a projection of the rows
+                numerators = scratch.get("numerators", (fq.shape[1], e), fq)
+                num = project_into(fq[0], state[s0, :e], numerators).unsqueeze(0)  # e rows again, not e + 1
+                den = (fq[0] @ state[s0, e]).view(1, -1, 1)
+            else:
+                nd = torch.bmm(fq, state[s0:s1].transpose(1, 2))  # n_h, n, e + 1
+                num, den = nd[..., :e], nd[..., e:]
+            # Features are non-negative, so den = 0 means num = 0 (no key seen): 0 / tiny = 0.
+            den = den.clamp_min(tiny)
+            if num.requires_grad:
+                parts[-1].append(num / den)
+                continue
+            if out is None:
+                out = q.new_empty(b * h, i, e)
+            torch.div(num, den, out=out[s0:s1, p0 : p0 + rows])
+    if out is None:
+        out = torch.cat([torch.cat(row_parts, dim=1) for row_parts in parts])
     return out.unflatten(0, (b, h))
 
 
@@ -243,10 +318,11 @@ def linear_attention(
     """
     if not causal and not return_weights:
         k, v, keep = grouped_keep(k, v, keep, q.shape[1])
-        b, g, _, d = k.shape
+        b, g, j, d = k.shape
+        kf = k.reshape(b * g, j, d)
 
-        def key_features(t0: int, t1: int, _shift: None) -> Tensor:
-            return elu_feature_map(k[:, :, t0:t1].reshape(b * g, t1 - t0, d))
+        def key_features(s0: int, s1: int, t0: int, t1: int) -> tuple[Tensor, None]:
+            return elu_feature_map(kf[s0:s1, t0:t1]), None
 
         return streamed_kernel_attention(q, v, elu_feature_map, key_features, d, keep=keep)
     h = q.shape[1]
