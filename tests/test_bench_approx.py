@@ -19,7 +19,7 @@ from qkv.bench.inputs import FAMILIES, effective_keys, make_inputs, relative_err
 TINY = approx.ApproxSetup(
     sizes=(64, 128), heads=2, dim_head=16, repeats=1, large_repeats=(1,), exact_large_repeats=(1,), big=64,
     fit_range=(64, 128), error_size=64, lsh_error_max=128, memory=False, peer_sizes=(), peer_repeats=1,
-    reformer_peer_max=128, linformer_k=8, nb_features=16, landmarks=8, lsh_hashes=2, lsh_hashes_more=3, lsh_chunk=16,
+    reformer_peer_max=128, linformer_k=8, nb_features=16, landmarks=8, lsh_rounds=(1, 3), peer_lsh_rounds=2, lsh_chunk=16,
     family="gaussian",
 )  # fmt: skip
 
@@ -119,10 +119,10 @@ def test_approx_suite_tiny_produces_the_tables(monkeypatch):
 
     monkeypatch.setattr(approx, "mechanism", fake)
     result = approx.run(TINY)
-    for m in approx.METHODS:
+    for m in approx.methods(TINY):
         for i in TINY.sizes:
             assert len(result.times[m, i]) == 1 and result.times[m, i][0] > 0
-    assert set(result.errors) == {(m, i) for m in approx.METHODS[1:] for i in TINY.sizes}
+    assert set(result.errors) == {(m, i) for m in approx.methods(TINY)[1:] for i in TINY.sizes}
     assert all(e >= 0 for e in result.errors.values())
     for i in TINY.sizes:
         assert result.errors["linear", i] == pytest.approx(0, abs=1e-6)
@@ -131,7 +131,7 @@ def test_approx_suite_tiny_produces_the_tables(monkeypatch):
     assert "| method | i | time (s) | × faster than exact | peak RSS (MiB) | RSS added by the call (MiB) | error |" in text
     assert "| target | measured | status |" in text
     assert text.count("× faster than exact at i = 128") == 6 and text.count("time exponent 64–128") == 6
-    assert "Reformer LSH, 3 rounds: time exponent" in text
+    assert "Reformer LSH, 1 round: time exponent" in text and "Reformer LSH, 3 rounds: time exponent" in text
     assert "| method | `gaussian`" in text and "`peaked`" in text
 
 

@@ -8,7 +8,6 @@ import torch
 
 from qkv.bench import approx_setup
 from qkv.bench.approx_setup import (
-    METHODS,
     ApproxSetup,
     inputs,
     is_lsh,
@@ -16,6 +15,7 @@ from qkv.bench.approx_setup import (
     lsh_bucket_count,
     lsh_queries,
     mechanism,
+    methods,
     size_label,
 )
 
@@ -32,7 +32,7 @@ def test_every_method_runs_on_the_inputs_and_keeps_their_shape():
     q, k, v = inputs(128, setup)
     assert q.shape == k.shape == v.shape == (1, 2, 128, 8)
     with torch.inference_mode():
-        for m in METHODS:
+        for m in methods(setup):
             query = lsh_queries(q, setup) if is_lsh(m) else q
             assert mechanism(m, 128, setup)(query, k, v).shape == (1, 2, 128, 8), m
     with pytest.raises(ValueError, match="method: expected one of"):
@@ -41,14 +41,15 @@ def test_every_method_runs_on_the_inputs_and_keeps_their_shape():
 
 def test_reformer_rows_name_their_rounds_and_factorise_many_buckets():
     setup = ApproxSetup()
-    assert label("reformer_lsh", setup) == "Reformer LSH, 2 rounds"
-    assert label("reformer_lsh_more", setup) == "Reformer LSH, 4 rounds"
-    assert mechanism("reformer_lsh_more", 1024, setup).n_hashes == 4
+    assert methods(setup) == ("exact", "linformer", "reformer_lsh_1", "reformer_lsh_2", "reformer_lsh_4", "performer",
+                              "linear", "nystrom")  # fmt: skip
+    assert label("reformer_lsh_1") == "Reformer LSH, 1 round" and label("reformer_lsh_4") == "Reformer LSH, 4 rounds"
+    assert mechanism("reformer_lsh_4", 1024, setup).n_hashes == 4
     # i / 64 buckets, one number up to 128, then two even factors near the square root
     assert [lsh_bucket_count(i, setup) for i in (1024, 4096, 8192, 16384, 32768)] == [16, 64, 128, (16, 16), (16, 32)]
     assert lsh_bucket_count(64 * 134, setup) == 134  # 134 = 2 · 67: no two even factors
     assert lsh_bucket_count(64 * 144, setup) == (12, 12)
-    assert mechanism("reformer_lsh", 16384, setup).n_buckets == (16, 16)
+    assert mechanism("reformer_lsh_2", 16384, setup).n_buckets == (16, 16)
 
 
 def test_lsh_queries_have_the_fixed_norm_and_the_same_directions():
@@ -70,3 +71,5 @@ def test_bad_setups_are_refused():
         ApproxSetup(family="noise")
     with pytest.raises(ValueError, match="sizes: expected positive lengths"):
         ApproxSetup(sizes=())
+    with pytest.raises(ValueError, match=r"lsh_rounds: expected distinct positive round counts, got \(2, 2\)"):
+        ApproxSetup(lsh_rounds=(2, 2))

@@ -45,12 +45,12 @@ from torch import Tensor
 
 from ..functional import attention
 from .approx_setup import (
-    METHODS,
     ApproxSetup,
     inputs,
     is_lsh,
     label,
     lsh_bucket_count,
+    methods,
     lsh_queries,
     lsh_reference,
     lsh_spread,
@@ -119,9 +119,9 @@ def run(setup: ApproxSetup | None = None, *, progress: Callable[[str], None] | N
         _family_errors(setup, result, say)
     if setup.memory:
         for i in setup.sizes:
-            for method in METHODS:
+            for method in methods(setup):
                 result.rss[method, i] = peak_memory(method, i, setup)
-            say(f"memory i={i}: " + ", ".join(f"{m} {result.rss[m, i][0]:.0f} MiB" for m in METHODS))
+            say(f"memory i={i}: " + ", ".join(f"{m} {result.rss[m, i][0]:.0f} MiB" for m in methods(setup)))
     if setup.peer_sizes:
 
         result.peers = compare_peers(setup, say)
@@ -136,20 +136,20 @@ def _time_all(setup: ApproxSetup, result: ApproxResult, say: Callable[[str], Non
     Interleaving the sizes too puts every size under the same drift of machine load, which
     matters for the scaling exponent (a ratio of times at different sizes).
     """
-    cases = {}
+    cases, names = {}, methods(setup)
     for i in setup.sizes:
         q, k, v = inputs(i, setup)
-        cases[i] = (q, k, v, {m: mechanism(m, i, setup) for m in METHODS})
+        cases[i] = (q, k, v, {m: mechanism(m, i, setup) for m in names})
         for m, fn in cases[i][3].items():
             if i <= setup.big or m != "exact":  # one warm-up call; exact's cost seconds above big
                 fn(lsh_queries(q, setup) if is_lsh(m) else q, k, v)
     outs: dict[tuple[str, int], Tensor] = {}
-    rounds = max(setup.repeats_for(m, i) for m in METHODS for i in setup.sizes)
+    rounds = max(setup.repeats_for(m, i) for m in names for i in setup.sizes)
     for r in range(rounds):
         for i in setup.sizes:
             q, k, v, fns = cases[i]
             lq = lsh_queries(q, setup)
-            for m in METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]:
+            for m in names[r % len(names):] + names[: r % len(names)]:
                 if len(result.times.setdefault((m, i), [])) < setup.repeats_for(m, i):
                     qm = lq if is_lsh(m) else q
                     seconds, out = timed(lambda fn=fns[m], qm=qm: fn(qm, k, v))
@@ -158,12 +158,12 @@ def _time_all(setup: ApproxSetup, result: ApproxResult, say: Callable[[str], Non
         say(f"timing round {r + 1}/{rounds} done")
     for i in setup.sizes:
         q, _, v, _ = cases[i]
-        for m in METHODS[1:]:
+        for m in names[1:]:
             if not is_lsh(m):
                 result.errors[m, i] = relative_error(outs[m, i], outs["exact", i])
             elif i <= setup.lsh_error_max:
                 result.errors[m, i] = relative_error(outs[m, i], lsh_reference(lsh_queries(q, setup), v))
-        say(f"i={i}: " + ", ".join(f"{m} {result.median(m, i):.3g}s" for m in METHODS))
+        say(f"i={i}: " + ", ".join(f"{m} {result.median(m, i):.3g}s" for m in names))
 
 
 def _family_errors(setup: ApproxSetup, result: ApproxResult, say: Callable[[str], None]) -> None:
@@ -174,11 +174,11 @@ def _family_errors(setup: ApproxSetup, result: ApproxResult, say: Callable[[str]
         exact = attention(q, k, v)
         lq = lsh_queries(q, setup)
         result.spread["reformer_lsh", family] = lsh_spread(lq)
-        for m in METHODS[1:]:
+        for m in methods(setup)[1:]:
             out = mechanism(m, i, setup)(lq if is_lsh(m) else q, k, v)
             ref = lsh_reference(lq, v) if is_lsh(m) else exact
             result.family_errors[m, family] = relative_error(out, ref)
-        say(f"errors on {family}: " + ", ".join(f"{m} {result.family_errors[m, family]:.3g}" for m in METHODS[1:]))
+        say(f"errors on {family}: " + ", ".join(f"{m} {result.family_errors[m, family]:.3g}" for m in methods(setup)[1:]))
 
 
 def build(spec: dict) -> Callable[[], Tensor]:
@@ -231,7 +231,7 @@ def render(res: ApproxResult) -> str:
         f"b={s.batch}, h={s.heads}, d=e={s.dim_head}, self-attention, float32, forward only under "
         f"`torch.inference_mode`, {res.threads} torch threads; inputs: `{s.family}` "
         f"(`qkv.bench.inputs`). Methods: Linformer k={s.linformer_k} (random projections, untrained); "
-        f"Reformer LSH {s.lsh_hashes} and {s.lsh_hashes_more} rounds, chunk {s.lsh_chunk}, i/{s.lsh_chunk} "
+        f"Reformer LSH {', '.join(map(str, s.lsh_rounds))} rounds, chunk {s.lsh_chunk}, i/{s.lsh_chunk} "
         f"buckets, as two factors above {s.lsh_factorise_above} ("
         + ", ".join(f"{size_label(i)}: {_buckets(lsh_bucket_count(i, s))}" for i in s.sizes) + "); Performer "
         f"m={s.nb_features} orthogonal features; linear attention elu+1; Nyström {s.landmarks} landmarks, "
@@ -248,27 +248,27 @@ def render(res: ApproxResult) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for i in s.sizes:
-        for m in METHODS:
+        for m in methods(s):
             peak, added = res.rss.get((m, i), (None, None))
             speed = "1" if m == "exact" else f"{res.speedup(m, i):.1f}"
-            lines.append(f"| {label(m, s)} | {size_label(i)} | {res.median(m, i):.3g} | {speed} | {_fmt(peak, '.0f')} | "
+            lines.append(f"| {label(m)} | {size_label(i)} | {res.median(m, i):.3g} | {speed} | {_fmt(peak, '.0f')} | "
                          f"{_fmt(added, '.0f')} | {_fmt(res.errors.get((m, i)))} |")  # fmt: skip
     lo, hi = s.fit_range
     target = max((x for x in s.sizes if x <= 16384), default=s.sizes[-1])
     targets = Targets()
-    exponents = {m: res.exponent(m) for m in METHODS}
-    for m in METHODS[1:]:
-        targets.add(f"{label(m, s)}: × faster than exact at i = {size_label(target)}", res.speedup(m, target),
+    exponents = {m: res.exponent(m) for m in methods(s)}
+    for m in methods(s)[1:]:
+        targets.add(f"{label(m)}: × faster than exact at i = {size_label(target)}", res.speedup(m, target),
                     TARGET_SPEEDUP, higher=True, unit="×")  # fmt: skip
-        targets.add(f"{label(m, s)}: time exponent {size_label(lo)}–{size_label(hi)}", exponents[m], TARGET_EXPONENT)
+        targets.add(f"{label(m)}: time exponent {size_label(lo)}–{size_label(hi)}", exponents[m], TARGET_EXPONENT)
     lines += ["", f"Scaling exponent (least-squares log-log slope of time, {size_label(lo)}–{size_label(hi)}): "
-              + ", ".join(f"{label(m, s)} {exponents[m]:.2f}" for m in METHODS) + ".", "", *targets.lines()]
+              + ", ".join(f"{label(m)} {exponents[m]:.2f}" for m in methods(s)) + ".", "", *targets.lines()]
     lines += ["", f"Error by input family at i = {size_label(s.error_size)} (effective keys per row = exp(entropy) of "
               "exact attention, averaged over 256 rows: i for uniform rows, 1 for one-hot):", "",
               "| method | " + " | ".join(f"`{f}` ({res.spread[f]:.0f} keys)" for f in FAMILIES) + " |",
               "|---" * (len(FAMILIES) + 1) + "|"]  # fmt: skip
-    for m in METHODS[1:]:
-        lines.append(f"| {label(m, s)} | " + " | ".join(f"{res.family_errors[m, f]:.3g}" for f in FAMILIES) + " |")
+    for m in methods(s)[1:]:
+        lines.append(f"| {label(m)} | " + " | ".join(f"{res.family_errors[m, f]:.3g}" for f in FAMILIES) + " |")
     lines += ["", "Reformer's reference is exact shared-QK attention (keys q/|q|, no self-attention) on its "
               f"queries rescaled to norm {s.lsh_norm:g}·√d (`lsh_queries`: with the inputs' own norms the "
               "shared-QK softmax is nearly uniform); effective keys of that reference: "

@@ -22,12 +22,9 @@ from .. import approx
 from ..functional import attention
 from .inputs import FAMILIES, make_inputs
 
-METHODS = ("exact", "linformer", "reformer_lsh", "reformer_lsh_more", "performer", "linear", "nystrom")
 LABELS = {
     "exact": "exact (`qkv.attention`, SDPA)",
     "linformer": "Linformer",
-    "reformer_lsh": "Reformer LSH",
-    "reformer_lsh_more": "Reformer LSH",
     "performer": "Performer",
     "linear": "linear (elu+1)",
     "nystrom": "Nyström",
@@ -54,8 +51,8 @@ class ApproxSetup:
     linformer_k: int = 256  # projected length k
     nb_features: int = 256  # Performer random features m
     landmarks: int = 64  # Nyström landmarks
-    lsh_hashes: int = 2  # Reformer hash rounds ("reformer_lsh")
-    lsh_hashes_more: int = 4  # Reformer hash rounds of the second, slower and more accurate row ("reformer_lsh_more")
+    lsh_rounds: tuple[int, ...] = (1, 2, 4)  # Reformer hash rounds, one row each ("reformer_lsh_<r>")
+    peer_lsh_rounds: int = 2  # the rounds of the reformer-pytorch comparison
     lsh_chunk: int = 64  # Reformer chunk (bucket) size; n_buckets = i / chunk
     lsh_factorise_above: int = 128  # more buckets than this are hashed as two factors (lsh_bucket_count)
     lsh_norm: float = 10.0  # Reformer's queries rescaled to norm lsh_norm·√d (see lsh_queries)
@@ -66,6 +63,8 @@ class ApproxSetup:
             raise ValueError(f"family: expected one of {FAMILIES}, got {self.family!r}")
         if not self.sizes or any(s < 1 for s in self.sizes):
             raise ValueError(f"sizes: expected positive lengths, got {self.sizes}")
+        if not self.lsh_rounds or any(r < 1 for r in self.lsh_rounds) or len(set(self.lsh_rounds)) != len(self.lsh_rounds):
+            raise ValueError(f"lsh_rounds: expected distinct positive round counts, got {self.lsh_rounds}")
 
     def repeats_for(self, method: str, i: int) -> int:
         """Timed calls of ``method`` at length ``i``."""
@@ -85,7 +84,7 @@ def mechanism(method: str, i: int, setup: ApproxSetup) -> Callable[..., Tensor]:
     if method == "linformer":
         return approx.Linformer(i, setup.linformer_k).eval()
     if is_lsh(method):
-        return approx.LSHAttention(d, n_buckets=lsh_bucket_count(i, setup), n_hashes=lsh_rounds(method, setup),
+        return approx.LSHAttention(d, n_buckets=lsh_bucket_count(i, setup), n_hashes=lsh_rounds(method),
                                    chunk_size=setup.lsh_chunk, seed=setup.seed).eval()  # fmt: skip
     if method == "performer":
         return approx.Performer(d, nb_features=setup.nb_features, seed=setup.seed).eval()
@@ -93,22 +92,29 @@ def mechanism(method: str, i: int, setup: ApproxSetup) -> Callable[..., Tensor]:
         return approx.LinearAttention().eval()
     if method == "nystrom":
         return approx.NystromAttention(setup.landmarks).eval()
-    raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    raise ValueError(f"method: expected one of {methods(setup)}, got {method!r}")
+
+
+def methods(setup: ApproxSetup) -> tuple[str, ...]:
+    """The suite's methods in table order, exact first; Reformer once per entry of ``lsh_rounds``."""
+    return ("exact", "linformer", *(f"reformer_lsh_{r}" for r in setup.lsh_rounds), "performer", "linear", "nystrom")
 
 
 def is_lsh(method: str) -> bool:
     """Whether ``method`` is one of the Reformer rows (shared QK: they get :func:`lsh_queries`)."""
-    return method.startswith("reformer_lsh")
+    return method.startswith("reformer_lsh_")
 
 
-def lsh_rounds(method: str, setup: ApproxSetup) -> int:
-    return setup.lsh_hashes_more if method == "reformer_lsh_more" else setup.lsh_hashes
+def lsh_rounds(method: str) -> int:
+    """The hash rounds of a Reformer row, ``"reformer_lsh_4" -> 4``."""
+    return int(method.rsplit("_", 1)[1])
 
 
-def label(method: str, setup: ApproxSetup) -> str:
+def label(method: str) -> str:
     """The table's name of ``method`` (Reformer's rows with their rounds)."""
     if is_lsh(method):
-        return f"{LABELS[method]}, {lsh_rounds(method, setup)} rounds"
+        rounds = lsh_rounds(method)
+        return f"Reformer LSH, {rounds} round{'s' if rounds > 1 else ''}"
     return LABELS[method]
 
 

@@ -114,7 +114,7 @@ def _peer_nystrom(i: int, setup: ApproxSetup):
 def _peer_reformer(i: int, setup: ApproxSetup):
     from reformer_pytorch.reformer_pytorch import LSHAttention  # noqa: PLC0415
 
-    b, h, d, r = setup.batch, setup.heads, setup.dim_head, setup.lsh_hashes
+    b, h, d, r = setup.batch, setup.heads, setup.dim_head, setup.peer_lsh_rounds
     q, _, v = inputs(i, setup)
     q = lsh_queries(q, setup)
     theirs = LSHAttention(bucket_size=setup.lsh_chunk, n_hashes=r, causal=False,
