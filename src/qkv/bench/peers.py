@@ -131,8 +131,8 @@ def _peer_reformer(i: int, setup: ApproxSetup):
         torch.manual_seed(setup.seed)
         return theirs(qk, vv)[0].reshape(b, h, i, d)
 
-    note = ("same rotations; attend_across_buckets=False, allow_duplicate_attention=False; their first chunk "
-            "also looks back at the last chunk (wrap-around), ours does not")  # fmt: skip
+    note = (f"{r} rounds, same rotations; attend_across_buckets=False, allow_duplicate_attention=False; their "
+            "first chunk also looks back at the last chunk (wrap-around), ours does not")  # fmt: skip
     return (lambda: ours(q, q, v)), theirs_call, note
 
 
