@@ -116,19 +116,34 @@ def linformer_attention(
 def _chunked_softmax_attention(q: Tensor, k_proj: Tensor, v_proj: Tensor) -> Tensor:
     """``softmax(q k_projᵀ) v_proj`` for ``q (b, h, i, d)``, ``k_proj (b, h, k, d)``, ``v_proj
     (b, h, k, e)``, a chunk of query rows at a time, so the ``(i, k)`` logits are never held
-    whole (no large buffer is allocated and each block stays in cache)."""
+    whole (no large buffer is allocated and each block stays in cache).
+
+    Without autograd each head's chunks go straight into the output through one reused
+    logits buffer: no list of chunk outputs and no concatenation, whose fresh memory (64 MiB
+    at i = 32K) is faulted in page by page on every call.
+    """
     b, h, i, d = q.shape
     n_proj, e = k_proj.shape[2], v_proj.shape[-1]
     if i == 0:
         return q.new_zeros(b, h, 0, e)
     keys_t = k_proj.reshape(b * h, n_proj, d).transpose(1, 2)
     values = v_proj.reshape(b * h, n_proj, e)
-    rows = max(1, CHUNK_ELEMENTS // (b * h * n_proj))
-    outs = [
-        torch.bmm(torch.bmm(q[:, :, p0 : p0 + rows].reshape(b * h, -1, d), keys_t).softmax(-1), values)
-        for p0 in range(0, i, rows)
-    ]
-    return torch.cat(outs, dim=1).unflatten(0, (b, h))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_proj, v_proj)):
+        rows = max(1, CHUNK_ELEMENTS // (b * h * n_proj))
+        outs = [
+            torch.bmm(torch.bmm(q[:, :, p0 : p0 + rows].reshape(b * h, -1, d), keys_t).softmax(-1), values)
+            for p0 in range(0, i, rows)
+        ]
+        return torch.cat(outs, dim=1).unflatten(0, (b, h))
+    rows = max(1, CHUNK_ELEMENTS // n_proj)
+    queries = q.reshape(b * h, i, d)
+    out = q.new_empty(b * h, i, e)
+    logits = q.new_empty(min(rows, i), n_proj)
+    for row in range(b * h):
+        for p0 in range(0, i, rows):
+            block = torch.mm(queries[row, p0 : p0 + rows], keys_t[row], out=logits[: min(rows, i - p0)])
+            torch.mm(torch.softmax(block, -1, out=block), values[row], out=out[row, p0 : p0 + rows])
+    return out.unflatten(0, (b, h))
 
 
 class Linformer(nn.Module):
