@@ -114,3 +114,41 @@ def test_a_suite_run_part_by_part_replaces_the_whole(tmp_path):
 def test_a_part_runs_only_its_cases():
     part = bench.suite_module("engine-window")
     assert part.NAME == "engine" and part.DESCRIPTION.endswith("[window only]")
+
+
+_STEADY_HEAP_CHECK = """
+import resource, torch
+from qkv.bench.measure import _glibc, steady_heap
+
+def faults():  # of a fresh 64 MiB tensor, written once, then freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(16 << 20)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+with steady_heap(enabled=False) as active:
+    assert active is False
+outside = faults()
+with steady_heap() as active:
+    faults()  # the first one still comes from the kernel
+    inside = faults()
+print(_glibc() is not None, active, outside, inside, faults())
+"""
+
+
+def test_steady_heap_keeps_freed_memory_and_is_undone_on_exit():
+    # In a child process: the thresholds are process-wide and this one runs the other tests.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _STEADY_HEAP_CHECK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    glibc, active, outside, inside, after = done.stdout.split()
+    if glibc != "True":
+        assert active == "False"
+        pytest.skip("steady_heap acts on glibc only")
+    assert active == "True"
+    pages = (64 << 20) // 4096
+    if int(outside) < pages // 2:
+        pytest.skip("fresh memory here is not faulted in 4 KiB pages (huge pages?): nothing to keep")
+    assert int(inside) < pages // 10  # kept in the heap: reused without faults
+    assert int(after) > pages // 2  # glibc's default again: fresh pages every time

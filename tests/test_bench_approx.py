@@ -19,7 +19,7 @@ from qkv.bench.inputs import FAMILIES, effective_keys, make_inputs, relative_err
 TINY = approx.ApproxSetup(
     sizes=(64, 128), heads=2, dim_head=16, repeats=1, large_repeats=(1,), exact_large_repeats=(1,), big=64,
     fit_range=(64, 128), error_size=64, lsh_error_max=128, memory=False, peer_sizes=(), peer_repeats=1,
-    reformer_peer_max=128, linformer_k=8, nb_features=16, landmarks=8, lsh_rounds=(1, 3), peer_lsh_rounds=2, lsh_chunk=16,
+    reformer_peer_max=128, linformer_k=8, nb_features=16, landmarks=8, lsh_rounds=(1, 3), peer_lsh_rounds=2, lsh_chunk=16, steady_heap=False,
     family="gaussian",
 )  # fmt: skip
 
@@ -133,6 +133,9 @@ def test_approx_suite_tiny_produces_the_tables(monkeypatch):
     assert text.count("× faster than exact at i = 128") == 6 and text.count("time exponent 64–128") == 6
     assert "Reformer LSH, 1 round: time exponent" in text and "Reformer LSH, 3 rounds: time exponent" in text
     assert "| method | `gaussian`" in text and "`peaked`" in text
+    assert "steady_heap" not in text and result.steady_heap is False  # TINY keeps glibc's default heap
+    result.steady_heap = True
+    assert "freed memory kept in the process while timing (`qkv.bench.measure.steady_heap`" in result.markdown()
 
 
 def test_lsh_reference_is_shared_qk_without_self():

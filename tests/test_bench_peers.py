@@ -17,7 +17,7 @@ from qkv.bench import approx, peers
 TINY = approx.ApproxSetup(
     sizes=(64, 128), heads=2, dim_head=16, repeats=1, large_repeats=(1,), exact_large_repeats=(1,), big=64,
     fit_range=(64, 128), error_size=64, lsh_error_max=128, memory=False, peer_sizes=(128,), peer_repeats=1,
-    reformer_peer_max=128, linformer_k=8, nb_features=16, landmarks=8, lsh_rounds=(1, 3), peer_lsh_rounds=2, lsh_chunk=16,
+    reformer_peer_max=128, linformer_k=8, nb_features=16, landmarks=8, lsh_rounds=(1, 3), peer_lsh_rounds=2, lsh_chunk=16, steady_heap=False,
     family="gaussian",
 )  # fmt: skip
 

@@ -45,6 +45,7 @@ class ApproxSetup:
     error_size: int = 4096  # i of the error-by-family table
     lsh_error_max: int = 4096  # largest i with an LSH error (dense i² mask for its reference)
     memory: bool = True  # measure peak RSS in subprocesses
+    steady_heap: bool = True  # time with freed memory kept in the process (qkv.bench.measure.steady_heap)
     peer_sizes: tuple[int, ...] = (4096, 16384)  # i of the peer comparison; () skips it
     peer_repeats: int = 3  # timed calls of each side of a peer pair
     reformer_peer_max: int = 4096  # largest i of the Reformer pair (both take about a minute a call at 16K)

@@ -10,10 +10,17 @@ fresh ``python -m qkv.bench --case ...`` process (:func:`peak_memory`): it build
 inputs, notes its peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``), makes one call, notes
 the peak again and prints both. The difference is the memory the call needed above its
 inputs.
+
+Heap. glibc hands every block of 32 MiB or more (and, after a free, the top of its heap)
+back to the kernel, so a method whose output is that large pays for faulting fresh pages
+in on every call. :func:`steady_heap` keeps freed memory in the process for a suite's
+timing, the steady state of a long-running process or of jemalloc/tcmalloc (which the
+PyTorch CPU tuning guide recommends); exact SDPA at 16K faults nothing either way.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
@@ -22,7 +29,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
@@ -44,6 +52,43 @@ def interleaved(contenders: dict[str, Callable[[], object]], repeats: int, warmu
             contenders[name]()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, <malloc.h>
+_GLIBC_DEFAULT = 128 * 1024  # both thresholds' initial values
+
+
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 (musl and others have no such symbol)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+@contextmanager
+def steady_heap(enabled: bool = True) -> Iterator[bool]:
+    """Inside, freed memory stays in this process's heap (glibc's mmap and trim thresholds at 1 GiB).
+
+    Yields whether that took effect (False off glibc or when not ``enabled``). On exit the
+    thresholds go back to glibc's initial 128 KiB (fixed: glibc's own growth of the mmap
+    threshold after large frees does not restart) and the heap is trimmed.
+    """
+    libc = _glibc() if enabled else None
+    if libc is None:
+        yield False
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    try:
+        yield True
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, _GLIBC_DEFAULT)
+        libc.mallopt(_M_TRIM_THRESHOLD, _GLIBC_DEFAULT)
+        libc.malloc_trim(0)
 
 
 def peak_rss_bytes() -> int:
