@@ -314,3 +314,13 @@ def test_slabs_and_blocks_do_not_change_the_result(monkeypatch, d, e, is_causal)
     if is_causal:
         allowed = allowed & causal(n)
     torch.testing.assert_close(got, self_masked_softmax(q, repeat(v), allowed)[0], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("high", [5, 2**15 + 3])  # numpy's int16 radix sort, then torch.sort
+def test_bucket_sort_is_stable_and_equals_torch_sort(high):
+    from qkv.approx._lsh import sort_buckets
+
+    buckets = torch.randint(0, high, (3, 2, 500), generator=torch.Generator().manual_seed(0))
+    got, order = sort_buckets(buckets)
+    want, want_order = buckets.sort(dim=-1, stable=True)
+    assert order.dtype == torch.long and torch.equal(got, want) and torch.equal(order, want_order)

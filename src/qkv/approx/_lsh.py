@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -65,6 +66,19 @@ def hash_buckets(x: Tensor, rotations: Tensor, factors: tuple[int, ...]) -> Tens
             out[:, start:stop].add_(index, alpha=stride)
             col, stride = col + k, stride * f
     return out
+
+
+def sort_buckets(buckets: Tensor) -> tuple[Tensor, Tensor]:
+    """``buckets (..., length)`` sorted along the last axis, stably: ``(sorted, order)``, order long.
+
+    On the CPU with buckets below ``2**15`` this is numpy's stable argsort of int16, a radix
+    sort (linear; about 12× faster than ``torch.sort`` at 2 × 16K, two threads); otherwise
+    ``torch.sort(stable=True)``. Stable means ``(bucket, position)`` order.
+    """
+    if buckets.device.type != "cpu" or buckets.numel() == 0 or int(buckets.max()) >= 2**15:
+        return buckets.sort(dim=-1, stable=True)
+    order = torch.from_numpy(np.argsort(buckets.to(torch.int16).numpy(), axis=-1, kind="stable")).long()
+    return buckets.gather(-1, order), order
 
 
 def interval_bounds(sorted_buckets: Tensor, size: int, causal: bool, n_values: int) -> tuple[Tensor, Tensor]:

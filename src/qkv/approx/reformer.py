@@ -73,7 +73,7 @@ from torch import Tensor, nn
 
 from .._args import positive_int
 from ._common import check_flags, check_interval, check_qkv, check_scale, dense_mask, make_generator, repeat_kv
-from ._lsh import Buffers, combine_rounds, dense_weights, hash_buckets, interval_bounds, window_codes
+from ._lsh import Buffers, combine_rounds, dense_weights, hash_buckets, interval_bounds, sort_buckets, window_codes
 from ._lsh_round import RoundSetup, attend_round
 
 BLOCK_ROWS = 1 << 14  # sorted positions per block of (b, h) rows: a block's buffers stay ~50 MB at d = e = 64
@@ -177,7 +177,7 @@ def _lsh_attention(q, v, rotations, factors, chunk_size, mask, causal, scale, re
         buckets = torch.full((m, rounds, length), math.prod(factors), dtype=torch.long, device=q.device)  # padding last
         hashed = hash_buckets(qb.detach().reshape(m * n, w)[:, :d].to(hash_dtype), rot, factors)  # r (m n)
         buckets[:, :, :n] = hashed.view(rounds, m, n).transpose(0, 1)
-        sorted_buckets, order = buckets.sort(dim=-1, stable=True)  # m r length: slot -> position
+        sorted_buckets, order = sort_buckets(buckets)  # m r length: slot -> position
         lo, hi = interval_bounds(sorted_buckets, size, causal, math.prod(factors) + 1)  # + the padding bucket
         code = window_codes(sorted_buckets, order, size) if rounds > 1 else None
         # k = q/|q| (F.normalize's eps), a multiplication by the reciprocal: a division costs several times more
