@@ -6,25 +6,9 @@ contracted size, ``p`` columns of ``x``.
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.approx._common import Scratch, grouped_matmul, needs_grad, project_into
-
-
-class Ops(TorchDispatchMode):
-    """Records the names of the aten ops that run."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-def onednn_available():
-    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+from dispatch_ops import Ops, onednn_available
 
 
 @pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.approx import Performer, favor_attention, favor_features, gaussian_features
 from approx_inputs import B, D, G, H, inputs
+from dispatch_ops import Ops
 
 
 def exact(q, k, v):
@@ -277,18 +278,6 @@ def test_streamed_gradients_equal_those_of_the_quadratic_form(small_chunks):
 def test_no_queries_give_an_empty_output():
     q, k, v = torch.randn(1, 2, 0, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 5)
     assert Performer(8, nb_features=16, seed=0)(q, k, v).shape == (1, 2, 0, 5)
-
-
-class Ops(TorchDispatchMode):
-    """Records the names of the aten ops that run."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def long_inputs(grad=False):
