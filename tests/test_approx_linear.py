@@ -7,11 +7,10 @@ length, ``d`` query/key size, ``e`` value size; b=2, h=6, g=3, d=11, e=13 throug
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.approx import LinearAttention, kernel_attention, linear_attention
 from approx_inputs import B, E, G, H, inputs
+from dispatch_ops import Largest
 
 
 def quadratic(q, k, v, *, causal=False, keep=None):
@@ -26,21 +25,6 @@ def quadratic(q, k, v, *, causal=False, keep=None):
         scores = scores * keep
     rows = scores.sum(-1, keepdim=True)
     return (scores @ v) / torch.where(rows == 0, torch.ones_like(rows), rows)
-
-
-class Largest(TorchDispatchMode):
-    """Records the largest storage any op allocates (views of small storages do not count)."""
-
-    def __init__(self):
-        super().__init__()
-        self.nbytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
-        return out
 
 
 def test_non_causal_equals_quadratic_form():
@@ -174,22 +158,6 @@ def test_streamed_non_causal_equals_quadratic_form_over_many_chunks(monkeypatch)
     torch.testing.assert_close(LinearAttention()(q, k, v), quadratic(q, k, v), atol=1e-12, rtol=0)
 
 
-class LargestNew(TorchDispatchMode):
-    """Records the largest storage any op allocates, views of existing tensors not counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.nbytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
-        return out
-
-
 def test_non_causal_memory_holds_no_copies_of_the_heads_or_whole_features(monkeypatch):
     import qkv.approx.linear as linear_module
 
@@ -198,7 +166,7 @@ def test_non_causal_memory_holds_no_copies_of_the_heads_or_whole_features(monkey
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, h, i, d, generator=gen)
     k, v = (torch.randn(1, 1, i, c, generator=gen) for c in (d, e))
-    with torch.no_grad(), LargestNew() as seen:
+    with torch.no_grad(), Largest(new_only=True) as seen:
         LinearAttention()(q, k, v)
     # The largest tensor is [num | den] of the output, (h, i, e + 1): the features exist a chunk
     # at a time, and one KV head serves all h query heads, so no (h, j, d) copy of the keys is made.

@@ -8,12 +8,10 @@ import math
 
 import pytest
 import torch
-from torch.utils._pytree import tree_flatten
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.approx import Performer, favor_attention, favor_features, gaussian_features
 from approx_inputs import B, D, G, H, inputs
-from dispatch_ops import Ops
+from dispatch_ops import Largest, Ops
 
 
 def exact(q, k, v):
@@ -166,21 +164,6 @@ def test_gradients_flow(causal):
     Performer(D, seed=0, chunk_size=2)(q, k, v, causal=causal).pow(2).sum().backward()
     for x in (q, k, v):
         assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
-
-
-class Largest(TorchDispatchMode):
-    """Records the largest storage any op allocates."""
-
-    def __init__(self):
-        super().__init__()
-        self.nbytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
-        return out
 
 
 def test_causal_memory_is_chunked_not_i_m_e():

@@ -8,11 +8,10 @@ import math
 
 import pytest
 import torch
-from torch.utils._pytree import tree_flatten
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkv.approx import LSHAttention, lsh_buckets
 from approx_inputs import B, D, E, G, H, inputs
+from dispatch_ops import Largest
 
 
 def repeat(x):
@@ -193,21 +192,6 @@ def test_fully_masked_row_gives_zeros_and_finite_gradients():
     out.pow(2).sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(v.grad).all()
     assert q.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
-
-
-class Largest(TorchDispatchMode):
-    """Records the largest storage any op allocates (an expanded view of a small tensor does not count)."""
-
-    def __init__(self):
-        super().__init__()
-        self.nbytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
-        return out
 
 
 def test_long_sequence_never_builds_an_i_by_i_tensor():
