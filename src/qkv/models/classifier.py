@@ -68,12 +68,14 @@ class ClassifierConfig:
     def __post_init__(self):
         check_common(self)
         if self.reach is not None:
-            ok = isinstance(self.reach, tuple) and len(self.reach) == 2
-            ok = ok and all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in self.reach)
-            if not ok or (None not in self.reach and self.reach[0] > self.reach[1]):
+            try:  # the pair is an Offsets mask's (lo, hi): its own checks decide
+                if not (isinstance(self.reach, tuple) and len(self.reach) == 2):
+                    raise ValueError
+                Offsets(*self.reach)
+            except (TypeError, ValueError):
                 raise ValueError(
                     f"reach: expected None or a pair (lo, hi) of ints or None with lo <= hi, got {self.reach!r}"
-                )
+                ) from None
         positive_int("vocab", self.vocab)
         positive_int("classes", self.classes)
         positive_int("layers", self.layers)
