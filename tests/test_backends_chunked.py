@@ -96,9 +96,18 @@ def test_matches_reference_float64(i, j, score, mask):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+OFFSET_MASKS = {
+    "causal": qkv.masks.causal(),
+    "none": None,
+    "window": qkv.masks.window(25, 22),
+    "ahead": qkv.masks.offsets(1, 4),  # the query itself excluded; the last rows see nothing
+    "behind": qkv.masks.offsets(-30, -2),  # keys well behind; the first rows see nothing
+}
+
+
 @pytest.mark.parametrize("bias", ["alibi", "t5", "dense"])
 @pytest.mark.parametrize("score", ["scaled_dot", "concat"])
-@pytest.mark.parametrize("mask", ["causal", "none", "window"])
+@pytest.mark.parametrize("mask", list(OFFSET_MASKS))
 def test_biases_match_reference_with_bias_gradients(bias, score, mask):
     """The learned T5 table spans offsets beyond max_distance = 20 on both sides."""
     if score == "concat" and mask != "causal":
@@ -108,8 +117,25 @@ def test_biases_match_reference_with_bias_gradients(bias, score, mask):
     if isinstance(b, torch.Tensor):
         b.requires_grad_()
     params = [b] if isinstance(b, torch.Tensor) else list(b.parameters())
-    kw = dict(score=scores()[score], bias=b, mask={"causal": qkv.masks.causal(), "none": None, "window": qkv.masks.window(25, 22)}[mask])
+    kw = dict(score=scores()[score], bias=b, mask=OFFSET_MASKS[mask])
     _assert_chunked_matches_reference(q, k, v, params, **kw)
+
+
+@pytest.mark.parametrize("mask", list(OFFSET_MASKS))
+def test_every_offset_range_is_one_diagonal_profile(mask):
+    """Causal, windows and ``offsets(lo, hi)`` with a shift-invariant bias take the strided
+    ``DiagonalMask`` path, whose profile is the reference's mask along each diagonal."""
+    plan = fused_blocks.FusedPlan(mask=OFFSET_MASKS[mask], bias=qkv.ALiBi(H), scale=1.0, causal_square=False)
+    assert fused_blocks.DiagonalMask.applies(plan)
+    i, j = 9, 13
+    diagonal = fused_blocks.DiagonalMask(plan, i, j, torch.float64, torch.device("cpu"))
+    t = Tile(0, i, 0, j, i, j)
+    keep = torch.ones(i, j, dtype=torch.bool) if OFFSET_MASKS[mask] is None else OFFSET_MASKS[mask].tile(t)
+    got = diagonal.reversed_block(t).flip(-2)[0]  # h i j, rows back in order
+    want = qkv.ALiBi(H).double().tile(t).masked_fill(~keep, float("-inf"))
+    torch.testing.assert_close(got, want.expand_as(got))
+    if OFFSET_MASKS[mask] is not None:
+        torch.testing.assert_close(diagonal.sees(t), keep.any(-1))
 
 
 def test_fused_engine_takes_lazy_bias_without_gradients():
@@ -227,7 +253,7 @@ def test_shift_invariant_bias_tiles_equal_direct_tiles():
 
 
 @pytest.mark.parametrize("i, j", [(37, 37), (21, 45), (45, 21), (45, 7)])
-@pytest.mark.parametrize("mask", ["none", "far_window", "causal"])
+@pytest.mark.parametrize("mask", ["none", "far_window", "causal", "far_ahead", "behind"])
 def test_learned_t5_split_forward_and_bias_gradient(i, j, mask):
     """Learned T5 buckets on the fused engine: near and far keys attended apart and merged.
 
@@ -238,7 +264,9 @@ def test_learned_t5_split_forward_and_bias_gradient(i, j, mask):
     torch.manual_seed(6)
     t5 = qkv.RelativePositionBias(H, 8, 6).double()
     params = list(t5.parameters())
-    kw = dict(bias=t5, mask={"none": None, "far_window": qkv.masks.window(3, 9), "causal": qkv.masks.causal()}[mask])
+    masks = {"none": None, "far_window": qkv.masks.window(3, 9), "causal": qkv.masks.causal(),
+             "far_ahead": qkv.masks.offsets(2, 9), "behind": qkv.masks.offsets(-9, -1)}  # fmt: skip
+    kw = dict(bias=t5, mask=masks[mask])
     assert "fused_blocks" in qkv.explain(q, k, v, **kw)
     _assert_chunked_matches_reference(q, k, v, params, **kw)
 

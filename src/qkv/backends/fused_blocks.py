@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..masks import Mask, Tile, Window
+from ..masks import Mask, Offsets, Tile
 from ..positional import LazyBias, RelativePositionBias
 from .bias_grad import add_profile_grad, far_profile_grad, saturating_profile_grad
 from .tiles import NEG_INF, BiasSource, as_heads, key_range, shift_invariant
@@ -101,7 +101,8 @@ def _block_mask(plan: FusedPlan, t: Tile, bias: BiasSource, dtype: torch.dtype) 
 class DiagonalMask:
     """Bias and window mask of a whole call as one ``(h|1, L)`` profile over query-key offsets.
 
-    When the mask is a ``Window`` (causal, sliding) or absent and the bias is shift-invariant
+    When the mask is an offset range (``Offsets``: causal, sliding windows, ``offsets(lo, hi)``)
+    or absent and the bias is shift-invariant
     (ALiBi, T5 buckets) or absent, every logit's additive term depends only on the offset
     ``c - r - (j - i)``. A block's ``(it, jt)`` mask is then the profile read along shifted
     windows; with the block's query rows taken in reverse order it is even a plain
@@ -123,17 +124,17 @@ class DiagonalMask:
         w = self.window
         if w is not None:
             allowed = torch.ones_like(offsets, dtype=torch.bool)
-            if w.right is not None:
-                allowed &= offsets <= w.right
-            if w.left is not None:
-                allowed &= offsets >= -w.left
+            if w.hi is not None:
+                allowed &= offsets <= w.hi
+            if w.lo is not None:
+                allowed &= offsets >= w.lo
             prof = prof.masked_fill(~allowed, NEG_INF)
         self.profile = prof.contiguous()
 
     @staticmethod
     def applies(plan: FusedPlan) -> bool:
         lazy_ok = plan.bias is None or (isinstance(plan.bias, LazyBias) and shift_invariant(plan.bias))
-        return lazy_ok and (plan.mask is None or isinstance(plan.mask, Window))
+        return lazy_ok and (plan.mask is None or isinstance(plan.mask, Offsets))
 
     def base(self, t: Tile) -> int:
         """Profile index of the reversed block's row 0, column 0 (query ``i1 - 1``, key ``j0``)."""
@@ -157,10 +158,10 @@ class DiagonalMask:
         rows = torch.arange(t.i0, t.i1, device=self.profile.device) + self.shift
         first, last = -rows, self.j_len - 1 - rows  # offsets of key 0 and of the last key
         w = self.window
-        for bound in (lo, None if w is None or w.left is None else -w.left):
+        for bound in (lo, None if w is None else w.lo):
             if bound is not None:
                 first = first.clamp(min=bound)
-        for bound in (hi, None if w is None else w.right):
+        for bound in (hi, None if w is None else w.hi):
             if bound is not None:
                 last = last.clamp(max=bound)
         return first <= last
@@ -203,7 +204,7 @@ def far_reach(plan: FusedPlan, diagonal: DiagonalMask | None, profile: Tensor | 
     if profile is None or diagonal is None or reach is None:
         return None
     w = diagonal.window
-    farthest = diagonal.i_len - 1 if w is None or w.right is None else min(diagonal.i_len - 1, w.right)
+    farthest = diagonal.i_len - 1 if w is None or w.hi is None else min(diagonal.i_len - 1, w.hi)
     return reach if farthest >= reach else None
 
 
