@@ -203,7 +203,7 @@ def needs_grad(*tensors: Tensor) -> bool:
 
 
 class Scratch:
-    """Buffers reused across the blocks of one call of a streamed method, when no gradient is needed.
+    """Buffers reused across the blocks of one call (streamed methods, Reformer's rounds), when no gradient is needed.
 
     Why: a block's temporaries are a few MiB each, and freeing two or three of them at once
     can leave more free memory at the top of glibc's heap than its trim threshold (twice
@@ -228,6 +228,11 @@ class Scratch:
         if buffer is None or buffer.numel() < n or buffer.dtype != like.dtype or buffer.device != like.device:
             buffer = self._buffers[name] = like.new_empty(n)
         return buffer[:n].view(shape)
+
+    def take(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """:meth:`get`, or a fresh ``shape`` tensor when buffers are off."""
+        buffer = self.get(name, shape, like)
+        return like.new_empty(shape) if buffer is None else buffer
 
 
 #: Fewest elements of ``x`` for which :func:`grouped_matmul` calls oneDNN (below, ``bmm``):

@@ -12,11 +12,12 @@ the paper and the overall algorithm.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from ._common import needs_grad
 
 INT16_CODES = 2**15  # window codes (times 4, the largest arithmetic on them) below this are int16
 HASH_ROWS = 1 << 12  # rows per projection block: one (r · Σ f/2, rows) score buffer that stays in cache
@@ -149,7 +150,7 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float)
     autograd with :class:`_FlashChunks`' backward; elsewhere :func:`plain_chunk_attention`.
     """
     if _flash is not None and q.device.type == "cpu":
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if needs_grad(q, k, v):
             out, lse = _FlashChunks.apply(q, k, v, bias, scale)
         else:
             out, lse = (t[0] for t in _flash(q[None], k[None], v[None], attn_mask=bias[None], scale=scale))
@@ -189,22 +190,6 @@ def plain_chunk_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: 
     logits = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
     lse = logits.logsumexp(-1)
     return (logits - lse[..., None]).exp() @ v, lse
-
-
-class Buffers:
-    """Named scratch tensors: one per name, grown as needed and reused (inference), or fresh (autograd)."""
-
-    def __init__(self, reuse: bool, device: torch.device):
-        self.reuse, self.device, self.store = reuse, device, {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        numel = math.prod(shape)
-        if not self.reuse:
-            return torch.empty(shape, dtype=dtype, device=self.device)
-        t = self.store.get(name)
-        if t is None or t.numel() < numel or t.dtype != dtype:
-            t = self.store[name] = torch.empty(numel, dtype=dtype, device=self.device)
-        return t[:numel].view(shape)
 
 
 def combine_rounds(outs, lses, kept, into: Tensor | None = None):

@@ -26,7 +26,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from ._lsh import Buffers, chunk_attention, windows
+from ._common import Scratch
+from ._lsh import chunk_attention, windows
 
 INTERVAL_TABLE = 1 << 22  # largest table of all (lo, hi) mask rows, in entries (chunk_size <= 80)
 
@@ -53,12 +54,12 @@ def interval_rows(size: int, dtype: torch.dtype, device: torch.device) -> tuple[
 class RoundSetup:
     """What every round of one call shares: sizes, the caller's mask, the buffers, the mask rows."""
 
-    def __init__(self, *, size, w, scale, n, heads, dtype, per_slab, bufs: Buffers, mask):
+    def __init__(self, *, size, w, scale, n, heads, dtype, device, per_slab, bufs: Scratch, mask):
         self.size, self.w, self.scale, self.n, self.heads = size, w, scale, n, heads
         self.per_slab, self.bufs, self.mask = per_slab, bufs, mask
         self.lowest = torch.finfo(dtype).min
         self.self_logit = self.lowest / 16
-        self.above, self.below, self.intervals = interval_rows(size, dtype, bufs.device)
+        self.above, self.below, self.intervals = interval_rows(size, dtype, device)
 
 
 def attend_round(setup: RoundSetup, rows, lo, hi, earlier, order, heads, flat, name, keep_logits):
@@ -95,11 +96,11 @@ def attend_round(setup: RoundSetup, rows, lo, hi, earlier, order, heads, flat, n
     for g0 in slabs:
         s = min(setup.per_slab, total // size - g0)
         part = slice(g0 * size, (g0 + s) * size)
-        bias = bufs.get("bias", (s, size, 2 * size), dtype)
+        bias = bufs.take("bias", (s, size, 2 * size), qs)
         if setup.intervals is not None:  # one row per (lo, hi) pair
             torch.index_select(setup.intervals, 0, lo[part] * (2 * size + 1) + hi[part], out=bias.view(-1, 2 * size))
         else:
-            other = bufs.get("other", (s, size, 2 * size), dtype)
+            other = bufs.take("other", (s, size, 2 * size), qs)
             torch.index_select(setup.above, 0, lo[part], out=bias.view(-1, 2 * size))
             torch.index_select(setup.below, 0, hi[part], out=other.view(-1, 2 * size))
             torch.minimum(bias, other, out=bias)
@@ -107,15 +108,15 @@ def attend_round(setup: RoundSetup, rows, lo, hi, earlier, order, heads, flat, n
             # |2 code(p) − 1 − 2 code(t)| is 1 exactly when an earlier round paired p and t (else >= 3)
             cqs = cq[:, part].view(rounds, s, size, 1)
             cks = ck.as_strided((rounds, s, 1, 2 * size), (ck.stride(0), size, 0, 1), ck.storage_offset() + g0 * size)
-            gap = torch.sub(cqs, cks, out=bufs.get("gaps", (rounds, s, size, 2 * size), ck.dtype)).abs_()
+            gap = torch.sub(cqs, cks, out=bufs.take("gaps", (rounds, s, size, 2 * size), ck)).abs_()
             if rounds > 1:
-                gap = torch.amin(gap, 0, out=bufs.get("closest", (s, size, 2 * size), ck.dtype))
+                gap = torch.amin(gap, 0, out=bufs.take("closest", (s, size, 2 * size), ck))
             else:
                 gap = gap[0]
             # gap == 1 -> −1, else 0 (an arithmetic shift of gap − 3), then lowest/2 or 0 as a float:
             # integer passes and one conversion, several times faster than a bool mask and masked_fill
             gap.sub_(3).bitwise_right_shift_(8 * gap.element_size() - 1)
-            other = bufs.get("other", (s, size, 2 * size), dtype)
+            other = bufs.take("other", (s, size, 2 * size), qs)
             other.copy_(gap).mul_(-setup.lowest / 2)
             torch.minimum(bias, other, out=bias)  # a `lowest` entry stays lowest
         bias[:, :, size:].diagonal(dim1=1, dim2=2).fill_(setup.self_logit)
@@ -130,8 +131,8 @@ def attend_round(setup: RoundSetup, rows, lo, hi, earlier, order, heads, flat, n
         q_s = qs[size:][part].view(s, size, w)
         k_s, v_s = windows(ks, size, s, g0, slice(None)), windows(vs, size, s, g0, slice(None))
         o, l = chunk_attention(q_s, k_s, v_s, bias, setup.scale)
-        if bufs.reuse and len(slabs) > 1:  # the kernel's outputs, by slot, in one buffer
-            by_slot = bufs.get(name + "_slots", (total, w), dtype)
+        if bufs.enabled and len(slabs) > 1:  # the kernel's outputs, by slot, in one buffer
+            by_slot = bufs.take(name + "_slots", (total, w), qs)
             by_slot[part].view(s, size, w).copy_(o)
             out = [by_slot]
         else:
@@ -142,7 +143,7 @@ def attend_round(setup: RoundSetup, rows, lo, hi, earlier, order, heads, flat, n
     # by sorted slot -> by position: gather with the inverse permutation
     back = torch.empty_like(flat).scatter_(0, flat, torch.arange(total, device=flat.device))
     out = out[0] if len(out) == 1 else torch.cat(out)
-    out = torch.index_select(out, 0, back, out=bufs.get(name, (total, w), dtype)) if bufs.reuse else out[back]
+    out = torch.index_select(out, 0, back, out=bufs.take(name, (total, w), qs)) if bufs.enabled else out[back]
     lse = torch.cat(lse)[back]
     if empty is not None:
         empty = torch.cat(empty)[back]

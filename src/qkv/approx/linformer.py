@@ -47,7 +47,16 @@ from einops import einsum
 from torch import Tensor, nn
 
 from .._args import positive_int
-from ._common import CHUNK_ELEMENTS, check_flags, check_qkv, check_scale, dense_mask, key_padding, repeat_kv
+from ._common import (
+    CHUNK_ELEMENTS,
+    check_flags,
+    check_qkv,
+    check_scale,
+    dense_mask,
+    key_padding,
+    needs_grad,
+    repeat_kv,
+)
 
 SHARES = ("none", "headwise", "kv")
 
@@ -128,7 +137,7 @@ def _chunked_softmax_attention(q: Tensor, k_proj: Tensor, v_proj: Tensor) -> Ten
         return q.new_zeros(b, h, 0, e)
     keys_t = k_proj.reshape(b * h, n_proj, d).transpose(1, 2)
     values = v_proj.reshape(b * h, n_proj, e)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_proj, v_proj)):
+    if needs_grad(q, k_proj, v_proj):
         rows = max(1, CHUNK_ELEMENTS // (b * h * n_proj))
         outs = [
             torch.bmm(torch.bmm(q[:, :, p0 : p0 + rows].reshape(b * h, -1, d), keys_t).softmax(-1), values)

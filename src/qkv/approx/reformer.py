@@ -72,8 +72,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._args import positive_int
-from ._common import check_flags, check_interval, check_qkv, check_scale, dense_mask, make_generator, repeat_kv
-from ._lsh import Buffers, combine_rounds, dense_weights, hash_buckets, interval_bounds, sort_buckets, window_codes
+from ._common import (
+    Scratch,
+    check_flags,
+    check_interval,
+    check_qkv,
+    check_scale,
+    dense_mask,
+    make_generator,
+    needs_grad,
+    repeat_kv,
+)
+from ._lsh import combine_rounds, dense_weights, hash_buckets, interval_bounds, sort_buckets, window_codes
 from ._lsh_round import RoundSetup, attend_round
 
 BLOCK_ROWS = 1 << 14  # sorted positions per block of (b, h) rows: a block's buffers stay ~50 MB at d = e = 64
@@ -161,8 +171,8 @@ def _lsh_attention(q, v, rotations, factors, chunk_size, mask, causal, scale, re
     length = math.ceil(n / size) * size
     step = max(1, BLOCK_ROWS // length)  # (b, h) rows per block
     # Buffers are reused across blocks, rounds and slabs, unless autograd has to keep them.
-    bufs = Buffers(not (torch.is_grad_enabled() and (q.requires_grad or v.requires_grad)), q.device)
-    setup = RoundSetup(size=size, w=w, scale=d**-0.5 if scale is None else scale, n=n, heads=h, dtype=q.dtype,
+    bufs = Scratch(not needs_grad(q, v))
+    setup = RoundSetup(size=size, w=w, scale=d**-0.5 if scale is None else scale, n=n, heads=h, dtype=q.dtype, device=q.device,
                        per_slab=max(1, SLAB // (size * 2 * size)), bufs=bufs,
                        mask=None if mask is None else mask.expand(b, h, n, n))  # fmt: skip
     hash_dtype = torch.promote_types(q.dtype, torch.float32)  # a bf16 projection would move tokens across borders
@@ -170,7 +180,7 @@ def _lsh_attention(q, v, rotations, factors, chunk_size, mask, causal, scale, re
     qf = F.pad(q.reshape(b * h, n, d), (0, w - d)) if w != d else q.reshape(b * h, n, d)
     vf = F.pad(v.reshape(b * h, n, e), (0, w - e)) if w != e else v.reshape(b * h, n, e)
     results, weights = [], []
-    final = q.new_empty(b * h, n, e) if bufs.reuse else None  # written block by block
+    final = q.new_empty(b * h, n, e) if bufs.enabled else None  # written block by block
     for i0 in range(0, b * h, step):
         m = min(step, b * h - i0)
         qb, vb = qf[i0 : i0 + m], vf[i0 : i0 + m]
@@ -182,7 +192,7 @@ def _lsh_attention(q, v, rotations, factors, chunk_size, mask, causal, scale, re
         code = window_codes(sorted_buckets, order, size) if rounds > 1 else None
         # k = q/|q| (F.normalize's eps), a multiplication by the reciprocal: a division costs several times more
         inverse = torch.linalg.vector_norm(qb, dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()
-        unit = torch.mul(qb, inverse, out=bufs.get("unit", qb.shape, qb.dtype)) if bufs.reuse else qb * inverse
+        unit = torch.mul(qb, inverse, out=bufs.take("unit", qb.shape, qb)) if bufs.enabled else qb * inverse
         sources = (qb.reshape(m * n, w), unit.reshape(m * n, w), vb.reshape(m * n, w))
         offsets = (torch.arange(m, device=q.device) * length)[:, None]
         starts = (torch.arange(m, device=q.device) * n)[:, None]
@@ -219,14 +229,14 @@ def _lsh_attention(q, v, rotations, factors, chunk_size, mask, causal, scale, re
     return out, dense_weights(weights, b * h, n, length, size).view(b, h, n, n)
 
 
-def _sorted_rows(source: Tensor, pick: Tensor, size: int, m: int, n: int, length: int, bufs: Buffers, key: str) -> Tensor:
+def _sorted_rows(source: Tensor, pick: Tensor, size: int, m: int, n: int, length: int, bufs: Scratch, key: str) -> Tensor:
     """``source (m n, w)`` rows in sorted-slot order after ``size`` zero rows -> ``(size + m length, w)``.
 
     Padding slots (the last ``length − n`` of each row: they sort last) are zero rows.
     """
     w = source.shape[-1]
-    if bufs.reuse:
-        rows = bufs.get("rows_" + key, (size + m * length, w), source.dtype)
+    if bufs.enabled:
+        rows = bufs.take("rows_" + key, (size + m * length, w), source)
         rows[:size] = 0
         torch.index_select(source, 0, pick, out=rows[size:])
     else:
