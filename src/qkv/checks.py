@@ -20,7 +20,14 @@ from ._args import probability
 from .backends.request import Request
 from .masks import Mask, Window, as_mask
 from .positional import LazyBias
-from .scores import Score, make
+from .scores import Dot, ScaledDot, Score, make
+
+#: The scores without parameters, one shared instance per name: a call that names its score
+#: (the usual ``score="scaled_dot"``) gets it from here instead of building an ``nn.Module``,
+#: which cost more than the rest of the checks together in a one-token decoding step.
+_STATELESS: dict[str, Score] = {"dot": Dot(), "scaled_dot": ScaledDot()}
+#: ``causal=True`` without another mask: one shared (immutable) causal window.
+_CAUSAL = Window(None, 0)
 
 
 def request(
@@ -39,7 +46,8 @@ def request(
 ) -> Request:
     """Validate one call and fold it into a :class:`Request`."""
     _tensors(q, k, v)
-    score = make(score)
+    named = _STATELESS.get(score) if isinstance(score, str) else None
+    score = make(score) if named is None else named
     _shapes(q, k, v)
     score.check(q, k)
     if not isinstance(causal, bool):
@@ -51,7 +59,7 @@ def request(
     if mask is not None:
         _mask_shape(mask, target)
     if causal:
-        mask = Window(None, 0) if mask is None else mask & Window(None, 0)
+        mask = _CAUSAL if mask is None else mask & _CAUSAL
     return Request(
         q=q,
         k=k,
