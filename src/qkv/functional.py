@@ -198,8 +198,11 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
         req = replace(req, weights_for=_weights_for(weights_for, req))
     impl, passed_over = backends.choose(req, backend)
     head = f"backend: {impl.name}"
+    online = backends.chunked.online_reason(req) if impl.name == "chunked" else None
     if impl.name == "chunked":
         head += f" ({backends.chunked.engine(req)})"
     lines = [head]
+    if online is not None:
+        lines.append(f"  online-softmax tiles, not the fused kernel: {online}")
     lines += [f"  not {reason}" for reason in passed_over]
     return "\n".join(lines)

@@ -31,6 +31,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ._trace import concrete
+
 State = Literal["full", "empty", "partial"]
 
 
@@ -199,7 +201,7 @@ class Lengths(Mask):
             raise ValueError(f"key_lengths: expected a 1-d tensor of shape (b,), got {got}")
         if key_lengths.dtype.is_floating_point or key_lengths.dtype == torch.bool:
             raise TypeError(f"key_lengths: expected an integer tensor, got {key_lengths.dtype}")
-        if (key_lengths < 0).any():
+        if concrete(key_lengths) and bool((key_lengths < 0).any()):  # values unreadable while tracing
             raise ValueError(f"key_lengths: expected non-negative lengths, got {key_lengths.tolist()}")
         self.key_lengths = key_lengths
 
@@ -208,6 +210,8 @@ class Lengths(Mask):
         return (t.cols[None, :] < lengths[:, None])[:, None, None, :]  # (b, 1, 1, jt)
 
     def state(self, t: Tile) -> State:
+        if not concrete(self.key_lengths):  # tracing or meta: no value may be read, every tile is kept
+            return "partial"
         shortest, longest = int(self.key_lengths.min()), int(self.key_lengths.max())
         if t.j1 <= shortest:
             return "full"
@@ -249,6 +253,8 @@ class Dense(Mask):
         return m[..., rows, cols].to(t.device)
 
     def state(self, t: Tile) -> State:
+        if not concrete(self.mask):  # tracing or meta: no value may be read, every tile is kept
+            return "partial"
         part = self.tile(t)
         if bool(part.all()):
             return "full"

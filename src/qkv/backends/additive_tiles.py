@@ -53,6 +53,7 @@ import math
 import torch
 from torch import Tensor
 
+from .._trace import concrete
 from ..masks import Tile
 from ..scores import Additive, Score
 
@@ -112,7 +113,9 @@ class AdditiveTiles:
     def __init__(self, a: Tensor, b: Tensor, w: Tensor, *, grad: bool = False, grad_w: bool = False):
         dtype = torch.promote_types(a.dtype, torch.float32)
         a2, b2 = a.to(dtype) * 2, b.to(dtype) * 2  # σ(2x) gives tanh(x)
-        self.exp_form = bool(max(_amax(a2), _amax(b2)) <= _exp_limit(dtype))
+        # the sigmoid form is exact for every input; the faster exp form needs their range,
+        # which is not read while tracing or on meta tensors (qkv._trace)
+        self.exp_form = concrete(a2, b2) and bool(max(_amax(a2), _amax(b2)) <= _exp_limit(dtype))
         # u = 1 / (1 + x_a x_b) in exp form, u = σ(x_a + x_b) otherwise
         x_a, x_b = (torch.exp(-a2), torch.exp(-b2)) if self.exp_form else (a2, b2)
         self.x_a, self.x_b = x_a.unsqueeze(-2), x_b.unsqueeze(-3)  # (..., g, r, i, 1, n), (..., g, 1, 1, j, n)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..positional import LazyBias
-from . import additive_tiles
+from . import additive_tiles, kernels
 from . import dropout as drop
 from .fused_blocks import DiagonalMask, FusedBlocks, FusedPlan
 from .online_softmax import Plan, TiledAttention
@@ -57,13 +57,20 @@ def supports(req: Request) -> str | None:
 
 def engine(req: Request) -> str:
     """``"fused_blocks"`` or ``"online_softmax"``: which engine :func:`run` will use, for ``explain``."""
+    return "online_softmax" if online_reason(req) else "fused_blocks"
+
+
+def online_reason(req: Request) -> str | None:
+    """Why the call runs on the online-softmax tiles rather than the fused kernel; None if it does not."""
     if not req.score.dot_form:
-        return "online_softmax"
+        return f"the {req.score.name} score is not a dot product"
     if req.dropout > 0 or req.q.dim() != 4:
-        return "online_softmax"
+        return "dropout, or inputs without (b, h) dims"
+    if (reason := kernels.unusable(req.q)) is not None:
+        return reason
     if _trainable_bias(req) and not (isinstance(req.bias, LazyBias) and DiagonalMask.applies(_fused_plan(req))):
-        return "online_softmax"  # the fused kernel cannot differentiate this bias
-    return "fused_blocks"
+        return "the fused kernel cannot differentiate this learned bias under this mask"
+    return None
 
 
 def _fused_plan(req: Request) -> FusedPlan:

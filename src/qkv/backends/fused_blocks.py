@@ -38,11 +38,12 @@ from torch import Tensor
 
 from ..masks import Mask, Offsets, Tile
 from ..positional import LazyBias, RelativePositionBias
+from . import kernels
 from .bias_grad import add_profile_grad, far_profile_grad, saturating_profile_grad
-from .tiles import NEG_INF, BiasSource, as_heads, key_range, shift_invariant
+from .tiles import NEG_INF, BiasSource, as_heads, key_range, offset_live_rows, shift_invariant
 
-_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# the private fused CPU kernel; chunked.engine chooses this engine only where kernels.unusable allows
+_forward, _backward = kernels.forward, kernels.backward
 
 #: Bytes allowed for one block's float bias/mask; blocks shrink to stay under it.
 BLOCK_BYTES = 32 * 2**20
@@ -150,8 +151,8 @@ class DiagonalMask:
         """Bool ``(it, 1)``: rows with at least one key in the window; None if all are."""
         if self.window is None:
             return None
-        live = self.sees(t)
-        return None if bool(live.all()) else live[:, None]
+        first, stop = offset_live_rows(self.window, self.i_len, self.j_len)  # arithmetic: no sync
+        return None if first <= t.i0 and t.i1 <= stop else self.sees(t)[:, None]
 
     def sees(self, t: Tile, lo: int | None = None, hi: int | None = None) -> Tensor:
         """Bool ``(it,)``: rows of ``t`` with a key in the window whose offset lies in ``[lo, hi]``."""

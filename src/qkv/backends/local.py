@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..masks import And, Dense, Lengths, Mask, Or, Tile, Window
 from ..positional import LazyBias
+from . import kernels
 from .chunked import same_head_size
 from .request import Request
 from .tiles import NEG_INF, BiasSource, as_heads, shift_invariant
@@ -32,8 +33,8 @@ from .tiles import NEG_INF, BiasSource, as_heads, shift_invariant
 name = "local"
 selects_weights = False
 
-_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# the private fused CPU kernel: supports() takes a call only where kernels.unusable allows
+_forward, _backward = kernels.forward, kernels.backward
 
 
 def find_window(mask: Mask | None) -> Window | None:
@@ -41,9 +42,10 @@ def find_window(mask: Mask | None) -> Window | None:
     if isinstance(mask, Window) and mask.left is not None and mask.right is not None:
         return mask
     if isinstance(mask, And):
-        found = [w for w in (find_window(mask.a), find_window(mask.b)) if w is not None]
-        if found:
-            return min(found, key=lambda w: w.left + w.right)
+        a, b = find_window(mask.a), find_window(mask.b)
+        if a is None or b is None:
+            return a if b is None else b
+        return a if a.left + a.right <= b.left + b.right else b  # (no min(key=): torch.compile traces this)
     return None
 
 
@@ -65,6 +67,8 @@ def supports(req: Request) -> str | None:
     window = find_window(req.mask)
     if window is None:
         return "the mask has no bounded sliding window"
+    if (reason := kernels.unusable(req.q)) is not None:
+        return reason
     if not _lazy_only(req.mask):
         return "a dense mask is combined with the window"
     if req.return_weights:
@@ -187,9 +191,9 @@ def run(req: Request) -> tuple[Tensor, None]:
         # one (h|1, B, W) pattern serves every block whose window lies inside the keys;
         # only the blocks at the two ends need their own masks
         pattern, valid = _pattern(req, size, n, first, width)
-        inside = valid.all(-1)
-        lo = int(inside.int().argmax()) if bool(inside.any()) else n
-        hi = n - int(inside.flip(0).int().argmax()) if bool(inside.any()) else n
+        # blocks m whose whole window first + m·B + [0, W) lies in [0, j): by arithmetic, no sync
+        lo, hi = max(0, -(first // size)), min(n, (req.j - width - first) // size + 1)
+        lo, hi = (lo, hi) if lo < hi else (n, n)
         pieces = []
         for m0, m1, add in ((0, lo, None), (lo, hi, pattern[None]), (hi, n, None)):
             if m1 <= m0:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import Mask, Tile
+from ..masks import Mask, Offsets, Tile
 from ..positional import LazyBias
 
 NEG_INF = float("-inf")
@@ -101,3 +101,15 @@ def as_heads(x: Tensor, dims: int) -> Tensor:
     while x.dim() < dims:
         x = x.unsqueeze(0)
     return x
+
+
+def offset_live_rows(mask: Offsets, i_len: int, j_len: int) -> tuple[int, int]:
+    """``(first, stop)``: the query rows that see at least one key under an offset mask.
+
+    Row ``r`` sees offsets ``-r - (j - i) .. j - 1 - r - (j - i)``; with ``lo <= hi`` the
+    range meets ``[lo, hi]`` iff ``r >= -(j - i) - hi`` and ``r <= j - 1 - (j - i) - lo``.
+    """
+    shift = j_len - i_len
+    first = 0 if mask.hi is None else max(0, -shift - mask.hi)
+    stop = i_len if mask.lo is None else min(i_len, j_len - shift - mask.lo)
+    return first, max(first, stop)

@@ -68,7 +68,8 @@ def rebuild(
     width = 1 if req.score.dot_form else max(1, qp.shape[-1])
     chunk = max(1, CHUNK_ELEMENTS // max(1, math.prod(q_sel.shape[:-2]) * j_len * width))
     parts = []
-    for start, stop in _runs(row_ids.tolist(), chunk):
+    runs = ((r, min(r + chunk, i_len)) for r in range(0, i_len, chunk)) if rows is None else _runs(row_ids.tolist(), chunk)
+    for start, stop in runs:
         t = Tile(start, stop, 0, j_len, i_len, j_len, qp.device)
         qt = q_sel[..., start:stop, :]
         s = qt @ k_sel.transpose(-1, -2) if req.score.dot_form else req.score.pairwise(qt, k_sel, t)

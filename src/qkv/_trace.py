@@ -1,0 +1,41 @@
+"""Whether a tensor's values can be read on the host here, or only its shape (tracing, meta).
+
+Imports nothing from qkv, so every layer may use it.
+
+Reading a value on the host (``bool(t)``, ``int(t)``, ``.item()``) is a synchronisation in
+eager mode and impossible while ``torch.compile`` or ``torch.export`` trace a call (the
+tensors are fakes with a shape and no data), or for ``meta`` tensors. Code that branches on
+a value to save work at run time (skipping tiles no key of a padded batch reaches) asks
+:func:`concrete` first and takes its branch-free formulation otherwise; both give the same
+result.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def tracing() -> bool:
+    """True while ``torch.compile`` or ``torch.export`` trace the current call."""
+    compiler = torch.compiler
+    return bool(compiler.is_compiling() or (hasattr(compiler, "is_exporting") and compiler.is_exporting()))
+
+
+def concrete(*tensors: Tensor) -> bool:
+    """True when every tensor holds real data that may be read on the host (eager, not meta, not fake)."""
+    if tracing():
+        return False
+    for x in tensors:
+        if x.device.type == "meta" or _fake(x):
+            return False
+    return True
+
+
+def _fake(x: Tensor) -> bool:
+    # FakeTensor (torch.export's non-strict mode, FakeTensorMode) and functional wrappers of it
+    if type(x) is Tensor or isinstance(x, torch.nn.Parameter) and type(x.data) is Tensor:
+        return False
+    from torch._subclasses.fake_tensor import is_fake  # only for tensor subclasses: rare
+
+    return bool(is_fake(x))

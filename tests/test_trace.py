@@ -1,0 +1,128 @@
+"""Calls that cannot read tensor values: ``meta`` tensors, ``torch.compile(fullgraph=True)``
+and ``torch.export`` (``qkv._trace``), for every kind of mask and bias.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size; b=2, h=6, g=3, i=5, j=7, d=11, e=13.
+
+Compiled calls use the ``aot_eager`` backend (dynamo's full graph and AOT autograd, what
+tracing needs of qkv, in about a second per case); one case also runs through inductor,
+skipped where no C++ compiler exists.
+"""
+
+import shutil
+
+import pytest
+import torch
+
+import qkv
+from qkv import _trace
+
+B, H, G, I, J, D, E = 2, 6, 3, 5, 7, 11, 13
+
+
+def inputs(device="cpu", grad=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((B, H, I, D), (B, G, J, D), (B, G, J, E))
+    return [torch.randn(s, generator=gen).to(device).requires_grad_(grad) for s in shapes]
+
+
+def calls(device="cpu"):
+    """Each kind of mask and bias, as keyword arguments of qkv.attention (built on ``device``)."""
+    torch.manual_seed(1)
+    lengths = torch.tensor([7, 3], device=device)
+    return {
+        "causal": dict(causal=True),
+        "window": dict(mask=qkv.masks.window(2, 1)),
+        "lengths": dict(mask=qkv.masks.lengths(lengths)),
+        "lengths&causal": dict(mask=qkv.masks.lengths(lengths), causal=True),
+        "dense": dict(mask=torch.ones(I, J, dtype=torch.bool, device=device).tril(1)),
+        "alibi": dict(bias=qkv.ALiBi(H).to(device)),
+        "alibi&causal": dict(bias=qkv.ALiBi(H).to(device), causal=True),
+        "alibi&window": dict(bias=qkv.ALiBi(H).to(device), mask=qkv.masks.window(2)),
+        "t5": dict(bias=qkv.RelativePositionBias(H, 8, 20).to(device)),
+        "t5&causal": dict(bias=qkv.RelativePositionBias(H, 8, 20, bidirectional=False).to(device), causal=True),
+    }
+
+
+def test_concrete_only_for_real_tensors_outside_tracing():
+    assert _trace.concrete(torch.ones(2))
+    assert not _trace.concrete(torch.ones(2), torch.ones(2, device="meta"))
+    assert not _trace.tracing()
+
+
+@pytest.mark.parametrize("kind", list(calls()))
+def test_meta_forward_runs_for_every_mask_and_bias(kind):
+    q, k, v = inputs("meta")
+    out = qkv.attention(q, k, v, **calls("meta")[kind])
+    assert out.device.type == "meta" and out.shape == (B, H, I, E)
+
+
+def test_meta_forward_of_weights_and_the_additive_score():
+    q, k, v = inputs("meta")
+    out, w = qkv.attention(q, k, v, causal=True, return_weights=True)
+    assert w.device.type == "meta" and w.shape == (B, H, I, J)
+    score = qkv.scores.Additive(D, D, 5).to("meta")
+    assert qkv.attention(q, k, v, score=score, causal=True).shape == (B, H, I, E)
+
+
+def test_explain_says_meta_calls_run_public_ops():
+    q, k, v = inputs("meta")
+    text = qkv.explain(q, k, v, bias=qkv.ALiBi(H).to("meta"))
+    assert "backend: chunked (online_softmax)" in text
+    assert "the fused CPU kernel needs CPU tensors, got meta" in text
+    text = qkv.explain(q, k, v, mask=qkv.masks.window(2))
+    assert "not local: the fused CPU kernel needs CPU tensors, got meta" in text
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "lengths&causal", "alibi", "t5&causal"])
+def test_compile_fullgraph_equals_eager_with_gradients(kind):
+    q, k, v = inputs(grad=True)
+    kw = calls()[kind]
+    bias = kw.get("bias")
+    params = [q, k, v] + ([] if bias is None else list(bias.parameters()))
+
+    def f(q, k, v):
+        return qkv.attention(q, k, v, **kw)
+
+    cot = torch.randn(B, H, I, E, generator=torch.Generator().manual_seed(2))
+    want = f(q, k, v)
+    want_grads = torch.autograd.grad(want, params, cot)
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(got, params, cot), want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+def test_compile_with_inductor_equals_eager():
+    q, k, v = inputs()
+    bias = qkv.ALiBi(H)
+
+    def f(q, k, v):
+        return qkv.attention(q, k, v, bias=bias, mask=qkv.masks.lengths(torch.tensor([7, 3])), causal=True)
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+class _Padded(torch.nn.Module):
+    """Self-attention with ALiBi over right-padded rows: what an exported encoder layer runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = qkv.MultiHeadAttention(16, 4, positional=qkv.ALiBi(4))
+
+    def forward(self, x, lengths):
+        return self.mha(x, mask=qkv.masks.lengths(lengths))
+
+
+def test_export_of_multi_head_attention_with_alibi_and_lengths():
+    torch.manual_seed(3)
+    module = _Padded().eval()
+    x, lengths = torch.randn(2, 9, 16), torch.tensor([9, 4])
+    program = torch.export.export(module, (x, lengths))
+    # other values than the example's: the lengths are data in the graph, not constants
+    x2, lengths2 = torch.randn(2, 9, 16), torch.tensor([2, 9])
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x2, lengths2), module(x2, lengths2), rtol=1e-5, atol=1e-6)
