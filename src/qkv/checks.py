@@ -80,35 +80,34 @@ def _tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         if not x.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+    dtype, device = q.dtype, q.device  # read once: a one-token decoding step runs these checks every call
     for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name}: expected dtype {q.dtype} like q, got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} like q, got {x.device}")
+        if x.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype} like q, got {x.dtype}")
+        if x.device != device:
+            raise ValueError(f"{name}: expected device {device} like q, got {x.device}")
 
 
 def _shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if q.dim() < 2:
-        raise ValueError(f"q: expected at least 2 dims (..., i, d), got shape {tuple(q.shape)}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dim() != q.dim():
-            raise ValueError(
-                f"{name}: expected {q.dim()} dims like q {tuple(q.shape)}, got shape {tuple(x.shape)}"
-            )
-    if v.shape[-2] != k.shape[-2]:
-        raise ValueError(f"v: expected j={k.shape[-2]} positions like k, got {v.shape[-2]} (shape {tuple(v.shape)})")
-    if q.dim() >= 3:
-        if v.shape[-3] != k.shape[-3]:
-            raise ValueError(f"v: expected g={k.shape[-3]} heads like k, got {v.shape[-3]}")
-        h, g = q.shape[-3], k.shape[-3]
+    qs, ks, vs = q.shape, k.shape, v.shape
+    n = len(qs)
+    if n < 2:
+        raise ValueError(f"q: expected at least 2 dims (..., i, d), got shape {tuple(qs)}")
+    for name, xs in (("k", ks), ("v", vs)):
+        if len(xs) != n:
+            raise ValueError(f"{name}: expected {n} dims like q {tuple(qs)}, got shape {tuple(xs)}")
+    if vs[-2] != ks[-2]:
+        raise ValueError(f"v: expected j={ks[-2]} positions like k, got {vs[-2]} (shape {tuple(vs)})")
+    if n >= 3:
+        if vs[-3] != ks[-3]:
+            raise ValueError(f"v: expected g={ks[-3]} heads like k, got {vs[-3]}")
+        h, g = qs[-3], ks[-3]
         if g == 0 or h % g != 0:
             raise ValueError(f"k: query heads h={h} must be a multiple of KV heads g, got g={g}")
-    lead = q.shape[:-3]
-    for name, x in (("k", k), ("v", v)):
-        if x.shape[:-3] != lead:
-            raise ValueError(
-                f"{name}: expected leading (batch) dims {tuple(lead)} like q, got {tuple(x.shape[:-3])}"
-            )
+    lead = qs[:-3]
+    for name, xs in (("k", ks), ("v", vs)):
+        if xs[:-3] != lead:
+            raise ValueError(f"{name}: expected leading (batch) dims {tuple(lead)} like q, got {tuple(xs[:-3])}")
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -65,6 +65,11 @@ class FusedPlan:
     causal_square: bool  # the mask is exactly causal and i == j: the kernel's own flag is right
 
 
+def mask_dtype(q: Tensor) -> torch.dtype:
+    """dtype of the additive masks: float32 for half-precision inputs (the kernel adds them in float32)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> int:
     """Query rows per kernel call: all of them when there is nothing to build per block."""
     i_len = q.shape[-2]
@@ -72,7 +77,7 @@ def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> in
         return i_len
     if diagonal:  # masks are free views; blocks skip keys a window hides and bound the row flips
         return min(i_len, DIAGONAL_ROWS)
-    per_row = max(1, q.shape[0] * q.shape[1] * j_len * q.element_size())  # worst case: a (b, h, it, jt) mask
+    per_row = max(1, q.shape[0] * q.shape[1] * j_len * mask_dtype(q).itemsize)  # worst case: a (b, h, it, jt) mask
     rows = max(32, BLOCK_BYTES // per_row) // 32 * 32
     return min(i_len, rows)
 
@@ -234,8 +239,26 @@ def _split_block(near: DiagonalMask, far: DiagonalMask, t: Tile, q: Tensor, k: T
     lse = torch.logaddexp(m_near, m_far)  # -inf on rows that see no key at all
     ref = torch.where(torch.isinf(lse), 0.0, lse)
     w_near, far_share = torch.exp(m_near - ref), torch.exp(m_far - ref)
-    far_out = o_far * far_share[..., None].to(q.dtype)
-    return o_near * w_near[..., None].to(q.dtype) + far_out, lse, far_out, far_share
+    acc = lse.dtype  # merged in float32 (or wider): half-precision parts would round twice
+    o_near, o_far = (o.to(acc) if torch.is_tensor(o) else o for o in (o_near, o_far))
+    far_out = o_far * far_share[..., None]
+    return (o_near * w_near[..., None] + far_out).to(q.dtype), lse, far_out.to(q.dtype), far_share
+
+
+def grouped_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's backward; half-precision grouped heads get their key and value sums in float32.
+
+    With ``g < h`` KV heads the kernel adds the ``h / g`` query heads' shares of dk and dv
+    into one buffer of the input's precision; in bfloat16 that doubled their error against
+    float64 (``tests/test_backends_chunked.py``). So half-precision calls get the KV heads
+    repeated, and the shares are summed here in float32.
+    """
+    group = q.shape[-3] // k.shape[-3]
+    if group == 1 or q.dtype not in (torch.float16, torch.bfloat16):
+        return _backward(d_out, q, k, v, *args, **kwargs)
+    gq, gk, gv = _backward(d_out, q, k.repeat_interleave(group, -3), v.repeat_interleave(group, -3), *args, **kwargs)
+    gk, gv = (x.unflatten(-3, (-1, group)).sum(-3, dtype=torch.float32).to(x.dtype) for x in (gk, gv))
+    return gq, gk, gv
 
 
 class FusedBlocks(torch.autograd.Function):
@@ -246,7 +269,7 @@ class FusedBlocks(torch.autograd.Function):
         i_len, j_len = q.shape[-2], k.shape[-2]
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         lse = torch.full(q.shape[:-1], float("inf"), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-        diagonal = DiagonalMask(plan, i_len, j_len, q.dtype, q.device, profile) if DiagonalMask.applies(plan) else None
+        diagonal = DiagonalMask(plan, i_len, j_len, mask_dtype(q), q.device, profile) if DiagonalMask.applies(plan) else None
         bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
         dead = []  # (rows, live) of blocks with rows that see no key
         reach = far_reach(plan, diagonal, profile)
@@ -273,7 +296,7 @@ class FusedBlocks(torch.autograd.Function):
                 o, m = _forward(q[..., rows, :].flip(-2), kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
                 o, m = o.flip(-2), m.flip(-1)
             else:
-                add, live = _block_mask(plan, t, bias, q.dtype)
+                add, live = _block_mask(plan, t, bias, mask_dtype(q))
                 o, m = _forward(q[..., rows, :], kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
             if live is not None:
                 o = o * live
@@ -300,7 +323,7 @@ class FusedBlocks(torch.autograd.Function):
         # the kernel's backward wants its own lse: finite for dead rows (their d_out is 0 anyway)
         lse = torch.where(torch.isinf(lse), 0.0, lse)
         dq = dk = dv = None  # allocated by the first block that does not cover every row and key
-        diagonal = DiagonalMask(plan, i_len, j_len, q.dtype, q.device, profile) if DiagonalMask.applies(plan) else None
+        diagonal = DiagonalMask(plan, i_len, j_len, mask_dtype(q), q.device, profile) if DiagonalMask.applies(plan) else None
         d_profile = None
         if profile is not None and ctx.needs_input_grad[4]:
             acc = torch.promote_types(q.dtype, torch.float32)
@@ -323,8 +346,8 @@ class FusedBlocks(torch.autograd.Function):
                 add = diagonal.reversed_block(t)
                 args = [x.flip(-1 if n == 5 else -2) if n in (0, 1, 4, 5) else x for n, x in enumerate(args)]
             elif not plan.causal_square:
-                add = _block_mask(plan, t, bias, q.dtype)[0]
-            gq, gk, gv = _backward(*args, 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
+                add = _block_mask(plan, t, bias, mask_dtype(q))[0]
+            gq, gk, gv = grouped_backward(*args, 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
             if d_profile is not None and reach is None:
                 add_profile_grad(
                     d_profile, args[1], args[2], args[3], args[0], args[5], delta[..., rows].flip(-1),

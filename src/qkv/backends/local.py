@@ -27,6 +27,7 @@ from ..masks import And, Dense, Lengths, Mask, Or, Tile, Window
 from ..positional import LazyBias
 from . import kernels
 from .chunked import same_head_size
+from .fused_blocks import grouped_backward, mask_dtype
 from .request import Request
 from .tiles import NEG_INF, BiasSource, as_heads, shift_invariant
 
@@ -34,7 +35,7 @@ name = "local"
 selects_weights = False
 
 # the private fused CPU kernel: supports() takes a call only where kernels.unusable allows
-_forward, _backward = kernels.forward, kernels.backward
+_forward = kernels.forward
 
 
 def find_window(mask: Mask | None) -> Window | None:
@@ -106,7 +107,7 @@ class _Kernel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: Tensor):
         q, k, v, add, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(d_out.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=add, scale=ctx.scale)
+        dq, dk, dv = grouped_backward(d_out.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=add, scale=ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -121,7 +122,7 @@ def _block_masks(req: Request, window: Window, size: int, n: int, first: int, wi
         c0 = first + i0  # first key column of this block's window (may be < 0 or run past j)
         t = Tile(i0, i0 + size, c0, c0 + width, req.i, req.j, req.q.device)
         allowed = as_heads(req.mask.tile(t), 4) & ((t.cols >= 0) & (t.cols < req.j))
-        add = torch.zeros(allowed.shape, dtype=req.q.dtype, device=req.q.device).masked_fill(~allowed, NEG_INF)
+        add = torch.zeros(allowed.shape, dtype=mask_dtype(req.q), device=req.q.device).masked_fill(~allowed, NEG_INF)
         if bias is not None:
             lo, hi = max(c0, 0), min(c0 + width, req.j)
             rows = min(i0 + size, req.i)
@@ -149,7 +150,7 @@ def _offset_masks(req: Request, size: int, n: int, first: int, width: int) -> Te
     biases are one pattern; only whether key ``c = first + m·B + w`` exists (``0 <= c <
     j``, or below a batch row's length) changes from block to block.
     """
-    device, dtype = req.q.device, req.q.dtype
+    device, dtype = req.q.device, mask_dtype(req.q)  # float32 masks for half-precision inputs
     pattern = Tile(0, size, first, first + width, req.i, req.j, device)  # block 0's coordinates
     parts = [req.mask.a, req.mask.b] if isinstance(req.mask, And) else [req.mask]
     allowed = torch.ones(size, width, dtype=torch.bool, device=device)
@@ -224,7 +225,7 @@ def _has_lengths(mask: Mask) -> bool:
 
 def _pattern(req: Request, size: int, n: int, first: int, width: int) -> tuple[Tensor, Tensor]:
     """Float ``(h|1, B, W)`` window-and-bias pattern shared by all blocks, and bool ``(n, W)`` key validity."""
-    device, dtype = req.q.device, req.q.dtype
+    device, dtype = req.q.device, mask_dtype(req.q)  # float32 masks for half-precision inputs
     t = Tile(0, size, first, first + width, req.i, req.j, device)  # block 0's coordinates
     allowed = req.mask.tile(t)  # windows only (no lengths): (B, W)
     pattern = torch.zeros((), dtype=dtype, device=device).masked_fill(~allowed, NEG_INF)[None]

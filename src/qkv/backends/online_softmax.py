@@ -143,7 +143,7 @@ class TiledAttention(torch.autograd.Function):
             l = l * rescale + p.sum(-1, keepdim=True)
             if plan.dropout > 0:
                 p = p * drop.keep(plan.seed, plan.dropout, heads_shape, t) / (1.0 - plan.dropout)
-            pv = p.to(v.dtype).unflatten(-3, (g, -1)) @ v5[..., t.j0 : t.j1, :]
+            pv = p.unflatten(-3, (g, -1)) @ v5[..., t.j0 : t.j1, :].to(acc_dtype)  # float32 P V for half inputs
             acc = acc * rescale + pv.flatten(-4, -3)
             m = m_new
         if current is not None:

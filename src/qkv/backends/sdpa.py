@@ -94,7 +94,7 @@ def _mask(req: Request) -> tuple[Tensor | None, bool, Tensor | None]:
     if req.bias is None:
         return allowed, False, live_rows
     bias = req.bias if isinstance(req.bias, Tensor) else req.bias.tile(tile)
-    bias = bias.to(req.q.dtype)
+    bias = bias.to(torch.promote_types(req.q.dtype, torch.float32))  # half-precision calls add a float32 bias
     if allowed is not None:
         bias = bias.masked_fill(~allowed, torch.finfo(bias.dtype).min)
     return bias, False, live_rows

@@ -1,0 +1,105 @@
+"""bfloat16 on every engine path: sdpa, chunked (fused blocks and online-softmax tiles), local.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size; b=2, h=6, g=3, d=11, e=13.
+
+The flash-attention rule, with PyTorch's own bf16 attention as the yardstick: against a
+float64 oracle, each path's output and gradients (q, k, v and a learned bias table) are
+at most twice as far off as ``F.scaled_dot_product_attention`` on the same bf16 inputs with
+the bias and mask materialised, plus one bf16 rounding of the result (``2^-8`` of its
+largest value: a result that lies near a rounding boundary may round either way).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qkv
+from qkv.backends import kernels
+
+B, H, G, D, E = 2, 6, 3, 11, 13
+
+
+def make(kind, dtype, i, j):
+    """``(kwargs for qkv.attention, learned parameters, additive mask (b|1, h|1, i, j) for SDPA)``."""
+    torch.manual_seed(7)
+    allowed = torch.ones(i, j, dtype=torch.bool)
+    kw, params, bias = {}, [], None
+    if "causal" in kind:
+        kw["causal"] = True
+        allowed = qkv.masks.causal().dense(i, j)
+    if "window" in kind:
+        kw["mask"] = qkv.masks.window(4, 2)
+        allowed = kw["mask"].dense(i, j)
+    if "lengths" in kind:  # short rows, but every query keeps a key (SDPA gives NaN otherwise)
+        lengths = qkv.masks.lengths(torch.tensor([j, j - 3 if "window" in kind else j // 2]))
+        kw["mask"] = lengths if "mask" not in kw else kw["mask"] & lengths
+        allowed = allowed & lengths.dense(i, j)
+    if kind.startswith("alibi"):
+        kw["bias"] = qkv.ALiBi(H).to(dtype)
+        bias = kw["bias"].dense(i, j)
+    elif kind.startswith("t5"):
+        kw["bias"] = qkv.RelativePositionBias(H, 8, 20).to(dtype)
+        params = list(kw["bias"].parameters())
+        bias = kw["bias"].dense(i, j)
+    elif kind.startswith("dense"):
+        kw["bias"] = torch.randn(H, i, j, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(dtype)
+        bias = kw["bias"]
+    add = torch.zeros((), dtype=dtype).masked_fill(~allowed, float("-inf"))
+    return kw, params, add if bias is None else bias + add
+
+
+def results(fn, inputs, params):
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64).to(out.dtype)
+    return [out, *torch.autograd.grad(out, [*leaves, *params], cot)]
+
+
+def check_bf16(backend, kind, i, j, monkeypatch=None, online=False):
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(s, generator=gen, dtype=torch.float64) for s in ((B, H, i, D), (B, G, j, D), (B, G, j, E))]
+    low = [x.bfloat16() for x in inputs]
+    kw64, params64, _ = make(kind, torch.float64, i, j)
+    exact = results(lambda q, k, v: qkv.attention(q, k, v, backend="reference", **kw64), inputs, params64)
+    kw, params, add = make(kind, torch.bfloat16, i, j)
+    d = max(D, E)  # SDPA's kernel needs d == e: pad as the fused path does, and cut the output
+
+    def sdpa(q, k, v):
+        qp, kp, vp = (F.pad(x, (0, d - x.shape[-1])) for x in (q, k, v))
+        return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=add, enable_gqa=True, scale=D**-0.5)[..., :E]
+
+    yardstick = results(sdpa, low, params)
+    if online:  # this dtype fails the kernel's probe: the chunked backend runs its online tiles
+        monkeypatch.setitem(kernels._probed, torch.bfloat16, False)
+    text = qkv.explain(*low, backend=backend, **kw)
+    if backend == "chunked":
+        assert f"chunked ({'online_softmax' if online else 'fused_blocks'})" in text, text
+    got = results(lambda q, k, v: qkv.attention(q, k, v, backend=backend, **kw), low, params)
+    assert got[0].dtype == torch.bfloat16
+    for name, a, s, x in zip(["out", "dq", "dk", "dv", "d table"], got, yardstick, exact):
+        bound = 2 * (s.double() - x).abs().max() + 2**-8 * x.abs().max()
+        assert (a.double() - x).abs().max() <= bound, f"{name}: {(a.double() - x).abs().max():.3g} > {bound:.3g}"
+
+
+KINDS = ["none", "causal", "lengths&causal", "dense", "alibi", "alibi&causal", "t5", "t5&causal"]
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "lengths", "lengths&causal", "dense", "window"])
+def test_sdpa(kind):
+    check_bf16("sdpa", kind, 37, 45)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_fused_blocks(kind):
+    check_bf16("chunked", kind, 37, 45)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_online_tiles(kind, monkeypatch):
+    check_bf16("chunked", kind, 37, 45, monkeypatch, online=True)
+
+
+@pytest.mark.parametrize("kind", ["window", "window&alibi", "window&lengths"])
+def test_local(kind):
+    check_bf16("local", kind.replace("window&alibi", "alibi&window"), 150, 160)
