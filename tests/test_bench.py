@@ -106,7 +106,7 @@ def test_a_suite_run_part_by_part_replaces_the_whole(tmp_path):
     bench.write(out, {"engine": "## Engine\nold\n"}, {})
     bench.write(out, {"engine-bias": "## Engine (bias)\nnew bias\n"}, {})
     assert "old" in out.read_text()  # other parts not rerun yet: the whole run is kept
-    bench.write(out, {f"engine-{p}": f"## Engine ({p})\nnew {p}\n" for p in ("dot", "window", "additive")}, {})
+    bench.write(out, {f"engine-{p}": f"## Engine ({p})\nnew {p}\n" for p in ("dot", "window", "additive", "bf16")}, {})
     text = out.read_text()
     assert "old" not in text and "new bias" in text and "new additive" in text
 

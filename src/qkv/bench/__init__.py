@@ -51,6 +51,7 @@ SUITES: dict[str, str] = {
     "engine-bias": "qkv.bench.engine:bias",
     "engine-window": "qkv.bench.engine:window",
     "engine-additive": "qkv.bench.engine:additive",
+    "engine-bf16": "qkv.bench.engine:bf16",
     "modules": "qkv.bench.modules",
     "approx": "qkv.bench.approx",
     "learning": "qkv.bench.learning",

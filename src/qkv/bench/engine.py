@@ -1,8 +1,8 @@
 """Benchmark suite ``engine``: the backends against what a user would call instead.
 
 Shape legend: ``b`` batch, ``h`` heads, ``i = j`` sequence length, ``d = e`` head size,
-``n`` the additive score's hidden size. float32, batch 1, inputs drawn from a seeded
-generator.
+``n`` the additive score's hidden size. float32 (bfloat16 in the bf16 part), batch 1,
+inputs drawn from a seeded generator.
 
 Cases (each timed forward, under ``no_grad``, and forward + backward):
 
@@ -14,6 +14,9 @@ Cases (each timed forward, under ``no_grad``, and forward + backward):
   (forward only: it has no CPU backward) and the materialised reference backend.
 * **window** — a 256-key sliding window, ``i = 16384, h = 4``, against SDPA with the
   window as a dense bool mask (full cost) and SDPA with ``is_causal``.
+* **bf16** — the dot (scaled, the longest ``i``), bias (ALiBi, T5; forward + backward) and
+  window cases on bfloat16 inputs, against ``F.scaled_dot_product_attention`` on the same
+  bfloat16 inputs, with the float32 time of the same qkv call beside them.
 * **additive** — ``vᵀ tanh(W_q q + W_k k)``, ``n = 128, h = 1``, ``i = 2048``, chunked
   against the materialised path; ``i = 8192`` chunked alone, for its peak memory.
 
@@ -48,11 +51,12 @@ QUICK = dict(dot=(64,), bias=128, window=640, window_heads=1, additive=64, addit
 def _inputs(spec: dict, grad: bool):
     gen = torch.Generator().manual_seed(spec.get("seed", 0))
     h, i, d = spec["h"], spec["i"], spec.get("d", 64)
-    q, k, v = (torch.randn(1, h, i, d, generator=gen) for _ in range(3))
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    q, k, v = (torch.randn(1, h, i, d, generator=gen).to(dtype) for _ in range(3))
     if grad:
         for x in (q, k, v):
             x.requires_grad_()
-    return q, k, v, torch.randn(1, h, i, d, generator=gen)
+    return q, k, v, torch.randn(1, h, i, d, generator=gen).to(dtype)
 
 
 def _flex(bias, i: int):
@@ -80,12 +84,21 @@ def build(spec: dict) -> Callable[[], object]:
         scale = 1.0 / math.sqrt(q.shape[-1]) if spec["score"] == "scaled_dot" else 1.0
         if impl == "qkv":
             fn = lambda: attention(q, k, v, score=score, scale=scale)  # noqa: E731
+        elif impl == "qkv_float32":  # the same call on float32 copies: what bf16 gains
+            q32, k32, v32 = (x.detach().float().requires_grad_(grad) for x in (q, k, v))
+            q, k, v, cot = q32, k32, v32, cot.float()
+            fn = lambda: attention(q, k, v, score=score, scale=scale)  # noqa: E731
         else:
             fn = lambda: F.scaled_dot_product_attention(q @ score.weight if spec["score"] == "general" else q, k, v, scale=scale)  # noqa: E731
     elif case == "bias":
         bias = positional.ALiBi(spec["h"]) if spec["bias"] == "alibi" else positional.RelativePositionBias(spec["h"], 32, 128)
+        bias = bias.to(q.dtype)
         if impl == "qkv":
             fn = lambda: attention(q, k, v, bias=bias)  # noqa: E731
+        elif impl == "qkv_float32":  # the same call on float32 copies: what bf16 gains
+            q32, k32, v32 = (x.detach().float().requires_grad_(grad) for x in (q, k, v))
+            q, k, v, cot, bias32 = q32, k32, v32, cot.float(), bias.float()
+            fn = lambda: attention(q, k, v, bias=bias32)  # noqa: E731
         elif impl == "sdpa_no_bias":
             fn = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
         elif impl == "sdpa_dense_bias":
@@ -99,6 +112,10 @@ def build(spec: dict) -> Callable[[], object]:
     elif case == "window":
         mask = window(spec["window"])
         if impl == "qkv":
+            fn = lambda: attention(q, k, v, mask=mask)  # noqa: E731
+        elif impl == "qkv_float32":  # the same call on float32 copies: what bf16 gains
+            q32, k32, v32 = (x.detach().float().requires_grad_(grad) for x in (q, k, v))
+            q, k, v, cot = q32, k32, v32, cot.float()
             fn = lambda: attention(q, k, v, mask=mask)  # noqa: E731
         elif impl == "sdpa_dense_mask":
             dense = mask.dense(i, i)
@@ -221,8 +238,46 @@ def _additive(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[s
     return parts + table(["i", "mode", "qkv ms", "qkv / materialised", "memory"], rows) + [""]
 
 
+def _bf16(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[str]:
+    """The dot, bias and window cases in bfloat16, against PyTorch's SDPA in bfloat16.
+
+    "qkv float32 / bf16" is the same qkv call on float32 copies of the inputs, timed in the
+    same rounds: how much bfloat16 gains on this CPU (on CPUs with AMX it is several times).
+    """
+    rows = []
+    i = cfg["dot"][-1]
+    for mode in ("fwd", "fwdbwd"):
+        base = {"case": "dot", "score": "scaled_dot", "i": i, "h": 8, "mode": mode, "dtype": "bfloat16"}
+        t = _time(say, f"bf16 dot i={i} {mode}", base, ["qkv", "sdpa", "qkv_float32"], cfg["big_repeats"])
+        rows.append([f"dot (scaled), i = {i}", mode, f"{t['qkv'] * 1e3:.0f}", "SDPA", f"{t['qkv'] / t['sdpa']:.2f}",
+                     f"{t['qkv_float32'] / t['qkv']:.2f}"])  # fmt: skip
+        targets.add(f"bf16 dot, i = {i}, {mode}: time / bf16 SDPA ≤ 1.05", t["qkv"] / t["sdpa"], 1.05)
+    i = cfg["bias"]
+    for bias in ("alibi", "t5"):
+        base = {"case": "bias", "bias": bias, "i": i, "h": 8, "mode": "fwdbwd", "dtype": "bfloat16"}
+        t = _time(say, f"bf16 bias {bias} fwdbwd", base, ["qkv", "sdpa_no_bias", "qkv_float32"], cfg["big_repeats"])
+        ratio = t["qkv"] / t["sdpa_no_bias"]
+        rows.append([f"{bias}, i = {i}", "fwd+bwd", f"{t['qkv'] * 1e3:.0f}", "SDPA without bias", f"{ratio:.2f}",
+                     f"{t['qkv_float32'] / t['qkv']:.2f}"])  # fmt: skip
+        targets.add(f"bf16 {bias}, i = {i}, fwd+bwd: time / bf16 SDPA without bias ≤ 1.3", ratio, 1.3)
+    i, hw = cfg["window"], cfg["window_heads"]
+    for mode in ("fwd", "fwdbwd"):
+        base = {"case": "window", "window": 256, "i": i, "h": hw, "mode": mode, "dtype": "bfloat16"}
+        t = _time(say, f"bf16 window i={i} {mode}", base, ["qkv", "sdpa_dense_mask", "sdpa_causal", "qkv_float32"],
+                  cfg["big_repeats"])  # fmt: skip
+        speedup = t["sdpa_dense_mask"] / t["qkv"]
+        rows.append([f"window 256, i = {i}, h = {hw}", mode, f"{t['qkv'] * 1e3:.0f}", "SDPA with the dense mask",
+                     f"{1 / speedup:.3f}", f"{t['qkv_float32'] / t['qkv']:.2f}"])  # fmt: skip
+        rows.append([f"window 256, i = {i}, h = {hw}", mode, "", "SDPA is_causal (the whole lower triangle)",
+                     f"{t['qkv'] / t['sdpa_causal']:.3f}", ""])  # fmt: skip
+        targets.add(f"bf16 window 256, i = {i}, {mode}: full bf16 SDPA time / qkv ≥ 10", speedup, 10.0, higher=True)
+    parts = ["### bfloat16 (b = 1, d = 64; errors within 2× of bf16 SDPA's, tested)", ""]
+    header = ["case", "mode", "qkv ms", "bf16 yardstick", "qkv / yardstick", "qkv float32 / bf16"]
+    return parts + table(header, rows) + [""]
+
+
 #: The parts of this suite, each also registered alone as ``engine-NAME`` (see ``qkv.bench``).
-PARTS = {"dot": _dot, "bias": _bias, "window": _window, "additive": _additive}
+PARTS = {"dot": _dot, "bias": _bias, "window": _window, "additive": _additive, "bf16": _bf16}
 
 
 def section(quick: bool, say: Callable[[str], None], parts: tuple[str, ...] | None = None) -> str:
