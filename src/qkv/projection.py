@@ -49,13 +49,13 @@ def uses_convolution(x: Tensor, weight: Tensor) -> bool:
     """True when :func:`linear` will run ``x`` through oneDNN's convolution."""
     tokens = x.numel() // max(x.shape[-1], 1) if x.dim() >= 1 else 0
     return (
-        x.dtype == torch.float32
+        tokens >= MIN_TOKENS  # first: a decoding step's one token is turned away at once
+        and tokens % IMAGES == 0
+        and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
         and x.dim() >= 2
-        and tokens >= MIN_TOKENS
-        and tokens % IMAGES == 0
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
     )
