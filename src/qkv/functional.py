@@ -200,7 +200,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
     head = f"backend: {impl.name}"
     online = backends.chunked.online_reason(req) if impl.name == "chunked" else None
     if impl.name == "chunked":
-        head += f" ({backends.chunked.engine(req)})"
+        column = online is None and backends.chunked.column_path(req)
+        head += f" ({backends.chunked.engine(req)}{', ALiBi as a key column' if column else ''})"
     lines = [head]
     if online is not None:
         lines.append(f"  online-softmax tiles, not the fused kernel: {online}")

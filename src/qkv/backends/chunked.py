@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..positional import LazyBias
-from . import additive_tiles, kernels
+from . import additive_tiles, kernels, linear_bias
 from . import dropout as drop
 from .fused_blocks import DiagonalMask, FusedBlocks, FusedPlan
 from .online_softmax import Plan, TiledAttention
@@ -97,13 +97,26 @@ def forward(req: Request) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         profile = None
         if _trainable_bias(req):  # learned T5 buckets: the (h, L) profile carries the gradient
             profile = BiasSource(req.bias, req.i, req.j, q.device, grad=True).profile_graph
-        out, lse = FusedBlocks.apply(_fused_plan(req), *same_head_size(qp, kp, v), profile)
+        if column_path(req, qp, kp, v):  # ALiBi as a key column, no mask on most keys (backends.linear_bias)
+            out, lse = linear_bias.ColumnBlocks.apply(*same_head_size(qp, kp, v), req.bias, req.scale, req.mask is not None)
+        else:
+            out, lse = FusedBlocks.apply(_fused_plan(req), *same_head_size(qp, kp, v), profile)
         out = out[..., : v.shape[-1]]
     else:
         out, lse = _online(req, qp, kp, v)
     if no_heads:
         out, lse, qp, kp = out.squeeze(0), lse.squeeze(0), qp.squeeze(0), kp.squeeze(0)
     return out, lse, qp, kp
+
+
+def column_path(req: Request, *tensors: Tensor) -> bool:
+    """True when an ALiBi call runs as a key column (``backends.linear_bias``): where it applies and
+    was timed faster than the masked kernel on this CPU, for this call's mode (with or without gradients)."""
+    if not linear_bias.applies(req.bias, req.mask, req.q) or req.q.dim() != 4:
+        return False
+    tensors = tensors or (req.q, req.k, req.v)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+    return linear_bias.preferred(req.q, grad)
 
 
 def same_head_size(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,0 +1,86 @@
+"""ALiBi as a key column (``qkv.backends.linear_bias``) against the float64 reference.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size; b=2, h=6, g=3, d=11, e=13. Blocks of 8 rows,
+so that small inputs have left parts, squares and right parts, and rows with no key.
+"""
+
+import pytest
+import torch
+
+import qkv
+from qkv.backends import linear_bias
+
+B, H, G, D, E = 2, 6, 3, 11, 13
+
+
+@pytest.fixture
+def column(monkeypatch):
+    """Small blocks, and the column path chosen whatever the timing on this CPU says."""
+    monkeypatch.setattr(linear_bias, "BLOCK_ROWS", 8)
+    monkeypatch.setattr(linear_bias, "_choice", {(g, dt): True for g in (False, True) for dt in (torch.float32, torch.float64)})
+
+
+def inputs(i, j, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((B, H, i, D), (B, G, j, D), (B, G, j, E))
+    return [torch.randn(s, generator=gen, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def run(q, k, v, backend, **kw):
+    out = qkv.attention(q, k, v, backend=backend, **kw)
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    return [out, *torch.autograd.grad(out, (q, k, v), cot)]
+
+
+@pytest.mark.parametrize("i, j", [(37, 37), (21, 45), (45, 21), (9, 40)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_reference_float64(column, i, j, causal):
+    q, k, v = inputs(i, j)
+    kw = dict(bias=qkv.ALiBi(H).double(), causal=causal)
+    assert "ALiBi as a key column" in qkv.explain(q, k, v, **kw)
+    for a, b in zip(run(q, k, v, "chunked", **kw), run(q, k, v, "reference", **kw)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_rows_with_no_key_give_zeros(column):
+    q, k, v = inputs(40, 12)  # causal: the first 28 queries see no key
+    out, dq, dk, dv = run(q, k, v, "chunked", bias=qkv.ALiBi(H).double(), causal=True)
+    assert torch.equal(out[..., :28, :], torch.zeros_like(out[..., :28, :]))
+    assert torch.equal(dq[..., :28, :], torch.zeros_like(dq[..., :28, :]))
+    want = run(q, k, v, "reference", bias=qkv.ALiBi(H).double(), causal=True)
+    torch.testing.assert_close(dk, want[2], rtol=1e-10, atol=1e-10)
+
+
+def test_flash_rule_float32(column):
+    """Error vs float64 at most twice that of the materialised float32 computation, + 1e-5."""
+    q, k, v = inputs(70, 90)
+    exact = run(q, k, v, "reference", bias=qkv.ALiBi(H).double())
+    low = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    plain = run(*low, "reference", bias=qkv.ALiBi(H))
+    fast = run(*low, "chunked", bias=qkv.ALiBi(H))
+    for a, p, x in zip(fast, plain, exact):
+        assert (a.double() - x).abs().max() <= 2 * (p.double() - x).abs().max() + 1e-5
+
+
+@pytest.mark.parametrize(
+    "kw, dtype",
+    [
+        (dict(bias=qkv.ALiBi(H), mask=qkv.masks.window(3)), torch.float32),  # windows keep the masked path
+        (dict(bias=qkv.RelativePositionBias(H, 8, 20)), torch.float32),  # learned, not linear
+        (dict(bias=qkv.ALiBi(H)), torch.bfloat16),  # the column's integers would round
+    ],
+)
+def test_other_calls_keep_the_masked_path(column, kw, dtype):
+    q, k, v = (x.detach().to(dtype) for x in inputs(37, 37))
+    kw = {name: (x.to(dtype) if isinstance(x, torch.nn.Module) else x) for name, x in kw.items()}
+    assert "key column" not in qkv.explain(q, k, v, **kw)
+
+
+def test_the_timing_probe_answers_once_per_mode(monkeypatch):
+    monkeypatch.setattr(linear_bias, "_choice", {})
+    q = torch.ones(1, 1, 600, 4)
+    first = linear_bias.preferred(q, grad=False)
+    assert isinstance(first, bool) and linear_bias._choice == {(False, torch.float32): first}
+    monkeypatch.setattr(linear_bias, "_probe", lambda *a: pytest.fail("probed twice"))
+    assert linear_bias.preferred(q, grad=False) is first
