@@ -26,16 +26,11 @@ from torch import Tensor, nn
 
 from ._args import positive_int as _positive
 from ._args import probability
-from ._trace import tracing
 from .functional import attention
 from .masks import Mask
 from .positional import LazyBias, Positional
-from .projection import Linear, linear
+from .projection import Linear
 from .scores import Score, make
-
-#: Largest ``W^Q, W^K, W^V`` (bytes together) that self-attention without autograd keeps
-#: stacked for one product (``MultiHeadAttention._stacked``): 4 MiB is dim 512 in float32.
-STACK_BYTES = 4 * 2**20
 
 
 class Attention(nn.Module):
@@ -228,11 +223,7 @@ class MultiHeadAttention(nn.Module):
                 f"and query batch {query.shape[0]}, got query {tuple(query.shape)}, key {tuple(key.shape)}, "
                 f"value {tuple(value.shape)}"
             )
-        stacked = self._stacked() if key is query and value is query else None
-        if stacked is not None:  # self-attention without autograd: one product for W^Q, W^K, W^V
-            q, k, v = linear(query, *stacked).split(self._split, dim=-1)
-        else:
-            q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         # "b i (h d) -> b h i d" by unflatten + transpose: the same views as einops.rearrange
         # without its per-call pattern handling, a measurable share of a one-token step
         q = q.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2)
@@ -250,41 +241,6 @@ class MultiHeadAttention(nn.Module):
         out, weights = result if return_weights else (result, None)
         y = self.out_proj(out.transpose(1, 2).flatten(2))  # "b h i e -> b i (h e)"
         return (y, weights) if return_weights else y
-
-    def _stacked(self) -> tuple[Tensor, Tensor | None] | None:
-        """``[W^Q; W^K; W^V]`` and the biases stacked, for self-attention without autograd; else None.
-
-        A decoding step projects one token: three small products cost three calls' overhead
-        each (2 of 13 linear calls per layer and step of the generation benchmark). The stack
-        is kept between calls and rebuilt when a weight changes (another tensor, or the same
-        one modified in place: its version counter), so it is never stale. Only for weights
-        of at most :data:`STACK_BYTES` (larger products are dominated by their arithmetic,
-        and the copy would cost memory), plain ``Linear`` projections without hooks, and
-        never while autograd records or torch.compile / torch.export trace.
-        """
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if torch.is_grad_enabled() or tracing():
-            return None
-        if any(type(p) is not Linear or p._forward_hooks or p._forward_pre_hooks for p in projs):
-            return None
-        tensors = [t for p in projs for t in (p.weight, p.bias)]
-        if any(t is not None and t.is_inference() for t in tensors):
-            return None  # inference tensors have no version counter to tell a change
-        if sum(p.weight.numel() for p in projs) * self.q_proj.weight.element_size() > STACK_BYTES:
-            return None
-        if len({p.in_features for p in projs}) > 1 or len({t is None for t in tensors[1::2]}) > 1:
-            return None
-        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors if t is not None)
-        cached = self.__dict__.get("_stack")
-        if cached is None or cached[0] != key:
-            weight = torch.cat([p.weight for p in projs])
-            bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projs])
-            self.__dict__["_stack"] = cached = (key, (weight, bias))
-        return cached[1]
-
-    @property
-    def _split(self) -> tuple[int, int, int]:
-        return (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
 
     def extra_repr(self) -> str:
         return (
