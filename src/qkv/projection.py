@@ -29,20 +29,31 @@ When it is used (anything else calls ``F.linear``):
 The tokens are viewed as 16 images of ``t/16`` pixels: torch sends a ``1 × 1`` float32
 convolution with fewer than 16 images on one thread to its own im2col + BLAS path (which
 is ``F.linear`` again), and oneDNN is slow when each image is one pixel (measured 2-3×
-slower than 16 images). On Intel CPUs, where MKL uses its AVX-512 kernels, the two libraries
-should be close; the route was measured only on the machine above.
+slower than 16 images).
+
+Which library is faster depends on the CPU (on Intel CPUs MKL takes its own AVX-512 kernels),
+so the route is not a constant: :func:`onednn_faster` times both on a ``(2048 × 512) ·
+(512 × 512)`` product, forward and backward (about 0.2 s, once per process and thread
+count), and the convolution is taken only where it was at least 5% faster (measured here,
+2 threads: 0.9-0.95 of F.linear at 2048-4096 tokens, 1.1 at 1024 × 256).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._trace import tracing
+
 #: Fewest tokens for which the convolution route is taken (see the module docstring).
 MIN_TOKENS = 1024
 #: Images the tokens are split into (torch's oneDNN threshold for ``1 × 1`` kernels).
 IMAGES = 16
+#: The convolution is taken where its timed forward + backward is below this share of F.linear's.
+MARGIN = 0.95
 
 
 def uses_convolution(x: Tensor, weight: Tensor) -> bool:
@@ -58,13 +69,56 @@ def uses_convolution(x: Tensor, weight: Tensor) -> bool:
         and x.dim() >= 2
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
+        and onednn_faster()
     )
+
+
+_faster: dict[int, bool] = {}  # torch threads -> the convolution won the timing
+
+
+def onednn_faster() -> bool:
+    """True when oneDNN's convolution beat ``F.linear`` on this CPU (timed at first use, per thread count).
+
+    While torch.compile / torch.export trace a call nothing is timed: the answer of an
+    earlier eager call is used, else ``F.linear``.
+    """
+    threads = torch.get_num_threads()
+    if threads not in _faster:
+        if tracing():
+            return False
+        _faster[threads] = _probe()
+    return _faster[threads]
+
+
+def _probe(tokens: int = 2048, size: int = 512, rounds: int = 5) -> bool:
+    best = {F.linear: float("inf"), _convolution: float("inf")}
+    with torch.inference_mode(False), torch.enable_grad():  # the first call may come from a decoding loop
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(tokens, size, generator=gen, requires_grad=True)
+        w = torch.randn(size, size, generator=gen, requires_grad=True)
+        dy = torch.randn(tokens, size, generator=gen)
+
+        def step(fn):
+            fn(x, w).backward(dy)
+
+        for round_ in range(rounds):  # the first round warms up; the order alternates
+            for fn in (F.linear, _convolution) if round_ % 2 else (_convolution, F.linear):
+                start = time.perf_counter()
+                step(fn)
+                if round_:
+                    best[fn] = min(best[fn], time.perf_counter() - start)
+    return best[_convolution] < MARGIN * best[F.linear]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x (..., c) @ weight (o, c)ᵀ + bias (o,)`` -> ``(..., o)``; same contract as ``F.linear``."""
     if not uses_convolution(x, weight):
         return F.linear(x, weight, bias)
+    return _convolution(x, weight, bias)
+
+
+def _convolution(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """:func:`linear` by oneDNN's ``1 × 1`` convolution (``x`` with a multiple of 16 tokens)."""
     out, size = weight.shape
     tokens = x.numel() // size
     # (t, c) -> 16 channels-last images of t/16 pixels: a view when x is contiguous

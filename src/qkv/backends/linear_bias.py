@@ -71,6 +71,11 @@ def preferred(q: Tensor, grad: bool) -> bool:
 
 
 def _probe(dtype: torch.dtype, grad: bool) -> bool:
+    with torch.inference_mode(False):  # the first call may come from a decoding loop
+        return _timed(dtype, grad)
+
+
+def _timed(dtype: torch.dtype, grad: bool) -> bool:
     gen = torch.Generator().manual_seed(0)
     q, k, v, d_out = (torch.randn(1, 8, 2 * BLOCK_ROWS, 64, generator=gen, dtype=dtype) for _ in range(4))
     bias, scale = ALiBi(8), 0.125
