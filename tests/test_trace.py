@@ -126,3 +126,11 @@ def test_export_of_multi_head_attention_with_alibi_and_lengths():
     x2, lengths2 = torch.randn(2, 9, 16), torch.tensor([2, 9])
     with torch.no_grad():
         torch.testing.assert_close(program.module()(x2, lengths2), module(x2, lengths2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("positional", ["alibi", "relative", "rotary"])
+def test_meta_forward_of_a_language_model_with_padding(positional):
+    """Shape inference of a whole model: no check or mask reads a value."""
+    lm = qkv.models.CausalLM(qkv.models.LMConfig(vocab=50, positional=positional)).to("meta")
+    ids, lengths = torch.zeros(2, 7, dtype=torch.long, device="meta"), torch.tensor([7, 3], device="meta")
+    assert lm(ids, lengths=lengths).shape == (2, 7, 50)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._trace import concrete
+
 
 def check_ids(name: str, ids: object, vocab_size: int, *, dims: int = 2) -> Tensor:
     """``ids`` if it is an integer tensor of ``dims`` dims with values in ``[0, vocab_size)``.
@@ -25,10 +27,10 @@ def check_ids(name: str, ids: object, vocab_size: int, *, dims: int = 2) -> Tens
     if ids.dim() != dims:
         layout = {1: "(b,)", 2: "(b, length)"}.get(dims, f"{dims} dims")
         raise ValueError(f"{name}: expected shape {layout}, got {tuple(ids.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(
-            f"{name}: expected token ids in [0, {vocab_size}), got values in [{int(ids.min())}, {int(ids.max())}]"
-        )
+    if ids.numel() and concrete(ids):  # values are not readable while tracing or on meta tensors
+        low, high = (int(x) for x in torch.aminmax(ids))  # one pass: this runs on every decoding step
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"{name}: expected token ids in [0, {vocab_size}), got values in [{low}, {high}]")
     return ids
 
 
@@ -40,7 +42,7 @@ def check_lengths(name: str, lengths: object, batch: int, longest: int, *, minim
         raise TypeError(f"{name}: expected an integer tensor, got {lengths.dtype}")
     if tuple(lengths.shape) != (batch,):
         raise ValueError(f"{name}: expected shape ({batch},) (one length per batch row), got {tuple(lengths.shape)}")
-    if batch and (int(lengths.min()) < minimum or int(lengths.max()) > longest):
+    if batch and concrete(lengths) and (int(lengths.min()) < minimum or int(lengths.max()) > longest):
         raise ValueError(
             f"{name}: expected lengths in [{minimum}, {longest}] (the padded length), got {lengths.tolist()}"
         )
