@@ -90,7 +90,7 @@ def forward(req: Request) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         profile = None
         if _trainable_bias(req):  # learned T5 buckets: the (h, L) profile carries the gradient
             profile = BiasSource(req.bias, req.i, req.j, q.device, grad=True).profile_graph
-        out, lse = FusedBlocks.apply(fused_plan(req), *same_head_size(qp, kp, v), profile)
+        out, lse = FusedBlocks.apply(fused_plan(req), *same_head_size(qp, kp, v), profile, req.sinks)
         out = out[..., : v.shape[-1]]
     else:
         out, lse = _online(req, qp, kp, v)
@@ -116,7 +116,7 @@ def same_head_size(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Ten
 def _online(req: Request, qp: Tensor, kp: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     seed = drop.draw_seed(req.generator) if req.dropout > 0 else 0
     plan, dense, params = online_plan(req, qp, seed)
-    return TiledAttention.apply(plan, qp, kp, v, dense, *params)
+    return TiledAttention.apply(plan, qp, kp, v, dense, req.sinks, *params)
 
 
 def online_plan(req: Request, qp: Tensor, seed: int, origin: drop.Origin | None = None) -> tuple[Plan, Tensor | None, list[Tensor]]:

@@ -71,6 +71,8 @@ def supports(req: Request) -> str | None:
         return "it does not return weights"
     if req.dropout > 0:
         return "it has no dropout"
+    if req.sinks is not None:
+        return "it has no sinks"
     if req.q.dim() != 4:
         return "it needs (b, h, i, d) inputs"
     if req.bias is not None and _trainable(req.bias):

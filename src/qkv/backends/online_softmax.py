@@ -40,6 +40,7 @@ from ..masks import Mask, Tile
 from ..scores import Score
 from . import additive_tiles
 from . import dropout as drop
+from . import sinks as sink
 from .additive_tiles import AdditiveTiles
 from .tiles import NEG_INF, BiasSource, dense_tile, mask_state
 
@@ -150,26 +151,33 @@ def tiled_forward(plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor |
 
 
 class TiledAttention(torch.autograd.Function):
-    """``(qp, kp, v, dense_bias, *params) -> (out, lse)``; see the module docstring."""
+    """``(qp, kp, v, dense_bias, sinks, *params) -> (out, lse)``; see the module docstring.
+
+    ``sinks (h,)`` or None: each row's softmax denominator gains ``exp(sinks_h)``
+    (``backends.sinks``); ``lse`` is then the total, sink included.
+    """
 
     @staticmethod
-    def forward(ctx, plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, *params: Tensor):
+    def forward(ctx, plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, sinks: Tensor | None, *params: Tensor):
         out, lse = tiled_forward(plan, qp, kp, v, dense)
+        if sinks is not None:
+            out, lse, _ = sink.apply(out, lse, sinks)
         ctx.plan, ctx.params = plan, params
-        ctx.save_for_backward(qp, kp, v, dense, out, lse)
+        ctx.save_for_backward(qp, kp, v, dense, out, lse, sinks)
         ctx.mark_non_differentiable(lse)
         return out.to(v.dtype), lse
 
     @staticmethod
     def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
-        qp, kp, v, dense, out, lse = ctx.saved_tensors
+        qp, kp, v, dense, out, lse, sinks = ctx.saved_tensors
         needs = ctx.needs_input_grad
         with _bound(ctx.plan, ctx.params):
             dq, dk, dv, d_dense, d_params = tiled_backward(
                 ctx.plan, qp, kp, v, dense, ctx.params, out, lse, d_out,
                 grad_qk=needs[1] or needs[2], grad_dense=dense is not None and needs[4],
             )  # fmt: skip
-        return None, dq.to(qp.dtype), dk.to(kp.dtype), dv.to(v.dtype), d_dense, *d_params
+        d_sinks = sink.grad(out, lse, d_out, sinks) if needs[5] else None
+        return None, dq.to(qp.dtype), dk.to(kp.dtype), dv.to(v.dtype), d_dense, d_sinks, *d_params
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ class Request:
     generator: torch.Generator | None = None  # dropout randomness, for reproducible runs
     # (heads, rows): 1-d long index tensors (None = all) of the weights to return
     weights_for: tuple[Tensor | None, Tensor | None] | None = None
+    sinks: Tensor | None = None  # (h,) sink logit per query head: in every row's softmax denominator
 
     @property
     def heads(self) -> int:

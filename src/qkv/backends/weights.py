@@ -6,7 +6,9 @@ selected heads and rows.
 
 A fast backend keeps, for every query row, ``lse = log Σ_k exp(s_k)`` over its allowed keys.
 Then each weight is one exponential, ``α_j = exp(s_j - lse)``, exactly the softmax, with no
-second pass over the row; a row with no allowed key has ``lse = +inf`` and weights 0. Only
+second pass over the row; a row with no allowed key has ``lse = +inf`` and weights 0. With
+attention sinks ``lse`` includes the sink's mass, so the same formula gives rows summing to
+less than 1. Only
 the selected ``(hs, is, j)`` block is ever built, in row chunks, so inspecting two heads of
 a 4096-token sequence costs ``2·4096·j`` numbers, not ``h·4096·j``.
 
@@ -59,6 +61,7 @@ def rebuild(
         any(x.requires_grad for x in (qp, kp))
         or (isinstance(req.bias, Tensor) and req.bias.requires_grad)
         or (isinstance(req.bias, LazyBias) and any(p.requires_grad for p in req.bias.parameters()))
+        or (req.sinks is not None and req.sinks.requires_grad)
     )
     bias = None
     if isinstance(req.bias, LazyBias):
@@ -81,7 +84,10 @@ def rebuild(
         if req.mask is not None and req.mask.state(t) != "full":
             allowed = _pick_heads(req.mask.tile(t), heads, h)
             s = s.masked_fill(~allowed, NEG_INF)
-        if differentiable:
+        if differentiable and req.sinks is not None:  # the sink is one more logit, whose weight is dropped
+            column = _pick_heads(req.sinks.to(s.dtype).reshape(-1, 1, 1), heads, h)
+            w = torch.softmax(torch.cat((s, column.expand(*s.shape[:-1], 1)), dim=-1), dim=-1)[..., :-1]
+        elif differentiable:
             w = torch.softmax(s.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0), dim=-1)
             if allowed is not None:
                 w = w * allowed * allowed.any(-1, keepdim=True)
