@@ -16,6 +16,7 @@ import numbers
 import torch
 from torch import Tensor
 
+from . import score_mods
 from ._args import probability
 from .backends.request import Request
 from .masks import Mask, Window, as_mask
@@ -37,6 +38,7 @@ def request(
     return_weights: bool,
     generator: torch.Generator | None = None,
     sinks: Tensor | None = None,
+    score_mod=None,
 ) -> Request:
     """Validate one call and fold it into a :class:`Request`."""
     _tensors(q, k, v)
@@ -65,6 +67,7 @@ def request(
         return_weights=return_weights,
         generator=generator,
         sinks=_sinks(sinks, q),
+        score_mod=score_mods.check(score_mod),
     )
 
 

@@ -75,8 +75,9 @@ def parameters(preq: Request) -> list[Tensor]:
     """Tensors the block's tiles read besides q, k, v and a dense bias: ``Grads.params`` is aligned with it.
 
     The score's parameters when its pairwise step uses them (not the dot form, whose
-    parameters act in ``prepare``, reached through ``Grads.q``/``Grads.k``) and a lazy
-    bias's parameters.
+    parameters act in ``prepare``, reached through ``Grads.q``/``Grads.k``), a lazy bias's
+    parameters and the tensors a ``score_mod`` reads (``qkv.score_mods.closure_tensors``),
+    each once.
     """
     return chunked.parameters(preq)
 
@@ -86,9 +87,9 @@ def engine(preq: Request) -> str:
 
     The fused kernel cannot differentiate a bias, so a bias with a gradient (dense that
     requires grad, or a learned lazy one) goes to the online engine, as do dropout,
-    non-dot scores and inputs that are not ``(b, h, i, d)``.
+    non-dot scores, score modifiers and inputs that are not ``(b, h, i, d)``.
     """
-    if not preq.score.dot_form or preq.dropout > 0 or preq.q.dim() != 4 or _bias_grad(preq):
+    if not preq.score.dot_form or preq.score_mod is not None or preq.dropout > 0 or preq.q.dim() != 4 or _bias_grad(preq):
         return "online_softmax"
     return "fused_blocks"
 

@@ -25,6 +25,7 @@ import math
 import torch
 from torch import Tensor
 
+from .. import score_mods
 from ..masks import Tile
 from ..positional import LazyBias
 from .request import Request
@@ -62,6 +63,7 @@ def rebuild(
         or (isinstance(req.bias, Tensor) and req.bias.requires_grad)
         or (isinstance(req.bias, LazyBias) and any(p.requires_grad for p in req.bias.parameters()))
         or (req.sinks is not None and req.sinks.requires_grad)
+        or (req.score_mod is not None and any(x.requires_grad for x in score_mods.closure_tensors(req.score_mod)))
     )
     bias = None
     if isinstance(req.bias, LazyBias):
@@ -80,6 +82,8 @@ def rebuild(
             s = s + _pick_heads(bias.tile(t), heads, h).to(s.dtype)
         elif isinstance(req.bias, Tensor):
             s = s + _pick_heads(dense_tile(req.bias, t), heads, h).to(s.dtype)
+        if req.score_mod is not None:
+            s = score_mods.apply(req.score_mod, s, t, heads=heads)  # the selected heads' true indices
         allowed = None
         if req.mask is not None and req.mask.state(t) != "full":
             allowed = _pick_heads(req.mask.tile(t), heads, h)
