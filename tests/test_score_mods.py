@@ -23,7 +23,7 @@ from torch import nn
 
 import qkv
 from qkv import score_mods
-from qkv.backends import chunked
+from qkv.backends import chunked, mod_tiles
 from qkv.masks import Tile
 
 B, H, G, I, J, D, E = 2, 6, 3, 9, 14, 11, 13
@@ -32,6 +32,16 @@ B, H, G, I, J, D, E = 2, 6, 3, 9, 14, 11, 13
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     monkeypatch.setattr(chunked, "TILE_ELEMENTS", 2 * H * 4 * 4)
+    monkeypatch.setattr(mod_tiles, "TILE_ROWS", 4)
+    monkeypatch.setattr(mod_tiles, "TILE_COLS", 5)
+
+
+@pytest.fixture(params=["mod_tiles", "online_softmax"])
+def engine(request, monkeypatch):
+    """Dot-form scores with a modifier run in ``mod_tiles``; the online engine (learned biases, dropout) too."""
+    if request.param == "online_softmax":
+        monkeypatch.setattr(chunked, "engine", lambda req: "online_softmax")
+    return request.param
 
 
 def inputs(i=I, j=J, g=G, dtype=torch.float64, seed=0):
@@ -177,7 +187,7 @@ def test_modifier_runs_after_the_bias_and_before_the_mask():
 
 @pytest.mark.parametrize("name", list(modifiers()))
 @pytest.mark.parametrize("mask", ["none", "causal", "window", "dense_dead_row"])
-def test_chunked_equals_reference_for_every_kind_of_modifier(name, mask):
+def test_chunked_equals_reference_for_every_kind_of_modifier(name, mask, engine):
     q, k, v = inputs()
     fn, params = modifiers()[name]
     dead = torch.ones(B, 1, I, J, dtype=torch.bool)
@@ -210,7 +220,7 @@ def test_chunked_equals_reference_with_scores_and_biases(score, bias):
 
 
 @pytest.mark.parametrize("i, j, g", [(5, 14, H), (14, 14, 1), (17, 14, G)])
-def test_lengths_and_grouped_heads(i, j, g):
+def test_lengths_and_grouped_heads(i, j, g, engine):
     q, k, v = inputs(i, j, g)
     fn, params = modifiers()["closure_scalar"]
     assert_same(run("chunked", q, k, v, fn, params, causal=True), run("reference", q, k, v, fn, params, causal=True))
@@ -227,7 +237,7 @@ def test_dropout_with_a_modifier_gradcheck():
     assert torch.autograd.gradcheck(f, (q, k, v, w))
 
 
-def test_float32_flash_rule():
+def test_float32_flash_rule(engine):
     q, k, v = (x.detach().float() for x in inputs())
     cap = qkv.SoftCap(1.0)
     oracle = qkv.attention(q.double(), k.double(), v.double(), score_mod=cap, causal=True, backend="reference")
@@ -235,9 +245,11 @@ def test_float32_flash_rule():
     ref.assert_flash_rule(qkv.attention(q, k, v, score_mod=cap, causal=True, backend="chunked"), plain, oracle)
 
 
-def test_memory_stays_one_tile(monkeypatch):
+def test_memory_stays_one_tile(monkeypatch, engine):
     """Forward and backward at i = j = 128: no intermediate holds more than a tile (never (h, i, j))."""
     monkeypatch.setattr(chunked, "TILE_ELEMENTS", B * H * 32 * 32)
+    monkeypatch.setattr(mod_tiles, "TILE_ROWS", 32)
+    monkeypatch.setattr(mod_tiles, "TILE_COLS", 32)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, 128, 16, generator=gen, requires_grad=True) for _ in range(3))
     with Largest() as seen:
@@ -289,7 +301,7 @@ def test_modules_pass_the_modifier_and_train_its_parameters():
 def test_explain_and_fused_backends_refuse_with_a_reason():
     q, k, v = inputs()
     text = qkv.explain(q, k, v, score_mod=shifted_sine, mask=qkv.masks.window(2))
-    assert text.splitlines()[0] == "backend: chunked (online_softmax)"
+    assert text.splitlines()[0] == "backend: chunked (mod_tiles)"
     assert "not sdpa: a score_mod needs each tile's logits, which the fused kernel never exposes" in text
     with pytest.raises(ValueError, match="backend: 'sdpa' cannot run this call: a score_mod"):
         qkv.attention(q, k, v, score_mod=shifted_sine, backend="sdpa")

@@ -12,6 +12,8 @@ Two engines, one contract (``out``, and the log-sum-exp ``lse (..., h, i)`` of e
   a zero-copy strided view of an ``(h, i + j - 1)`` profile (a learned T5 table gets its
   gradient from ``bias_grad``, with the far keys' share kept by a split forward); other
   masks and biases are built one query block at a time. The speed of ``F.scaled_dot_product_attention`` with at most one block's mask.
+* ``mod_tiles`` — dot-form scores with a score modifier (``score_mod``), without dropout
+  or a learned bias: a tile loop of its own, soft-capping differentiated by hand.
 * ``online_softmax`` — everything else (additive and location scores, dropout, learned
   biases under other masks, dense biases that need a gradient, score modifiers, inputs
   without a batch or head dim): a Python loop over tiles with an online softmax and a custom backward that
@@ -34,9 +36,10 @@ from torch import Tensor
 
 from .. import score_mods
 from ..positional import LazyBias
-from . import additive_tiles
+from . import additive_tiles, mod_tiles
 from . import dropout as drop
 from .fused_blocks import DiagonalMask, FusedBlocks, FusedPlan
+from .mod_tiles import ModTiles
 from .online_softmax import Plan, TiledAttention, unique
 from .request import Request
 from .tiles import BiasSource
@@ -58,11 +61,13 @@ def supports(req: Request) -> str | None:
 
 
 def engine(req: Request) -> str:
-    """``"fused_blocks"`` or ``"online_softmax"``: which engine :func:`run` will use, for ``explain``."""
-    if not req.score.dot_form or req.score_mod is not None:
+    """``"fused_blocks"``, ``"mod_tiles"`` or ``"online_softmax"``: which engine :func:`run` will use, for ``explain``."""
+    if not req.score.dot_form:
         return "online_softmax"
     if req.dropout > 0 or req.q.dim() != 4:
         return "online_softmax"
+    if req.score_mod is not None:  # the modifier's own tile loop, unless a bias must be learned
+        return "online_softmax" if _trainable_bias(req) else "mod_tiles"
     if _trainable_bias(req) and not (isinstance(req.bias, LazyBias) and DiagonalMask.applies(fused_plan(req))):
         return "online_softmax"  # the fused kernel cannot differentiate this bias
     return "fused_blocks"
@@ -94,6 +99,8 @@ def forward(req: Request) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             profile = BiasSource(req.bias, req.i, req.j, q.device, grad=True).profile_graph
         out, lse = FusedBlocks.apply(fused_plan(req), *same_head_size(qp, kp, v), profile, req.sinks)
         out = out[..., : v.shape[-1]]
+    elif engine(req) == "mod_tiles":
+        out, lse = ModTiles.apply(mod_tiles.plan(req), qp, kp, v, req.sinks, *score_mods.closure_tensors(req.score_mod))
     else:
         out, lse = _online(req, qp, kp, v)
     if no_heads:

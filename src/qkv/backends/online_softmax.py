@@ -202,13 +202,19 @@ def _bound(plan: Plan, params: tuple[Tensor, ...]):
     """Recompute the tiles with the parameter tensors the forward pass used.
 
     The backward calls ``score.pairwise``, the lazy bias and the score modifier again, which
-    read the modules' attributes. Under ``torch.func.functional_call`` those attributes are the module's own
-    parameters again by the time backward runs, not the tensors the forward saw (``params``);
-    without rebinding, those tensors would silently get no gradient.
+    read the modules' attributes. Under ``torch.func.functional_call`` those attributes are
+    the module's own parameters again by the time backward runs, not the tensors the forward
+    saw (``params``); without rebinding, those tensors would silently get no gradient.
     """
     modules = ([] if plan.score.dot_form else [plan.score]) + [m for m in (plan.lazy_bias,) if m is not None]
-    modules += score_mods.modules(plan.score_mod)
-    owned = unique(p for m in modules for p in m.parameters())  # params starts with these (chunked.parameters)
+    with bound(modules + score_mods.modules(plan.score_mod), params):
+        yield
+
+
+@contextlib.contextmanager
+def bound(modules: list, params: tuple[Tensor, ...]):
+    """Inside, ``modules``' parameters are the first tensors of ``params`` (in order, each once), as they were in the forward."""
+    owned = unique(p for m in modules for p in m.parameters())
     if all(a is b for a, b in zip(owned, params[: len(owned)])):
         yield  # the usual case: nothing was swapped
         return

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..positional import LazyBias
-from . import chunked
+from . import chunked, mod_tiles
 from . import sinks as sink
 from .dropout import Origin
 from .fused_blocks import fused_backward, fused_forward
@@ -83,15 +83,16 @@ def parameters(preq: Request) -> list[Tensor]:
 
 
 def engine(preq: Request) -> str:
-    """``"fused_blocks"`` or ``"online_softmax"``: the engine :func:`forward` and :func:`backward` use.
+    """``"fused_blocks"``, ``"mod_tiles"`` or ``"online_softmax"``: the engine :func:`forward` and :func:`backward` use.
 
     The fused kernel cannot differentiate a bias, so a bias with a gradient (dense that
     requires grad, or a learned lazy one) goes to the online engine, as do dropout,
-    non-dot scores, score modifiers and inputs that are not ``(b, h, i, d)``.
+    non-dot scores and inputs that are not ``(b, h, i, d)``; a score modifier otherwise
+    runs in ``mod_tiles``.
     """
-    if not preq.score.dot_form or preq.score_mod is not None or preq.dropout > 0 or preq.q.dim() != 4 or _bias_grad(preq):
+    if not preq.score.dot_form or preq.dropout > 0 or preq.q.dim() != 4 or _bias_grad(preq):
         return "online_softmax"
-    return "fused_blocks"
+    return "fused_blocks" if preq.score_mod is None else "mod_tiles"
 
 
 def _bias_grad(preq: Request) -> bool:
@@ -130,6 +131,8 @@ def forward(preq: Request, seed: int = 0, origin: Origin | None = None) -> tuple
             qf, kf, vf = chunked.same_head_size(q, k, v)
             out, lse, _ = fused_forward(chunked.fused_plan(preq), qf, kf, vf)
             out = out[..., : v.shape[-1]]
+        elif engine(preq) == "mod_tiles":
+            out, lse = mod_tiles.forward(mod_tiles.plan(preq), q, k, v)
         else:
             plan, _, _ = chunked.online_plan(preq, q, seed, origin)
             out, lse = tiled_forward(plan, q, k, v, dense)
@@ -166,6 +169,9 @@ def backward(
             dq, dk, dv, _ = fused_backward(chunked.fused_plan(preq), qf, kf, vf, out_f, lse.to(acc), d_out_f)
         dq, dk, dv = dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., :e]
         d_dense, d_params = None, [None] * len(params)
+    elif engine(preq) == "mod_tiles":
+        dq, dk, dv, d_params = mod_tiles.backward(mod_tiles.plan(preq), q, k, v, out, lse, d_out, tuple(params))
+        d_dense = None
     else:
         plan, _, _ = chunked.online_plan(preq, q, seed, origin)
         grad_dense = dense is not None and dense.requires_grad

@@ -1,0 +1,286 @@
+"""Dot-form attention with a score modifier, tile by tile: soft-capping by hand, any other modifier by autograd.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``r = h / g`` query heads per
+KV head, ``i`` query length, ``j`` key length, ``d`` query/key size, ``e`` value size;
+``it``/``jt`` the sides of a tile.
+
+PyTorch's fused kernel never exposes its logits, so a modifier (``score_mod``,
+``qkv.score_mods``) needs a tile loop of our own. This one is built for speed on a CPU,
+for ``(b, h, i, d)`` inputs with a dot-form score, no dropout and no learned bias (those go
+to ``online_softmax``):
+
+* tiles of :data:`TILE_ROWS` × :data:`TILE_COLS` keep each elementwise pass in cache, and
+  the tiles the mask reports empty are skipped (half of them under a causal mask);
+* the ``r`` query heads that share a KV head are one ``(r·it, d)`` matrix, so each product
+  is one batched matmul over ``(b, g)`` without copying keys or values, and outputs and
+  gradients accumulate in place (``baddbmm_``);
+* the forward keeps only ``out`` and ``lse``; the backward recomputes each tile's logits
+  (FlashAttention-2, Dao 2023: ``P = exp(s - lse)``, ``D = rowsum(dO ∘ O)``,
+  ``dS = P ∘ (dP - D)``).
+
+**Soft-capping** (Gemma 2, ``qkv.SoftCap(c)``: ``s ← c · tanh(x / c)``, ``x = scale · qᵀk +
+bias``) has a hand-written derivative, ``1 - tanh²``, applied to ``dS`` in place: no
+autograd. ``torch.tanh`` costs 4 to 8 ns per element on the benchmark machine, so
+``tanh(z/2)`` with ``z = 2x/c`` (the ``2/c`` goes on the queries once per call) is
+``E / (E + 2)`` with ``E = expm1(z)``: about half the cost, and accurate to a few ulp
+(:func:`_tanh_`). The faster ``2σ(z) - 1`` is not used: it cancels as ``z → 0``, an absolute
+error of ``c·2⁻²⁴`` on every logit, tens of times plain float32's for Gemma's ``c = 50``.
+Capped logits lie in ``(-c, c)``, so when ``e^c`` and ``j · e^c`` fit in the accumulator
+(``c + log j`` below :func:`_fixed_limit`) no running maximum is needed: ``p = exp(s)``
+directly, fewer passes per tile and no rescaling.
+
+**Any other modifier** runs on the scaled, biased logits of the tile, then the mask, with
+the online softmax's running maximum; its backward is autograd through the modifier alone
+on a detached copy of the tile (the tensors it reads, ``closure_tensors``, get their share),
+then the same explicit ``dQ``, ``dK``.
+
+A row with no allowed key has ``l = 0``: output 0, ``lse = +inf``, zero gradients.
+Half-precision inputs are computed in float32. Checked against the float64 reference
+backend in ``tests/test_backends_mod_tiles.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .. import score_mods
+from ..masks import Mask, Tile
+from ..score_mods import SoftCap
+from . import sinks as sink
+from .online_softmax import bound
+from .tiles import NEG_INF, BiasSource, mask_state
+
+#: Query rows per tile. With ``TILE_COLS`` and 8 heads a float32 tile is 4 MiB, the size at
+#: which this machine's elementwise passes were cheapest per element (measured 0.03 ns for
+#: a multiply, 0.3 for a sigmoid) while each Python-level op stays well above its overhead.
+TILE_ROWS = 256
+#: Keys per tile.
+TILE_COLS = 512
+
+
+@dataclass
+class ModPlan:
+    """What a call is, besides its tensors."""
+
+    mask: Mask | None  # True = may attend
+    bias: object  # a dense tensor or a LazyBias, neither trained here, or None
+    scale: float
+    score_mod: Callable  # fn(score, b, h, q_idx, kv_idx); a SoftCap is run by hand
+    block_i: int  # query tile side
+    block_j: int  # key tile side
+
+    @property
+    def cap(self) -> float | None:
+        return self.score_mod.cap if isinstance(self.score_mod, SoftCap) else None
+
+
+def plan(req) -> ModPlan:
+    """The plan of a request (``backends.Request``) this engine runs."""
+    return ModPlan(req.mask, req.bias, req.scale, req.score_mod, TILE_ROWS, TILE_COLS)
+
+
+def _fixed_limit(dtype: torch.dtype) -> float:
+    """Largest ``c + log j`` whose ``exp`` and row sums fit in ``dtype`` with room to spare (80 for float32)."""
+    return math.log(torch.finfo(dtype).max) - 8.0
+
+
+def _fixed(plan: ModPlan, j_len: int, dtype: torch.dtype) -> bool:
+    """True when soft-capped logits need no running maximum: ``e^{±c}`` and ``j·e^c`` are safely finite."""
+    cap = plan.cap
+    return cap is not None and cap + math.log(max(j_len, 1)) < _fixed_limit(dtype) and cap < _fixed_limit(dtype)
+
+
+def _tiles(plan: ModPlan, i_len: int, j_len: int, device):
+    """``(tile, state)`` for every tile the mask does not empty, query tiles outermost."""
+    for i0 in range(0, i_len, plan.block_i):
+        i1 = min(i0 + plan.block_i, i_len)
+        for j0 in range(0, j_len, plan.block_j):
+            t = Tile(i0, i1, j0, min(j0 + plan.block_j, j_len), i_len, j_len, device)
+            state = mask_state(plan.mask, t)
+            if state != "empty":
+                yield t, state
+
+
+def _rows(x: Tensor, g: int, t: Tile) -> Tensor:
+    """Rows ``i0:i1`` of ``x (b, h, i, ·)`` as ``(b·g, r·it, ·)``: the ``r`` heads of a KV head stacked."""
+    b, h = x.shape[:2]
+    return x[:, :, t.i0 : t.i1].reshape(b * g, (h // g) * (t.i1 - t.i0), x.shape[-1])
+
+
+def _cols(x: Tensor, t: Tile) -> Tensor:
+    """Keys ``j0:j1`` of ``x (b, g, j, ·)`` as ``(b·g, jt, ·)`` (a view)."""
+    return x[:, :, t.j0 : t.j1].flatten(0, 1)
+
+
+def _inputs(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor):
+    """Float32-or-wider copies of the inputs; queries pre-multiplied by what the tile's product needs."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    factor = plan.scale if plan.cap is None else 2.0 * plan.scale / plan.cap  # soft cap: the tile is 2x/c
+    return (q.to(acc) * factor).contiguous(), k.to(acc).contiguous(), v.to(acc).contiguous(), acc
+
+
+def _logits(plan: ModPlan, q_hat: Tensor, k: Tensor, bias: BiasSource, t: Tile, b: int, h: int) -> Tensor:
+    """``(b, h, it, jt)``: ``scale·qᵀk + bias``, or for a soft cap ``z = 2(scale·qᵀk + bias)/c``."""
+    g = k.shape[1]
+    s = torch.bmm(_rows(q_hat, g, t), _cols(k, t).transpose(1, 2)).view(b, h, t.i1 - t.i0, t.j1 - t.j0)
+    if (tile := bias.tile(t)) is not None:
+        s.add_(tile.to(s.dtype), alpha=1.0 if plan.cap is None else 2.0 / plan.cap)
+    return s
+
+
+def _tanh_(z: Tensor) -> Tensor:
+    """``tanh(z / 2)`` in place, as ``E / (E + 2)`` with ``E = expm1(z)``.
+
+    Accurate to a few ulp everywhere (no cancellation: ``E`` keeps its relative precision
+    near 0, and ``E + 2 >= 1``), and about twice as fast as ``torch.tanh`` on the benchmark
+    machine. ``2σ(z) - 1`` would be faster still but loses all relative precision as
+    ``z → 0``: an absolute error of ``c·2⁻²⁴`` on every capped logit. ``z`` is clamped at
+    40, where ``tanh(20)`` is 1 in float64 already, so ``E`` never overflows.
+    """
+    e = torch.expm1_(z.clamp_(max=40.0))
+    return e.div_(e + 2.0)
+
+
+def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out (b, h, i, e), lse (b, h, i))`` in float32 (or wider), no graph; ``lse`` is ``+inf`` on rows with no key."""
+    b, h, i_len, _ = q.shape
+    g, j_len, e = k.shape[1], k.shape[2], v.shape[-1]
+    q_hat, k, v, acc = _inputs(plan, q, k, v)
+    out = torch.zeros(b, h, i_len, e, dtype=acc, device=q.device)
+    lse = torch.full((b, h, i_len), float("inf"), dtype=acc, device=q.device)
+    bias = BiasSource(plan.bias, i_len, j_len, q.device)
+    fixed, cap = _fixed(plan, j_len, acc), plan.cap
+    current = m = l = None
+
+    def finish():
+        rows = slice(current.i0, current.i1)
+        live = l > 0
+        out[:, :, rows] = torch.where(live, out[:, :, rows] / l.clamp(min=1e-30), 0.0)
+        lse[:, :, rows] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
+
+    for t, state in _tiles(plan, i_len, j_len, q.device):
+        if current is None or t.i0 != current.i0:
+            if current is not None:
+                finish()
+            current = t
+            it = t.i1 - t.i0
+            m = torch.zeros(b, h, it, 1, dtype=acc, device=q.device) if fixed else torch.full((b, h, it, 1), NEG_INF, dtype=acc, device=q.device)
+            l = torch.zeros(b, h, it, 1, dtype=acc, device=q.device)
+        s = _logits(plan, q_hat, k, bias, t, b, h)
+        allowed = None if state == "full" else plan.mask.tile(t)
+        if fixed:  # p = exp(c·tanh(x/c)): no maximum to track
+            p = _tanh_(s).mul_(cap).exp_()
+            if allowed is not None:
+                p.masked_fill_(~allowed, 0.0)
+        else:
+            if cap is not None:
+                s = _tanh_(s).mul_(cap)
+            else:
+                s = score_mods.apply(plan.score_mod, s, t)
+            if allowed is not None:  # out of place: what the modifier returned may not be ours to write
+                s = s.masked_fill(~allowed, NEG_INF)
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
+            p = torch.sub(s, base).exp_()
+            rescale = torch.exp(m - base)
+            l.mul_(rescale)
+            out[:, :, t.i0 : t.i1].mul_(rescale)
+            m = m_new
+        l += p.sum(-1, keepdim=True)
+        rows = out[:, :, t.i0 : t.i1]
+        pv = torch.bmm(p.view(b * g, -1, t.j1 - t.j0), _cols(v, t)).view(b, h, t.i1 - t.i0, e)
+        rows += pv
+    if current is not None:
+        finish()
+    return out, lse
+
+
+def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
+             params: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:  # fmt: skip
+    """``(dq, dk, dv, d_params)`` (float32 or wider) from the row's final ``out`` and ``lse``.
+
+    As in ``online_softmax.tiled_backward``, ``out`` and ``lse`` may be a larger softmax's
+    (more key blocks, sinks): the result is then this call's share. ``params`` are the
+    tensors the modifier reads; ``d_params`` is aligned with them (None where none needed).
+    """
+    b, h, i_len, _ = q.shape
+    g, j_len = k.shape[1], k.shape[2]
+    q, k, v = q.detach(), k.detach(), v.detach()  # only the modifier's tile is differentiated here
+    q_hat, k, v, acc = _inputs(plan, q, k, v)
+    q_in = q.to(acc)
+    d_out = d_out.to(acc).contiguous()
+    out = out.to(acc)
+    lse = torch.where(torch.isinf(lse), float("inf"), lse.to(acc))  # -inf (merge convention) or +inf: no key
+    delta = torch.einsum("bhie,bhie->bhi", d_out, out)[..., None]  # D = rowsum(dO ∘ O)
+    dq = torch.zeros(b, h, i_len, q.shape[-1], dtype=acc, device=q.device)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    trainable = [p for p in params if p.requires_grad]
+    d_params = [torch.zeros_like(p) for p in trainable]
+    bias = BiasSource(plan.bias, i_len, j_len, q.device)
+    cap = plan.cap
+    for t, state in _tiles(plan, i_len, j_len, q.device):
+        it, jt = t.i1 - t.i0, t.j1 - t.j0
+        rows = slice(t.i0, t.i1)
+        with torch.no_grad():
+            s = _logits(plan, q_hat, k, bias, t, b, h)
+        allowed = None if state == "full" else plan.mask.tile(t)
+        neg_lse = lse[:, :, rows, None].neg()
+        if cap is not None:
+            u = _tanh_(s)
+            p = torch.add(neg_lse, u, alpha=cap).exp_()  # exp(c·tanh(x/c) - lse)
+        else:
+            pre = s.requires_grad_()
+            with torch.enable_grad():
+                modded = score_mods.apply(plan.score_mod, pre, t)
+            p = torch.add(neg_lse, modded.detach()).exp_()
+        if allowed is not None:
+            p.masked_fill_(~allowed, 0.0)
+        d_o = _rows(d_out, g, t)  # (b·g, r·it, e)
+        v_t = _cols(v, t)
+        p3 = p.view(b * g, -1, jt)
+        dv[:, :, t.j0 : t.j1].view(b * g, jt, -1).baddbmm_(p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
+        ds = torch.bmm(d_o, v_t.transpose(1, 2)).view(b, h, it, jt)  # dP = dO Vᵀ
+        ds.sub_(delta[:, :, rows]).mul_(p)  # dS = P ∘ (dP - D)
+        if cap is not None:
+            ds.addcmul_(ds, u.square_(), value=-1.0)  # · (1 - tanh²); the scale goes on the products
+            alpha = plan.scale
+        else:
+            first, *mod_grads = torch.autograd.grad(modded, [pre, *trainable], ds, allow_unused=True)
+            ds = torch.zeros_like(ds) if first is None else first
+            for n, grad in enumerate(mod_grads):
+                if grad is not None:
+                    d_params[n] += grad
+            alpha = plan.scale
+        ds3 = ds.reshape(b * g, -1, jt)
+        # dQ += α dS K (rows of the r heads stacked), dK += α dSᵀ Q (summed over those heads)
+        dq[:, :, rows] += torch.bmm(ds3, _cols(k, t)).view(b, h, it, -1).mul_(alpha)
+        dk[:, :, t.j0 : t.j1].view(b * g, jt, -1).baddbmm_(ds3.transpose(1, 2), _rows(q_in, g, t), alpha=alpha)
+    it_params = iter(d_params)
+    return dq, dk, dv, [next(it_params) if p.requires_grad else None for p in params]
+
+
+class ModTiles(torch.autograd.Function):
+    """``(q, k, v, sinks, *params) -> (out, lse)``; ``params`` are the tensors the modifier reads."""
+
+    @staticmethod
+    def forward(ctx, plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, *params: Tensor):
+        out, lse = forward(plan, q, k, v)
+        if sinks is not None:
+            out, lse, _ = sink.apply(out, lse, sinks)
+        ctx.plan, ctx.params = plan, params
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.mark_non_differentiable(lse)
+        return out.to(v.dtype), lse
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        with bound(score_mods.modules(ctx.plan.score_mod), ctx.params):
+            dq, dk, dv, d_params = backward(ctx.plan, q, k, v, out, lse, d_out, ctx.params)
+        d_sinks = sink.grad(out, lse, d_out, sinks) if ctx.needs_input_grad[4] else None
+        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_sinks, *d_params
