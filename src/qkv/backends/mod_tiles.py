@@ -25,12 +25,11 @@ autograd. ``torch.tanh`` costs 4 to 8 ns per element on the benchmark machine, s
 ``E / (E + 2)`` with ``E = expm1(z)``: about half the cost, and accurate to a few ulp
 (:func:`_tanh_`). The faster ``2σ(z) - 1`` is not used: it cancels as ``z → 0``, an absolute
 error of ``c·2⁻²⁴`` on every logit, tens of times plain float32's for Gemma's ``c = 50``.
-Capped logits lie in ``(-c, c)``, so when ``e^c`` and ``j · e^c`` fit in the accumulator
-(``c + log j`` below :func:`_fixed_limit`) no running maximum is needed: ``p = exp(s)``
-directly, fewer passes per tile and no rescaling.
+Every exponential is of a non-positive argument (a logit minus the running maximum, or
+minus the log-sum-exp), where ``exp(a) = σ(a) / (1 - σ(a))`` is exact to 3 ulp and, with
+PyTorch's fast ``sigmoid``, twice as fast as ``torch.exp`` here (:func:`_exp_nonpositive_`).
 
-**Any other modifier** runs on the scaled, biased logits of the tile, then the mask, with
-the online softmax's running maximum; its backward is autograd through the modifier alone
+**Any other modifier** runs on the scaled, biased logits of the tile, then the mask; its backward is autograd through the modifier alone
 on a detached copy of the tile (the tensors it reads, ``closure_tensors``, get their share),
 then the same explicit ``dQ``, ``dK``.
 
@@ -52,6 +51,7 @@ from .. import score_mods
 from ..masks import Mask, Tile
 from ..score_mods import SoftCap
 from . import sinks as sink
+from . import workers
 from .online_softmax import bound
 from .tiles import NEG_INF, BiasSource, mask_state
 
@@ -82,17 +82,6 @@ class ModPlan:
 def plan(req) -> ModPlan:
     """The plan of a request (``backends.Request``) this engine runs."""
     return ModPlan(req.mask, req.bias, req.scale, req.score_mod, TILE_ROWS, TILE_COLS)
-
-
-def _fixed_limit(dtype: torch.dtype) -> float:
-    """Largest ``c + log j`` whose ``exp`` and row sums fit in ``dtype`` with room to spare (80 for float32)."""
-    return math.log(torch.finfo(dtype).max) - 8.0
-
-
-def _fixed(plan: ModPlan, j_len: int, dtype: torch.dtype) -> bool:
-    """True when soft-capped logits need no running maximum: ``e^{±c}`` and ``j·e^c`` are safely finite."""
-    cap = plan.cap
-    return cap is not None and cap + math.log(max(j_len, 1)) < _fixed_limit(dtype) and cap < _fixed_limit(dtype)
 
 
 def _tiles(plan: ModPlan, i_len: int, j_len: int, device):
@@ -175,7 +164,12 @@ def _logits(plan: ModPlan, q_hat: Tensor, k: Tensor, bias: BiasSource, t: Tile, 
     return s
 
 
-def _tanh_(z: Tensor, den: Tensor) -> Tensor:
+def _expm1_(z: Tensor, clamp: bool) -> Tensor:
+    """``E = expm1(z)`` in place; ``z`` clamped at 40 first unless it is known to stay below (``_needs_clamp``)."""
+    return torch.expm1_(z.clamp_(max=40.0) if clamp else z)
+
+
+def _tanh_(z: Tensor, den: Tensor, clamp: bool = True) -> Tensor:
     """``tanh(z / 2)`` in place, as ``E / (E + 2)`` with ``E = expm1(z)``.
 
     Accurate to a few ulp everywhere (no cancellation: ``E`` keeps its relative precision
@@ -185,64 +179,104 @@ def _tanh_(z: Tensor, den: Tensor) -> Tensor:
     40, where ``tanh(20)`` is 1 in float64 already, so ``E`` never overflows. ``den`` is a
     buffer of ``z``'s shape for ``E + 2``.
     """
-    e = torch.expm1_(z.clamp_(max=40.0))
+    e = _expm1_(z, clamp)
     return e.div_(torch.add(e, 2.0, out=den))
 
 
+def _exp_nonpositive_(a: Tensor, tmp: Tensor) -> Tensor:
+    """``exp(a)`` in place for ``a <= 0`` (``-inf`` allowed), as ``σ(a) / (1 - σ(a))``; ``tmp`` a buffer like ``a``.
+
+    ``torch.sigmoid`` ran twice to three times as fast as ``torch.exp`` on the benchmark
+    machine, and for ``a <= 0`` nothing cancels (``1 - σ(a) >= 1/2``): within 3 ulp of the
+    float64 ``exp`` over ``[-87, 0]`` (``tests/test_backends_mod_tiles.py``). Every
+    exponential of an online softmax has such an argument: a logit minus a maximum, or
+    minus the log-sum-exp.
+    """
+    sig = torch.sigmoid_(a)
+    return sig.div_(torch.sub(1.0, sig, out=tmp))
+
+
+def _needs_clamp(plan: ModPlan, q_hat: Tensor, k: Tensor) -> bool:
+    """False when ``|z| = |q̂ᵀk| <= max‖q̂_i‖ · max‖k_j‖`` (Cauchy–Schwarz) is far below the clamp: a pass saved per tile."""
+    if plan.bias is not None:
+        return True
+    bound = q_hat.float().norm(dim=-1).max() * k.float().norm(dim=-1).max()
+    return not bool(bound < 30.0)
+
+
+def _by(tiles, key: str) -> dict[int, list]:
+    """Non-empty ``(tile, state)`` pairs grouped by their first row (``"i0"``) or column (``"j0"``)."""
+    groups: dict[int, list] = {}
+    for t, state in tiles:
+        groups.setdefault(getattr(t, key), []).append((t, state))
+    return groups
+
+
+def _cost(tiles, b: int, h: int) -> int:
+    return sum(b * h * (t.i1 - t.i0) * (t.j1 - t.j0) for t, _ in tiles)
+
+
 def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """``(out (b, h, i, e), lse (b, h, i))`` in float32 (or wider), no graph; ``lse`` is ``+inf`` on rows with no key."""
+    """``(out (b, h, i, e), lse (b, h, i))`` in float32 (or wider), no graph; ``lse`` is ``+inf`` on rows with no key.
+
+    One task per block of query rows, which owns those rows of ``out`` and ``lse``
+    (``backends.workers`` runs the tasks on threads).
+    """
     b, h, i_len, _ = q.shape
     g, j_len, e = k.shape[1], k.shape[2], v.shape[-1]
     q_hat, k, v, acc = _inputs(plan, q, k, v)
     out = torch.zeros(b, h, i_len, e, dtype=acc, device=q.device)
     lse = torch.full((b, h, i_len), float("inf"), dtype=acc, device=q.device)
     bias = BiasSource(plan.bias, i_len, j_len, q.device)
-    fixed, cap = _fixed(plan, j_len, acc), plan.cap
-    scratch = _Scratch(q.device)
-    current = m = l = None
+    cap = plan.cap
+    clamp = cap is not None and _needs_clamp(plan, q_hat, k)
+    rows_of = _by(_tiles(plan, i_len, j_len, q.device), "i0")
 
-    def finish():
-        rows = slice(current.i0, current.i1)
-        live = l > 0
-        out[:, :, rows] = torch.where(live, out[:, :, rows] / l.clamp(min=1e-30), 0.0)
-        lse[:, :, rows] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
-
-    for t, state in _tiles(plan, i_len, j_len, q.device):
-        if current is None or t.i0 != current.i0:
-            if current is not None:
-                finish()
-            current = t
-            it = t.i1 - t.i0
-            m = torch.zeros(b, h, it, 1, dtype=acc, device=q.device) if fixed else torch.full((b, h, it, 1), NEG_INF, dtype=acc, device=q.device)
-            l = torch.zeros(b, h, it, 1, dtype=acc, device=q.device)
-        s = _logits(plan, q_hat, k, bias, t, b, h, scratch, acc)
-        allowed = None if state == "full" else plan.mask.tile(t)
-        den = scratch.take("den", s.shape, acc) if cap is not None else None
-        if fixed:  # p = exp(c·tanh(x/c)): no maximum to track
-            p = _tanh_(s, den).mul_(cap).exp_()
-            if allowed is not None:
-                p.masked_fill_(~allowed, 0.0)
-        else:
-            if cap is not None:
-                s = _tanh_(s, den).mul_(cap)
+    def work(i0: int, scratch: _Scratch) -> None:
+        tiles = rows_of[i0]
+        i1 = tiles[0][0].i1
+        it = i1 - i0
+        m = torch.full((b, h, it, 1), NEG_INF, dtype=acc, device=q.device)
+        l = torch.zeros(b, h, it, 1, dtype=acc, device=q.device)
+        rows = out[:, :, i0:i1]
+        for t, state in tiles:
+            s = _logits(plan, q_hat, k, bias, t, b, h, scratch, acc)
+            allowed = None if state == "full" else plan.mask.tile(t)
+            tmp = scratch.take("tmp", s.shape, acc)
+            if cap is not None:  # c·tanh(x/c) = c·E/(E + 2), in place
+                s = _tanh_(s, tmp, clamp).mul_(cap)
+                if allowed is not None:
+                    s.masked_fill_(~allowed, NEG_INF)
             else:
                 s = score_mods.apply(plan.score_mod, s, t)
-            if allowed is not None:  # out of place: what the modifier returned may not be ours to write
-                s = s.masked_fill(~allowed, NEG_INF)
+                if allowed is not None:  # out of place: what the modifier returned may not be ours to write
+                    s = s.masked_fill(~allowed, NEG_INF)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
-            p = torch.sub(s, base).exp_()
+            p = _exp_nonpositive_(torch.sub(s, base, out=scratch.take("p", s.shape, acc)), tmp)
             rescale = torch.exp(m - base)
             l.mul_(rescale)
-            out[:, :, t.i0 : t.i1].mul_(rescale)
+            rows.mul_(rescale)
             m = m_new
-        l += p.sum(-1, keepdim=True)
-        rows = out[:, :, t.i0 : t.i1]
-        pv = scratch.take("pv", (b * g, (h // g) * (t.i1 - t.i0), e), acc)
-        rows += _mm(p.view(b * g, -1, t.j1 - t.j0).to(v.dtype), _cols(v, t), pv).view(b, h, t.i1 - t.i0, e)
-    if current is not None:
-        finish()
+            l += p.sum(-1, keepdim=True)
+            pv = scratch.take("pv", (b * g, (h // g) * it, e), acc)
+            rows += _mm(p.view(b * g, -1, t.j1 - t.j0).to(v.dtype), _cols(v, t), pv).view(b, h, it, e)
+        live = l > 0
+        rows.copy_(torch.where(live, rows / l.clamp(min=1e-30), 0.0))
+        lse[:, :, i0:i1] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
+
+    tasks = sorted(rows_of)
+    workers.run(tasks, [_cost(rows_of[i0], b, h) for i0 in tasks], work, lambda: _Scratch(q.device))
     return out, lse
+
+
+@dataclass
+class _Share:
+    """One thread's scratch buffers and its accumulators of what several tasks write."""
+
+    scratch: _Scratch
+    dq: Tensor  # (b, h, i, d)
+    d_params: list[Tensor]  # aligned with the trainable modifier tensors
 
 
 def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
@@ -252,6 +286,8 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     As in ``online_softmax.tiled_backward``, ``out`` and ``lse`` may be a larger softmax's
     (more key blocks, sinks): the result is then this call's share. ``params`` are the
     tensors the modifier reads; ``d_params`` is aligned with them (None where none needed).
+    One task per block of keys, which owns those rows of ``dk`` and ``dv``; ``dq`` and the
+    modifier's tensors are summed per thread, then over threads in a fixed order.
     """
     b, h, i_len, _ = q.shape
     g, j_len = k.shape[1], k.shape[2]
@@ -262,53 +298,64 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     d_out = d_out.to(mm).contiguous()
     lse = torch.where(torch.isinf(lse), float("inf"), lse.to(acc))  # -inf (merge convention) or +inf: no key
     delta = torch.einsum("bhie,bhie->bhi", d_out.to(acc), out.to(acc))[..., None]  # D = rowsum(dO ∘ O)
-    dq = torch.zeros(b, h, i_len, q.shape[-1], dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     trainable = [p for p in params if p.requires_grad]
-    d_params = [torch.zeros_like(p) for p in trainable]
     bias = BiasSource(plan.bias, i_len, j_len, q.device)
     cap = plan.cap
-    scratch = _Scratch(q.device)
-    for t, state in _tiles(plan, i_len, j_len, q.device):
-        it, jt = t.i1 - t.i0, t.j1 - t.j0
-        rows = slice(t.i0, t.i1)
-        with torch.no_grad():
-            s = _logits(plan, q_hat, k, bias, t, b, h, scratch, acc)
-        allowed = None if state == "full" else plan.mask.tile(t)
-        neg_lse = lse[:, :, rows, None].neg()
-        p = scratch.take("p", s.shape, acc)
-        if cap is not None:
-            u = _tanh_(s, scratch.take("den", s.shape, acc))
-            torch.add(neg_lse, u, alpha=cap, out=p).exp_()  # exp(c·tanh(x/c) - lse)
-        else:
-            pre = s.detach().requires_grad_()
-            with torch.enable_grad():
-                modded = score_mods.apply(plan.score_mod, pre, t)
-            torch.add(neg_lse, modded.detach(), out=p).exp_()
-        if allowed is not None:
-            p.masked_fill_(~allowed, 0.0)
-        d_o = _rows(d_out, g, t)  # (b·g, r·it, e)
-        v_t = _cols(v, t)
-        p3 = p.view(b * g, -1, jt).to(mm)
-        _add_mm(dv[:, :, t.j0 : t.j1].view(b * g, jt, -1), p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
-        ds = _mm(d_o, v_t.transpose(1, 2), scratch.take("ds", (b * g, (h // g) * it, jt), acc)).view(b, h, it, jt)  # dP = dO Vᵀ
-        ds.sub_(delta[:, :, rows]).mul_(p)  # dS = P ∘ (dP - D)
-        if cap is not None:
-            ds.addcmul_(ds, u.square_(), value=-1.0)  # · (1 - tanh²); the scale goes on the products
-            alpha = plan.scale
-        else:
-            first, *mod_grads = torch.autograd.grad(modded, [pre, *trainable], ds, allow_unused=True)
-            ds = torch.zeros_like(ds) if first is None else first
-            for n, grad in enumerate(mod_grads):
-                if grad is not None:
-                    d_params[n] += grad
-            alpha = plan.scale
-        ds3 = ds.reshape(b * g, -1, jt).to(mm)
-        # dQ += α dS K (rows of the r heads stacked), dK += α dSᵀ Q (summed over those heads)
-        d_rows = scratch.take("dq", (b * g, (h // g) * it, q.shape[-1]), acc)
-        dq[:, :, rows] += _mm(ds3, _cols(k, t), d_rows).view(b, h, it, -1).mul_(alpha)
-        _add_mm(dk[:, :, t.j0 : t.j1].view(b * g, jt, -1), ds3.transpose(1, 2), _rows(q, g, t), alpha=alpha)
+    clamp = cap is not None and _needs_clamp(plan, q_hat, k)
+    cols_of = _by(_tiles(plan, i_len, j_len, q.device), "j0")
+
+    def work(j0: int, share: _Share) -> None:
+        scratch = share.scratch
+        for t, state in cols_of[j0]:
+            it, jt = t.i1 - t.i0, t.j1 - t.j0
+            rows = slice(t.i0, t.i1)
+            with torch.no_grad():
+                s = _logits(plan, q_hat, k, bias, t, b, h, scratch, acc)
+            allowed = None if state == "full" else plan.mask.tile(t)
+            neg_lse = lse[:, :, rows, None].neg()
+            p = scratch.take("p", s.shape, acc)
+            if cap is not None:
+                u = _tanh_(s, scratch.take("tmp", s.shape, acc), clamp)
+                _exp_nonpositive_(torch.add(neg_lse, u, alpha=cap, out=p), scratch.take("tmp", s.shape, acc))  # exp(c·tanh(x/c) - lse)
+            else:
+                pre = s.detach().requires_grad_()
+                with torch.enable_grad():
+                    modded = score_mods.apply(plan.score_mod, pre, t)
+                _exp_nonpositive_(torch.add(neg_lse, modded.detach(), out=p), scratch.take("tmp", s.shape, acc))
+            if allowed is not None:
+                p.masked_fill_(~allowed, 0.0)
+            d_o = _rows(d_out, g, t)  # (b·g, r·it, e)
+            p3 = p.view(b * g, -1, jt).to(mm)
+            _add_mm(dv[:, :, t.j0 : t.j1].view(b * g, jt, -1), p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
+            ds = _mm(d_o, _cols(v, t).transpose(1, 2), scratch.take("ds", (b * g, (h // g) * it, jt), acc))
+            ds = ds.view(b, h, it, jt).sub_(delta[:, :, rows]).mul_(p)  # dS = P ∘ (dP - D), dP = dO Vᵀ
+            if cap is not None:
+                ds.addcmul_(ds, u.square_(), value=-1.0)  # · (1 - tanh²); the scale goes on the products
+            else:
+                first, *mod_grads = torch.autograd.grad(modded, [pre, *trainable], ds, allow_unused=True)
+                ds = torch.zeros_like(ds) if first is None else first
+                for n, grad in enumerate(mod_grads):
+                    if grad is not None:
+                        share.d_params[n] += grad
+            ds3 = ds.reshape(b * g, -1, jt).to(mm)
+            # dQ += α dS K (rows of the r heads stacked), dK += α dSᵀ Q (summed over those heads)
+            d_rows = scratch.take("dq", (b * g, (h // g) * it, q.shape[-1]), acc)
+            share.dq[:, :, rows] += _mm(ds3, _cols(k, t), d_rows).view(b, h, it, -1)
+            _add_mm(dk[:, :, t.j0 : t.j1].view(b * g, jt, -1), ds3.transpose(1, 2), _rows(q, g, t), alpha=plan.scale)
+
+    def make_share() -> _Share:
+        dq = torch.zeros(b, h, i_len, q.shape[-1], dtype=acc, device=q.device)
+        return _Share(_Scratch(q.device), dq, [torch.zeros_like(p) for p in trainable])
+
+    tasks = sorted(cols_of)
+    shares = workers.run(tasks, [_cost(cols_of[j0], b, h) for j0 in tasks], work, make_share)
+    dq = shares[0].dq if shares else torch.zeros(b, h, i_len, q.shape[-1], dtype=acc, device=q.device)
+    for share in shares[1:]:
+        dq += share.dq
+    dq.mul_(plan.scale)
+    d_params = [sum(share.d_params[n] for share in shares) for n in range(len(trainable))]
     it_params = iter(d_params)
     return dq, dk, dv, [next(it_params) if p.requires_grad else None for p in params]
 

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..backends import mod_tiles
+from ..backends import mod_tiles, workers
 from ..functional import attention
 from ..masks import Tile
 from ..score_mods import SoftCap, indices
@@ -87,24 +87,39 @@ def _materialised(q, k, v, mod):
 
 
 def _floor(q, k, v, cot, grad: bool):
-    """The engine's tile matmuls alone (no elementwise work): the floor of an eager tile loop."""
+    """The engine's tile matmuls alone, run as its tiles are (``backends.workers``): the floor of the loop.
+
+    Forward: per block of query rows, ``S = Q Kᵀ`` and ``S V`` on each causal tile; backward:
+    per block of keys, ``S`` again, ``dV += Sᵀ dO``, ``dP = dO Vᵀ``, ``dQ += dP K``, ``dK += dPᵀ Q``.
+    """
     rows, cols = mod_tiles.TILE_ROWS, mod_tiles.TILE_COLS
-    b, h, i, d = q.shape
+    i = q.shape[-2]
     q3, k3, v3, o3 = (x.detach().flatten(0, 1) for x in (q, k, v, cot))
-    dq, dk, dv = torch.zeros_like(q3), torch.zeros_like(k3), torch.zeros_like(v3)
-    for i0 in range(0, i, rows):
+    dk, dv = torch.zeros_like(k3), torch.zeros_like(v3)
+
+    def forward(i0, state):
         i1 = min(i0 + rows, i)
         for j0 in range(0, i1, cols):  # causal: key tiles up to the diagonal
             j1 = min(j0 + cols, i)
-            qt, kt, vt, ot = q3[:, i0:i1], k3[:, j0:j1], v3[:, j0:j1], o3[:, i0:i1]
-            s = torch.bmm(qt, kt.transpose(1, 2))
-            torch.bmm(s, vt)
-            if grad:
-                s = torch.bmm(qt, kt.transpose(1, 2))
-                dv[:, j0:j1].baddbmm_(s.transpose(1, 2), ot)
-                ds = torch.bmm(ot, vt.transpose(1, 2))
-                dq[:, i0:i1].baddbmm_(ds, kt)
-                dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), qt)
+            torch.bmm(torch.bmm(q3[:, i0:i1], k3[:, j0:j1].transpose(1, 2)), v3[:, j0:j1])
+
+    def backward(j0, dq):  # dq: this thread's accumulator
+        j1 = min(j0 + cols, i)
+        for i0 in range(j0 // rows * rows, i, rows):
+            i1 = min(i0 + rows, i)
+            qt, ot = q3[:, i0:i1], o3[:, i0:i1]
+            s = torch.bmm(qt, k3[:, j0:j1].transpose(1, 2))
+            dv[:, j0:j1].baddbmm_(s.transpose(1, 2), ot)
+            ds = torch.bmm(ot, v3[:, j0:j1].transpose(1, 2))
+            dq[:, i0:i1].baddbmm_(ds, k3[:, j0:j1])
+            dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), qt)
+
+    work = q3.shape[0] * i * i // 2
+    starts = list(range(0, i, rows))
+    workers.run(starts, [work / len(starts)] * len(starts), forward, lambda: None)
+    if grad:
+        starts = list(range(0, i, cols))
+        workers.run(starts, [work / len(starts)] * len(starts), backward, lambda: torch.zeros_like(q3))
 
 
 def build(spec: dict) -> Callable[[], object]:
