@@ -77,15 +77,32 @@ def suite_module(name: str) -> ModuleType | SimpleNamespace:
     )
 
 
+def _suite_name(text: str) -> str:
+    """``--suite``'s type: a registered suite or ``all``; argparse turns the error into one line."""
+    if text != "all" and text not in SUITES:
+        raise argparse.ArgumentTypeError(f"expected one of {sorted(SUITES)} or 'all', got {text!r}")
+    return text
+
+
+def _threads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``qkv bench`` (also used by ``python -m qkv.bench``)."""
     parser.add_argument(
-        "--suite", action="append", default=None, metavar="NAME",
+        "--suite", action="append", default=None, metavar="NAME", type=_suite_name,
         help=f"suite to run (repeatable; 'all' for every one): {', '.join(SUITES)}; default {', '.join(DEFAULT_SUITES)}",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: checks the machinery in < 1 min")
     parser.add_argument("--out", type=Path, default=None, help=f"markdown file to write (default {DEFAULT_OUT})")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=_threads, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: one memory case, JSON
 
 
@@ -101,8 +118,12 @@ def run(args: argparse.Namespace) -> int:
     names = list(DEFAULT_SUITES) if not args.suite else args.suite
     if "all" in names:
         names = [n for n in SUITES if ":" not in SUITES[n]]  # parts are inside their suite
-    for name in names:
-        suite_module(name)  # fail fast on a wrong name
+    try:
+        for name in names:
+            suite_module(name)  # fail fast on a wrong name (the parser checks it too; callers may not)
+    except ValueError as error:
+        print(f"qkv bench: error: {error}", file=sys.stderr)
+        return 2
     out = args.out if args.out is not None else (Path("benchmarks/RESULTS-quick.md") if args.quick else DEFAULT_OUT)
     from .measure import machine
 
