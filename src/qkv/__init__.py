@@ -9,12 +9,13 @@ See docs/DESIGN.md for the layers; every name exported here is public and stable
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import approx, backends, blocks, cache, masks, models, positional, scores, tasks
+from . import approx, backends, blocks, cache, masks, models, positional, score_mods, scores, tasks
 from .attention import Attention, MultiHeadAttention
 from .blocks import Decoder, Encoder, FeedForward, TransformerDecoderLayer, TransformerEncoderLayer
 from .cache import DecoderCache, KVCache
 from .functional import attention, attention_weights, explain
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
+from .score_mods import SoftCap
 
 try:
     __version__ = version("qkv")
@@ -34,6 +35,7 @@ __all__ = [
     "RelativePositionBias",
     "Rotary",
     "SinusoidalEncoding",
+    "SoftCap",
     "TransformerDecoderLayer",
     "TransformerEncoderLayer",
     "__version__",
@@ -47,6 +49,7 @@ __all__ = [
     "masks",
     "models",
     "positional",
+    "score_mods",
     "scores",
     "tasks",
 ]

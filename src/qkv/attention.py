@@ -25,6 +25,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from . import score_mods
 from ._args import positive_int as _positive
 from ._args import probability
 from .functional import attention
@@ -47,6 +48,9 @@ class Attention(nn.Module):
             ``"location"``) need ``query_dim`` (and ``key_dim``, ``hidden``, ``max_len``).
         dropout: on the weights, in training mode only.
         backend: passed to ``qkv.attention``.
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` on the logits, passed to
+            ``qkv.attention`` (e.g. ``qkv.SoftCap(50.0)``); an ``nn.Module`` becomes a submodule,
+            so its parameters train with this module's.
     """
 
     def __init__(
@@ -59,10 +63,12 @@ class Attention(nn.Module):
         max_len: int | None = None,
         dropout: float = 0.0,
         backend: str = "auto",
+        score_mod: Callable | None = None,
     ):
         super().__init__()
         self.score = make(score, query_dim, key_dim, hidden=hidden, max_len=max_len)
         self.dropout, self.backend = probability("dropout", dropout), backend
+        self.score_mod = score_mods.check(score_mod)
 
     def forward(
         self,
@@ -100,7 +106,7 @@ class Attention(nn.Module):
         result = attention(
             query, key, value, score=self.score, mask=mask, bias=bias, causal=causal,
             dropout=self.dropout if self.training else 0.0, return_weights=return_weights,
-            backend=self.backend,
+            backend=self.backend, score_mod=self.score_mod,
         )  # fmt: skip
         if not single_step:
             return result
@@ -109,7 +115,10 @@ class Attention(nn.Module):
         return result.squeeze(-2)
 
     def extra_repr(self) -> str:
-        return f"dropout={self.dropout}, backend={self.backend!r}"
+        text = f"dropout={self.dropout}, backend={self.backend!r}"
+        if self.score_mod is not None and not isinstance(self.score_mod, nn.Module):
+            text += f", score_mod={self.score_mod!r}"
+        return text
 
 
 class MultiHeadAttention(nn.Module):
@@ -129,6 +138,8 @@ class MultiHeadAttention(nn.Module):
         positional: a ``qkv.positional.Positional`` (RoPE, ALiBi, relative buckets).
         attention: the mechanism (default exact attention with ``score``): any callable with
             ``(q, k, v, *, mask, causal, return_weights)`` on ``(b, h, i, d)``, e.g. ``qkv.approx``.
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` on the logits of the default
+            mechanism (e.g. ``qkv.SoftCap(50.0)``, Gemma 2); see ``qkv.attention``.
     """
 
     def __init__(
@@ -146,6 +157,7 @@ class MultiHeadAttention(nn.Module):
         score: str | Score = "scaled_dot",
         positional: Positional | None = None,
         attention: Callable[..., Tensor] | None = None,
+        score_mod: Callable | None = None,
     ):
         super().__init__()
         _positive("dim", dim)
@@ -174,9 +186,11 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = Linear(heads * dim_value_head, dim, bias=bias)
         self.positional = positional
         if attention is None:
-            attention = Attention(make(score, dim_head, dim_head, hidden=dim_head), dropout=dropout)
+            attention = Attention(make(score, dim_head, dim_head, hidden=dim_head), dropout=dropout, score_mod=score_mod)
         elif score != "scaled_dot":
             raise ValueError("score: give the score to the mechanism passed as attention=, not to both")
+        elif score_mod is not None:
+            raise ValueError("score_mod: give it to the mechanism passed as attention=, not to both")
         elif positional is not None and positional.bias() is not None and not isinstance(attention, Attention):
             # Approximate mechanisms never form the (i, j) logits, so there is nothing to add a bias to.
             raise ValueError(
