@@ -207,7 +207,7 @@ def _weights(models, tokenizer, cfg: dict, say) -> tuple[list[list[object]], dic
 
 def section(quick: bool, say: Callable[[str], None]) -> str:
     cfg = QUICK if quick else FULL
-    head = ["## transformers: all-MiniLM-L6-v2 with attn_implementation=\"qkv\"", ""]
+    head = ["### transformers: all-MiniLM-L6-v2 with attn_implementation=\"qkv\" (`qkv bench --suite transformers`)", ""]
     reason = missing()
     if reason is not None:
         say(f"  skipped: {reason}")
@@ -221,7 +221,7 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
         f"{cfg['repeats']} interleaved rounds. Every contender's hidden states (and weights) were checked "
         "against eager's first.",
         "",
-        "### A batch of sentences: qkv against sdpa",
+        "#### A batch of sentences: qkv against sdpa",
         "",
     ]
     parts += table(["input", "sdpa ms", "qkv / sdpa", "eager / sdpa"], short_rows)
@@ -234,7 +234,7 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
         f"transformers entry point; the difference over the forward's {short['layers']} calls is "
         f"{short['share']:.1%} of its time.",
         "",
-        "### Attention weights (output_attentions=True): qkv against eager",
+        "#### Attention weights (output_attentions=True): qkv against eager",
         "",
     ]
     parts += table(["what", "eager ms", "eager / qkv", "bound: eager with weights / ..."], weight_rows)
@@ -244,7 +244,7 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
         "so no implementation that returns the weights can beat eager by more than sdpa *without* weights "
         "does (the bound column).",
         "",
-        "### Targets",
+        "#### Targets",
         "",
     ]
     targets = Targets()
