@@ -9,12 +9,14 @@ See DESIGN.md for the layers; every name exported here is public and stable.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import approx, backends, blocks, cache, masks, models, positional, scores, tasks
+from . import approx, backends, blocks, cache, masks, models, positional, scores, tasks, variants
 from .attention import Attention, MultiHeadAttention
 from .blocks import Decoder, Encoder, FeedForward, TransformerDecoderLayer, TransformerEncoderLayer
-from .cache import DecoderCache, KVCache
+from .cache import DecoderCache, KVCache, LatentCache, StreamingCache
 from .functional import attention, attention_weights, explain
+from .latent import MultiHeadLatentAttention
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
+from .variants import DifferentialAttention, OutputGate, QKNorm, SigmoidAttention
 
 try:
     __version__ = version("qkv")
@@ -26,14 +28,21 @@ __all__ = [
     "Attention",
     "Decoder",
     "DecoderCache",
+    "DifferentialAttention",
     "Encoder",
     "FeedForward",
     "KVCache",
+    "LatentCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
+    "OutputGate",
+    "QKNorm",
     "RelativePositionBias",
     "Rotary",
+    "SigmoidAttention",
     "SinusoidalEncoding",
+    "StreamingCache",
     "TransformerDecoderLayer",
     "TransformerEncoderLayer",
     "__version__",
@@ -49,4 +58,5 @@ __all__ = [
     "positional",
     "scores",
     "tasks",
+    "variants",
 ]
