@@ -61,7 +61,7 @@ class MultiHeadLatentAttention(nn.Module):
         dim_value_head: per-head value size ``e`` (default ``d``).
         kv_rank: the KV latent size ``c`` (default ``4·d``, as DeepSeek-V2).
         query_rank: the query latent size ``c'``; None projects queries directly from ``h_t``.
-        latent_norm: RMSNorm on the latents, as DeepSeek's released models.
+        latent_norm: RMSNorm (ε = 1e-6) on the latents, as DeepSeek's released models.
         rotary: the rotary embedding of the ``r`` rotary dims (default ``Rotary(rope_dim)``).
         dropout: on the attention weights, in training mode.
         backend: passed to ``qkv.attention``.
@@ -96,11 +96,11 @@ class MultiHeadLatentAttention(nn.Module):
         q_in = dim if query_rank is None else query_rank
         # the paper's matrices, named after it; no biases (the equations have none)
         self.q_down = None if query_rank is None else Linear(dim, query_rank, bias=False)  # W^DQ
-        self.q_norm = nn.RMSNorm(query_rank) if latent_norm and query_rank is not None else None
+        self.q_norm = nn.RMSNorm(query_rank, eps=1e-6) if latent_norm and query_rank is not None else None
         self.q_up = Linear(q_in, heads * d, bias=False)  # W^UQ (W^Q without compression)
         self.q_rope = Linear(q_in, heads * r, bias=False)  # W^QR
         self.kv_down = Linear(dim, c, bias=False)  # W^DKV
-        self.kv_norm = nn.RMSNorm(c) if latent_norm else None
+        self.kv_norm = nn.RMSNorm(c, eps=1e-6) if latent_norm else None
         self.k_up = Linear(c, heads * d, bias=False)  # W^UK
         self.v_up = Linear(c, heads * e, bias=False)  # W^UV
         self.k_rope = Linear(dim, r, bias=False)  # W^KR
