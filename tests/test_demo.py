@@ -94,7 +94,8 @@ def test_quick_run_prints_the_measured_numbers(quick):
 
 def test_steps_are_named_by_what_they_show(quick):
     out, lines, results = quick
-    assert "[1/4] worked example: four words, numpy seed 42" in lines
+    assert "[1/5] worked example: four words, numpy seed 42" in lines
+    assert "[5/5] decoding past the training length" in lines
     assert results[0].name == "worked example"
     # User-facing text names what it shows: no source file names, no internal example numbers.
     page = (out / "index.html").read_text(encoding="utf-8")
