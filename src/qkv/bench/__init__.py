@@ -60,6 +60,7 @@ SUITES: dict[str, str] = {
     "learning": "qkv.bench.learning",
     "generation": "qkv.bench.generation",
     "transformers": "qkv.bench.transformers",
+    "latent": "qkv.bench.latent",
 }
 #: Suites run when ``--suite`` is not given.
 DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")
