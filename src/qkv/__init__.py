@@ -9,22 +9,15 @@ See docs/DESIGN.md for the layers; every name exported here is public and stable
 
 from importlib.metadata import PackageNotFoundError, version
 
-<<<<<<< HEAD
-from . import approx, backends, blocks, cache, masks, models, positional, score_mods, scores, tasks
-=======
-from . import approx, backends, blocks, cache, masks, models, positional, scores, tasks, variants
->>>>>>> mech
+from . import approx, backends, blocks, cache, masks, models, positional, score_mods, scores, tasks, variants
 from .attention import Attention, MultiHeadAttention
 from .blocks import Decoder, Encoder, FeedForward, TransformerDecoderLayer, TransformerEncoderLayer
 from .cache import DecoderCache, KVCache, LatentCache, StreamingCache
 from .functional import attention, attention_weights, explain
 from .latent import MultiHeadLatentAttention
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
-<<<<<<< HEAD
 from .score_mods import SoftCap
-=======
 from .variants import DifferentialAttention, OutputGate, QKNorm, SigmoidAttention
->>>>>>> mech
 
 try:
     __version__ = version("qkv")
@@ -50,11 +43,8 @@ __all__ = [
     "Rotary",
     "SigmoidAttention",
     "SinusoidalEncoding",
-<<<<<<< HEAD
     "SoftCap",
-=======
     "StreamingCache",
->>>>>>> mech
     "TransformerDecoderLayer",
     "TransformerEncoderLayer",
     "__version__",

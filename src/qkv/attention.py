@@ -137,18 +137,14 @@ class MultiHeadAttention(nn.Module):
             per-module parameters shared by the heads (``"concat"`` with hidden size ``d``).
         positional: a ``qkv.positional.Positional`` (RoPE, ALiBi, relative buckets).
         attention: the mechanism (default exact attention with ``score``): any callable with
-<<<<<<< HEAD
-            ``(q, k, v, *, mask, causal, return_weights)`` on ``(b, h, i, d)``, e.g. ``qkv.approx``.
-        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` on the logits of the default
-            mechanism (e.g. ``qkv.SoftCap(50.0)``, Gemma 2); see ``qkv.attention``.
-=======
             ``(q, k, v, *, mask, causal, return_weights)`` on ``(b, h, i, d)``, e.g. ``qkv.approx``;
             one with ``accepts_bias = True`` also gets a positional bias as ``bias=``.
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` on the logits of the default
+            mechanism (e.g. ``qkv.SoftCap(50.0)``, Gemma 2); see ``qkv.attention``.
         qk_norm: a module ``(q, k) -> (q, k)`` applied per head right after the projections,
             before any rotation, e.g. ``qkv.QKNorm(dim_head)`` (default none).
         gate: a module ``(out (b, h, i, e), query (b, i, dim)) -> out`` applied to the heads'
             outputs before ``W^O``, e.g. ``qkv.OutputGate(dim, heads, dim_value_head)``.
->>>>>>> mech
     """
 
     def __init__(
@@ -166,12 +162,9 @@ class MultiHeadAttention(nn.Module):
         score: str | Score = "scaled_dot",
         positional: Positional | None = None,
         attention: Callable[..., Tensor] | None = None,
-<<<<<<< HEAD
         score_mod: Callable | None = None,
-=======
         qk_norm: nn.Module | None = None,
         gate: nn.Module | None = None,
->>>>>>> mech
     ):
         super().__init__()
         _positive("dim", dim)
@@ -203,18 +196,14 @@ class MultiHeadAttention(nn.Module):
             attention = Attention(make(score, dim_head, dim_head, hidden=dim_head), dropout=dropout, score_mod=score_mod)
         elif score != "scaled_dot":
             raise ValueError("score: give the score to the mechanism passed as attention=, not to both")
-<<<<<<< HEAD
         elif score_mod is not None:
             raise ValueError("score_mod: give it to the mechanism passed as attention=, not to both")
-        elif positional is not None and positional.bias() is not None and not isinstance(attention, Attention):
-=======
         elif (
             positional is not None
             and positional.bias() is not None
             and not isinstance(attention, Attention)
             and not getattr(attention, "accepts_bias", False)
         ):
->>>>>>> mech
             # Approximate mechanisms never form the (i, j) logits, so there is nothing to add a bias to.
             raise ValueError(
                 f"positional: {type(positional).__name__} adds a bias to the logits, which the mechanism "
