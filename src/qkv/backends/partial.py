@@ -25,9 +25,10 @@ are given in the block's own coordinates, the caller shifts them)::
 
 A row that sees no key of a block gets ``out = 0``, ``lse = -inf`` (zero mass: the merge
 ignores it); the merge and :func:`with_sinks` never produce NaN for such rows. Dot-form
-scores run PyTorch's fused CPU kernel (``fused_blocks``), others, dropout and learned
-biases the online-softmax engine (``online_softmax``): the same code as ``qkv.attention``'s
-chunked backend, through its module-level forward and backward. Checked against
+scores run PyTorch's fused CPU kernel (``fused_blocks``), with a score modifier their own
+tile loop (``mod_tiles``); other scores, dropout and learned biases the online-softmax
+engine (``online_softmax``): the same code as ``qkv.attention``'s chunked backend, through
+its module-level forwards and backwards (:func:`engine` says which). Checked against
 ``qkv.attention`` (float64, blocks merged, gradients summed) in
 ``tests/test_backends_partial.py``.
 """
