@@ -155,10 +155,26 @@ def test_huge_logits_saturate_without_overflow():
     kw = dict(score_mod=qkv.SoftCap(0.05), causal=True)
     plan = mod_tiles.plan(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
                                              scale=0.3, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(0.05)))  # fmt: skip
-    assert mod_tiles._needs_clamp(plan, *mod_tiles._inputs(plan, q, k, v)[:2])
+    q_mm, k_mm, _, _, factor = mod_tiles._inputs(plan, q, k, v)
+    assert mod_tiles._needs_clamp(plan, q_mm, k_mm, factor)
     small = mod_tiles.plan(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
                                               scale=1e-4, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(50.0)))  # fmt: skip
-    assert not mod_tiles._needs_clamp(small, *mod_tiles._inputs(small, q, k, v)[:2])
+    q_mm, k_mm, _, _, factor = mod_tiles._inputs(small, q, k, v)
+    assert not mod_tiles._needs_clamp(small, q_mm, k_mm, factor)
     got, expected = run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw)
     assert bool(torch.isfinite(got[0]).all())
     assert_same(got, expected)
+
+
+@pytest.mark.parametrize("mod", ["softcap", "sine"])
+def test_sinks_with_rows_that_see_no_key(mod):
+    """Whole blocks of rows see nothing (no task runs them): output 0, all their mass the sink's; weights too."""
+    q, k, v = inputs()
+    s = torch.linspace(-1.0, 1.0, H, dtype=torch.float64).requires_grad_()
+    fn = qkv.SoftCap(2.0) if mod == "softcap" else (lambda x, bb, h, qi, ki: x + 0.1 * torch.sin((qi - ki).to(x.dtype)))
+    kw = dict(score_mod=fn, sinks=s, mask=qkv.masks.offsets(-20, -10))  # rows 0..4 see no key
+    got, expected = run("chunked", q, k, v, [s], **kw), run("reference", q, k, v, [s], **kw)
+    assert not bool(got[0][:, :, :5].any())
+    assert_same(got, expected)
+    _, w = qkv.attention(q, k, v, return_weights=True, **kw)
+    torch.testing.assert_close(w, qkv.attention_weights(q, k, backend="reference", **kw), rtol=1e-12, atol=1e-12)
