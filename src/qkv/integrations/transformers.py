@@ -33,7 +33,10 @@ Options, as transformers passes them:
 * ``position_bias`` (T5-style models): added to the logits as ``bias``; a float 4-d
   ``attention_mask`` of 0 and the dtype's minimum (eager's) is read as the bool mask it is;
 * GQA (``g < h``) and ``d != e`` (DeepSeek's multi-head latent attention) are native;
-* ``output_attentions`` (the call's, else the model config's) → ``return_weights=True``.
+* ``output_attentions`` (the call's, else the model config's) → ``return_weights=True``;
+  transformers keeps every weight, so up to :data:`MATERIALISE_ELEMENTS` logits a layer
+  materialises them once (one softmax, then ``weights @ v``) rather than run the fused
+  kernel and rebuild them (see :func:`_backend`).
 
 Keywords that only describe the inputs (``position_ids``, ``use_cache``, ...) are
 ignored; any other keyword with a value, e.g. the packed-sequence lengths of flash
