@@ -60,6 +60,7 @@ from ._common import (
     check_qkv,
     dense_mask,
     grouped_matmul,
+    grouped_prefers_onednn,
     key_padding,
     project_into,
     repeat_kv,
@@ -126,17 +127,18 @@ def kernel_attention(
     return torch.cat(outs, dim=-2)
 
 
-def blocks(heads: int, length: int, m: int, chunk_elements: int) -> tuple[int, int]:
+def blocks(heads: int, length: int, m: int, chunk_elements: int, *, per_head: bool = True) -> tuple[int, int]:
     """``(heads per block, rows per block)`` of a ``(heads, length, m)`` tensor made a block
     of about ``chunk_elements`` at a time.
 
     With ``m >= GROUPED_MIN_PIXELS`` (the products go to oneDNN, per head) rows of one head
     come first, several heads only when a whole head fits: long sequences give one-head
-    blocks, whose query product is one :func:`qkv.projection.linear`. With fewer features
-    the products stay batched ``bmm`` over all heads, and fewer, wider blocks mean fewer
-    ops (2 threads, m = 64: one-head blocks were 10-20% slower at 4K and 16K).
+    blocks, whose query product is one :func:`qkv.projection.linear`. With fewer features,
+    or ``per_head=False`` (this CPU's BLAS beats oneDNN at these products), the products
+    stay batched ``bmm`` over all heads, and fewer, wider blocks mean fewer ops (2 threads,
+    m = 64: one-head blocks were 10-20% slower at 4K and 16K).
     """
-    if m < GROUPED_MIN_PIXELS:
+    if m < GROUPED_MIN_PIXELS or not per_head:
         return heads, max(1, min(length, chunk_elements // (heads * m)))
     rows = max(1, min(length, chunk_elements // m))
     return max(1, min(heads, chunk_elements // (rows * m))), rows
@@ -195,7 +197,14 @@ def streamed_kernel_attention(
     kept = None if keep is None else keep.expand(b, g, j).reshape(b * g, j)
     vf = v.reshape(b * g, j, e)
     states = []  # per block of KV heads: (n_h, e + 1, m) = [Σ w φ(k) vᵀ ; Σ w φ(k)]ᵀ
-    per, rows = blocks(b * g, j, m, chunk_elements)
+    # One-head blocks feed oneDNN; if this CPU's BLAS is faster at the keys' product, all
+    # heads go through bmm together instead.
+    per_head = not (
+        q.dtype == torch.float32 and q.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled and m >= GROUPED_MIN_PIXELS
+        and not grouped_prefers_onednn(e, max(1, min(j, chunk_elements // m)), m)
+    )  # fmt: skip
+    per, rows = blocks(b * g, j, m, chunk_elements, per_head=per_head)
     for s0 in range(0, b * g, per):
         s1 = min(s0 + per, b * g)
         num = den = None  # (n_h, e, m), (n_h, 1, m): the state [Σ w v φ(k)ᵀ ; Σ w φ(k)ᵀ]
@@ -254,7 +263,7 @@ def streamed_kernel_attention(
     qf = q.reshape(b * h, i, d)
     out = None  # (b h, i, e), written block by block when nothing needs a gradient
     parts = []  # per block of heads, the list of its row blocks (autograd only)
-    per, rows = blocks(b * h, i, m, chunk_elements)
+    per, rows = blocks(b * h, i, m, chunk_elements, per_head=per_head)
     for s0 in range(0, b * h, per):
         s1 = min(s0 + per, b * h)
         parts.append([])
