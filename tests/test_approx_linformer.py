@@ -164,3 +164,25 @@ def test_no_subnormal_weights_when_the_logits_spread_far(grad):
     with plain:  # the same softmax without the floor does make them (the test can fail)
         (q.detach() @ (module.e_proj @ repeat(k)).transpose(-1, -2) * 30.0).softmax(-1)
     assert plain.by_op.get("_softmax.default", 0) > 0
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_bfloat16_is_as_accurate_as_a_plain_bfloat16_form(monkeypatch, return_weights):
+    # The flash-attention rule: error against float64 at most twice that of the formula
+    # computed plainly in bfloat16; chunks of 8 query rows, so the streamed softmax crosses many.
+    import qkv.approx.linformer as linformer_module
+    from reference import assert_flash_rule
+
+    monkeypatch.setattr(linformer_module, "CHUNK_ELEMENTS", 8 * 16)
+    q, k, v = inputs(70, 90)
+    module = Linformer(90, 16).double()
+    want = direct(q, k, v, module.e_proj, module.f_proj)
+    low = module.to(torch.bfloat16)
+    got = low(q.bfloat16(), k.bfloat16(), v.bfloat16(), return_weights=return_weights)
+    out = got[0] if return_weights else got
+    assert out.dtype == torch.bfloat16
+    plain = direct(q.bfloat16(), k.bfloat16(), v.bfloat16(), low.e_proj, low.f_proj)
+    assert_flash_rule(out, plain, want, floor=1e-3)
+    if return_weights:
+        assert got[1].dtype == torch.bfloat16
+        assert_flash_rule(got[1].double() @ repeat(v), plain, want, floor=1e-2)
