@@ -8,14 +8,15 @@ hypothesis draws whole calls: the layout (``(i, d)``, ``(h, i, d)``, ``(b, h, i,
 ``(a, b, h, i, d)``), grouped KV heads, ``i ≠ j``, ``d ≠ e``; a score (dot, scaled dot,
 general, additive, location); a mask built from every lazy kind (causal, window, offsets,
 lengths) and dense tensors, combined with ``&`` and ``|``, plus ``causal=True``; a dense
-bias (sometimes learned) or a lazy one (ALiBi, T5 buckets); a scale; ``return_weights``
-and ``weights_for``; float64 or float32; and the backends' tile, block and chunk sizes,
+bias (sometimes learned) or a lazy one (ALiBi, T5 buckets); a scale; attention sinks and a
+``score_mod`` (soft-capping, a learned per-head relative slope read from a closure, one that
+reads the batch index); ``return_weights`` and ``weights_for``; float64 or float32; and the backends' tile, block and chunk sizes,
 patched small for the call so that a 9-position sequence crosses every edge. Every backend
 that ``qkv.backends.choose`` accepts for the call, and ``"auto"``, must agree with
 :func:`oracle`, which computes the definition in float64 with plain tensor ops (its own
 score formulas, ALiBi slopes and T5 buckets, bottom-right offsets and masks): outputs,
 weights, ``attention_weights``, and the gradients of q, k, v, of a learned dense bias, of
-the score's parameters and of the T5 table.
+the score's parameters, of the T5 table, of the sinks and of the tensor a ``score_mod`` reads.
 
 Size: 400 + 250 examples make about 2500 qkv calls (each test asserts its share, so a
 strategy that stops reaching the backends fails), about 15 s of CPU on a quiet machine.
@@ -97,6 +98,8 @@ class Case:
     scale: float | None
     return_weights: bool
     weights_for: tuple | None  # (heads, rows) as drawn (lists, slices, ints) or None
+    sinks: tuple | None = None  # (learned,) : one sink logit per query head
+    score_mod: tuple | None = None  # ("softcap", c) | ("relative", learned) | ("batch",)
     blocks: dict = field(default_factory=dict)  # patched sizes of the backends
     seed: int = 0
 
@@ -196,11 +199,17 @@ def cases(draw, *, grad: bool = False) -> Case:
         "band_rows": draw(st.integers(1, 4)),
         "grad_block": draw(st.sampled_from([1, 16, 2**21])),
     }
+    sinks = None if windowed or not draw(st.integers(0, 3)) == 0 else (grad and draw(st.booleans()),)
+    score_mod = None
+    if not windowed and draw(st.integers(0, 3)) == 0:
+        kind = draw(st.sampled_from(["relative", "batch", "softcap"]))
+        score_mod = {"softcap": ("softcap", draw(st.sampled_from([2.0, 5.0]))), "batch": ("batch",),
+                     "relative": ("relative", grad and draw(st.booleans()))}[kind]  # fmt: skip
     return Case(
         rank=rank, lead=lead, g=g, r=r, i=i, j=j, d=d, dk=dk, e=e, dtype=dtype, score=score,
         hidden=draw(st.integers(1, 4)), mask=mask, causal=draw(st.booleans()), bias=bias,
         scale=draw(st.one_of(st.none(), st.sampled_from([0.3, 1.0, 1.7]))), return_weights=return_weights,
-        weights_for=weights_for, blocks=blocks, seed=draw(st.integers(0, 2**16)),
+        weights_for=weights_for, sinks=sinks, score_mod=score_mod, blocks=blocks, seed=draw(st.integers(0, 2**16)),
     )  # fmt: skip
 
 
@@ -240,6 +249,24 @@ class Built:
                 p.requires_grad_(grad)
         self.mask, self.allowed = self._mask(c.mask, gen)
         self.bias = self._bias(c.bias, gen, grad)
+        self.sinks = None
+        if c.sinks is not None:
+            self.sinks = torch.randn(c.h if c.rank > 2 else 1, generator=gen, dtype=torch.float64).to(c.dtype)
+            self.sinks.requires_grad_(c.sinks[0])
+        self.score_mod, self.mod_weight = None, None
+        if c.score_mod is not None and c.score_mod[0] == "softcap":
+            self.score_mod = qkv.SoftCap(c.score_mod[1])
+        elif c.score_mod is not None and c.score_mod[0] == "relative":
+            # a learned slope per head on the raw query-minus-key position, read from a closure
+            w = torch.randn(c.h if c.rank > 2 else 1, generator=gen, dtype=torch.float64).mul_(0.3).to(c.dtype)
+            self.mod_weight = w.requires_grad_(c.score_mod[1])
+
+            def relative(score, b, h, q_idx, kv_idx):
+                return score + w[h] * (q_idx - kv_idx)
+
+            self.score_mod = relative
+        elif c.score_mod is not None:
+            self.score_mod = lambda score, b, h, q_idx, kv_idx: score - 0.3 * b  # the flat batch index
         self.weights_for = None
         if c.weights_for is not None:
             heads, rows = c.weights_for
@@ -296,7 +323,7 @@ class Built:
     def kwargs(self) -> dict:
         c = self.case
         kw = dict(score=self.score, mask=self.mask, bias=self.bias, causal=c.causal, scale=c.scale,
-                  return_weights=c.return_weights)  # fmt: skip
+                  return_weights=c.return_weights, sinks=self.sinks, score_mod=self.score_mod)  # fmt: skip
         if self.weights_for is not None:
             kw["weights_for"] = self.weights_for
         return kw
@@ -305,7 +332,8 @@ class Built:
         """The backends ``qkv.backends.choose`` accepts for this call, and ``auto``."""
         req = checks.request(
             self.q, self.k, self.v, score=self.score, mask=self.mask, bias=self.bias, causal=self.case.causal,
-            scale=self.case.scale, dropout=0.0, return_weights=self.case.return_weights,
+            scale=self.case.scale, dropout=0.0, return_weights=self.case.return_weights, sinks=self.sinks,
+            score_mod=self.score_mod,
         )  # fmt: skip
         names = []
         for name in BACKENDS:
@@ -400,9 +428,26 @@ def oracle(built: Built, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
             index = torch.tensor([[_t5_bucket(int(x), buckets, max_distance, bidirectional) for x in row] for row in offset])
             lazy = params["bias.embedding.weight"][index].permute(2, 0, 1)  # (heads, i, j)
         s = s + (lazy[0] if c.rank == 2 else lazy)  # (i, d) inputs have no head axis
+    if c.score_mod is not None:  # after the bias, before the mask; raw positions, flat batch index
+        q_idx, kv_idx = torch.arange(c.i)[:, None], torch.arange(c.j)[None, :]
+        if c.score_mod[0] == "softcap":
+            s = c.score_mod[1] * torch.tanh(s / c.score_mod[1])
+        elif c.score_mod[0] == "relative":
+            w = params["score_mod.w"]
+            s = s + (w[0] if c.rank == 2 else w[:, None, None]) * (q_idx - kv_idx)
+        else:
+            flat = torch.arange(math.prod(c.lead), dtype=torch.float64).view(*c.lead, 1, 1, 1) if c.lead else 0.0
+            s = s - 0.3 * flat
     allowed = built.allowed
     if c.causal:
         allowed = (offset <= 0) if allowed is None else allowed & (offset <= 0)
+    if c.sinks is not None:  # one more logit per row, with no value: GPT-OSS's sink
+        sink = params["sinks"] if c.rank > 2 else params["sinks"][0]
+        sink = (sink[:, None, None] if c.rank > 2 else sink).expand(*s.shape[:-1], 1)
+        if allowed is not None:
+            s = s.masked_fill(~allowed.expand(s.shape), -math.inf)  # a dead row keeps its sink
+        return_w = torch.cat([s, sink], -1).softmax(-1)[..., :-1]
+        return return_w @ v, return_w
     if allowed is None:
         w = s.softmax(-1)
     else:
@@ -422,6 +467,10 @@ def inputs(built: Built) -> dict[str, torch.Tensor]:
         params["bias"] = built.bias
     elif isinstance(built.bias, RelativePositionBias):
         params["bias.embedding.weight"] = built.bias.embedding.weight
+    if built.sinks is not None:
+        params["sinks"] = built.sinks
+    if built.mod_weight is not None:
+        params["score_mod.w"] = built.mod_weight
     return params
 
 
