@@ -1,10 +1,15 @@
 """Test set-up: one torch thread (the tensors are tiny; pytest-xdist runs a worker per core,
-and more threads only spin-wait on a shared 2-core machine), fixed seeds."""
+and more threads only spin-wait on a shared 2-core machine), fixed seeds, and the oneDNN
+routes taken wherever they apply (``qkv._probe``: a timing probe would make the route, and
+the float rounding, depend on how busy the machine is; ``tests/test_probe.py`` tests it)."""
 
 import pytest
 import torch
 
+from qkv import _probe
+
 torch.set_num_threads(1)
+_probe.set_route("onednn")
 
 
 @pytest.fixture(autouse=True)
