@@ -1,7 +1,7 @@
 """End-to-end tests of ``qkv inspect`` (``qkv.inspect.inspect`` and its command line).
 
 A real pretrained model runs on a short sentence: the packaged MiniLM, and SmolLM2 from its
-GGUF file given as a folder and as the file. The page's script is tested in a browser in
+GGUF file. The page's script is tested in a browser in
 ``tests/test_inspect_page_browser.py``; the parts in their own test files.
 """
 
@@ -112,6 +112,11 @@ def test_errors_found_before_loading_a_model(tmp_path, capsys):
     )
     assert _fails(capsys, ["inspect", SENTENCE, "--layer", "-1"]).startswith("qkv inspect: error: argument --layer")
     assert _fails(capsys, ["inspect"]) == "qkv inspect: error: the following arguments are required: TEXT"
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    assert _fails(capsys, ["inspect", SENTENCE, "--out", str(taken)]) == (
+        f"qkv inspect: error: --out: {taken} is a file, expected a folder"
+    )
 
 
 @needs_minilm
@@ -127,8 +132,13 @@ def test_long_text_on_a_decoder_keeps_a_few_rows(tmp_path):
     assert _weights(_data(page)).shape == (2, 6, 32, 2002)
 
 
-def _smollm2(tmp_path, capsys, model: str) -> None:
-    assert main(["inspect", "The cat sat.", "--model", model, "--layer", "29", "--out", str(tmp_path)]) == 0
+@needs_smollm2
+def test_smollm2_from_its_gguf_file(tmp_path, capsys):
+    # One run (loading the GGUF file takes 10-20 s): the folder holding the file resolves to
+    # the very same load (tests/test_inspect_model.py), so it is not loaded a second time.
+    model = smollm2_folder() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert resolve(smollm2_folder()) == resolve(model)
+    assert main(["inspect", "The cat sat.", "--model", str(model), "--layer", "29", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1] == "SmolLM2-135M-Instruct.Q4_1: decoder, 30 layers x 9 heads; 4 tokens"
     assert "previous token" in out[3] and "first token" in out[3]  # no BOS: the first token is the anchor
@@ -136,13 +146,3 @@ def _smollm2(tmp_path, capsys, model: str) -> None:
     assert weights.shape == (30, 9, 4, 4)
     assert np.triu(weights, k=1).max() == 0.0  # causal
     assert (tmp_path / "layer29_head0.png").is_file()
-
-
-@needs_smollm2
-def test_smollm2_folder(tmp_path, capsys):
-    _smollm2(tmp_path, capsys, str(smollm2_folder()))
-
-
-@needs_smollm2
-def test_smollm2_gguf_file(tmp_path, capsys):
-    _smollm2(tmp_path, capsys, str(smollm2_folder() / "SmolLM2-135M-Instruct.Q4_1.gguf"))

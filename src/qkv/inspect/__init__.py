@@ -72,6 +72,9 @@ def inspect(
         raise InspectError("TEXT: expected some text, got an empty string")
     if head is not None and heads is not None and head not in heads:
         raise InspectError(f"--head: {head} is not among --heads {','.join(map(str, heads))}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InspectError(f"--out: {out} is a file, expected a folder")
     if loaded is None:
         where = resolve(model)
         echo(f"loading {where.name} ...")
@@ -107,7 +110,6 @@ def inspect(
 
     from . import figures, page  # matplotlib only now, after the model ran
 
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     pngs = figures.write(capture, layer, head, out)
     captions = [f"Layer {layer}, head {head}: queries down, keys across.",
