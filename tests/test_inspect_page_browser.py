@@ -190,7 +190,8 @@ def test_long_text_page(browser, long_page):
     for row in fixed:  # each row's three heaviest keys are listed (any of them, on a tie)
         third = np.sort(row)[-3]
         assert set(np.flatnonzero(row > third).tolist()) <= shown
-        assert np.count_nonzero(row[sorted(shown)] >= third) >= 3
+        if third > 0:  # keys a row gives no weight are never listed for it
+            assert np.count_nonzero(row[sorted(shown)] >= third) >= 3
     for row, key, opacity, _ in _lines(browser):
         assert opacity == pytest.approx(weights[row, key], abs=6e-4)
     assert _by(browser, "#bins-note")[0].text.startswith("With 2002 keys, each pixel column")

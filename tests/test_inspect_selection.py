@@ -28,12 +28,12 @@ def test_parse_indices_errors(text, message):
 
 
 def test_spread_keeps_the_last_row_and_spaces_evenly():
-    assert spread(3, 9) == (0, 4, 8)
+    assert spread(3, 9) == (2, 5, 8)
     assert spread(1, 9) == (8,)
     assert spread(20, 5) == (0, 1, 2, 3, 4)
     rows = spread(32, 3001)
-    assert len(rows) == 32 and rows[0] == 0 and rows[-1] == 3000
-    gaps = {b - a for a, b in zip(rows, rows[1:])}
+    assert len(set(rows)) == 32 and rows[-1] == 3000 and rows == tuple(sorted(rows))
+    gaps = {b - a for a, b in zip((-1, *rows), rows)}  # the first part ends at rows[0]
     assert max(gaps) - min(gaps) <= 1
 
 

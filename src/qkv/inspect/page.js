@@ -40,14 +40,14 @@
   const keysNote = document.getElementById("keys-note");
 
   function shownKeys(l, h) {
-    // Every key when there are few; else the heaviest keys of each shown row (and the special
-    // tokens), in text order. The note under the controls says how much weight they hold.
+    // Every key when there are few; else the heaviest keys of each shown row (never one it
+    // gives no weight) and the special tokens, in text order. The note under the controls says how much weight they hold.
     if (J <= KEY_LIMIT) return [...Array(J).keys()];
     const perRow = Math.max(3, Math.ceil(KEY_LIMIT / I));
     const keep = new Set(data.special);
     for (let r = 0; r < I; r++) {
       const order = [...Array(J).keys()].sort((a, b) => weight(l, h, r, b) - weight(l, h, r, a));
-      order.slice(0, perRow).forEach((j) => keep.add(j));
+      order.slice(0, perRow).forEach((j) => { if (weight(l, h, r, j) > 0) keep.add(j); });
     }
     return [...keep].sort((a, b) => a - b);
   }

@@ -79,13 +79,14 @@ def _check(option: str, chosen: tuple[int, ...], size: int, what: str) -> None:
 
 
 def spread(count: int, size: int) -> tuple[int, ...]:
-    """``count`` rows spread evenly over ``0..size-1``, the last one included."""
+    """``count`` rows spread evenly over ``0..size-1``: the ends of ``count`` equal parts.
+
+    The last row is always in; the first is not (unless every row is): in a decoder it can
+    only see itself, in an encoder it is usually [CLS].
+    """
     if count >= size:
         return tuple(range(size))
-    if count == 1:
-        return (size - 1,)
-    step = (size - 1) / (count - 1)
-    return tuple(sorted({round(k * step) for k in range(count)}))
+    return tuple(round((k + 1) * size / count) - 1 for k in range(count))
 
 
 def choose(
