@@ -116,7 +116,7 @@ def render(
         "weights": encode_weights(capture.weights),
     }
     rows = capture.selection.rows
-    summary_rows = "" if capture.selection.complete else f", over the {len(rows)} rows computed"
+    summary_rows = "" if capture.selection.complete else ", over " + ("the row" if len(rows) == 1 else f"the {len(rows)} rows") + " computed"
     esc = html.escape
     fill = {
         "title": esc(f"Attention in {model}"),
