@@ -102,7 +102,8 @@ def inspect(
     capture = run(loaded, words, selection)
     summaries = summarize(capture, causal=loaded.causal)
     anchor = anchor_label(capture)
-    over = "all rows" if len(selection.rows) == len(words.ids) else ("the row" if len(selection.rows) == 1 else f"the {len(selection.rows)} rows") + " computed"
+    kept = len(selection.rows)
+    over = "all rows" if kept == len(words.ids) else ("the row" if kept == 1 else f"the {kept} rows") + " computed"
     if loaded.causal and len(selection.rows) > 1:
         over += ", the first row left out: it can only see itself"
     lines.append(f"the head of each layer with the largest mean share of weight on ... ({over})")

@@ -116,7 +116,8 @@ def render(
         "weights": encode_weights(capture.weights),
     }
     rows = capture.selection.rows
-    summary_rows = "" if capture.selection.complete else ", over " + ("the row" if len(rows) == 1 else f"the {len(rows)} rows") + " computed"
+    over = "the row" if len(rows) == 1 else f"the {len(rows)} rows"
+    summary_rows = "" if capture.selection.complete else f", over {over} computed"
     esc = html.escape
     fill = {
         "title": esc(f"Attention in {model}"),
