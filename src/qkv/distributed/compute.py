@@ -1,0 +1,40 @@
+"""Local attention of some global rows against some global keys, with the call's mask and bias framed.
+
+Shape legend: ``b`` batch, ``h`` query heads (``h0 .. h1`` when a strategy holds only some),
+``g`` KV heads, ``it`` rows, ``jt`` keys, ``d`` query/key size, ``e`` value size.
+
+Used by the strategies whose local work is one ordinary attention call (all-gather and
+Ulysses): ``qkv.attention`` on the block, so the engine's fast paths (the fused diagonal
+kernel for windows and ALiBi, key skipping under causal masks) apply to each block as they
+would to an unsharded call. Autograd runs through it.
+"""
+
+from __future__ import annotations
+
+
+from torch import Tensor
+
+from ..functional import attention
+from .framing import Block, frame_bias, frame_mask, mask_state
+
+
+def attend_rows(q: Tensor, k: Tensor, v: Tensor, call, *, r0: int = 0, c0: int = 0,
+                heads: tuple[int, int] | None = None) -> Tensor:  # fmt: skip
+    """``q (b, h, it, d)`` at global rows ``r0 ..`` against ``k (b, g, jt, d)``, ``v`` at keys ``c0 ..``.
+
+    A block the mask leaves empty is not computed: its rows are zero (as for any query
+    with no visible key), and no gradient flows through them.
+    """
+    req = call.req
+    block = Block(r0, q.shape[-2], c0, k.shape[-2], call.i_len, call.j_len)
+    if mask_state(req.mask, block) == "empty":
+        return q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    if req.dropout > 0:
+        raise NotImplementedError("dropout: sharded dropout needs the engine's block-placed dropout")
+    return attention(
+        q, k, v, score=req.score, mask=frame_mask(req.mask, block), bias=frame_bias(req.bias, block, heads),
+        scale=req.scale,
+    )  # fmt: skip
+
+
+
