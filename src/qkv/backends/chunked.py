@@ -61,12 +61,12 @@ def engine(req: Request) -> str:
         return "online_softmax"
     if req.dropout > 0 or req.q.dim() != 4:
         return "online_softmax"
-    if _trainable_bias(req) and not (isinstance(req.bias, LazyBias) and DiagonalMask.applies(_fused_plan(req))):
+    if _trainable_bias(req) and not (isinstance(req.bias, LazyBias) and DiagonalMask.applies(fused_plan(req))):
         return "online_softmax"  # the fused kernel cannot differentiate this bias
     return "fused_blocks"
 
 
-def _fused_plan(req: Request) -> FusedPlan:
+def fused_plan(req: Request) -> FusedPlan:
     causal_square = req.bias is None and req.is_causal_only and req.i == req.j
     return FusedPlan(mask=req.mask, bias=req.bias, scale=req.scale, causal_square=causal_square)
 
@@ -90,7 +90,7 @@ def forward(req: Request) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         profile = None
         if _trainable_bias(req):  # learned T5 buckets: the (h, L) profile carries the gradient
             profile = BiasSource(req.bias, req.i, req.j, q.device, grad=True).profile_graph
-        out, lse = FusedBlocks.apply(_fused_plan(req), *same_head_size(qp, kp, v), profile)
+        out, lse = FusedBlocks.apply(fused_plan(req), *same_head_size(qp, kp, v), profile)
         out = out[..., : v.shape[-1]]
     else:
         out, lse = _online(req, qp, kp, v)
@@ -114,17 +114,32 @@ def same_head_size(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Ten
 
 
 def _online(req: Request, qp: Tensor, kp: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    seed = drop.draw_seed(req.generator) if req.dropout > 0 else 0
+    plan, dense, params = online_plan(req, qp, seed)
+    return TiledAttention.apply(plan, qp, kp, v, dense, *params)
+
+
+def online_plan(req: Request, qp: Tensor, seed: int, origin: drop.Origin | None = None) -> tuple[Plan, Tensor | None, list[Tensor]]:
+    """``(plan, dense_bias, params)`` of the online-softmax engine for ``req`` (``qp`` its prepared queries)."""
     lazy = req.bias if isinstance(req.bias, LazyBias) else None
     dense = req.bias if isinstance(req.bias, Tensor) else None
+    block_i, block_j = _blocks(req, qp)
+    plan = Plan(req.score, req.mask, lazy, req.scale, req.dropout, seed, block_i, block_j, origin)
+    return plan, dense, parameters(req)
+
+
+def parameters(req: Request) -> list[Tensor]:
+    """Tensors the tiles read besides q, k, v and a dense bias, whose gradients the engine returns.
+
+    The score's parameters when its pairwise step uses them (not the dot form, whose
+    parameters act in ``prepare`` only) and the lazy bias's.
+    """
     params: list[Tensor] = []
     if not req.score.dot_form:
         params += list(req.score.parameters())  # pairwise may use them (the additive score's v)
-    if lazy is not None:
-        params += list(lazy.parameters())
-    block_i, block_j = _blocks(req, qp)
-    seed = drop.draw_seed(req.generator) if req.dropout > 0 else 0
-    plan = Plan(req.score, req.mask, lazy, req.scale, req.dropout, seed, block_i, block_j)
-    return TiledAttention.apply(plan, qp, kp, v, dense, *params)
+    if isinstance(req.bias, LazyBias):
+        params += list(req.bias.parameters())
+    return params
 
 
 def _blocks(req: Request, qp: Tensor) -> tuple[int, int]:

@@ -56,6 +56,7 @@ class Plan:
     seed: int  # dropout seed (unused when dropout == 0)
     block_i: int  # query tile side
     block_j: int  # key tile side
+    origin: drop.Origin | None = None  # where this call sits in a larger one (dropout coordinates)
 
 
 def _pairwise(plan: Plan, qp5: Tensor, kp5: Tensor, t: Tile) -> Tensor:
@@ -100,54 +101,60 @@ def _split(qp: Tensor, kp: Tensor, v: Tensor, g: int) -> tuple[Tensor, Tensor, T
     return qp.unflatten(-3, (g, qp.shape[-3] // g)), kp.unsqueeze(-3), v.unsqueeze(-3)
 
 
+def tiled_forward(plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` in float32 (or wider), no autograd graph; ``lse`` is ``+inf`` on rows that see no key."""
+    g, i_len, j_len = kp.shape[-3], qp.shape[-2], kp.shape[-2]
+    heads_shape = (*qp.shape[:-2],)
+    acc_dtype = torch.promote_types(v.dtype, torch.float32)
+    out = torch.zeros((*heads_shape, i_len, v.shape[-1]), dtype=acc_dtype, device=v.device)
+    lse = torch.full((*heads_shape, i_len), float("inf"), dtype=acc_dtype, device=v.device)
+    q5, k5, v5 = _split(qp, kp, v, g)
+    additive = AdditiveTiles(q5, k5, plan.score.v) if additive_tiles.applies(plan.score) else None
+    bias = BiasSource(plan.lazy_bias, i_len, j_len, qp.device)
+    current, m, l, acc = None, None, None, None
+
+    def finish():
+        rows = slice(current.i0, current.i1)
+        live = l > 0
+        out[..., rows, :] = torch.where(live, acc / l.clamp(min=1e-30), 0.0)
+        lse[..., rows] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
+
+    for t, state in _tiles(plan, i_len, j_len, qp.device):
+        if current is None or t.i0 != current.i0:
+            if current is not None:
+                finish()
+            current = t
+            shape = (*heads_shape, t.i1 - t.i0, 1)
+            m = torch.full(shape, NEG_INF, dtype=acc_dtype, device=v.device)
+            l = torch.zeros(shape, dtype=acc_dtype, device=v.device)
+            acc = torch.zeros((*heads_shape, t.i1 - t.i0, v.shape[-1]), dtype=acc_dtype, device=v.device)
+        dense_t = None if dense is None else dense_tile(dense, t)
+        if additive is not None:
+            raw = additive.logits(t)
+        else:
+            raw = _pairwise(plan, q5[..., t.i0 : t.i1, :], k5[..., t.j0 : t.j1, :], t)
+        s = _logits(plan, raw, bias, dense_t, t, state)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
+        p = torch.exp(s - base)
+        rescale = torch.exp(m - base)
+        l = l * rescale + p.sum(-1, keepdim=True)
+        if plan.dropout > 0:
+            p = p * drop.keep(plan.seed, plan.dropout, heads_shape, t, plan.origin) / (1.0 - plan.dropout)
+        pv = p.to(v.dtype).unflatten(-3, (g, -1)) @ v5[..., t.j0 : t.j1, :]
+        acc = acc * rescale + pv.flatten(-4, -3)
+        m = m_new
+    if current is not None:
+        finish()
+    return out, lse
+
+
 class TiledAttention(torch.autograd.Function):
     """``(qp, kp, v, dense_bias, *params) -> (out, lse)``; see the module docstring."""
 
     @staticmethod
     def forward(ctx, plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, *params: Tensor):
-        g, i_len, j_len = kp.shape[-3], qp.shape[-2], kp.shape[-2]
-        heads_shape = (*qp.shape[:-2],)
-        acc_dtype = torch.promote_types(v.dtype, torch.float32)
-        out = torch.zeros((*heads_shape, i_len, v.shape[-1]), dtype=acc_dtype, device=v.device)
-        lse = torch.full((*heads_shape, i_len), float("inf"), dtype=acc_dtype, device=v.device)
-        q5, k5, v5 = _split(qp, kp, v, g)
-        additive = AdditiveTiles(q5, k5, plan.score.v) if additive_tiles.applies(plan.score) else None
-        bias = BiasSource(plan.lazy_bias, i_len, j_len, qp.device)
-        current, m, l, acc = None, None, None, None
-
-        def finish():
-            rows = slice(current.i0, current.i1)
-            live = l > 0
-            out[..., rows, :] = torch.where(live, acc / l.clamp(min=1e-30), 0.0)
-            lse[..., rows] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
-
-        for t, state in _tiles(plan, i_len, j_len, qp.device):
-            if current is None or t.i0 != current.i0:
-                if current is not None:
-                    finish()
-                current = t
-                shape = (*heads_shape, t.i1 - t.i0, 1)
-                m = torch.full(shape, NEG_INF, dtype=acc_dtype, device=v.device)
-                l = torch.zeros(shape, dtype=acc_dtype, device=v.device)
-                acc = torch.zeros((*heads_shape, t.i1 - t.i0, v.shape[-1]), dtype=acc_dtype, device=v.device)
-            dense_t = None if dense is None else dense_tile(dense, t)
-            if additive is not None:
-                raw = additive.logits(t)
-            else:
-                raw = _pairwise(plan, q5[..., t.i0 : t.i1, :], k5[..., t.j0 : t.j1, :], t)
-            s = _logits(plan, raw, bias, dense_t, t, state)
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
-            p = torch.exp(s - base)
-            rescale = torch.exp(m - base)
-            l = l * rescale + p.sum(-1, keepdim=True)
-            if plan.dropout > 0:
-                p = p * drop.keep(plan.seed, plan.dropout, heads_shape, t) / (1.0 - plan.dropout)
-            pv = p.to(v.dtype).unflatten(-3, (g, -1)) @ v5[..., t.j0 : t.j1, :]
-            acc = acc * rescale + pv.flatten(-4, -3)
-            m = m_new
-        if current is not None:
-            finish()
+        out, lse = tiled_forward(plan, qp, kp, v, dense)
         ctx.plan, ctx.params = plan, params
         ctx.save_for_backward(qp, kp, v, dense, out, lse)
         ctx.mark_non_differentiable(lse)
@@ -155,8 +162,14 @@ class TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
+        qp, kp, v, dense, out, lse = ctx.saved_tensors
+        needs = ctx.needs_input_grad
         with _bound(ctx.plan, ctx.params):
-            return _backward(ctx, d_out)
+            dq, dk, dv, d_dense, d_params = tiled_backward(
+                ctx.plan, qp, kp, v, dense, ctx.params, out, lse, d_out,
+                grad_qk=needs[1] or needs[2], grad_dense=dense is not None and needs[4],
+            )  # fmt: skip
+        return None, dq.to(qp.dtype), dk.to(kp.dtype), dv.to(v.dtype), d_dense, *d_params
 
 
 @contextlib.contextmanager
@@ -181,19 +194,31 @@ def _bound(plan: Plan, params: tuple[Tensor, ...]):
         yield
 
 
-def _backward(ctx, d_out: Tensor) -> tuple:
-    plan: Plan = ctx.plan
-    qp, kp, v, dense, out, lse = ctx.saved_tensors
+def tiled_backward(
+    plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, params: tuple[Tensor, ...],
+    out: Tensor, lse: Tensor, d_out: Tensor, *, grad_qk: bool = True, grad_dense: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, list[Tensor | None]]:  # fmt: skip
+    """``(dq, dk, dv, d_dense, d_params)`` from the row's output ``out`` and log-sum-exp ``lse``.
+
+    Only ``P = exp(s - lse)`` and ``D = rowsum(dO ∘ O)`` of each row enter, so when ``out``
+    and ``lse`` are a larger softmax's (more key blocks, sinks) the result is this call's
+    share of its gradients. A row with an infinite ``lse`` sees no key anywhere: gradient 0.
+    ``dq``, ``dk``, ``dv`` are float32 (or wider); ``d_params`` is aligned with ``params``
+    (None where a parameter needs no gradient). ``grad_qk`` asks for the gradient of the
+    additive score's prepared q and k (the dot form always gets them).
+    """
     g, i_len, j_len = kp.shape[-3], qp.shape[-2], kp.shape[-2]
     heads_shape = (*qp.shape[:-2],)
-    acc = out.dtype
+    acc = torch.promote_types(out.dtype, torch.float32)
+    out = out.to(acc)
+    lse = torch.where(torch.isinf(lse), float("inf"), lse.to(acc))  # -inf (merge convention) or +inf: no key
     d_out = d_out.to(acc)
     delta = (d_out * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ O)
     dq = torch.zeros_like(qp, dtype=torch.promote_types(qp.dtype, acc))
     dk = torch.zeros_like(kp, dtype=dq.dtype)
     dv = torch.zeros_like(v, dtype=acc)
-    d_dense = torch.zeros_like(dense, dtype=acc) if dense is not None and ctx.needs_input_grad[4] else None
-    trainable = [p for p in ctx.params if p.requires_grad]
+    d_dense = torch.zeros_like(dense, dtype=acc) if dense is not None and grad_dense else None
+    trainable = [p for p in params if p.requires_grad]
     d_params = [torch.zeros_like(p) for p in trainable]
     lazy = plan.lazy_bias
     learned_bias = lazy is not None and any(p.requires_grad for p in lazy.parameters())
@@ -201,10 +226,10 @@ def _backward(ctx, d_out: Tensor) -> tuple:
     additive, w_slot = None, None
     if additive_tiles.applies(plan.score):  # hand-written tile backward (backends.additive_tiles)
         w_slot = next((n for n, p in enumerate(trainable) if p is plan.score.v), None)
-        grad_score = ctx.needs_input_grad[1] or ctx.needs_input_grad[2] or w_slot is not None
+        grad_score = grad_qk or w_slot is not None
         additive = AdditiveTiles(q5, k5, plan.score.v, grad=grad_score, grad_w=w_slot is not None)
     use_autograd = (not plan.score.dot_form and additive is None) or learned_bias or d_dense is not None
-    grad_qk = use_autograd and additive is None  # q and k tiles as autograd leaves
+    qk_leaves = use_autograd and additive is None  # q and k tiles as autograd leaves
     bias = BiasSource(lazy, i_len, j_len, qp.device, grad=learned_bias)
     d_profile = None
     d_out5 = d_out.unflatten(-3, (g, -1))
@@ -213,7 +238,7 @@ def _backward(ctx, d_out: Tensor) -> tuple:
         qt, kt = q5[..., rows, :], k5[..., cols, :]
         dense_t = None if dense is None else dense_tile(dense, t)
         leaves: list[Tensor] = []
-        if grad_qk:
+        if qk_leaves:
             qt, kt = qt.detach().requires_grad_(), kt.detach().requires_grad_()
             leaves = [qt, kt]
         if use_autograd:
@@ -232,14 +257,14 @@ def _backward(ctx, d_out: Tensor) -> tuple:
         dp = (d_out5[..., rows, :] @ v5[..., cols, :].transpose(-1, -2).to(acc)).flatten(-4, -3)
         p_used = p
         if plan.dropout > 0:
-            keep = drop.keep(plan.seed, plan.dropout, heads_shape, t).to(acc) / (1.0 - plan.dropout)
+            keep = drop.keep(plan.seed, plan.dropout, heads_shape, t, plan.origin).to(acc) / (1.0 - plan.dropout)
             p_used, dp = p * keep, dp * keep
         # dV += Pᵀ dO, summed over the r query heads that share a KV head
         dv[..., cols, :] += torch.einsum("...rij,...rie->...je", p_used.unflatten(-3, (g, -1)), d_out5[..., rows, :])
         ds = p * (dp - delta[..., rows, :])
         if use_autograd:
             grads = list(torch.autograd.grad(s, leaves, ds, allow_unused=True))
-            if grad_qk:
+            if qk_leaves:
                 gq, gk = grads.pop(0), grads.pop(0)
                 if gq is not None:
                     dq[..., rows, :] += gq.flatten(-4, -3).to(dq.dtype)
@@ -273,9 +298,9 @@ def _backward(ctx, d_out: Tensor) -> tuple:
             if grad is not None:
                 d_params[n] += grad
     it = iter(d_params)
-    grads_params = [next(it) if p.requires_grad else None for p in ctx.params]
+    grads_params = [next(it) if p.requires_grad else None for p in params]
     d_dense = None if d_dense is None else d_dense.to(dense.dtype)
-    return None, dq.to(qp.dtype), dk.to(kp.dtype), dv.to(v.dtype), d_dense, *grads_params
+    return dq, dk, dv, d_dense, grads_params
 
 
 def _sum_to(x: Tensor, shape: torch.Size) -> Tensor:
