@@ -28,7 +28,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 BASE = {"strategy": "allgather", "layout": "zigzag", "b": 2, "h": 6, "g": 3, "i": 13, "j": None, "d": 11,
         "e": 7, "dtype": "float64", "mask": "none", "bias": "none", "score": "scaled_dot", "causal": False,
-        "grad": True, "seed": 0, "dropout": 0.0}  # fmt: skip
+        "grad": True, "seed": 0, "dropout": 0.0, "hybrid": None}  # fmt: skip
 
 
 def case(**kw) -> dict:
@@ -138,6 +138,8 @@ def run_case(group, c: dict) -> dict:
     params = _params(kw)
     for _, p in params:
         p.grad = None
+    if c["dropout"] > 0:  # the same seed for both calls: the sharded mask must be the whole call's
+        kw["generator"] = torch.Generator().manual_seed(5)
     want = qkv.attention(*leaves, **kw)
     want_grads = {}
     if grad:
@@ -148,6 +150,12 @@ def run_case(group, c: dict) -> dict:
             p.grad = None
     lay = c["layout"]
     local = [qd.shard(x, group=group, layout=lay).detach().requires_grad_(grad) for x in (q, k, v)]
+    if c["dropout"] > 0:
+        kw["generator"] = torch.Generator().manual_seed(5)
+    if c["hybrid"] is not None:
+        from distributed_pool import HYBRID
+
+        kw["ring_group"], kw["ulysses_group"] = HYBRID[c["hybrid"]]
     got = qd.attention(*local, strategy=c["strategy"], layout=lay, group=group, **kw)
     errors = {"out": _err(qd.unshard(got.detach(), group=group, layout=lay), want.detach())}
     if grad:

@@ -36,6 +36,7 @@ def _worker(rank: int, rendezvous: str, commands, results) -> None:
     )
     groups = {p: dist.new_group(list(range(p))) for p in range(1, WORLD)}  # every rank creates every group
     groups[WORLD] = dist.group.WORLD
+    _hybrid_groups(rank)
     while True:
         command = commands.get()
         if command is None:
@@ -50,6 +51,33 @@ def _worker(rank: int, rendezvous: str, commands, results) -> None:
         except BaseException:  # noqa: BLE001 - reported to the test
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+#: Hybrid arrangements by name -> (ring_group, ulysses_group) of this rank (set in each worker).
+HYBRID: dict = {}
+#: name -> (ring groups, Ulysses groups) as rank lists; "u2r2" = Ulysses over pairs of neighbours.
+ARRANGEMENTS = {
+    "u2r2": ([[0, 2], [1, 3]], [[0, 1], [2, 3]]),
+    "u2r2t": ([[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    "u4r1": ([[0], [1], [2], [3]], [[0, 1, 2, 3]]),
+    "u1r4": ([[0, 1, 2, 3]], [[0], [1], [2], [3]]),
+    "u2r1": ([[0], [1]], [[0, 1]]),
+    "u1r2": ([[0, 1]], [[0], [1]]),
+    "u1r3": ([[0, 1, 2]], [[0], [1], [2]]),
+}
+
+
+def _hybrid_groups(rank: int) -> None:
+    for name, (rings, ulysses) in ARRANGEMENTS.items():
+        mine = []
+        for ranks_lists in (rings, ulysses):
+            found = None
+            for ranks in ranks_lists:  # new_group is collective: every rank creates every group
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    found = g
+            mine.append(found)
+        HYBRID[name] = tuple(mine)
 
 
 class Pool:

@@ -188,10 +188,12 @@ class Exchange:
     so posting them with ``batch_isend_irecv`` cannot deadlock.
     """
 
-    def __init__(self, group: Group, sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]], kind: str):
+    def __init__(self, group: Group, sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]], kind: str,
+                 tag: int = 0):  # fmt: skip
         self.works = []
-        ops = [dist.P2POp(dist.isend, t, group=group.handle, group_peer=p) for t, p in sends]
-        ops += [dist.P2POp(dist.irecv, t, group=group.handle, group_peer=p) for t, p in recvs]
+        self.keep = None  # a buffer that must outlive the sends (the caller may set it)
+        ops = [dist.P2POp(dist.isend, t, group=group.handle, group_peer=p, tag=tag) for t, p in sends]
+        ops += [dist.P2POp(dist.irecv, t, group=group.handle, group_peer=p, tag=tag) for t, p in recvs]
         for t, _ in sends:
             traffic.add(kind, _nbytes(t))
         if ops and not group.fake:
@@ -201,6 +203,7 @@ class Exchange:
         for work in self.works:
             work.wait()
         self.works = []
+        self.keep = None
 
 
 class _Attach(torch.autograd.Function):

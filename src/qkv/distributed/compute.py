@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ..backends import partial
 from ..functional import attention
+from .blocks import Slots, Work
+from .comm import Group
 from .framing import Block, frame_bias, frame_mask, mask_state
+from .ring import RingPlan, attend
 
 
 def attend_rows(q: Tensor, k: Tensor, v: Tensor, call, *, r0: int = 0, c0: int = 0,
@@ -29,8 +33,8 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, call, *, r0: int = 0, c0: int =
     block = Block(r0, q.shape[-2], c0, k.shape[-2], call.i_len, call.j_len)
     if mask_state(req.mask, block) == "empty":
         return q.new_zeros((*q.shape[:-1], v.shape[-1]))
-    if req.dropout > 0:
-        raise NotImplementedError("dropout: sharded dropout needs the engine's block-placed dropout")
+    if req.dropout > 0:  # the dropout mask must be the whole call's at these coordinates
+        return _placed(q, k, v, call, block, heads)
     return attention(
         q, k, v, score=req.score, mask=frame_mask(req.mask, block), bias=frame_bias(req.bias, block, heads),
         scale=req.scale,
@@ -38,3 +42,17 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, call, *, r0: int = 0, c0: int =
 
 
 
+
+
+def _placed(q: Tensor, k: Tensor, v: Tensor, call, block: Block, heads: tuple[int, int] | None) -> Tensor:
+    """The block through ``backends.partial``, which places its dropout mask at the block's origin.
+
+    A ring of one rank: the same forward and backward as the ring strategy, no messages.
+    """
+    req = call.req
+    qp, kp = req.score.prepare(q, k)
+    work = Work(req, call.i_len, call.j_len, call.seed, heads, call.dims["h"])
+    alone = Group(None, 1, 0)
+    plan = RingPlan(alone, [Slots(((block.r0, block.it),), block.it)], [Slots(((block.c0, block.jt),), block.jt)], work)
+    dense = req.bias if isinstance(req.bias, Tensor) else None
+    return attend(qp, kp, v, dense, plan, partial.parameters(req))
