@@ -75,6 +75,34 @@ def test_bad_demo_arguments(capsys, argv, message):
     assert _fails(capsys, argv) == message
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--suite", "nope"], "qkv bench: error: argument --suite: expected one of ["),
+        (["bench", "--suite", "engine", "--suite", "apporx"], "qkv bench: error: argument --suite: expected one of ["),
+        (["bench", "--threads", "0"], "qkv bench: error: argument --threads: expected a positive integer, got 0"),
+        (["bench", "--threads", "two"], "qkv bench: error: argument --threads: expected a positive integer, got 'two'"),
+    ],
+)
+def test_bad_bench_arguments(capsys, argv, message):
+    line = _fails(capsys, argv)
+    assert line.startswith(message), line
+    if "--suite" in message:
+        assert "'engine'" in line and "or 'all', got " in line
+
+
+def test_bench_run_refuses_an_unknown_suite_given_programmatically(capsys):
+    # qkv.bench.run may be called with a namespace that bypassed the parser's check
+    from argparse import Namespace
+
+    from qkv import bench
+
+    args = Namespace(suite=["nope"], quick=True, out=None, threads=None, case=None)
+    assert bench.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("qkv bench: error: --suite: expected one of [")
+
+
 def test_unwritable_out(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     line = _fails(capsys, ["demo", "--quick", "--out", str(tmp_path / "file" / "out")])

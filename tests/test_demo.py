@@ -92,6 +92,17 @@ def test_quick_run_prints_the_measured_numbers(quick):
     assert bow["value"] == pytest.approx(0.5, abs=0.06)
 
 
+def test_steps_are_named_by_what_they_show(quick):
+    out, lines, results = quick
+    assert "[1/4] worked example: four words, numpy seed 42" in lines
+    assert results[0].name == "worked example"
+    # User-facing text names what it shows: no source file names, no internal example numbers.
+    page = (out / "index.html").read_text(encoding="utf-8")
+    for text in ("\n".join(lines), page):
+        for internal in ("seed 002", "seed002", "Seed 002", "seed text", "seed_example", ".py"):
+            assert internal not in text, internal
+
+
 def test_order_step_states_its_model_and_measures_the_negation_link(quick):
     out, lines, results = quick
     text = "\n".join(lines)

@@ -4,7 +4,7 @@
     out = qkv.attention(q, k, v)                         # q (b, h, i, d), k (b, g, j, d), v (b, g, j, e)
     mha = qkv.MultiHeadAttention(dim=512, heads=8)       # batch-first (b, i, dim)
 
-See DESIGN.md for the layers; every name exported here is public and stable.
+See docs/DESIGN.md for the layers; every name exported here is public and stable.
 """
 
 from importlib.metadata import PackageNotFoundError, version

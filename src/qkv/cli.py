@@ -55,7 +55,7 @@ def _non_negative_int(text: str) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo",
-        help="attention at work: seed example, order-matters task, date translation, positions",
+        help="attention at work: a worked example, order-matters task, date translation, positions",
         description="Trains small attention models on data made on the spot (no downloads) and "
         "writes figures, results.json and index.html to --out. A full run takes a few minutes on 2 cores.",
     )

@@ -2,7 +2,7 @@
 
 The steps, in order (one file each in this package):
 
-1. ``seed_example`` — the worked example of seed text 002, printed as the seed prints it;
+1. ``worked_example`` — four words, ``W^Q, W^K, W^V`` from numpy seed 42, ``softmax(QKᵀ/√3) V``;
 2. ``order`` — a task whose two classes share the same bag of words: a bag-of-words
    baseline stays at chance, an attention classifier with positions solves it;
 3. ``dates`` — dates in many formats and languages to ISO ``YYYY-MM-DD`` with Bahdanau and
@@ -42,17 +42,17 @@ class DemoError(ValueError):
 def _steps() -> list[tuple[str, Callable[[Context], StepResult]]]:
     # Imported here so `import qkv.demo` stays light and a step's import error is reported
     # as that step failing.
-    from . import dates, order, positions, seed_example
+    from . import dates, order, positions, worked_example
 
     return [
-        ("seed 002 worked example", seed_example.run),
-        ("order matters", order.run),
-        ("translation with alignment", dates.run),
-        ("positions", positions.run),
+        (STEPS[0], worked_example.run),
+        (STEPS[1], order.run),
+        (STEPS[2], dates.run),
+        (STEPS[3], positions.run),
     ]
 
 
-STEPS = ("seed 002 worked example", "order matters", "translation with alignment", "positions")
+STEPS = ("worked example: four words, numpy seed 42", "order matters", "translation with alignment", "positions")
 
 
 def _check_out(out: Path) -> None:
