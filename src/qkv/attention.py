@@ -128,7 +128,10 @@ class MultiHeadAttention(nn.Module):
             per-module parameters shared by the heads (``"concat"`` with hidden size ``d``).
         positional: a ``qkv.positional.Positional`` (RoPE, ALiBi, relative buckets).
         attention: the mechanism (default exact attention with ``score``): any callable with
-            ``(q, k, v, *, mask, causal, return_weights)`` on ``(b, h, i, d)``, e.g. ``qkv.approx``.
+            ``(q, k, v, *, mask, causal, return_weights)`` on ``(b, h, i, d)``, e.g. ``qkv.approx``;
+            one with ``accepts_bias = True`` also gets a positional bias as ``bias=``, and one
+            with a ``positions(q, k, start)`` method (``qkv.distributed.SequenceParallel``, whose
+            rows are a shard of a longer sequence) tells rotary embeddings where its rows stand.
     """
 
     def __init__(
@@ -177,7 +180,12 @@ class MultiHeadAttention(nn.Module):
             attention = Attention(make(score, dim_head, dim_head, hidden=dim_head), dropout=dropout)
         elif score != "scaled_dot":
             raise ValueError("score: give the score to the mechanism passed as attention=, not to both")
-        elif positional is not None and positional.bias() is not None and not isinstance(attention, Attention):
+        elif (
+            positional is not None
+            and positional.bias() is not None
+            and not isinstance(attention, Attention)
+            and not getattr(attention, "accepts_bias", False)
+        ):
             # Approximate mechanisms never form the (i, j) logits, so there is nothing to add a bias to.
             raise ValueError(
                 f"positional: {type(positional).__name__} adds a bias to the logits, which the mechanism "
@@ -228,7 +236,9 @@ class MultiHeadAttention(nn.Module):
         extra = {}
         if self.positional is not None:
             start = 0 if cache is None else cache.length
-            q, k = self.positional.rotate(q, k, start)
+            placed = getattr(self.attention, "positions", None)  # a shard's rows stand elsewhere than 0 .. i-1
+            where = {} if placed is None else {"positions": placed(q, k, start)}
+            q, k = self.positional.rotate(q, k, start, **where)
             if (pos_bias := self.positional.bias()) is not None:
                 extra["bias"] = pos_bias
         if cache is not None:
