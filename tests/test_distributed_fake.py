@@ -50,15 +50,19 @@ def _step(strategy, q, k, v, **kw):
 
 @pytest.mark.parametrize("size", [64, 256])
 def test_ring_sends_its_kv_once_per_step(world, size):
-    world(size, size // 3)
+    rank = size // 3
+    world(size, rank)
     q, k, v = _inputs()
     sent, shape = _step("ring", q, k, v, causal=True)
     assert shape == (1, H, ROWS, D) and k.grad.shape == k.shape and q.grad.shape == q.shape
-    packed = ROWS * H * 2 * D * 4  # one rank's [k | v], float32
-    # zigzag + causal: every pair of ranks shares a visible block; the forward and the
-    # backward each send K/V to P - 1 ranks, and the K/V gradients go back once
-    assert sent["kv"] == 2 * (size - 1) * packed
-    assert sent["grad"] == (size - 1) * packed
+    piece = ROWS // 2 * H * 2 * D * 4  # one zigzag chunk's [k | v], float32 (one piece here)
+    # zigzag + causal: every rank's late chunk sees this rank's early chunk (sent to all P - 1
+    # others), but this rank's late chunk 2P-1-r only the ranks a < r, whose late chunks come
+    # after it; the forward and the backward send the same pieces
+    assert sent["kv"] == 2 * (size - 1 + rank) * piece
+    # gradients go back for what this rank received: every early chunk, and the late chunks
+    # of the ranks o > r (2P-1-o is before this rank's late chunk)
+    assert sent["grad"] == (size - 1 + size - 1 - rank) * piece
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -69,12 +73,12 @@ def test_window_sends_to_neighbours_only(world, layout):
         q, k, v = _inputs()
         sent, _ = _step("ring", q, k, v, mask=qd_window(12), layout=layout)
         per_p[size] = sent["kv"]
-    packed = ROWS * H * 2 * D * 4
-    # a window of 12 keys reaches one rank back (16 rows each) contiguous; zigzag chunks of 8
-    # rows reach two chunks back, held by the two ranks before (early chunk) and the two
-    # after (late chunk): four peers, whatever P
-    reach = 1 if layout == "contiguous" else 4
-    assert per_p[64] == per_p[512] == 2 * reach * packed
+    chunk = ROWS * H * 2 * D * 4 // (1 if layout == "contiguous" else 2)  # one chunk's [k | v]
+    # contiguous: a window of 12 keys reaches one rank back (16 rows each), so each chunk goes
+    # to the next rank only. zigzag (chunks of 8 rows): the early chunk goes to the two ranks
+    # after (their early chunks follow it), the late chunk to the two before; whatever P
+    sends = 1 if layout == "contiguous" else 4
+    assert per_p[64] == per_p[512] == 2 * sends * chunk  # forward and backward
 
 
 def qd_window(left):

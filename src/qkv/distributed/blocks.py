@@ -1,16 +1,23 @@
-"""The blocks one rank computes: its query chunks against one rank's key chunks, through ``backends.partial``.
+"""The blocks one rank computes: its query pieces against one key piece, through ``backends.partial``.
 
 Shape legend: ``b`` batch, ``h`` query heads (this rank's), ``g`` KV heads, ``d`` prepared
-query/key size, ``e`` value size, ``c`` rows per chunk (a slot), ``S`` slots;
+query/key size, ``e`` value size, ``S·c`` a rank's padded rows (``S`` slots of ``c``);
 ``it``/``jt`` the real rows/keys of one block.
 
-A rank holds its queries as ``S`` slots of ``c`` rows (``Slots``: the global start and the
-real rows of each); keys arrive the same way from another rank. Every pair (query slot,
-key slot) is one block at global positions (``framing.Block``): a block that the mask
-leaves empty is skipped; the others run ``partial.forward`` with the mask and bias framed,
-and merge into the slot's running ``(out, lse)`` (``partial.merge``, float32 or wider,
-NaN-free when a row has seen no key yet). The backward runs ``partial.backward`` on the
-same blocks with the final ``(out, lse)`` of the rows.
+A rank's rows are ``S`` slots of ``c`` padded rows (``layout``), each slot a contiguous
+range of global positions. For computing and for sending, slots are cut into *pieces* of
+at most :data:`PIECE_BYTES` (of the keys and values a piece carries, or of the output rows
+a query piece produces), so that memory in flight stays a few pieces whatever the
+sequence length: K/V move piece by piece, and the transient output of one block is one
+query piece. Every rank cuts every rank's slots the same way (:class:`Pieces`), so both
+ends of a transfer agree on it.
+
+A block is a query piece against a key piece at global positions (``framing.Block``): a
+block the mask leaves empty is skipped; the others run ``partial.forward`` with the mask
+and bias framed, and merge into the rows' running ``(out, lse)`` in place (in float32 or
+wider; a row that has seen no key yet has ``lse = -inf`` and takes the new block's values,
+never NaN). The backward runs ``partial.backward`` on the same blocks with the rows' final
+``(out, lse)``.
 """
 
 from __future__ import annotations
@@ -25,17 +32,54 @@ from ..backends.dropout import Origin
 from ..backends.request import Request
 from .framing import Block, frame_bias, frame_mask, mask_state
 
+#: Largest piece, in bytes of what it carries ([k | v] of a key piece; the float32 output
+#: rows of a query piece). Small enough that a few in flight are a fraction of a rank's
+#: shard at long lengths; large enough that each block is a large kernel call.
+PIECE_BYTES = 2 * 2**20
+#: Fewest rows in a piece (below this, messages and kernel calls are too small to pay off).
+MIN_ROWS = 128
+
 
 @dataclass(frozen=True)
-class Slots:
-    """Chunks of a sequence one rank holds: ``(global start, real rows)`` per slot of ``side`` rows."""
+class Pieces:
+    """One rank's rows cut into pieces: ``(global start, real rows, local start)`` each, in slot order.
 
-    spans: tuple[tuple[int, int], ...]
-    side: int
+    Every slot is cut into ``per_slot`` pieces of ``rows`` (the last ones shorter or empty),
+    so every rank has the same number of pieces, :attr:`count`, and piece ``n`` of one rank
+    meets piece ``n`` of another in the same round of the ring.
+    """
 
-    def rows(self, slot: int) -> slice:
-        """Local rows of the real part of ``slot`` in the padded ``(S·c)`` layout."""
-        return slice(slot * self.side, slot * self.side + self.spans[slot][1])
+    spans: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def cut(cls, slots: tuple[tuple[int, int], ...], side: int, rows: int) -> Pieces:
+        """``slots`` ``(global start, real rows)`` of ``side`` padded rows each, in pieces of ``rows``."""
+        rows = max(1, min(rows, side)) if side else 1
+        per_slot = -(-side // rows) if side else 0
+        spans = []
+        for slot, (start, real) in enumerate(slots):
+            for n in range(per_slot):
+                a = min(n * rows, real)
+                spans.append((start + a, min(real, (n + 1) * rows) - a, slot * side + a))
+        return cls(tuple(spans))
+
+    @property
+    def count(self) -> int:
+        return len(self.spans)
+
+    def rows(self, n: int) -> slice:
+        """Local rows of piece ``n`` in the padded ``(S·c)`` layout."""
+        _, real, local = self.spans[n]
+        return slice(local, local + real)
+
+
+def piece_rows(bytes_per_row: int) -> int:
+    """Rows per piece for rows of ``bytes_per_row`` bytes."""
+    return max(MIN_ROWS, PIECE_BYTES // max(1, bytes_per_row))
+
+
+#: Query-key pairs this process has computed (the benchmark's per-rank work), by strategy.
+computed = {"elements": 0}
 
 
 @dataclass
@@ -48,18 +92,20 @@ class Work:
     seed: int  # dropout seed of the whole call
     heads: tuple[int, int] | None  # this rank's query heads (Ulysses inside hybrid), None = all
     total_heads: int  # h of the whole call
-    elements: int = 0  # query-key pairs of the blocks computed so far (per-rank work)
 
-    def blocks(self, q_slots: Slots, k_slots: Slots):
-        """``(query slot, key slot, block)`` of every block the mask does not leave empty."""
-        for a, (r0, it) in enumerate(q_slots.spans):
-            for c, (c0, jt) in enumerate(k_slots.spans):
+    def blocks(self, q: Pieces, k: Pieces, key: int | None = None):
+        """``(query piece, key piece, block)`` of every non-empty block (of key piece ``key`` only, if given)."""
+        keys = range(k.count) if key is None else (key,)
+        for c in keys:
+            c0, jt, _ = k.spans[c]
+            for a, (r0, it, _) in enumerate(q.spans):
                 block = Block(r0, it, c0, jt, self.i_len, self.j_len)
-                if it and jt and mask_state(self.req.mask, block) != "empty":
+                if mask_state(self.req.mask, block) != "empty":
                     yield a, c, block
 
-    def needs(self, q_slots: Slots, k_slots: Slots) -> bool:
-        return next(iter(self.blocks(q_slots, k_slots)), None) is not None
+    def needs(self, q: Pieces, k: Pieces, key: int | None = None) -> bool:
+        """Whether any query piece sees anything of these keys."""
+        return next(iter(self.blocks(q, k, key)), None) is not None
 
     def request(self, block: Block, q: Tensor, k: Tensor, v: Tensor, dense: Tensor | None) -> Request:
         req = self.req
@@ -73,36 +119,57 @@ class Work:
         head = 0 if self.heads is None else self.heads[0]
         return Origin(head=head, heads=self.total_heads, row=block.r0, col=block.c0)
 
-    def forward(self, qp: Tensor, q_slots: Slots, kp: Tensor, v: Tensor, k_slots: Slots, dense: Tensor | None,
-                out: Tensor, lse: Tensor) -> None:  # fmt: skip
-        """Merge the blocks of ``qp`` against these keys into ``out (b, h, S·c, e)``, ``lse (b, h, S·c)``, in place."""
-        for a, c, block in self.blocks(q_slots, k_slots):
-            rows, cols = q_slots.rows(a), k_slots.rows(c)
+    def forward(self, qp: Tensor, q: Pieces, kp: Tensor, v: Tensor, k: Pieces, key: int | None,
+                dense: Tensor | None, out: Tensor, lse: Tensor) -> None:  # fmt: skip
+        """Merge the blocks against key piece ``key`` into ``out``, ``lse`` in place.
+
+        With ``key=None``, ``kp``, ``v`` are a rank's padded keys and every piece is used;
+        otherwise they are piece ``key`` alone (a received buffer).
+        """
+        for a, c, block in self.blocks(q, k, key):
+            rows, cols = q.rows(a), _cols(k, c, key)
             preq = self.request(block, qp[..., rows, :], kp[..., cols, :], v[..., cols, :], dense)
             o, m = partial.forward(preq, self.seed, self.origin(block))
-            out[..., rows, :], lse[..., rows] = partial.merge(out[..., rows, :], lse[..., rows], o, m)
-            self.elements += block.it * block.jt
+            merge_into(out[..., rows, :], lse[..., rows], o, m)
+            computed["elements"] += block.it * block.jt
 
-    def backward(self, qp: Tensor, q_slots: Slots, kp: Tensor, v: Tensor, k_slots: Slots, dense: Tensor | None,
-                 out: Tensor, lse: Tensor, d_out: Tensor, dq: Tensor, dkv: Tensor | None,
+    def backward(self, qp: Tensor, q: Pieces, kp: Tensor, v: Tensor, k: Pieces, key: int | None,
+                 dense: Tensor | None, out: Tensor, lse: Tensor, d_out: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
                  d_dense: Tensor | None, d_params: list) -> None:  # fmt: skip
-        """Add the blocks' gradients: ``dq``, ``dkv = [dk | dv]`` of these keys, a dense bias, the parameters."""
-        d = kp.shape[-1]
-        for a, c, block in self.blocks(q_slots, k_slots):
-            rows, cols = q_slots.rows(a), k_slots.rows(c)
+        """Add the blocks' gradients into ``dq``, ``dk``, ``dv`` (shaped like ``kp``, ``v``), a dense bias, the parameters."""
+        for a, c, block in self.blocks(q, k, key):
+            rows, cols = q.rows(a), _cols(k, c, key)
             preq = self.request(block, qp[..., rows, :], kp[..., cols, :], v[..., cols, :], dense)
             grads = partial.backward(
                 preq, out[..., rows, :], lse[..., rows], d_out[..., rows, :], self.seed, self.origin(block)
             )
             dq[..., rows, :] += grads.q
-            if dkv is not None:
-                dkv[..., cols, :d] += grads.k
-                dkv[..., cols, d:] += grads.v
+            dk[..., cols, :] += grads.k
+            dv[..., cols, :] += grads.v
             if d_dense is not None and grads.bias is not None:
                 _dense_view(d_dense, block, self.heads).add_(grads.bias.to(d_dense.dtype))
             for n, grad in enumerate(grads.params):
                 if grad is not None:
                     d_params[n] = grad if d_params[n] is None else d_params[n] + grad
+            del grads
+
+
+def _cols(k: Pieces, c: int, key: int | None) -> slice:
+    """Where key piece ``c`` sits: at its rows of the rank's keys (``key`` None), or alone in a buffer."""
+    return k.rows(c) if key is None else slice(0, k.spans[c][1])
+
+
+def merge_into(out: Tensor, lse: Tensor, o: Tensor, m: Tensor) -> None:
+    """``(out, lse) <- merge((out, lse), (o, m))`` in place; ``o`` (a fresh block output) is overwritten.
+
+    ``lse = logaddexp(lse, m)``, ``out = exp(lse_old - lse)·out + exp(m - lse)·o``: rows where
+    both are ``-inf`` keep ``out = 0``, ``lse = -inf`` (never NaN).
+    """
+    new = torch.logaddexp(lse, m)
+    ref = torch.where(torch.isneginf(new), 0.0, new)
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1).to(out.dtype))
+    out.add_(o.mul_(torch.exp(m - ref).unsqueeze(-1).to(o.dtype)))
+    lse.copy_(new)
 
 
 def _dense_view(x: Tensor, block: Block, heads: tuple[int, int] | None) -> Tensor:

@@ -16,10 +16,10 @@ from torch import Tensor
 
 from ..backends import partial
 from ..functional import attention
-from .blocks import Slots, Work
+from .blocks import Work
 from .comm import Group
 from .framing import Block, frame_bias, frame_mask, mask_state
-from .ring import RingPlan, attend
+from .ring import attend, plan_for, row_bytes
 
 
 def attend_rows(q: Tensor, k: Tensor, v: Tensor, call, *, r0: int = 0, c0: int = 0,
@@ -52,7 +52,8 @@ def _placed(q: Tensor, k: Tensor, v: Tensor, call, block: Block, heads: tuple[in
     req = call.req
     qp, kp = req.score.prepare(q, k)
     work = Work(req, call.i_len, call.j_len, call.seed, heads, call.dims["h"])
-    alone = Group(None, 1, 0)
-    plan = RingPlan(alone, [Slots(((block.r0, block.it),), block.it)], [Slots(((block.c0, block.jt),), block.jt)], work)
+    per_row = row_bytes(q.shape[0], q.shape[1], k.shape[1], kp.shape[-1], v.shape[-1], v.dtype)
+    plan = plan_for(Group(None, 1, 0), work, [((block.r0, block.it),)], [((block.c0, block.jt),)], block.it, block.jt,
+                    per_row)  # fmt: skip
     dense = req.bias if isinstance(req.bias, Tensor) else None
     return attend(qp, kp, v, dense, plan, partial.parameters(req))

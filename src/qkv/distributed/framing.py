@@ -66,10 +66,10 @@ class Block:
 
 def mask_state(mask: Mask | None, block: Block) -> str:
     """``"empty"``, ``"full"`` or ``"partial"``: what the global mask allows inside the block."""
-    if mask is None:
-        return "full"
     if block.it == 0 or block.jt == 0:
         return "empty"
+    if mask is None:
+        return "full"
     return mask.state(block.whole)
 
 

@@ -29,9 +29,9 @@ from torch import Tensor
 
 from ..backends import partial
 from ..backends.request import repeat_kv
-from .blocks import Slots, Work
+from .blocks import Work
 from .comm import Group, all_gather_ints, all_to_all, attach, resolve
-from .ring import RingPlan, attend
+from .ring import attend, plan_for, row_bytes
 from .ulysses import kv_heads
 
 _DEFAULT_GROUPS: dict = {}
@@ -101,12 +101,12 @@ def run(q: Tensor, k: Tensor, v: Tensor, call, *, ring_group=None, ulysses_group
     # sequence shards -> head shards of the Ulysses group's chunks, (b, h/U, U·S·c, ·), slots in Ulysses order
     qh = _to_heads(lay_q.pad(qp, -2, grp.rank), uly)
     kvh = _to_heads(lay_k.pad(kv, -2, grp.rank), uly)
-    q_slots = [_union(lay_q, row) for row in members]
-    k_slots = [_union(lay_k, row) for row in members]
     per = h // uly.size
     heads = (uly.rank * per, (uly.rank + 1) * per)
     work = Work(req, call.i_len, call.j_len, call.seed, heads, h)
-    plan = RingPlan(ring, q_slots, k_slots, work)
+    per_row = row_bytes(q.shape[0], per, wanted // uly.size, d, v.shape[-1], v.dtype)
+    plan = plan_for(ring, work, [_union(lay_q, row) for row in members], [_union(lay_k, row) for row in members],
+                    lay_q.side, lay_k.side, per_row)  # fmt: skip
     dense = req.bias if isinstance(req.bias, Tensor) else None
     out = attend(qh, kvh[..., :d], kvh[..., d:], dense, plan, partial.parameters(req))
     out = out if out.requires_grad else attach(out, qh, kvh)
@@ -122,6 +122,6 @@ def _to_heads(x: Tensor, uly: Group) -> Tensor:
     return x.movedim(0, 2).flatten(2, 3)
 
 
-def _union(lay, ranks: list[int]) -> Slots:
-    """The slots of a Ulysses group's members, in Ulysses order."""
-    return Slots(tuple(span for r in ranks for span in lay.slot_spans(r)), lay.side)
+def _union(lay, ranks: list[int]) -> tuple[tuple[int, int], ...]:
+    """The slots ``(global start, real rows)`` of a Ulysses group's members, in Ulysses order."""
+    return tuple(span for r in ranks for span in lay.slot_spans(r))

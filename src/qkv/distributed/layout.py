@@ -89,6 +89,8 @@ class Layout:
     def pad(self, x: Tensor, dim: int, rank: int) -> Tensor:
         """Real rows ``(..., rows, ...)`` -> padded slots ``(..., s·c, ...)`` (zeros after each slot's rows)."""
         dim = dim % x.dim()
+        if all(n == self.side for _, n in self.slot_spans(rank)):
+            return x  # nothing to pad: the rows already are the slots
         parts, at = [], 0
         for _, n in self.slot_spans(rank):
             part = x.narrow(dim, at, n)
@@ -101,6 +103,8 @@ class Layout:
 
     def unpad(self, x: Tensor, dim: int, rank: int) -> Tensor:
         """Padded slots ``(..., s·c, ...)`` -> the real rows ``(..., rows, ...)``."""
+        if all(n == self.side for _, n in self.slot_spans(rank)):
+            return x
         parts = [x.narrow(dim, slot * self.side, n) for slot, (_, n) in enumerate(self.slot_spans(rank))]
         return torch.cat(parts, dim) if len(parts) > 1 else parts[0]
 
