@@ -59,6 +59,7 @@ SUITES: dict[str, str] = {
     "approx": "qkv.bench.approx",
     "learning": "qkv.bench.learning",
     "generation": "qkv.bench.generation",
+    "distributed": "qkv.bench.distributed",
 }
 #: Suites run when ``--suite`` is not given.
 DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")
