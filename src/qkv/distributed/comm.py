@@ -81,6 +81,13 @@ class Group:
         """The "fake" backend (``FakeStore``): nothing is communicated, shapes and counts only."""
         return dist.get_backend(self.handle) == "fake"
 
+    @property
+    def device(self) -> torch.device:
+        """Where this group's small messages live: the current GPU under nccl, else the CPU."""
+        if self.handle is not None and dist.get_backend(self.handle) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
 
 def resolve(group: object, name: str = "group") -> Group:
     """Check that ``torch.distributed`` is initialised and this process is in ``group``."""
@@ -108,7 +115,10 @@ def all_gather_ints(values: list[int], group: Group, kind: str = "meta") -> Tens
     mine = torch.tensor(values, dtype=torch.int64)
     out = mine.repeat(group.size, 1)
     if group.size > 1 and not group.fake:
+        device = group.device
+        mine, out = mine.to(device), out.to(device)
         _gather_op(out.view(-1), mine, group=group.handle)
+        out = out.cpu()
     traffic.add(kind, (group.size - 1) * _nbytes(mine))
     return out
 
