@@ -152,7 +152,11 @@ def run_case(group, c: dict) -> dict:
     local = [qd.shard(x, group=group, layout=lay).detach().requires_grad_(grad) for x in (q, k, v)]
     if c["dropout"] > 0:
         kw["generator"] = torch.Generator().manual_seed(5)
-    if c["hybrid"] is not None:
+    if c["hybrid"] == "local":  # torchrun's LOCAL_WORLD_SIZE: Ulysses on each "machine" of 2 ranks
+        import os
+
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    elif c["hybrid"] is not None:
         from distributed_pool import HYBRID
 
         kw["ring_group"], kw["ulysses_group"] = HYBRID[c["hybrid"]]

@@ -15,3 +15,8 @@ def test_hybrid_matches_single_process(dist_pool, size, arrangement):
         case(strategy="hybrid", hybrid=arrangement, mask="causal", dropout=0.25, h=6, g=6),
     ]
     check(dist_pool.run(TARGET, size, cases), cases)
+
+
+def test_hybrid_groups_from_local_world_size(dist_pool):
+    cases = [case(strategy="hybrid", hybrid="local", mask="causal", bias="t5", h=6, g=2)]
+    check(dist_pool.run(TARGET, 4, cases), cases)
