@@ -8,8 +8,12 @@ processes on this machine (``qkv.distributed.launch``), and one process runs pla
 ``qkv.attention`` on the whole tensors as the reference. Per rank:
 
 * peak memory: the peak resident set (``VmHWM``) after the step minus the one before
-  building the inputs (after a tiny warm-up call has loaded the kernels), so it holds the
-  rank's shards, their gradients and everything the call allocated;
+  building the inputs (after the same call at n = 1024 has loaded the kernels and started
+  the threads), so it holds the rank's shards, their gradients and everything the call
+  allocated. glibc's mmap threshold is set to its initial 128 KiB in every process (the
+  reference too): setting it turns off glibc's habit of raising it after large frees, so
+  freed blocks go back to the system and the peak follows live memory, not the
+  allocator's reuse pattern;
 * bytes sent, counted by the communication layer, forward and backward apart, against
   the formula of the issue (ring: ``(P-1)·2·(n/P)·g·d`` elements forward, Ulysses: four
   all-to-alls of ``(P-1)/P·(n/P)·h·d``);
@@ -30,7 +34,7 @@ import time
 
 import torch
 
-from .measure import peak_rss_bytes
+from .measure import _GLIBC_DEFAULT, _M_MMAP_THRESHOLD, _glibc, peak_rss_bytes
 from .report import Targets, table
 
 NAME = "distributed"
@@ -50,19 +54,26 @@ def rank_case(rank: int, world: int, spec: dict) -> dict:
 
     n, h, d = spec["n"], H, D
     kw = _keywords(spec, h)
-    tiny = [torch.randn(1, h, 8, d, requires_grad=True) for _ in range(3)]  # loads the kernels
-    (qkv.attention(*tiny, **kw) if spec["strategy"] == "single" else
-     qd.attention(*tiny, strategy="allgather", layout=spec["layout"], **kw)).sum().backward()  # fmt: skip
+    libc = _glibc()
+    if libc is not None:  # a fixed mmap threshold: freed blocks go back, peak RSS follows live memory
+        libc.mallopt(_M_MMAP_THRESHOLD, _GLIBC_DEFAULT)
+
+    def step(length: int):
+        rows = length if spec["strategy"] == "single" else qd.positions(length, layout=spec["layout"]).numel()
+        q, k, v = (torch.randn(1, h, rows, d, requires_grad=True) for _ in range(3))
+        if spec["strategy"] == "single":
+            return q, k, v, qkv.attention(q, k, v, **kw)
+        return q, k, v, qd.attention(q, k, v, strategy=spec["strategy"], layout=spec["layout"], **kw)
+
+    # the same call at a small size first: the baseline then holds the kernels' code and the
+    # threads' stacks, which every process pays once, whatever the length
+    step(min(n, 1024))[3].sum().backward()
     base = peak_rss_bytes()
-    rows = n if spec["strategy"] == "single" else qd.positions(n, layout=spec["layout"]).numel()
-    q, k, v = (torch.randn(1, h, rows, d, requires_grad=True) for _ in range(3))
     blocks.computed["elements"] = 0
     start = time.perf_counter()
     with comm.counting() as forward:
-        if spec["strategy"] == "single":
-            out = qkv.attention(q, k, v, **kw)
-        else:
-            out = qd.attention(q, k, v, strategy=spec["strategy"], layout=spec["layout"], **kw)
+        q, k, v, out = step(n)
+    rows = q.shape[-2]
     elements = blocks.computed["elements"]
     with comm.counting() as backward:
         out.backward(torch.ones_like(out))
@@ -72,10 +83,8 @@ def rank_case(rank: int, world: int, spec: dict) -> dict:
     q.grad = k.grad = v.grad = None
     del out
     start = time.perf_counter()
-    if spec["strategy"] == "single":
-        out = qkv.attention(q, k, v, **kw)
-    else:
-        out = qd.attention(q, k, v, strategy=spec["strategy"], layout=spec["layout"], **kw)
+    out = qkv.attention(q, k, v, **kw) if spec["strategy"] == "single" else \
+        qd.attention(q, k, v, strategy=spec["strategy"], layout=spec["layout"], **kw)  # fmt: skip
     out.backward(torch.ones_like(out))
     seconds = time.perf_counter() - start
     return {"peak": peak, "forward": dict(forward.sent), "backward": dict(backward.sent),

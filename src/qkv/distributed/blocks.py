@@ -32,10 +32,10 @@ from ..backends.dropout import Origin
 from ..backends.request import Request
 from .framing import Block, frame_bias, frame_mask, mask_state
 
-#: Largest piece, in bytes of what it carries ([k | v] of a key piece; the float32 output
+#: Largest piece (1 MiB), in bytes of what it carries ([k | v] of a key piece; the float32 output
 #: rows of a query piece). Small enough that a few in flight are a fraction of a rank's
 #: shard at long lengths; large enough that each block is a large kernel call.
-PIECE_BYTES = 2 * 2**20
+PIECE_BYTES = 2**20
 #: Fewest rows in a piece (below this, messages and kernel calls are too small to pay off).
 MIN_ROWS = 128
 

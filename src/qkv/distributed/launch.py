@@ -83,10 +83,14 @@ def run_local(target: str, world: int, payload: Any = None, *, timeout: float = 
             while len(got) < world:
                 left = deadline - time.monotonic()
                 try:
-                    rank, status, value = results.get(timeout=max(0.1, left))
+                    rank, status, value = results.get(timeout=max(0.1, min(left, 5.0)))
                 except queue_module.Empty:
+                    missing = sorted(set(range(world)) - set(got))
+                    dead = [r for r in missing if not procs[r].is_alive() and results.empty()]
+                    if dead:  # killed, or crashed below Python (no traceback came back)
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise RuntimeError(f"run_local: ranks {dead} of {world} exited without a result (exit codes {codes})")
                     if time.monotonic() >= deadline:
-                        missing = sorted(set(range(world)) - set(got))
                         raise TimeoutError(f"run_local: ranks {missing} of {world} did not finish within {timeout} s")
                     continue
                 if status == "error":

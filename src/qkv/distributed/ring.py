@@ -40,6 +40,8 @@ from ..backends.request import Request
 from .blocks import Pieces, Work, piece_rows
 from .comm import Exchange, Group
 
+#: Rows of a query piece, in key pieces (a multiple keeps the causal diagonal on piece edges).
+QUERY_PIECES = 1
 #: Message tags: K/V on the way out, their gradients on the way back.
 KV_TAG, GRAD_TAG = 1, 2
 
@@ -185,7 +187,8 @@ def plan_for(group: Group, work: Work, q_slots: list, k_slots: list, q_side: int
              bytes_per_row: int) -> RingPlan:  # fmt: skip
     """A :class:`RingPlan` from every member's slots ``(global start, real rows)`` and the slot sides."""
     rows = piece_rows(bytes_per_row)
-    q_pieces = [Pieces.cut(spans, q_side, rows) for spans in q_slots]
+    q_rows = rows * QUERY_PIECES  # query pieces only bound a block's transient output: larger, fewer calls
+    q_pieces = [Pieces.cut(spans, q_side, q_rows) for spans in q_slots]
     k_pieces = [Pieces.cut(spans, k_side, rows) for spans in k_slots]
     return RingPlan(group, q_pieces, k_pieces, work)
 
