@@ -209,6 +209,42 @@ def test_biases_and_their_gradients(kind, score):
     check(q, k, v, score=scores()[score], bias=bias, mask=qkv.masks.causal(), extra=extra)
 
 
+@pytest.mark.parametrize("score", ["scaled_dot", "concat"])
+def test_score_mod_in_blocks_and_its_closure_gradient(score):
+    """The caller shifts the modifier's key index to global positions; a learned closure tensor sums over blocks."""
+    q, k, v = inputs()
+    w = torch.linspace(0.5, 1.5, H, dtype=torch.float64).requires_grad_()
+
+    def fn(s, b, h, q_idx, kv_idx):
+        return s * w[h] + 0.1 * torch.sin((q_idx - kv_idx).to(s.dtype))
+
+    sc = scores()[score]
+    kw = dict(score=sc, mask=qkv.masks.causal(), score_mod=fn)
+    expected = qkv.attention(q, k, v, backend="reference", **kw)
+    d_out = cotangent(expected.shape)
+    expected_w = torch.autograd.grad(expected, w, d_out)[0]
+    req = checks.request(q, k, v, bias=None, causal=False, scale=None, dropout=0.0, return_weights=False, **kw)
+    preq = partial.prepare(req)
+    blocks = []
+    for c0, c1 in zip(CUTS[:-1], CUTS[1:]):
+        def shifted(s, b, h, q_idx, kv_idx, c0=c0):
+            return fn(s, b, h, q_idx, kv_idx + c0)
+
+        blk = block(replace(preq, score_mod=shifted), c0, c1)
+        assert any(p is w for p in partial.parameters(blk))
+        blocks.append(blk)
+    parts = [partial.forward(blk) for blk in blocks]
+    out, lse = parts[0]
+    for o, m in parts[1:]:
+        out, lse = partial.merge(out, lse, o, m)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    d_w = 0
+    for blk in blocks:
+        grads = partial.backward(blk, out, lse, d_out)
+        d_w = d_w + next(g for p, g in zip(partial.parameters(blk), grads.params) if p is w)
+    torch.testing.assert_close(d_w, expected_w, rtol=1e-9, atol=1e-9)
+
+
 def test_fused_engine_for_dot_scores_online_for_the_rest():
     q, k, v = inputs()
     base = checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=True, scale=None,

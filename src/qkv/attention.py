@@ -25,6 +25,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from . import score_mods
 from ._args import positive_int as _positive
 from ._args import probability
 from .functional import attention
@@ -47,6 +48,9 @@ class Attention(nn.Module):
             ``"location"``) need ``query_dim`` (and ``key_dim``, ``hidden``, ``max_len``).
         dropout: on the weights, in training mode only.
         backend: passed to ``qkv.attention``.
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` on the logits, passed to
+            ``qkv.attention`` (e.g. ``qkv.SoftCap(50.0)``); an ``nn.Module`` becomes a submodule,
+            so its parameters train with this module's.
     """
 
     def __init__(
@@ -59,10 +63,12 @@ class Attention(nn.Module):
         max_len: int | None = None,
         dropout: float = 0.0,
         backend: str = "auto",
+        score_mod: Callable | None = None,
     ):
         super().__init__()
         self.score = make(score, query_dim, key_dim, hidden=hidden, max_len=max_len)
         self.dropout, self.backend = probability("dropout", dropout), backend
+        self.score_mod = score_mods.check(score_mod)
 
     def forward(
         self,
@@ -100,7 +106,7 @@ class Attention(nn.Module):
         result = attention(
             query, key, value, score=self.score, mask=mask, bias=bias, causal=causal,
             dropout=self.dropout if self.training else 0.0, return_weights=return_weights,
-            backend=self.backend,
+            backend=self.backend, score_mod=self.score_mod,
         )  # fmt: skip
         if not single_step:
             return result
@@ -109,7 +115,10 @@ class Attention(nn.Module):
         return result.squeeze(-2)
 
     def extra_repr(self) -> str:
-        return f"dropout={self.dropout}, backend={self.backend!r}"
+        text = f"dropout={self.dropout}, backend={self.backend!r}"
+        if self.score_mod is not None and not isinstance(self.score_mod, nn.Module):
+            text += f", score_mod={self.score_mod!r}"
+        return text
 
 
 class MultiHeadAttention(nn.Module):
@@ -132,6 +141,12 @@ class MultiHeadAttention(nn.Module):
             one with ``accepts_bias = True`` also gets a positional bias as ``bias=``, and one
             with a ``positions(q, k, start)`` method (``qkv.distributed.SequenceParallel``, whose
             rows are a shard of a longer sequence) tells rotary embeddings where its rows stand.
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` on the logits of the default
+            mechanism (e.g. ``qkv.SoftCap(50.0)``, Gemma 2); see ``qkv.attention``.
+        qk_norm: a module ``(q, k) -> (q, k)`` applied per head right after the projections,
+            before any rotation, e.g. ``qkv.QKNorm(dim_head)`` (default none).
+        gate: a module ``(out (b, h, i, e), query (b, i, dim)) -> out`` applied to the heads'
+            outputs before ``W^O``, e.g. ``qkv.OutputGate(dim, heads, dim_value_head)``.
     """
 
     def __init__(
@@ -149,6 +164,9 @@ class MultiHeadAttention(nn.Module):
         score: str | Score = "scaled_dot",
         positional: Positional | None = None,
         attention: Callable[..., Tensor] | None = None,
+        score_mod: Callable | None = None,
+        qk_norm: nn.Module | None = None,
+        gate: nn.Module | None = None,
     ):
         super().__init__()
         _positive("dim", dim)
@@ -177,9 +195,11 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = Linear(heads * dim_value_head, dim, bias=bias)
         self.positional = positional
         if attention is None:
-            attention = Attention(make(score, dim_head, dim_head, hidden=dim_head), dropout=dropout)
+            attention = Attention(make(score, dim_head, dim_head, hidden=dim_head), dropout=dropout, score_mod=score_mod)
         elif score != "scaled_dot":
             raise ValueError("score: give the score to the mechanism passed as attention=, not to both")
+        elif score_mod is not None:
+            raise ValueError("score_mod: give it to the mechanism passed as attention=, not to both")
         elif (
             positional is not None
             and positional.bias() is not None
@@ -192,6 +212,11 @@ class MultiHeadAttention(nn.Module):
                 f"{type(attention).__name__} cannot take; use qkv.positional.Rotary or exact attention"
             )
         self.attention = attention
+        for name, slot in (("qk_norm", qk_norm), ("gate", gate)):
+            if slot is not None and not isinstance(slot, nn.Module):
+                raise TypeError(f"{name}: expected an nn.Module or None, got {type(slot).__name__}")
+        # None is a plain attribute, not a submodule: a default module's state dict is unchanged
+        self.qk_norm, self.gate = qk_norm, gate
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -233,18 +258,28 @@ class MultiHeadAttention(nn.Module):
         q = rearrange(self.q_proj(query), "b i (h d) -> b h i d", h=self.heads)
         k = rearrange(self.k_proj(key), "b j (g d) -> b g j d", g=self.kv_heads)
         v = rearrange(self.v_proj(value), "b j (g e) -> b g j e", g=self.kv_heads)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
         extra = {}
+        # A cache that re-positions its keys (qkv.cache.StreamingCache: positions within the
+        # cache) gets them unrotated; every key is rotated after the update instead.
+        late = cache is not None and getattr(cache, "positions_in_cache", False)
         if self.positional is not None:
-            start = 0 if cache is None else cache.length
-            placed = getattr(self.attention, "positions", None)  # a shard's rows stand elsewhere than 0 .. i-1
-            where = {} if placed is None else {"positions": placed(q, k, start)}
-            q, k = self.positional.rotate(q, k, start, **where)
+            if not late:
+                start = 0 if cache is None else cache.length
+                placed = getattr(self.attention, "positions", None)  # a shard's rows stand elsewhere than 0 .. i-1
+                where = {} if placed is None else {"positions": placed(q, k, start)}
+                q, k = self.positional.rotate(q, k, start, **where)
             if (pos_bias := self.positional.bias()) is not None:
                 extra["bias"] = pos_bias
         if cache is not None:
             k, v = cache.update(k, v)
+            if late and self.positional is not None:
+                q, k = self.positional.rotate(q, k, 0)
         result = self.attention(q, k, v, mask=mask, causal=causal, return_weights=return_weights, **extra)
         out, weights = result if return_weights else (result, None)
+        if self.gate is not None:
+            out = self.gate(out, query)
         y = self.out_proj(rearrange(out, "b h i e -> b i (h e)"))
         return (y, weights) if return_weights else y
 

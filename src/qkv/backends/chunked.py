@@ -13,12 +13,13 @@ Two engines, one contract (``out``, and the log-sum-exp ``lse (..., h, i)`` of e
   gradient from ``bias_grad``, with the far keys' share kept by a split forward); other
   masks and biases are built one query block at a time. The speed of ``F.scaled_dot_product_attention`` with at most one block's mask.
 * ``online_softmax`` — everything else (additive and location scores, dropout, learned
-  biases under other masks, dense biases that need a gradient, inputs without a batch or
-  head dim): a Python loop over tiles with an online softmax and a custom backward that
+  biases under other masks, dense biases that need a gradient, score modifiers, inputs
+  without a batch or head dim): a Python loop over tiles with an online softmax and a custom backward that
   recomputes each tile. Memory is one tile of logits plus, for the additive score, one
   cache-sized ``(ib, jb, n)`` scratch block, instead of the reference's ``(i, j, n)``.
 
-Both skip tiles that the mask reports empty. Weights, when asked for, are rebuilt from
+Both skip tiles that the mask reports empty, and both take attention sinks
+(``backends.sinks``) on their ``(out, lse)``. Weights, when asked for, are rebuilt from
 ``lse`` (``backends.weights``), optionally for a few heads or rows only. Checked against
 the float64 reference backend in ``tests/test_backends_chunked.py``.
 """
@@ -31,11 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import score_mods
 from ..positional import LazyBias
 from . import additive_tiles
 from . import dropout as drop
 from .fused_blocks import DiagonalMask, FusedBlocks, FusedPlan
-from .online_softmax import Plan, TiledAttention
+from .online_softmax import Plan, TiledAttention, unique
 from .request import Request
 from .tiles import BiasSource
 from .weights import rebuild
@@ -57,7 +59,7 @@ def supports(req: Request) -> str | None:
 
 def engine(req: Request) -> str:
     """``"fused_blocks"`` or ``"online_softmax"``: which engine :func:`run` will use, for ``explain``."""
-    if not req.score.dot_form:
+    if not req.score.dot_form or req.score_mod is not None:
         return "online_softmax"
     if req.dropout > 0 or req.q.dim() != 4:
         return "online_softmax"
@@ -90,7 +92,7 @@ def forward(req: Request) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         profile = None
         if _trainable_bias(req):  # learned T5 buckets: the (h, L) profile carries the gradient
             profile = BiasSource(req.bias, req.i, req.j, q.device, grad=True).profile_graph
-        out, lse = FusedBlocks.apply(fused_plan(req), *same_head_size(qp, kp, v), profile)
+        out, lse = FusedBlocks.apply(fused_plan(req), *same_head_size(qp, kp, v), profile, req.sinks)
         out = out[..., : v.shape[-1]]
     else:
         out, lse = _online(req, qp, kp, v)
@@ -116,7 +118,7 @@ def same_head_size(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Ten
 def _online(req: Request, qp: Tensor, kp: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     seed = drop.draw_seed(req.generator) if req.dropout > 0 else 0
     plan, dense, params = online_plan(req, qp, seed)
-    return TiledAttention.apply(plan, qp, kp, v, dense, *params)
+    return TiledAttention.apply(plan, qp, kp, v, dense, req.sinks, *params)
 
 
 def online_plan(req: Request, qp: Tensor, seed: int, origin: drop.Origin | None = None) -> tuple[Plan, Tensor | None, list[Tensor]]:
@@ -124,7 +126,7 @@ def online_plan(req: Request, qp: Tensor, seed: int, origin: drop.Origin | None 
     lazy = req.bias if isinstance(req.bias, LazyBias) else None
     dense = req.bias if isinstance(req.bias, Tensor) else None
     block_i, block_j = _blocks(req, qp)
-    plan = Plan(req.score, req.mask, lazy, req.scale, req.dropout, seed, block_i, block_j, origin)
+    plan = Plan(req.score, req.mask, lazy, req.scale, req.dropout, seed, block_i, block_j, origin, req.score_mod)
     return plan, dense, parameters(req)
 
 
@@ -132,14 +134,18 @@ def parameters(req: Request) -> list[Tensor]:
     """Tensors the tiles read besides q, k, v and a dense bias, whose gradients the engine returns.
 
     The score's parameters when its pairwise step uses them (not the dot form, whose
-    parameters act in ``prepare`` only) and the lazy bias's.
+    parameters act in ``prepare`` only), the lazy bias's, and the tensors the score
+    modifier reads (``qkv.score_mods.closure_tensors``); modules' parameters first, each
+    tensor once.
     """
     params: list[Tensor] = []
     if not req.score.dot_form:
         params += list(req.score.parameters())  # pairwise may use them (the additive score's v)
     if isinstance(req.bias, LazyBias):
         params += list(req.bias.parameters())
-    return params
+    if req.score_mod is not None:
+        params += score_mods.closure_tensors(req.score_mod)
+    return unique(params)
 
 
 def _blocks(req: Request, qp: Tensor) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ..masks import Mask, Offsets, Tile
 from ..positional import LazyBias, RelativePositionBias
+from . import sinks as sink
 from .bias_grad import add_profile_grad, far_profile_grad, saturating_profile_grad
 from .tiles import NEG_INF, BiasSource, as_heads, key_range, shift_invariant
 
@@ -286,6 +287,7 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, profile: Ten
 def fused_backward(
     plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
     profile: Tensor | None = None, far: tuple[Tensor, Tensor] | None = None, grad_profile: bool = False,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """``(dq, dk, dv, d_profile)`` from the row's output ``out`` and log-sum-exp ``lse``.
 
@@ -293,7 +295,8 @@ def fused_backward(
     of the row, so when ``out`` and ``lse`` are a larger softmax's (more key blocks, sinks)
     the result is this call's share of that softmax's gradients. Rows with an infinite
     ``lse`` see no key anywhere: their gradients are 0. ``far`` is what
-    :func:`fused_forward` kept, already relative to ``lse``.
+    :func:`fused_forward` kept, already relative to ``lse``; ``sinks``, when ``lse`` includes
+    them, only matter to a learned bias's gradient.
     """
     i_len, j_len = q.shape[-2], k.shape[-2]
     dead = ~torch.isfinite(lse)
@@ -348,28 +351,37 @@ def fused_backward(
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if d_profile is not None and reach is not None:  # after the loop: its blocks reuse the freed memory
         true_lse = torch.where(dead, float("inf"), lse)  # +inf on rows that see no key
-        saturating_profile_grad(d_profile, diagonal, q, k, v, d_out, true_lse, delta, plan.scale, reach)
+        row_sums = None if sinks is None else delta * torch.exp(sink.per_head(sinks, true_lse) - true_lse)
+        saturating_profile_grad(d_profile, diagonal, q, k, v, d_out, true_lse, delta, plan.scale, reach, row_sums)
     d_profile = None if d_profile is None else d_profile.to(profile.dtype)
     return dq, dk, dv, d_profile
 
 
 class FusedBlocks(torch.autograd.Function):
-    """``(q, k, v) -> (out, lse)`` with ``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)``."""
+    """``(q, k, v, profile, sinks) -> (out, lse)`` with ``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)``.
+
+    ``sinks (h,)`` or None: each row's softmax denominator gains ``exp(sinks_h)``
+    (``backends.sinks``); ``lse`` is then the total, sink included.
+    """
 
     @staticmethod
-    def forward(ctx, plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, profile: Tensor | None = None):
+    def forward(ctx, plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, profile: Tensor | None = None, sinks: Tensor | None = None):
         out, lse, far = fused_forward(plan, q, k, v, profile)
+        if sinks is not None:
+            out, lse, share = sink.apply(out, lse, sinks)
+            far = None if far is None else (far[0] * share[..., None].to(far[0].dtype), far[1] * share)
         # the far keys' share and output: read by every backward over this graph (retain_graph)
         ctx.plan, ctx.far = plan, far
-        ctx.save_for_backward(q, k, v, out, lse, profile)
+        ctx.save_for_backward(q, k, v, out, lse, profile, sinks)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
-        q, k, v, out, lse, profile = ctx.saved_tensors
+        q, k, v, out, lse, profile, sinks = ctx.saved_tensors
         # ctx.far is not cleared: a second backward (retain_graph=True) needs it again
         dq, dk, dv, d_profile = fused_backward(
-            ctx.plan, q, k, v, out, lse, d_out, profile, ctx.far, grad_profile=ctx.needs_input_grad[4]
+            ctx.plan, q, k, v, out, lse, d_out, profile, ctx.far, grad_profile=ctx.needs_input_grad[4], sinks=sinks
         )
-        return None, dq, dk, dv, d_profile
+        d_sinks = sink.grad(out, lse, d_out, sinks) if ctx.needs_input_grad[5] else None
+        return None, dq, dk, dv, d_profile, d_sinks

@@ -71,6 +71,10 @@ def supports(req: Request) -> str | None:
         return "it does not return weights"
     if req.dropout > 0:
         return "it has no dropout"
+    if req.sinks is not None:
+        return "it has no sinks"
+    if req.score_mod is not None:
+        return "a score_mod needs each tile's logits, which the fused kernel never exposes"
     if req.q.dim() != 4:
         return "it needs (b, h, i, d) inputs"
     if req.bias is not None and _trainable(req.bias):

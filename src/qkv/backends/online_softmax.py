@@ -18,7 +18,10 @@ so memory is one tile of logits at a time. Dot-form scores take the explicit
 ``dQ = scale·dS K``, ``dK = scale·dSᵀ Q``. The additive score (``qkv.scores.Additive``) is
 computed and differentiated by hand in ``backends.additive_tiles``, in cache-sized
 sub-blocks of its ``(it, jt, n)`` intermediate. Any other score (and any learned bias) is
-differentiated by autograd on the recomputed tile.
+differentiated by autograd on the recomputed tile. A score modifier (``score_mod``,
+``qkv.score_mods``) runs on each tile's logits after the bias and before the mask; its
+backward is autograd through the modifier alone, on a detached copy of the tile's
+pre-modifier logits, whose gradient then goes on as ``dS`` would without it.
 
 Tiles that the mask reports "empty" are skipped; on "full" ones the mask is not built. A
 query with no allowed key has ``l = 0``: its output is 0 and its ``lse`` is ``+inf``, so
@@ -31,15 +34,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 from torch.nn.utils.stateless import _reparametrize_module
 
+from .. import score_mods
 from ..masks import Mask, Tile
 from ..scores import Score
 from . import additive_tiles
 from . import dropout as drop
+from . import sinks as sink
 from .additive_tiles import AdditiveTiles
 from .tiles import NEG_INF, BiasSource, dense_tile, mask_state
 
@@ -57,6 +63,7 @@ class Plan:
     block_i: int  # query tile side
     block_j: int  # key tile side
     origin: drop.Origin | None = None  # where this call sits in a larger one (dropout coordinates)
+    score_mod: Callable | None = None  # fn(score, b, h, q_idx, kv_idx) on each tile (qkv.score_mods)
 
 
 def _pairwise(plan: Plan, qp5: Tensor, kp5: Tensor, t: Tile) -> Tensor:
@@ -67,11 +74,16 @@ def _pairwise(plan: Plan, qp5: Tensor, kp5: Tensor, t: Tile) -> Tensor:
 
 
 def _logits(plan: Plan, raw: Tensor, bias: BiasSource, dense_t: Tensor | None, t: Tile, state: str) -> Tensor:
-    """Scaled, biased, masked logits of one tile in float32 (or wider), ``(..., h, it, jt)``.
+    """Scaled, biased, modified, masked logits of one tile in float32 (or wider), ``(..., h, it, jt)``.
 
     ``raw`` is the tile's unscaled scores ``(..., g, r, it, jt)``; ``dense_t`` the tile of a
     dense bias, already sliced.
     """
+    return _masked(plan, _modded(plan, _pre(plan, raw, bias, dense_t, t), t), t, state)
+
+
+def _pre(plan: Plan, raw: Tensor, bias: BiasSource, dense_t: Tensor | None, t: Tile) -> Tensor:
+    """``scale · raw + bias``: the logits before the score modifier and the mask."""
     s = raw.flatten(-4, -3)  # (..., g, r, it, jt) -> (..., h, it, jt)
     if s.dtype in (torch.float16, torch.bfloat16):
         s = s.float()
@@ -80,9 +92,15 @@ def _logits(plan: Plan, raw: Tensor, bias: BiasSource, dense_t: Tensor | None, t
         s = s + b.to(s.dtype)
     if dense_t is not None:
         s = s + dense_t.to(s.dtype)
-    if state == "partial":
-        s = s.masked_fill(~plan.mask.tile(t), NEG_INF)
     return s
+
+
+def _modded(plan: Plan, s: Tensor, t: Tile) -> Tensor:
+    return s if plan.score_mod is None else score_mods.apply(plan.score_mod, s, t)
+
+
+def _masked(plan: Plan, s: Tensor, t: Tile, state: str) -> Tensor:
+    return s.masked_fill(~plan.mask.tile(t), NEG_INF) if state == "partial" else s
 
 
 def _tiles(plan: Plan, i_len: int, j_len: int, device):
@@ -150,48 +168,67 @@ def tiled_forward(plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor |
 
 
 class TiledAttention(torch.autograd.Function):
-    """``(qp, kp, v, dense_bias, *params) -> (out, lse)``; see the module docstring."""
+    """``(qp, kp, v, dense_bias, sinks, *params) -> (out, lse)``; see the module docstring.
+
+    ``sinks (h,)`` or None: each row's softmax denominator gains ``exp(sinks_h)``
+    (``backends.sinks``); ``lse`` is then the total, sink included.
+    """
 
     @staticmethod
-    def forward(ctx, plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, *params: Tensor):
+    def forward(ctx, plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, sinks: Tensor | None, *params: Tensor):
         out, lse = tiled_forward(plan, qp, kp, v, dense)
+        if sinks is not None:
+            out, lse, _ = sink.apply(out, lse, sinks)
         ctx.plan, ctx.params = plan, params
-        ctx.save_for_backward(qp, kp, v, dense, out, lse)
+        ctx.save_for_backward(qp, kp, v, dense, out, lse, sinks)
         ctx.mark_non_differentiable(lse)
         return out.to(v.dtype), lse
 
     @staticmethod
     def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
-        qp, kp, v, dense, out, lse = ctx.saved_tensors
+        qp, kp, v, dense, out, lse, sinks = ctx.saved_tensors
         needs = ctx.needs_input_grad
         with _bound(ctx.plan, ctx.params):
             dq, dk, dv, d_dense, d_params = tiled_backward(
                 ctx.plan, qp, kp, v, dense, ctx.params, out, lse, d_out,
                 grad_qk=needs[1] or needs[2], grad_dense=dense is not None and needs[4],
             )  # fmt: skip
-        return None, dq.to(qp.dtype), dk.to(kp.dtype), dv.to(v.dtype), d_dense, *d_params
+        d_sinks = sink.grad(out, lse, d_out, sinks) if needs[5] else None
+        return None, dq.to(qp.dtype), dk.to(kp.dtype), dv.to(v.dtype), d_dense, d_sinks, *d_params
 
 
 @contextlib.contextmanager
 def _bound(plan: Plan, params: tuple[Tensor, ...]):
     """Recompute the tiles with the parameter tensors the forward pass used.
 
-    The backward calls ``score.pairwise`` and the lazy bias again, which read the modules'
-    attributes. Under ``torch.func.functional_call`` those attributes are the module's own
+    The backward calls ``score.pairwise``, the lazy bias and the score modifier again, which
+    read the modules' attributes. Under ``torch.func.functional_call`` those attributes are the module's own
     parameters again by the time backward runs, not the tensors the forward saw (``params``);
     without rebinding, those tensors would silently get no gradient.
     """
     modules = ([] if plan.score.dot_form else [plan.score]) + [m for m in (plan.lazy_bias,) if m is not None]
-    owned = [p for m in modules for p in m.parameters()]
-    if len(owned) == len(params) and all(a is b for a, b in zip(owned, params)):
+    modules += score_mods.modules(plan.score_mod)
+    owned = unique(p for m in modules for p in m.parameters())  # params starts with these (chunked.parameters)
+    if all(a is b for a, b in zip(owned, params[: len(owned)])):
         yield  # the usual case: nothing was swapped
         return
+    given = {id(p): x for p, x in zip(owned, params)}
     with contextlib.ExitStack() as stack:
-        given = iter(params)
         for module in modules:
-            names = [name for name, _ in module.named_parameters()]
-            stack.enter_context(_reparametrize_module(module, {name: next(given) for name in names}))
+            names = {name: given[id(p)] for name, p in module.named_parameters()}
+            stack.enter_context(_reparametrize_module(module, names))
         yield
+
+
+def unique(tensors) -> list[Tensor]:
+    """Tensors in order, each once (by identity): an input listed twice would get its gradient twice."""
+    seen: set[int] = set()
+    out = []
+    for x in tensors:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
 
 
 def tiled_backward(
@@ -252,7 +289,13 @@ def tiled_backward(
         with torch.set_grad_enabled(use_autograd):
             if raw is None:
                 raw = _pairwise(plan, qt, kt, t)
-            s = _logits(plan, raw, bias, dense_t, t, state)
+            s = pre = _pre(plan, raw, bias, dense_t, t)
+        if plan.score_mod is not None:  # two stages: autograd through fn alone, then on as without it
+            pre_in = pre.detach().requires_grad_()
+            with torch.enable_grad():
+                s = _modded(plan, pre_in, t)
+        with torch.set_grad_enabled(use_autograd or plan.score_mod is not None):
+            s = _masked(plan, s, t, state)
         p = torch.exp(s.detach() - lse[..., rows, None])
         dp = (d_out5[..., rows, :] @ v5[..., cols, :].transpose(-1, -2).to(acc)).flatten(-4, -3)
         p_used = p
@@ -262,6 +305,12 @@ def tiled_backward(
         # dV += Pᵀ dO, summed over the r query heads that share a KV head
         dv[..., cols, :] += torch.einsum("...rij,...rie->...je", p_used.unflatten(-3, (g, -1)), d_out5[..., rows, :])
         ds = p * (dp - delta[..., rows, :])
+        if plan.score_mod is not None:  # d(pre-modifier logits), and the modifier's own tensors' share
+            first, *mod_grads = torch.autograd.grad(s, [pre_in, *trainable], ds, allow_unused=True)
+            ds, s = (torch.zeros_like(ds) if first is None else first), pre
+            for n, grad in enumerate(mod_grads):
+                if grad is not None:
+                    d_params[n] += grad
         if use_autograd:
             grads = list(torch.autograd.grad(s, leaves, ds, allow_unused=True))
             if qk_leaves:

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from ..positional import LazyBias
 from . import chunked
+from . import sinks as sink
 from .dropout import Origin
 from .fused_blocks import fused_backward, fused_forward
 from .online_softmax import tiled_backward, tiled_forward
@@ -74,8 +75,9 @@ def parameters(preq: Request) -> list[Tensor]:
     """Tensors the block's tiles read besides q, k, v and a dense bias: ``Grads.params`` is aligned with it.
 
     The score's parameters when its pairwise step uses them (not the dot form, whose
-    parameters act in ``prepare``, reached through ``Grads.q``/``Grads.k``) and a lazy
-    bias's parameters.
+    parameters act in ``prepare``, reached through ``Grads.q``/``Grads.k``), a lazy bias's
+    parameters and the tensors a ``score_mod`` reads (``qkv.score_mods.closure_tensors``),
+    each once.
     """
     return chunked.parameters(preq)
 
@@ -85,9 +87,9 @@ def engine(preq: Request) -> str:
 
     The fused kernel cannot differentiate a bias, so a bias with a gradient (dense that
     requires grad, or a learned lazy one) goes to the online engine, as do dropout,
-    non-dot scores and inputs that are not ``(b, h, i, d)``.
+    non-dot scores, score modifiers and inputs that are not ``(b, h, i, d)``.
     """
-    if not preq.score.dot_form or preq.dropout > 0 or preq.q.dim() != 4 or _bias_grad(preq):
+    if not preq.score.dot_form or preq.score_mod is not None or preq.dropout > 0 or preq.q.dim() != 4 or _bias_grad(preq):
         return "online_softmax"
     return "fused_blocks"
 
@@ -117,7 +119,9 @@ def forward(preq: Request, seed: int = 0, origin: Origin | None = None) -> tuple
     ``out`` is the block's own softmax-normalised output, ``lse = log Σ_visible exp(logit)``;
     a row with no visible key has ``out = 0``, ``lse = -inf``. ``seed`` is the dropout seed
     of the whole call, ``origin`` where the block sits in it (``dropout.Origin``), so that
-    its dropout mask is the whole call's at the same coordinates.
+    its dropout mask is the whole call's at the same coordinates. ``preq.sinks`` is not
+    applied here (it would count once per block): apply :func:`with_sinks` to the merged
+    result.
     """
     q, k, v, no_heads = _with_heads(preq)
     dense = preq.bias.detach() if isinstance(preq.bias, Tensor) else None
@@ -197,10 +201,8 @@ def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]
 
     ``sinks (h,)``; differentiable in ``sinks`` (and in ``out``, ``lse`` if they carry a
     graph): the gradient of ``s_h`` is ``-Σ_rows exp(s_h - lse_total) · rowsum(dO ∘ O_total)``.
-    A row with ``lse = -inf`` stays ``out = 0`` with ``lse_total = s_h``.
+    Apply it once, to the merged result; then :func:`backward` of each block with
+    ``(out_total, lse_total)`` gives the keys' gradients. A row with ``lse = -inf`` stays
+    ``out = 0`` with ``lse_total = s_h``.
     """
-    s = sinks.to(lse.dtype)
-    s = s.reshape(s.shape[0], 1) if lse.dim() >= 2 else s.reshape(())
-    total = torch.logaddexp(lse, s)
-    share = torch.exp(lse - total)  # σ(lse - s): the real keys' part of the mass
-    return out * share[..., None].to(out.dtype), total
+    return sink.with_sinks(out, lse, sinks)

@@ -59,6 +59,8 @@ SUITES: dict[str, str] = {
     "approx": "qkv.bench.approx",
     "learning": "qkv.bench.learning",
     "generation": "qkv.bench.generation",
+    "transformers": "qkv.bench.transformers",
+    "latent": "qkv.bench.latent",
     "distributed": "qkv.bench.distributed",
 }
 #: Suites run when ``--suite`` is not given.

