@@ -28,7 +28,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 BASE = {"strategy": "allgather", "layout": "zigzag", "b": 2, "h": 6, "g": 3, "i": 13, "j": None, "d": 11,
         "e": 7, "dtype": "float64", "mask": "none", "bias": "none", "score": "scaled_dot", "causal": False,
-        "grad": True, "seed": 0, "dropout": 0.0, "hybrid": None}  # fmt: skip
+        "grad": True, "seed": 0, "dropout": 0.0, "hybrid": None, "score_mod": "none"}  # fmt: skip
 
 
 def case(**kw) -> dict:
@@ -65,7 +65,24 @@ def build(c: dict):
     kw["score"] = score
     kw["mask"] = _mask(c["mask"], b, h, i, j, gen)
     kw["bias"] = _bias(c["bias"], b, h, i, j, gen, dt)
+    kw["score_mod"] = _score_mod(c["score_mod"], h, gen, dt)
     return q, k, v, w, kw
+
+
+def _score_mod(kind: str, h, gen, dt):
+    if kind == "none":
+        return None
+    if kind == "softcap":
+        return qkv.SoftCap(2.0)
+    if kind == "learned":  # reads every index: global rows, keys and heads must reach it
+        weight = (0.5 * torch.randn(h, generator=gen, dtype=torch.float64)).to(dt).requires_grad_()
+
+        def fn(score, b, head, q_idx, kv_idx):
+            return score + weight[head] * torch.sin(0.3 * (q_idx - 2 * kv_idx)) + 0.1 * b
+
+        fn.weight = weight
+        return fn
+    raise KeyError(kind)
 
 
 def _mask(kind: str, b, h, i, j, gen):
@@ -118,6 +135,8 @@ def _params(kw) -> list[tuple[str, torch.Tensor]]:
         out += [(f"bias.{n}", p) for n, p in kw["bias"].named_parameters()]
     elif isinstance(kw["bias"], torch.Tensor):
         out.append(("bias", kw["bias"]))
+    if hasattr(kw.get("score_mod"), "weight"):
+        out.append(("score_mod.weight", kw["score_mod"].weight))
     return out
 
 

@@ -123,7 +123,15 @@ DEFAULT = [
     case(strategy="ring", mask="causal", i=2, j=2),  # P = 3, 4: ranks with only padding
     case(strategy="allgather", mask="causal", i=3, j=10, layout="contiguous"),
     case(strategy="ulysses", mask="future", i=4, j=9, bias="t5"),
+    case(strategy="ring", mask="causal", score_mod="learned", bias="alibi"),
+    case(strategy="allgather", mask="window", score_mod="learned", layout="contiguous"),
+    case(strategy="ring", mask="lengths", score_mod="softcap", dtype="float32"),
 ]
+
+
+def test_score_mod_reads_global_indices(dist_pool):
+    cases = [case(strategy="ulysses", mask="causal", score_mod="learned", h=6, g=3, i=9, j=11)]
+    check(dist_pool.run(TARGET, 3, cases), cases)
 
 
 @pytest.mark.parametrize("size", [3, 4])

@@ -30,7 +30,7 @@ from torch import Tensor
 from ..backends import partial
 from ..backends.dropout import Origin
 from ..backends.request import Request
-from .framing import Block, frame_bias, frame_mask, mask_state
+from .framing import Block, frame_bias, frame_mask, frame_score_mod, mask_state
 
 #: Largest piece (1 MiB), in bytes of what it carries ([k | v] of a key piece; the float32 output
 #: rows of a query piece). Small enough that a few in flight are a fraction of a rank's
@@ -112,7 +112,8 @@ class Work:
         bias = req.bias if dense is None else dense
         return replace(
             req, q=q, k=k, v=v, mask=frame_mask(req.mask, block), bias=frame_bias(bias, block, self.heads),
-            generator=None, return_weights=False, weights_for=None,
+            score_mod=frame_score_mod(req.score_mod, block, self.heads), generator=None, return_weights=False,
+            weights_for=None,
         )  # fmt: skip
 
     def origin(self, block: Block) -> Origin:

@@ -18,7 +18,7 @@ from ..backends import partial
 from ..functional import attention
 from .blocks import Work
 from .comm import Group
-from .framing import Block, frame_bias, frame_mask, mask_state
+from .framing import Block, frame_bias, frame_mask, frame_score_mod, mask_state
 from .ring import attend, plan_for, row_bytes
 
 
@@ -37,7 +37,7 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, call, *, r0: int = 0, c0: int =
         return _placed(q, k, v, call, block, heads)
     return attention(
         q, k, v, score=req.score, mask=frame_mask(req.mask, block), bias=frame_bias(req.bias, block, heads),
-        scale=req.scale,
+        scale=req.scale, score_mod=frame_score_mod(req.score_mod, block, heads),
     )  # fmt: skip
 
 

@@ -23,12 +23,17 @@ lazy mask and bias of qkv is a function of tile coordinates, bottom-right aligne
   and it owns the wrapped module, so learned T5 buckets get their gradient);
 * another lazy bias: :class:`Translated`; a dense bias: its slice.
 
+* a ``score_mod`` (``fn(score, b, h, q_idx, kv_idx)``, raw indices): the same function with
+  ``q_idx + r0``, ``kv_idx + c0`` and ``h + h0`` (:func:`frame_score_mod`), a
+  ``functools.partial``, so the tensors it reads still get their gradients.
+
 A block whose mask state is "empty" is not computed; one whose state is "full" drops the
 mask. Ulysses also slices heads: :func:`frame_bias` takes ``heads=(h0, h1)``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +41,7 @@ from torch import Tensor
 
 from ..masks import And, Dense, Lengths, Mask, Offsets, Or, Tile, Window
 from ..positional import LazyBias
+from ..score_mods import SoftCap
 
 
 @dataclass(frozen=True)
@@ -214,4 +220,22 @@ class HeadSlice(_Wrapped):
         return self._heads(self.inner.tile(t))
 
 
-__all__ = ["Block", "frame_bias", "frame_mask", "heads_only", "mask_state"]
+def frame_score_mod(fn, block: Block | None, heads: tuple[int, int] | None = None):
+    """``fn`` reading global indices: rows from ``block.r0``, keys from ``block.c0``, heads from ``heads[0]``.
+
+    Soft-capping reads no index and is returned as it is (the engine recognises it).
+    """
+    if fn is None or isinstance(fn, SoftCap):
+        return fn
+    r0, c0 = (0, 0) if block is None else (block.r0, block.c0)
+    h0 = 0 if heads is None else heads[0]
+    if (r0, c0, h0) == (0, 0, 0):
+        return fn
+    return functools.partial(_moved, fn, r0, c0, h0)
+
+
+def _moved(fn, r0: int, c0: int, h0: int, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return fn(score, b, h + h0, q_idx + r0, kv_idx + c0)
+
+
+__all__ = ["Block", "frame_bias", "frame_mask", "frame_score_mod", "heads_only", "mask_state"]

@@ -14,6 +14,8 @@ each block's global positions (``framing``).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -50,6 +52,7 @@ def attention(
     scale: float | None = None,
     dropout: float = 0.0,
     generator: torch.Generator | None = None,
+    score_mod: Callable | None = None,
 ) -> Tensor:
     """Exact attention over a sequence split across the ranks of ``group``; returns this rank's output rows.
 
@@ -64,9 +67,10 @@ def attention(
         layout: ``"zigzag"`` (balanced under a causal mask) or ``"contiguous"``.
         group: the ranks the sequence is split over (default: all).
         ring_group, ulysses_group: the two factors of ``group`` for ``"hybrid"``.
-        score, mask, bias, causal, scale, dropout, generator: as in ``qkv.attention``, for
-            the whole ``(b, h, i, j)`` call at global positions; give the same objects on
-            every rank (a dense mask or bias covers all ``i`` and ``j``).
+        score, mask, bias, causal, scale, dropout, generator, score_mod: as in
+            ``qkv.attention``, for the whole ``(b, h, i, j)`` call at global positions (a
+            ``score_mod`` sees global ``q_idx``, ``kv_idx`` and head ``h``); give the same
+            objects on every rank (a dense mask or bias covers all ``i`` and ``j``).
 
     Returns:
         ``(b, h, i/P, e)``: this rank's rows of the output, in ``layout``. Autograd works
@@ -80,7 +84,7 @@ def attention(
     grp = resolve(group)
     call = plan_call(
         q, k, v, grp, strategy=strategy, layout=layout, score=score, mask=mask, bias=bias, causal=causal,
-        scale=scale, dropout=dropout, generator=generator,
+        scale=scale, dropout=dropout, generator=generator, score_mod=score_mod,
     )  # fmt: skip
     if strategy == "allgather":
         from .allgather import run
@@ -112,7 +116,7 @@ class Call:
 
 
 def plan_call(q, k, v, group: Group, *, strategy: str, layout: str, score, mask, bias, causal, scale, dropout,
-              generator) -> Call:  # fmt: skip
+              generator, score_mod=None) -> Call:  # fmt: skip
     """Check the local shards, agree with the other ranks, and check the keywords at global shapes."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor):
@@ -150,7 +154,7 @@ def plan_call(q, k, v, group: Group, *, strategy: str, layout: str, score, mask,
                                             (v, g, k_layout.length, e))]  # fmt: skip
     req = checks.request(
         *whole, score=score, mask=mask, bias=bias, causal=causal, scale=scale, dropout=p,
-        return_weights=False, generator=None,
+        return_weights=False, generator=None, score_mod=score_mod,
     )  # fmt: skip
     if isinstance(req.score, Location):
         raise ValueError(

@@ -19,9 +19,11 @@ unsharded model loads as it is, and the same weights give the same result sharde
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 from torch import Tensor, nn
 
+from .. import score_mods
 from .._args import probability
 from ..masks import Mask
 from ..positional import LazyBias
@@ -43,19 +45,23 @@ class SequenceParallel(nn.Module):
         score: a name or a ``qkv.scores.Score`` (a learned one as a module, like exact attention's).
         dropout: on the attention weights, in training mode; the mask is the one the whole
             unsharded call would draw.
+        score_mod: ``fn(score, b, h, q_idx, kv_idx)`` on the logits, with the whole
+            sequence's indices (as ``Attention(score_mod=...)`` in the unsharded model).
     """
 
     #: ``MultiHeadAttention`` passes its positional bias (ALiBi, T5 buckets) as ``bias=``.
     accepts_bias = True
 
     def __init__(self, strategy: str = "ring", layout: str = "zigzag", group=None, *, ring_group=None,
-                 ulysses_group=None, score: str | Score = "scaled_dot", dropout: float = 0.0):  # fmt: skip
+                 ulysses_group=None, score: str | Score = "scaled_dot", dropout: float = 0.0,
+                 score_mod: Callable | None = None):  # fmt: skip
         super().__init__()
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
         self.strategy, self.layout = strategy, check_layout(layout)
         self.score = make(score)
         self.dropout = probability("dropout", dropout)
+        self.score_mod = score_mods.check(score_mod)  # global q_idx, kv_idx (as the unsharded call's)
         # process groups are handles, not state: shared by copies (Encoder copies a mechanism per layer)
         self._groups = {"group": group, "ring_group": ring_group, "ulysses_group": ulysses_group}
 
@@ -97,7 +103,7 @@ class SequenceParallel(nn.Module):
             )
         return attention(
             q, k, v, strategy=self.strategy, layout=self.layout, **self._groups, score=self.score, mask=mask,
-            bias=bias, causal=causal, dropout=self.dropout if self.training else 0.0,
+            bias=bias, causal=causal, dropout=self.dropout if self.training else 0.0, score_mod=self.score_mod,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
