@@ -28,7 +28,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 BASE = {"strategy": "allgather", "layout": "zigzag", "b": 2, "h": 6, "g": 3, "i": 13, "j": None, "d": 11,
         "e": 7, "dtype": "float64", "mask": "none", "bias": "none", "score": "scaled_dot", "causal": False,
-        "grad": True, "seed": 0, "dropout": 0.0, "hybrid": None, "score_mod": "none"}  # fmt: skip
+        "grad": True, "seed": 0, "dropout": 0.0, "hybrid": None, "score_mod": "none", "sinks": False}  # fmt: skip
 
 
 def case(**kw) -> dict:
@@ -66,6 +66,8 @@ def build(c: dict):
     kw["mask"] = _mask(c["mask"], b, h, i, j, gen)
     kw["bias"] = _bias(c["bias"], b, h, i, j, gen, dt)
     kw["score_mod"] = _score_mod(c["score_mod"], h, gen, dt)
+    if c["sinks"]:  # learned per-head sink logits (GPT-OSS)
+        kw["sinks"] = torch.randn(h, generator=gen, dtype=torch.float64).to(dt).requires_grad_()
     return q, k, v, w, kw
 
 
@@ -135,6 +137,8 @@ def _params(kw) -> list[tuple[str, torch.Tensor]]:
         out += [(f"bias.{n}", p) for n, p in kw["bias"].named_parameters()]
     elif isinstance(kw["bias"], torch.Tensor):
         out.append(("bias", kw["bias"]))
+    if kw.get("sinks") is not None:
+        out.append(("sinks", kw["sinks"]))
     if hasattr(kw.get("score_mod"), "weight"):
         out.append(("score_mod.weight", kw["score_mod"].weight))
     return out

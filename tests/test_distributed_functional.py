@@ -134,6 +134,17 @@ def test_score_mod_reads_global_indices(dist_pool):
     check(dist_pool.run(TARGET, 3, cases), cases)
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_sinks_join_every_rows_denominator_once(dist_pool, size):
+    cases = [
+        case(strategy="ring", mask="causal", sinks=True, i=9, j=11),
+        case(strategy="ring", mask="window", sinks=True, layout="contiguous", dropout=0.2),
+        case(strategy="allgather", mask="lengths", sinks=True),
+        case(strategy="ulysses", mask="causal", sinks=True, h=6, g=6),
+    ]
+    check(dist_pool.run(TARGET, size, cases), cases)
+
+
 @pytest.mark.parametrize("size", [3, 4])
 def test_remaining_kinds(dist_pool, size):
     cases = [c for c in DEFAULT if not (c["strategy"] == "ulysses" and c["h"] % size)]

@@ -13,7 +13,7 @@ def test_hybrid_matches_single_process(dist_pool, size, arrangement):
         case(strategy="hybrid", hybrid=arrangement, layout="contiguous", mask="window", bias="t5", i=11, j=19),
         case(strategy="hybrid", hybrid=arrangement, mask="lengths", score="additive", bias="dense", dtype="float32"),
         case(strategy="hybrid", hybrid=arrangement, mask="causal", dropout=0.25, h=6, g=6),
-        case(strategy="hybrid", hybrid=arrangement, mask="window", score_mod="learned", h=6, g=2),
+        case(strategy="hybrid", hybrid=arrangement, mask="window", score_mod="learned", h=6, g=2, sinks=True),
     ]
     check(dist_pool.run(TARGET, size, cases), cases)
 

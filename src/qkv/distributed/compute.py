@@ -31,20 +31,22 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, call, *, r0: int = 0, c0: int =
     """
     req = call.req
     block = Block(r0, q.shape[-2], c0, k.shape[-2], call.i_len, call.j_len)
-    if mask_state(req.mask, block) == "empty":
+    sinks = req.sinks if req.sinks is None or heads is None else req.sinks[heads[0] : heads[1]]
+    if mask_state(req.mask, block) == "empty":  # with sinks too: a sink has no value, the rows stay 0
         return q.new_zeros((*q.shape[:-1], v.shape[-1]))
     if req.dropout > 0:  # the dropout mask must be the whole call's at these coordinates
-        return _placed(q, k, v, call, block, heads)
+        return _placed(q, k, v, call, block, heads, sinks)
     return attention(
         q, k, v, score=req.score, mask=frame_mask(req.mask, block), bias=frame_bias(req.bias, block, heads),
-        scale=req.scale, score_mod=frame_score_mod(req.score_mod, block, heads),
+        scale=req.scale, score_mod=frame_score_mod(req.score_mod, block, heads), sinks=sinks,
     )  # fmt: skip
 
 
 
 
 
-def _placed(q: Tensor, k: Tensor, v: Tensor, call, block: Block, heads: tuple[int, int] | None) -> Tensor:
+def _placed(q: Tensor, k: Tensor, v: Tensor, call, block: Block, heads: tuple[int, int] | None,
+            sinks: Tensor | None) -> Tensor:  # fmt: skip
     """The block through ``backends.partial``, which places its dropout mask at the block's origin.
 
     A ring of one rank: the same forward and backward as the ring strategy, no messages.
@@ -56,4 +58,4 @@ def _placed(q: Tensor, k: Tensor, v: Tensor, call, block: Block, heads: tuple[in
     plan = plan_for(Group(None, 1, 0), work, [((block.r0, block.it),)], [((block.c0, block.jt),)], block.it, block.jt,
                     per_row)  # fmt: skip
     dense = req.bias if isinstance(req.bias, Tensor) else None
-    return attend(qp, kp, v, dense, plan, partial.parameters(req))
+    return attend(qp, kp, v, dense, plan, partial.parameters(req), sinks)

@@ -53,6 +53,7 @@ def attention(
     dropout: float = 0.0,
     generator: torch.Generator | None = None,
     score_mod: Callable | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention over a sequence split across the ranks of ``group``; returns this rank's output rows.
 
@@ -67,7 +68,7 @@ def attention(
         layout: ``"zigzag"`` (balanced under a causal mask) or ``"contiguous"``.
         group: the ranks the sequence is split over (default: all).
         ring_group, ulysses_group: the two factors of ``group`` for ``"hybrid"``.
-        score, mask, bias, causal, scale, dropout, generator, score_mod: as in
+        score, mask, bias, causal, scale, dropout, generator, score_mod, sinks: as in
             ``qkv.attention``, for the whole ``(b, h, i, j)`` call at global positions (a
             ``score_mod`` sees global ``q_idx``, ``kv_idx`` and head ``h``); give the same
             objects on every rank (a dense mask or bias covers all ``i`` and ``j``).
@@ -84,7 +85,7 @@ def attention(
     grp = resolve(group)
     call = plan_call(
         q, k, v, grp, strategy=strategy, layout=layout, score=score, mask=mask, bias=bias, causal=causal,
-        scale=scale, dropout=dropout, generator=generator, score_mod=score_mod,
+        scale=scale, dropout=dropout, generator=generator, score_mod=score_mod, sinks=sinks,
     )  # fmt: skip
     if strategy == "allgather":
         from .allgather import run
@@ -116,7 +117,7 @@ class Call:
 
 
 def plan_call(q, k, v, group: Group, *, strategy: str, layout: str, score, mask, bias, causal, scale, dropout,
-              generator, score_mod=None) -> Call:  # fmt: skip
+              generator, score_mod=None, sinks=None) -> Call:  # fmt: skip
     """Check the local shards, agree with the other ranks, and check the keywords at global shapes."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor):
@@ -154,7 +155,7 @@ def plan_call(q, k, v, group: Group, *, strategy: str, layout: str, score, mask,
                                             (v, g, k_layout.length, e))]  # fmt: skip
     req = checks.request(
         *whole, score=score, mask=mask, bias=bias, causal=causal, scale=scale, dropout=p,
-        return_weights=False, generator=None, score_mod=score_mod,
+        return_weights=False, generator=None, score_mod=score_mod, sinks=sinks,
     )  # fmt: skip
     if isinstance(req.score, Location):
         raise ValueError(

@@ -108,7 +108,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, call, *, ring_group=None, ulysses_group
     plan = plan_for(ring, work, [_union(lay_q, row) for row in members], [_union(lay_k, row) for row in members],
                     lay_q.side, lay_k.side, per_row)  # fmt: skip
     dense = req.bias if isinstance(req.bias, Tensor) else None
-    out = attend(qh, kvh[..., :d], kvh[..., d:], dense, plan, partial.parameters(req))
+    sinks = None if req.sinks is None else req.sinks[heads[0] : heads[1]]
+    out = attend(qh, kvh[..., :d], kvh[..., d:], dense, plan, partial.parameters(req), sinks)
     out = out if out.requires_grad else attach(out, qh, kvh)
     # back: (b, h/U, U·S·c, e) -> (U, b, h/U, S·c, e) -> all-to-all -> (b, h, S·c, e)
     back = all_to_all(out.unflatten(-2, (uly.size, -1)).movedim(-3, 0), uly, "a2a")

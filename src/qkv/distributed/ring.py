@@ -11,7 +11,8 @@ The next step's K/V are posted before this step's blocks are computed, so transf
 compute overlap. The backward walks the same steps with the saved final ``(out, lse)``
 (FlashAttention-2's backward needs nothing else, ``partial.backward``): ``dq`` stays, the
 ``dk, dv`` of a visiting block travel back to the rank that owns it. The forward is not
-rerun.
+rerun. Attention sinks (``sinks (h,)``, GPT-OSS) join each row's denominator once, after
+the last block (``partial.with_sinks``).
 
 Each step's K/V are sent straight from their owner rank (``r - s -> r``), not forwarded
 hop by hop; the schedule of blocks is ring attention's, and the bytes per step the same
@@ -100,7 +101,8 @@ class RingAttention(torch.autograd.Function):
     """``(qp, kp, v, dense, *params) -> out``, all padded to slots; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, plan: RingPlan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, *params: Tensor):
+    def forward(ctx, plan: RingPlan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, sinks: Tensor | None,
+                *params: Tensor):  # fmt: skip
         me, work = plan.group.rank, plan.work
         acc = torch.promote_types(v.dtype, torch.float32)
         out = torch.zeros((*qp.shape[:-1], v.shape[-1]), dtype=acc, device=qp.device)
@@ -116,14 +118,16 @@ class RingAttention(torch.autograd.Function):
                 work.forward(qp, q_pieces, buf[..., :d], buf[..., d:], plan.k_pieces[pending.source], pending.piece,
                              dense, out, lse)  # fmt: skip
             pending, buf = following, None
+        if sinks is not None:  # each row's denominator gains exp(sink) once, after every block
+            out, lse = partial.with_sinks(out, lse, sinks.detach())
         ctx.plan = plan
-        ctx.save_for_backward(qp, kp, v, dense, out, lse, *params)
+        ctx.save_for_backward(qp, kp, v, dense, sinks, out, lse, *params)
         return out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, d_out: Tensor):
         plan: RingPlan = ctx.plan
-        qp, kp, v, dense, out, lse, *params = ctx.saved_tensors
+        qp, kp, v, dense, sinks, out, lse, *params = ctx.saved_tensors
         me, work = plan.group.rank, plan.work
         acc, d = out.dtype, kp.shape[-1]
         d_out = d_out.to(acc)
@@ -170,7 +174,12 @@ class RingAttention(torch.autograd.Function):
         dk, dv = dk_own.to(kp.dtype), dv_own.to(v.dtype)
         d_params_out = [None if g is None else g.to(p.dtype) for g, p in zip(d_params, params)]
         d_dense = None if d_dense is None else d_dense.to(dense.dtype)
-        return None, dq.to(qp.dtype), dk, dv, d_dense, *d_params_out
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[5]:
+            # d s_h = -Σ_rows exp(s_h - lse) · rowsum(dO ∘ O) (rows without keys have O = 0)
+            share = torch.exp(sinks.to(acc)[:, None] - lse) * (d_out * out).sum(-1)
+            d_sinks = -share.reshape(-1, *sinks.shape, lse.shape[-1]).sum((0, -1)).to(sinks.dtype)
+        return None, dq.to(qp.dtype), dk, dv, d_dense, d_sinks, *d_params_out
 
 
 def _collect(returning, dk: Tensor, dv: Tensor, pieces: Pieces) -> None:
@@ -200,9 +209,10 @@ def row_bytes(b: int, h: int, g: int, d: int, e: int, dtype: torch.dtype) -> int
                b * h * e * torch.empty((), dtype=acc).element_size())  # fmt: skip
 
 
-def attend(qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, plan: RingPlan, params: list[Tensor]) -> Tensor:
-    """Run :class:`RingAttention` (padded slots in, padded slots out)."""
-    return RingAttention.apply(plan, qp, kp, v, dense, *params)
+def attend(qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, plan: RingPlan, params: list[Tensor],
+           sinks: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Run :class:`RingAttention` (padded slots in, padded slots out); ``sinks`` of this rank's heads."""
+    return RingAttention.apply(plan, qp, kp, v, dense, sinks, *params)
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, call) -> Tensor:
@@ -216,5 +226,5 @@ def run(q: Tensor, k: Tensor, v: Tensor, call) -> Tensor:
                     lay_q.side, lay_k.side, per_row)  # fmt: skip
     dense = req.bias if isinstance(req.bias, Tensor) else None
     out = attend(lay_q.pad(qp, -2, grp.rank), lay_k.pad(kp, -2, grp.rank), lay_k.pad(v, -2, grp.rank), dense,
-                 plan, partial.parameters(req))  # fmt: skip
+                 plan, partial.parameters(req), req.sinks)  # fmt: skip
     return lay_q.unpad(out, -2, grp.rank)
