@@ -10,9 +10,17 @@ lengths, ``d`` query/key size, ``e`` value size, ``P`` ranks in the group.
     mha = qkv.MultiHeadAttention(dim, heads, attention=qd.SequenceParallel("ring"))  # (b, i/P, dim) shards
 
 Every score (dot, scaled dot, general, additive), lazy mask (causal, windows, offsets,
-lengths, their ``&``/``|``) and bias (dense, ALiBi, T5 buckets) of ``qkv.attention`` is
-evaluated at global positions, and the result equals the single-process call. Built on
-``torch.distributed``: gloo on CPUs, nccl on GPUs.
+lengths, their ``&``/``|``), bias (dense, ALiBi, T5 buckets), ``score_mod``, attention sink
+and dropout of ``qkv.attention`` is evaluated at global positions, and the result equals
+the single-process call (float64 within 1e-10, float32 within 1e-5, forward and
+gradients). Strategies: ring, Ulysses, hybrid (Ulysses inside groups, ring across) and
+all-gather. Built on ``torch.distributed``: gloo on CPUs, nccl on GPUs.
+
+Gradients of parameters (projections, learned scores, T5 tables, score_mod tensors,
+sinks, a dense bias) are each rank's share for its own rows; the true gradient is their
+sum over the sequence-parallel group. ``DistributedDataParallel`` averages over its ranks,
+so scale each rank's loss by the number of ranks (or all-reduce the gradients with a
+sum); ``examples/long_context_lm.py`` shows both levels, sequence and data parallel.
 """
 
 from .functional import STRATEGIES, attention
