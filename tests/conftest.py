@@ -15,3 +15,13 @@ _probe.set_route("onednn")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """Four spawned gloo processes for the distributed tests (``tests/distributed_pool.py``)."""
+    from distributed_pool import Pools
+
+    pools = Pools()
+    yield pools
+    pools.close()
