@@ -60,7 +60,7 @@ def test_an_emulated_cpu_is_filed_apart_from_the_real_one(tmp_path, monkeypatch)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     info = measure.machine()
-    assert info["instruction sets capped by"] == "ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2"
+    assert info["kernels set by"] == "ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2"
     assert results.cpu_name(info) == f"{info['cpu']} (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2)"
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")

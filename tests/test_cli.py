@@ -35,7 +35,7 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"qkv {qkv.__version__}"
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["plot"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["demo"], ["plot"], ["bench"], ["inspect"]])
 def test_help_on_each_command(capsys, command):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
@@ -44,6 +44,9 @@ def test_help_on_each_command(capsys, command):
     assert out.startswith("usage: qkv")
     if command == ["demo"]:
         for option in ("--out", "--seed", "--quick", "--steps", "--quiet"):
+            assert option in out
+    if command == ["inspect"]:
+        for option in ("TEXT", "--model", "--layer", "--head", "--rows", "--heads", "--out"):
             assert option in out
 
 

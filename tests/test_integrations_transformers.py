@@ -100,10 +100,39 @@ def test_weights_are_returned_when_asked_by_the_call_or_the_config(budget, monke
     torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
     assert attention_forward(_Layer(False), q, k, v, mask, output_attentions=False)[1] is None
     assert attention_forward(_Layer(False, output_attentions=True), q, k, v, mask)[1] is not None
-    # a float 4-d mask is added to the logits, as eager does
-    bias = torch.zeros(2, 1, 5, 7).masked_fill(~mask, torch.finfo(torch.float32).min)
-    out_bias, _ = attention_forward(_Layer(False), q, k, v, bias)
-    torch.testing.assert_close(out_bias, out, atol=1e-6, rtol=1e-5)
+    # eager's float 4-d mask (0 / the dtype's minimum) is the same bool mask
+    blocked = torch.zeros(2, 1, 5, 7).masked_fill(~mask, torch.finfo(torch.float32).min)
+    out_blocked, _ = attention_forward(_Layer(False), q, k, v, blocked)
+    torch.testing.assert_close(out_blocked, out, atol=1e-6, rtol=1e-5)
+
+
+@needs_transformers
+def test_a_float_mask_with_other_values_is_a_bias_and_cannot_be_soft_capped():
+    q, k, v = _qkv_inputs()
+    bias = torch.randn(2, 1, 5, 7, generator=torch.Generator().manual_seed(3))
+    out, _ = attention_forward(_Layer(False), q, k, v, bias)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"softcap: cannot be combined with an additive float attention_mask or position_bias"):
+        attention_forward(_Layer(False), q, k, v, bias, softcap=5.0)
+
+
+@needs_transformers
+def test_softcap_and_sinks_equal_eager_formulas():
+    """Gemma 2's cap c·tanh(s/c) on the scaled logits; GPT-OSS's sink logit in each row's denominator."""
+    q, k, v = _qkv_inputs(i=6, j=6)
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(4))
+    out, weights = attention_forward(_Layer(True), q, k, v, None, scaling=0.5, softcap=0.7, s_aux=sinks,
+                                     output_attentions=True)  # fmt: skip
+    logits = 0.7 * torch.tanh(torch.einsum("bhid,bhjd->bhij", q, k.repeat_interleave(2, dim=1)) * 0.5 / 0.7)
+    logits = logits.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    with_sink = torch.cat([logits, sinks[None, :, None, None].expand(2, 6, 6, 1)], dim=-1)
+    expected_weights = torch.softmax(with_sink, dim=-1)[..., :-1]
+    expected = expected_weights @ v.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    fused, _ = attention_forward(_Layer(True), q, k, v, None, scaling=0.5, softcap=0.7, s_aux=sinks)  # no weights
+    torch.testing.assert_close(fused, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
 @needs_transformers
@@ -234,6 +263,15 @@ def test_smollm2_qkv_equals_eager_on_a_left_padded_batch(smollm2):
 
 # ---------------------------------------------------------------- decoder families, tiny and random
 
+def _switch_off_softcap_and_sinks(model) -> None:
+    """Gemma 2 without logit soft-capping, GPT-OSS without sinks: to show that the tests exercise them."""
+    for layer in model.model.layers:
+        if hasattr(layer.self_attn, "sinks"):
+            layer.self_attn.sinks.data.fill_(-1e4)  # exp(-1e4) = 0: no sink
+        if hasattr(layer.self_attn, "attn_logit_softcapping"):
+            layer.self_attn.attn_logit_softcapping = None
+
+
 COMMON = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, head_dim=8)  # fmt: skip
 
@@ -245,7 +283,11 @@ def _config(family: str, layers: int = 2):
     if family == "llama":
         return hf.LlamaConfig(**common)
     if family == "gemma2":  # layer 0 sliding (window 4 < the 9 + 6 tokens), layer 1 global
-        return hf.Gemma2Config(**common, sliding_window=4, attn_logit_softcapping=None, final_logit_softcapping=None)
+        # logits soft-capped at 1; larger weights and scale than the defaults so the cap bites
+        return hf.Gemma2Config(**common, sliding_window=4, attn_logit_softcapping=1.0, final_logit_softcapping=None,
+                               query_pre_attn_scalar=8, initializer_range=0.3)  # fmt: skip
+    if family == "gpt_oss":  # attention sinks in every layer; sliding (window 4) and global layers alternate
+        return hf.GptOssConfig(**common, sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
     if family == "deepseek_v2":  # multi-head latent attention: q/k size 8 + 4, value size 6
         return hf.DeepseekV2Config(
             **{**common, "num_key_value_heads": 6, "head_dim": None}, q_lora_rank=None, kv_lora_rank=16,
@@ -258,6 +300,10 @@ def _config(family: str, layers: int = 2):
 def _tiny(family: str, layers: int = 2):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(family, layers), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.self_attn, "sinks"):  # initialised near 0; logits of size 1 make them matter
+                layer.self_attn.sinks.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(2))
     ids = torch.randint(3, 64, (3, 9), generator=torch.Generator().manual_seed(1))
     padding = torch.ones(3, 9, dtype=torch.long)
     padding[1, :3] = 0
@@ -266,7 +312,7 @@ def _tiny(family: str, layers: int = 2):
 
 
 @needs_transformers
-@pytest.mark.parametrize("family", ["llama", "gemma2", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "deepseek_v2"])
 def test_decoder_family_matches_eager_in_logits_and_greedy_generation(family):
     model, ids, padding = _tiny(family)
     settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -296,7 +342,13 @@ def test_decoder_family_matches_eager_in_logits_and_greedy_generation(family):
     # every layer got a lazy qkv mask (no dense one), a window in Gemma 2's sliding layers
     assert seen and all(isinstance(m, LayerMask) for m in seen)
     assert not any("Dense" in repr(m) for m in seen)
-    assert any("window(left=3" in repr(m) for m in seen) == (family == "gemma2")
+    assert any("window(left=3" in repr(m) for m in seen) == (family in ("gemma2", "gpt_oss"))
+    if family in ("gemma2", "gpt_oss"):  # soft-capping / sinks matter here: without them the logits move
+        model.set_attn_implementation("eager")
+        _switch_off_softcap_and_sinks(model)
+        with torch.no_grad():
+            plain = model(input_ids=ids, attention_mask=padding).logits
+        assert float((plain - eager_logits)[real].abs().max()) > 1e-2
 
 
 @needs_transformers

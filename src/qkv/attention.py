@@ -138,7 +138,9 @@ class MultiHeadAttention(nn.Module):
         positional: a ``qkv.positional.Positional`` (RoPE, ALiBi, relative buckets).
         attention: the mechanism (default exact attention with ``score``): any callable with
             ``(q, k, v, *, mask, causal, return_weights)`` on ``(b, h, i, d)``, e.g. ``qkv.approx``;
-            one with ``accepts_bias = True`` also gets a positional bias as ``bias=``.
+            one with ``accepts_bias = True`` also gets a positional bias as ``bias=``, and one
+            with a ``positions(q, k, start)`` method (``qkv.distributed.SequenceParallel``, whose
+            rows are a shard of a longer sequence) tells rotary embeddings where its rows stand.
         score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` on the logits of the default
             mechanism (e.g. ``qkv.SoftCap(50.0)``, Gemma 2); see ``qkv.attention``.
         qk_norm: a module ``(q, k) -> (q, k)`` applied per head right after the projections,
@@ -264,7 +266,10 @@ class MultiHeadAttention(nn.Module):
         late = cache is not None and getattr(cache, "positions_in_cache", False)
         if self.positional is not None:
             if not late:
-                q, k = self.positional.rotate(q, k, 0 if cache is None else cache.length)
+                start = 0 if cache is None else cache.length
+                placed = getattr(self.attention, "positions", None)  # a shard's rows stand elsewhere than 0 .. i-1
+                where = {} if placed is None else {"positions": placed(q, k, start)}
+                q, k = self.positional.rotate(q, k, start, **where)
             if (pos_bias := self.positional.bias()) is not None:
                 extra["bias"] = pos_bias
         if cache is not None:

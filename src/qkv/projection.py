@@ -29,8 +29,13 @@ When it is used (anything else calls ``F.linear``):
 The tokens are viewed as 16 images of ``t/16`` pixels: torch sends a ``1 × 1`` float32
 convolution with fewer than 16 images on one thread to its own im2col + BLAS path (which
 is ``F.linear`` again), and oneDNN is slow when each image is one pixel (measured 2-3×
-slower than 16 images). On Intel CPUs, where MKL uses its AVX-512 kernels, the two libraries
-should be close; the route was measured only on the machine above.
+slower than 16 images).
+
+Which library wins depends on the CPU (on Intel Xeons MKL runs its AVX-512 kernels and the
+two are close), so the route is not a constant: for each shape class (input size, output
+size, tokens rounded down to a power of two, at most :data:`PROBE_TOKENS`) both are timed
+once at first use and the convolution is kept only where it is faster here
+(:mod:`qkv._probe`; :func:`set_route` fixes the choice, ``"blas"`` for public ops only).
 """
 
 from __future__ import annotations
@@ -39,16 +44,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-#: Fewest tokens for which the convolution route is taken (see the module docstring).
+from ._probe import Probe, bucket, get_route, route, set_route
+
+#: Fewest tokens for which the convolution route is considered (below, oneDNN's fixed cost
+#: per call has lost on every CPU measured: 12 ms against 16 at 256 tokens, one core).
 MIN_TOKENS = 1024
 #: Images the tokens are split into (torch's oneDNN threshold for ``1 × 1`` kernels).
 IMAGES = 16
+#: Most tokens a probe times (larger inputs are timed at this size: the rate has settled).
+PROBE_TOKENS = 4096
+
+PROBE = Probe("projection")
 
 
 def uses_convolution(x: Tensor, weight: Tensor) -> bool:
     """True when :func:`linear` will run ``x`` through oneDNN's convolution."""
     tokens = x.numel() // max(x.shape[-1], 1) if x.dim() >= 1 else 0
-    return (
+    eligible = (
         x.dtype == torch.float32
         and weight.dtype == torch.float32
         and x.device.type == "cpu"
@@ -59,12 +71,20 @@ def uses_convolution(x: Tensor, weight: Tensor) -> bool:
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
     )
+    if not eligible:
+        return False
+    out, size = weight.shape
+    n = bucket(tokens, PROBE_TOKENS)
+
+    def routes():
+        gen = torch.Generator().manual_seed(0)
+        xs, ws = torch.randn(n, size, generator=gen), torch.randn(out, size, generator=gen)
+        return (lambda: F.linear(xs, ws)), (lambda: _convolution(xs, ws, None))
+
+    return PROBE.prefers_onednn((size, out, n), routes)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x (..., c) @ weight (o, c)ᵀ + bias (o,)`` -> ``(..., o)``; same contract as ``F.linear``."""
-    if not uses_convolution(x, weight):
-        return F.linear(x, weight, bias)
+def _convolution(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     out, size = weight.shape
     tokens = x.numel() // size
     # (t, c) -> 16 channels-last images of t/16 pixels: a view when x is contiguous
@@ -74,8 +94,18 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return y.permute(0, 2, 3, 1).reshape(*x.shape[:-1], out)
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x (..., c) @ weight (o, c)ᵀ + bias (o,)`` -> ``(..., o)``; same contract as ``F.linear``."""
+    if not uses_convolution(x, weight):
+        return F.linear(x, weight, bias)
+    return _convolution(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, state dict and init) whose forward is :func:`linear`."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+__all__ = ["Linear", "PROBE", "get_route", "linear", "route", "set_route", "uses_convolution"]

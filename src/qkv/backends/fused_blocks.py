@@ -134,6 +134,8 @@ class DiagonalMask:
 
     @staticmethod
     def applies(plan: FusedPlan) -> bool:
+        if plan.mask is None and plan.bias is None:
+            return False  # nothing to add to the logits: plain kernel calls, no zero profile or row flips
         lazy_ok = plan.bias is None or (isinstance(plan.bias, LazyBias) and shift_invariant(plan.bias))
         return lazy_ok and (plan.mask is None or isinstance(plan.mask, Offsets))
 

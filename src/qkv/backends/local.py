@@ -122,10 +122,11 @@ def _block_masks(req: Request, window: Window, size: int, n: int, first: int, wi
         t = Tile(i0, i0 + size, c0, c0 + width, req.i, req.j, req.q.device)
         allowed = as_heads(req.mask.tile(t), 4) & ((t.cols >= 0) & (t.cols < req.j))
         add = torch.zeros(allowed.shape, dtype=req.q.dtype, device=req.q.device).masked_fill(~allowed, NEG_INF)
-        if bias is not None:
-            lo, hi = max(c0, 0), min(c0 + width, req.j)
+        lo, hi = max(c0, 0), min(c0 + width, req.j)
+        if bias is not None and lo < hi:  # (lo >= hi: the block's window holds no key, all masked above)
             rows = min(i0 + size, req.i)
             part = as_heads(bias.tile(Tile(i0, rows, lo, hi, req.i, req.j, req.q.device)), 4).to(add.dtype)
+            part = part.expand(*part.shape[:-2], rows - i0, hi - lo)  # a dense bias may broadcast along i or j
             part = F.pad(part, (lo - c0, c0 + width - hi, 0, i0 + size - rows))
             add = add + part
         blocks.append(add)

@@ -165,7 +165,7 @@ def backward(
         e = v.shape[-1]
         qf, kf, vf = chunked.same_head_size(q, k, v)
         pad = vf.shape[-1] - e  # the kernel wants d == e: zero value columns, sliced off after
-        out_f, d_out_f = (torch.nn.functional.pad(x.to(q.dtype), (0, pad)) for x in (out, d_out))
+        out_f, d_out_f = (torch.nn.functional.pad(x.to(q.dtype), (0, pad)) if pad else x.to(q.dtype) for x in (out, d_out))
         with torch.no_grad():
             dq, dk, dv, _ = fused_backward(chunked.fused_plan(preq), qf, kf, vf, out_f, lse.to(acc), d_out_f)
         dq, dk, dv = dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., :e]

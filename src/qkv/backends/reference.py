@@ -41,6 +41,8 @@ def logits(req: Request) -> tuple[Tensor, Tensor | None]:
     e = req.scale * req.score.pairwise(qp, kp, tile)
     if req.bias is not None:
         bias = req.bias if isinstance(req.bias, Tensor) else req.bias.dense(req.i, req.j, e.device)
+        if not isinstance(req.bias, Tensor) and req.q.dim() == 2:
+            bias = bias[0]  # a lazy bias is (1, i, j); inputs without a head axis have (i, j) logits
         e = e + bias.to(e.dtype)
     if req.score_mod is not None:
         e = score_mods.apply(req.score_mod, e, tile)

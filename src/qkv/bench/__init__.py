@@ -61,6 +61,7 @@ SUITES: dict[str, str] = {
     "generation": "qkv.bench.generation",
     "transformers": "qkv.bench.transformers",
     "latent": "qkv.bench.latent",
+    "distributed": "qkv.bench.distributed",
     "mechanisms": "qkv.bench.mechanisms",
 }
 #: Suites run when ``--suite`` is not given.

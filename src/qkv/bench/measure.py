@@ -135,9 +135,14 @@ def run_case(spec: dict) -> dict[str, int]:
     return {"inputs": inputs, "peak": peak_rss_bytes()}
 
 
-#: Environment variables that cap the instruction sets PyTorch, oneDNN or MKL use (set to
-#: emulate an older CPU); a run under any of them is filed as a CPU of its own.
-ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+#: Environment variables that change which kernels run: instruction-set caps of PyTorch,
+#: oneDNN and MKL (set to emulate another CPU), a preloaded library (e.g. one that makes MKL
+#: take its Intel code path on an AMD CPU) and qkv's own route setting. A run under any of
+#: them is filed as a CPU of its own.
+KERNEL_SETTINGS = (
+    "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR",
+    "LD_PRELOAD", "QKV_ROUTE",
+)  # fmt: skip
 
 
 def libraries() -> dict[str, str]:
@@ -177,10 +182,10 @@ def machine() -> dict[str, str]:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     except OSError:
         load = "n/a"
-    caps = ", ".join(f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name))
+    caps = ", ".join(f"{name}={os.environ[name]}" for name in KERNEL_SETTINGS if os.environ.get(name))
     return {
         "cpu": cpu,
-        **({"instruction sets capped by": caps} if caps else {}),
+        **({"kernels set by": caps} if caps else {}),
         **libraries(),
         "cores": str(cores),
         "torch": torch.__version__,

@@ -14,9 +14,10 @@ section, the suites it ran and keeps everything else, including every other CPU'
     <!-- cpu: Intel(R) Xeon(R) Platinum 8480+ -->
     ...
 
-A CPU is named by its model string; a run with instruction sets capped by environment
-variables (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``, as
-used to emulate an older CPU) gets its own section named with them. A file in the layout of
+A CPU is named by its model string; a run under environment variables that change the
+kernels (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``,
+``LD_PRELOAD``, ``QKV_ROUTE``: :data:`qkv.bench.measure.KERNEL_SETTINGS`, as used to emulate
+another CPU) gets its own section named with them. A file in the layout of
 earlier versions (one machine table, suites at the top level) is read as one CPU's section.
 
 :func:`summary` lists every target with its figure on each CPU and the range across them,
@@ -30,7 +31,7 @@ from pathlib import Path
 
 #: Keys of :func:`qkv.bench.measure.machine` that tell CPUs apart (model + emulation caps).
 CPU_KEY = "cpu"
-EMULATION_KEY = "instruction sets capped by"
+EMULATION_KEY = "kernels set by"
 
 _CPU = re.compile(r"<!-- cpu: (.+?) -->\n(.*?)<!-- end cpu: \1 -->\n?", re.S)
 _SUITE = re.compile(r"<!-- suite: (\S+) -->\n(.*?)<!-- end: \1 -->", re.S)

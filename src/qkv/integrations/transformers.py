@@ -27,9 +27,16 @@ Options, as transformers passes them:
   decode step sees every key. With a KV cache the keys end where the queries end, which is
   qkv's bottom-right alignment;
 * ``sliding_window``: already in the mask the model built; used only when it built none;
-* ``position_bias`` (T5-style models): added to the logits as ``bias``;
+* ``softcap`` (Gemma 2) → ``score_mod=qkv.SoftCap(softcap)``, ``c·tanh(s / c)`` on the
+  scaled logits; ``s_aux`` (GPT-OSS) → ``sinks``, one logit per head in every row's
+  softmax denominator;
+* ``position_bias`` (T5-style models): added to the logits as ``bias``; a float 4-d
+  ``attention_mask`` of 0 and the dtype's minimum (eager's) is read as the bool mask it is;
 * GQA (``g < h``) and ``d != e`` (DeepSeek's multi-head latent attention) are native;
-* ``output_attentions`` (the call's, else the model config's) → ``return_weights=True``.
+* ``output_attentions`` (the call's, else the model config's) → ``return_weights=True``;
+  transformers keeps every weight, so up to :data:`MATERIALISE_ELEMENTS` logits a layer
+  materialises them once (one softmax, then ``weights @ v``) rather than run the fused
+  kernel and rebuild them (see :func:`_backend`).
 
 Keywords that only describe the inputs (``position_ids``, ``use_cache``, ...) are
 ignored; any other keyword with a value, e.g. the packed-sequence lengths of flash
@@ -44,6 +51,7 @@ from torch import Tensor
 
 from ..functional import attention
 from ..masks import Dense, Mask, Tile, Window, causal, window
+from ..score_mods import SoftCap
 from .transformers_masks import LayerMask, mask_interface
 
 #: The name models are loaded with: ``attn_implementation="qkv"``.
@@ -118,19 +126,23 @@ def attention_forward(
     the logits), or None.
     """
     _check_keywords(kwargs)
-    if softcap is not None:
-        raise NotImplementedError(
-            f"softcap: attention logit soft-capping (got {softcap}) is not available in this version of qkv"
-        )
-    if s_aux is not None:
-        raise NotImplementedError("s_aux: attention sinks are not available in this version of qkv")
     mask, bias = _mask_and_bias(module, attention_mask, query.shape[-2], key.shape[-2], is_causal, sliding_window)
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
+    score_mod = None
+    if softcap is not None:
+        if bias is not None:
+            # qkv caps the logits after adding a bias; eager adds its float mask after capping
+            raise ValueError(
+                "softcap: cannot be combined with an additive float attention_mask or position_bias "
+                "(qkv applies the cap after the bias, transformers' eager before); pass a bool mask"
+            )
+        score_mod = SoftCap(softcap)
     weights_wanted = _weights_wanted(module, kwargs.get("output_attentions"))
     result = attention(
         query, key, value, mask=mask, bias=bias, scale=scaling, dropout=float(dropout),
-        return_weights=weights_wanted, backend=_backend(query, key, weights_wanted),
+        return_weights=weights_wanted, backend=_backend(query, key, weights_wanted), sinks=s_aux,
+        score_mod=score_mod,
     )  # fmt: skip
     out, weights = result if weights_wanted else (result, None)
     return out.transpose(1, 2).contiguous(), weights
@@ -199,7 +211,14 @@ def _mask_and_bias(
                 f"attention_mask: expected a qkv mask or a 4-d (b, 1, i, j) tensor, got shape {tuple(attention_mask.shape)}"
             )
         mask4 = attention_mask[..., :j]  # a static cache's mask may run past the keys
-        return (Dense(mask4), None) if mask4.dtype == torch.bool else (None, mask4)
+        if mask4.dtype == torch.bool:
+            return Dense(mask4), None
+        # eager's float mask: 0 where allowed, the dtype's minimum where not; that is a bool
+        # mask (True = may attend). Any other float values are a bias added to the logits.
+        blocked = mask4 <= torch.finfo(mask4.dtype).min / 2
+        if bool(((mask4 == 0) | blocked).all()):
+            return Dense(~blocked), None
+        return None, mask4
     raise TypeError(
         f"attention_mask: expected a qkv.masks mask, a 4-d tensor or None, got {type(attention_mask).__name__} "
         '(load the model with attn_implementation="qkv" after qkv.integrations.transformers.register())'
