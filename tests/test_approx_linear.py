@@ -216,3 +216,18 @@ def test_padded_keys_holding_inf_or_nan_change_nothing():
     bad[1, :, 4] = float("inf")
     bad[1, :, 5:] = float("nan")
     torch.testing.assert_close(LinearAttention()(q, bad, v, mask=keep), out, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_is_as_accurate_as_a_plain_bfloat16_form(monkeypatch, causal):
+    # The flash-attention rule over many blocks: the state summed over key blocks (or the
+    # causal prefix sums over query chunks) is kept in float32, so rounding does not add up.
+    import qkv.approx.linear as linear_module
+    from reference import assert_flash_rule
+
+    monkeypatch.setattr(linear_module, "CHUNK_ELEMENTS", 64)
+    q, k, v = inputs(150, 200, dtype=torch.float32)
+    want = quadratic(q.double(), k.double(), v.double(), causal=causal)
+    out = LinearAttention(chunk_size=4)(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=causal)
+    assert out.dtype == torch.bfloat16
+    assert_flash_rule(out, quadratic(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=causal), want, floor=1e-4)

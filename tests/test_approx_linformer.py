@@ -137,3 +137,52 @@ def test_chunked_softmax_and_interleaved_heads_equal_the_direct_form(monkeypatch
 def test_no_queries_give_an_empty_output():
     q, k, v = torch.randn(1, 2, 0, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 5)
     assert Linformer(16, 4)(q, k, v).shape == (1, 2, 0, 5)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_no_subnormal_weights_when_the_logits_spread_far(grad):
+    # Logits 400 apart: softmax weights down to e^-400 would be subnormal in float32 (slow on
+    # many CPUs); they are floored at about finfo.tiny, and the output is unchanged.
+    from dispatch_ops import Subnormals
+
+    q, k, v = (x.float() for x in inputs(40, 64))
+    module = Linformer(64, 16, scale=30.0)
+    with torch.no_grad():
+        # direct() scales by 1/√d: hand it q · 30 · √d for logits scaled by 30
+        want = direct(q.double() * 30.0 * math.sqrt(D), k.double(), v.double(), module.e_proj.double(), module.f_proj.double())
+    q.requires_grad_(grad)
+    recorder = Subnormals()
+    with torch.set_grad_enabled(grad), recorder:
+        out = module(q, k, v)
+    assert recorder.by_op == {}, recorder.by_op
+    with torch.no_grad():  # the same formula in plain float32, subnormals and all
+        plain32 = direct(q.detach() * 30.0 * math.sqrt(D), k, v, module.e_proj, module.f_proj)
+    from reference import assert_flash_rule
+
+    assert_flash_rule(out.detach(), plain32, want, floor=1e-6)
+    plain = Subnormals()
+    with plain:  # the same softmax without the floor does make them (the test can fail)
+        (q.detach() @ (module.e_proj @ repeat(k)).transpose(-1, -2) * 30.0).softmax(-1)
+    assert plain.by_op.get("_softmax.default", 0) > 0
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_bfloat16_is_as_accurate_as_a_plain_bfloat16_form(monkeypatch, return_weights):
+    # The flash-attention rule: error against float64 at most twice that of the formula
+    # computed plainly in bfloat16; chunks of 8 query rows, so the streamed softmax crosses many.
+    import qkv.approx.linformer as linformer_module
+    from reference import assert_flash_rule
+
+    monkeypatch.setattr(linformer_module, "CHUNK_ELEMENTS", 8 * 16)
+    q, k, v = inputs(70, 90)
+    module = Linformer(90, 16).double()
+    want = direct(q, k, v, module.e_proj, module.f_proj)
+    low = module.to(torch.bfloat16)
+    got = low(q.bfloat16(), k.bfloat16(), v.bfloat16(), return_weights=return_weights)
+    out = got[0] if return_weights else got
+    assert out.dtype == torch.bfloat16
+    plain = direct(q.bfloat16(), k.bfloat16(), v.bfloat16(), low.e_proj, low.f_proj)
+    assert_flash_rule(out, plain, want, floor=1e-3)
+    if return_weights:
+        assert got[1].dtype == torch.bfloat16
+        assert_flash_rule(got[1].double() @ repeat(v), plain, want, floor=1e-2)

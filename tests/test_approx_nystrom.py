@@ -36,8 +36,8 @@ def landmarks(x, sizes, keep=None):
     return out
 
 
-def paper_formula(q, k, v, q_sizes, k_sizes, keep=None):
-    """Xiong et al. eqs. 13-15 for one (b, h) at a time: F̃ pinv(Ã) B̃ V with torch.linalg.pinv."""
+def paper_formula(q, k, v, q_sizes, k_sizes, keep=None, pinv=torch.linalg.pinv):
+    """Xiong et al. eqs. 13-15 for one (b, h) at a time: F̃ pinv(Ã) B̃ V (``torch.linalg.pinv`` unless given)."""
     k, v = repeat(k), repeat(v)
     out = torch.empty(B, H, q.shape[2], v.shape[-1], dtype=q.dtype)
     s = D**-0.5
@@ -52,7 +52,7 @@ def paper_formula(q, k, v, q_sizes, k_sizes, keep=None):
             logits = s * q_marks @ km.T
             if kn is not None:
                 logits = logits.masked_fill(~kn, float("-inf"))
-            out[n, m] = f @ torch.linalg.pinv(a) @ logits.softmax(-1) @ v[n, m]
+            out[n, m] = f @ pinv(a) @ logits.softmax(-1) @ v[n, m]
     return out
 
 
@@ -178,3 +178,20 @@ def test_unmasked_fused_path_equals_the_materialised_formula(d, e, dtype, tol):
     fused = module(q, k, v)
     explicit, _ = module(q, k, v, return_weights=True)
     torch.testing.assert_close(fused, explicit, atol=tol, rtol=tol if dtype == torch.float32 else 0)
+
+
+def test_bfloat16_is_as_accurate_as_a_plain_bfloat16_form():
+    # The flash-attention rule against the paper's formula with the same 6-step pseudo-inverse,
+    # in float64 (the oracle) and plainly in bfloat16 (the baseline).
+    from reference import assert_flash_rule
+
+    q, k, v = inputs(64, 80, dtype=torch.float32, size=2.0)
+    sizes = ([8] * 8, [10] * 8)
+    pinv = lambda a: iterative_pinv(a, 6)  # noqa: E731
+    want = paper_formula(q.double(), k.double(), v.double(), *sizes, pinv=pinv)
+    for return_weights in (False, True):
+        got = NystromAttention(8, pinv_iterations=6)(q.bfloat16(), k.bfloat16(), v.bfloat16(), return_weights=return_weights)
+        out = got[0] if return_weights else got
+        assert out.dtype == torch.bfloat16
+        plain = paper_formula(q.bfloat16(), k.bfloat16(), v.bfloat16(), *sizes, pinv=pinv)
+        assert_flash_rule(out, plain, want, floor=1e-3)

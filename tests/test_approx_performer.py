@@ -319,15 +319,17 @@ def test_padded_keys_holding_inf_or_nan_change_nothing():
     torch.testing.assert_close(module(q, bad, v, mask=keep), out, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_streamed_path_is_as_accurate_as_a_plain_quadratic_form(dtype, small_chunks):
-    # The flash-attention rule in bfloat16 and float16, over many blocks with a rising key max.
-    q, k, v = inputs(9, 23, dtype=torch.float32)
-    k = k * torch.linspace(0.2, 2.0, 23)[:, None]
-    module = Performer(D, nb_features=32, seed=0)
+def test_low_precision_is_as_accurate_as_a_plain_quadratic_form(dtype, causal, small_chunks):
+    # The flash-attention rule in bfloat16 and float16, over many blocks with a rising key max
+    # (the streamed state summed in float32) or many causal chunks (prefix sums in float32).
+    q, k, v = inputs(90, 230, dtype=torch.float32)
+    k = k * torch.linspace(0.2, 2.0, 230)[:, None]
+    module = Performer(D, nb_features=32, seed=0, chunk_size=4)
     w = module.projection
-    want = quadratic(q.double(), k.double(), v.double(), w.double())
-    out = module.to(dtype)(q.to(dtype), k.to(dtype), v.to(dtype))
+    want = quadratic(q.double(), k.double(), v.double(), w.double(), causal=causal)
+    out = module.to(dtype)(q.to(dtype), k.to(dtype), v.to(dtype), causal=causal)
     assert out.dtype == dtype
-    plain = quadratic(q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype)).double()
+    plain = quadratic(q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype), causal=causal).double()
     assert (out.double() - want).abs().max() <= 2 * (plain - want).abs().max() + 1e-3

@@ -308,3 +308,25 @@ def test_bucket_sort_is_stable_and_equals_torch_sort(high):
     got, order = sort_buckets(buckets)
     want, want_order = buckets.sort(dim=-1, stable=True)
     assert order.dtype == torch.long and torch.equal(got, want) and torch.equal(order, want_order)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_bfloat16_is_as_accurate_as_a_plain_bfloat16_form(is_causal):
+    # The flash-attention rule against softmax over the union of the rounds' chunks, in float64
+    # (the oracle) and plainly in bfloat16 (the baseline), both on the buckets of the bf16
+    # inputs (hashed in float32, so they agree); the weights too (summed over rounds in float32).
+    from reference import assert_flash_rule
+
+    n = 60
+    q, k, v = (x.bfloat16() for x in inputs(n, dtype=torch.float32, size=3.0))  # k unused: shared QK
+    module = LSHAttention(D, n_buckets=4, n_hashes=3, chunk_size=6, seed=1).eval()
+    allowed = union_of_rounds(q.double(), module.rotations, 6)
+    if is_causal:
+        allowed = allowed & causal(n)
+    want, want_weights = self_masked_softmax(q.double(), repeat(v.double()), allowed)
+    plain, plain_weights = self_masked_softmax(q, repeat(v), allowed)
+    out, weights = module(q, k, v, causal=is_causal, return_weights=True)
+    assert out.dtype == weights.dtype == torch.bfloat16
+    assert_flash_rule(out, plain, want, floor=1e-3)
+    assert_flash_rule(weights, plain_weights, want_weights, floor=1e-3)
+    assert_flash_rule(module(q, k, v, causal=is_causal), plain, want, floor=1e-3)

@@ -46,7 +46,7 @@ def make(kind, dtype, i, j):
         kw["bias"] = torch.randn(H, i, j, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(dtype)
         bias = kw["bias"]
     add = torch.zeros((), dtype=dtype).masked_fill(~allowed, float("-inf"))
-    return kw, params, add if bias is None else bias + add
+    return kw, params, add if bias is None else (bias + add).to(dtype)  # (ALiBi's slopes are float64)
 
 
 def results(fn, inputs, params):

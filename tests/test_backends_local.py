@@ -112,3 +112,23 @@ def test_refuses_with_a_reason(kw, reason):
     q, k, v = make_inputs(40, 40)
     with pytest.raises(ValueError, match=f"backend: 'local' cannot run this call: .*{reason}"):
         qkv.attention(q, k, v, backend="local", **kw)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 40), (36, 1), (B, 1, 1, 1), (H, 36, 40)])
+def test_dense_bias_broadcast_along_i_or_j(shape):
+    # found by tests/test_properties.py: a bias broadcast along i or j crashed in the block masks
+    q, k, v = make_inputs(36, 40)
+    bias = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    (o_ref, g_ref), (o, g) = both(q, k, v, mask=qkv.masks.window(4, 1), bias=bias)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_dense_bias_with_blocks_that_see_no_key():
+    # i > j: the first blocks' windows lie left of key 0 (found by tests/test_properties.py)
+    q, k, v = make_inputs(50, 30)
+    bias = torch.randn(50, 30, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    (o_ref, _), (o, _) = both(q, k, v, mask=qkv.masks.window(2) & qkv.masks.causal(), bias=bias)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    assert torch.equal(o[:, :, :20], torch.zeros_like(o[:, :, :20]))

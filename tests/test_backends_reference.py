@@ -74,6 +74,21 @@ def test_extra_leading_dims_and_no_head_dim():
     torch.testing.assert_close(flat, ref.literal_attention(q[:1, :1], k[:1, :1], v[:1, :1], scale=D**-0.5)[0][0, 0])
 
 
+@pytest.mark.parametrize("kind", ["alibi", "t5"])
+def test_no_head_dim_with_a_lazy_bias_keeps_the_shape(kind):
+    # (i, d) inputs and a one-head lazy bias: the (1, i, j) bias grew the output to (1, i, e)
+    # (found by tests/test_properties.py)
+    q, k, v = (x[0, 0] for x in _inputs())
+    bias = qkv.ALiBi(1) if kind == "alibi" else qkv.RelativePositionBias(1, buckets=8, max_distance=16).double()
+    out, w = qkv.attention(q, k, v, bias=bias, return_weights=True, backend="reference")
+    assert out.shape == (I, v.shape[-1]) and w.shape == (I, J)
+    exp_out, exp_w = ref.literal_attention(q[None, None], k[None, None], v[None, None], scale=D**-0.5,
+                                           bias=bias.dense(I, J).double().detach())  # fmt: skip
+    torch.testing.assert_close(out, exp_out[0, 0], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(w, exp_w[0, 0], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(qkv.attention(q, k, v, bias=bias, backend="chunked"), out, atol=1e-12, rtol=1e-10)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_weights_are_the_float32_weights_rounded(dtype):
     q, k, _ = _inputs(dtype)

@@ -9,7 +9,7 @@ import torch
 
 import qkv
 from qkv.blocks import Decoder, Encoder
-from qkv.cache import DecoderCache, KVCache
+from qkv.cache import DecoderCache, KVCache, LatentCache, StreamingCache
 from qkv.positional import ALiBi, RelativePositionBias, Rotary
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -128,3 +128,107 @@ def test_growing_cache_works_under_autograd():
     steps = [mha(x[:, t : t + 1], causal=True, cache=cache) for t in range(5)]
     torch.cat(steps, 1).square().sum().backward()
     torch.testing.assert_close(mha.k_proj.weight.grad, full_grad, rtol=0, atol=1e-10)
+
+
+# StreamingLLM's cache: the first k tokens and the last w, positions within the cache
+
+
+def _kept(t: int, sinks: int, window: int) -> list[int]:
+    """Tokens held after token ``t`` arrived: all while they fit, then the first ``sinks`` and the last ``window``."""
+    if t + 1 <= sinks + window:
+        return list(range(t + 1))
+    return list(range(sinks)) + list(range(t - window + 1, t + 1))
+
+
+def _stream(mha, x, cache, prompt):
+    steps = [mha(x[:, :prompt], causal=True, cache=cache)]
+    steps += [mha(x[:, t : t + 1], causal=True, cache=cache) for t in range(prompt, x.shape[1])]
+    return torch.cat(steps, 1)
+
+
+@pytest.mark.parametrize("sinks, window", [(2, 4), (0, 5), (4, 1)])
+def test_streaming_without_positions_is_one_full_pass_with_the_sink_and_window_mask(sinks, window):
+    mha = _mha("grouped")
+    x = torch.randn(2, 14, mha.dim, dtype=torch.float64)
+    got = _stream(mha, x, StreamingCache(sink_tokens=sinks, window=window), prompt=min(5, sinks + window))
+    n = x.shape[1]
+    # query r sees key c iff c <= r and (c < sinks or c > r - window): the first k keys + the last w
+    mask = torch.tensor([[c <= r and (c < sinks or c > r - window or r < sinks + window) for c in range(n)]
+                         for r in range(n)])  # fmt: skip
+    torch.testing.assert_close(got, mha(x, mask=mask), **TOL)
+
+
+@pytest.mark.parametrize("kind", ["rotary", "alibi"])
+def test_streaming_steps_see_the_kept_tokens_at_their_ranks_in_the_cache(kind):
+    # rotary and ALiBi read positions within the cache (the paper's convention): step t is
+    # the last row of a full pass over exactly the kept tokens, numbered 0, 1, 2, ...
+    mha = _mha(kind)
+    x = torch.randn(2, 15, mha.dim, dtype=torch.float64)
+    cache = StreamingCache(sink_tokens=2, window=4)
+    got = _stream(mha, x, cache, prompt=5)
+    for t in range(15):
+        torch.testing.assert_close(got[:, t], mha(x[:, _kept(t, 2, 4)], causal=True)[:, -1], **TOL)
+    assert cache.length == 6 and cache.seen == 15
+
+
+def test_streaming_positions_differ_from_positions_in_the_text():
+    # guard for the test above: with positions in the original text the sinks would be
+    # farther away, and the outputs would differ once tokens are evicted
+    mha = _mha("rotary")
+    x = torch.randn(1, 9, mha.dim, dtype=torch.float64)
+    got = _stream(mha, x, StreamingCache(sink_tokens=2, window=3), prompt=5)
+    kept = torch.tensor([c in (0, 1, 6, 7, 8) for c in range(9)])
+    text_positions = mha(x, mask=kept[None, :].expand(9, 9) & qkv.masks.causal().dense(9, 9))[:, -1]
+    assert not torch.allclose(got[:, -1], text_positions)
+
+
+def test_streaming_memory_is_bounded_and_chunks_must_fit():
+    cache = StreamingCache(sink_tokens=3, window=5)
+    k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 6)
+    cache.update(k, v)
+    full = cache.nbytes
+    for _ in range(50):
+        keys, values = cache.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 6))
+    assert cache.length == 8 and cache.seen == 58 and cache.nbytes == full
+    assert torch.equal(keys[:, :, :3], k[:, :, :3])  # the sinks stay
+    with pytest.raises(ValueError, match=r"k: 2 new tokens after 8 cached exceed sink_tokens \+ window = 8"):
+        cache.update(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 6))
+    with pytest.raises(ValueError, match="sink_tokens: expected a non-negative int, got -1"):
+        StreamingCache(sink_tokens=-1, window=4)
+    with pytest.raises(ValueError, match="window: expected a positive int, got 0"):
+        StreamingCache(sink_tokens=4, window=0)
+    cache.reset()
+    assert cache.length == 0 and cache.seen == 0
+
+
+def test_decoder_cache_builds_streaming_layers_and_a_language_model_decodes_with_them():
+    from qkv.models import CausalLM, LMConfig
+
+    torch.manual_seed(0)
+    lm = CausalLM(LMConfig(vocab=11, dim=16, heads=4, layers=2, positional="rotary")).double().eval()
+    ids = torch.randint(0, 11, (2, 12))
+    # a stream that fits in the cache is decoded exactly like the plain cache
+    wide = DecoderCache(2, layer_cache=lambda: StreamingCache(sink_tokens=4, window=8))
+    steps = [lm(ids[:, :3], cache=wide)] + [lm(ids[:, t : t + 1], cache=wide) for t in range(3, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), lm(ids), **TOL)
+    # a narrow one stays bounded
+    narrow = DecoderCache(2, layer_cache=lambda: StreamingCache(sink_tokens=1, window=3))
+    for t in range(12):
+        lm(ids[:, t : t + 1], cache=narrow)
+    assert [c.length for c in narrow.self_attn] == [4, 4]
+    with pytest.raises(ValueError, match="max_len: give it to the caches layer_cache builds"):
+        DecoderCache(2, max_len=4, layer_cache=KVCache)
+    with pytest.raises(TypeError, match="layer_cache: expected a factory of qkv.cache.KVCache, got list"):
+        DecoderCache(2, layer_cache=list)
+
+
+def test_latent_cache_stores_both_parts_in_one_buffer():
+    cache = LatentCache(max_len=6)
+    c, r = torch.randn(2, 1, 4, 5), torch.randn(2, 1, 4, 2)
+    latent, rope = cache.update(c, r)
+    assert torch.equal(latent, c) and torch.equal(rope, r) and cache.combined.shape == (2, 1, 4, 7)
+    assert cache.nbytes == 2 * 4 * 7 * 4
+    with pytest.raises(ValueError, match=r"c_kv: expected latent size 5 like the cached one, got \(2, 1, 1, 6\)"):
+        cache.update(torch.randn(2, 1, 1, 6), torch.randn(2, 1, 1, 1))
+    with pytest.raises(ValueError, match=r"k_rope: expected \(b, 1, n, ·\), got \(2, 3, 1, 2\)"):
+        cache.update(torch.randn(2, 1, 1, 5), torch.randn(2, 3, 1, 2))

@@ -35,7 +35,7 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"qkv {qkv.__version__}"
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["plot"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["demo"], ["plot"], ["bench"], ["inspect"]])
 def test_help_on_each_command(capsys, command):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
@@ -44,6 +44,9 @@ def test_help_on_each_command(capsys, command):
     assert out.startswith("usage: qkv")
     if command == ["demo"]:
         for option in ("--out", "--seed", "--quick", "--steps", "--quiet"):
+            assert option in out
+    if command == ["inspect"]:
+        for option in ("TEXT", "--model", "--layer", "--head", "--rows", "--heads", "--out"):
             assert option in out
 
 
@@ -73,6 +76,34 @@ def test_unknown_command_and_missing_command(capsys):
 )
 def test_bad_demo_arguments(capsys, argv, message):
     assert _fails(capsys, argv) == message
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--suite", "nope"], "qkv bench: error: argument --suite: expected one of ["),
+        (["bench", "--suite", "engine", "--suite", "apporx"], "qkv bench: error: argument --suite: expected one of ["),
+        (["bench", "--threads", "0"], "qkv bench: error: argument --threads: expected a positive integer, got 0"),
+        (["bench", "--threads", "two"], "qkv bench: error: argument --threads: expected a positive integer, got 'two'"),
+    ],
+)
+def test_bad_bench_arguments(capsys, argv, message):
+    line = _fails(capsys, argv)
+    assert line.startswith(message), line
+    if "--suite" in message:
+        assert "'engine'" in line and "or 'all', got " in line
+
+
+def test_bench_run_refuses_an_unknown_suite_given_programmatically(capsys):
+    # qkv.bench.run may be called with a namespace that bypassed the parser's check
+    from argparse import Namespace
+
+    from qkv import bench
+
+    args = Namespace(suite=["nope"], quick=True, out=None, threads=None, case=None)
+    assert bench.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("qkv bench: error: --suite: expected one of [")
 
 
 def test_unwritable_out(capsys, tmp_path):

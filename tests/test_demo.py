@@ -51,7 +51,7 @@ def quick(tmp_path_factory):
 def test_quick_run_writes_every_figure_and_index(quick):
     out, _, results = quick
     figures = [figure.file for result in results for figure in result.figures]
-    assert len(figures) == 7 and len(set(figures)) == 7
+    assert len(figures) == 8 and len(set(figures)) == 8
     for file in figures:
         data = (out / file).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n", file
@@ -92,6 +92,18 @@ def test_quick_run_prints_the_measured_numbers(quick):
     assert bow["value"] == pytest.approx(0.5, abs=0.06)
 
 
+def test_steps_are_named_by_what_they_show(quick):
+    out, lines, results = quick
+    assert "[1/5] worked example: four words, numpy seed 42" in lines
+    assert "[5/5] decoding past the training length" in lines
+    assert results[0].name == "worked example"
+    # User-facing text names what it shows: no source file names, no internal example numbers.
+    page = (out / "index.html").read_text(encoding="utf-8")
+    for text in ("\n".join(lines), page):
+        for internal in ("seed 002", "seed002", "Seed 002", "seed text", "seed_example", ".py"):
+            assert internal not in text, internal
+
+
 def test_order_step_states_its_model_and_measures_the_negation_link(quick):
     out, lines, results = quick
     text = "\n".join(lines)
@@ -105,6 +117,32 @@ def test_order_step_states_its_model_and_measures_the_negation_link(quick):
     # the negated word cannot see the negation before it (the reach is rightward only)
     assert links["negated word → negation"]["top_link"] == 0.0
     assert links["negated word → negation"]["mean_weight"] == 0.0
+
+
+def test_streaming_step_reports_the_three_caches_as_printed(quick):
+    out, lines, results = quick
+    text = "\n".join(lines)
+    step = next(r for r in results if r.name == "decoding past the training length")
+    data = step.data
+    labels = ["full cache, positions in the text", "sliding window", "window + 4 attention sinks"]
+    assert list(data["perplexity"]) == labels
+    assert data["stream_length"] > 2 * data["training_length"]
+    for label in labels:
+        values = data["perplexity"][label]
+        assert len(values) == len(data["stretch_centres"]) and all(v > 1 for v in values)
+        # every perplexity printed is the one in results.json
+        first = next(m for m in step.metrics if m.model == label and m.name.startswith("perplexity, first"))
+        last = next(m for m in step.metrics if m.model == label and m.name.startswith("perplexity, last"))
+        assert re.search(rf"{re.escape(label)}\s+{first.value:.2f}\s+{last.value:.2f}\s+\d+", text), label
+    # within the training length nothing is evicted: the three agree
+    firsts = {m.value for m in step.metrics if m.name.startswith("perplexity, first")}
+    assert max(firsts) - min(firsts) < 1e-6
+    # the two streaming caches hold the training length, the full cache everything
+    held = dict(re.findall(r"^(full cache, positions in the text|sliding window|window \+ 4 attention sinks)\s.*\s(\d+)$",
+                           text, flags=re.M))  # fmt: skip
+    assert held == {labels[0]: str(data["stream_length"] - 1), labels[1]: str(data["training_length"]),
+                    labels[2]: str(data["training_length"])}  # fmt: skip
+    assert 0.0 <= data["first_token_attention"] <= 1.0
 
 
 def test_same_seed_prints_the_same_numbers(tmp_path):

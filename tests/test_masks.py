@@ -49,6 +49,48 @@ def test_lengths_tile_shape_and_values():
     assert m.batch_shape() == (3, 1)
 
 
+def test_starts_tile_shape_values_and_docstring_picture():
+    m = masks.starts(torch.tensor([2, 0, 7]))
+    dense = m.dense(3, 7)
+    assert dense.shape == (3, 1, 1, 7)
+    assert torch.equal(dense[:, 0, 0], torch.arange(7)[None, :] >= torch.tensor([2, 0, 7])[:, None])
+    assert m.batch_shape() == (3, 1)
+    assert repr(m) == "starts([2, 0, 7])"
+    assert torch.equal(masks.starts(torch.tensor([2])).dense(1, 5)[0, 0, 0], torch.tensor([0, 0, 1, 1, 1], dtype=torch.bool))
+
+
+def test_starts_and_lengths_keep_a_span_of_keys_per_row():
+    first, end = torch.tensor([1, 0, 3]), torch.tensor([4, 2, 7])
+    span = (masks.starts(first) & masks.lengths(end)).dense(2, 7)[:, 0, 0]  # (b, j)
+    cols = torch.arange(7)[None, :]
+    assert torch.equal(span, (cols >= first[:, None]) & (cols < end[:, None]))
+
+
+def test_starts_and_lengths_state_reads_no_tensor():
+    """state() runs once per tile: it must use the ints kept at construction, not the tensor."""
+    s, n = masks.starts(torch.tensor([2, 4])), masks.lengths(torch.tensor([3, 5]))
+    s.key_starts, n.key_lengths = None, None  # any tensor read would now fail
+    assert [s.state(Tile(0, 1, a, b, 1, 6)) for a, b in [(0, 2), (4, 6), (1, 5)]] == ["empty", "full", "partial"]
+    assert [n.state(Tile(0, 1, a, b, 1, 6)) for a, b in [(0, 3), (5, 6), (2, 4)]] == ["full", "empty", "partial"]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "chunked", "local", "reference"])
+def test_left_padding_with_causal_and_window_runs_on_every_backend(backend):
+    """starts() & a causal window, the mask of a left-padded decoder batch, agrees with the dense mask."""
+    import qkv
+
+    gen = torch.Generator().manual_seed(0)
+    b, h, g, i, d, e = 2, 6, 3, 300, 11, 13
+    q, k, v = torch.randn(b, h, i, d, generator=gen), torch.randn(b, g, i, d, generator=gen), torch.randn(b, g, i, e, generator=gen)
+    first = torch.tensor([0, 37])
+    mask = masks.starts(first) & masks.window(20)
+    dense = mask.dense(i, i)
+    expected = qkv.attention(q.double(), k.double(), v.double(), mask=dense, backend="reference")
+    out = qkv.attention(q, k, v, mask=mask, backend=backend)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+    assert bool((out[1, :, :37] == 0).all())  # padded queries see no key
+
+
 def test_dense_tile_slices_and_broadcast_dims():
     full = torch.rand(2, 1, 5, 7) > 0.5
     t = Tile(1, 4, 2, 6, 5, 7)
@@ -67,13 +109,15 @@ def test_combinations_accept_tensors_on_either_side():
 
 
 def _random_mask(rng: random.Random, i: int, j: int, depth: int = 0) -> masks.Mask:
-    kind = rng.choice(["causal", "window", "lengths", "dense"] + (["and", "or"] if depth < 2 else []))
+    kind = rng.choice(["causal", "window", "lengths", "starts", "dense"] + (["and", "or"] if depth < 2 else []))
     if kind == "causal":
         return masks.causal()
     if kind == "window":
         return masks.Window(left=rng.choice([None, 0, 1, 3]), right=rng.choice([None, 0, 2]))
     if kind == "lengths":
         return masks.lengths(torch.tensor([rng.randint(0, j) for _ in range(2)]))
+    if kind == "starts":
+        return masks.starts(torch.tensor([rng.randint(0, j) for _ in range(2)]))
     if kind == "dense":
         gen = torch.Generator().manual_seed(rng.randint(0, 10**6))
         # Sparse, dense or mixed, so that all three states occur.
@@ -105,7 +149,7 @@ def test_tile_states_agree_with_dense_tiles():
             assert bool(part.all()), (m, t)
         elif state == "empty":
             assert not bool(part.any()), (m, t)
-        if isinstance(m, (masks.Window, masks.Lengths, Dense)):
+        if isinstance(m, (masks.Window, masks.Lengths, masks.Starts, Dense)):
             # Primitive masks know their state exactly: 'partial' means mixed.
             exact = "full" if bool(part.all()) else "empty" if not bool(part.any()) else "partial"
             assert state == exact, (m, t)
@@ -131,6 +175,11 @@ def test_and_or_states_are_exact_when_the_parts_decide():
         (lambda: masks.lengths([1, 2]), ValueError, r"key_lengths: expected a 1-d tensor of shape \(b,\), got list"),
         (lambda: masks.lengths(torch.tensor([1.0])), TypeError, r"key_lengths: expected an integer tensor, got torch.float32"),
         (lambda: masks.lengths(torch.tensor([2, -1])), ValueError, r"key_lengths: expected non-negative lengths, got \[2, -1\]"),
+        (lambda: masks.lengths(torch.tensor([], dtype=torch.long)), ValueError, r"key_lengths: expected at least one batch row, got an empty tensor"),
+        (lambda: masks.starts(torch.tensor([[0, 2]])), ValueError, r"key_starts: expected a 1-d tensor of shape \(b,\), got \(1, 2\)"),
+        (lambda: masks.starts((0, 2)), ValueError, r"key_starts: expected a 1-d tensor of shape \(b,\), got tuple"),
+        (lambda: masks.starts(torch.tensor([True])), TypeError, r"key_starts: expected an integer tensor, got torch.bool"),
+        (lambda: masks.starts(torch.tensor([0, -3])), ValueError, r"key_starts: expected non-negative starts, got \[0, -3\]"),
         (lambda: Dense(torch.ones(5, 7)), TypeError, r"mask: expected dtype torch.bool \(True = may attend\), got torch.float32"),
         (lambda: Dense(torch.ones(7, dtype=torch.bool)), ValueError, r"mask: expected at least 2 dims \(..., i, j\), got shape \(7,\)"),
         (lambda: masks.as_mask([[True]]), TypeError, r"mask: expected a bool tensor or a qkv.masks.Mask, got list"),

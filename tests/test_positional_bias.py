@@ -16,14 +16,57 @@ from qkv.positional import ALiBi, RelativePositionBias, alibi_slopes, relative_b
 
 def test_alibi_slopes_for_eight_heads_are_powers_of_one_half():
     # Press et al. 2022, section 3: for 8 heads the slopes are 1/2, 1/4, ..., 1/256.
-    assert torch.equal(alibi_slopes(8), torch.tensor([2.0**-n for n in range(1, 9)]))
+    assert torch.equal(alibi_slopes(8), torch.tensor([2.0**-n for n in range(1, 9)], dtype=torch.float64))
 
 
 def test_alibi_slopes_for_six_heads():
     # Not a power of two: the 4-head slopes 2^-2, 2^-4, 2^-6, 2^-8, then every other slope of
     # the 8-head sequence (2^-1, 2^-3, ...), as many as are missing.
     expected = [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]
-    assert torch.allclose(alibi_slopes(6), torch.tensor(expected))
+    assert torch.equal(alibi_slopes(6), torch.tensor(expected, dtype=torch.float64))
+
+
+def _alibi_formula(heads: int) -> list[float]:
+    """Press et al.'s slopes with Python floats: ``2^(-8k/n)`` for the largest power of two
+    ``n <= heads``, then every other slope of ``2n``."""
+    n = 2 ** math.floor(math.log2(heads))
+    slopes = [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
+    return slopes + [2.0 ** (-8.0 * k / (2 * n)) for k in range(1, 2 * n + 1, 2)][: heads - n]
+
+
+def test_alibi_slopes_are_float64_and_equal_the_formula_for_twelve_heads():
+    slopes = alibi_slopes(12)
+    assert slopes.dtype == torch.float64
+    assert max(abs(a - b) for a, b in zip(slopes.tolist(), _alibi_formula(12))) < 1e-15
+
+
+def test_float64_alibi_attention_with_twelve_heads_follows_the_formula():
+    # float32-rounded slopes put this 3e-8 off: 2^-0.5 has no exact float32 value.
+    from tests.reference import literal_attention
+
+    h, i, j, d = 12, 3, 9, 4
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, generator=gen, dtype=torch.float64) for n in (i, j, j))
+    slopes = _alibi_formula(h)
+    bias = torch.tensor(
+        [[[-slopes[n] * abs(c - r - (j - i)) for c in range(j)] for r in range(i)] for n in range(h)],
+        dtype=torch.float64,
+    )
+    want, _ = literal_attention(q, k, v, scale=d**-0.5, bias=bias)
+    for backend in ("reference", "chunked"):
+        got = qkv.attention(q, k, v, bias=ALiBi(h), backend=backend)
+        assert (got - want).abs().max().item() < 1e-13, backend
+    assert (ALiBi(h).dense(i, j) - bias).abs().max().item() < 1e-14  # start ** k vs 2 ** (-8k/n): last-bit differences
+
+
+def test_alibi_slopes_stay_float64_when_the_module_is_cast():
+    # A bf16 model's ALiBi keeps the formula's slopes; backends cast tiles to their logits.
+    module = qkv.MultiHeadAttention(24, 12, positional=ALiBi(12)).to(torch.bfloat16)
+    assert module.positional.slopes.dtype == torch.float64
+    assert torch.equal(module.positional.slopes, alibi_slopes(12))
+    assert module.positional.half().slopes.dtype == torch.float64
+    x = torch.randn(1, 5, 24, dtype=torch.bfloat16)
+    assert module(x).dtype == torch.bfloat16
 
 
 def test_alibi_bias_is_minus_slope_times_distance_bottom_right():
@@ -32,7 +75,7 @@ def test_alibi_bias_is_minus_slope_times_distance_bottom_right():
     slopes = alibi_slopes(h).tolist()
     expected = [[[-slopes[n] * abs(c - r - (j - i)) for c in range(j)] for r in range(i)] for n in range(h)]
     assert bias.shape == (h, i, j)
-    assert torch.allclose(bias, torch.tensor(expected))
+    assert torch.equal(bias, torch.tensor(expected, dtype=torch.float64))
     # The last query's own position (the bottom-right corner) has no penalty.
     assert torch.equal(bias[:, -1, -1], torch.zeros(h))
 

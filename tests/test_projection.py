@@ -122,19 +122,3 @@ def test_second_order_gradients_through_the_convolution_route():
     closed_form = (2 * w.t() @ w.sum(dim=1)).expand(1, 1024, 5)
     torch.testing.assert_close(second(projection.linear), closed_form, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(second(F.linear), closed_form, rtol=1e-5, atol=1e-5)
-
-
-def test_the_route_is_timed_once_per_thread_count(monkeypatch):
-    monkeypatch.undo()  # the suite pins the route (conftest); here the real choice is made
-    monkeypatch.setattr(projection, "_faster", {})
-    calls = []
-    monkeypatch.setattr(projection, "_probe", lambda: calls.append(1) or False)
-    assert projection.onednn_faster() is False and projection.onednn_faster() is False
-    assert calls == [1] and projection._faster == {torch.get_num_threads(): False}
-    x, w, bias = _inputs(1, 1024, 37, 23)
-    assert not projection.uses_convolution(x, w)  # BLAS was faster: F.linear, exactly
-    assert torch.equal(projection.linear(x, w, bias), F.linear(x, w, bias))
-
-
-def test_the_probe_times_both_routes_and_answers_a_bool():
-    assert isinstance(projection._probe(tokens=64, size=16, rounds=2), bool)

@@ -106,6 +106,18 @@ def test_rope_relative_draws_one_curve_per_query_position():
     assert len(shared.axes[0].get_lines()) == 4
 
 
+def test_curves_draw_one_line_per_series_and_the_marks():
+    x = torch.arange(10.0)
+    figure = viz.curves(x, {"a": x.square() + 1, "b": np.ones(10)}, xlabel="position", ylabel="perplexity",
+                        marks={"training length": 4}, log_y=True, title="t")  # fmt: skip
+    ax = figure.axes[0]
+    assert len(ax.get_lines()) == 3  # two series and the mark
+    assert _texts(ax.get_legend().get_texts()) == ["a", "b"]
+    assert ax.get_yscale() == "log" and ax.get_xlabel() == "position"
+    with pytest.raises(ValueError, match=r"ys\['b'\]: expected shape \(10,\) like x, got \(9,\)"):
+        viz.curves(x, {"b": np.ones(9)}, xlabel="", ylabel="")
+
+
 def test_save_writes_png_and_svg(tmp_path):
     figure = viz.heatmap(_weights(4, 4))
     png = viz.save(figure, tmp_path / "plots" / "weights.png")

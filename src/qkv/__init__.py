@@ -4,17 +4,20 @@
     out = qkv.attention(q, k, v)                         # q (b, h, i, d), k (b, g, j, d), v (b, g, j, e)
     mha = qkv.MultiHeadAttention(dim=512, heads=8)       # batch-first (b, i, dim)
 
-See DESIGN.md for the layers; every name exported here is public and stable.
+See docs/DESIGN.md for the layers; every name exported here is public and stable.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import approx, backends, blocks, cache, masks, models, positional, scores, tasks
+from . import approx, backends, blocks, cache, masks, models, positional, score_mods, scores, tasks, variants
 from .attention import Attention, MultiHeadAttention
 from .blocks import Decoder, Encoder, FeedForward, TransformerDecoderLayer, TransformerEncoderLayer
-from .cache import DecoderCache, KVCache
+from .cache import DecoderCache, KVCache, LatentCache, StreamingCache
 from .functional import attention, attention_weights, explain
+from .latent import MultiHeadLatentAttention
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
+from .score_mods import SoftCap
+from .variants import DifferentialAttention, OutputGate, QKNorm, SigmoidAttention
 
 try:
     __version__ = version("qkv")
@@ -26,14 +29,22 @@ __all__ = [
     "Attention",
     "Decoder",
     "DecoderCache",
+    "DifferentialAttention",
     "Encoder",
     "FeedForward",
     "KVCache",
+    "LatentCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
+    "OutputGate",
+    "QKNorm",
     "RelativePositionBias",
     "Rotary",
+    "SigmoidAttention",
     "SinusoidalEncoding",
+    "SoftCap",
+    "StreamingCache",
     "TransformerDecoderLayer",
     "TransformerEncoderLayer",
     "__version__",
@@ -47,6 +58,8 @@ __all__ = [
     "masks",
     "models",
     "positional",
+    "score_mods",
     "scores",
     "tasks",
+    "variants",
 ]

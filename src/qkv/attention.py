@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from . import score_mods
 from ._args import positive_int as _positive
 from ._args import probability
 from .functional import attention
@@ -46,6 +47,9 @@ class Attention(nn.Module):
             ``"location"``) need ``query_dim`` (and ``key_dim``, ``hidden``, ``max_len``).
         dropout: on the weights, in training mode only.
         backend: passed to ``qkv.attention``.
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` on the logits, passed to
+            ``qkv.attention`` (e.g. ``qkv.SoftCap(50.0)``); an ``nn.Module`` becomes a submodule,
+            so its parameters train with this module's.
     """
 
     def __init__(
@@ -58,10 +62,12 @@ class Attention(nn.Module):
         max_len: int | None = None,
         dropout: float = 0.0,
         backend: str = "auto",
+        score_mod: Callable | None = None,
     ):
         super().__init__()
         self.score = make(score, query_dim, key_dim, hidden=hidden, max_len=max_len)
         self.dropout, self.backend = probability("dropout", dropout), backend
+        self.score_mod = score_mods.check(score_mod)
 
     def forward(
         self,
@@ -99,7 +105,7 @@ class Attention(nn.Module):
         result = attention(
             query, key, value, score=self.score, mask=mask, bias=bias, causal=causal,
             dropout=self.dropout if self.training else 0.0, return_weights=return_weights,
-            backend=self.backend,
+            backend=self.backend, score_mod=self.score_mod,
         )  # fmt: skip
         if not single_step:
             return result
@@ -108,7 +114,10 @@ class Attention(nn.Module):
         return result.squeeze(-2)
 
     def extra_repr(self) -> str:
-        return f"dropout={self.dropout}, backend={self.backend!r}"
+        text = f"dropout={self.dropout}, backend={self.backend!r}"
+        if self.score_mod is not None and not isinstance(self.score_mod, nn.Module):
+            text += f", score_mod={self.score_mod!r}"
+        return text
 
 
 class MultiHeadAttention(nn.Module):
@@ -127,7 +136,16 @@ class MultiHeadAttention(nn.Module):
             per-module parameters shared by the heads (``"concat"`` with hidden size ``d``).
         positional: a ``qkv.positional.Positional`` (RoPE, ALiBi, relative buckets).
         attention: the mechanism (default exact attention with ``score``): any callable with
-            ``(q, k, v, *, mask, causal, return_weights)`` on ``(b, h, i, d)``, e.g. ``qkv.approx``.
+            ``(q, k, v, *, mask, causal, return_weights)`` on ``(b, h, i, d)``, e.g. ``qkv.approx``;
+            one with ``accepts_bias = True`` also gets a positional bias as ``bias=``, and one
+            with a ``positions(q, k, start)`` method (``qkv.distributed.SequenceParallel``, whose
+            rows are a shard of a longer sequence) tells rotary embeddings where its rows stand.
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` on the logits of the default
+            mechanism (e.g. ``qkv.SoftCap(50.0)``, Gemma 2); see ``qkv.attention``.
+        qk_norm: a module ``(q, k) -> (q, k)`` applied per head right after the projections,
+            before any rotation, e.g. ``qkv.QKNorm(dim_head)`` (default none).
+        gate: a module ``(out (b, h, i, e), query (b, i, dim)) -> out`` applied to the heads'
+            outputs before ``W^O``, e.g. ``qkv.OutputGate(dim, heads, dim_value_head)``.
     """
 
     def __init__(
@@ -145,6 +163,9 @@ class MultiHeadAttention(nn.Module):
         score: str | Score = "scaled_dot",
         positional: Positional | None = None,
         attention: Callable[..., Tensor] | None = None,
+        score_mod: Callable | None = None,
+        qk_norm: nn.Module | None = None,
+        gate: nn.Module | None = None,
     ):
         super().__init__()
         _positive("dim", dim)
@@ -173,16 +194,28 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = Linear(heads * dim_value_head, dim, bias=bias)
         self.positional = positional
         if attention is None:
-            attention = Attention(make(score, dim_head, dim_head, hidden=dim_head), dropout=dropout)
+            attention = Attention(make(score, dim_head, dim_head, hidden=dim_head), dropout=dropout, score_mod=score_mod)
         elif score != "scaled_dot":
             raise ValueError("score: give the score to the mechanism passed as attention=, not to both")
-        elif positional is not None and positional.bias() is not None and not isinstance(attention, Attention):
+        elif score_mod is not None:
+            raise ValueError("score_mod: give it to the mechanism passed as attention=, not to both")
+        elif (
+            positional is not None
+            and positional.bias() is not None
+            and not isinstance(attention, Attention)
+            and not getattr(attention, "accepts_bias", False)
+        ):
             # Approximate mechanisms never form the (i, j) logits, so there is nothing to add a bias to.
             raise ValueError(
                 f"positional: {type(positional).__name__} adds a bias to the logits, which the mechanism "
                 f"{type(attention).__name__} cannot take; use qkv.positional.Rotary or exact attention"
             )
         self.attention = attention
+        for name, slot in (("qk_norm", qk_norm), ("gate", gate)):
+            if slot is not None and not isinstance(slot, nn.Module):
+                raise TypeError(f"{name}: expected an nn.Module or None, got {type(slot).__name__}")
+        # None is a plain attribute, not a submodule: a default module's state dict is unchanged
+        self.qk_norm, self.gate = qk_norm, gate
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -229,16 +262,28 @@ class MultiHeadAttention(nn.Module):
         q = q.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2)
         k = k.unflatten(-1, (self.kv_heads, self.dim_head)).transpose(1, 2)
         v = v.unflatten(-1, (self.kv_heads, self.dim_value_head)).transpose(1, 2)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
         extra = {}
+        # A cache that re-positions its keys (qkv.cache.StreamingCache: positions within the
+        # cache) gets them unrotated; every key is rotated after the update instead.
+        late = cache is not None and getattr(cache, "positions_in_cache", False)
         if self.positional is not None:
-            start = 0 if cache is None else cache.length
-            q, k = self.positional.rotate(q, k, start)
+            if not late:
+                start = 0 if cache is None else cache.length
+                placed = getattr(self.attention, "positions", None)  # a shard's rows stand elsewhere than 0 .. i-1
+                where = {} if placed is None else {"positions": placed(q, k, start)}
+                q, k = self.positional.rotate(q, k, start, **where)
             if (pos_bias := self.positional.bias()) is not None:
                 extra["bias"] = pos_bias
         if cache is not None:
             k, v = cache.update(k, v)
+            if late and self.positional is not None:
+                q, k = self.positional.rotate(q, k, 0)
         result = self.attention(q, k, v, mask=mask, causal=causal, return_weights=return_weights, **extra)
         out, weights = result if return_weights else (result, None)
+        if self.gate is not None:
+            out = self.gate(out, query)
         y = self.out_proj(out.transpose(1, 2).flatten(2))  # "b h i e -> b i (h e)"
         return (y, weights) if return_weights else y
 

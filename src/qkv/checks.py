@@ -16,6 +16,7 @@ import numbers
 import torch
 from torch import Tensor
 
+from . import score_mods
 from ._args import probability
 from .backends.request import Request
 from .masks import Mask, Window, as_mask
@@ -43,6 +44,8 @@ def request(
     dropout: float,
     return_weights: bool,
     generator: torch.Generator | None = None,
+    sinks: Tensor | None = None,
+    score_mod=None,
 ) -> Request:
     """Validate one call and fold it into a :class:`Request`."""
     _tensors(q, k, v)
@@ -71,6 +74,8 @@ def request(
         dropout=probability("dropout", dropout),
         return_weights=return_weights,
         generator=generator,
+        sinks=_sinks(sinks, q),
+        score_mod=score_mods.check(score_mod),
     )
 
 
@@ -158,6 +163,21 @@ def _bias(bias: Tensor | LazyBias | None, target: tuple[int, ...], q: Tensor) ->
     if not _broadcasts(tuple(bias.shape), target):
         raise ValueError(f"bias: expected shape broadcastable to {target}, got {tuple(bias.shape)}")
     return bias
+
+
+def _sinks(sinks: Tensor | None, q: Tensor) -> Tensor | None:
+    if sinks is None:
+        return None
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks: expected a float tensor of shape (h,), got {type(sinks).__name__}")
+    if not sinks.dtype.is_floating_point:
+        raise TypeError(f"sinks: expected a floating-point tensor (one logit per query head), got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks: expected device {q.device} like q, got {sinks.device}")
+    h = q.shape[-3] if q.dim() >= 3 else 1
+    if tuple(sinks.shape) != (h,):
+        raise ValueError(f"sinks: expected shape ({h},), one logit per query head, got {tuple(sinks.shape)}")
+    return sinks
 
 
 def _scale(scale: float | None, score: Score, d: int) -> float:

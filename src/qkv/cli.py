@@ -1,4 +1,4 @@
-"""The ``qkv`` command line: ``qkv demo``, ``qkv bench``, ``qkv plot``, ``qkv --version``.
+"""The ``qkv`` command line: ``qkv demo``, ``qkv bench``, ``qkv plot``, ``qkv inspect``, ``qkv --version``.
 
 Shape legend (``qkv plot``): ``h`` heads, ``i`` queries (rows), ``j`` keys (columns).
 
@@ -21,6 +21,7 @@ EXAMPLES = """examples:
   qkv demo                      the full tour (a few minutes), figures in ./qkv-demo/
   qkv demo --quick --out /tmp/d a one-minute check of the same steps
   qkv plot weights.pt --out w.png
+  qkv inspect "The cat sat on the mat."   a real model's attention, page in ./qkv-inspect/
   qkv bench --help
 """
 
@@ -55,7 +56,7 @@ def _non_negative_int(text: str) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo",
-        help="attention at work: seed example, order-matters task, date translation, positions",
+        help="attention at work: a worked example, order-matters task, date translation, positions",
         description="Trains small attention models on data made on the spot (no downloads) and "
         "writes figures, results.json and index.html to --out. A full run takes a few minutes on 2 cores.",
     )
@@ -102,6 +103,38 @@ def _add_bench(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     bench_module.add_arguments(bench)
 
 
+def _indices(text: str) -> tuple[int, ...]:
+    from .inspect.selection import SelectionError, parse_indices
+
+    try:
+        return parse_indices("value", text)
+    except SelectionError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("value: ")) from None
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    inspect = sub.add_parser(
+        "inspect",
+        help="the attention of a pretrained model on your text: an offline page, heatmaps, a summary",
+        description="Runs a pretrained transformers model on TEXT with qkv as its attention and writes "
+        "an offline page (head view, model view), PNG heatmaps of one head and of its layer, and "
+        "prints which head of each layer attends most to the previous token, the special tokens and "
+        "itself. Long texts keep only some query rows (--rows, or chosen automatically), so the "
+        "weights of every layer, head, row and key are never held at once.",
+    )
+    inspect.add_argument("text", metavar="TEXT", help="the sentence or text to run the model on")
+    inspect.add_argument("--model", default=None,
+                         help="a model folder (config.json, weights, tokenizer) or a .gguf file; "
+                         "default: the packaged all-MiniLM-L6-v2")  # fmt: skip
+    inspect.add_argument("--layer", type=_non_negative_int, default=None, help="layer shown first and drawn as PNGs (default: 0)")
+    inspect.add_argument("--head", type=_non_negative_int, default=None, help="head shown first and drawn (default: the first chosen)")
+    inspect.add_argument("--rows", type=_indices, default=None,
+                         help="query rows (token positions) to keep, e.g. 0,5,10-20 (default: all, or "
+                         "a few spread over a long text)")  # fmt: skip
+    inspect.add_argument("--heads", type=_indices, default=None, help="heads to keep, e.g. 0-3,7 (default: all)")
+    inspect.add_argument("--out", type=Path, default=Path("qkv-inspect"), help="output folder (default: ./qkv-inspect/)")
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The ``qkv`` parser; ``argv`` tells whether the (slow to import) bench options are needed."""
     parser = _Parser(
@@ -116,6 +149,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub, argv)
     _add_plot(sub)
+    _add_inspect(sub)
     return parser
 
 
@@ -202,6 +236,21 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspect import InspectError, inspect
+
+    try:
+        inspect(args.text, model=args.model, layer=args.layer, head=args.head, rows=args.rows,
+                heads=args.heads, out=args.out)  # fmt: skip
+    except InspectError as error:
+        print(f"qkv inspect: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"qkv inspect: error: --out: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     missing = getattr(args, "bench_missing", None)
     if missing:
@@ -216,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``qkv`` script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    return {"demo": _demo, "plot": _plot, "bench": _bench}[args.command](args)
+    return {"demo": _demo, "plot": _plot, "bench": _bench, "inspect": _inspect}[args.command](args)
 
 
 if __name__ == "__main__":

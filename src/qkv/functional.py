@@ -12,6 +12,7 @@ Inputs without a head dim, ``(i, d)``, also work. Each call is validated once
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -39,6 +40,8 @@ def attention(
     backend: str = "auto",
     generator: torch.Generator | None = None,
     weights_for: dict | None = None,
+    sinks: Tensor | None = None,
+    score_mod: Callable | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention: ``out = softmax(scale · score(q, k) + bias, masked) @ v``.
 
@@ -63,6 +66,13 @@ def attention(
             range, a list of ints or a 1-d integer tensor. The weights are then
             ``(..., len(heads), len(rows), j)``; the chunked backend builds only those, so
             inspecting two heads of a long sequence never holds the ``(..., h, i, j)`` tensor.
+        sinks: ``(h,)`` attention sinks, one logit per query head (learnable): each row's
+            softmax denominator gains ``exp(sinks[h])`` and the sink has no value, so the
+            weights over the keys sum to less than 1 (GPT-OSS; StreamingLLM's sink token).
+        score_mod: ``fn(score, b, h, q_idx, kv_idx) -> score`` applied elementwise to the
+            scaled logits after the bias and before the mask (``flex_attention``'s
+            convention; ``qkv.score_mods``), e.g. ``qkv.SoftCap(c)``. The chunked backend runs
+            it tile by tile, forward and backward; tensors it closes over get gradients.
 
     Returns:
         ``out (..., h, i, e)``, or ``(out, weights)``. A query whose keys are all masked gets
@@ -72,7 +82,8 @@ def attention(
     """
     req = checks.request(
         q, k, v, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
-        dropout=dropout, return_weights=return_weights, generator=generator,
+        dropout=dropout, return_weights=return_weights, generator=generator, sinks=sinks,
+        score_mod=score_mod,
     )  # fmt: skip
     if weights_for is not None:
         req = replace(req, weights_for=_weights_for(weights_for, req))
@@ -140,8 +151,10 @@ def attention_weights(
     scale: float | None = None,
     weights_for: dict | None = None,
     backend: str = "auto",
+    sinks: Tensor | None = None,
+    score_mod: Callable | None = None,
 ) -> Tensor:
-    """Only the weights ``α (..., h, i, j)`` of :func:`attention` (rows sum to 1, or 0 if fully masked).
+    """Only the weights ``α (..., h, i, j)`` of :func:`attention` (rows sum to 1, or 0 if fully masked, < 1 with sinks).
 
     ``weights_for`` selects heads and rows as in :func:`attention`. With ``backend="auto"``
     a call whose logits (times the additive score's hidden size) fit in
@@ -155,7 +168,7 @@ def attention_weights(
     v = k.new_empty((*k.shape[:-1], 0))  # the weights do not depend on v
     req = checks.request(
         q, k, v, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
-        dropout=0.0, return_weights=True,
+        dropout=0.0, return_weights=True, sinks=sinks, score_mod=score_mod,
     )  # fmt: skip
     width = 1 if req.score.dot_form else _prepared_width(req)
     small = req.q[..., 0].numel() * req.j * width <= weights_module.CHUNK_ELEMENTS
@@ -170,7 +183,7 @@ def attention_weights(
     stand_in = k.new_zeros(()).expand(*k.shape[:-1], 1)
     _, w = attention(
         q, k, stand_in, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
-        return_weights=True, backend=backend, weights_for=weights_for,
+        return_weights=True, backend=backend, weights_for=weights_for, sinks=sinks, score_mod=score_mod,
     )  # fmt: skip
     return w
 

@@ -31,35 +31,36 @@ convolution with fewer than 16 images on one thread to its own im2col + BLAS pat
 is ``F.linear`` again), and oneDNN is slow when each image is one pixel (measured 2-3×
 slower than 16 images).
 
-Which library is faster depends on the CPU (on Intel CPUs MKL takes its own AVX-512 kernels),
-so the route is not a constant: :func:`onednn_faster` times both on a ``(2048 × 512) ·
-(512 × 512)`` product, forward and backward (about 0.2 s, once per process and thread
-count), and the convolution is taken only where it was at least 5% faster (measured here,
-2 threads: 0.9-0.95 of F.linear at 2048-4096 tokens, 1.1 at 1024 × 256).
+Which library wins depends on the CPU (on Intel Xeons MKL runs its AVX-512 kernels and the
+two are close), so the route is not a constant: for each shape class (input size, output
+size, tokens rounded down to a power of two, at most :data:`PROBE_TOKENS`) both are timed
+once at first use and the convolution is kept only where it is faster here
+(:mod:`qkv._probe`; :func:`set_route` fixes the choice, ``"blas"`` for public ops only).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._trace import tracing
+from ._probe import Probe, bucket, get_route, route, set_route
 
-#: Fewest tokens for which the convolution route is taken (see the module docstring).
+#: Fewest tokens for which the convolution route is considered (below, oneDNN's fixed cost
+#: per call has lost on every CPU measured: 12 ms against 16 at 256 tokens, one core).
 MIN_TOKENS = 1024
 #: Images the tokens are split into (torch's oneDNN threshold for ``1 × 1`` kernels).
 IMAGES = 16
-#: The convolution is taken where its timed forward + backward is below this share of F.linear's.
-MARGIN = 0.95
+#: Most tokens a probe times (larger inputs are timed at this size: the rate has settled).
+PROBE_TOKENS = 4096
+
+PROBE = Probe("projection")
 
 
 def uses_convolution(x: Tensor, weight: Tensor) -> bool:
     """True when :func:`linear` will run ``x`` through oneDNN's convolution."""
     tokens = x.numel() // max(x.shape[-1], 1) if x.dim() >= 1 else 0
-    return (
+    eligible = (
         tokens >= MIN_TOKENS  # first: a decoding step's one token is turned away at once
         and tokens % IMAGES == 0
         and x.dtype == torch.float32
@@ -69,56 +70,21 @@ def uses_convolution(x: Tensor, weight: Tensor) -> bool:
         and x.dim() >= 2
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
-        and onednn_faster()
     )
+    if not eligible:
+        return False
+    out, size = weight.shape
+    n = bucket(tokens, PROBE_TOKENS)
 
-
-_faster: dict[int, bool] = {}  # torch threads -> the convolution won the timing
-
-
-def onednn_faster() -> bool:
-    """True when oneDNN's convolution beat ``F.linear`` on this CPU (timed at first use, per thread count).
-
-    While torch.compile / torch.export trace a call nothing is timed: the answer of an
-    earlier eager call is used, else ``F.linear``.
-    """
-    threads = torch.get_num_threads()
-    if threads not in _faster:
-        if tracing():
-            return False
-        _faster[threads] = _probe()
-    return _faster[threads]
-
-
-def _probe(tokens: int = 2048, size: int = 512, rounds: int = 5) -> bool:
-    best = {F.linear: float("inf"), _convolution: float("inf")}
-    with torch.inference_mode(False), torch.enable_grad():  # the first call may come from a decoding loop
+    def routes():
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(tokens, size, generator=gen, requires_grad=True)
-        w = torch.randn(size, size, generator=gen, requires_grad=True)
-        dy = torch.randn(tokens, size, generator=gen)
+        xs, ws = torch.randn(n, size, generator=gen), torch.randn(out, size, generator=gen)
+        return (lambda: F.linear(xs, ws)), (lambda: _convolution(xs, ws, None))
 
-        def step(fn):
-            fn(x, w).backward(dy)
-
-        for round_ in range(rounds):  # the first round warms up; the order alternates
-            for fn in (F.linear, _convolution) if round_ % 2 else (_convolution, F.linear):
-                start = time.perf_counter()
-                step(fn)
-                if round_:
-                    best[fn] = min(best[fn], time.perf_counter() - start)
-    return best[_convolution] < MARGIN * best[F.linear]
+    return PROBE.prefers_onednn((size, out, n), routes)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x (..., c) @ weight (o, c)ᵀ + bias (o,)`` -> ``(..., o)``; same contract as ``F.linear``."""
-    if not uses_convolution(x, weight):
-        return F.linear(x, weight, bias)
-    return _convolution(x, weight, bias)
-
-
-def _convolution(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """:func:`linear` by oneDNN's ``1 × 1`` convolution (``x`` with a multiple of 16 tokens)."""
+def _convolution(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     out, size = weight.shape
     tokens = x.numel() // size
     # (t, c) -> 16 channels-last images of t/16 pixels: a view when x is contiguous
@@ -128,8 +94,18 @@ def _convolution(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     return y.permute(0, 2, 3, 1).reshape(*x.shape[:-1], out)
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x (..., c) @ weight (o, c)ᵀ + bias (o,)`` -> ``(..., o)``; same contract as ``F.linear``."""
+    if not uses_convolution(x, weight):
+        return F.linear(x, weight, bias)
+    return _convolution(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, state dict and init) whose forward is :func:`linear`."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+__all__ = ["Linear", "PROBE", "get_route", "linear", "route", "set_route", "uses_convolution"]

@@ -2,7 +2,7 @@
 
 Shape legend: ``h`` heads, ``i`` query length (rows), ``j`` key length (columns);
 ``p`` positions and ``c`` feature dimensions of a positional table; ``m`` curves and
-``r`` relative offsets of a RoPE plot.
+``r`` relative offsets of a RoPE plot; ``n`` points of a line plot.
 
 Every function returns a ``matplotlib.figure.Figure``, which a notebook displays when it is
 the value of a cell; :func:`save` writes it to PNG, SVG or PDF. Figures are built
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["heatmap", "head_grid", "alignment", "positional_encoding", "rope_relative", "save"]
+__all__ = ["heatmap", "head_grid", "alignment", "positional_encoding", "rope_relative", "curves", "save"]
 
 _CELL = 0.26  # inches per row/column of a heatmap: about 19 pt, room for a 9 pt label
 _MARGIN = 1.6  # inches around the cells for tick labels, title and colorbar
@@ -272,6 +272,47 @@ def rope_relative(
     ax.axvline(0.0, color="0.6", linewidth=0.8)
     ax.set_xlabel("m \u2212 n (query position minus key position)")
     ax.set_ylabel("q\u2098 \u00b7 k\u2099")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    return figure
+
+
+def curves(
+    x: Any,
+    ys: dict[str, Any],
+    *,
+    xlabel: str,
+    ylabel: str,
+    marks: dict[str, float] | None = None,
+    log_y: bool = False,
+    title: str | None = None,
+    ax: Any = None,
+) -> Any:
+    """One line per entry of ``ys`` (label -> values over ``x``), e.g. a measure along a sequence.
+
+    ``marks`` draws labelled vertical lines (label -> x), such as a training length.
+    """
+    xs = _array("x", x, 1, "(n,)")
+    lines = {label: _array(f"ys[{label!r}]", y, 1, "(n,)") for label, y in ys.items()}
+    for label, y in lines.items():
+        if y.shape != xs.shape:
+            raise ValueError(f"ys[{label!r}]: expected shape {xs.shape} like x, got {y.shape}")
+    if ax is None:
+        figure = _figure(7.0, 4.0)
+        ax = figure.add_subplot()
+    else:
+        figure = ax.figure
+    for label, y in lines.items():
+        ax.plot(xs, y, linewidth=1.8, label=label)
+    for label, at in (marks or {}).items():
+        ax.axvline(at, color="0.5", linewidth=0.9, linestyle="--")
+        ax.annotate(label, (at, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                    textcoords="offset points", fontsize=8, color="0.35")  # fmt: skip
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title)

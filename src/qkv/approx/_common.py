@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ..backends.request import repeat_kv as repeat_groups
+from .._probe import Probe, bucket
 from ..projection import IMAGES, linear, uses_convolution
 
 
@@ -197,6 +198,32 @@ def check_scale(scale: object) -> float | None:
 CHUNK_ELEMENTS = 1 << 19
 
 
+def softmax_floor(dtype: torch.dtype, n: int) -> float:
+    """How far below its row's max a logit may lie before its softmax weight would be subnormal.
+
+    ``exp(x - max)`` is subnormal below ``log(finfo.tiny)`` (-87.3 in float32 and bfloat16)
+    and the softmax divides it by a row sum of at most ``n``; one more unit of margin.
+    """
+    return -math.log(torch.finfo(dtype).tiny) - math.log(max(n, 1)) - 1.0
+
+
+def floor_logits(x: Tensor, *, inplace: bool = False) -> Tensor:
+    """``max(x, rowmax(x) - softmax_floor)`` along the last dim: the same softmax, without subnormals.
+
+    Why: a weight below ``finfo.tiny`` is a subnormal number, and making or multiplying one
+    can cost a CPU a microcode assist per vector instruction (on Intel Xeons, about a hundred
+    cycles; on the AMD benchmark machine a softmax with 14% subnormal outputs ran 1.9× slower,
+    ``exp`` alone 9×). Linformer's logits spread with √j (an untrained ``E`` sums ``j`` keys):
+    at 16K keys 17% of its weights were subnormal, at 4K 0.2%, which read as quadratic time on
+    Intel (exponent 2.0 between 4K and 32K). Raising those logits to the floor changes each
+    such weight from below ``tiny`` to about ``tiny``: the row's output moves by less than
+    ``n · tiny · max|v|``, far below the dtype's resolution. The max is detached: a floored
+    logit's true gradient is below ``tiny`` too.
+    """
+    top = x.detach().amax(-1, keepdim=True).sub_(softmax_floor(x.dtype, x.shape[-1]))
+    return torch.maximum(x, top, out=x) if inplace else torch.maximum(x, top)
+
+
 def needs_grad(*tensors: Tensor) -> bool:
     """True when autograd will record ops on any of ``tensors``."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -242,6 +269,9 @@ GROUPED_MIN_ELEMENTS = 1 << 14
 #: ``(64, n) @ (n, p)`` with n = 1024-8192, per 16K rows of 8 heads: p = 256, oneDNN 36-40 ms
 #: against 55-60 for MKL's ``bmm``; p = 64, oneDNN 20-51 ms against 15.
 GROUPED_MIN_PIXELS = 256
+#: Largest contracted size and column count a :func:`grouped_matmul` probe times.
+GROUPED_PROBE_SIZE = 4096
+GROUPED_PROBE = Probe("grouped_matmul")
 
 
 def grouped_matmul(w: Tensor, x: Tensor) -> Tensor:
@@ -258,7 +288,18 @@ def grouped_matmul(w: Tensor, x: Tensor) -> Tensor:
     and few columns. The call is ``aten::mkldnn_convolution``, the op ``F.conv2d``
     dispatches to, named directly because ``F.conv2d`` sends a single image on one thread
     to its im2col + BLAS path; it has a backward like any convolution.
+    Where MKL is fast (Intel Xeons) ``bmm`` may win instead, so the route is chosen per
+    shape class by timing both once (:func:`grouped_uses_onednn`, :mod:`qkv._probe`).
     """
+    if not grouped_uses_onednn(w, x):
+        return torch.bmm(w, x)
+    return _grouped_onednn(w, x)
+
+
+def grouped_uses_onednn(w: Tensor, x: Tensor) -> bool:
+    """True when :func:`grouped_matmul` will run ``w @ x`` through oneDNN: a single float32 CPU
+    product large enough, and faster there than ``bmm`` on this CPU (a probe per shape
+    class, :mod:`qkv._probe`)."""
     n, o, c = w.shape
     p = x.shape[-1]
     if not (
@@ -271,7 +312,25 @@ def grouped_matmul(w: Tensor, x: Tensor) -> Tensor:
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
     ):
-        return torch.bmm(w, x)
+        return False
+    return grouped_prefers_onednn(o, c, p)
+
+
+def grouped_prefers_onednn(o: int, c: int, p: int) -> bool:
+    """The probe's answer for ``(1, o, c) @ (1, c, p)`` products (sizes above a few thousand timed at that size)."""
+    c, p = bucket(c, GROUPED_PROBE_SIZE), bucket(p, GROUPED_PROBE_SIZE)
+
+    def routes():
+        gen = torch.Generator().manual_seed(0)
+        ws, xs = torch.randn(1, o, c, generator=gen), torch.randn(1, c, p, generator=gen)
+        return (lambda: torch.bmm(ws, xs)), (lambda: _grouped_onednn(ws, xs))
+
+    return GROUPED_PROBE.prefers_onednn((o, c, p), routes)
+
+
+def _grouped_onednn(w: Tensor, x: Tensor) -> Tensor:
+    n, o, c = w.shape
+    p = x.shape[-1]
     image = x.contiguous().reshape(1, n * c, p, 1)
     # Not made contiguous here: oneDNN reorders the filters into its own layout anyway and
     # takes a transposed view too (one core, (64, 2048) @ (2048, 256): 0.60 ms for the view,

@@ -232,12 +232,14 @@ def dense_weights(parts, rows, n, length, size) -> Tensor:
             continue
         m = part.shape[1]
         share = torch.cat([part, part.new_zeros(part.shape[0], m, length - n)], 2)  # padding: weight 0
-        dense = share.new_zeros(rows, length * length) if dense is None else dense
+        # summed over rounds in float32 (at least): half-precision shares meet float32 log-weights
+        acc = torch.promote_types(share.dtype, torch.float32)
+        dense = share.new_zeros(rows, length * length, dtype=acc) if dense is None else dense
         for r, (order_r, logp) in enumerate(block):
             qpos = order_r.view(m, -1, size)  # m c x
             kpos = torch.cat([order_r.new_zeros(m, size), order_r], 1).unfold(1, 2 * size, size)  # m c y
             weight = logp.view(m, -1, size, 2 * size).exp() * share[r].gather(1, order_r).view(m, -1, size, 1)
             flat = qpos[..., :, None] * length + kpos[..., None, :]
-            dense[i0 : i0 + m].scatter_add_(1, flat.reshape(m, -1), weight.reshape(m, -1))
+            dense[i0 : i0 + m].scatter_add_(1, flat.reshape(m, -1), weight.reshape(m, -1).to(acc))
         block = []
-    return dense.view(rows, length, length)[:, :n, :n]
+    return dense.view(rows, length, length)[:, :n, :n].to(share.dtype)

@@ -60,6 +60,7 @@ from ._common import (
     check_qkv,
     dense_mask,
     grouped_matmul,
+    grouped_prefers_onednn,
     key_padding,
     project_into,
     repeat_kv,
@@ -100,8 +101,11 @@ def kernel_attention(
 
     i, j = phi_q.shape[-2], phi_k.shape[-2]
     offset = j - i  # query p sees keys t <= p + offset
-    state = phi_k.new_zeros(*phi_k.shape[:-2], phi_k.shape[-1], v.shape[-1])  # S: b h m e
-    total = phi_k.new_zeros(phi_k.shape[:-2] + phi_k.shape[-1:])  # z: b h m
+    # The prefix sums grow over all i / chunk_size chunks: in bfloat16 their rounding would
+    # add up, so they are kept in float32 (at least) and rounded once per chunk for its products.
+    acc = torch.promote_types(phi_k.dtype, torch.float32)
+    state = phi_k.new_zeros(*phi_k.shape[:-2], phi_k.shape[-1], v.shape[-1], dtype=acc)  # S: b h m e
+    total = phi_k.new_zeros(phi_k.shape[:-2] + phi_k.shape[-1:], dtype=acc)  # z: b h m
     absorbed = 0  # keys [0, absorbed) are summed into (state, total)
     outs = []
     for p0 in range(0, i, chunk_size):
@@ -113,8 +117,8 @@ def kernel_attention(
             total = total + phi_k[..., absorbed:lo, :].sum(-2)
             absorbed = lo
         fq = phi_q[..., p0:p1, :]
-        num = einsum(fq, state, "b h i m, b h m e -> b h i e")
-        den = einsum(fq, total, "b h i m, b h m -> b h i")
+        num = einsum(fq, state.to(fq.dtype), "b h i m, b h m e -> b h i e")
+        den = einsum(fq, total.to(fq.dtype), "b h i m, b h m -> b h i")
         if hi > lo:
             rows = torch.arange(p0, p1, device=fq.device)[:, None]
             cols = torch.arange(lo, hi, device=fq.device)[None, :]
@@ -126,17 +130,18 @@ def kernel_attention(
     return torch.cat(outs, dim=-2)
 
 
-def blocks(heads: int, length: int, m: int, chunk_elements: int) -> tuple[int, int]:
+def blocks(heads: int, length: int, m: int, chunk_elements: int, *, per_head: bool = True) -> tuple[int, int]:
     """``(heads per block, rows per block)`` of a ``(heads, length, m)`` tensor made a block
     of about ``chunk_elements`` at a time.
 
     With ``m >= GROUPED_MIN_PIXELS`` (the products go to oneDNN, per head) rows of one head
     come first, several heads only when a whole head fits: long sequences give one-head
-    blocks, whose query product is one :func:`qkv.projection.linear`. With fewer features
-    the products stay batched ``bmm`` over all heads, and fewer, wider blocks mean fewer
-    ops (2 threads, m = 64: one-head blocks were 10-20% slower at 4K and 16K).
+    blocks, whose query product is one :func:`qkv.projection.linear`. With fewer features,
+    or ``per_head=False`` (this CPU's BLAS beats oneDNN at these products), the products
+    stay batched ``bmm`` over all heads, and fewer, wider blocks mean fewer ops (2 threads,
+    m = 64: one-head blocks were 10-20% slower at 4K and 16K).
     """
-    if m < GROUPED_MIN_PIXELS:
+    if m < GROUPED_MIN_PIXELS or not per_head:
         return heads, max(1, min(length, chunk_elements // (heads * m)))
     rows = max(1, min(length, chunk_elements // m))
     return max(1, min(heads, chunk_elements // (rows * m))), rows
@@ -191,11 +196,19 @@ def streamed_kernel_attention(
         return q.new_zeros(b, h, i, e)
     scratch = Scratch(False) if scratch is None else scratch
     tiny = torch.finfo(q.dtype).tiny
+    acc = torch.promote_types(q.dtype, torch.float32)  # the key state's sums
     chunk_elements = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
     kept = None if keep is None else keep.expand(b, g, j).reshape(b * g, j)
     vf = v.reshape(b * g, j, e)
     states = []  # per block of KV heads: (n_h, e + 1, m) = [Σ w φ(k) vᵀ ; Σ w φ(k)]ᵀ
-    per, rows = blocks(b * g, j, m, chunk_elements)
+    # One-head blocks feed oneDNN; if this CPU's BLAS is faster at the keys' product, all
+    # heads go through bmm together instead.
+    per_head = not (
+        q.dtype == torch.float32 and q.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled and m >= GROUPED_MIN_PIXELS
+        and not grouped_prefers_onednn(e, max(1, min(j, chunk_elements // m)), m)
+    )  # fmt: skip
+    per, rows = blocks(b * g, j, m, chunk_elements, per_head=per_head)
     for s0 in range(0, b * g, per):
         s1 = min(s0 + per, b * g)
         num = den = None  # (n_h, e, m), (n_h, 1, m): the state [Σ w v φ(k)ᵀ ; Σ w φ(k)ᵀ]
@@ -241,20 +254,23 @@ def streamed_kernel_attention(
             # Numerator and denominator apart: e = 64 rows suit oneDNN's blocks of 16, e + 1 not.
             part = grouped_matmul(scaled, fk)  # n_h, e, m: Σ w v φ(k)ᵀ
             total = fk.sum(1, keepdim=True) if weight is None else torch.bmm(weight.unsqueeze(1), fk)  # n_h, 1, m
-            # In place when possible: nothing saves the state for its backward until the queries read it.
+            # In place when possible: nothing saves the state for its backward until the queries
+            # read it. The sums run over every key block, so half-precision parts are summed
+            # in float32 (each block's product is rounded once, as in one matmul).
             if num is None:
-                num, den = part, total
+                num, den = part.to(acc), total.to(acc)
             else:
                 num, den = num.add_(part), den.add_(total)
         states.append(torch.cat([num, den], dim=1))
     state = states[0] if len(states) == 1 else torch.cat(states)
+    state = state.to(q.dtype)  # rounded once for the queries' products
     # Every query head reads its group's state: (b g, e + 1, m) -> (b h, e + 1, m).
     r = h // g
     state = state.unflatten(0, (b, g)).unsqueeze(2).expand(b, g, r, e + 1, m).reshape(b * h, e + 1, m)
     qf = q.reshape(b * h, i, d)
     out = None  # (b h, i, e), written block by block when nothing needs a gradient
     parts = []  # per block of heads, the list of its row blocks (autograd only)
-    per, rows = blocks(b * h, i, m, chunk_elements)
+    per, rows = blocks(b * h, i, m, chunk_elements, per_head=per_head)
     for s0 in range(0, b * h, per):
         s1 = min(s0 + per, b * h)
         parts.append([])

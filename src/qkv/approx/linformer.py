@@ -33,7 +33,10 @@ the ``k`` projected positions are :func:`linformer_weights`.
 Speed: ``E K`` and ``F V`` are plain batched matmuls over the keys' memory (one per batch
 row when the heads are interleaved, as :class:`qkv.MultiHeadAttention` lays them out), the
 scale is folded into ``E K``, and without ``return_weights`` the softmax runs over a chunk
-of query rows at a time, so the ``(i, k)`` weights are never held whole.
+of query rows at a time, so the ``(i, k)`` weights are never held whole. Logits more than
+about 80 below their row's max are raised to that floor (:func:`qkv.approx._common.
+floor_logits`): their weights would be subnormal numbers, which some CPUs process a
+hundred times slower, and Linformer's logits spread with √j.
 
 Checked against (tests/test_approx_linformer.py): ``softmax(q (E k)ᵀ · scale) (F v)``
 computed directly in the test (also in chunks of two query rows, and with heads interleaved
@@ -53,6 +56,7 @@ from ._common import (
     check_qkv,
     check_scale,
     dense_mask,
+    floor_logits,
     key_padding,
     needs_grad,
     repeat_kv,
@@ -114,7 +118,7 @@ def linformer_attention(
     v_proj = repeat_kv(_project(v, f_proj), h)  # b h k e
     if not return_weights:
         return _chunked_softmax_attention(q, k_proj, v_proj)
-    probs = (q @ k_proj.transpose(-1, -2)).softmax(-1)
+    probs = floor_logits(q @ k_proj.transpose(-1, -2)).softmax(-1)
     out = probs @ v_proj
     effective = einsum(probs, f_proj, "b h i k, k j -> b h i j" if f_proj.dim() == 2 else "b h i k, h k j -> b h i j")
     if keep is not None:
@@ -140,7 +144,7 @@ def _chunked_softmax_attention(q: Tensor, k_proj: Tensor, v_proj: Tensor) -> Ten
     if needs_grad(q, k_proj, v_proj):
         rows = max(1, CHUNK_ELEMENTS // (b * h * n_proj))
         outs = [
-            torch.bmm(torch.bmm(q[:, :, p0 : p0 + rows].reshape(b * h, -1, d), keys_t).softmax(-1), values)
+            torch.bmm(floor_logits(torch.bmm(q[:, :, p0 : p0 + rows].reshape(b * h, -1, d), keys_t)).softmax(-1), values)
             for p0 in range(0, i, rows)
         ]
         return torch.cat(outs, dim=1).unflatten(0, (b, h))
@@ -151,6 +155,7 @@ def _chunked_softmax_attention(q: Tensor, k_proj: Tensor, v_proj: Tensor) -> Ten
     for row in range(b * h):
         for p0 in range(0, i, rows):
             block = torch.mm(queries[row, p0 : p0 + rows], keys_t[row], out=logits[: min(rows, i - p0)])
+            floor_logits(block, inplace=True)
             torch.mm(torch.softmax(block, -1, out=block), values[row], out=out[row, p0 : p0 + rows])
     return out.unflatten(0, (b, h))
 

@@ -9,8 +9,9 @@ A new backend is one file here plus its place in :data:`PREFERENCE`.
 ``local``      sliding windows: block-local fused kernel, O(i·window)
 ``sdpa``       ``F.scaled_dot_product_attention``: dot-form scores, no lazy bias,
                no weights
-``chunked``    everything else: fused kernel per query block for dot-form scores,
-               online softmax over tiles for the rest; weights from the log-sum-exp
+``chunked``    everything else: fused kernel per query block for dot-form scores, a
+               tile loop of its own for dot-form scores with a ``score_mod``, online
+               softmax over tiles for the rest; sinks; weights from the log-sum-exp
 ``reference``  the literal equations, materialised (the oracle)
 =============  =====================================================================
 """

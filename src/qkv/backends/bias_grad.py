@@ -114,7 +114,7 @@ def far_profile_grad(d_profile: Tensor, d_out: Tensor, delta: Tensor, reach: int
 
 
 def saturating_profile_grad(d_profile: Tensor, diagonal, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor,
-                            delta: Tensor, scale: float, reach: int) -> None:  # fmt: skip
+                            delta: Tensor, scale: float, reach: int, row_sums: Tensor | None = None) -> None:  # fmt: skip
     """``dL/d profile`` of a bias that is one value per side beyond ``|offset| >= reach``.
 
     T5's buckets saturate at ``max_distance``: every key at least that far in the future
@@ -125,7 +125,8 @@ def saturating_profile_grad(d_profile: Tensor, diagonal, q: Tensor, k: Tensor, v
       :data:`BAND_ROWS` rows and the keys around their diagonal), costing ``O(i · reach)``;
     * the far future is :func:`far_profile_grad`, which the caller must have added already;
     * for the far past, each row of ``dS`` sums to zero (``Σ_c P(dP - D) = D - D``), so its
-      sum is minus everything else.
+      sum is minus everything else. With attention sinks a row's keys hold only part of its
+      mass and its ``dS`` sums to ``row_sums = P_sink · D`` ``(b, h, i)`` instead.
 
     ``q, k, v, d_out (b, h|g, ·, ·)``, ``lse`` with ``+inf`` on rows that see no key, ``delta =
     rowsum(dO ∘ O)``; ``diagonal`` is the call's ``fused_blocks.DiagonalMask``.
@@ -149,3 +150,6 @@ def saturating_profile_grad(d_profile: Tensor, diagonal, q: Tensor, k: Tensor, v
     past_index = -reach - off0
     if past_index >= 0:
         d_profile[:, past_index] -= d_profile.sum(-1)
+        if row_sums is not None:
+            per_head = row_sums.flatten(0, -3).sum(0).sum(-1).to(d_profile.dtype)  # (h,)
+            d_profile[:, past_index] += per_head if d_profile.shape[0] > 1 else per_head.sum()

@@ -12,13 +12,16 @@ Two engines, one contract (``out``, and the log-sum-exp ``lse (..., h, i)`` of e
   a zero-copy strided view of an ``(h, i + j - 1)`` profile (a learned T5 table gets its
   gradient from ``bias_grad``, with the far keys' share kept by a split forward); other
   masks and biases are built one query block at a time. The speed of ``F.scaled_dot_product_attention`` with at most one block's mask.
+* ``mod_tiles`` — dot-form scores with a score modifier (``score_mod``), without dropout
+  or a learned bias: a tile loop of its own, soft-capping differentiated by hand.
 * ``online_softmax`` — everything else (additive and location scores, dropout, learned
-  biases under other masks, dense biases that need a gradient, inputs without a batch or
-  head dim): a Python loop over tiles with an online softmax and a custom backward that
+  biases under other masks, dense biases that need a gradient, score modifiers, inputs
+  without a batch or head dim): a Python loop over tiles with an online softmax and a custom backward that
   recomputes each tile. Memory is one tile of logits plus, for the additive score, one
   cache-sized ``(ib, jb, n)`` scratch block, instead of the reference's ``(i, j, n)``.
 
-Both skip tiles that the mask reports empty. Weights, when asked for, are rebuilt from
+Both skip tiles that the mask reports empty, and both take attention sinks
+(``backends.sinks``) on their ``(out, lse)``. Weights, when asked for, are rebuilt from
 ``lse`` (``backends.weights``), optionally for a few heads or rows only. Checked against
 the float64 reference backend in ``tests/test_backends_chunked.py``.
 """
@@ -31,11 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import score_mods
 from ..positional import LazyBias
-from . import additive_tiles, kernels, linear_bias
+from . import additive_tiles, kernels, linear_bias, mod_tiles
 from . import dropout as drop
 from .fused_blocks import DiagonalMask, FusedBlocks, FusedPlan
-from .online_softmax import Plan, TiledAttention
+from .mod_tiles import ModTiles
+from .online_softmax import Plan, TiledAttention, unique
 from .request import Request
 from .tiles import BiasSource
 from .weights import rebuild
@@ -56,24 +61,28 @@ def supports(req: Request) -> str | None:
 
 
 def engine(req: Request) -> str:
-    """``"fused_blocks"`` or ``"online_softmax"``: which engine :func:`run` will use, for ``explain``."""
-    return "online_softmax" if online_reason(req) else "fused_blocks"
+    """``"fused_blocks"``, ``"mod_tiles"`` or ``"online_softmax"``: which engine :func:`run` will use, for ``explain``."""
+    if online_reason(req) is not None:
+        return "online_softmax"
+    return "fused_blocks" if req.score_mod is None else "mod_tiles"
 
 
 def online_reason(req: Request) -> str | None:
-    """Why the call runs on the online-softmax tiles rather than the fused kernel; None if it does not."""
+    """Why the call runs on the online-softmax tiles rather than a fused engine; None if it does not."""
     if not req.score.dot_form:
         return f"the {req.score.name} score is not a dot product"
     if req.dropout > 0 or req.q.dim() != 4:
         return "dropout, or inputs without (b, h) dims"
+    if req.score_mod is not None:  # the modifier's own tile loop (public ops), unless a bias must be learned
+        return "a score modifier with a learned bias" if _trainable_bias(req) else None
     if (reason := kernels.unusable(req.q)) is not None:
         return reason
-    if _trainable_bias(req) and not (isinstance(req.bias, LazyBias) and DiagonalMask.applies(_fused_plan(req))):
+    if _trainable_bias(req) and not (isinstance(req.bias, LazyBias) and DiagonalMask.applies(fused_plan(req))):
         return "the fused kernel cannot differentiate this learned bias under this mask"
     return None
 
 
-def _fused_plan(req: Request) -> FusedPlan:
+def fused_plan(req: Request) -> FusedPlan:
     causal_square = req.bias is None and req.is_causal_only and req.i == req.j
     return FusedPlan(mask=req.mask, bias=req.bias, scale=req.scale, causal_square=causal_square)
 
@@ -97,11 +106,13 @@ def forward(req: Request) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         profile = None
         if _trainable_bias(req):  # learned T5 buckets: the (h, L) profile carries the gradient
             profile = BiasSource(req.bias, req.i, req.j, q.device, grad=True).profile_graph
-        if column_path(req, qp, kp, v):  # ALiBi as a key column, no mask on most keys (backends.linear_bias)
+        if req.sinks is None and column_path(req, qp, kp, v):  # ALiBi as a key column (backends.linear_bias)
             out, lse = linear_bias.ColumnBlocks.apply(*same_head_size(qp, kp, v), req.bias, req.scale, req.mask is not None)
         else:
-            out, lse = FusedBlocks.apply(_fused_plan(req), *same_head_size(qp, kp, v), profile)
+            out, lse = FusedBlocks.apply(fused_plan(req), *same_head_size(qp, kp, v), profile, req.sinks)
         out = out[..., : v.shape[-1]]
+    elif engine(req) == "mod_tiles":
+        out, lse = ModTiles.apply(mod_tiles.plan(req), qp, kp, v, req.sinks, *score_mods.closure_tensors(req.score_mod))
     else:
         out, lse = _online(req, qp, kp, v)
     if no_heads:
@@ -112,7 +123,7 @@ def forward(req: Request) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 def column_path(req: Request, *tensors: Tensor) -> bool:
     """True when an ALiBi call runs as a key column (``backends.linear_bias``): where it applies and
     was timed faster than the masked kernel on this CPU, for this call's mode (with or without gradients)."""
-    if not linear_bias.applies(req.bias, req.mask, req.q) or req.q.dim() != 4:
+    if req.sinks is not None or not linear_bias.applies(req.bias, req.mask, req.q) or req.q.dim() != 4:
         return False
     tensors = tensors or (req.q, req.k, req.v)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
@@ -134,17 +145,36 @@ def same_head_size(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Ten
 
 
 def _online(req: Request, qp: Tensor, kp: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    seed = drop.draw_seed(req.generator) if req.dropout > 0 else 0
+    plan, dense, params = online_plan(req, qp, seed)
+    return TiledAttention.apply(plan, qp, kp, v, dense, req.sinks, *params)
+
+
+def online_plan(req: Request, qp: Tensor, seed: int, origin: drop.Origin | None = None) -> tuple[Plan, Tensor | None, list[Tensor]]:
+    """``(plan, dense_bias, params)`` of the online-softmax engine for ``req`` (``qp`` its prepared queries)."""
     lazy = req.bias if isinstance(req.bias, LazyBias) else None
     dense = req.bias if isinstance(req.bias, Tensor) else None
+    block_i, block_j = _blocks(req, qp)
+    plan = Plan(req.score, req.mask, lazy, req.scale, req.dropout, seed, block_i, block_j, origin, req.score_mod)
+    return plan, dense, parameters(req)
+
+
+def parameters(req: Request) -> list[Tensor]:
+    """Tensors the tiles read besides q, k, v and a dense bias, whose gradients the engine returns.
+
+    The score's parameters when its pairwise step uses them (not the dot form, whose
+    parameters act in ``prepare`` only), the lazy bias's, and the tensors the score
+    modifier reads (``qkv.score_mods.closure_tensors``); modules' parameters first, each
+    tensor once.
+    """
     params: list[Tensor] = []
     if not req.score.dot_form:
         params += list(req.score.parameters())  # pairwise may use them (the additive score's v)
-    if lazy is not None:
-        params += list(lazy.parameters())
-    block_i, block_j = _blocks(req, qp)
-    seed = drop.draw_seed(req.generator) if req.dropout > 0 else 0
-    plan = Plan(req.score, req.mask, lazy, req.scale, req.dropout, seed, block_i, block_j)
-    return TiledAttention.apply(plan, qp, kp, v, dense, *params)
+    if isinstance(req.bias, LazyBias):
+        params += list(req.bias.parameters())
+    if req.score_mod is not None:
+        params += score_mods.closure_tensors(req.score_mod)
+    return unique(params)
 
 
 def _blocks(req: Request, qp: Tensor) -> tuple[int, int]:

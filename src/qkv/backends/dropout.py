@@ -14,12 +14,29 @@ who want to check a training run) can rebuild exactly the mask a call used.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from ..masks import Tile
 
 _LOW32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a block of a call sits in the whole call, so that its dropout mask is the whole's slice.
+
+    A block holds query heads ``head .. head + h - 1`` of ``heads`` (None: the block's own
+    ``h``, no head split), query rows from ``row`` and key columns from ``col``, all global
+    indices. The whole call is ``Origin()``.
+    """
+
+    head: int = 0  # global index of the block's first query head
+    heads: int | None = None  # query heads of the whole call (None: as many as the block has)
+    row: int = 0  # global index of the block's first query row
+    col: int = 0  # global index of the block's first key column
 
 
 def draw_seed(generator: torch.Generator | None) -> int:
@@ -42,22 +59,31 @@ def _mix(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def keep(seed: int, p: float, heads_shape: tuple[int, ...], tile: Tile) -> Tensor:
+def keep(seed: int, p: float, heads_shape: tuple[int, ...], tile: Tile, origin: Origin | None = None) -> Tensor:
     """Bool ``(*heads_shape, it, jt)``: True where the weight survives dropout with probability ``p``.
 
     ``heads_shape`` is the logits' shape without ``(i, j)``, e.g. ``(b, h)``; every
     ``(batch, head)`` slice gets its own stream. The same ``(seed, tile)`` always gives the
-    same mask, and a tile of a larger tile is the corresponding slice of it.
+    same mask, and a tile of a larger tile is the corresponding slice of it. With an
+    ``origin``, the tile's heads, rows and columns are read as global ones (a block of a
+    larger call): the mask is then that call's mask at those coordinates.
     """
     device = tile.device
-    streams = 1
-    for n in heads_shape:
-        streams *= n
+    origin = Origin() if origin is None else origin
+    lead = heads_shape[:-1] if heads_shape else ()
+    h = heads_shape[-1] if heads_shape else 1
+    total = h if origin.heads is None else origin.heads
+    batches = 1
+    for n in lead:
+        batches *= n
     lo, hi = seed & _LOW32, (seed >> 32) & _LOW32
-    stream = torch.arange(streams, device=device, dtype=torch.int64).view(*heads_shape, 1, 1)
+    # stream = flat (batch, global head) index: the whole call's numbering
+    batch = torch.arange(batches, device=device, dtype=torch.int64).view(*lead, 1, 1, 1)
+    head = torch.arange(origin.head, origin.head + h, device=device, dtype=torch.int64).view(h, 1, 1)
+    stream = (batch * total + head).view(*heads_shape, 1, 1)
     x = _mix(_mix(stream ^ lo) ^ hi)
-    x = _mix(x ^ tile.rows.view(-1, 1))
-    x = _mix(x ^ tile.cols.view(1, -1))
+    x = _mix(x ^ (tile.rows + origin.row).view(-1, 1))
+    x = _mix(x ^ (tile.cols + origin.col).view(1, -1))
     # top 24 bits as a uniform number in [0, 1): exact in float32
     uniform = (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
     return uniform >= p

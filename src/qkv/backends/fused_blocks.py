@@ -39,6 +39,7 @@ from torch import Tensor
 from ..masks import Mask, Offsets, Tile
 from ..positional import LazyBias, RelativePositionBias
 from . import kernels
+from . import sinks as sink
 from .bias_grad import add_profile_grad, far_profile_grad, saturating_profile_grad
 from .tiles import NEG_INF, BiasSource, as_heads, key_range, offset_live_rows, shift_invariant
 
@@ -139,6 +140,8 @@ class DiagonalMask:
 
     @staticmethod
     def applies(plan: FusedPlan) -> bool:
+        if plan.mask is None and plan.bias is None:
+            return False  # nothing to add to the logits: plain kernel calls, no zero profile or row flips
         lazy_ok = plan.bias is None or (isinstance(plan.bias, LazyBias) and shift_invariant(plan.bias))
         return lazy_ok and (plan.mask is None or isinstance(plan.mask, Offsets))
 
@@ -245,13 +248,57 @@ def _split_block(near: DiagonalMask, far: DiagonalMask, t: Tile, q: Tensor, k: T
     return (o_near * w_near[..., None] + far_out).to(q.dtype), lse, far_out.to(q.dtype), far_share
 
 
+def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, profile: Tensor | None = None):
+    """``(out, lse, far)`` of one call: ``lse`` is ``+inf`` on rows that see no key.
+
+    ``far`` is ``(far_out, far_share)`` when a learned saturating bias keeps its far keys'
+    share for the bias gradient (``_split_block``), else None. No autograd graph.
+    """
+    i_len, j_len = q.shape[-2], k.shape[-2]
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    lse = torch.full(q.shape[:-1], float("inf"), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    diagonal = DiagonalMask(plan, i_len, j_len, mask_dtype(q), q.device, profile) if DiagonalMask.applies(plan) else None
+    bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
+    reach = far_reach(plan, diagonal, profile)
+    far_out = far_share = None
+    if reach is not None:  # learned T5 buckets: keep the far keys' share for the bias gradient
+        far_out, far_share = torch.zeros_like(out), torch.zeros_like(lse)
+        near, far = diagonal.clipped(hi=reach - 1), diagonal.clipped(lo=reach)
+    whole = diagonal is not None and plan.mask is None and reach is None  # nothing to skip: one call
+    for t in _blocks(plan, q, j_len, diagonal is not None, split=reach is not None, whole=whole):
+        rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
+        if t.j0 == t.j1:
+            continue
+        kc, vc = k[..., cols, :], v[..., cols, :]
+        if reach is not None:
+            o, m, far_out[..., rows, :], far_share[..., rows] = _split_block(near, far, t, q, k, v, plan.scale, reach)
+            live = torch.isfinite(m)[..., None]
+            live = None if bool(live.all()) else live
+        elif plan.causal_square:
+            o, m = _forward(q[..., rows, :], kc, vc, 0.0, True, scale=plan.scale)
+            live = None
+        elif diagonal is not None:
+            add, live = diagonal.reversed_block(t), diagonal.live(t)
+            o, m = _forward(q[..., rows, :].flip(-2), kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
+            o, m = o.flip(-2), m.flip(-1)
+        else:
+            add, live = _block_mask(plan, t, bias, mask_dtype(q))
+            o, m = _forward(q[..., rows, :], kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
+        if live is not None:
+            o = o * live
+            m = torch.where(live.squeeze(-1), m, float("inf"))
+        out[..., rows, :] = o
+        lse[..., rows] = m
+    return out, lse, None if far_out is None else (far_out, far_share)
+
+
 def grouped_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
     """The kernel's backward; half-precision grouped heads get their key and value sums in float32.
 
     With ``g < h`` KV heads the kernel adds the ``h / g`` query heads' shares of dk and dv
     into one buffer of the input's precision; in bfloat16 that doubled their error against
-    float64 (``tests/test_backends_chunked.py``). So half-precision calls get the KV heads
-    repeated, and the shares are summed here in float32.
+    float64 at i = 4096, GQA 8/2 (``tests/test_backends_bf16.py`` holds the rule). So
+    half-precision calls get the KV heads repeated, and the shares are summed here in float32.
     """
     group = q.shape[-3] // k.shape[-3]
     if group == 1 or q.dtype not in (torch.float16, torch.bfloat16):
@@ -261,114 +308,104 @@ def grouped_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, **kw
     return gq, gk, gv
 
 
+def fused_backward(
+    plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
+    profile: Tensor | None = None, far: tuple[Tensor, Tensor] | None = None, grad_profile: bool = False,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """``(dq, dk, dv, d_profile)`` from the row's output ``out`` and log-sum-exp ``lse``.
+
+    FlashAttention-2's backward needs only ``P = exp(s - lse)`` and ``D = rowsum(dO ∘ O)``
+    of the row, so when ``out`` and ``lse`` are a larger softmax's (more key blocks, sinks)
+    the result is this call's share of that softmax's gradients. Rows with an infinite
+    ``lse`` see no key anywhere: their gradients are 0. ``far`` is what
+    :func:`fused_forward` kept, already relative to ``lse``; ``sinks``, when ``lse`` includes
+    them, only matter to a learned bias's gradient.
+    """
+    i_len, j_len = q.shape[-2], k.shape[-2]
+    dead = ~torch.isfinite(lse)
+    if bool(dead.any()):  # no gradient flows from rows that see no key (a copy: never write into the caller's)
+        d_out = d_out.masked_fill(dead[..., None], 0.0)
+    d_out = d_out.contiguous()
+    # the kernel's backward wants a finite lse (dead rows' d_out is 0 anyway)
+    lse = torch.where(dead, 0.0, lse)
+    dq = dk = dv = None  # allocated by the first block that does not cover every row and key
+    diagonal = DiagonalMask(plan, i_len, j_len, mask_dtype(q), q.device, profile) if DiagonalMask.applies(plan) else None
+    d_profile = None
+    if profile is not None and grad_profile:
+        acc = torch.promote_types(q.dtype, torch.float32)
+        d_profile = torch.zeros(profile.shape, dtype=acc, device=q.device)
+        delta = torch.einsum("...e,...e->...", d_out.to(acc), out.to(acc))  # D = rowsum(dO ∘ O), via bmm
+    bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
+    reach = saturation(plan.bias)
+    if d_profile is not None and far is not None:
+        far_profile_grad(d_profile, d_out, delta, reach, diagonal.offset0, far)
+    # Without a mask there are no keys to skip: one call over every row, whose gradients are
+    # the result (no accumulators and no per-block copies, which is what bounds the memory).
+    whole = diagonal is not None and plan.mask is None
+    for t in _blocks(plan, q, j_len, diagonal is not None, whole=whole):
+        if t.j0 == t.j1:
+            continue
+        rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
+        args = [d_out[..., rows, :], q[..., rows, :], k[..., cols, :], v[..., cols, :], out[..., rows, :], lse[..., rows]]
+        add, flip = None, diagonal is not None and not plan.causal_square
+        if flip:
+            add = diagonal.reversed_block(t)
+            args = [x.flip(-1 if n == 5 else -2) if n in (0, 1, 4, 5) else x for n, x in enumerate(args)]
+        elif not plan.causal_square:
+            add = _block_mask(plan, t, bias, mask_dtype(q))[0]
+        gq, gk, gv = grouped_backward(*args, 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
+        if d_profile is not None and reach is None:
+            add_profile_grad(
+                d_profile, args[1], args[2], args[3], args[0], args[5], delta[..., rows].flip(-1),
+                add, diagonal.base(t), plan.scale,
+            )  # fmt: skip
+        del args  # the flipped copies, before gq's
+        if flip:
+            gq = gq.flip(-2)
+        if (t.i1 - t.i0, t.j1 - t.j0) == (i_len, j_len):
+            dq, dk, dv = gq, gk, gv
+            continue
+        if dq is None:
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq[..., rows, :] = gq
+        dk[..., cols, :] += gk
+        dv[..., cols, :] += gv
+    if dq is None:  # every row saw no key
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if d_profile is not None and reach is not None:  # after the loop: its blocks reuse the freed memory
+        true_lse = torch.where(dead, float("inf"), lse)  # +inf on rows that see no key
+        row_sums = None if sinks is None else delta * torch.exp(sink.per_head(sinks, true_lse) - true_lse)
+        saturating_profile_grad(d_profile, diagonal, q, k, v, d_out, true_lse, delta, plan.scale, reach, row_sums)
+    d_profile = None if d_profile is None else d_profile.to(profile.dtype)
+    return dq, dk, dv, d_profile
+
+
 class FusedBlocks(torch.autograd.Function):
-    """``(q, k, v) -> (out, lse)`` with ``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)``."""
+    """``(q, k, v, profile, sinks) -> (out, lse)`` with ``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)``.
+
+    ``sinks (h,)`` or None: each row's softmax denominator gains ``exp(sinks_h)``
+    (``backends.sinks``); ``lse`` is then the total, sink included.
+    """
 
     @staticmethod
-    def forward(ctx, plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, profile: Tensor | None = None):
-        i_len, j_len = q.shape[-2], k.shape[-2]
-        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-        lse = torch.full(q.shape[:-1], float("inf"), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-        diagonal = DiagonalMask(plan, i_len, j_len, mask_dtype(q), q.device, profile) if DiagonalMask.applies(plan) else None
-        bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
-        dead = []  # (rows, live) of blocks with rows that see no key
-        reach = far_reach(plan, diagonal, profile)
-        far_out = far_share = None
-        if reach is not None:  # learned T5 buckets: keep the far keys' share for the bias gradient
-            far_out, far_share = torch.zeros_like(out), torch.zeros_like(lse)
-            near, far = diagonal.clipped(hi=reach - 1), diagonal.clipped(lo=reach)
-        whole = diagonal is not None and plan.mask is None and reach is None  # nothing to skip: one call
-        for t in _blocks(plan, q, j_len, diagonal is not None, split=reach is not None, whole=whole):
-            rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
-            if t.j0 == t.j1:
-                dead.append((rows, None))
-                continue
-            kc, vc = k[..., cols, :], v[..., cols, :]
-            if reach is not None:
-                o, m, far_out[..., rows, :], far_share[..., rows] = _split_block(near, far, t, q, k, v, plan.scale, reach)
-                live = torch.isfinite(m)[..., None]
-                live = None if bool(live.all()) else live
-            elif plan.causal_square:
-                o, m = _forward(q[..., rows, :], kc, vc, 0.0, True, scale=plan.scale)
-                live = None
-            elif diagonal is not None:
-                add, live = diagonal.reversed_block(t), diagonal.live(t)
-                o, m = _forward(q[..., rows, :].flip(-2), kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
-                o, m = o.flip(-2), m.flip(-1)
-            else:
-                add, live = _block_mask(plan, t, bias, mask_dtype(q))
-                o, m = _forward(q[..., rows, :], kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
-            if live is not None:
-                o = o * live
-                m = torch.where(live.squeeze(-1), m, float("inf"))
-                dead.append((rows, live))
-            out[..., rows, :] = o
-            lse[..., rows] = m
+    def forward(ctx, plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, profile: Tensor | None = None, sinks: Tensor | None = None):
+        out, lse, far = fused_forward(plan, q, k, v, profile)
+        if sinks is not None:
+            out, lse, share = sink.apply(out, lse, sinks)
+            far = None if far is None else (far[0] * share[..., None].to(far[0].dtype), far[1] * share)
         # the far keys' share and output: read by every backward over this graph (retain_graph)
-        ctx.plan, ctx.dead, ctx.far = plan, dead, None if far_out is None else (far_out, far_share)
-        ctx.save_for_backward(q, k, v, out, lse, profile)
+        ctx.plan, ctx.far = plan, far
+        ctx.save_for_backward(q, k, v, out, lse, profile, sinks)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
-        plan: FusedPlan = ctx.plan
-        q, k, v, out, lse, profile = ctx.saved_tensors
-        far = ctx.far  # not cleared: a second backward (retain_graph=True) needs it again
-        i_len, j_len = q.shape[-2], k.shape[-2]
-        # a copy when dead rows are zeroed below: never write into the caller's gradient
-        d_out = d_out.clone(memory_format=torch.contiguous_format) if ctx.dead else d_out.contiguous()
-        for rows, live in ctx.dead:  # no gradient flows from rows that see no key
-            d_out[..., rows, :] = 0.0 if live is None else d_out[..., rows, :] * live
-        # the kernel's backward wants its own lse: finite for dead rows (their d_out is 0 anyway)
-        lse = torch.where(torch.isinf(lse), 0.0, lse)
-        dq = dk = dv = None  # allocated by the first block that does not cover every row and key
-        diagonal = DiagonalMask(plan, i_len, j_len, mask_dtype(q), q.device, profile) if DiagonalMask.applies(plan) else None
-        d_profile = None
-        if profile is not None and ctx.needs_input_grad[4]:
-            acc = torch.promote_types(q.dtype, torch.float32)
-            d_profile = torch.zeros(profile.shape, dtype=acc, device=q.device)
-            delta = torch.einsum("...e,...e->...", d_out.to(acc), out.to(acc))  # D = rowsum(dO ∘ O), via bmm
-        bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
-        reach = saturation(plan.bias)
-        if d_profile is not None and far is not None:
-            far_profile_grad(d_profile, d_out, delta, reach, diagonal.offset0, far)
-        # Without a mask there are no keys to skip: one call over every row, whose gradients are
-        # the result (no accumulators and no per-block copies, which is what bounds the memory).
-        whole = diagonal is not None and plan.mask is None
-        for t in _blocks(plan, q, j_len, diagonal is not None, whole=whole):
-            if t.j0 == t.j1:
-                continue
-            rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
-            args = [d_out[..., rows, :], q[..., rows, :], k[..., cols, :], v[..., cols, :], out[..., rows, :], lse[..., rows]]
-            add, flip = None, diagonal is not None and not plan.causal_square
-            if flip:
-                add = diagonal.reversed_block(t)
-                args = [x.flip(-1 if n == 5 else -2) if n in (0, 1, 4, 5) else x for n, x in enumerate(args)]
-            elif not plan.causal_square:
-                add = _block_mask(plan, t, bias, mask_dtype(q))[0]
-            gq, gk, gv = grouped_backward(*args, 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
-            if d_profile is not None and reach is None:
-                add_profile_grad(
-                    d_profile, args[1], args[2], args[3], args[0], args[5], delta[..., rows].flip(-1),
-                    add, diagonal.base(t), plan.scale,
-                )  # fmt: skip
-            del args  # the flipped copies, before gq's
-            if flip:
-                gq = gq.flip(-2)
-            if (t.i1 - t.i0, t.j1 - t.j0) == (i_len, j_len):
-                dq, dk, dv = gq, gk, gv
-                continue
-            if dq is None:
-                dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-            dq[..., rows, :] = gq
-            dk[..., cols, :] += gk
-            dv[..., cols, :] += gv
-        if dq is None:  # every row saw no key
-            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        if d_profile is not None and reach is not None:  # after the loop: its blocks reuse the freed memory
-            true_lse = ctx.saved_tensors[4]  # +inf on rows that see no key
-            saturating_profile_grad(d_profile, diagonal, q, k, v, d_out, true_lse, delta, plan.scale, reach)
-        d_profile = None if d_profile is None else d_profile.to(profile.dtype)
-        return None, dq, dk, dv, d_profile
-
+        q, k, v, out, lse, profile, sinks = ctx.saved_tensors
+        # ctx.far is not cleared: a second backward (retain_graph=True) needs it again
+        dq, dk, dv, d_profile = fused_backward(
+            ctx.plan, q, k, v, out, lse, d_out, profile, ctx.far, grad_profile=ctx.needs_input_grad[4], sinks=sinks
+        )
+        d_sinks = sink.grad(out, lse, d_out, sinks) if ctx.needs_input_grad[5] else None
+        return None, dq, dk, dv, d_profile, d_sinks

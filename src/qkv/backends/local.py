@@ -76,6 +76,10 @@ def supports(req: Request) -> str | None:
         return "it does not return weights"
     if req.dropout > 0:
         return "it has no dropout"
+    if req.sinks is not None:
+        return "it has no sinks"
+    if req.score_mod is not None:
+        return "a score_mod needs each tile's logits, which the fused kernel never exposes"
     if req.q.dim() != 4:
         return "it needs (b, h, i, d) inputs"
     if req.bias is not None and _trainable(req.bias):
@@ -123,10 +127,11 @@ def _block_masks(req: Request, window: Window, size: int, n: int, first: int, wi
         t = Tile(i0, i0 + size, c0, c0 + width, req.i, req.j, req.q.device)
         allowed = as_heads(req.mask.tile(t), 4) & ((t.cols >= 0) & (t.cols < req.j))
         add = torch.zeros(allowed.shape, dtype=mask_dtype(req.q), device=req.q.device).masked_fill(~allowed, NEG_INF)
-        if bias is not None:
-            lo, hi = max(c0, 0), min(c0 + width, req.j)
+        lo, hi = max(c0, 0), min(c0 + width, req.j)
+        if bias is not None and lo < hi:  # (lo >= hi: the block's window holds no key, all masked above)
             rows = min(i0 + size, req.i)
             part = as_heads(bias.tile(Tile(i0, rows, lo, hi, req.i, req.j, req.q.device)), 4).to(add.dtype)
+            part = part.expand(*part.shape[:-2], rows - i0, hi - lo)  # a dense bias may broadcast along i or j
             part = F.pad(part, (lo - c0, c0 + width - hi, 0, i0 + size - rows))
             add = add + part
         blocks.append(add)

@@ -18,7 +18,10 @@ so memory is one tile of logits at a time. Dot-form scores take the explicit
 ``dQ = scale·dS K``, ``dK = scale·dSᵀ Q``. The additive score (``qkv.scores.Additive``) is
 computed and differentiated by hand in ``backends.additive_tiles``, in cache-sized
 sub-blocks of its ``(it, jt, n)`` intermediate. Any other score (and any learned bias) is
-differentiated by autograd on the recomputed tile.
+differentiated by autograd on the recomputed tile. A score modifier (``score_mod``,
+``qkv.score_mods``) runs on each tile's logits after the bias and before the mask; its
+backward is autograd through the modifier alone, on a detached copy of the tile's
+pre-modifier logits, whose gradient then goes on as ``dS`` would without it.
 
 Tiles that the mask reports "empty" are skipped; on "full" ones the mask is not built. A
 query with no allowed key has ``l = 0``: its output is 0 and its ``lse`` is ``+inf``, so
@@ -31,15 +34,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 from torch.nn.utils.stateless import _reparametrize_module
 
+from .. import score_mods
 from ..masks import Mask, Tile
 from ..scores import Score
 from . import additive_tiles
 from . import dropout as drop
+from . import sinks as sink
 from .additive_tiles import AdditiveTiles
 from .tiles import NEG_INF, BiasSource, dense_tile, mask_state
 
@@ -56,6 +62,8 @@ class Plan:
     seed: int  # dropout seed (unused when dropout == 0)
     block_i: int  # query tile side
     block_j: int  # key tile side
+    origin: drop.Origin | None = None  # where this call sits in a larger one (dropout coordinates)
+    score_mod: Callable | None = None  # fn(score, b, h, q_idx, kv_idx) on each tile (qkv.score_mods)
 
 
 def _pairwise(plan: Plan, qp5: Tensor, kp5: Tensor, t: Tile) -> Tensor:
@@ -66,11 +74,16 @@ def _pairwise(plan: Plan, qp5: Tensor, kp5: Tensor, t: Tile) -> Tensor:
 
 
 def _logits(plan: Plan, raw: Tensor, bias: BiasSource, dense_t: Tensor | None, t: Tile, state: str) -> Tensor:
-    """Scaled, biased, masked logits of one tile in float32 (or wider), ``(..., h, it, jt)``.
+    """Scaled, biased, modified, masked logits of one tile in float32 (or wider), ``(..., h, it, jt)``.
 
     ``raw`` is the tile's unscaled scores ``(..., g, r, it, jt)``; ``dense_t`` the tile of a
     dense bias, already sliced.
     """
+    return _masked(plan, _modded(plan, _pre(plan, raw, bias, dense_t, t), t), t, state)
+
+
+def _pre(plan: Plan, raw: Tensor, bias: BiasSource, dense_t: Tensor | None, t: Tile) -> Tensor:
+    """``scale · raw + bias``: the logits before the score modifier and the mask."""
     s = raw.flatten(-4, -3)  # (..., g, r, it, jt) -> (..., h, it, jt)
     if s.dtype in (torch.float16, torch.bfloat16):
         s = s.float()
@@ -79,9 +92,15 @@ def _logits(plan: Plan, raw: Tensor, bias: BiasSource, dense_t: Tensor | None, t
         s = s + b.to(s.dtype)
     if dense_t is not None:
         s = s + dense_t.to(s.dtype)
-    if state == "partial":
-        s = s.masked_fill(~plan.mask.tile(t), NEG_INF)
     return s
+
+
+def _modded(plan: Plan, s: Tensor, t: Tile) -> Tensor:
+    return s if plan.score_mod is None else score_mods.apply(plan.score_mod, s, t)
+
+
+def _masked(plan: Plan, s: Tensor, t: Tile, state: str) -> Tensor:
+    return s.masked_fill(~plan.mask.tile(t), NEG_INF) if state == "partial" else s
 
 
 def _tiles(plan: Plan, i_len: int, j_len: int, device):
@@ -100,100 +119,149 @@ def _split(qp: Tensor, kp: Tensor, v: Tensor, g: int) -> tuple[Tensor, Tensor, T
     return qp.unflatten(-3, (g, qp.shape[-3] // g)), kp.unsqueeze(-3), v.unsqueeze(-3)
 
 
+def tiled_forward(plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` in float32 (or wider), no autograd graph; ``lse`` is ``+inf`` on rows that see no key."""
+    g, i_len, j_len = kp.shape[-3], qp.shape[-2], kp.shape[-2]
+    heads_shape = (*qp.shape[:-2],)
+    acc_dtype = torch.promote_types(v.dtype, torch.float32)
+    out = torch.zeros((*heads_shape, i_len, v.shape[-1]), dtype=acc_dtype, device=v.device)
+    lse = torch.full((*heads_shape, i_len), float("inf"), dtype=acc_dtype, device=v.device)
+    q5, k5, v5 = _split(qp, kp, v, g)
+    additive = AdditiveTiles(q5, k5, plan.score.v) if additive_tiles.applies(plan.score) else None
+    bias = BiasSource(plan.lazy_bias, i_len, j_len, qp.device)
+    current, m, l, acc = None, None, None, None
+
+    def finish():
+        rows = slice(current.i0, current.i1)
+        live = l > 0
+        out[..., rows, :] = torch.where(live, acc / l.clamp(min=1e-30), 0.0)
+        lse[..., rows] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
+
+    for t, state in _tiles(plan, i_len, j_len, qp.device):
+        if current is None or t.i0 != current.i0:
+            if current is not None:
+                finish()
+            current = t
+            shape = (*heads_shape, t.i1 - t.i0, 1)
+            m = torch.full(shape, NEG_INF, dtype=acc_dtype, device=v.device)
+            l = torch.zeros(shape, dtype=acc_dtype, device=v.device)
+            acc = torch.zeros((*heads_shape, t.i1 - t.i0, v.shape[-1]), dtype=acc_dtype, device=v.device)
+        dense_t = None if dense is None else dense_tile(dense, t)
+        if additive is not None:
+            raw = additive.logits(t)
+        else:
+            raw = _pairwise(plan, q5[..., t.i0 : t.i1, :], k5[..., t.j0 : t.j1, :], t)
+        s = _logits(plan, raw, bias, dense_t, t, state)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
+        p = torch.exp(s - base)
+        rescale = torch.exp(m - base)
+        l = l * rescale + p.sum(-1, keepdim=True)
+        if plan.dropout > 0:
+            p = p * drop.keep(plan.seed, plan.dropout, heads_shape, t, plan.origin) / (1.0 - plan.dropout)
+        pv = p.unflatten(-3, (g, -1)) @ v5[..., t.j0 : t.j1, :].to(acc_dtype)  # float32 P V for half inputs
+        acc = acc * rescale + pv.flatten(-4, -3)
+        m = m_new
+    if current is not None:
+        finish()
+    return out, lse
+
+
 class TiledAttention(torch.autograd.Function):
-    """``(qp, kp, v, dense_bias, *params) -> (out, lse)``; see the module docstring."""
+    """``(qp, kp, v, dense_bias, sinks, *params) -> (out, lse)``; see the module docstring.
+
+    ``sinks (h,)`` or None: each row's softmax denominator gains ``exp(sinks_h)``
+    (``backends.sinks``); ``lse`` is then the total, sink included.
+    """
 
     @staticmethod
-    def forward(ctx, plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, *params: Tensor):
-        g, i_len, j_len = kp.shape[-3], qp.shape[-2], kp.shape[-2]
-        heads_shape = (*qp.shape[:-2],)
-        acc_dtype = torch.promote_types(v.dtype, torch.float32)
-        out = torch.zeros((*heads_shape, i_len, v.shape[-1]), dtype=acc_dtype, device=v.device)
-        lse = torch.full((*heads_shape, i_len), float("inf"), dtype=acc_dtype, device=v.device)
-        q5, k5, v5 = _split(qp, kp, v, g)
-        additive = AdditiveTiles(q5, k5, plan.score.v) if additive_tiles.applies(plan.score) else None
-        bias = BiasSource(plan.lazy_bias, i_len, j_len, qp.device)
-        current, m, l, acc = None, None, None, None
-
-        def finish():
-            rows = slice(current.i0, current.i1)
-            live = l > 0
-            out[..., rows, :] = torch.where(live, acc / l.clamp(min=1e-30), 0.0)
-            lse[..., rows] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
-
-        for t, state in _tiles(plan, i_len, j_len, qp.device):
-            if current is None or t.i0 != current.i0:
-                if current is not None:
-                    finish()
-                current = t
-                shape = (*heads_shape, t.i1 - t.i0, 1)
-                m = torch.full(shape, NEG_INF, dtype=acc_dtype, device=v.device)
-                l = torch.zeros(shape, dtype=acc_dtype, device=v.device)
-                acc = torch.zeros((*heads_shape, t.i1 - t.i0, v.shape[-1]), dtype=acc_dtype, device=v.device)
-            dense_t = None if dense is None else dense_tile(dense, t)
-            if additive is not None:
-                raw = additive.logits(t)
-            else:
-                raw = _pairwise(plan, q5[..., t.i0 : t.i1, :], k5[..., t.j0 : t.j1, :], t)
-            s = _logits(plan, raw, bias, dense_t, t, state)
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
-            p = torch.exp(s - base)
-            rescale = torch.exp(m - base)
-            l = l * rescale + p.sum(-1, keepdim=True)
-            if plan.dropout > 0:
-                p = p * drop.keep(plan.seed, plan.dropout, heads_shape, t) / (1.0 - plan.dropout)
-            pv = p.unflatten(-3, (g, -1)) @ v5[..., t.j0 : t.j1, :].to(acc_dtype)  # float32 P V for half inputs
-            acc = acc * rescale + pv.flatten(-4, -3)
-            m = m_new
-        if current is not None:
-            finish()
+    def forward(ctx, plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, sinks: Tensor | None, *params: Tensor):
+        out, lse = tiled_forward(plan, qp, kp, v, dense)
+        if sinks is not None:
+            out, lse, _ = sink.apply(out, lse, sinks)
         ctx.plan, ctx.params = plan, params
-        ctx.save_for_backward(qp, kp, v, dense, out, lse)
+        ctx.save_for_backward(qp, kp, v, dense, out, lse, sinks)
         ctx.mark_non_differentiable(lse)
         return out.to(v.dtype), lse
 
     @staticmethod
     def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
+        qp, kp, v, dense, out, lse, sinks = ctx.saved_tensors
+        needs = ctx.needs_input_grad
         with _bound(ctx.plan, ctx.params):
-            return _backward(ctx, d_out)
+            dq, dk, dv, d_dense, d_params = tiled_backward(
+                ctx.plan, qp, kp, v, dense, ctx.params, out, lse, d_out,
+                grad_qk=needs[1] or needs[2], grad_dense=dense is not None and needs[4],
+            )  # fmt: skip
+        d_sinks = sink.grad(out, lse, d_out, sinks) if needs[5] else None
+        return None, dq.to(qp.dtype), dk.to(kp.dtype), dv.to(v.dtype), d_dense, d_sinks, *d_params
 
 
 @contextlib.contextmanager
 def _bound(plan: Plan, params: tuple[Tensor, ...]):
     """Recompute the tiles with the parameter tensors the forward pass used.
 
-    The backward calls ``score.pairwise`` and the lazy bias again, which read the modules'
-    attributes. Under ``torch.func.functional_call`` those attributes are the module's own
-    parameters again by the time backward runs, not the tensors the forward saw (``params``);
-    without rebinding, those tensors would silently get no gradient.
+    The backward calls ``score.pairwise``, the lazy bias and the score modifier again, which
+    read the modules' attributes. Under ``torch.func.functional_call`` those attributes are
+    the module's own parameters again by the time backward runs, not the tensors the forward
+    saw (``params``); without rebinding, those tensors would silently get no gradient.
     """
     modules = ([] if plan.score.dot_form else [plan.score]) + [m for m in (plan.lazy_bias,) if m is not None]
-    owned = [p for m in modules for p in m.parameters()]
-    if len(owned) == len(params) and all(a is b for a, b in zip(owned, params)):
-        yield  # the usual case: nothing was swapped
-        return
-    with contextlib.ExitStack() as stack:
-        given = iter(params)
-        for module in modules:
-            names = [name for name, _ in module.named_parameters()]
-            stack.enter_context(_reparametrize_module(module, {name: next(given) for name in names}))
+    with bound(modules + score_mods.modules(plan.score_mod), params):
         yield
 
 
-def _backward(ctx, d_out: Tensor) -> tuple:
-    plan: Plan = ctx.plan
-    qp, kp, v, dense, out, lse = ctx.saved_tensors
+@contextlib.contextmanager
+def bound(modules: list, params: tuple[Tensor, ...]):
+    """Inside, ``modules``' parameters are the first tensors of ``params`` (in order, each once), as they were in the forward."""
+    owned = unique(p for m in modules for p in m.parameters())
+    if all(a is b for a, b in zip(owned, params[: len(owned)])):
+        yield  # the usual case: nothing was swapped
+        return
+    given = {id(p): x for p, x in zip(owned, params)}
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            names = {name: given[id(p)] for name, p in module.named_parameters()}
+            stack.enter_context(_reparametrize_module(module, names))
+        yield
+
+
+def unique(tensors) -> list[Tensor]:
+    """Tensors in order, each once (by identity): an input listed twice would get its gradient twice."""
+    seen: set[int] = set()
+    out = []
+    for x in tensors:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+
+
+def tiled_backward(
+    plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, params: tuple[Tensor, ...],
+    out: Tensor, lse: Tensor, d_out: Tensor, *, grad_qk: bool = True, grad_dense: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, list[Tensor | None]]:  # fmt: skip
+    """``(dq, dk, dv, d_dense, d_params)`` from the row's output ``out`` and log-sum-exp ``lse``.
+
+    Only ``P = exp(s - lse)`` and ``D = rowsum(dO ∘ O)`` of each row enter, so when ``out``
+    and ``lse`` are a larger softmax's (more key blocks, sinks) the result is this call's
+    share of its gradients. A row with an infinite ``lse`` sees no key anywhere: gradient 0.
+    ``dq``, ``dk``, ``dv`` are float32 (or wider); ``d_params`` is aligned with ``params``
+    (None where a parameter needs no gradient). ``grad_qk`` asks for the gradient of the
+    additive score's prepared q and k (the dot form always gets them).
+    """
     g, i_len, j_len = kp.shape[-3], qp.shape[-2], kp.shape[-2]
     heads_shape = (*qp.shape[:-2],)
-    acc = out.dtype
+    acc = torch.promote_types(out.dtype, torch.float32)
+    out = out.to(acc)
+    lse = torch.where(torch.isinf(lse), float("inf"), lse.to(acc))  # -inf (merge convention) or +inf: no key
     d_out = d_out.to(acc)
     delta = (d_out * out).sum(-1, keepdim=True)  # D = rowsum(dO ∘ O)
     dq = torch.zeros_like(qp, dtype=torch.promote_types(qp.dtype, acc))
     dk = torch.zeros_like(kp, dtype=dq.dtype)
     dv = torch.zeros_like(v, dtype=acc)
-    d_dense = torch.zeros_like(dense, dtype=acc) if dense is not None and ctx.needs_input_grad[4] else None
-    trainable = [p for p in ctx.params if p.requires_grad]
+    d_dense = torch.zeros_like(dense, dtype=acc) if dense is not None and grad_dense else None
+    trainable = [p for p in params if p.requires_grad]
     d_params = [torch.zeros_like(p) for p in trainable]
     lazy = plan.lazy_bias
     learned_bias = lazy is not None and any(p.requires_grad for p in lazy.parameters())
@@ -201,10 +269,10 @@ def _backward(ctx, d_out: Tensor) -> tuple:
     additive, w_slot = None, None
     if additive_tiles.applies(plan.score):  # hand-written tile backward (backends.additive_tiles)
         w_slot = next((n for n, p in enumerate(trainable) if p is plan.score.v), None)
-        grad_score = ctx.needs_input_grad[1] or ctx.needs_input_grad[2] or w_slot is not None
+        grad_score = grad_qk or w_slot is not None
         additive = AdditiveTiles(q5, k5, plan.score.v, grad=grad_score, grad_w=w_slot is not None)
     use_autograd = (not plan.score.dot_form and additive is None) or learned_bias or d_dense is not None
-    grad_qk = use_autograd and additive is None  # q and k tiles as autograd leaves
+    qk_leaves = use_autograd and additive is None  # q and k tiles as autograd leaves
     bias = BiasSource(lazy, i_len, j_len, qp.device, grad=learned_bias)
     d_profile = None
     d_out5 = d_out.unflatten(-3, (g, -1))
@@ -213,7 +281,7 @@ def _backward(ctx, d_out: Tensor) -> tuple:
         qt, kt = q5[..., rows, :], k5[..., cols, :]
         dense_t = None if dense is None else dense_tile(dense, t)
         leaves: list[Tensor] = []
-        if grad_qk:
+        if qk_leaves:
             qt, kt = qt.detach().requires_grad_(), kt.detach().requires_grad_()
             leaves = [qt, kt]
         if use_autograd:
@@ -227,19 +295,31 @@ def _backward(ctx, d_out: Tensor) -> tuple:
         with torch.set_grad_enabled(use_autograd):
             if raw is None:
                 raw = _pairwise(plan, qt, kt, t)
-            s = _logits(plan, raw, bias, dense_t, t, state)
+            s = pre = _pre(plan, raw, bias, dense_t, t)
+        if plan.score_mod is not None:  # two stages: autograd through fn alone, then on as without it
+            pre_in = pre.detach().requires_grad_()
+            with torch.enable_grad():
+                s = _modded(plan, pre_in, t)
+        with torch.set_grad_enabled(use_autograd or plan.score_mod is not None):
+            s = _masked(plan, s, t, state)
         p = torch.exp(s.detach() - lse[..., rows, None])
         dp = (d_out5[..., rows, :] @ v5[..., cols, :].transpose(-1, -2).to(acc)).flatten(-4, -3)
         p_used = p
         if plan.dropout > 0:
-            keep = drop.keep(plan.seed, plan.dropout, heads_shape, t).to(acc) / (1.0 - plan.dropout)
+            keep = drop.keep(plan.seed, plan.dropout, heads_shape, t, plan.origin).to(acc) / (1.0 - plan.dropout)
             p_used, dp = p * keep, dp * keep
         # dV += Pᵀ dO, summed over the r query heads that share a KV head
         dv[..., cols, :] += torch.einsum("...rij,...rie->...je", p_used.unflatten(-3, (g, -1)), d_out5[..., rows, :])
         ds = p * (dp - delta[..., rows, :])
+        if plan.score_mod is not None:  # d(pre-modifier logits), and the modifier's own tensors' share
+            first, *mod_grads = torch.autograd.grad(s, [pre_in, *trainable], ds, allow_unused=True)
+            ds, s = (torch.zeros_like(ds) if first is None else first), pre
+            for n, grad in enumerate(mod_grads):
+                if grad is not None:
+                    d_params[n] += grad
         if use_autograd:
             grads = list(torch.autograd.grad(s, leaves, ds, allow_unused=True))
-            if grad_qk:
+            if qk_leaves:
                 gq, gk = grads.pop(0), grads.pop(0)
                 if gq is not None:
                     dq[..., rows, :] += gq.flatten(-4, -3).to(dq.dtype)
@@ -273,9 +353,9 @@ def _backward(ctx, d_out: Tensor) -> tuple:
             if grad is not None:
                 d_params[n] += grad
     it = iter(d_params)
-    grads_params = [next(it) if p.requires_grad else None for p in ctx.params]
+    grads_params = [next(it) if p.requires_grad else None for p in params]
     d_dense = None if d_dense is None else d_dense.to(dense.dtype)
-    return None, dq.to(qp.dtype), dk.to(kp.dtype), dv.to(v.dtype), d_dense, *grads_params
+    return dq, dk, dv, d_dense, grads_params
 
 
 def _sum_to(x: Tensor, shape: torch.Size) -> Tensor:

@@ -11,6 +11,7 @@ one mask object, lazy or dense.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -34,6 +35,9 @@ class Request:
     generator: torch.Generator | None = None  # dropout randomness, for reproducible runs
     # (heads, rows): 1-d long index tensors (None = all) of the weights to return
     weights_for: tuple[Tensor | None, Tensor | None] | None = None
+    sinks: Tensor | None = None  # (h,) sink logit per query head: in every row's softmax denominator
+    # fn(score, b, h, q_idx, kv_idx) -> score on each tile's logits, after the bias, before the mask
+    score_mod: Callable | None = None
 
     @property
     def heads(self) -> int:

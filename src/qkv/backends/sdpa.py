@@ -42,6 +42,10 @@ def supports(req: Request) -> str | None:
         return "the fused kernel's dropout cannot take a generator"
     if req.q.dim() < 3:
         return "the fused kernel needs a head dimension"
+    if req.sinks is not None:
+        return "sinks need each row's log-sum-exp, which the kernel does not return"
+    if req.score_mod is not None:
+        return "a score_mod needs each tile's logits, which the fused kernel never exposes"
     return None
 
 

@@ -6,7 +6,9 @@ selected heads and rows.
 
 A fast backend keeps, for every query row, ``lse = log Σ_k exp(s_k)`` over its allowed keys.
 Then each weight is one exponential, ``α_j = exp(s_j - lse)``, exactly the softmax, with no
-second pass over the row; a row with no allowed key has ``lse = +inf`` and weights 0. Only
+second pass over the row; a row with no allowed key has ``lse = +inf`` and weights 0. With
+attention sinks ``lse`` includes the sink's mass, so the same formula gives rows summing to
+less than 1. Only
 the selected ``(hs, is, j)`` block is ever built, in row chunks, so inspecting two heads of
 a 4096-token sequence costs ``2·4096·j`` numbers, not ``h·4096·j``.
 
@@ -23,6 +25,7 @@ import math
 import torch
 from torch import Tensor
 
+from .. import score_mods
 from ..masks import Tile
 from ..positional import LazyBias
 from .request import Request
@@ -59,6 +62,8 @@ def rebuild(
         any(x.requires_grad for x in (qp, kp))
         or (isinstance(req.bias, Tensor) and req.bias.requires_grad)
         or (isinstance(req.bias, LazyBias) and any(p.requires_grad for p in req.bias.parameters()))
+        or (req.sinks is not None and req.sinks.requires_grad)
+        or (req.score_mod is not None and any(x.requires_grad for x in score_mods.closure_tensors(req.score_mod)))
     )
     bias = None
     if isinstance(req.bias, LazyBias):
@@ -78,11 +83,16 @@ def rebuild(
             s = s + _pick_heads(bias.tile(t), heads, h).to(s.dtype)
         elif isinstance(req.bias, Tensor):
             s = s + _pick_heads(dense_tile(req.bias, t), heads, h).to(s.dtype)
+        if req.score_mod is not None:
+            s = score_mods.apply(req.score_mod, s, t, heads=heads)  # the selected heads' true indices
         allowed = None
         if req.mask is not None and req.mask.state(t) != "full":
             allowed = _pick_heads(req.mask.tile(t), heads, h)
             s = s.masked_fill(~allowed, NEG_INF)
-        if differentiable:
+        if differentiable and req.sinks is not None:  # the sink is one more logit, whose weight is dropped
+            column = _pick_heads(req.sinks.to(s.dtype).reshape(-1, 1, 1), heads, h)
+            w = torch.softmax(torch.cat((s, column.expand(*s.shape[:-1], 1)), dim=-1), dim=-1)[..., :-1]
+        elif differentiable:
             w = torch.softmax(s.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0), dim=-1)
             if allowed is not None:
                 w = w * allowed * allowed.any(-1, keepdim=True)

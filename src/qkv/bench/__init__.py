@@ -23,9 +23,11 @@ The module defines
 
 A suite without ``section`` but with ``run(setup, progress=...)`` returning an object with
 ``.markdown()`` (and a ``QUICK`` setup for ``--quick``) is run through that instead.
-``qkv bench --suite NAME`` (repeatable, or ``all``) runs only those suites; the sections of
-suites not run are kept in RESULTS.md as they were, between ``<!-- suite: NAME -->``
-markers.
+``qkv bench --suite NAME`` (repeatable, or ``all``) runs only those suites. RESULTS.md has
+one section per CPU model (:mod:`qkv.bench.results`); a run replaces the suites it ran in
+its own CPU's section and keeps every other suite and every other CPU's section as they
+were. ``qkv bench --summary`` runs nothing and prints each target's figure on every CPU and
+the range across them.
 
 Entry points for the command line: :func:`add_arguments` (fills an ``argparse`` parser)
 and :func:`run` (takes the parsed namespace, returns the exit status).
@@ -43,6 +45,8 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
+from . import results
+
 #: Suites by name -> module. Register a new suite by adding it here.
 SUITES: dict[str, str] = {
     "engine": "qkv.bench.engine",
@@ -56,6 +60,10 @@ SUITES: dict[str, str] = {
     "approx": "qkv.bench.approx",
     "learning": "qkv.bench.learning",
     "generation": "qkv.bench.generation",
+    "transformers": "qkv.bench.transformers",
+    "latent": "qkv.bench.latent",
+    "distributed": "qkv.bench.distributed",
+    "mechanisms": "qkv.bench.mechanisms",
 }
 #: Suites run when ``--suite`` is not given.
 DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")
@@ -78,15 +86,36 @@ def suite_module(name: str) -> ModuleType | SimpleNamespace:
     )
 
 
+def _suite_name(text: str) -> str:
+    """``--suite``'s type: a registered suite or ``all``; argparse turns the error into one line."""
+    if text != "all" and text not in SUITES:
+        raise argparse.ArgumentTypeError(f"expected one of {sorted(SUITES)} or 'all', got {text!r}")
+    return text
+
+
+def _threads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``qkv bench`` (also used by ``python -m qkv.bench``)."""
     parser.add_argument(
-        "--suite", action="append", default=None, metavar="NAME",
+        "--suite", action="append", default=None, metavar="NAME", type=_suite_name,
         help=f"suite to run (repeatable; 'all' for every one): {', '.join(SUITES)}; default {', '.join(DEFAULT_SUITES)}",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: checks the machinery in < 1 min")
     parser.add_argument("--out", type=Path, default=None, help=f"markdown file to write (default {DEFAULT_OUT})")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=_threads, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--summary", action="store_true",
+        help="run nothing: print each target's figure on every CPU in the results file, and the range",
+    )  # fmt: skip
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # internal: one memory case, JSON
 
 
@@ -99,11 +128,22 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(run_case(json.loads(args.case))))
         return 0
+    if getattr(args, "summary", False):
+        path = args.out if args.out is not None else DEFAULT_OUT
+        if not path.is_file():
+            print(f"qkv bench: error: --summary: no results file at {path} (run qkv bench first, or give --out)", file=sys.stderr)
+            return 2
+        print(results.summary(path.read_text()), end="")
+        return 0
     names = list(DEFAULT_SUITES) if not args.suite else args.suite
     if "all" in names:
         names = [n for n in SUITES if ":" not in SUITES[n]]  # parts are inside their suite
-    for name in names:
-        suite_module(name)  # fail fast on a wrong name
+    try:
+        for name in names:
+            suite_module(name)  # fail fast on a wrong name (the parser checks it too; callers may not)
+    except ValueError as error:
+        print(f"qkv bench: error: {error}", file=sys.stderr)
+        return 2
     out = args.out if args.out is not None else (Path("benchmarks/RESULTS-quick.md") if args.quick else DEFAULT_OUT)
     from .measure import machine
 
@@ -132,37 +172,18 @@ def _section(module: ModuleType, quick: bool) -> str:
 def write(
     path: Path, sections: dict[str, str], info: dict[str, str], *, quick: bool = False, infos: dict | None = None
 ) -> None:
-    """Write RESULTS.md: header, machine, then one marked section per suite (others' kept)."""
-    old = path.read_text() if path.exists() else ""
-    kept = dict(re.findall(r"<!-- suite: (\S+) -->\n(.*?)<!-- end: \1 -->", old, flags=re.S))
-    # each section carries the conditions it was measured under: suites may be run apart
+    """Put this run's suite ``sections`` into its CPU's section of RESULTS.md (:mod:`qkv.bench.results`).
+
+    ``info`` is :func:`qkv.bench.measure.machine` (its CPU names the section); ``infos`` the
+    conditions at the start of each suite, stamped under its heading.
+    """
+
     def stamp(at: dict[str, str]) -> str:
         load = at.get("load average at start (1, 5, 15 min)", "?")
         return f"_Started {at.get('date', '?')}, torch threads {at.get('torch threads', '?')}, load average {load}._"
 
-    kept.update({name: _stamped(text, stamp((infos or {}).get(name, info))) for name, text in sections.items()})
-    for whole in [n for n in kept if ":" not in SUITES.get(n, ":")]:
-        parts = [n for n, path in SUITES.items() if path.startswith(SUITES[whole] + ":")]
-        if parts and whole not in sections and all(p in kept for p in parts):
-            del kept[whole]  # superseded by a run of each of its parts
-    lines = [
-        "# qkv benchmark results",
-        "",
-        "Written by `qkv bench` (`python -m qkv.bench`). Times are ratios of medians measured side by side",
-        "in one process, with the contenders interleaved round by round; memory is the peak resident set of",
-        "a fresh subprocess per case, above the same process's peak after building the inputs.",
-        "",
-    ]
-    if quick:
-        lines += ["**Quick run: tiny sizes, a smoke test of the machinery. These are not the figures to quote.**", ""]
-    lines += ["## Machine (of the latest run)", "", "| | |", "|---|---|"]
-    lines += [f"| {key} | {value} |" for key, value in info.items()]
-    lines.append("")
-    order = [n for n in SUITES if n in kept] + [n for n in kept if n not in SUITES]
-    for name in order:
-        lines += [f"<!-- suite: {name} -->", kept[name].rstrip(), f"<!-- end: {name} -->", ""]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines))
+    stamped = {name: _stamped(text, stamp((infos or {}).get(name, info))) for name, text in sections.items()}
+    results.write(path, stamped, info, SUITES, quick=quick)
 
 
 def _stamped(text: str, stamp: str) -> str:

@@ -70,6 +70,20 @@ TARGET_SPEEDUP = 20.0  # at i = 16384, exact time / method time
 TARGET_EXPONENT = 1.15  # log-log slope of time between 4K and 32K
 
 
+def _routes() -> list[str]:
+    """What the first-use probes chose on this CPU for the products they were asked about."""
+    from .. import projection
+    from ..approx import _common
+
+    lines = projection.PROBE.report() + _common.GROUPED_PROBE.report()
+    if projection.get_route() != "auto":
+        return [f"oneDNN routes fixed to `{projection.get_route()}` (`QKV_ROUTE`).", ""]
+    if not lines:
+        return []
+    return ["oneDNN or BLAS for the float32 products, chosen on this CPU by timing both once per shape "
+            "class (`qkv._probe`; key = sizes): " + "; ".join(lines) + ".", ""]
+
+
 def fit_exponent(sizes: list[int], seconds: list[float], lo: int = 4096, hi: int = 32768) -> float:
     """Least-squares slope of ``log seconds`` against ``log size`` over the sizes in ``[lo, hi]``."""
     pts = [(math.log(s), math.log(t)) for s, t in zip(sizes, seconds, strict=True) if lo <= s <= hi]
@@ -250,6 +264,7 @@ def render(res: ApproxResult) -> str:
         f"Machine load (1-min average) {res.load[0]:.1f} at start, {res.load[1]:.1f} at end, on 2 cores; "
         f"whole suite {res.seconds / 60:.1f} min.",
         "",
+        *_routes(),
         "| method | i | time (s) | × faster than exact | peak RSS (MiB) | RSS added by the call (MiB) | error |",
         "|---|---|---|---|---|---|---|",
     ]

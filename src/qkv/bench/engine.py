@@ -64,7 +64,7 @@ def _flex(bias, i: int):
     from torch.nn.attention.flex_attention import flex_attention
 
     with torch.no_grad():  # offsets -(i-1) .. i-1 along one row (see qkv.backends.tiles)
-        table = bias.tile(Tile(0, 1, 0, 2 * i - 1, 1, i))[:, 0, :].clone()
+        table = bias.tile(Tile(0, 1, 0, 2 * i - 1, 1, i))[:, 0, :].float()  # ALiBi's tiles are float64
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + table[h, kv_idx - q_idx + i - 1]
@@ -102,7 +102,8 @@ def build(spec: dict) -> Callable[[], object]:
         elif impl == "sdpa_no_bias":
             fn = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
         elif impl == "sdpa_dense_bias":
-            fixed = bias.dense(i, i).detach() if spec["bias"] == "alibi" else None  # ALiBi is a constant: built once
+            # ALiBi is a constant: built once (its tiles are float64: cast to the logits' dtype)
+            fixed = bias.dense(i, i).detach().to(q.dtype) if spec["bias"] == "alibi" else None
             fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=fixed if fixed is not None else bias.dense(i, i))  # noqa: E731
         elif impl == "flex":
             flex = _flex(bias, i)

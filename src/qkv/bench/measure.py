@@ -24,6 +24,7 @@ import ctypes
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -134,8 +135,36 @@ def run_case(spec: dict) -> dict[str, int]:
     return {"inputs": inputs, "peak": peak_rss_bytes()}
 
 
+#: Environment variables that change which kernels run: instruction-set caps of PyTorch,
+#: oneDNN and MKL (set to emulate another CPU), a preloaded library (e.g. one that makes MKL
+#: take its Intel code path on an AMD CPU) and qkv's own route setting. A run under any of
+#: them is filed as a CPU of its own.
+KERNEL_SETTINGS = (
+    "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR",
+    "LD_PRELOAD", "QKV_ROUTE",
+)  # fmt: skip
+
+
+def libraries() -> dict[str, str]:
+    """``{"cpu capability", "BLAS", "oneDNN"}``: the kernels PyTorch picked on this CPU and its BLAS."""
+    config = torch.__config__.show()
+    blas = re.search(r"BLAS_INFO=(\w+)", config)
+    name = blas.group(1) if blas else "unknown"
+    if name == "mkl":
+        version = re.search(r"Math Kernel Library Version ([\w.]+)", config)
+        name = "MKL" + (f" {version.group(1)}" if version else "")
+    elif name in ("open", "openblas"):
+        name = "OpenBLAS"
+    onednn = re.search(r"(?:MKL-DNN|oneDNN) v([\d.]+)", config)
+    return {
+        "cpu capability": torch.backends.cpu.get_cpu_capability(),
+        "BLAS": name,
+        "oneDNN": (onednn.group(1) if onednn else "not built") if torch.backends.mkldnn.is_available() else "not available",
+    }
+
+
 def machine() -> dict[str, str]:
-    """What the figures were measured on."""
+    """What the figures were measured on (see :mod:`qkv.bench.results` for how runs are filed by CPU)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -153,8 +182,11 @@ def machine() -> dict[str, str]:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     except OSError:
         load = "n/a"
+    caps = ", ".join(f"{name}={os.environ[name]}" for name in KERNEL_SETTINGS if os.environ.get(name))
     return {
         "cpu": cpu,
+        **({"kernels set by": caps} if caps else {}),
+        **libraries(),
         "cores": str(cores),
         "torch": torch.__version__,
         "torch threads": str(torch.get_num_threads()),

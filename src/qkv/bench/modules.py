@@ -102,7 +102,8 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     parts = [f"## Modules: MultiHeadAttention (dim {DIM}, {HEADS} heads, b · i = {cfg['tokens']} tokens)", ""]
     onednn = projection.uses_convolution(torch.empty(cfg["tokens"], DIM), torch.empty(DIM, DIM))
     route = "oneDNN, as 1×1 convolutions" if onednn else "F.linear (BLAS), like PyTorch's"
-    parts += [f"qkv's four projections ran on {route} (`qkv.projection`); PyTorch's run on F.linear.", ""]
+    parts += [f"qkv's four projections ran on {route} (`qkv.projection`, chosen on this CPU by timing both "
+              "once per shape); PyTorch's run on F.linear.", ""]
     parts += table(["i", "b", "qkv train ms", "train / torch need_weights=False", "train / torch defaults",
                     "qkv inference ms", "inference / torch need_weights=False"], rows)  # fmt: skip
     parts += ["", "### Targets", ""] + targets.lines()

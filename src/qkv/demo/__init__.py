@@ -2,12 +2,14 @@
 
 The steps, in order (one file each in this package):
 
-1. ``seed_example`` — the worked example of seed text 002, printed as the seed prints it;
+1. ``worked_example`` — four words, ``W^Q, W^K, W^V`` from numpy seed 42, ``softmax(QKᵀ/√3) V``;
 2. ``order`` — a task whose two classes share the same bag of words: a bag-of-words
    baseline stays at chance, an attention classifier with positions solves it;
 3. ``dates`` — dates in many formats and languages to ISO ``YYYY-MM-DD`` with Bahdanau and
    Luong RNN encoder–decoders, and their alignment heatmaps;
 4. ``positions`` — the sinusoidal table and RoPE's relative-position property;
+5. ``streaming`` — a language model decoding ten times past its training length with a
+   full cache and with StreamingLLM's bounded caches (with and without attention sinks);
 
 then a summary table, ``results.json`` and an offline ``index.html`` (``report``).
 
@@ -42,17 +44,19 @@ class DemoError(ValueError):
 def _steps() -> list[tuple[str, Callable[[Context], StepResult]]]:
     # Imported here so `import qkv.demo` stays light and a step's import error is reported
     # as that step failing.
-    from . import dates, order, positions, seed_example
+    from . import dates, order, positions, streaming, worked_example
 
     return [
-        ("seed 002 worked example", seed_example.run),
-        ("order matters", order.run),
-        ("translation with alignment", dates.run),
-        ("positions", positions.run),
+        (STEPS[0], worked_example.run),
+        (STEPS[1], order.run),
+        (STEPS[2], dates.run),
+        (STEPS[3], positions.run),
+        (STEPS[4], streaming.run),
     ]
 
 
-STEPS = ("seed 002 worked example", "order matters", "translation with alignment", "positions")
+STEPS = ("worked example: four words, numpy seed 42", "order matters", "translation with alignment", "positions",
+         "decoding past the training length")  # fmt: skip
 
 
 def _check_out(out: Path) -> None:

@@ -23,8 +23,14 @@ from ..masks import Tile
 class Positional(nn.Module):
     """Base class: identity rotation, no bias. Subclasses override what they change."""
 
-    def rotate(self, q: Tensor, k: Tensor, start: int = 0) -> tuple[Tensor, Tensor]:
-        """Rotate ``q (b, h, i, d)`` and the new keys ``k (b, g, i, d)``, whose first position is ``start``."""
+    def rotate(
+        self, q: Tensor, k: Tensor, start: int = 0, positions: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Rotate ``q (b, h, i, d)`` and the new keys ``k (b, g, j, d)``, whose first position is ``start``.
+
+        ``positions = (q_positions (i,), k_positions (j,))``, when given, are the rows' own
+        positions instead (a shard of a longer sequence, ``qkv.distributed``).
+        """
         return q, k
 
     def bias(self) -> LazyBias | None:

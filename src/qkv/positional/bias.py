@@ -29,7 +29,7 @@ from .base import LazyBias
 
 
 def alibi_slopes(heads: int) -> Tensor:
-    """The ``(heads,)`` ALiBi slopes."""
+    """The ``(heads,)`` ALiBi slopes, float64 (the formula's values to double precision)."""
     positive_int("heads", heads)
 
     def power_of_two(n: int) -> list[float]:
@@ -37,13 +37,19 @@ def alibi_slopes(heads: int) -> Tensor:
         return [start ** (p + 1) for p in range(n)]
 
     if heads & (heads - 1) == 0:
-        return torch.tensor(power_of_two(heads))
+        return torch.tensor(power_of_two(heads), dtype=torch.float64)
     lower = 2 ** math.floor(math.log2(heads))
-    return torch.tensor(power_of_two(lower) + power_of_two(2 * lower)[0::2][: heads - lower])
+    return torch.tensor(power_of_two(lower) + power_of_two(2 * lower)[0::2][: heads - lower], dtype=torch.float64)
 
 
 class ALiBi(LazyBias):
-    """Attention with Linear Biases: ``bias[h, r, c] = -slope_h · |c - r - (j - i)|``."""
+    """Attention with Linear Biases: ``bias[h, r, c] = -slope_h · |c - r - (j - i)|``.
+
+    The slopes and the bias tiles are float64 whatever dtype the module is cast to; each
+    backend casts a tile to its logits' dtype when it adds it. Slopes rounded to float32
+    first would put float64 attention 3e-8 off the formula (12 heads), and slopes cast
+    with a bf16 model would be off by 2^-9 of the slope, several logits at 4K positions.
+    """
 
     shift_invariant = True
 
@@ -52,9 +58,15 @@ class ALiBi(LazyBias):
         self.heads = heads
         self.register_buffer("slopes", alibi_slopes(heads), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # .to(device) moves the slopes; .to(dtype) / .half() / .float() must not round them.
+        super()._apply(fn, recurse)
+        self.slopes = alibi_slopes(self.heads).to(self.slopes.device)
+        return self
+
     def tile(self, t: Tile) -> Tensor:
-        distance = t.diagonal.abs().to(self.slopes.dtype)
-        return -self.slopes.to(t.device)[:, None, None] * distance  # (h, it, jt)
+        distance = t.diagonal.abs().to(torch.float64)  # exact: integers
+        return -self.slopes.to(t.device)[:, None, None] * distance  # (h, it, jt) float64
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}"

@@ -82,8 +82,14 @@ class Rotary(Positional):
             raise ValueError(f"base: expected a number > 1, got {base!r}")
         self.rotary_dim, self.base, self.interleaved = rotary_dim, float(base), bool(interleaved)
 
-    def rotate(self, q: Tensor, k: Tensor, start: int = 0) -> tuple[Tensor, Tensor]:
-        """``q (b, h, i, d)``, new keys ``k (b, g, j, d)`` at positions ``start ..``; queries aligned to the last keys."""
+    def rotate(
+        self, q: Tensor, k: Tensor, start: int = 0, positions: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``q (b, h, i, d)``, new keys ``k (b, g, j, d)`` at positions ``start ..``; queries aligned to the last keys.
+
+        ``positions = (q_positions (i,), k_positions (j,))`` rotate rows that stand elsewhere
+        (a rank's shard of a longer sequence: ``qkv.distributed.SequenceParallel.positions``).
+        """
         for name, x in (("q", q), ("k", k)):
             if x.shape[-1] != self.dim_head:
                 raise ValueError(
@@ -92,6 +98,13 @@ class Rotary(Positional):
                 )
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ValueError(f"start: expected a non-negative int (the cache length), got {start!r}")
+        if positions is not None:
+            q_pos, k_pos = positions
+            for name, x, pos in (("q", q, q_pos), ("k", k, k_pos)):
+                if not isinstance(pos, Tensor) or pos.shape != (x.shape[-2],):
+                    got = tuple(pos.shape) if isinstance(pos, Tensor) else type(pos).__name__
+                    raise ValueError(f"positions: expected ({x.shape[-2]},) positions for {name}, got {got}")
+            return self.rotate_at(q, q_pos.to(q.device)), self.rotate_at(k, k_pos.to(k.device))
         i, j = q.shape[-2], k.shape[-2]
         # bottom-right: the last query stands at the last key's position, start + j - 1
         q_pos = torch.arange(start + j - i, start + j, device=q.device)

@@ -10,6 +10,8 @@ strings, so an example can be printed next to its attention map.
   with the character spans of year, month and day for checking alignments.
 - :func:`make_recall_task`: associative recall of the value stored with a key.
 - :func:`make_listops_task`: nested MAX/MIN/MED/SM expressions over digits.
+- :func:`make_word_stream_task`: a stream of made-up words for language models, with test
+  streams far longer than the training sequences.
 """
 
 from .dates import DateTask, make_date_task
@@ -17,6 +19,7 @@ from .listops import ListOpsTask, make_listops_task
 from .order import OrderTask, make_order_task
 from .recall import RecallTask, make_recall_task
 from .vocab import Vocabulary
+from .words import WordStreamTask, make_word_stream_task
 
 __all__ = [
     "DateTask",
@@ -24,8 +27,10 @@ __all__ = [
     "OrderTask",
     "RecallTask",
     "Vocabulary",
+    "WordStreamTask",
     "make_date_task",
     "make_listops_task",
     "make_order_task",
     "make_recall_task",
+    "make_word_stream_task",
 ]

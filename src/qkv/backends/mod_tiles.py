@@ -1,0 +1,437 @@
+"""Dot-form attention with a score modifier, tile by tile: soft-capping by hand, any other modifier by autograd.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``r = h / g`` query heads per
+KV head, ``i`` query length, ``j`` key length, ``d`` query/key size, ``e`` value size;
+``it``/``jt`` the sides of a tile.
+
+PyTorch's fused kernel never exposes its logits, so a modifier (``score_mod``,
+``qkv.score_mods``) needs a tile loop of our own. This one is built for speed on a CPU,
+for ``(b, h, i, d)`` inputs with a dot-form score, no dropout and no learned bias (those go
+to ``online_softmax``):
+
+* tiles of :data:`TILE_ROWS` × :data:`TILE_COLS` keep each elementwise pass in cache, and
+  the tiles the mask reports empty are skipped (half of them under a causal mask);
+* the ``r`` query heads that share a KV head are one ``(r·it, d)`` matrix, so each product
+  is one batched matmul over ``(b, g)`` without copying keys or values, and outputs and
+  gradients accumulate in place (``baddbmm_``);
+* the forward keeps only ``out`` and ``lse``; the backward recomputes each tile's logits
+  (FlashAttention-2, Dao 2023: ``P = exp(s - lse)``, ``D = rowsum(dO ∘ O)``,
+  ``dS = P ∘ (dP - D)``).
+
+**Soft-capping** (Gemma 2, ``qkv.SoftCap(c)``: ``s ← c · tanh(x / c)``, ``x = scale · qᵀk +
+bias``) has a hand-written derivative, ``1 - tanh²``, applied to ``dS`` in place: no
+autograd. ``torch.tanh`` costs 4 to 8 ns per element on the benchmark machine, so
+``tanh(z/2)`` with ``z = 2x/c`` (the ``2/c`` goes on the queries once per call) is
+``E / (E + 2)`` with ``E = expm1(z)``: about half the cost, and accurate to a few ulp
+(:func:`_tanh_`). The faster ``2σ(z) - 1`` is not used: it cancels as ``z → 0``, an absolute
+error of ``c·2⁻²⁴`` on every logit, tens of times plain float32's for Gemma's ``c = 50``.
+Every exponential is of a non-positive argument (a logit minus the running maximum, or
+minus the log-sum-exp), where ``exp(a) = σ(a) / (1 - σ(a))`` is exact to 3 ulp and, with
+PyTorch's fast ``sigmoid``, twice as fast as ``torch.exp`` here (:func:`_exp_nonpositive_`).
+
+**Any other modifier** runs on the scaled, biased logits of the tile, then the mask; its backward is autograd through the modifier alone
+on a detached copy of the tile (the tensors it reads, ``closure_tensors``, get their share),
+then the same explicit ``dQ``, ``dK``.
+
+A row with no allowed key has ``l = 0``: output 0, ``lse = +inf``, zero gradients.
+Half-precision inputs are computed in float32. Checked against the float64 reference
+backend in ``tests/test_backends_mod_tiles.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .. import score_mods
+from ..masks import Mask, Tile
+from ..score_mods import SoftCap
+from . import sinks as sink
+from . import workers
+from .online_softmax import bound
+from .tiles import NEG_INF, BiasSource, mask_state
+
+#: Query rows per tile. With ``TILE_COLS`` and 8 heads a float32 tile is 4 MiB, the size at
+#: which this machine's elementwise passes were cheapest per element (measured 0.03 ns for
+#: a multiply, 0.3 for a sigmoid) while each Python-level op stays well above its overhead.
+TILE_ROWS = 256
+#: Keys per tile.
+TILE_COLS = 256
+
+
+@dataclass
+class ModPlan:
+    """What a call is, besides its tensors."""
+
+    mask: Mask | None  # True = may attend
+    bias: object  # a dense tensor or a LazyBias, neither trained here, or None
+    scale: float
+    score_mod: Callable  # fn(score, b, h, q_idx, kv_idx); a SoftCap is run by hand
+    block_i: int  # query tile side
+    block_j: int  # key tile side
+
+    @property
+    def cap(self) -> float | None:
+        return self.score_mod.cap if isinstance(self.score_mod, SoftCap) else None
+
+
+def plan(req) -> ModPlan:
+    """The plan of a request (``backends.Request``) this engine runs."""
+    return ModPlan(req.mask, req.bias, req.scale, req.score_mod, TILE_ROWS, TILE_COLS)
+
+
+def _tiles(plan: ModPlan, i_len: int, j_len: int, device):
+    """``(tile, state)`` for every tile the mask does not empty, query tiles outermost."""
+    for i0 in range(0, i_len, plan.block_i):
+        i1 = min(i0 + plan.block_i, i_len)
+        for j0 in range(0, j_len, plan.block_j):
+            t = Tile(i0, i1, j0, min(j0 + plan.block_j, j_len), i_len, j_len, device)
+            state = mask_state(plan.mask, t)
+            if state != "empty":
+                yield t, state
+
+
+def _rows(x: Tensor, g: int, t: Tile) -> Tensor:
+    """Rows ``i0:i1`` of ``x (b, h, i, ·)`` as ``(b·g, r·it, ·)``: the ``r`` heads of a KV head stacked."""
+    b, h = x.shape[:2]
+    return x[:, :, t.i0 : t.i1].reshape(b * g, (h // g) * (t.i1 - t.i0), x.shape[-1])
+
+
+def _cols(x: Tensor, t: Tile) -> Tensor:
+    """Keys ``j0:j1`` of ``x (b, g, j, ·)`` as ``(b·g, jt, ·)`` (a view)."""
+    return x[:, :, t.j0 : t.j1].flatten(0, 1)
+
+
+def _inputs(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor):
+    """``(q, k, v, acc, factor)``: the matmul operands, and what multiplies ``qᵀk`` in a tile.
+
+    bfloat16 operands stay bfloat16 (its matmuls, which accumulate in float32, ran three times
+    faster than float32 ones on the benchmark machine); float16 becomes float32. ``acc`` is
+    the dtype of everything elementwise and of every accumulator. ``factor`` is ``scale``, or
+    ``2·scale/c`` for a soft cap (the tile then holds ``z = 2x/c``); it is applied to each
+    tile's product, so no scaled copy of ``q`` is made.
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    mm = q.dtype if q.dtype == torch.bfloat16 else acc  # float16 matmuls are slow on CPUs: float32
+    factor = plan.scale if plan.cap is None else 2.0 * plan.scale / plan.cap
+    return q.to(mm).contiguous(), k.to(mm).contiguous(), v.to(mm).contiguous(), acc, factor
+
+
+class _Scratch:
+    """Tile-sized buffers reused by every tile of a call: a fresh 2 MiB tensor per op costs page faults.
+
+    (Measured: the allocating ``add`` of two tile-sized operands took 9% of a soft-capped
+    fwd+bwd, the same op into a reused buffer a third of that.)
+    """
+
+    def __init__(self, device):
+        self.device, self.bufs = device, {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        n = math.prod(shape)
+        buf = self.bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self.bufs[name] = torch.empty(n, dtype=dtype, device=self.device)
+        return buf[:n].view(shape)
+
+
+def _mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """``a @ b`` batched, in the operands' dtype (float32 accumulation inside), written into ``out``."""
+    b = b.to(a.dtype)
+    if out.dtype == a.dtype:
+        return torch.bmm(a, b, out=out)
+    return out.copy_(torch.bmm(a, b))
+
+
+def _add_mm(target: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> None:
+    """``target += alpha · a @ b`` in place; ``a @ b`` runs in ``a``'s dtype."""
+    b = b.to(a.dtype)
+    if target.dtype == a.dtype:
+        target.baddbmm_(a, b, alpha=alpha)
+    else:
+        target.add_(torch.bmm(a, b), alpha=alpha)
+
+
+def _logits(plan: ModPlan, q: Tensor, k: Tensor, factor: float, bias: BiasSource, t: Tile, b: int, h: int,
+            scratch: _Scratch, acc: torch.dtype) -> Tensor:  # fmt: skip
+    """``(b, h, it, jt)``: ``scale·qᵀk + bias``, or for a soft cap ``z = 2(scale·qᵀk + bias)/c``."""
+    g, it, jt = k.shape[1], t.i1 - t.i0, t.j1 - t.j0
+    out = scratch.take("s", (b * g, (h // g) * it, jt), acc)
+    q_t, k_t = _rows(q, g, t), _cols(k, t).transpose(1, 2)
+    if q.dtype == acc:  # the factor rides on the product (beta = 0: out's old values are ignored)
+        s = torch.baddbmm(out, q_t, k_t, beta=0.0, alpha=factor, out=out)
+    else:
+        s = out.copy_(torch.bmm(q_t, k_t)).mul_(factor)
+    s = s.view(b, h, it, jt)
+    if (tile := bias.tile(t)) is not None:
+        s.add_(tile.to(s.dtype), alpha=1.0 if plan.cap is None else 2.0 / plan.cap)
+    return s
+
+
+def _expm1_(z: Tensor, clamp: bool) -> Tensor:
+    """``E = expm1(z)`` in place; ``z`` clamped at 40 first unless it is known to stay below (``_needs_clamp``)."""
+    return torch.expm1_(z.clamp_(max=40.0) if clamp else z)
+
+
+def _tanh_(z: Tensor, den: Tensor, clamp: bool = True) -> Tensor:
+    """``tanh(z / 2)`` in place, as ``E / (E + 2)`` with ``E = expm1(z)``.
+
+    Accurate to a few ulp everywhere (no cancellation: ``E`` keeps its relative precision
+    near 0, and ``E + 2 >= 1``), and about twice as fast as ``torch.tanh`` on the benchmark
+    machine. ``2σ(z) - 1`` would be faster still but loses all relative precision as
+    ``z → 0``: an absolute error of ``c·2⁻²⁴`` on every capped logit. ``z`` is clamped at
+    40, where ``tanh(20)`` is 1 in float64 already, so ``E`` never overflows. ``den`` is a
+    buffer of ``z``'s shape for ``E + 2``.
+    """
+    e = _expm1_(z, clamp)
+    return e.div_(torch.add(e, 2.0, out=den))
+
+
+def _exp_nonpositive_(a: Tensor, tmp: Tensor) -> Tensor:
+    """``exp(a)`` in place for ``a <= 0`` (``-inf`` allowed), as ``σ(a) / (1 - σ(a))``; ``tmp`` a buffer like ``a``.
+
+    ``torch.sigmoid`` ran twice to three times as fast as ``torch.exp`` on the benchmark
+    machine, and for ``a <= 0`` nothing cancels (``1 - σ(a) >= 1/2``): within 3 ulp of the
+    float64 ``exp`` over ``[-87, 0]`` (``tests/test_backends_mod_tiles.py``). Every
+    exponential of an online softmax has such an argument: a logit minus a maximum, or
+    minus the log-sum-exp.
+    """
+    sig = torch.sigmoid_(a)
+    return sig.div_(torch.sub(1.0, sig, out=tmp))
+
+
+def _needs_clamp(plan: ModPlan, q: Tensor, k: Tensor, factor: float) -> bool:
+    """False when ``|z| <= factor · max‖q_i‖ · max‖k_j‖`` (Cauchy–Schwarz) is far below the clamp: a pass saved per tile."""
+    if plan.bias is not None:
+        return True
+    bound = abs(factor) * q.float().norm(dim=-1).max() * k.float().norm(dim=-1).max()
+    return not bool(bound < 30.0)
+
+
+def _row_dots(d_out: Tensor, out: Tensor, acc: torch.dtype, rows: int = 1024) -> Tensor:
+    """``D = rowsum(dO ∘ O)`` ``(b, h, i, 1)`` in ``acc``, a block of rows at a time (no ``acc`` copies of the whole)."""
+    delta = torch.empty((*out.shape[:-1], 1), dtype=acc, device=out.device)
+    for r0 in range(0, out.shape[-2], rows):
+        r = slice(r0, r0 + rows)
+        delta[..., r, :] = (d_out[..., r, :].to(acc) * out[..., r, :].to(acc)).sum(-1, keepdim=True)
+    return delta
+
+
+def _hide(plan: ModPlan, t: Tile, state: str, acc: torch.dtype) -> Tensor | None:
+    """``-inf`` where tile ``t``'s mask forbids, 0 elsewhere (None on a full tile): added, not ``masked_fill``-ed.
+
+    A broadcast add of this small ``(it, jt)`` pattern ran about 20 times faster than
+    ``masked_fill_`` with the same broadcast bool mask (1 ms per 8-head 256 × 256 tile).
+    """
+    if state == "full":
+        return None
+    allowed = plan.mask.tile(t)
+    return torch.zeros(allowed.shape, dtype=acc, device=allowed.device).masked_fill_(~allowed, NEG_INF)
+
+
+def _by(tiles, key: str) -> dict[int, list]:
+    """Non-empty ``(tile, state)`` pairs grouped by their first row (``"i0"``) or column (``"j0"``)."""
+    groups: dict[int, list] = {}
+    for t, state in tiles:
+        groups.setdefault(getattr(t, key), []).append((t, state))
+    return groups
+
+
+def _cost(tiles, b: int, h: int) -> int:
+    return sum(b * h * (t.i1 - t.i0) * (t.j1 - t.j0) for t, _ in tiles)
+
+
+def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype | None = None,
+            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(out (b, h, i, e), lse (b, h, i))``, no graph; ``lse`` (float32 or wider) is ``+inf`` on rows with no key.
+
+    ``out`` is in ``out_dtype`` (default float32 or wider); each block of rows is
+    accumulated in float32 and written once, with ``sinks (h,)`` applied there when given.
+    One task per block of query rows, which owns those rows (``backends.workers`` runs the
+    tasks on threads).
+    """
+    b, h, i_len, _ = q.shape
+    g, j_len, e = k.shape[1], k.shape[2], v.shape[-1]
+    q, k, v, acc, factor = _inputs(plan, q, k, v)
+    out = torch.zeros(b, h, i_len, e, dtype=acc if out_dtype is None else out_dtype, device=q.device)
+    lse = torch.full((b, h, i_len), float("inf"), dtype=acc, device=q.device)
+    bias = BiasSource(plan.bias, i_len, j_len, q.device)
+    cap = plan.cap
+    clamp = cap is not None and _needs_clamp(plan, q, k, factor)
+    rows_of = _by(_tiles(plan, i_len, j_len, q.device), "i0")
+
+    def work(i0: int, scratch: _Scratch) -> None:
+        tiles = rows_of[i0]
+        i1 = tiles[0][0].i1
+        it = i1 - i0
+        m = torch.full((b, h, it, 1), NEG_INF, dtype=acc, device=q.device)
+        l = torch.zeros(b, h, it, 1, dtype=acc, device=q.device)
+        rows = torch.zeros(b, h, it, e, dtype=acc, device=q.device)
+        for t, state in tiles:
+            s = _logits(plan, q, k, factor, bias, t, b, h, scratch, acc)
+            hide = _hide(plan, t, state, acc)
+            tmp = scratch.take("tmp", s.shape, acc)
+            if cap is not None:
+                if hide is not None:
+                    s.add_(hide)
+                # the row maximum of c·tanh(z/2) is at the row maximum of z: no pass over the capped tile
+                z_max = s.amax(-1, keepdim=True)
+                m_new = torch.maximum(m, torch.where(torch.isneginf(z_max), NEG_INF, torch.tanh(z_max * 0.5) * cap))
+                base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
+                em1 = _expm1_(s, clamp)
+                # c·E/(E + 2) - base, in one pass, then its exponential
+                a = torch.addcdiv(-base, em1, torch.add(em1, 2.0, out=tmp), value=cap, out=s)
+                if hide is not None:  # expm1(-inf) = -1: masked entries are finite again
+                    a.add_(hide)
+                p = _exp_nonpositive_(a, tmp)
+            else:
+                s = score_mods.apply(plan.score_mod, s, t)
+                if hide is not None:  # out of place: what the modifier returned may not be ours to write
+                    s = s + hide
+                m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+                base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
+                p = _exp_nonpositive_(torch.sub(s, base, out=scratch.take("p", s.shape, acc)), tmp)
+            rescale = torch.exp(m - base)
+            l.mul_(rescale)
+            rows.mul_(rescale)
+            m = m_new
+            l += p.sum(-1, keepdim=True)
+            pv = scratch.take("pv", (b * g, (h // g) * it, e), acc)
+            rows += _mm(p.view(b * g, -1, t.j1 - t.j0).to(v.dtype), _cols(v, t), pv).view(b, h, it, e)
+        live = l > 0
+        rows = torch.where(live, rows / l.clamp(min=1e-30), 0.0)
+        row_lse = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
+        if sinks is not None:
+            rows, row_lse, _ = sink.apply(rows, row_lse, sinks)
+        out[:, :, i0:i1] = rows
+        lse[:, :, i0:i1] = row_lse
+
+    tasks = sorted(rows_of)
+    workers.run(tasks, [_cost(rows_of[i0], b, h) for i0 in tasks], work, lambda: _Scratch(q.device))
+    if sinks is not None:  # rows in no task see no key: all their mass is the sink's
+        lse = torch.where(torch.isinf(lse), sink.apply(out[..., :1], lse, sinks)[1], lse)
+    return out, lse
+
+
+def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
+             params: tuple[Tensor, ...] = (), grad_dtype: torch.dtype | None = None,
+             ) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:  # fmt: skip
+    """``(dq, dk, dv, d_params)`` from the row's final ``out`` and ``lse``.
+
+    As in ``online_softmax.tiled_backward``, ``out`` and ``lse`` may be a larger softmax's
+    (more key blocks, sinks): the result is then this call's share. ``params`` are the
+    tensors the modifier reads; ``d_params`` is aligned with them (None where none needed).
+    One task per block of keys, which accumulates its rows of ``dk`` and ``dv`` in float32
+    and writes them once, in ``grad_dtype`` (default float32 or wider); ``dq`` and the
+    modifier's tensors are summed per thread, then over threads in a fixed order.
+    """
+    b, h, i_len, _ = q.shape
+    g, j_len = k.shape[1], k.shape[2]
+    q, k, v = q.detach(), k.detach(), v.detach()  # only the modifier's tile is differentiated here
+    q, k, v, acc, factor = _inputs(plan, q, k, v)
+    mm = q.dtype  # the matmuls' dtype: half precision stays half
+    grad_dtype = acc if grad_dtype is None else grad_dtype
+    d_out = d_out.to(mm).contiguous()
+    lse = torch.where(torch.isinf(lse), float("inf"), lse.to(acc))  # -inf (merge convention) or +inf: no key
+    delta = _row_dots(d_out, out, acc)  # D = rowsum(dO ∘ O)
+    dk = torch.zeros(k.shape, dtype=grad_dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=grad_dtype, device=q.device)
+    trainable = [p for p in params if p.requires_grad]
+    bias = BiasSource(plan.bias, i_len, j_len, q.device)
+    cap = plan.cap
+    clamp = cap is not None and _needs_clamp(plan, q, k, factor)
+    cols_of = _by(_tiles(plan, i_len, j_len, q.device), "j0")
+
+    def work(j0: int, share: _Share) -> None:
+        scratch = share.scratch
+        j1 = cols_of[j0][0][0].j1
+        jt = j1 - j0
+        dk_t = torch.zeros(b * g, jt, k.shape[-1], dtype=acc, device=q.device)
+        dv_t = torch.zeros(b * g, jt, v.shape[-1], dtype=acc, device=q.device)
+        for t, state in cols_of[j0]:
+            it = t.i1 - t.i0
+            rows = slice(t.i0, t.i1)
+            with torch.no_grad():
+                s = _logits(plan, q, k, factor, bias, t, b, h, scratch, acc)
+            hide = _hide(plan, t, state, acc)
+            neg_lse = lse[:, :, rows, None].neg()
+            p = scratch.take("p", s.shape, acc)
+            tmp = scratch.take("tmp", s.shape, acc)  # E + 2, then 1 - σ, then dS: one buffer
+            if cap is not None:
+                u = _tanh_(s, tmp, clamp)
+                torch.add(neg_lse, u, alpha=cap, out=p)  # c·tanh(x/c) - lse
+            else:
+                pre = s.detach().requires_grad_()
+                with torch.enable_grad():
+                    modded = score_mods.apply(plan.score_mod, pre, t)
+                torch.add(neg_lse, modded.detach(), out=p)
+            if hide is not None:
+                p.add_(hide)
+            _exp_nonpositive_(p, tmp)
+            d_o = _rows(d_out, g, t)  # (b·g, r·it, e)
+            p3 = p.view(b * g, -1, jt).to(mm)
+            _add_mm(dv_t, p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
+            ds = _mm(d_o, _cols(v, t).transpose(1, 2), tmp.view(b * g, -1, jt)).view(b, h, it, jt)  # dP = dO Vᵀ
+            ds.sub_(delta[:, :, rows]).mul_(p)  # dS = P ∘ (dP - D)
+            if cap is not None:
+                ds.addcmul_(ds, u.square_(), value=-1.0)  # · (1 - tanh²); the scale goes on the products
+            else:
+                first, *mod_grads = torch.autograd.grad(modded, [pre, *trainable], ds, allow_unused=True)
+                ds = torch.zeros_like(ds) if first is None else first
+                for n, grad in enumerate(mod_grads):
+                    if grad is not None:
+                        share.d_params[n] += grad
+            ds3 = ds.reshape(b * g, -1, jt).to(mm)
+            # dQ += α dS K (rows of the r heads stacked), dK += α dSᵀ Q (summed over those heads)
+            d_rows = scratch.take("dq", (b * g, (h // g) * it, q.shape[-1]), acc)
+            share.dq[:, :, rows] += _mm(ds3, _cols(k, t), d_rows).view(b, h, it, -1)
+            _add_mm(dk_t, ds3.transpose(1, 2), _rows(q, g, t), alpha=plan.scale)
+        dk[:, :, j0:j1] = dk_t.view(b, g, jt, -1)
+        dv[:, :, j0:j1] = dv_t.view(b, g, jt, -1)
+
+    def make_share() -> _Share:
+        dq = torch.zeros(b, h, i_len, q.shape[-1], dtype=acc, device=q.device)
+        return _Share(_Scratch(q.device), dq, [torch.zeros_like(p) for p in trainable])
+
+    tasks = sorted(cols_of)
+    shares = workers.run(tasks, [_cost(cols_of[j0], b, h) for j0 in tasks], work, make_share)
+    dq = shares[0].dq
+    for share in shares[1:]:
+        dq += share.dq
+    dq = dq.mul_(plan.scale).to(grad_dtype)
+    d_params = [sum(share.d_params[n] for share in shares) for n in range(len(trainable))]
+    it_params = iter(d_params)
+    return dq, dk, dv, [next(it_params) if p.requires_grad else None for p in params]
+
+
+@dataclass
+class _Share:
+    """One thread's scratch buffers and its accumulators of what several tasks write."""
+
+    scratch: _Scratch
+    dq: Tensor  # (b, h, i, d)
+    d_params: list[Tensor]  # aligned with the trainable modifier tensors
+
+
+class ModTiles(torch.autograd.Function):
+    """``(q, k, v, sinks, *params) -> (out, lse)``; ``params`` are the tensors the modifier reads."""
+
+    @staticmethod
+    def forward(ctx, plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, *params: Tensor):
+        out, lse = forward(plan, q, k, v, out_dtype=v.dtype, sinks=sinks)
+        ctx.plan, ctx.params = plan, params
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        with bound(score_mods.modules(ctx.plan.score_mod), ctx.params):
+            dq, dk, dv, d_params = backward(ctx.plan, q, k, v, out, lse, d_out, ctx.params, grad_dtype=q.dtype)
+        d_sinks = sink.grad(out, lse, d_out, sinks) if ctx.needs_input_grad[4] else None
+        return None, dq, dk, dv, d_sinks, *d_params

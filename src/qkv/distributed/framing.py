@@ -1,0 +1,241 @@
+"""A block of local rows and keys, framed at its global positions: masks and biases translated.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``i``/``j`` the global query/key lengths
+(``I``/``J`` below), ``it``/``jt`` the rows and keys of one block.
+
+A block is global rows ``r0 .. r0 + it`` against global keys ``c0 .. c0 + jt`` of a call with
+``I`` queries and ``J`` keys. Computed on its own, the block is an attention call with
+``it`` queries and ``jt`` keys, whose masks and biases see local tile coordinates. Every
+lazy mask and bias of qkv is a function of tile coordinates, bottom-right aligned
+(``qkv.masks``), so the block's are the global ones translated:
+
+* an offset range (``Offsets``, ``Window``, ``causal``): the block's local offset is
+  ``c - r - (jt - it)`` and the global one ``(c0 + c) - (r0 + r) - (J - I)``; they differ by
+  ``delta = (jt - it) + (c0 - r0) - (J - I)``, so the block's mask is ``offsets(lo - delta,
+  hi - delta)``, still an ``Offsets`` (a ``Window`` when it holds offset 0), which keeps
+  the engine's fused diagonal path;
+* ``Lengths``: ``lengths - c0`` (clamped to ``0 .. jt``);
+* ``Dense``: the slice ``[r0 : r0 + it, c0 : c0 + jt]``;
+* ``&`` / ``|``: both parts framed;
+* any other mask: :class:`Translated`, which hands the mask global tiles;
+* a shift-invariant lazy bias (ALiBi, T5 buckets): :class:`Shifted`, the same function of
+  the offset moved by ``delta`` (it stays shift-invariant, so the fused path still applies,
+  and it owns the wrapped module, so learned T5 buckets get their gradient);
+* another lazy bias: :class:`Translated`; a dense bias: its slice.
+
+* a ``score_mod`` (``fn(score, b, h, q_idx, kv_idx)``, raw indices): the same function with
+  ``q_idx + r0``, ``kv_idx + c0`` and ``h + h0`` (:func:`frame_score_mod`), a
+  ``functools.partial``, so the tensors it reads still get their gradients.
+
+A block whose mask state is "empty" is not computed; one whose state is "full" drops the
+mask. Ulysses also slices heads: :func:`frame_bias` takes ``heads=(h0, h1)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..masks import And, Dense, Lengths, Mask, Offsets, Or, Tile, Window
+from ..positional import LazyBias
+from ..score_mods import SoftCap
+
+
+@dataclass(frozen=True)
+class Block:
+    """Global rows ``r0 .. r0 + it`` against global keys ``c0 .. c0 + jt`` of an ``(I, J)`` call."""
+
+    r0: int
+    it: int
+    c0: int
+    jt: int
+    i_len: int  # I: queries of the whole call
+    j_len: int  # J: keys of the whole call
+
+    @property
+    def delta(self) -> int:
+        """Global offset minus the block's local offset, for every element of the block."""
+        return (self.jt - self.it) + (self.c0 - self.r0) - (self.j_len - self.i_len)
+
+    @property
+    def whole(self) -> Tile:
+        """The block as a tile of the global call (for ``state``)."""
+        return Tile(self.r0, self.r0 + self.it, self.c0, self.c0 + self.jt, self.i_len, self.j_len)
+
+    def to_global(self, t: Tile) -> Tile:
+        """A tile of the block's own call -> the same elements as a tile of the global call."""
+        return Tile(self.r0 + t.i0, self.r0 + t.i1, self.c0 + t.j0, self.c0 + t.j1, self.i_len, self.j_len, t.device)
+
+
+def mask_state(mask: Mask | None, block: Block) -> str:
+    """``"empty"``, ``"full"`` or ``"partial"``: what the global mask allows inside the block."""
+    if block.it == 0 or block.jt == 0:
+        return "empty"
+    if mask is None:
+        return "full"
+    return mask.state(block.whole)
+
+
+def frame_mask(mask: Mask | None, block: Block) -> Mask | None:
+    """The block's own mask (None when it allows every key of the block)."""
+    if mask is None or mask_state(mask, block) == "full":
+        return None
+    return _frame(mask, block)
+
+
+def _frame(mask: Mask, block: Block) -> Mask:
+    kind = type(mask)  # exact types: a subclass may redefine its tiles, so it is translated instead
+    if kind in (Offsets, Window):  # causal included
+        shift = block.delta
+        lo = None if mask.lo is None else mask.lo - shift
+        hi = None if mask.hi is None else mask.hi - shift
+        if (lo is None or lo <= 0) and (hi is None or hi >= 0):
+            return Window(None if lo is None else -lo, hi)  # holds offset 0: keep the window fast paths
+        return Offsets(lo, hi)
+    if kind is Lengths:
+        return Lengths((mask.key_lengths - block.c0).clamp(min=0, max=block.jt))
+    if kind is Dense:
+        return Dense(_slice(mask.mask, block))
+    if kind is And:
+        return And(_frame(mask.a, block), _frame(mask.b, block))
+    if kind is Or:
+        return Or(_frame(mask.a, block), _frame(mask.b, block))
+    return Translated(mask, block)
+
+
+def _slice(x: Tensor, block: Block, heads: tuple[int, int] | None = None) -> Tensor:
+    """Rows, keys (and heads) of a tensor broadcastable to ``(..., h, I, J)``; size-1 dims kept."""
+    if x.shape[-2] != 1:
+        x = x[..., block.r0 : block.r0 + block.it, :]
+    if x.shape[-1] != 1:
+        x = x[..., block.c0 : block.c0 + block.jt]
+    if heads is not None and x.dim() >= 3 and x.shape[-3] != 1:
+        x = x[..., heads[0] : heads[1], :, :]
+    return x
+
+
+class Translated(Mask):
+    """Any mask, read at the block's global positions (the generic, slower framing)."""
+
+    def __init__(self, mask: Mask, block: Block):
+        self.mask, self.block = mask, block
+
+    def tile(self, t: Tile) -> Tensor:
+        return self.mask.tile(self.block.to_global(t))
+
+    def state(self, t: Tile) -> str:
+        return self.mask.state(self.block.to_global(t))
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return self.mask.batch_shape()
+
+    def __repr__(self) -> str:
+        return f"Translated({self.mask!r}, r0={self.block.r0}, c0={self.block.c0})"
+
+
+def frame_bias(
+    bias: Tensor | LazyBias | None, block: Block, heads: tuple[int, int] | None = None
+) -> Tensor | LazyBias | None:
+    """The block's own bias: a slice of a dense one, a shifted or translated lazy one.
+
+    ``heads = (h0, h1)`` keeps only query heads ``h0 .. h1`` (Ulysses); a bias with one head
+    is shared by all and kept as it is.
+    """
+    if bias is None:
+        return None
+    if isinstance(bias, Tensor):
+        return _slice(bias, block, heads)
+    if heads is not None and bias.heads == 1:
+        heads = None
+    if bias.shift_invariant:
+        return Shifted(bias, block.delta, heads)
+    return TranslatedBias(bias, block, heads)
+
+
+class _Wrapped(LazyBias):
+    """A lazy bias that owns ``inner`` (so its parameters are this module's) and may slice heads."""
+
+    def __init__(self, inner: LazyBias, heads: tuple[int, int] | None):
+        super().__init__()
+        self.inner = inner
+        self.head_range = heads
+        self.heads = inner.heads if heads is None else heads[1] - heads[0]
+        self.shift_invariant = inner.shift_invariant
+
+    def _heads(self, x: Tensor) -> Tensor:
+        return x if self.head_range is None else x[self.head_range[0] : self.head_range[1]]
+
+
+class Shifted(_Wrapped):
+    """A shift-invariant bias with every offset moved by ``delta``: ``tile(t) = inner(offset + delta)``.
+
+    Shift-invariant biases read tiles only through ``Tile.diagonal``, so the tile handed on
+    only needs that diagonal: raising ``i_len`` by ``delta`` lowers ``j_len - i_len`` and so
+    raises every offset by ``delta``. This also holds for the one-row profile tiles the
+    engine's fused path builds, whatever their sizes.
+    """
+
+    def __init__(self, inner: LazyBias, delta: int, heads: tuple[int, int] | None = None):
+        super().__init__(inner, heads)
+        self.delta = delta
+
+    def tile(self, t: Tile) -> Tensor:
+        moved = Tile(t.i0, t.i1, t.j0, t.j1, t.i_len + self.delta, t.j_len, t.device)
+        return self._heads(self.inner.tile(moved))
+
+    def extra_repr(self) -> str:
+        return f"delta={self.delta}, heads={self.head_range}"
+
+
+class TranslatedBias(_Wrapped):
+    """Any lazy bias, read at the block's global positions."""
+
+    def __init__(self, inner: LazyBias, block: Block, heads: tuple[int, int] | None = None):
+        super().__init__(inner, heads)
+        self.block = block
+        self.shift_invariant = False  # tiles of other sizes than the block's are not meaningful
+
+    def tile(self, t: Tile) -> Tensor:
+        return self._heads(self.inner.tile(self.block.to_global(t)))
+
+
+def heads_only(bias: Tensor | LazyBias | None, heads: tuple[int, int]) -> Tensor | LazyBias | None:
+    """The bias of query heads ``h0 .. h1`` only (Ulysses, where rows and keys stay global)."""
+    if bias is None:
+        return None
+    if isinstance(bias, Tensor):
+        return bias[..., heads[0] : heads[1], :, :] if bias.dim() >= 3 and bias.shape[-3] != 1 else bias
+    if bias.heads == 1:
+        return bias
+    return Shifted(bias, 0, heads) if bias.shift_invariant else HeadSlice(bias, heads)
+
+
+class HeadSlice(_Wrapped):
+    """Any lazy bias with only some heads (its tiles are otherwise unchanged)."""
+
+    def tile(self, t: Tile) -> Tensor:
+        return self._heads(self.inner.tile(t))
+
+
+def frame_score_mod(fn, block: Block | None, heads: tuple[int, int] | None = None):
+    """``fn`` reading global indices: rows from ``block.r0``, keys from ``block.c0``, heads from ``heads[0]``.
+
+    Soft-capping reads no index and is returned as it is (the engine recognises it).
+    """
+    if fn is None or isinstance(fn, SoftCap):
+        return fn
+    r0, c0 = (0, 0) if block is None else (block.r0, block.c0)
+    h0 = 0 if heads is None else heads[0]
+    if (r0, c0, h0) == (0, 0, 0):
+        return fn
+    return functools.partial(_moved, fn, r0, c0, h0)
+
+
+def _moved(fn, r0: int, c0: int, h0: int, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return fn(score, b, h + h0, q_idx + r0, kv_idx + c0)
+
+
+__all__ = ["Block", "frame_bias", "frame_mask", "frame_score_mod", "heads_only", "mask_state"]

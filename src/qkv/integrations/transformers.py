@@ -1,0 +1,253 @@
+"""qkv inside Hugging Face transformers: ``attn_implementation="qkv"``.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j``
+key length, ``d`` query/key size, ``e`` value size.
+
+    from transformers import AutoModel
+    from qkv.integrations.transformers import register
+
+    register()                                   # once per process
+    model = AutoModel.from_pretrained(path, attn_implementation="qkv")
+    out = model(**batch, output_attentions=True) # out.attentions: (b, h, i, j) per layer
+    out = model(**batch, output_attentions=True, weights_for={"heads": [0, 3], "rows": [7]})
+    out.attentions                               # per layer (b, 2, 1, j): only those weights
+
+:func:`register` adds two entries to transformers' registries. ``AttentionInterface``
+gets :func:`attention_forward`, which every attention layer of a model calls with
+``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)``, the layer's mask and its
+options, and which runs ``qkv.attention`` (its backends, lazy masks and fused paths) and
+returns ``out (b, i, h, e)`` and, when the caller asked for them, the weights
+``(b, h, i, j)``. ``AttentionMaskInterface`` gets
+:func:`qkv.integrations.transformers_masks.mask_interface`, so the model hands each layer
+qkv's own lazy mask (padding, causal, sliding window) instead of a dense one.
+
+Options, as transformers passes them:
+
+* ``scaling`` → ``scale``; ``dropout`` → ``dropout`` (transformers passes 0 in eval mode);
+* ``is_causal`` (or the module's ``is_causal``): used only when the model built no mask
+  (``attention_mask=None``) and ``i > 1``, as transformers' sdpa does; a one-token
+  decode step sees every key. With a KV cache the keys end where the queries end, which is
+  qkv's bottom-right alignment;
+* ``sliding_window``: already in the mask the model built; used only when it built none;
+* ``softcap`` (Gemma 2) → ``score_mod=qkv.SoftCap(softcap)``, ``c·tanh(s / c)`` on the
+  scaled logits; ``s_aux`` (GPT-OSS) → ``sinks``, one logit per head in every row's
+  softmax denominator;
+* ``position_bias`` (T5-style models): added to the logits as ``bias``; a float 4-d
+  ``attention_mask`` of 0 and the dtype's minimum (eager's) is read as the bool mask it is;
+* GQA (``g < h``) and ``d != e`` (DeepSeek's multi-head latent attention) are native;
+* ``output_attentions`` (the call's, else the model config's) → ``return_weights=True``;
+  transformers keeps every weight, so up to :data:`MATERIALISE_ELEMENTS` logits a layer
+  materialises them once (one softmax, then ``weights @ v``) rather than run the fused
+  kernel and rebuild them (see :func:`_backend`).
+* ``weights_for={"heads": ..., "rows": ...}``, a keyword of the model's forward call that
+  transformers hands down to every layer (as it does ``position_ids``), with
+  ``output_attentions``: the layer returns only those weights, ``(b, len(heads),
+  len(rows), j)``, as ``qkv.attention(..., weights_for=...)`` does. They are rebuilt from
+  the fused kernel's log-sum-exp one query block at a time, never by materialising, so a
+  text of thousands of tokens never holds a layer's ``(b, h, i, j)`` weights.
+
+Keywords that only describe the inputs (``position_ids``, ``use_cache``,
+``token_type_ids``, ...) are ignored; any other keyword with a value, e.g. the
+packed-sequence lengths of flash attention (``cu_seq_lens_q``), raises a ``TypeError``
+naming it: nothing is dropped silently. Unlike eager attention, returned weights are
+those before dropout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..functional import attention
+from ..masks import Dense, Mask, Tile, Window, causal, window
+from ..score_mods import SoftCap
+from .transformers_masks import LayerMask, mask_interface
+
+#: The name models are loaded with: ``attn_implementation="qkv"``.
+NAME = "qkv"
+
+#: Keywords that describe the inputs or the model's bookkeeping, not the attention: the
+#: positions are already in q and k (rotary) and in the mask, the cache already in k, v.
+IGNORED = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "past_key_values",
+        "past_key_value",
+        "position_embeddings",
+        "output_hidden_states",
+        "output_router_logits",
+        "num_items_in_batch",
+        "return_dict",
+        # BERT-style segment ids: a tokenizer's output passed whole to a decoder reaches its
+        # attention through the forward's **kwargs; eager ignores them, as an encoder has
+        # already added them to its embeddings
+        "token_type_ids",
+    }
+)
+
+
+#: Largest ``b·h·i·j`` for which the weights of ``output_attentions`` are computed by
+#: materialising the logits (float32: 256 MiB of logits beside the weights returned).
+MATERIALISE_ELEMENTS = 2**26
+
+
+def register(name: str = NAME) -> None:
+    """Make ``name`` (default ``"qkv"``) an attention implementation of transformers.
+
+    After this, ``from_pretrained(..., attn_implementation="qkv")``,
+    ``from_config(config, attn_implementation="qkv")`` and
+    ``model.set_attn_implementation("qkv")`` run every attention layer on
+    ``qkv.attention``. Calling it again is harmless.
+
+    Raises:
+        ImportError: transformers is not installed (``pip install "qkv[transformers]"``).
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as err:
+        raise ImportError(
+            "qkv.integrations.transformers.register() needs Hugging Face transformers: "
+            'pip install "qkv[transformers]" (transformers, tokenizers, safetensors, gguf, accelerate)'
+        ) from err
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, mask_interface)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: LayerMask | Mask | Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
+    position_bias: Tensor | None = None,
+    weights_for: dict | None = None,
+    **kwargs,
+) -> tuple[Tensor, Tensor | None]:
+    """One attention layer for transformers: ``(out (b, i, h, e), weights (b, h, i, j) | None)``.
+
+    ``query (b, h, i, d)``, ``key (b, g, j, d)``, ``value (b, g, j, e)``; ``attention_mask``
+    is what :func:`~qkv.integrations.transformers_masks.mask_interface` built (a
+    ``qkv.masks`` object), a prepared 4-d tensor (bool: True = may attend; float: added to
+    the logits), or None. With ``weights_for`` (which needs ``output_attentions``) the
+    weights are only the chosen ``(b, len(heads), len(rows), j)``.
+    """
+    _check_keywords(kwargs)
+    mask, bias = _mask_and_bias(module, attention_mask, query.shape[-2], key.shape[-2], is_causal, sliding_window)
+    if position_bias is not None:
+        bias = position_bias if bias is None else bias + position_bias
+    score_mod = None
+    if softcap is not None:
+        if bias is not None:
+            # qkv caps the logits after adding a bias; eager adds its float mask after capping
+            raise ValueError(
+                "softcap: cannot be combined with an additive float attention_mask or position_bias "
+                "(qkv applies the cap after the bias, transformers' eager before); pass a bool mask"
+            )
+        score_mod = SoftCap(softcap)
+    weights_wanted = _weights_wanted(module, kwargs.get("output_attentions"))
+    if weights_for is not None and not weights_wanted:
+        raise ValueError(
+            "weights_for: selects which of the weights output_attentions returns, so it needs "
+            "output_attentions=True (in the call or the model's config), got False"
+        )
+    result = attention(
+        query, key, value, mask=mask, bias=bias, scale=scaling, dropout=float(dropout),
+        return_weights=weights_wanted, weights_for=weights_for,
+        backend=_backend(query, key, weights_wanted, weights_for), sinks=s_aux, score_mod=score_mod,
+    )  # fmt: skip
+    out, weights = result if weights_wanted else (result, None)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def _backend(query: Tensor, key: Tensor, weights_wanted: bool, weights_for: dict | None = None) -> str:
+    """``"reference"`` when every weight is returned and the logits fit :data:`MATERIALISE_ELEMENTS`, else ``"auto"``.
+
+    With ``output_attentions`` transformers keeps every ``(b, h, i, j)`` weight, so that
+    tensor exists whatever runs. Materialising the logits once (one softmax, then
+    ``weights @ v``) is then the fastest way: ``auto`` would run the fused kernel and
+    rebuild the weights from its log-sum-exp, computing ``q·k`` twice (measured about 2x
+    the time of eager attention for MiniLM's layers at 512 tokens, against about 1.1x for
+    materialising). Above the budget the fused path is kept, as it never holds a second
+    ``(b, h, i, j)`` tensor. With ``weights_for`` only some weights are kept, so ``auto``
+    it is: it runs the chunked backend, which rebuilds just those from the log-sum-exp.
+    """
+    if not weights_wanted or weights_for is not None:
+        return "auto"
+    logits = query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2]
+    return "reference" if logits <= MATERIALISE_ELEMENTS else "auto"
+
+
+def _check_keywords(kwargs: dict) -> None:
+    """Raise on any keyword qkv would otherwise drop (ignorable ones, and None values, pass)."""
+    unknown = sorted(name for name, value in kwargs.items() if value is not None and name not in IGNORED)
+    unknown = [name for name in unknown if name != "output_attentions"]
+    if unknown:
+        raise TypeError(
+            f"qkv attention: cannot honour the keyword argument(s) {unknown} "
+            f"(it handles dropout, scaling, is_causal, sliding_window, softcap, s_aux, position_bias, "
+            f"output_attentions, weights_for and ignores {sorted(IGNORED)})"
+        )
+
+
+def _mask_and_bias(
+    module: torch.nn.Module,
+    attention_mask: LayerMask | Mask | Tensor | None,
+    i: int,
+    j: int,
+    is_causal: bool | None,
+    sliding_window: int | None,
+) -> tuple[Mask | None, Tensor | None]:
+    """The mask (and, for a float 4-d mask, the bias) for ``qkv.attention``."""
+    if isinstance(attention_mask, LayerMask):
+        attention_mask = attention_mask.mask
+    if isinstance(attention_mask, Mask):
+        # built by mask_interface from what the model asked: causality and windows included.
+        # A mask that hides nothing (a decode step without padding) is dropped, so the
+        # call takes the fastest path; Dense masks are not scanned for that.
+        if not isinstance(attention_mask, Dense) and attention_mask.state(Tile.whole(i, j)) == "full":
+            return None, None
+        return attention_mask, None
+    if attention_mask is None:
+        causal_call = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if sliding_window is not None:
+            if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1:
+                raise ValueError(f"sliding_window: expected a positive int or None, got {sliding_window!r}")
+            # transformers' windows: causal, a query sees itself and the W - 1 keys before;
+            # bidirectional, every key at most W away
+            mask = window(sliding_window - 1) if causal_call else Window(sliding_window, sliding_window)
+            return (None if mask.state(Tile.whole(i, j)) == "full" else mask), None
+        return (causal() if causal_call and i > 1 else None), None
+    if isinstance(attention_mask, Tensor):
+        if attention_mask.dim() != 4:
+            raise ValueError(
+                f"attention_mask: expected a qkv mask or a 4-d (b, 1, i, j) tensor, got shape {tuple(attention_mask.shape)}"
+            )
+        mask4 = attention_mask[..., :j]  # a static cache's mask may run past the keys
+        if mask4.dtype == torch.bool:
+            return Dense(mask4), None
+        # eager's float mask: 0 where allowed, the dtype's minimum where not; that is a bool
+        # mask (True = may attend). Any other float values are a bias added to the logits.
+        blocked = mask4 <= torch.finfo(mask4.dtype).min / 2
+        if bool(((mask4 == 0) | blocked).all()):
+            return Dense(~blocked), None
+        return None, mask4
+    raise TypeError(
+        f"attention_mask: expected a qkv.masks mask, a 4-d tensor or None, got {type(attention_mask).__name__} "
+        '(load the model with attn_implementation="qkv" after qkv.integrations.transformers.register())'
+    )
+
+
+def _weights_wanted(module: torch.nn.Module, output_attentions: bool | None) -> bool:
+    """The call's ``output_attentions``, else the model config's (transformers records either)."""
+    if output_attentions is None:
+        output_attentions = getattr(getattr(module, "config", None), "output_attentions", False)
+    return bool(output_attentions)

@@ -1,0 +1,186 @@
+"""Score modifiers: a function applied elementwise to the logits of every tile (``score_mod=``).
+
+Shape legend: ``b`` batch (flattened leading dims), ``h`` query heads, ``i`` query length,
+``j`` key length; ``it``/``jt`` the sides of a tile.
+
+The convention is ``torch.nn.attention.flex_attention``'s, so code moves over::
+
+    def fn(score, b, h, q_idx, kv_idx) -> score
+
+``score`` is a tile of the scaled logits, after the bias and before the mask,
+``(..., h, it, jt)`` in float32 (or float64); ``b``, ``h``, ``q_idx``, ``kv_idx`` are
+integer tensors that broadcast against it: the flat index of the leading (batch) dims
+``(b, 1, 1, 1)``, the query head ``(h, 1, 1)``, the query row ``(it, 1)`` and the key
+column ``(jt,)``, raw positions ``0 .. i-1`` and ``0 .. j-1`` (not the bottom-right
+alignment of ``qkv.masks``). ``fn`` must be elementwise: a tile's result may not depend on
+which other entries share its tile.
+
+Gradients reach what ``fn`` reads, found by :func:`closure_tensors`:
+
+* ``fn`` an ``nn.Module``: its parameters;
+* a ``functools.partial``: tensors (and modules' parameters) among its arguments, then its
+  function;
+* a bound method: the parameters of ``self`` if it is a module, else the tensors among its
+  attributes, then the function;
+* a function: the tensors and modules' parameters in its closure cells (``fn.__closure__``,
+  including lists, tuples and dicts of them, and functions it closes over), and the
+  globals its code names that are tensors or modules (a ``score_mod`` written at the top
+  of a script);
+* any other callable object (a class with ``__call__``): the tensors among its attributes.
+
+Tensors reached any other way (attributes of other objects, a closure's module-level
+list) are constants to it: pass them through one of the routes above to train them.
+
+:class:`SoftCap` is the soft-capping of Gemma 2 (Gemma Team 2024), ``c · tanh(s / c)``, which
+the tiled engine recognises and runs with a hand-written derivative (no autograd on the
+tile).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from .masks import Tile
+
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+class SoftCap:
+    """Logit soft-capping, ``s ← c · tanh(s / c)`` (Gemma 2): logits stay in ``(-c, c)``.
+
+    Pass it as ``score_mod=qkv.SoftCap(c)``. Its derivative is ``1 - tanh²(s / c)``, which
+    the tiled engine applies directly in its backward.
+    """
+
+    def __init__(self, cap: float):
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+            raise ValueError(f"cap: expected a positive finite number, got {cap!r}")
+        self.cap = float(cap)
+
+    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return torch.tanh(score / self.cap) * self.cap
+
+    def __repr__(self) -> str:
+        return f"SoftCap({self.cap:g})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SoftCap) and other.cap == self.cap
+
+    def __hash__(self) -> int:
+        return hash(("SoftCap", self.cap))
+
+
+def check(fn: object) -> ScoreMod | None:
+    """``fn`` if it is None or callable, else ``TypeError`` naming the argument."""
+    if fn is not None and not callable(fn):
+        raise TypeError(f"score_mod: expected a callable fn(score, b, h, q_idx, kv_idx) -> score, got {type(fn).__name__}")
+    return fn
+
+
+def indices(s: Tensor, t: Tile) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(b, h, q_idx, kv_idx)`` of tile ``t`` for logits ``s (..., h, it, jt)``, broadcastable to ``s``.
+
+    Logits without a head dim ``(it, jt)`` get 0-d zeros for ``b`` and ``h``; without leading
+    dims ``(h, it, jt)``, a 0-d zero for ``b``.
+    """
+    device = s.device
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    q_idx = torch.arange(t.i0, t.i1, device=device).view(-1, 1)
+    kv_idx = torch.arange(t.j0, t.j1, device=device)
+    if s.dim() < 3:
+        return zero, zero, q_idx, kv_idx
+    h = torch.arange(s.shape[-3], device=device).view(-1, 1, 1)
+    lead = s.shape[:-3]
+    if not lead:
+        return zero, h, q_idx, kv_idx
+    b = torch.arange(math.prod(lead), device=device).view(*lead, 1, 1, 1)
+    return b, h, q_idx, kv_idx
+
+
+def apply(fn: ScoreMod, s: Tensor, t: Tile, heads: Tensor | None = None) -> Tensor:
+    """``fn`` on one tile of logits, its result checked to keep the tile's shape.
+
+    ``heads (hs,)``: the head indices of ``s``'s head axis when it holds only some heads.
+    """
+    b, h, q_idx, kv_idx = indices(s, t)
+    if heads is not None and s.dim() >= 3:
+        h = heads.to(s.device).view(-1, 1, 1)
+    out = fn(s, b, h, q_idx, kv_idx)
+    if not isinstance(out, Tensor) or out.shape != s.shape:
+        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"score_mod: expected a tensor of the score's shape {tuple(s.shape)}, got {got}")
+    return out if out.dtype == s.dtype else out.to(s.dtype)
+
+
+def modules(fn: object) -> list[nn.Module]:
+    """The ``nn.Module`` that ``fn`` is, or whose bound method it is (its parameters come first in :func:`closure_tensors`)."""
+    if isinstance(fn, nn.Module):
+        return [fn]
+    if inspect.ismethod(fn) and isinstance(fn.__self__, nn.Module):
+        return [fn.__self__]
+    return []
+
+
+def closure_tensors(fn: object) -> list[Tensor]:
+    """Floating-point tensors ``fn`` reads that may need gradients (the rule in the module docstring), deduplicated."""
+    found: list[Tensor] = []
+    seen_tensors: set[int] = set()
+    seen_objects: set[int] = set()
+
+    def add(x: object, depth: int = 0) -> None:
+        if isinstance(x, Tensor):
+            if x.dtype.is_floating_point and id(x) not in seen_tensors:
+                seen_tensors.add(id(x))
+                found.append(x)
+        elif isinstance(x, nn.Module):
+            for p in x.parameters():
+                add(p)
+        elif isinstance(x, (list, tuple)) and depth < 2:
+            for item in x:
+                add(item, depth + 1)
+        elif isinstance(x, dict) and depth < 2:
+            for item in x.values():
+                add(item, depth + 1)
+        elif callable(x) and depth < 4:
+            walk(x, depth + 1)
+
+    def walk(f: object, depth: int = 0) -> None:
+        if id(f) in seen_objects:
+            return
+        seen_objects.add(id(f))
+        if isinstance(f, nn.Module):
+            add(f)
+        elif isinstance(f, functools.partial):
+            for a in (*f.args, *f.keywords.values()):
+                add(a, depth)
+            walk(f.func, depth)
+        elif inspect.ismethod(f):
+            owner = f.__self__
+            if isinstance(owner, nn.Module):
+                add(owner)
+            elif not isinstance(owner, type):
+                for value in vars(owner).values() if hasattr(owner, "__dict__") else ():
+                    add(value, depth)
+            walk(f.__func__, depth)
+        elif inspect.isfunction(f):
+            for cell in f.__closure__ or ():
+                try:
+                    add(cell.cell_contents, depth)
+                except ValueError:  # an empty cell (a variable not yet assigned)
+                    continue
+            for name in f.__code__.co_names:  # globals the code reads (attribute names miss: not in globals)
+                value = f.__globals__.get(name)
+                if isinstance(value, (Tensor, nn.Module)):
+                    add(value, depth)
+        elif not isinstance(f, type) and hasattr(f, "__dict__"):
+            for value in vars(f).values():
+                add(value, depth)
+
+    walk(fn)
+    return found

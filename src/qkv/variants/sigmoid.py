@@ -1,0 +1,262 @@
+"""Sigmoid attention: an elementwise sigmoid instead of the row softmax, with a bias of −log n.
+
+Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``r = h/g``
+query heads per KV head, ``i`` query length, ``j`` key length, ``d`` query/key size, ``e``
+value size; ``it``/``jt`` the sides of a tile.
+
+Ramapuram et al. 2024, "Theory, Analysis, and Best Practices for Sigmoid Self-Attention"
+(arXiv 2409.04431), section 3::
+
+    out_r = Σ_c σ(q_r · k_c / √d + b + bias_rc) v_c         over the allowed keys c,   b = −log n
+
+Each weight is its own sigmoid, so the output is a plain sum with no normaliser: tiles of
+keys can be summed in any order and the result is exact, with no running maximum or
+rescaling. ``b = −log n`` (``n`` the sequence length) starts the total weight of a row near
+1, which the paper shows is what makes training stable. A masked weight is 0 (not
+σ(0) = ½). ``n`` defaults to the key length of the call; for decoding with a KV cache,
+where each step sees fewer keys than the full pass, fix it (``length=`` / ``logit_bias=``)
+so every step computes what the full pass does.
+
+The kernel runs tile by tile (``TILE_ELEMENTS`` logits at a time, summed over batch and
+heads), skips the tiles a lazy mask reports empty (``qkv.masks``' ``state()``) and builds no
+mask on full ones. Its backward recomputes each tile (``σ' = σ(1 − σ)``)::
+
+    dV += Pᵀ dO      dP = dO Vᵀ      dS = dP ∘ P ∘ (1 − P)      dQ += dS K / √d      dK += dSᵀ Q / √d
+
+so training memory is one tile, not ``(h, i, j)``. Half-precision inputs accumulate in
+float32. Checked against the formula written element by element in float64, and its
+gradients against autograd through the materialised formula, in
+``tests/test_variants_sigmoid.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .. import checks
+from ..backends.request import Request
+from ..backends.tiles import NEG_INF, BiasSource, dense_tile
+from ..masks import Mask, Tile
+from ..positional import LazyBias
+
+#: Elements of one tile of logits, summed over batch and heads (16 MiB per float32 intermediate).
+TILE_ELEMENTS = 2**22
+
+
+@dataclass
+class _Plan:
+    mask: Mask | None
+    lazy: LazyBias | None
+    scale: float
+    offset: float  # the constant b = −log n
+    block_i: int
+    block_j: int
+
+
+def sigmoid_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    causal: bool = False,
+    bias: Tensor | LazyBias | None = None,
+    scale: float | None = None,
+    logit_bias: float | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Sigmoid attention; ``q (..., h, i, d)``, ``k (..., g, j, d)``, ``v (..., g, j, e)`` -> ``(..., h, i, e)``.
+
+    Args:
+        mask, causal, bias, scale: as in :func:`qkv.attention` (bool True = may attend;
+            causal aligned bottom-right; a float or lazy bias added to the logits; default
+            scale ``1/√d``).
+        logit_bias: the constant ``b`` added to every logit; default ``−log j``.
+        return_weights: also return the weights ``σ(·)`` ``(..., h, i, j)`` (0 where masked).
+    """
+    req = checks.request(q, k, v, score="scaled_dot", mask=mask, bias=bias, causal=causal, scale=scale,
+                         dropout=0.0, return_weights=return_weights)  # fmt: skip
+    if logit_bias is None:
+        offset = -math.log(req.j) if req.j > 0 else 0.0
+    elif isinstance(logit_bias, bool) or not isinstance(logit_bias, (int, float)) or not math.isfinite(logit_bias):
+        raise ValueError(f"logit_bias: expected a finite float or None (−log of the key length), got {logit_bias!r}")
+    else:
+        offset = float(logit_bias)
+    no_heads = q.dim() == 2
+    if no_heads:  # (i, d) -> (1, i, d): heads are indexed at dim -3
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    lazy = req.bias if isinstance(req.bias, LazyBias) else None
+    dense = req.bias if isinstance(req.bias, Tensor) else None
+    block_i, block_j = _blocks(req)
+    plan = _Plan(req.mask, lazy, req.scale, offset, block_i, block_j)
+    params = [] if lazy is None else list(lazy.parameters())
+    out = SigmoidTiles.apply(plan, q, k, v, dense, *params)
+    weights = _weights(plan, q, k, dense) if return_weights else None
+    if no_heads:
+        out = out.squeeze(0)
+        weights = None if weights is None else weights.squeeze(0)
+    return (out, weights) if return_weights else out
+
+
+def _blocks(req: Request) -> tuple[int, int]:
+    rows = math.prod(req.q.shape[:-2]) if req.q.dim() > 2 else 1  # batch x heads
+    budget = max(256, TILE_ELEMENTS // rows)
+    block_j = min(max(req.j, 1), 1024, max(16, int(math.sqrt(budget))))
+    block_i = min(max(req.i, 1), max(16, budget // block_j))
+    return block_i, block_j
+
+
+def _tiles(plan: _Plan, i_len: int, j_len: int, device):
+    """``(tile, state)`` of every tile the mask does not report empty, query tiles outermost."""
+    for i0 in range(0, i_len, plan.block_i):
+        for j0 in range(0, j_len, plan.block_j):
+            t = Tile(i0, min(i0 + plan.block_i, i_len), j0, min(j0 + plan.block_j, j_len), i_len, j_len, device)
+            state = "full" if plan.mask is None else plan.mask.state(t)
+            if state != "empty":
+                yield t, state
+
+
+def _logits(plan: _Plan, q5: Tensor, k5: Tensor, bias: BiasSource, dense: Tensor | None, t: Tile, state: str):
+    """``(..., h, it, jt)`` logits of one tile in float32 (or wider); masked entries ``-inf`` (σ = 0)."""
+    s = (q5[..., t.i0 : t.i1, :] @ k5[..., t.j0 : t.j1, :].transpose(-1, -2)).flatten(-4, -3)
+    if s.dtype in (torch.float16, torch.bfloat16):
+        s = s.float()
+    s = s * plan.scale + plan.offset
+    if (b := bias.tile(t)) is not None:
+        s = s + b.to(s.dtype)
+    if dense is not None:
+        s = s + dense_tile(dense, t).to(s.dtype)
+    if state == "partial":
+        s = s.masked_fill(~plan.mask.tile(t), NEG_INF)
+    return s
+
+
+def _split(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(..., h, i, d) -> (..., g, r, i, d)``; keys and values get a size-1 ``r`` axis."""
+    g = k.shape[-3]
+    return q.unflatten(-3, (g, q.shape[-3] // g)), k.unsqueeze(-3), v.unsqueeze(-3)
+
+
+class SigmoidTiles(torch.autograd.Function):
+    """``(plan, q, k, v, dense_bias, *lazy_bias_params) -> out``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, q: Tensor, k: Tensor, v: Tensor, dense: Tensor | None, *params: Tensor):
+        i_len, j_len = q.shape[-2], k.shape[-2]
+        acc = torch.promote_types(v.dtype, torch.float32)
+        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=v.device)
+        q5, k5, v5 = _split(q, k, v)
+        bias = BiasSource(plan.lazy, i_len, j_len, q.device)
+        g = k.shape[-3]
+        with torch.no_grad():
+            for t, state in _tiles(plan, i_len, j_len, q.device):
+                p = torch.sigmoid(_logits(plan, q5, k5, bias, dense, t, state))
+                pv = p.to(v.dtype).unflatten(-3, (g, -1)) @ v5[..., t.j0 : t.j1, :]
+                out[..., t.i0 : t.i1, :] += pv.flatten(-4, -3)
+        ctx.plan, ctx.params = plan, params
+        ctx.save_for_backward(q, k, v, dense)
+        return out.to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor):
+        plan: _Plan = ctx.plan
+        q, k, v, dense = ctx.saved_tensors
+        i_len, j_len, g = q.shape[-2], k.shape[-2], k.shape[-3]
+        acc = torch.promote_types(v.dtype, torch.float32)
+        d_out5 = d_out.to(acc).unflatten(-3, (g, -1))  # (..., g, r, i, e)
+        q5, k5, v5 = _split(q, k, v)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        d_dense = torch.zeros(dense.shape, dtype=acc, device=dense.device) if ctx.needs_input_grad[4] else None
+        trainable = [p for p in ctx.params if p.requires_grad]
+        learned = plan.lazy is not None and bool(trainable)
+        bias = BiasSource(plan.lazy, i_len, j_len, q.device, grad=learned)
+        # shift-invariant biases (T5 buckets) take their gradient through one (h, L) profile
+        leaves = [bias.profile] if bias.profile_graph is not None else trainable
+        d_leaves = [torch.zeros_like(x) for x in leaves] if learned else []
+        for t, state in _tiles(plan, i_len, j_len, q.device):
+            rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
+            with torch.no_grad():
+                p = torch.sigmoid(_logits(plan, q5, k5, bias, dense, t, state))
+            do = d_out5[..., rows, :]
+            p5 = p.unflatten(-3, (g, -1))  # (..., g, r, it, jt)
+            dv[..., cols, :] += torch.einsum("...rij,...rie->...je", p5, do)
+            dp = do @ v5[..., cols, :].to(acc).transpose(-1, -2)
+            ds5 = dp * p5 * (1.0 - p5)  # masked weights are 0, so are their gradients
+            dq[..., rows, :] += (ds5 @ k5[..., cols, :].to(acc)).flatten(-4, -3) * plan.scale
+            dk[..., cols, :] += torch.einsum("...rij,...rid->...jd", ds5, q5[..., rows, :].to(acc)) * plan.scale
+            ds = ds5.flatten(-4, -3)
+            if d_dense is not None:
+                dense_tile(d_dense, t).add_(_sum_to(ds, dense_tile(dense, t).shape))
+            if learned:
+                with torch.enable_grad():
+                    tile_bias = bias.tile(t)
+                grads = torch.autograd.grad(tile_bias, leaves, _sum_to(ds, tile_bias.shape).to(tile_bias.dtype),
+                                            allow_unused=True)  # fmt: skip
+                for total, grad in zip(d_leaves, grads):
+                    if grad is not None:
+                        total += grad
+        d_params = d_leaves
+        if learned and bias.profile_graph is not None:  # one backward through the bias: profile -> parameters
+            d_params = list(torch.autograd.grad(bias.profile_graph, trainable, d_leaves[0], allow_unused=True))
+        it = iter(d_params)
+        grads_params = [next(it) if p.requires_grad else None for p in ctx.params]
+        d_dense = None if d_dense is None else d_dense.to(dense.dtype)
+        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_dense, *grads_params
+
+
+def _sum_to(x: Tensor, shape: torch.Size) -> Tensor:
+    """Sum ``x`` over the dims it was broadcast along, back to ``shape``."""
+    while x.dim() > len(shape):
+        x = x.sum(0)
+    dims = [n for n, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1]
+    return x.sum(dims, keepdim=True) if dims else x
+
+
+@torch.no_grad()
+def _weights(plan: _Plan, q: Tensor, k: Tensor, dense: Tensor | None) -> Tensor:
+    """The ``(..., h, i, j)`` weights, built tile by tile (only on request)."""
+    i_len, j_len = q.shape[-2], k.shape[-2]
+    weights = q.new_zeros((*q.shape[:-1], j_len))
+    q5, k5, _ = _split(q, k, k)
+    bias = BiasSource(plan.lazy, i_len, j_len, q.device)
+    for t, state in _tiles(plan, i_len, j_len, q.device):
+        weights[..., t.i0 : t.i1, t.j0 : t.j1] = torch.sigmoid(_logits(plan, q5, k5, bias, dense, t, state)).to(q.dtype)
+    return weights
+
+
+class SigmoidAttention(nn.Module):
+    """Sigmoid attention as a ``MultiHeadAttention`` mechanism: ``attention=SigmoidAttention(length=n)``.
+
+    Args:
+        length: the sequence length ``n`` of ``b = −log n`` (the paper's choice, fixed per model
+            so that cached decoding matches the full pass); default the key length of each call.
+        logit_bias: ``b`` itself, instead of ``length``.
+        scale: on ``q·k`` (default ``1/√d``).
+    """
+
+    accepts_bias = True  # ALiBi / T5 biases are added to the logits before the sigmoid
+
+    def __init__(self, *, length: int | None = None, logit_bias: float | None = None, scale: float | None = None):
+        super().__init__()
+        if length is not None and logit_bias is not None:
+            raise ValueError(f"logit_bias: give length (b = −log length) or logit_bias, not both; got {length}, {logit_bias}")
+        if length is not None:
+            if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+                raise ValueError(f"length: expected a positive int, got {length!r}")
+            logit_bias = -math.log(length)
+        self.logit_bias, self.scale = logit_bias, scale
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, causal: bool = False,
+                bias: Tensor | LazyBias | None = None, return_weights: bool = False):  # fmt: skip
+        return sigmoid_attention(q, k, v, mask=mask, causal=causal, bias=bias, scale=self.scale,
+                                 logit_bias=self.logit_bias, return_weights=return_weights)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        shown = "−log j" if self.logit_bias is None else f"{self.logit_bias:.4g}"
+        return f"logit_bias={shown}, scale={self.scale}"

@@ -1,0 +1,180 @@
+"""The score-modifier engine (``backends.mod_tiles``) against the float64 reference and float64 ``tanh``.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size. Distinct odd sizes so a swapped axis fails;
+tiles are shrunk so that these inputs span several, with empty, full and partial ones.
+
+Its soft cap evaluates ``tanh`` as ``expm1(z) / (expm1(z) + 2)`` and every exponential as
+``σ(a) / (1 - σ(a))``; both are checked here, along with its precision in float32
+against plain PyTorch (``c · torch.tanh(x / c)``), the rule that rejects the faster but
+cancelling ``2σ(z) - 1``.
+"""
+
+import pytest
+import reference as ref
+import torch
+
+import qkv
+from qkv.backends import chunked, mod_tiles, workers
+
+B, H, G, I, J, D, E = 2, 6, 3, 9, 14, 11, 13
+
+
+@pytest.fixture(autouse=True, params=[1, 3], ids=["inline", "threads"])
+def small_tiles(monkeypatch, request):
+    """Several tiles per call; run inline and on 3 threads (``backends.workers``) however small the call."""
+    monkeypatch.setattr(mod_tiles, "TILE_ROWS", 4)
+    monkeypatch.setattr(mod_tiles, "TILE_COLS", 5)
+    monkeypatch.setattr(workers, "THREADS", request.param)
+    monkeypatch.setattr(workers, "MIN_WORK", 0)
+
+
+def inputs(i=I, j=J, g=G, dtype=torch.float64, seed=0, spread=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, i, D, generator=gen, dtype=dtype) * spread
+    k = torch.randn(B, g, j, D, generator=gen, dtype=dtype) * spread
+    v = torch.randn(B, g, j, E, generator=gen, dtype=dtype)
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+def run(backend, q, k, v, extra=(), **kw):
+    out = qkv.attention(q, k, v, backend=backend, **kw)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+    return out, torch.autograd.grad(out, [q, k, v, *extra], d_out)
+
+
+def assert_same(got, expected, tol=1e-10):
+    (out, grads), (out_ref, grads_ref) = got, expected
+    torch.testing.assert_close(out, out_ref, rtol=tol, atol=tol)
+    for a, b_ in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, b_, rtol=10 * tol, atol=10 * tol)
+
+
+def test_exp_of_non_positive_arguments_is_accurate_to_3_ulp():
+    a = torch.cat([-torch.logspace(-20, 1.94, 100000, dtype=torch.float64), torch.tensor([0.0, -87.0])])
+    exact = torch.exp(a)
+    for dtype, ulp in ((torch.float32, 2.0**-23), (torch.float64, 2.0**-52)):
+        x = a.to(dtype)
+        got = mod_tiles._exp_nonpositive_(x.clone(), torch.empty_like(x)).double()
+        rel = ((got - torch.exp(x.double())) / exact).abs().max().item()
+        assert rel < 3 * ulp, f"{dtype}: {rel / ulp:.2f} ulp"
+    dead = torch.tensor([float("-inf")])
+    assert mod_tiles._exp_nonpositive_(dead, torch.empty(1)).item() == 0.0
+
+
+def test_tanh_is_accurate_to_a_few_ulp_where_the_sigmoid_form_is_not():
+    y = torch.cat([torch.logspace(-30, 1.5, 2000, dtype=torch.float64), torch.tensor([0.0, 19.9, 25.0, 1e4])])
+    y = torch.cat([y, -y])
+    exact = torch.tanh(y)
+    for dtype, ulp in ((torch.float32, 2.0**-23), (torch.float64, 2.0**-52)):
+        z = (2 * y).to(dtype)
+        got = mod_tiles._tanh_(z, torch.empty_like(z)).double()
+        rel = ((got - exact).abs() / exact.abs().clamp(min=torch.finfo(dtype).tiny)).max().item()
+        assert rel < 4 * ulp, f"{dtype}: relative error {rel:.3g} (ulp {ulp:.3g})"
+    small = torch.tensor([1e-4], dtype=torch.float32)
+    sigmoid_form = 2 * torch.sigmoid(2 * small) - 1  # what the faster identity would give
+    assert ((sigmoid_form.double() - torch.tanh(small.double())).abs() / 1e-4).item() > 1e-5
+
+
+@pytest.mark.parametrize("cap", [0.7, 30.0, 200.0])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "lengths", "dense_dead_row"])
+def test_soft_cap_equals_reference(cap, mask):
+    q, k, v = inputs(spread=3.0)  # logits of several units, so a small cap binds
+    dead = torch.ones(B, 1, I, J, dtype=torch.bool)
+    dead[1, 0, 2] = False
+    masks = {
+        "none": None,
+        "causal": qkv.masks.causal(),
+        "window": qkv.masks.window(3, 1),
+        "lengths": qkv.masks.lengths(torch.tensor([J, 5])),
+        "dense_dead_row": dead,
+    }
+    kw = dict(score_mod=qkv.SoftCap(cap), mask=masks[mask])
+    assert chunked.engine(qkv.checks.request(q, k, v, score="scaled_dot", bias=None, causal=False, scale=None,
+                                             dropout=0.0, return_weights=False, **kw)) == "mod_tiles"  # fmt: skip
+    assert_same(run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw))
+
+
+@pytest.mark.parametrize("bias", ["alibi", "dense"])
+@pytest.mark.parametrize("fn", ["softcap", "sine"])
+def test_biases_without_gradient_sinks_and_grouped_heads(bias, fn):
+    q, k, v = inputs()
+    b = qkv.ALiBi(H).double() if bias == "alibi" else torch.randn(H, I, J, dtype=torch.float64)
+    s = torch.linspace(-1.0, 1.0, H, dtype=torch.float64).requires_grad_()
+    mod = qkv.SoftCap(2.0) if fn == "softcap" else (lambda x, bb, h, qi, ki: x + 0.1 * torch.sin((qi - ki).to(x.dtype)))
+    kw = dict(score_mod=mod, bias=b, sinks=s, causal=True)
+    assert_same(run("chunked", q, k, v, [s], **kw), run("reference", q, k, v, [s], **kw))
+
+
+@pytest.mark.parametrize("i, j, g", [(5, 14, H), (14, 14, 1), (17, 14, G)])
+def test_lengths_and_grouped_heads(i, j, g):
+    q, k, v = inputs(i, j, g)
+    kw = dict(score_mod=qkv.SoftCap(1.5), causal=True)
+    assert_same(run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw))
+
+
+def test_float32_soft_cap_meets_the_flash_rule_against_plain_pytorch():
+    """Gemma 2's cap of 50 on logits of order 1: errors at most twice plain float32's (small floor)."""
+    q, k, v = (x.detach().float() for x in inputs(16, 24, spread=1.0))
+    cap = 50.0
+    mask = ref.bottom_right_causal(16, 24)
+    oracle = qkv.attention(q.double(), k.double(), v.double(), score_mod=qkv.SoftCap(cap), causal=True, backend="reference")
+    kv = [x.repeat_interleave(H // G, dim=1) for x in (k, v)]
+    logits = cap * torch.tanh((q @ kv[0].transpose(-1, -2)) * D**-0.5 / cap)
+    plain = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1) @ kv[1]
+    got = qkv.attention(q, k, v, score_mod=qkv.SoftCap(cap), causal=True, backend="chunked")
+    ref.assert_flash_rule(got, plain, oracle, floor=1e-7)
+
+
+def test_bfloat16_inputs_follow_the_flash_rule():
+    q, k, v = (x.detach().bfloat16() for x in inputs())
+    oracle = qkv.attention(q.double(), k.double(), v.double(), score_mod=qkv.SoftCap(1.0), causal=True, backend="reference")
+    plain = qkv.attention(q, k, v, score_mod=qkv.SoftCap(1.0), causal=True, backend="reference")
+    got = qkv.attention(q, k, v, score_mod=qkv.SoftCap(1.0), causal=True, backend="chunked")
+    assert got.dtype == torch.bfloat16
+    ref.assert_flash_rule(got, plain, oracle)
+
+
+def test_gradients_of_bfloat16_inputs_are_bfloat16():
+    q, k, v = (x.detach().bfloat16().requires_grad_() for x in inputs())
+    out = qkv.attention(q, k, v, score_mod=qkv.SoftCap(1.0), causal=True)
+    grads = torch.autograd.grad(out.float().sum(), [q, k, v])
+    assert all(g.dtype == torch.bfloat16 and bool(torch.isfinite(g).all()) for g in grads)
+
+
+def test_threads_give_the_same_bits_every_run():
+    q, k, v = inputs()
+    runs = [run("chunked", q, k, v, score_mod=qkv.SoftCap(2.0), causal=True) for _ in range(3)]
+    for out, grads in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and all(torch.equal(a, b_) for a, b_ in zip(grads, runs[0][1]))
+
+
+def test_huge_logits_saturate_without_overflow():
+    """``x / c`` in the hundreds: ``expm1`` would overflow without the clamp; no clamp when the bound allows."""
+    q, k, v = inputs(spread=10.0)
+    kw = dict(score_mod=qkv.SoftCap(0.05), causal=True)
+    plan = mod_tiles.plan(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
+                                             scale=0.3, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(0.05)))  # fmt: skip
+    q_mm, k_mm, _, _, factor = mod_tiles._inputs(plan, q, k, v)
+    assert mod_tiles._needs_clamp(plan, q_mm, k_mm, factor)
+    small = mod_tiles.plan(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
+                                              scale=1e-4, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(50.0)))  # fmt: skip
+    q_mm, k_mm, _, _, factor = mod_tiles._inputs(small, q, k, v)
+    assert not mod_tiles._needs_clamp(small, q_mm, k_mm, factor)
+    got, expected = run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw)
+    assert bool(torch.isfinite(got[0]).all())
+    assert_same(got, expected)
+
+
+@pytest.mark.parametrize("mod", ["softcap", "sine"])
+def test_sinks_with_rows_that_see_no_key(mod):
+    """Whole blocks of rows see nothing (no task runs them): output 0, all their mass the sink's; weights too."""
+    q, k, v = inputs()
+    s = torch.linspace(-1.0, 1.0, H, dtype=torch.float64).requires_grad_()
+    fn = qkv.SoftCap(2.0) if mod == "softcap" else (lambda x, bb, h, qi, ki: x + 0.1 * torch.sin((qi - ki).to(x.dtype)))
+    kw = dict(score_mod=fn, sinks=s, mask=qkv.masks.offsets(-20, -10))  # rows 0..4 see no key
+    got, expected = run("chunked", q, k, v, [s], **kw), run("reference", q, k, v, [s], **kw)
+    assert not bool(got[0][:, :, :5].any())
+    assert_same(got, expected)
+    _, w = qkv.attention(q, k, v, return_weights=True, **kw)
+    torch.testing.assert_close(w, qkv.attention_weights(q, k, backend="reference", **kw), rtol=1e-12, atol=1e-12)
