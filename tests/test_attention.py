@@ -330,4 +330,3 @@ def test_positional_bias_with_an_approximate_mechanism_is_refused():
     # a rotation needs no logits, so it works with any mechanism
     mha = qkv.MultiHeadAttention(16, 4, positional=qkv.Rotary(4), attention=LinearAttention())
     assert mha(torch.randn(2, 5, 16)).shape == (2, 5, 16)
-
