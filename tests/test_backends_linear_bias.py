@@ -79,8 +79,10 @@ def test_other_calls_keep_the_masked_path(column, kw, dtype):
 
 def test_the_timing_probe_answers_once_per_mode(monkeypatch):
     monkeypatch.setattr(linear_bias, "_choice", {})
+    monkeypatch.setattr(linear_bias, "BLOCK_ROWS", 8)  # both paths timed on 16 rows
     q = torch.ones(1, 1, 600, 4)
-    first = linear_bias.preferred(q, grad=False)
-    assert isinstance(first, bool) and linear_bias._choice == {(False, torch.float32): first}
+    answers = {grad: linear_bias.preferred(q, grad=grad) for grad in (False, True)}
+    assert all(isinstance(a, bool) for a in answers.values())
+    assert linear_bias._choice == {(grad, torch.float32): a for grad, a in answers.items()}
     monkeypatch.setattr(linear_bias, "_probe", lambda *a: pytest.fail("probed twice"))
-    assert linear_bias.preferred(q, grad=False) is first
+    assert linear_bias.preferred(q, grad=True) is answers[True]

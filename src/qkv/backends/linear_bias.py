@@ -82,7 +82,7 @@ def _timed(dtype: torch.dtype, grad: bool) -> bool:
 
     def masked():
         x = [t.detach().requires_grad_(grad) for t in (q, k, v)]
-        out, _ = FusedBlocks.apply(FusedPlan(mask=None, bias=bias, scale=scale, causal_square=False), *x)
+        out, _ = FusedBlocks.apply(FusedPlan(mask=None, bias=bias, scale=scale, causal_square=False), *x, None, None)
         if grad:
             torch.autograd.grad(out, x, d_out)
 
