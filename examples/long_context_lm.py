@@ -74,16 +74,21 @@ from qkv.tasks import make_recall_task
 from qkv.tasks.recall import LAYOUTS as RECALL_LAYOUTS
 
 
+#: The default curriculum, one value per phase (see the module docstring).
+CURRICULUM = {"seq_len": [16, 128, 512, 2048, 4096], "steps": [600, 100, 100, 40, 30], "batch": [64, 32, 8, 4, 4],
+              "pairs": [4, 8, 8, 8, 8]}  # fmt: skip
+
+
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sp", type=int, default=None, help="ranks per sequence-parallel group (default: all)")
     p.add_argument("--strategy", default="ring", choices=qd.STRATEGIES[:2] + ("allgather",))
     p.add_argument("--layout", default="zigzag", choices=qd.LAYOUTS, help="how a sequence is split across ranks")
     # the curriculum: one value per phase, or one value for every phase
-    p.add_argument("--seq-len", type=int, nargs="+", default=[16, 128, 512, 2048, 4096], help="tokens per sequence")
-    p.add_argument("--steps", type=int, nargs="+", default=[600, 100, 100, 40, 30], help="optimiser steps")
-    p.add_argument("--batch", type=int, nargs="+", default=[64, 32, 8, 4, 4], help="global batch (sequences per step)")
-    p.add_argument("--pairs", type=int, nargs="+", default=[4, 8, 8, 8, 8], help="key-value pairs per sequence")
+    p.add_argument("--seq-len", type=int, nargs="+", default=CURRICULUM["seq_len"], help="tokens per sequence")
+    p.add_argument("--steps", type=int, nargs="+", default=None, help="optimiser steps")
+    p.add_argument("--batch", type=int, nargs="+", default=None, help="global batch (sequences per step)")
+    p.add_argument("--pairs", type=int, nargs="+", default=None, help="key-value pairs per sequence")
     p.add_argument("--queries", type=int, nargs="+", default=None, help="queries per sequence (default: --pairs)")
     p.add_argument("--train", type=int, nargs="+", default=None,
                    help="training sequences (default: steps x batch, a fresh batch every step)")  # fmt: skip
@@ -120,10 +125,13 @@ def curriculum(args) -> list[Phase]:
     n = len(args.seq_len)
 
     def each(name: str, values):
+        given = values is not None
+        values = values if given else CURRICULUM[name]
         if len(values) == 1:
             return list(values) * n
         if len(values) != n:
-            raise ValueError(f"--{name}: expected 1 or {n} values (one per --seq-len), got {len(values)}")
+            hint = "" if given else f" (the default curriculum's; give --{name.replace('_', '-')} for your phases)"
+            raise ValueError(f"--{name}: expected 1 or {n} values (one per --seq-len), got {len(values)}{hint}")
         return list(values)
 
     steps, batch, pairs = each("steps", args.steps), each("batch", args.batch), each("pairs", args.pairs)
