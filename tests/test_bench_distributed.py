@@ -26,12 +26,14 @@ def test_section_reports_targets(monkeypatch):
     monkeypatch.setattr(cost, "fit_link", lambda: cost.Link("test", 1e-5, 1e-10, "test"))
     monkeypatch.setattr(cost, "fit_compute", lambda sides: cost.Compute(1e-4, 1e-10))
     monkeypatch.setattr(suite, "_plot", lambda *a: None)
+    monkeypatch.setattr(suite, "_available", lambda say: 1.5)
     text = suite.section(True, lambda line: None)
     assert "| causal: peak memory per rank / one process, P = 2 | 0.55 | met |" in text
     assert "| causal: peak memory per rank / one process, P = 4 | 0.3 | met |" in text
     assert "| causal: work max/min across ranks, zigzag, P = 4 | 1 | met |" in text
     assert "| causal | ring contiguous | 4 | 30.0 | 0.30 | " in text and "| 4.00 |" in text  # contiguous imbalance
     assert "cost model vs measured ring step, P = 2" in text
+    assert "| cores free |" in text and "| 1.50 |" in text  # the measured free cores, beside the core count
 
 
 @pytest.mark.parametrize("kind", ["causal", "alibi", "window"])

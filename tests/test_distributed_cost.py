@@ -38,3 +38,36 @@ def test_slow_links_cost_more_and_ulysses_needs_heads():
 def test_documented_links_say_where_their_figures_come_from():
     for link in cost.LINKS.values():
         assert "line rate" in link.source and "assumed" in link.source
+
+
+def test_ranks_that_outnumber_the_cores_share_them():
+    assert cost.cores_per_rank(2, 2) == 1.0 and cost.cores_per_rank(1, 2, threads=2) == 2.0
+    assert cost.cores_per_rank(4, 2) == 0.5 and cost.cores_per_rank(4, 2, threads=2) == 0.5
+    assert cost.cores_per_rank(3, 0.9) == pytest.approx(0.3)  # a busy machine: fewer cores free than it has
+    free = cost.Link("free", 0.0, 0.0, "none")
+    shape = cost.Shape(4096)
+    on_two = cost.ring(shape, 4, free, COMPUTE, cores=cost.cores_per_rank(4, 2))
+    on_four = cost.ring(shape, 4, free, COMPUTE, cores=cost.cores_per_rank(4, 4))
+    assert on_two == pytest.approx(2 * on_four)
+
+
+@pytest.mark.parametrize(("n", "p"), [(4096, 1), (4096, 4), (5000, 3), (16384, 2)])
+def test_ring_pieces_are_the_blocks_the_ring_computes(n, p):
+    import torch
+
+    from qkv import checks
+    from qkv.distributed.blocks import Pieces, Work, piece_rows
+    from qkv.distributed.layout import Layout
+    from qkv.distributed.ring import row_bytes
+
+    shape = cost.Shape(n)
+    whole = [torch.zeros(()).expand(1, 8, n, 64) for _ in range(3)]
+    req = checks.request(*whole, score="scaled_dot", mask=None, bias=None, causal=True, scale=None, dropout=0.0,
+                         return_weights=False)  # fmt: skip
+    lay, work = Layout("zigzag", n, p), Work(req, n, n, 0, None, 8)
+    rows = piece_rows(row_bytes(1, 8, 8, 64, 64, torch.float32))
+    pieces = [Pieces.cut(lay.slot_spans(r), lay.side, rows) for r in range(p)]
+    blocks = [sum(1 for s in range(p) for _ in work.blocks(pieces[r], pieces[s])) for r in range(p)]
+    per_rank, calls = cost.ring_pieces(shape, p)
+    assert per_rank == pieces[0].count
+    assert calls == pytest.approx(sum(blocks) / p, rel=0.02)  # zigzag: about the same on every rank

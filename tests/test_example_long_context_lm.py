@@ -1,6 +1,7 @@
 """``examples/long_context_lm.py``: sequence parallel x data parallel training equals one process, step by step."""
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -33,3 +34,26 @@ def test_sharded_training_has_the_single_process_loss_curve(dist_pool, sp):
         assert len(losses) == len(single)
         assert max(abs(a - b) for a, b in zip(losses, single)) < 1e-8, (losses, single)
     assert len(set(single)) == len(single)  # every step changed the weights
+
+
+def test_curriculum_takes_one_value_per_phase_or_one_for_all():
+    example = _example()
+    args = example.arguments(["--seq-len", "16", "64", "--steps", "5", "--batch", "8", "4", "--pairs", "2", "4"])
+    phases = example.curriculum(args)
+    assert [(p.length, p.steps, p.batch, p.pairs, p.queries, p.train) for p in phases] == [
+        (16, 5, 8, 2, 2, 40), (64, 5, 4, 4, 4, 20)]  # fmt: skip
+    with pytest.raises(ValueError, match=r"--batch: expected 1 or 2 values \(one per --seq-len\), got 3"):
+        example.curriculum(example.arguments(["--seq-len", "16", "64", "--steps", "5", "--batch", "8", "4", "2"]))
+    with pytest.raises(ValueError, match=r"--steps: .* got 5 \(the default curriculum's; give --steps"):
+        example.curriculum(example.arguments(["--seq-len", "16", "64"]))
+
+
+def test_learning_rate_warms_up_holds_through_the_first_phase_then_decays_to_a_tenth():
+    example = _example()
+    args = example.arguments(["--seq-len", "16", "64", "--steps", "100", "50", "--batch", "4", "--pairs", "2",
+                              "--warmup", "10"])  # fmt: skip
+    phases = example.curriculum(args)
+    factor = [example.lr_factor(s, args, phases) for s in range(150)]
+    assert factor[0] == pytest.approx(0.1) and factor[9] == 1.0 and factor[99] == 1.0
+    assert all(a >= b for a, b in zip(factor[100:], factor[101:]))
+    assert factor[149] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 49 / 50)))

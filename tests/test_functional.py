@@ -133,6 +133,60 @@ def test_fully_masked_rows_are_finite_zeros_on_every_backend(name, case):
         pytest.skip(impl.supports(req))
 
 
+#: Every kind of mask, bias and score an empty call may carry (built per call: some are learned).
+EMPTY_KINDS = ("none", "causal", "window", "lengths", "alibi", "alibi&causal", "t5", "dropout", "sinks",
+               "softcap", "general", "concat")  # fmt: skip
+
+
+def _empty_kwargs(kind: str, j: int) -> dict:
+    from qkv.positional import ALiBi, RelativePositionBias
+
+    return {
+        "none": {},
+        "causal": {"causal": True},
+        "window": {"mask": qkv.masks.window(2)},
+        "lengths": {"mask": qkv.masks.lengths(torch.tensor([min(3, j), j]))},
+        "alibi": {"bias": ALiBi(H)},
+        "alibi&causal": {"bias": ALiBi(H), "causal": True},
+        "t5": {"bias": RelativePositionBias(H).double()},  # learned: its table gets a (zero) gradient
+        "dropout": {"dropout": 0.5},
+        "sinks": {"sinks": torch.zeros(H, dtype=torch.float64, requires_grad=True)},
+        "softcap": {"score_mod": qkv.SoftCap(5.0)},
+        "general": {"score": qkv.scores.Bilinear(D).double()},
+        "concat": {"score": qkv.scores.Additive(D, hidden=4).double()},
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", EMPTY_KINDS)
+@pytest.mark.parametrize(("i", "j"), [(0, J), (0, 0), (I, 0)], ids=["no-rows", "no-rows-no-keys", "no-keys"])
+def test_an_empty_call_gives_an_empty_output_on_every_backend(i, j, kind):
+    # ALiBi with no query rows used to reach the fused kernel's block loop (range step 0).
+    q = torch.randn(B, H, i, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, 3, j, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, 3, j, E, dtype=torch.float64, requires_grad=True)
+    ran = []
+    for name in ("auto", *sorted(backends.REGISTRY)):
+        for return_weights in (False, True):
+            kwargs = _empty_kwargs(kind, j)
+            if name != "auto":
+                req = checks.request(q, k, v, **{**_PLAIN, **kwargs, "return_weights": return_weights})
+                if backends.REGISTRY[name].supports(req) is not None:
+                    continue
+            result = qkv.attention(q, k, v, return_weights=return_weights, backend=name, **kwargs)
+            ran.append(name)
+            out = result[0] if return_weights else result
+            # no rows: nothing; no keys: every row sees no key, so zero output and weights
+            assert out.shape == (B, H, i, E) and torch.equal(out, torch.zeros_like(out)), name
+            if return_weights:
+                assert result[1].shape == (B, H, i, j) and torch.equal(result[1], torch.zeros_like(result[1])), name
+            learned = [p for x in kwargs.values() if isinstance(x, torch.nn.Module) for p in x.parameters()]
+            learned += [x for x in kwargs.values() if isinstance(x, torch.Tensor) and x.requires_grad]
+            grads = torch.autograd.grad(out, [q, k, v, *learned], torch.ones_like(out), allow_unused=True)
+            for x, g in zip([q, k, v, *learned], grads, strict=True):
+                assert g is None or (g.shape == x.shape and torch.equal(g, torch.zeros_like(g))), name
+    assert {"auto", "chunked", "reference"} <= set(ran)
+
+
 def test_dead_rows_do_not_touch_k_and_v_gradients():
     # The reference's k and v gradients with dead rows equal those with the rows removed.
     q, k, v, kwargs, dead = _dead_rows_case("dense")

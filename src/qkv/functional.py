@@ -87,13 +87,28 @@ def attention(
     )  # fmt: skip
     if weights_for is not None:
         req = replace(req, weights_for=_weights_for(weights_for, req))
-    impl, _ = backends.choose(req, backend)
+    impl, _ = _choose(req, backend)
     out, weights = impl.run(req)
     if weights is not None and req.weights_for is not None and not getattr(impl, "selects_weights", False):
         heads, rows = req.weights_for
         weights = weights if heads is None else weights.index_select(-3, heads.to(weights.device))
         weights = weights if rows is None else weights.index_select(-2, rows.to(weights.device))
     return (out, weights) if return_weights else out
+
+
+def _choose(req: backends.Request, backend: str) -> tuple:
+    """``backends.choose``, except that an empty call (no query rows or no keys) goes to the reference.
+
+    There is nothing to compute then: every tensor the reference's equations build has a
+    zero-sized axis, and they give the result for any score, mask, bias or sinks (no rows;
+    or rows that see no key: zero output, zero gradients). The fused kernels assume a row
+    and a key. A backend named explicitly still refuses what it could not run otherwise.
+    """
+    impl, passed_over = backends.choose(req, backend)
+    if (req.i == 0 or req.j == 0) and impl is not reference:
+        passed_over = [*passed_over, f"{impl.name}: an empty call (i = {req.i}, j = {req.j}) has nothing to compute"]
+        return reference, passed_over
+    return impl, passed_over
 
 
 def _weights_for(spec: object, req: backends.Request) -> tuple[Tensor | None, Tensor | None]:
@@ -209,7 +224,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
     req = checks.request(q, k, v, **kwargs)
     if weights_for is not None:
         req = replace(req, weights_for=_weights_for(weights_for, req))
-    impl, passed_over = backends.choose(req, backend)
+    impl, passed_over = _choose(req, backend)
     head = f"backend: {impl.name}"
     online = backends.chunked.online_reason(req) if impl.name == "chunked" else None
     if impl.name == "chunked":

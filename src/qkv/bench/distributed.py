@@ -23,7 +23,11 @@ processes on this machine (``qkv.distributed.launch``), and one process runs pla
 
 The cost model (``qkv.distributed.cost``) is fitted here (a gloo ping-pong, block timings
 on one thread), checked against the measured P = 2 and 4 times, and asked for ring,
-Ulysses and hybrid up to P = 1024 on documented links.
+Ulysses and hybrid up to P = 1024 on documented links. The check gives the ranks their
+share of the cores, ``min(threads, C/P)``, twice: with ``C`` the core count, and with the
+cores free just before the run (``cost.available_cores``, measured), on which the target
+is read: on a machine that other programs keep busy, the count overstates what the ranks
+get (the table says when the load average was above 3).
 """
 
 from __future__ import annotations
@@ -128,8 +132,13 @@ def section(quick: bool, say) -> str:
             if kind != "causal" and strategy == "ulysses":
                 continue
             for p in (2, 4):
+                checked = (kind, strategy, layout) == ("causal", "ring", "zigzag")  # the cost model's check
+                if checked:
+                    runs["available", p] = _available(say)
                 result = _run({"n": n, "kind": kind, "strategy": strategy, "layout": layout}, p, say)
                 runs[kind, f"{strategy} {layout}", p] = result
+                if checked:
+                    runs["load", p] = os.getloadavg()[0]
                 peak = max(r["peak"] for r in result)
                 work = [r["elements"] for r in result]
                 fwd = max(sum(r["forward"].get(x, 0) for x in ("kv", "a2a")) for r in result)
@@ -158,6 +167,14 @@ def section(quick: bool, say) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _available(say) -> float:
+    """Cores free for the ranks right now (``cost.available_cores``): fewer than the count on a busy machine."""
+    from qkv.distributed import cost
+
+    say("  measuring the cores free now ...")
+    return cost.available_cores()
+
+
 def _mb(x: float) -> str:
     return f"{x / 2**20:.1f}"
 
@@ -174,15 +191,28 @@ def _model_section(n: int, runs: dict, targets: Targets, say, quick: bool) -> li
              f"Fitted here: gloo α = {link.alpha * 1e6:.0f} µs, β = 1/({link.gbytes_per_s:.2f} GB/s); "
              f"compute {compute.gamma * 1e12:.1f} ps per pair·head·(d+e) on one thread, {compute.c0 * 1e3:.2f} ms "
              "per block call.", ""]  # fmt: skip
-    rows = []
+    rows, busy = [], []
     for p in (2, 4):
         measured = statistics.median([r["seconds"] for r in runs["causal", "ring zigzag", p]])
-        per_rank = min(max(1, cores // p), cores / p)  # threads per rank, or its share of oversubscribed cores
-        predicted = cost.ring(shape, p, link, compute, cores=per_rank)
+        threads = max(1, cores // p)  # as _run starts the ranks
+        nominal = cost.ring(shape, p, link, compute, cores=cost.cores_per_rank(p, cores, threads))
+        free = runs["available", p]
+        predicted = cost.ring(shape, p, link, compute, cores=cost.cores_per_rank(p, free, threads))
         error = abs(predicted - measured) / measured
-        rows.append([p, f"{measured:.2f}", f"{predicted:.2f}", f"{error:.0%}"])
+        load = runs["load", p]
+        busy += [p] if load > 3 else []
+        rows.append([p, f"{measured:.2f}", f"{nominal:.2f}", f"{abs(nominal - measured) / measured:.0%}",
+                     f"{free:.2f}", f"{predicted:.2f}", f"{error:.0%}", f"{load:.1f}"])  # fmt: skip
         targets.add(f"cost model vs measured ring step, P = {p} (relative error)", error, MODEL_TOLERANCE)
-    lines += table(["P", "measured s (median rank)", "predicted s", "error"], rows)
+    lines += table(["P", "measured s (median rank)", f"predicted s ({cores} cores)", "error", "cores free",
+                    "predicted s (cores free)", "error", "load"], rows)  # fmt: skip
+    lines += ["", f"Each rank computes on min(threads, C/P) cores of the C it shares (time sharing): C = {cores}, "
+              "the core count, or the cores free just before the run, measured by running the block kernel in "
+              f"{cores} processes at once (cost.available_cores); the target is read on the latter. Load: the "
+              "1-minute load average after the run."]  # fmt: skip
+    if busy:
+        lines += ["", f"The machine was busy (load average > 3 at P = {', '.join(map(str, busy))}): other "
+                  "programs shared the cores, so these times are slower than on a quiet machine."]  # fmt: skip
     lines += ["", "Predicted time per layer (forward + backward), causal, h = g = 8, d = 64, float32, one core "
               "per rank at this machine's speed; hybrid = Ulysses over 8 ranks (a node, inner link NDR) x ring:", ""]
     header = ["n", "link", "P", "ring s", "Ulysses s", "hybrid s"]
@@ -229,8 +259,8 @@ def _plot(n: int, runs: dict, link, compute) -> str | None:
         if length == n:
             cores = os.cpu_count() or 1
             measured = [(p, statistics.median([r["seconds"] for r in runs["causal", "ring zigzag", p]])) for p in (2, 4)]
-            here = [(p, cost.ring(cost.Shape(n), p, link, compute, cores=min(max(1, cores // p), cores / p)))
-                    for p in (1, 2, 4)]  # fmt: skip
+            share = {p: cost.cores_per_rank(p, cores, max(1, cores // p)) for p in (1, 2, 4)}
+            here = [(p, cost.ring(cost.Shape(n), p, link, compute, cores=share[p])) for p in (1, 2, 4)]
             measured.insert(0, (1, runs["causal", "single", 1][0]["seconds"]))
             ax.plot(*zip(*here), "kx", label=f"predicted here ({cores} cores shared by the P ranks)")
             ax.plot(*zip(*measured), "ko", label="measured here (P = 1: one process, qkv.attention)")

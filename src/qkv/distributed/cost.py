@@ -7,16 +7,29 @@ Two fitted ingredients, both measured on the machine at hand:
 
 * a link: sending ``m`` bytes between two ranks takes ``α + m·β`` (Hockney's model), fitted by
   least squares to a gloo ping-pong over message sizes (:func:`fit_link`);
-* compute: one block of attention (forward and backward through ``backends.partial``) takes
+* compute: one block of attention, forward and backward as the ring runs it
+  (``backends.partial`` and the merge and gradient bookkeeping around it), takes
   ``c0 + γ·pairs·h·(d + e)`` seconds on one thread, fitted on blocks of a few sizes
   (:func:`fit_compute`). A rank with ``t`` cores is ``t`` times faster (the kernels are
   data-parallel; measured speed-ups on 2 cores are close to 2).
+
+How many cores a rank has (:func:`cores_per_rank`): its threads, unless the ranks outnumber
+the cores. ``P`` processes of ``t`` threads on ``C`` cores time-share them, so each gets
+``min(t, C/P)``: 4 ranks on 2 cores run each at half a core. ``C`` is the machine's core
+count, or fewer when other programs keep some busy: :func:`available_cores` measures it by
+running the block kernel in ``C`` processes at once. Measured on a 2-core machine shared with
+other work (load 3.5-4.8): 0.8-0.9 cores free; the causal zigzag ring at n = 8192 and
+16384 took 2.4-3x the time predicted from the core count, and 2-8% (P = 2) and 17-23%
+(P = 4) more than predicted from the free cores. The rest at P = 4 is not modelled: ranks
+that time-share a core also wait for each other's turn at every exchange.
 
 Prediction for one attention layer, forward and backward, causal, balanced (zigzag):
 
 * ring: ``P`` steps; each step computes ``1/P`` of the rank's pairs and moves one shard of
   K/V (``(n/P)·g·(d+e)`` elements; the backward moves it again and its gradient back), and
-  the two overlap, so a step costs ``max(compute, transfer)``;
+  the two overlap, so a step costs ``max(compute, transfer)``. The shard moves and is
+  computed in the ring's own pieces (``blocks.piece_rows``), one message and one block call
+  (``c0``) each: under a causal mask, ``N(N+1)/2`` blocks over all ranks for ``N`` pieces;
 * Ulysses: all of the rank's pairs (``1/P`` of the heads over the whole sequence) plus the
   all-to-alls (q, [k | v], out, and their gradients), which do not overlap the compute;
   each moves ``(P - 1)/P`` of a rank's tensor in ``P - 1`` messages;
@@ -29,12 +42,15 @@ the standard's line rate, their latency an assumed typical value (stated with ea
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
+from .blocks import piece_rows
 from .launch import run_local
 
 
@@ -93,13 +109,36 @@ class Shape:
         return self.n * (self.n + 1) / 2
 
 
-def ring(shape: Shape, p: int, link: Link, compute: Compute, cores: float = 1.0, piece_bytes: float = 2**21) -> float:
-    """Seconds per layer (forward + backward) of ring attention over ``p`` ranks."""
+def cores_per_rank(p: int, cores: float | None = None, threads: int = 1) -> float:
+    """Cores one of ``p`` ranks of ``threads`` threads computes on, sharing ``cores`` (default: this machine's).
+
+    ``min(threads, cores / p)``: ranks that outnumber the cores time-share them, each slowed
+    by ``p / cores``.
+    """
+    cores = float(os.cpu_count() or 1) if cores is None else float(cores)
+    return min(float(threads), cores / p)
+
+
+def ring_pieces(shape: Shape, p: int) -> tuple[int, int]:
+    """``(pieces per rank, block calls per rank)`` of a causal zigzag ring over ``p`` ranks.
+
+    Pieces as the ring cuts them: rows of ``max(g·(d+e)·bytes, h·e·4)`` bytes (K/V out, float32
+    output back), ``blocks.piece_rows`` of them a piece, in each of a rank's two slots.
+    """
+    s = shape
+    rows = piece_rows(max(s.g * (s.d + s.e) * s.bytes, s.h * s.e * 4))
+    slot = math.ceil(s.n / (2 * p))
+    per_rank = 2 * math.ceil(slot / rows)
+    total = per_rank * p
+    return per_rank, math.ceil(total * (total + 1) / 2 / p)
+
+
+def ring(shape: Shape, p: int, link: Link, compute: Compute, cores: float = 1.0) -> float:
+    """Seconds per layer (forward + backward) of ring attention over ``p`` ranks of ``cores`` cores each."""
     s = shape
     pairs = s.causal_pairs / p  # zigzag: balanced
     shard = s.n / p * s.g * (s.d + s.e) * s.bytes  # one rank's [k | v]
-    pieces = max(2.0, shard / piece_bytes)  # per rank (a zigzag rank has two chunks at least)
-    calls = pieces * pieces * p / 2  # query pieces x visible key pieces (about half under a causal mask)
+    pieces, calls = ring_pieces(s, p)
     work = compute.seconds(pairs, s.h, s.d, s.e, blocks=calls, cores=cores)
     if p == 1:
         return work
@@ -179,9 +218,14 @@ def fit_link(sizes: list[int] | None = None, timeout: float = 300.0) -> Link:
 
 def fit_compute(sides: tuple[int, ...] = (128, 256, 512), h: int = 8, d: int = 64, e: int = 64,
                 repeats: int = 3) -> Compute:  # fmt: skip
-    """``c0``, ``γ`` of one block's forward + backward through ``backends.partial`` on one thread."""
+    """``c0``, ``γ`` of one block's forward + backward as the ring runs it, on one thread.
+
+    A block is timed through the ring's own per-block code (``blocks.Work``): the framed
+    request, ``backends.partial``'s kernels, the merge into the running ``(out, lse)`` and
+    the gradients added into ``dq``, ``dk``, ``dv``; the bookkeeping is most of ``c0``.
+    """
     from .. import checks
-    from ..backends import partial
+    from .blocks import Pieces, Work
 
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -189,13 +233,17 @@ def fit_compute(sides: tuple[int, ...] = (128, 256, 512), h: int = 8, d: int = 6
         xs, ts = [], []
         for side in sides:
             q, k, v = (torch.randn(1, h, side, n) for n in (d, d, e))
-            req = partial.prepare(checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
-                                                 scale=None, dropout=0.0, return_weights=False))  # fmt: skip
+            req = checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False, scale=None,
+                                 dropout=0.0, return_weights=False)  # fmt: skip
+            qp, kp = req.score.prepare(q, k)
+            work, piece = Work(req, side, side, 0, None, h), Pieces.cut(((0, side),), side, side)
             times = []
             for _ in range(repeats + 1):
+                out, lse = torch.zeros(1, h, side, e), torch.full((1, h, side), float("-inf"))
+                grads = [torch.zeros_like(x) for x in (qp, kp, v)]
                 start = time.perf_counter()
-                out, lse = partial.forward(req)
-                partial.backward(req, out, lse, torch.ones_like(out))
+                work.forward(qp, piece, kp, v, piece, None, None, out, lse)
+                work.backward(qp, piece, kp, v, piece, None, None, out, lse, torch.ones_like(out), *grads, None, [])
                 times.append(time.perf_counter() - start)
             xs.append(side * side * h * (d + e))
             ts.append(statistics.median(times[1:]))
@@ -203,6 +251,39 @@ def fit_compute(sides: tuple[int, ...] = (128, 256, 512), h: int = 8, d: int = 6
         torch.set_num_threads(saved)
     c0, gamma = _line(xs, ts)
     return Compute(max(c0, 0.0), gamma)
+
+
+def _probe(rank: int, world: int, seconds: float) -> float:
+    """Median seconds of one block's forward + backward, repeated for ``seconds`` (all ranks at once)."""
+    import torch.distributed as dist
+
+    from .. import checks
+    from ..backends import partial
+
+    q, k, v = (torch.randn(1, 8, 256, 64) for _ in range(3))
+    req = partial.prepare(checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
+                                         scale=None, dropout=0.0, return_weights=False))  # fmt: skip
+    dist.barrier()
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
+        start = time.perf_counter()
+        out, lse = partial.forward(req)
+        partial.backward(req, out, lse, torch.ones_like(out))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def available_cores(seconds: float = 1.0, cores: int | None = None, timeout: float = 300.0) -> float:
+    """Cores free for our ranks now: ``C · t_alone / t_together``, at most ``C`` (the core count).
+
+    The block kernel runs on one thread in one process, then in ``C`` processes at once; on an
+    idle machine they take as long as one alone; when other programs keep cores busy, the
+    ``C`` processes share what is left and each takes longer in proportion.
+    """
+    cores = int(os.cpu_count() or 1) if cores is None else int(cores)
+    alone = run_local("qkv.distributed.cost:_probe", 1, seconds, timeout=timeout, threads=1)[0]
+    together = max(run_local("qkv.distributed.cost:_probe", cores, seconds, timeout=timeout, threads=1))
+    return min(float(cores), cores * alone / together)
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
