@@ -38,7 +38,8 @@ from .. import score_mods
 from ..positional import LazyBias
 from . import additive_tiles, kernels, linear_bias, mod_tiles
 from . import dropout as drop
-from .fused_blocks import DiagonalMask, FusedBlocks, FusedPlan
+from .diagonal import DiagonalMask, FusedPlan
+from .fused_blocks import FusedBlocks
 from .mod_tiles import ModTiles
 from .online_softmax import Plan, TiledAttention, unique
 from .request import Request

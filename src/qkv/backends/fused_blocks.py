@@ -30,18 +30,16 @@ softmaxes are merged by their log-sum-exp, which leaves the far keys' share of e
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from ..masks import Mask, Offsets, Tile
-from ..positional import LazyBias, RelativePositionBias
+from ..masks import Tile
+from ..positional import RelativePositionBias
 from . import kernels
 from . import sinks as sink
 from .bias_grad import add_profile_grad, far_profile_grad, saturating_profile_grad
-from .tiles import NEG_INF, BiasSource, as_heads, key_range, offset_live_rows, shift_invariant
+from .diagonal import DiagonalMask, FusedPlan
+from .tiles import NEG_INF, BiasSource, as_heads, key_range
 
 # the private fused CPU kernel; chunked.engine chooses this engine only where kernels.unusable allows
 _forward, _backward = kernels.forward, kernels.backward
@@ -56,14 +54,6 @@ BLOCK_BYTES = 32 * 2**20
 DIAGONAL_ROWS = 512
 #: Key granularity for skipping keys a whole query block cannot see.
 KEY_STEP = 256
-
-
-@dataclass
-class FusedPlan:
-    mask: Mask | None
-    bias: object  # Tensor (dense, no grad), LazyBias (trainable only if shift-invariant), or None
-    scale: float
-    causal_square: bool  # the mask is exactly causal and i == j: the kernel's own flag is right
 
 
 def mask_dtype(q: Tensor) -> torch.dtype:
@@ -103,89 +93,6 @@ def _block_mask(plan: FusedPlan, t: Tile, bias: BiasSource, dtype: torch.dtype) 
         else:
             add = add.masked_fill(~allowed, NEG_INF)
     return add, live
-
-
-class DiagonalMask:
-    """Bias and window mask of a whole call as one ``(h|1, L)`` profile over query-key offsets.
-
-    When the mask is an offset range (``Offsets``: causal, sliding windows, ``offsets(lo, hi)``)
-    or absent and the bias is shift-invariant
-    (ALiBi, T5 buckets) or absent, every logit's additive term depends only on the offset
-    ``c - r - (j - i)``. A block's ``(it, jt)`` mask is then the profile read along shifted
-    windows; with the block's query rows taken in reverse order it is even a plain
-    ``as_strided`` view (row stride 1, column stride 1: no copy, no ``(h, it, jt)``
-    tensor), which the fused kernel reads directly. Outputs are un-reversed afterwards.
-    """
-
-    def __init__(self, plan: FusedPlan, i_len: int, j_len: int, dtype: torch.dtype, device, profile: Tensor | None = None):
-        self.window, self.i_len, self.j_len = plan.mask, i_len, j_len
-        self.shift = j_len - i_len
-        self.offset0 = -(i_len - 1) - self.shift
-        offsets = torch.arange(self.offset0, self.offset0 + i_len + j_len - 1, device=device)
-        if profile is not None:  # a learned bias, evaluated (with its graph) by the caller
-            prof = profile.detach().to(dtype)
-        elif plan.bias is not None:
-            prof = BiasSource(plan.bias, i_len, j_len, device).profile.to(dtype)
-        else:
-            prof = torch.zeros(1, offsets.numel(), dtype=dtype, device=device)
-        w = self.window
-        if w is not None:
-            allowed = torch.ones_like(offsets, dtype=torch.bool)
-            if w.hi is not None:
-                allowed &= offsets <= w.hi
-            if w.lo is not None:
-                allowed &= offsets >= w.lo
-            prof = prof.masked_fill(~allowed, NEG_INF)
-        self.profile = prof.contiguous()
-
-    @staticmethod
-    def applies(plan: FusedPlan) -> bool:
-        if plan.mask is None and plan.bias is None:
-            return False  # nothing to add to the logits: plain kernel calls, no zero profile or row flips
-        lazy_ok = plan.bias is None or (isinstance(plan.bias, LazyBias) and shift_invariant(plan.bias))
-        return lazy_ok and (plan.mask is None or isinstance(plan.mask, Offsets))
-
-    def base(self, t: Tile) -> int:
-        """Profile index of the reversed block's row 0, column 0 (query ``i1 - 1``, key ``j0``)."""
-        return t.j0 - t.i0 - self.shift - self.offset0 - (t.i1 - t.i0) + 1
-
-    def reversed_block(self, t: Tile) -> Tensor:
-        """``(1, h|1, it, jt)`` mask of tile ``t`` with its rows in reverse order (a view)."""
-        h, length = self.profile.shape
-        shape = (1, h, t.i1 - t.i0, t.j1 - t.j0)
-        return self.profile.as_strided(shape, (0, length, 1, 1), self.profile.storage_offset() + self.base(t))
-
-    def live(self, t: Tile) -> Tensor | None:
-        """Bool ``(it, 1)``: rows with at least one key in the window; None if all are."""
-        if self.window is None:
-            return None
-        first, stop = offset_live_rows(self.window, self.i_len, self.j_len)  # arithmetic: no sync
-        return None if first <= t.i0 and t.i1 <= stop else self.sees(t)[:, None]
-
-    def sees(self, t: Tile, lo: int | None = None, hi: int | None = None) -> Tensor:
-        """Bool ``(it,)``: rows of ``t`` with a key in the window whose offset lies in ``[lo, hi]``."""
-        rows = torch.arange(t.i0, t.i1, device=self.profile.device) + self.shift
-        first, last = -rows, self.j_len - 1 - rows  # offsets of key 0 and of the last key
-        w = self.window
-        for bound in (lo, None if w is None else w.lo):
-            if bound is not None:
-                first = first.clamp(min=bound)
-        for bound in (hi, None if w is None else w.hi):
-            if bound is not None:
-                last = last.clamp(max=bound)
-        return first <= last
-
-    def clipped(self, lo: int | None = None, hi: int | None = None) -> DiagonalMask:
-        """The same mask with every offset outside ``[lo, hi]`` masked too (a copy of the profile)."""
-        out = copy.copy(self)
-        offsets = torch.arange(self.offset0, self.offset0 + self.profile.shape[-1], device=self.profile.device)
-        outside = torch.zeros_like(offsets, dtype=torch.bool)
-        if lo is not None:
-            outside |= offsets < lo
-        if hi is not None:
-            outside |= offsets > hi
-        out.profile = self.profile.masked_fill(outside, NEG_INF)
-        return out
 
 
 def saturation(bias) -> int | None:

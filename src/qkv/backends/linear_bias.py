@@ -43,7 +43,8 @@ from torch import Tensor
 from ..masks import Offsets, Tile
 from ..positional import ALiBi
 from . import kernels
-from .fused_blocks import DiagonalMask, FusedBlocks, FusedPlan
+from .diagonal import DiagonalMask, FusedPlan
+from .fused_blocks import FusedBlocks
 from .tiles import NEG_INF
 
 #: Query rows per block: the masked square is ``BLOCK_ROWS / j`` of the work; smaller blocks

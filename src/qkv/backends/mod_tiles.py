@@ -23,11 +23,11 @@ bias``) has a hand-written derivative, ``1 - tanh²``, applied to ``dS`` in plac
 autograd. ``torch.tanh`` costs 4 to 8 ns per element on the benchmark machine, so
 ``tanh(z/2)`` with ``z = 2x/c`` (the ``2/c`` goes on the queries once per call) is
 ``E / (E + 2)`` with ``E = expm1(z)``: about half the cost, and accurate to a few ulp
-(:func:`_tanh_`). The faster ``2σ(z) - 1`` is not used: it cancels as ``z → 0``, an absolute
+(``tile_math.tanh_``). The faster ``2σ(z) - 1`` is not used: it cancels as ``z → 0``, an absolute
 error of ``c·2⁻²⁴`` on every logit, tens of times plain float32's for Gemma's ``c = 50``.
 Every exponential is of a non-positive argument (a logit minus the running maximum, or
 minus the log-sum-exp), where ``exp(a) = σ(a) / (1 - σ(a))`` is exact to 3 ulp and, with
-PyTorch's fast ``sigmoid``, twice as fast as ``torch.exp`` here (:func:`_exp_nonpositive_`).
+PyTorch's fast ``sigmoid``, twice as fast as ``torch.exp`` here (``tile_math.exp_nonpositive_``).
 
 **Any other modifier** runs on the scaled, biased logits of the tile, then the mask; its backward is autograd through the modifier alone
 on a detached copy of the tile (the tensors it reads, ``closure_tensors``, get their share),
@@ -40,7 +40,6 @@ backend in ``tests/test_backends_mod_tiles.py``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,7 +50,7 @@ from .. import score_mods
 from ..masks import Mask, Tile
 from ..score_mods import SoftCap
 from . import sinks as sink
-from . import workers
+from . import tile_math, workers
 from .online_softmax import bound
 from .tiles import NEG_INF, BiasSource, mask_state
 
@@ -121,43 +120,8 @@ def _inputs(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor):
     return q.to(mm).contiguous(), k.to(mm).contiguous(), v.to(mm).contiguous(), acc, factor
 
 
-class _Scratch:
-    """Tile-sized buffers reused by every tile of a call: a fresh 2 MiB tensor per op costs page faults.
-
-    (Measured: the allocating ``add`` of two tile-sized operands took 9% of a soft-capped
-    fwd+bwd, the same op into a reused buffer a third of that.)
-    """
-
-    def __init__(self, device):
-        self.device, self.bufs = device, {}
-
-    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        n = math.prod(shape)
-        buf = self.bufs.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = self.bufs[name] = torch.empty(n, dtype=dtype, device=self.device)
-        return buf[:n].view(shape)
-
-
-def _mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
-    """``a @ b`` batched, in the operands' dtype (float32 accumulation inside), written into ``out``."""
-    b = b.to(a.dtype)
-    if out.dtype == a.dtype:
-        return torch.bmm(a, b, out=out)
-    return out.copy_(torch.bmm(a, b))
-
-
-def _add_mm(target: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> None:
-    """``target += alpha · a @ b`` in place; ``a @ b`` runs in ``a``'s dtype."""
-    b = b.to(a.dtype)
-    if target.dtype == a.dtype:
-        target.baddbmm_(a, b, alpha=alpha)
-    else:
-        target.add_(torch.bmm(a, b), alpha=alpha)
-
-
 def _logits(plan: ModPlan, q: Tensor, k: Tensor, factor: float, bias: BiasSource, t: Tile, b: int, h: int,
-            scratch: _Scratch, acc: torch.dtype) -> Tensor:  # fmt: skip
+            scratch: tile_math.Scratch, acc: torch.dtype) -> Tensor:  # fmt: skip
     """``(b, h, it, jt)``: ``scale·qᵀk + bias``, or for a soft cap ``z = 2(scale·qᵀk + bias)/c``."""
     g, it, jt = k.shape[1], t.i1 - t.i0, t.j1 - t.j0
     out = scratch.take("s", (b * g, (h // g) * it, jt), acc)
@@ -170,38 +134,6 @@ def _logits(plan: ModPlan, q: Tensor, k: Tensor, factor: float, bias: BiasSource
     if (tile := bias.tile(t)) is not None:
         s.add_(tile.to(s.dtype), alpha=1.0 if plan.cap is None else 2.0 / plan.cap)
     return s
-
-
-def _expm1_(z: Tensor, clamp: bool) -> Tensor:
-    """``E = expm1(z)`` in place; ``z`` clamped at 40 first unless it is known to stay below (``_needs_clamp``)."""
-    return torch.expm1_(z.clamp_(max=40.0) if clamp else z)
-
-
-def _tanh_(z: Tensor, den: Tensor, clamp: bool = True) -> Tensor:
-    """``tanh(z / 2)`` in place, as ``E / (E + 2)`` with ``E = expm1(z)``.
-
-    Accurate to a few ulp everywhere (no cancellation: ``E`` keeps its relative precision
-    near 0, and ``E + 2 >= 1``), and about twice as fast as ``torch.tanh`` on the benchmark
-    machine. ``2σ(z) - 1`` would be faster still but loses all relative precision as
-    ``z → 0``: an absolute error of ``c·2⁻²⁴`` on every capped logit. ``z`` is clamped at
-    40, where ``tanh(20)`` is 1 in float64 already, so ``E`` never overflows. ``den`` is a
-    buffer of ``z``'s shape for ``E + 2``.
-    """
-    e = _expm1_(z, clamp)
-    return e.div_(torch.add(e, 2.0, out=den))
-
-
-def _exp_nonpositive_(a: Tensor, tmp: Tensor) -> Tensor:
-    """``exp(a)`` in place for ``a <= 0`` (``-inf`` allowed), as ``σ(a) / (1 - σ(a))``; ``tmp`` a buffer like ``a``.
-
-    ``torch.sigmoid`` ran twice to three times as fast as ``torch.exp`` on the benchmark
-    machine, and for ``a <= 0`` nothing cancels (``1 - σ(a) >= 1/2``): within 3 ulp of the
-    float64 ``exp`` over ``[-87, 0]`` (``tests/test_backends_mod_tiles.py``). Every
-    exponential of an online softmax has such an argument: a logit minus a maximum, or
-    minus the log-sum-exp.
-    """
-    sig = torch.sigmoid_(a)
-    return sig.div_(torch.sub(1.0, sig, out=tmp))
 
 
 def _needs_clamp(plan: ModPlan, q: Tensor, k: Tensor, factor: float) -> bool:
@@ -264,7 +196,7 @@ def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dty
     clamp = cap is not None and _needs_clamp(plan, q, k, factor)
     rows_of = _by(_tiles(plan, i_len, j_len, q.device), "i0")
 
-    def work(i0: int, scratch: _Scratch) -> None:
+    def work(i0: int, scratch: tile_math.Scratch) -> None:
         tiles = rows_of[i0]
         i1 = tiles[0][0].i1
         it = i1 - i0
@@ -282,26 +214,26 @@ def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dty
                 z_max = s.amax(-1, keepdim=True)
                 m_new = torch.maximum(m, torch.where(torch.isneginf(z_max), NEG_INF, torch.tanh(z_max * 0.5) * cap))
                 base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
-                em1 = _expm1_(s, clamp)
+                em1 = tile_math.expm1_(s, clamp)
                 # c·E/(E + 2) - base, in one pass, then its exponential
                 a = torch.addcdiv(-base, em1, torch.add(em1, 2.0, out=tmp), value=cap, out=s)
                 if hide is not None:  # expm1(-inf) = -1: masked entries are finite again
                     a.add_(hide)
-                p = _exp_nonpositive_(a, tmp)
+                p = tile_math.exp_nonpositive_(a, tmp)
             else:
                 s = score_mods.apply(plan.score_mod, s, t)
                 if hide is not None:  # out of place: what the modifier returned may not be ours to write
                     s = s + hide
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
                 base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
-                p = _exp_nonpositive_(torch.sub(s, base, out=scratch.take("p", s.shape, acc)), tmp)
+                p = tile_math.exp_nonpositive_(torch.sub(s, base, out=scratch.take("p", s.shape, acc)), tmp)
             rescale = torch.exp(m - base)
             l.mul_(rescale)
             rows.mul_(rescale)
             m = m_new
             l += p.sum(-1, keepdim=True)
             pv = scratch.take("pv", (b * g, (h // g) * it, e), acc)
-            rows += _mm(p.view(b * g, -1, t.j1 - t.j0).to(v.dtype), _cols(v, t), pv).view(b, h, it, e)
+            rows += tile_math.mm(p.view(b * g, -1, t.j1 - t.j0).to(v.dtype), _cols(v, t), pv).view(b, h, it, e)
         live = l > 0
         rows = torch.where(live, rows / l.clamp(min=1e-30), 0.0)
         row_lse = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
@@ -311,7 +243,7 @@ def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dty
         lse[:, :, i0:i1] = row_lse
 
     tasks = sorted(rows_of)
-    workers.run(tasks, [_cost(rows_of[i0], b, h) for i0 in tasks], work, lambda: _Scratch(q.device))
+    workers.run(tasks, [_cost(rows_of[i0], b, h) for i0 in tasks], work, lambda: tile_math.Scratch(q.device))
     if sinks is not None:  # rows in no task see no key: all their mass is the sink's
         lse = torch.where(torch.isinf(lse), sink.apply(out[..., :1], lse, sinks)[1], lse)
     return out, lse
@@ -362,7 +294,7 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             p = scratch.take("p", s.shape, acc)
             tmp = scratch.take("tmp", s.shape, acc)  # E + 2, then 1 - σ, then dS: one buffer
             if cap is not None:
-                u = _tanh_(s, tmp, clamp)
+                u = tile_math.tanh_(s, tmp, clamp)
                 torch.add(neg_lse, u, alpha=cap, out=p)  # c·tanh(x/c) - lse
             else:
                 pre = s.detach().requires_grad_()
@@ -371,11 +303,11 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
                 torch.add(neg_lse, modded.detach(), out=p)
             if hide is not None:
                 p.add_(hide)
-            _exp_nonpositive_(p, tmp)
+            tile_math.exp_nonpositive_(p, tmp)
             d_o = _rows(d_out, g, t)  # (b·g, r·it, e)
             p3 = p.view(b * g, -1, jt).to(mm)
-            _add_mm(dv_t, p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
-            ds = _mm(d_o, _cols(v, t).transpose(1, 2), tmp.view(b * g, -1, jt)).view(b, h, it, jt)  # dP = dO Vᵀ
+            tile_math.add_mm(dv_t, p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
+            ds = tile_math.mm(d_o, _cols(v, t).transpose(1, 2), tmp.view(b * g, -1, jt)).view(b, h, it, jt)  # dP = dO Vᵀ
             ds.sub_(delta[:, :, rows]).mul_(p)  # dS = P ∘ (dP - D)
             if cap is not None:
                 ds.addcmul_(ds, u.square_(), value=-1.0)  # · (1 - tanh²); the scale goes on the products
@@ -388,14 +320,14 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             ds3 = ds.reshape(b * g, -1, jt).to(mm)
             # dQ += α dS K (rows of the r heads stacked), dK += α dSᵀ Q (summed over those heads)
             d_rows = scratch.take("dq", (b * g, (h // g) * it, q.shape[-1]), acc)
-            share.dq[:, :, rows] += _mm(ds3, _cols(k, t), d_rows).view(b, h, it, -1)
-            _add_mm(dk_t, ds3.transpose(1, 2), _rows(q, g, t), alpha=plan.scale)
+            share.dq[:, :, rows] += tile_math.mm(ds3, _cols(k, t), d_rows).view(b, h, it, -1)
+            tile_math.add_mm(dk_t, ds3.transpose(1, 2), _rows(q, g, t), alpha=plan.scale)
         dk[:, :, j0:j1] = dk_t.view(b, g, jt, -1)
         dv[:, :, j0:j1] = dv_t.view(b, g, jt, -1)
 
     def make_share() -> _Share:
         dq = torch.zeros(b, h, i_len, q.shape[-1], dtype=acc, device=q.device)
-        return _Share(_Scratch(q.device), dq, [torch.zeros_like(p) for p in trainable])
+        return _Share(tile_math.Scratch(q.device), dq, [torch.zeros_like(p) for p in trainable])
 
     tasks = sorted(cols_of)
     shares = workers.run(tasks, [_cost(cols_of[j0], b, h) for j0 in tasks], work, make_share)
@@ -412,7 +344,7 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
 class _Share:
     """One thread's scratch buffers and its accumulators of what several tasks write."""
 
-    scratch: _Scratch
+    scratch: tile_math.Scratch
     dq: Tensor  # (b, h, i, d)
     d_params: list[Tensor]  # aligned with the trainable modifier tensors
 
