@@ -25,10 +25,10 @@ def test_a_run_on_another_cpu_adds_its_section_and_keeps_the_first(tmp_path):
     bench.write(out, {"approx": _approx("28.8×")}, AMD)
     bench.write(out, {"approx": _approx("3.4×", "**not met**")}, INTEL)
     sections = results.parse(out.read_text())
-    assert list(sections) == ["AMD EPYC", "Intel(R) Xeon(R) Platinum 8480+"]
-    assert "28.8×" in sections["AMD EPYC"]["suites"]["approx"]
-    assert "3.4×" in sections["Intel(R) Xeon(R) Platinum 8480+"]["suites"]["approx"]
-    assert "| cpu capability | AVX512 |" in sections["Intel(R) Xeon(R) Platinum 8480+"]["machine"]
+    assert list(sections) == ["AMD EPYC, AVX2", "Intel(R) Xeon(R) Platinum 8480+, AVX512"]
+    assert "28.8×" in sections["AMD EPYC, AVX2"]["suites"]["approx"]
+    assert "3.4×" in sections["Intel(R) Xeon(R) Platinum 8480+, AVX512"]["suites"]["approx"]
+    assert "| cpu capability | AVX512 |" in sections["Intel(R) Xeon(R) Platinum 8480+, AVX512"]["machine"]
 
 
 def test_a_rerun_replaces_only_its_own_cpu_and_its_own_suites(tmp_path):
@@ -38,21 +38,21 @@ def test_a_rerun_replaces_only_its_own_cpu_and_its_own_suites(tmp_path):
     bench.write(out, {"approx": _approx("24.0×")}, {**INTEL, "date": "d3"})  # Intel again
     text = out.read_text()
     sections = results.parse(text)
-    intel = sections["Intel(R) Xeon(R) Platinum 8480+"]
+    intel = sections["Intel(R) Xeon(R) Platinum 8480+, AVX512"]
     assert "24.0×" in intel["suites"]["approx"] and "3.4×" not in text
     assert "| date | d3 |" in intel["machine"]
-    amd = sections["AMD EPYC"]
+    amd = sections["AMD EPYC, AVX2"]
     assert "28.8×" in amd["suites"]["approx"] and "old amd generation" in amd["suites"]["generation"]
     assert "| date | d1 |" in amd["machine"]
     # The AMD section still comes first and each section is written once.
-    assert text.count("<!-- cpu: AMD EPYC -->") == 1 and text.index("## AMD EPYC") < text.index("## Intel")
+    assert text.count("<!-- cpu: AMD EPYC, AVX2 -->") == 1 and text.index("## AMD EPYC, AVX2") < text.index("## Intel")
 
 
 def test_suites_not_rerun_on_a_cpu_are_kept_and_parts_replace_the_whole(tmp_path):
     out = tmp_path / "RESULTS.md"
     bench.write(out, {"engine": "## Engine\nold engine\n", "modules": "## Modules\nmodules\n"}, AMD)
     bench.write(out, {f"engine-{p}": f"## Engine ({p})\nnew {p}\n" for p in ("dot", "bias", "window", "additive", "bf16")}, AMD)
-    suites = results.parse(out.read_text())["AMD EPYC"]["suites"]
+    suites = results.parse(out.read_text())["AMD EPYC, AVX2"]["suites"]
     assert "engine" not in suites and "modules" in suites and "new bias" in suites["engine-bias"]
 
 
@@ -61,10 +61,10 @@ def test_an_emulated_cpu_is_filed_apart_from_the_real_one(tmp_path, monkeypatch)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     info = measure.machine()
     assert info["kernels set by"] == "ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2"
-    assert results.cpu_name(info) == f"{info['cpu']} (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2)"
+    assert results.cpu_name(info) == f"{info['cpu']}, {info['cpu capability']} (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2)"
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
-    assert results.cpu_name(measure.machine()) == measure.machine()["cpu"]
+    assert results.cpu_name(measure.machine()) == f"{info['cpu']}, {info['cpu capability']}"
 
 
 def test_machine_names_the_kernels_and_the_blas():
@@ -98,7 +98,7 @@ def test_summary_lists_each_target_on_every_cpu_with_the_range(tmp_path):
     bench.write(out, {"approx": _approx("28.8×")}, AMD)
     bench.write(out, {"approx": _approx("3.4×", "**not met**")}, INTEL)
     lines = results.summary(out.read_text()).splitlines()
-    assert lines[0] == "| target | AMD EPYC | Intel(R) Xeon(R) Platinum 8480+ | range | met on |"
+    assert lines[0] == "| target | AMD EPYC, AVX2 | Intel(R) Xeon(R) Platinum 8480+, AVX512 | range | met on |"
     assert lines[2] == "| Linformer: × faster than exact at i = 16K | 28.8× | 3.4× (not met) | 3.4–28.8× | 1 of 2 |"
 
 

@@ -14,7 +14,7 @@ section, the suites it ran and keeps everything else, including every other CPU'
     <!-- cpu: Intel(R) Xeon(R) Platinum 8480+ -->
     ...
 
-A CPU is named by its model string; a run under environment variables that change the
+A CPU is named by its model string and torch's CPU capability (``AMD EPYC, AVX512``); a run under environment variables that change the
 kernels (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``,
 ``LD_PRELOAD``, ``QKV_ROUTE``: :data:`qkv.bench.measure.KERNEL_SETTINGS`, as used to emulate
 another CPU) gets its own section named with them. A file in the layout of
@@ -29,9 +29,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-#: Keys of :func:`qkv.bench.measure.machine` that tell CPUs apart (model + emulation caps).
+#: Keys of :func:`qkv.bench.measure.machine` that tell CPUs apart (model, capability, emulation caps).
 CPU_KEY = "cpu"
 EMULATION_KEY = "kernels set by"
+CAPABILITY_KEY = "cpu capability"
 
 _CPU = re.compile(r"<!-- cpu: (.+?) -->\n(.*?)<!-- end cpu: \1 -->\n?", re.S)
 _SUITE = re.compile(r"<!-- suite: (\S+) -->\n(.*?)<!-- end: \1 -->", re.S)
@@ -54,8 +55,15 @@ HEADER = [
 
 
 def cpu_name(info: dict[str, str]) -> str:
-    """The section a run belongs to: the CPU model, plus any instruction-set caps it ran under."""
+    """The section a run belongs to: the CPU model and the kernels torch picked, plus any caps.
+
+    The capability is part of the name because a virtual machine's model string can hide the
+    generation: "AMD EPYC" is reported by Zen 3 hosts (AVX2) and by newer ones (AVX-512),
+    whose figures differ as much as an Intel's.
+    """
     name = info.get(CPU_KEY, "unknown CPU").strip() or "unknown CPU"
+    if capability := info.get(CAPABILITY_KEY):
+        name = f"{name}, {capability}"
     capped = info.get(EMULATION_KEY)
     return f"{name} ({capped})" if capped else name
 
