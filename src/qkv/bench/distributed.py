@@ -250,7 +250,7 @@ def _plot(n: int, runs: dict, link, compute) -> str | None:
     from qkv.distributed import cost
 
     ps = [2**k for k in range(11)]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 5))
     for ax, length in zip(axes, (n, 2**20)):
         for key, lk in (("fitted", link), ("IB-EDR", cost.LINKS["IB-EDR"])):
             for strategy, style in (("ring", "-"), ("hybrid", "--")):
@@ -259,8 +259,8 @@ def _plot(n: int, runs: dict, link, compute) -> str | None:
                     got = cost.predict(cost.Shape(length), p, lk, compute, inner=cost.LINKS["IB-NDR"])[strategy]
                     if got is not None:
                         xs.append(p), ys.append(got)
-                name = "ring" if strategy == "ring" else "hybrid (Ulysses inside 8-rank nodes on NDR), ring"
-                ax.plot(xs, ys, style, label=f"{name} on {lk.name}, one core per rank")
+                name = "ring" if strategy == "ring" else "hybrid: Ulysses in 8-rank NDR nodes, ring"
+                ax.plot(xs, ys, style, label=f"{name} on {lk.name}")
         if length == n:
             cores = os.cpu_count() or 1
             measured = [(p, statistics.median([r["seconds"] for r in runs["causal", "ring zigzag", p]])) for p in (2, 4)]
@@ -268,10 +268,12 @@ def _plot(n: int, runs: dict, link, compute) -> str | None:
             here = [(p, cost.ring(cost.Shape(n), p, link, compute, cores=share[p])) for p in (1, 2, 4)]
             measured.insert(0, (1, runs["causal", "single", 1][0]["seconds"]))
             ax.plot(*zip(*here), "kx", label=f"predicted here ({cores} cores shared by the P ranks)")
-            ax.plot(*zip(*measured), "ko", label="measured here (P = 1: one process, qkv.attention)")
-        ax.set(xscale="log", yscale="log", xlabel="ranks P", ylabel="s per layer (fwd + bwd)", title=f"n = {length}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+            ax.plot(*zip(*measured), "ko", label="measured here (P = 1: qkv.attention in one process)")
+        ax.set(xscale="log", yscale="log", xlabel="ranks P (one core each)", ylabel="s per layer (fwd + bwd)",
+               title=f"causal, n = {length}, h = 8, d = 64")  # fmt: skip
+    # one legend for both panels, below them: inside either it hides the curves
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     path = Path("benchmarks/distributed_scaling.png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
