@@ -155,11 +155,11 @@ def test_huge_logits_saturate_without_overflow():
     kw = dict(score_mod=qkv.SoftCap(0.05), causal=True)
     plan = mod_tiles.plan(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
                                              scale=0.3, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(0.05)))  # fmt: skip
-    q_mm, k_mm, _, _, factor = mod_tiles._inputs(plan, q, k, v)
+    q_mm, k_mm, _, _, _, factor = mod_tiles._inputs(plan, q, k, v)
     assert mod_tiles._needs_clamp(plan, q_mm, k_mm, factor)
     small = mod_tiles.plan(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
                                               scale=1e-4, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(50.0)))  # fmt: skip
-    q_mm, k_mm, _, _, factor = mod_tiles._inputs(small, q, k, v)
+    q_mm, k_mm, _, _, _, factor = mod_tiles._inputs(small, q, k, v)
     assert not mod_tiles._needs_clamp(small, q_mm, k_mm, factor)
     got, expected = run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw)
     assert bool(torch.isfinite(got[0]).all())
@@ -178,3 +178,35 @@ def test_sinks_with_rows_that_see_no_key(mod):
     assert_same(got, expected)
     _, w = qkv.attention(q, k, v, return_weights=True, **kw)
     torch.testing.assert_close(w, qkv.attention_weights(q, k, backend="reference", **kw), rtol=1e-12, atol=1e-12)
+
+
+def test_the_product_dtype_follows_the_cpu_for_bfloat16_only(monkeypatch):
+    cpu = torch.device("cpu")
+    assert tile_math.matmul_dtype(torch.float16, cpu) == torch.float32  # no fast float16 products on CPUs
+    assert tile_math.matmul_dtype(torch.float64, cpu) == torch.float64
+    for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(tile_math, "_bf16_fast", fast)
+        assert tile_math.matmul_dtype(torch.bfloat16, cpu) == want
+    assert tile_math.matmul_dtype(torch.bfloat16, torch.device("meta")) == torch.bfloat16  # nothing to time off the CPU
+    monkeypatch.setattr(tile_math, "_bf16_fast", None)
+    assert tile_math.matmul_dtype(torch.bfloat16, cpu) in (torch.bfloat16, torch.float32)
+    assert isinstance(tile_math._bf16_fast, bool)  # timed once, then kept
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["bf16-products", "float32-products"])
+def test_bfloat16_soft_cap_follows_the_flash_rule_with_either_product_dtype(monkeypatch, fast):
+    """bf16 in, bf16 out and gradients, within the flash rule: the products' dtype changes speed only."""
+    monkeypatch.setattr(tile_math, "_bf16_fast", fast)
+    low = [x.detach().bfloat16().requires_grad_() for x in inputs()]
+    high = [x.detach().double().requires_grad_() for x in low]
+    d_out = torch.randn(B, H, I, E, generator=torch.Generator().manual_seed(3), dtype=torch.float64).bfloat16()
+    kw = dict(score_mod=qkv.SoftCap(2.0), causal=True)
+
+    def call(xs, backend):
+        out = qkv.attention(*xs, backend=backend, **kw)
+        return [out, *torch.autograd.grad(out, xs, d_out.to(out.dtype))]
+
+    got, plain, oracle = call(low, "chunked"), call(low, "reference"), call(high, "reference")
+    assert all(x.dtype == torch.bfloat16 for x in got)
+    for g, p_, o in zip(got, plain, oracle, strict=True):
+        ref.assert_flash_rule(g, p_, o, floor=1e-6)

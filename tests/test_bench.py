@@ -67,7 +67,7 @@ def test_quick_modules_suite_writes_a_results_file(tmp_path, monkeypatch):
     assert "### Machine" in text and "| torch |" in text and "| cpu capability |" in text and "_Started " in text
     assert "<!-- suite: modules -->" in text and "<!-- end: modules -->" in text
     assert "| 16 | 2 |" in text  # the row for i = 16, b = 32 / 16
-    assert "qkv's four projections ran on F.linear (BLAS)" in text  # 32 tokens: too few for oneDNN
+    assert "qkv's four projections ran on BLAS (F.linear) in training and on BLAS (F.linear) in inference" in text  # 32 tokens: too few for oneDNN
     assert "### Targets" in text
 
 

@@ -112,3 +112,28 @@ def test_a_real_probe_times_both_routes_at_the_capped_size():
     finally:
         probe.choices.clear()
         probe.choices.update(monkey)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_a_call_that_will_be_differentiated_is_probed_forward_and_backward(monkeypatch):
+    """Training and inference are separate classes: the backward can favour the other library."""
+    probe = projection.PROBE
+    saved = dict(probe.choices), dict(probe.times)
+    timed = []
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: timed.append(1) or real_grad(*a, **k))
+    try:
+        probe.choices.clear()
+        x, w = torch.randn(1024, 16), torch.randn(8, 16, requires_grad=True)
+        with projection.route("auto"):
+            with torch.no_grad():
+                projection.uses_convolution(x, w)
+            assert timed == [] and (16, 8, 1024) in probe.times
+            projection.uses_convolution(x, w)
+        assert (16, 8, 1024, "fwd+bwd") in probe.times and len(timed) >= 2  # both routes ran a backward
+        y = projection.linear(x, w)  # whichever route was chosen, the gradient is F.linear's
+        (g,) = torch.autograd.grad(y.sum(), w)
+        torch.testing.assert_close(g, torch.autograd.grad(torch.nn.functional.linear(x, w).sum(), w)[0])
+    finally:
+        probe.choices.clear(), probe.times.clear()
+        probe.choices.update(saved[0]), probe.times.update(saved[1])

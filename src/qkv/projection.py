@@ -33,8 +33,9 @@ slower than 16 images).
 
 Which library wins depends on the CPU (on Intel Xeons MKL runs its AVX-512 kernels and the
 two are close), so the route is not a constant: for each shape class (input size, output
-size, tokens rounded down to a power of two, at most :data:`PROBE_TOKENS`) both are timed
-once at first use and the convolution is kept only where it is faster here
+size, tokens rounded down to a power of two, at most :data:`PROBE_TOKENS`; forward alone, or
+forward and backward when the call will be differentiated) both are timed once at first use
+and the convolution is kept only where it is faster here
 (:mod:`qkv._probe`; :func:`set_route` fixes the choice, ``"blas"`` for public ops only).
 """
 
@@ -75,13 +76,29 @@ def uses_convolution(x: Tensor, weight: Tensor) -> bool:
         return False
     out, size = weight.shape
     n = bucket(tokens, PROBE_TOKENS)
+    # A training step pays the backward too, and which library wins it can differ from the
+    # forward: with oneDNN held to AVX2 the convolution's forward won and its backward lost,
+    # so the step ran 1.3-1.6x slower than on BLAS. Such calls are timed forward + backward.
+    training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
     def routes():
         gen = torch.Generator().manual_seed(0)
         xs, ws = torch.randn(n, size, generator=gen), torch.randn(out, size, generator=gen)
-        return (lambda: F.linear(xs, ws)), (lambda: _convolution(xs, ws, None))
+        if not training:
+            return (lambda: F.linear(xs, ws)), (lambda: _convolution(xs, ws, None))
+        xs.requires_grad_(), ws.requires_grad_()
+        dy = torch.randn(n, out, generator=gen)
 
-    return PROBE.prefers_onednn((size, out, n), routes)
+        def step(product):
+            def run():
+                with torch.enable_grad():
+                    torch.autograd.grad(product(xs, ws), (xs, ws), dy)
+
+            return run
+
+        return step(F.linear), step(lambda a, b: _convolution(a, b, None))
+
+    return PROBE.prefers_onednn((size, out, n, "fwd+bwd") if training else (size, out, n), routes)
 
 
 def _convolution(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -94,39 +94,42 @@ def _tiles(plan: ModPlan, i_len: int, j_len: int, device):
                 yield t, state
 
 
-def _rows(x: Tensor, g: int, t: Tile) -> Tensor:
-    """Rows ``i0:i1`` of ``x (b, h, i, ·)`` as ``(b·g, r·it, ·)``: the ``r`` heads of a KV head stacked."""
+def _rows(x: Tensor, g: int, t: Tile, dtype: torch.dtype) -> Tensor:
+    """Rows ``i0:i1`` of ``x (b, h, i, ·)`` as ``(b·g, r·it, ·)`` in ``dtype``: the ``r`` heads of a KV head stacked."""
     b, h = x.shape[:2]
-    return x[:, :, t.i0 : t.i1].reshape(b * g, (h // g) * (t.i1 - t.i0), x.shape[-1])
+    return x[:, :, t.i0 : t.i1].to(dtype).reshape(b * g, (h // g) * (t.i1 - t.i0), x.shape[-1])
 
 
-def _cols(x: Tensor, t: Tile) -> Tensor:
-    """Keys ``j0:j1`` of ``x (b, g, j, ·)`` as ``(b·g, jt, ·)`` (a view)."""
-    return x[:, :, t.j0 : t.j1].flatten(0, 1)
+def _cols(x: Tensor, t: Tile, dtype: torch.dtype) -> Tensor:
+    """Keys ``j0:j1`` of ``x (b, g, j, ·)`` as ``(b·g, jt, ·)`` in ``dtype`` (a view when it is ``x``'s)."""
+    return x[:, :, t.j0 : t.j1].flatten(0, 1).to(dtype)
 
 
 def _inputs(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor):
-    """``(q, k, v, acc, factor)``: the matmul operands, and what multiplies ``qᵀk`` in a tile.
+    """``(q, k, v, mm, acc, factor)``: the operands, their products' dtype, and what multiplies ``qᵀk`` in a tile.
 
-    bfloat16 operands stay bfloat16 (its matmuls, which accumulate in float32, ran three times
-    faster than float32 ones on the benchmark machine); float16 becomes float32. ``acc`` is
-    the dtype of everything elementwise and of every accumulator. ``factor`` is ``scale``, or
+    bfloat16 products stay bfloat16 where they (float32 accumulation inside) beat float32
+    ones on this CPU, else run in float32 (``tile_math.matmul_dtype``, timed once); float16
+    runs float32. The operands keep their dtype and each tile's slice is converted to ``mm``
+    as it is used, so no float32 copy of a whole input is held (a tile's conversion costs
+    ``1/tile`` of its product). ``acc`` is the dtype of everything elementwise and of every
+    accumulator. ``factor`` is ``scale``, or
     ``2·scale/c`` for a soft cap (the tile then holds ``z = 2x/c``); it is applied to each
     tile's product, so no scaled copy of ``q`` is made.
     """
     acc = torch.promote_types(q.dtype, torch.float32)
-    mm = q.dtype if q.dtype == torch.bfloat16 else acc  # float16 matmuls are slow on CPUs: float32
+    mm = tile_math.matmul_dtype(q.dtype, q.device)
     factor = plan.scale if plan.cap is None else 2.0 * plan.scale / plan.cap
-    return q.to(mm).contiguous(), k.to(mm).contiguous(), v.to(mm).contiguous(), acc, factor
+    return q.contiguous(), k.contiguous(), v.contiguous(), mm, acc, factor
 
 
 def _logits(plan: ModPlan, q: Tensor, k: Tensor, factor: float, bias: BiasSource, t: Tile, b: int, h: int,
-            scratch: tile_math.Scratch, acc: torch.dtype) -> Tensor:  # fmt: skip
+            scratch: tile_math.Scratch, mm: torch.dtype, acc: torch.dtype) -> Tensor:  # fmt: skip
     """``(b, h, it, jt)``: ``scale·qᵀk + bias``, or for a soft cap ``z = 2(scale·qᵀk + bias)/c``."""
     g, it, jt = k.shape[1], t.i1 - t.i0, t.j1 - t.j0
     out = scratch.take("s", (b * g, (h // g) * it, jt), acc)
-    q_t, k_t = _rows(q, g, t), _cols(k, t).transpose(1, 2)
-    if q.dtype == acc:  # the factor rides on the product (beta = 0: out's old values are ignored)
+    q_t, k_t = _rows(q, g, t, mm), _cols(k, t, mm).transpose(1, 2)
+    if mm == acc:  # the factor rides on the product (beta = 0: out's old values are ignored)
         s = torch.baddbmm(out, q_t, k_t, beta=0.0, alpha=factor, out=out)
     else:
         s = out.copy_(torch.bmm(q_t, k_t)).mul_(factor)
@@ -188,7 +191,7 @@ def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dty
     """
     b, h, i_len, _ = q.shape
     g, j_len, e = k.shape[1], k.shape[2], v.shape[-1]
-    q, k, v, acc, factor = _inputs(plan, q, k, v)
+    q, k, v, mm, acc, factor = _inputs(plan, q, k, v)
     out = torch.zeros(b, h, i_len, e, dtype=acc if out_dtype is None else out_dtype, device=q.device)
     lse = torch.full((b, h, i_len), float("inf"), dtype=acc, device=q.device)
     bias = BiasSource(plan.bias, i_len, j_len, q.device)
@@ -204,7 +207,7 @@ def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dty
         l = torch.zeros(b, h, it, 1, dtype=acc, device=q.device)
         rows = torch.zeros(b, h, it, e, dtype=acc, device=q.device)
         for t, state in tiles:
-            s = _logits(plan, q, k, factor, bias, t, b, h, scratch, acc)
+            s = _logits(plan, q, k, factor, bias, t, b, h, scratch, mm, acc)
             hide = _hide(plan, t, state, acc)
             tmp = scratch.take("tmp", s.shape, acc)
             if cap is not None:
@@ -233,7 +236,7 @@ def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dty
             m = m_new
             l += p.sum(-1, keepdim=True)
             pv = scratch.take("pv", (b * g, (h // g) * it, e), acc)
-            rows += tile_math.mm(p.view(b * g, -1, t.j1 - t.j0).to(v.dtype), _cols(v, t), pv).view(b, h, it, e)
+            rows += tile_math.mm(p.view(b * g, -1, t.j1 - t.j0).to(mm), _cols(v, t, mm), pv).view(b, h, it, e)
         live = l > 0
         rows = torch.where(live, rows / l.clamp(min=1e-30), 0.0)
         row_lse = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
@@ -264,10 +267,9 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     b, h, i_len, _ = q.shape
     g, j_len = k.shape[1], k.shape[2]
     q, k, v = q.detach(), k.detach(), v.detach()  # only the modifier's tile is differentiated here
-    q, k, v, acc, factor = _inputs(plan, q, k, v)
-    mm = q.dtype  # the matmuls' dtype: half precision stays half
+    q, k, v, mm, acc, factor = _inputs(plan, q, k, v)
     grad_dtype = acc if grad_dtype is None else grad_dtype
-    d_out = d_out.to(mm).contiguous()
+    d_out = d_out.contiguous()
     lse = torch.where(torch.isinf(lse), float("inf"), lse.to(acc))  # -inf (merge convention) or +inf: no key
     delta = _row_dots(d_out, out, acc)  # D = rowsum(dO ∘ O)
     dk = torch.zeros(k.shape, dtype=grad_dtype, device=q.device)
@@ -288,7 +290,7 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             it = t.i1 - t.i0
             rows = slice(t.i0, t.i1)
             with torch.no_grad():
-                s = _logits(plan, q, k, factor, bias, t, b, h, scratch, acc)
+                s = _logits(plan, q, k, factor, bias, t, b, h, scratch, mm, acc)
             hide = _hide(plan, t, state, acc)
             neg_lse = lse[:, :, rows, None].neg()
             p = scratch.take("p", s.shape, acc)
@@ -304,10 +306,10 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             if hide is not None:
                 p.add_(hide)
             tile_math.exp_nonpositive_(p, tmp)
-            d_o = _rows(d_out, g, t)  # (b·g, r·it, e)
+            d_o = _rows(d_out, g, t, mm)  # (b·g, r·it, e)
             p3 = p.view(b * g, -1, jt).to(mm)
             tile_math.add_mm(dv_t, p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
-            ds = tile_math.mm(d_o, _cols(v, t).transpose(1, 2), tmp.view(b * g, -1, jt)).view(b, h, it, jt)  # dP = dO Vᵀ
+            ds = tile_math.mm(d_o, _cols(v, t, mm).transpose(1, 2), tmp.view(b * g, -1, jt)).view(b, h, it, jt)  # dP = dO Vᵀ
             ds.sub_(delta[:, :, rows]).mul_(p)  # dS = P ∘ (dP - D)
             if cap is not None:
                 ds.addcmul_(ds, u.square_(), value=-1.0)  # · (1 - tanh²); the scale goes on the products
@@ -320,8 +322,8 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             ds3 = ds.reshape(b * g, -1, jt).to(mm)
             # dQ += α dS K (rows of the r heads stacked), dK += α dSᵀ Q (summed over those heads)
             d_rows = scratch.take("dq", (b * g, (h // g) * it, q.shape[-1]), acc)
-            share.dq[:, :, rows] += tile_math.mm(ds3, _cols(k, t), d_rows).view(b, h, it, -1)
-            tile_math.add_mm(dk_t, ds3.transpose(1, 2), _rows(q, g, t), alpha=plan.scale)
+            share.dq[:, :, rows] += tile_math.mm(ds3, _cols(k, t, mm), d_rows).view(b, h, it, -1)
+            tile_math.add_mm(dk_t, ds3.transpose(1, 2), _rows(q, g, t, mm), alpha=plan.scale)
         dk[:, :, j0:j1] = dk_t.view(b, g, jt, -1)
         dv[:, :, j0:j1] = dv_t.view(b, g, jt, -1)
 

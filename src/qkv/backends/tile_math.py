@@ -13,9 +13,15 @@ float64).
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import Tensor
+
+from .._trace import tracing
+
+#: Whether bfloat16 tile products beat float32 ones on this CPU: timed once (:func:`matmul_dtype`).
+_bf16_fast: bool | None = None
 
 
 class Scratch:
@@ -83,3 +89,43 @@ def exp_nonpositive_(a: Tensor, tmp: Tensor) -> Tensor:
     """
     sig = torch.sigmoid_(a)
     return sig.div_(torch.sub(1.0, sig, out=tmp))
+
+
+def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a tile's matrix products run in, for inputs of ``dtype`` on ``device``.
+
+    Elementwise work and accumulators are float32 (or wider) either way. bfloat16 products
+    (float32 accumulation inside) are the fast choice where the CPU has bfloat16 dot-product
+    instructions (AVX-512 BF16, AMX: 3x float32's speed on the benchmark machine), and a slow
+    one without them: with the kernels held to AVX2, a soft-capped fwd+bwd spent 2.7x SDPA's
+    time in its bfloat16 products alone. So the first bfloat16 call on a CPU times a tile's
+    product both ways and keeps the faster; float16 always runs float32 (CPUs lack fast
+    float16 products); other devices and traced calls keep bfloat16.
+    """
+    acc = torch.promote_types(dtype, torch.float32)
+    if dtype != torch.bfloat16:
+        return acc
+    if device.type != "cpu" or tracing():
+        return dtype
+    global _bf16_fast
+    if _bf16_fast is None:
+        _bf16_fast = _bf16_products_faster()
+    return dtype if _bf16_fast else acc
+
+
+def _bf16_products_faster(rounds: int = 3) -> bool:
+    """Time a tile's two products, ``q kᵀ`` and ``P v`` (256 × 256 tiles, head size 64, 16 heads), both ways."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(16, 256, 64, generator=gen) for _ in range(3))
+    p = torch.rand(16, 256, 256, generator=gen)
+    operands = {dtype: [x.to(dtype) for x in (q, k, p, v)] for dtype in (torch.float32, torch.bfloat16)}
+    best = dict.fromkeys(operands, float("inf"))
+    with torch.inference_mode(False), torch.no_grad():
+        for round_ in range(rounds + 1):  # the first round warms up
+            for dtype in operands if round_ % 2 else reversed(list(operands)):
+                q_, k_, p_, v_ = operands[dtype]
+                start = time.perf_counter()
+                torch.bmm(q_, k_.transpose(1, 2)), torch.bmm(p_, v_)
+                if round_:
+                    best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.bfloat16] < best[torch.float32]

@@ -100,10 +100,14 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
         targets.add(f"MHA training step, i = {i}: time / nn.MultiheadAttention (defaults) ≤ 0.7", r_default, 0.7)
         targets.add(f"MHA inference, i = {i}: time / nn.MultiheadAttention(need_weights=False) ≤ 1.0", r_inf, 1.0)
     parts = [f"## Modules: MultiHeadAttention (dim {DIM}, {HEADS} heads, b · i = {cfg['tokens']} tokens)", ""]
-    onednn = projection.uses_convolution(torch.empty(cfg["tokens"], DIM), torch.empty(DIM, DIM))
-    route = "oneDNN, as 1×1 convolutions" if onednn else "F.linear (BLAS), like PyTorch's"
-    parts += [f"qkv's four projections ran on {route} (`qkv.projection`, chosen on this CPU by timing both "
-              "once per shape); PyTorch's run on F.linear.", ""]
+    x, w = torch.empty(cfg["tokens"], DIM), torch.empty(DIM, DIM, requires_grad=True)
+    with torch.no_grad():
+        routes = {"inference": projection.uses_convolution(x, w)}
+    routes["training"] = projection.uses_convolution(x, w)  # forward and backward timed
+    named = {mode: "oneDNN (1×1 convolutions)" if onednn else "BLAS (F.linear)" for mode, onednn in routes.items()}
+    parts += [f"qkv's four projections ran on {named['training']} in training and on {named['inference']} in "
+              "inference (`qkv.projection`, chosen on this CPU by timing both once per shape and mode); "
+              "PyTorch's run on F.linear.", ""]  # fmt: skip
     parts += table(["i", "b", "qkv train ms", "train / torch need_weights=False", "train / torch defaults",
                     "qkv inference ms", "inference / torch need_weights=False"], rows)  # fmt: skip
     parts += ["", "### Targets", ""] + targets.lines()
