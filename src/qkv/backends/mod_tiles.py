@@ -52,7 +52,7 @@ from ..score_mods import SoftCap
 from . import sinks as sink
 from . import tile_math, workers
 from .online_softmax import bound
-from .tiles import NEG_INF, BiasSource, mask_state
+from .tiles import NEG_INF, BiasSource, live_tiles
 
 #: Query rows per tile. With ``TILE_COLS`` and 8 heads a float32 tile is 4 MiB, the size at
 #: which this machine's elementwise passes were cheapest per element (measured 0.03 ns for
@@ -81,17 +81,6 @@ class ModPlan:
 def plan(req) -> ModPlan:
     """The plan of a request (``backends.Request``) this engine runs."""
     return ModPlan(req.mask, req.bias, req.scale, req.score_mod, TILE_ROWS, TILE_COLS)
-
-
-def _tiles(plan: ModPlan, i_len: int, j_len: int, device):
-    """``(tile, state)`` for every tile the mask does not empty, query tiles outermost."""
-    for i0 in range(0, i_len, plan.block_i):
-        i1 = min(i0 + plan.block_i, i_len)
-        for j0 in range(0, j_len, plan.block_j):
-            t = Tile(i0, i1, j0, min(j0 + plan.block_j, j_len), i_len, j_len, device)
-            state = mask_state(plan.mask, t)
-            if state != "empty":
-                yield t, state
 
 
 def _rows(x: Tensor, g: int, t: Tile, dtype: torch.dtype) -> Tensor:
@@ -123,16 +112,18 @@ def _inputs(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor):
     return q.contiguous(), k.contiguous(), v.contiguous(), mm, acc, factor
 
 
-def _logits(plan: ModPlan, q: Tensor, k: Tensor, factor: float, bias: BiasSource, t: Tile, b: int, h: int,
-            scratch: tile_math.Scratch, mm: torch.dtype, acc: torch.dtype) -> Tensor:  # fmt: skip
-    """``(b, h, it, jt)``: ``scale·qᵀk + bias``, or for a soft cap ``z = 2(scale·qᵀk + bias)/c``."""
-    g, it, jt = k.shape[1], t.i1 - t.i0, t.j1 - t.j0
-    out = scratch.take("s", (b * g, (h // g) * it, jt), acc)
-    q_t, k_t = _rows(q, g, t, mm), _cols(k, t, mm).transpose(1, 2)
-    if mm == acc:  # the factor rides on the product (beta = 0: out's old values are ignored)
-        s = torch.baddbmm(out, q_t, k_t, beta=0.0, alpha=factor, out=out)
+def _logits(plan: ModPlan, q_t: Tensor, k_t: Tensor, factor: float, bias: BiasSource, t: Tile, b: int, h: int,
+            scratch: tile_math.Scratch, acc: torch.dtype) -> Tensor:  # fmt: skip
+    """``(b, h, it, jt)``: ``scale·qᵀk + bias``, or for a soft cap ``z = 2(scale·qᵀk + bias)/c``.
+
+    ``q_t (b·g, r·it, d)`` and ``k_t (b·g, jt, d)`` are the tile's operands (``_rows``, ``_cols``).
+    """
+    it, jt = t.i1 - t.i0, t.j1 - t.j0
+    out = scratch.take("s", (q_t.shape[0], q_t.shape[1], jt), acc)
+    if q_t.dtype == acc:  # the factor rides on the product (beta = 0: out's old values are ignored)
+        s = torch.baddbmm(out, q_t, k_t.transpose(1, 2), beta=0.0, alpha=factor, out=out)
     else:
-        s = out.copy_(torch.bmm(q_t, k_t)).mul_(factor)
+        s = out.copy_(torch.bmm(q_t, k_t.transpose(1, 2))).mul_(factor)
     s = s.view(b, h, it, jt)
     if (tile := bias.tile(t)) is not None:
         s.add_(tile.to(s.dtype), alpha=1.0 if plan.cap is None else 2.0 / plan.cap)
@@ -197,7 +188,7 @@ def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dty
     bias = BiasSource(plan.bias, i_len, j_len, q.device)
     cap = plan.cap
     clamp = cap is not None and _needs_clamp(plan, q, k, factor)
-    rows_of = _by(_tiles(plan, i_len, j_len, q.device), "i0")
+    rows_of = _by(live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, q.device), "i0")
 
     def work(i0: int, scratch: tile_math.Scratch) -> None:
         tiles = rows_of[i0]
@@ -206,8 +197,9 @@ def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dty
         m = torch.full((b, h, it, 1), NEG_INF, dtype=acc, device=q.device)
         l = torch.zeros(b, h, it, 1, dtype=acc, device=q.device)
         rows = torch.zeros(b, h, it, e, dtype=acc, device=q.device)
+        q_t = _rows(q, g, tiles[0][0], mm)  # this task's query rows, for every key tile
         for t, state in tiles:
-            s = _logits(plan, q, k, factor, bias, t, b, h, scratch, mm, acc)
+            s = _logits(plan, q_t, _cols(k, t, mm), factor, bias, t, b, h, scratch, acc)
             hide = _hide(plan, t, state, acc)
             tmp = scratch.take("tmp", s.shape, acc)
             if cap is not None:
@@ -278,7 +270,7 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     bias = BiasSource(plan.bias, i_len, j_len, q.device)
     cap = plan.cap
     clamp = cap is not None and _needs_clamp(plan, q, k, factor)
-    cols_of = _by(_tiles(plan, i_len, j_len, q.device), "j0")
+    cols_of = _by(live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, q.device), "j0")
 
     def work(j0: int, share: _Share) -> None:
         scratch = share.scratch
@@ -286,11 +278,13 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         jt = j1 - j0
         dk_t = torch.zeros(b * g, jt, k.shape[-1], dtype=acc, device=q.device)
         dv_t = torch.zeros(b * g, jt, v.shape[-1], dtype=acc, device=q.device)
+        k_t, v_t = _cols(k, cols_of[j0][0][0], mm), _cols(v, cols_of[j0][0][0], mm)  # this task's keys, for every row tile
         for t, state in cols_of[j0]:
             it = t.i1 - t.i0
             rows = slice(t.i0, t.i1)
+            q_t = _rows(q, g, t, mm)
             with torch.no_grad():
-                s = _logits(plan, q, k, factor, bias, t, b, h, scratch, mm, acc)
+                s = _logits(plan, q_t, k_t, factor, bias, t, b, h, scratch, acc)
             hide = _hide(plan, t, state, acc)
             neg_lse = lse[:, :, rows, None].neg()
             p = scratch.take("p", s.shape, acc)
@@ -309,7 +303,7 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             d_o = _rows(d_out, g, t, mm)  # (b·g, r·it, e)
             p3 = p.view(b * g, -1, jt).to(mm)
             tile_math.add_mm(dv_t, p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
-            ds = tile_math.mm(d_o, _cols(v, t, mm).transpose(1, 2), tmp.view(b * g, -1, jt)).view(b, h, it, jt)  # dP = dO Vᵀ
+            ds = tile_math.mm(d_o, v_t.transpose(1, 2), tmp.view(b * g, -1, jt)).view(b, h, it, jt)  # dP = dO Vᵀ
             ds.sub_(delta[:, :, rows]).mul_(p)  # dS = P ∘ (dP - D)
             if cap is not None:
                 ds.addcmul_(ds, u.square_(), value=-1.0)  # · (1 - tanh²); the scale goes on the products
@@ -322,8 +316,8 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             ds3 = ds.reshape(b * g, -1, jt).to(mm)
             # dQ += α dS K (rows of the r heads stacked), dK += α dSᵀ Q (summed over those heads)
             d_rows = scratch.take("dq", (b * g, (h // g) * it, q.shape[-1]), acc)
-            share.dq[:, :, rows] += tile_math.mm(ds3, _cols(k, t, mm), d_rows).view(b, h, it, -1)
-            tile_math.add_mm(dk_t, ds3.transpose(1, 2), _rows(q, g, t, mm), alpha=plan.scale)
+            share.dq[:, :, rows] += tile_math.mm(ds3, k_t, d_rows).view(b, h, it, -1)
+            tile_math.add_mm(dk_t, ds3.transpose(1, 2), q_t, alpha=plan.scale)
         dk[:, :, j0:j1] = dk_t.view(b, g, jt, -1)
         dv[:, :, j0:j1] = dv_t.view(b, g, jt, -1)
 

@@ -47,7 +47,7 @@ from . import additive_tiles
 from . import dropout as drop
 from . import sinks as sink
 from .additive_tiles import AdditiveTiles
-from .tiles import NEG_INF, BiasSource, dense_tile, mask_state
+from .tiles import NEG_INF, BiasSource, dense_tile, live_tiles
 
 
 @dataclass
@@ -103,17 +103,6 @@ def _masked(plan: Plan, s: Tensor, t: Tile, state: str) -> Tensor:
     return s.masked_fill(~plan.mask.tile(t), NEG_INF) if state == "partial" else s
 
 
-def _tiles(plan: Plan, i_len: int, j_len: int, device):
-    """Yield ``(tile, state)`` for every non-empty tile, query tiles outermost."""
-    for i0 in range(0, i_len, plan.block_i):
-        i1 = min(i0 + plan.block_i, i_len)
-        for j0 in range(0, j_len, plan.block_j):
-            t = Tile(i0, i1, j0, min(j0 + plan.block_j, j_len), i_len, j_len, device)
-            state = mask_state(plan.mask, t)
-            if state != "empty":
-                yield t, state
-
-
 def _split(qp: Tensor, kp: Tensor, v: Tensor, g: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(..., h, i, d) -> (..., g, r, i, d)``; keys and values get a size-1 ``r`` axis."""
     return qp.unflatten(-3, (g, qp.shape[-3] // g)), kp.unsqueeze(-3), v.unsqueeze(-3)
@@ -137,7 +126,7 @@ def tiled_forward(plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor |
         out[..., rows, :] = torch.where(live, acc / l.clamp(min=1e-30), 0.0)
         lse[..., rows] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
 
-    for t, state in _tiles(plan, i_len, j_len, qp.device):
+    for t, state in live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, qp.device):
         if current is None or t.i0 != current.i0:
             if current is not None:
                 finish()
@@ -276,7 +265,7 @@ def tiled_backward(
     bias = BiasSource(lazy, i_len, j_len, qp.device, grad=learned_bias)
     d_profile = None
     d_out5 = d_out.unflatten(-3, (g, -1))
-    for t, state in _tiles(plan, i_len, j_len, qp.device):
+    for t, state in live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, qp.device):
         rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
         qt, kt = q5[..., rows, :], k5[..., cols, :]
         dense_t = None if dense is None else dense_tile(dense, t)

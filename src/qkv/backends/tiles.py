@@ -86,6 +86,17 @@ def mask_state(mask: Mask | None, t: Tile) -> str:
     return "full" if mask is None else mask.state(t)
 
 
+def live_tiles(mask: Mask | None, block_i: int, block_j: int, i_len: int, j_len: int, device):
+    """``(tile, state)`` for every ``block_i × block_j`` tile the mask does not empty, query tiles outermost."""
+    for i0 in range(0, i_len, block_i):
+        i1 = min(i0 + block_i, i_len)
+        for j0 in range(0, j_len, block_j):
+            t = Tile(i0, i1, j0, min(j0 + block_j, j_len), i_len, j_len, device)
+            state = mask_state(mask, t)
+            if state != "empty":
+                yield t, state
+
+
 def key_range(mask: Mask | None, i0: int, i1: int, i_len: int, j_len: int, step: int, device) -> tuple[int, int]:
     """``(jlo, jhi)``: the keys that rows ``i0:i1`` may see, to ``step`` granularity; ``jlo == jhi`` if none."""
     if mask is None:
