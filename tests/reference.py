@@ -192,3 +192,45 @@ def tile_masks(b: int, i: int, j: int) -> dict:
         "lengths&causal": qkv.masks.lengths(torch.tensor([j, max(1, j // 2)])) & qkv.masks.causal(),
         "dense_dead_row": dead,
     }
+
+
+def random_qkv(b: int, h: int, g: int, i: int, j: int, d: int, e: int, *, dtype=torch.float64, seed: int = 0,
+               spread: float = 1.0) -> list[Tensor]:  # fmt: skip
+    """``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)``, normal (q and k times ``spread``), requiring grad."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, i, d, generator=gen, dtype=dtype) * spread
+    k = torch.randn(b, g, j, d, generator=gen, dtype=dtype) * spread
+    v = torch.randn(b, g, j, e, generator=gen, dtype=dtype)
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+def assert_same_output_and_grads(got, expected, tol: float = 1e-10) -> None:
+    """``(out, grads)`` pairs equal: the output within ``tol``, each gradient within ``10 · tol``."""
+    (out, grads), (out_ref, grads_ref) = got, expected
+    torch.testing.assert_close(out, out_ref, rtol=tol, atol=tol)
+    for a, b_ in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, b_, rtol=10 * tol, atol=10 * tol)
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """Press et al. 2022's slopes with Python floats: ``2^(-8k/n)`` for the largest power of two
+    ``n <= heads``, then every other slope of ``2n``."""
+    n = 2 ** math.floor(math.log2(heads))
+    slopes = [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
+    return slopes + [2.0 ** (-8.0 * k / (2 * n)) for k in range(1, 2 * n + 1, 2)][: heads - n]
+
+
+def t5_bucket(relative: int, buckets: int, max_distance: int, bidirectional: bool) -> int:
+    """Raffel et al. 2020's bucket of ``key - query``, written out with Python numbers."""
+    offset = 0
+    if bidirectional:
+        buckets //= 2
+        offset = buckets if relative > 0 else 0
+        distance = abs(relative)
+    else:
+        distance = max(-relative, 0)
+    exact = buckets // 2
+    if distance < exact:
+        return offset + distance
+    log_part = math.log(distance / exact) / math.log(max_distance / exact) * (buckets - exact)
+    return offset + min(buckets - 1, exact + int(log_part))

@@ -30,24 +30,13 @@ def small_tiles(monkeypatch, request):
 
 
 def inputs(i=I, j=J, g=G, dtype=torch.float64, seed=0, spread=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, i, D, generator=gen, dtype=dtype) * spread
-    k = torch.randn(B, g, j, D, generator=gen, dtype=dtype) * spread
-    v = torch.randn(B, g, j, E, generator=gen, dtype=dtype)
-    return [x.requires_grad_() for x in (q, k, v)]
+    return ref.random_qkv(B, H, g, i, j, D, E, dtype=dtype, seed=seed, spread=spread)
 
 
 def run(backend, q, k, v, extra=(), **kw):
     out = qkv.attention(q, k, v, backend=backend, **kw)
     d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
     return out, torch.autograd.grad(out, [q, k, v, *extra], d_out)
-
-
-def assert_same(got, expected, tol=1e-10):
-    (out, grads), (out_ref, grads_ref) = got, expected
-    torch.testing.assert_close(out, out_ref, rtol=tol, atol=tol)
-    for a, b_ in zip(grads, grads_ref, strict=True):
-        torch.testing.assert_close(a, b_, rtol=10 * tol, atol=10 * tol)
 
 
 def test_exp_of_non_positive_arguments_is_accurate_to_3_ulp():
@@ -92,7 +81,7 @@ def test_soft_cap_equals_reference(cap, mask):
     kw = dict(score_mod=qkv.SoftCap(cap), mask=masks[mask])
     assert chunked.engine(qkv.checks.request(q, k, v, score="scaled_dot", bias=None, causal=False, scale=None,
                                              dropout=0.0, return_weights=False, **kw)) == "mod_tiles"  # fmt: skip
-    assert_same(run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw))
+    ref.assert_same_output_and_grads(run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw))
 
 
 @pytest.mark.parametrize("bias", ["alibi", "dense"])
@@ -103,14 +92,14 @@ def test_biases_without_gradient_sinks_and_grouped_heads(bias, fn):
     s = torch.linspace(-1.0, 1.0, H, dtype=torch.float64).requires_grad_()
     mod = qkv.SoftCap(2.0) if fn == "softcap" else (lambda x, bb, h, qi, ki: x + 0.1 * torch.sin((qi - ki).to(x.dtype)))
     kw = dict(score_mod=mod, bias=b, sinks=s, causal=True)
-    assert_same(run("chunked", q, k, v, [s], **kw), run("reference", q, k, v, [s], **kw))
+    ref.assert_same_output_and_grads(run("chunked", q, k, v, [s], **kw), run("reference", q, k, v, [s], **kw))
 
 
 @pytest.mark.parametrize("i, j, g", [(5, 14, H), (14, 14, 1), (17, 14, G)])
 def test_lengths_and_grouped_heads(i, j, g):
     q, k, v = inputs(i, j, g)
     kw = dict(score_mod=qkv.SoftCap(1.5), causal=True)
-    assert_same(run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw))
+    ref.assert_same_output_and_grads(run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw))
 
 
 def test_float32_soft_cap_meets_the_flash_rule_against_plain_pytorch():
@@ -163,7 +152,7 @@ def test_huge_logits_saturate_without_overflow():
     assert not mod_tiles._needs_clamp(small, q_mm, k_mm, factor)
     got, expected = run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw)
     assert bool(torch.isfinite(got[0]).all())
-    assert_same(got, expected)
+    ref.assert_same_output_and_grads(got, expected)
 
 
 @pytest.mark.parametrize("mod", ["softcap", "sine"])
@@ -175,7 +164,7 @@ def test_sinks_with_rows_that_see_no_key(mod):
     kw = dict(score_mod=fn, sinks=s, mask=qkv.masks.offsets(-20, -10))  # rows 0..4 see no key
     got, expected = run("chunked", q, k, v, [s], **kw), run("reference", q, k, v, [s], **kw)
     assert not bool(got[0][:, :, :5].any())
-    assert_same(got, expected)
+    ref.assert_same_output_and_grads(got, expected)
     _, w = qkv.attention(q, k, v, return_weights=True, **kw)
     torch.testing.assert_close(w, qkv.attention_weights(q, k, backend="reference", **kw), rtol=1e-12, atol=1e-12)
 

@@ -31,11 +31,7 @@ def small_tiles(monkeypatch):
 
 
 def inputs(i=I, j=J, g=G, dtype=torch.float64, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, i, D, generator=gen, dtype=dtype)
-    k = torch.randn(B, g, j, D, generator=gen, dtype=dtype)
-    v = torch.randn(B, g, j, E, generator=gen, dtype=dtype)
-    return [x.requires_grad_() for x in (q, k, v)]
+    return ref.random_qkv(B, H, g, i, j, D, E, dtype=dtype, seed=seed)
 
 
 def sinks(dtype=torch.float64, seed=4):

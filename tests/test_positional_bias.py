@@ -3,10 +3,10 @@
 Shape legend: ``h`` heads, ``i`` query length, ``j`` key length; ``it``/``jt`` a tile's sides.
 """
 
-import math
 import random
 
 import pytest
+import reference as ref
 import torch
 
 import qkv
@@ -26,18 +26,10 @@ def test_alibi_slopes_for_six_heads():
     assert torch.equal(alibi_slopes(6), torch.tensor(expected, dtype=torch.float64))
 
 
-def _alibi_formula(heads: int) -> list[float]:
-    """Press et al.'s slopes with Python floats: ``2^(-8k/n)`` for the largest power of two
-    ``n <= heads``, then every other slope of ``2n``."""
-    n = 2 ** math.floor(math.log2(heads))
-    slopes = [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
-    return slopes + [2.0 ** (-8.0 * k / (2 * n)) for k in range(1, 2 * n + 1, 2)][: heads - n]
-
-
 def test_alibi_slopes_are_float64_and_equal_the_formula_for_twelve_heads():
     slopes = alibi_slopes(12)
     assert slopes.dtype == torch.float64
-    assert max(abs(a - b) for a, b in zip(slopes.tolist(), _alibi_formula(12))) < 1e-15
+    assert max(abs(a - b) for a, b in zip(slopes.tolist(), ref.alibi_slopes(12))) < 1e-15
 
 
 def test_float64_alibi_attention_with_twelve_heads_follows_the_formula():
@@ -47,7 +39,7 @@ def test_float64_alibi_attention_with_twelve_heads_follows_the_formula():
     h, i, j, d = 12, 3, 9, 4
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, n, d, generator=gen, dtype=torch.float64) for n in (i, j, j))
-    slopes = _alibi_formula(h)
+    slopes = ref.alibi_slopes(h)
     bias = torch.tensor(
         [[[-slopes[n] * abs(c - r - (j - i)) for c in range(j)] for r in range(i)] for n in range(h)],
         dtype=torch.float64,
@@ -80,27 +72,11 @@ def test_alibi_bias_is_minus_slope_times_distance_bottom_right():
     assert torch.equal(bias[:, -1, -1], torch.zeros(h))
 
 
-def _t5_bucket(relative: int, buckets: int, max_distance: int, bidirectional: bool) -> int:
-    """Raffel et al. 2020's bucket of ``key - query``, written out with Python numbers."""
-    offset = 0
-    if bidirectional:
-        buckets //= 2
-        offset = buckets if relative > 0 else 0
-        distance = abs(relative)
-    else:
-        distance = max(-relative, 0)
-    exact = buckets // 2
-    if distance < exact:
-        return offset + distance
-    log_part = math.log(distance / exact) / math.log(max_distance / exact) * (buckets - exact)
-    return offset + min(buckets - 1, exact + int(log_part))
-
-
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_t5_buckets_equal_the_formula(bidirectional):
     rel = torch.tensor([-300, -128, -100, -33, -17, -9, -8, -7, -1, 0, 1, 5, 8, 12, 40, 127, 500])
     got = relative_buckets(rel, 32, 128, bidirectional).tolist()
-    assert got == [_t5_bucket(int(r), 32, 128, bidirectional) for r in rel]
+    assert got == [ref.t5_bucket(int(r), 32, 128, bidirectional) for r in rel]
 
 
 def test_t5_buckets_known_values():
@@ -119,7 +95,7 @@ def test_relative_position_bias_reads_its_table():
     table = rpb.embedding.weight  # (buckets, h)
     for r in range(i):
         for c in range(j):
-            bucket = _t5_bucket(c - r - (j - i), 8, 20, True)
+            bucket = ref.t5_bucket(c - r - (j - i), 8, 20, True)
             assert torch.equal(dense[:, r, c], table[bucket])
 
 

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 import pytest
+import reference as ref
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -370,30 +371,6 @@ def small_blocks(case: Case, mp: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------------- the oracle
 
 
-def _alibi_slopes(heads: int) -> list[float]:
-    """Press et al. 2022: ``2^(-8k/n)`` for the largest power of two ``n <= heads``, then every
-    other slope of ``2n``."""
-    n = 2 ** math.floor(math.log2(heads))
-    slopes = [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
-    return slopes + [2.0 ** (-8.0 * k / (2 * n)) for k in range(1, 2 * n + 1, 2)][: heads - n]
-
-
-def _t5_bucket(relative: int, buckets: int, max_distance: int, bidirectional: bool) -> int:
-    """Raffel et al. 2020's bucket of ``key - query`` with Python numbers."""
-    offset = 0
-    if bidirectional:
-        buckets //= 2
-        offset = buckets if relative > 0 else 0
-        distance = abs(relative)
-    else:
-        distance = max(-relative, 0)
-    exact = buckets // 2
-    if distance < exact:
-        return offset + distance
-    far = exact + int(math.log(distance / exact) / math.log(max_distance / exact) * (buckets - exact))
-    return offset + min(buckets - 1, far)
-
-
 def oracle(built: Built, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (..., h, i, e), weights (..., h, i, j))`` in float64, from the definitions.
 
@@ -421,11 +398,11 @@ def oracle(built: Built, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
         s = s + params["bias"]
     elif c.bias is not None:
         if c.bias[0] == "alibi":
-            slopes = torch.tensor(_alibi_slopes(c.bias[1]), dtype=torch.float64)
+            slopes = torch.tensor(ref.alibi_slopes(c.bias[1]), dtype=torch.float64)
             lazy = -slopes[:, None, None] * offset.abs().double()  # (heads, i, j)
         else:
             _, _, buckets, max_distance, bidirectional, _ = c.bias
-            index = torch.tensor([[_t5_bucket(int(x), buckets, max_distance, bidirectional) for x in row] for row in offset])
+            index = torch.tensor([[ref.t5_bucket(int(x), buckets, max_distance, bidirectional) for x in row] for row in offset])
             lazy = params["bias.embedding.weight"][index].permute(2, 0, 1)  # (heads, i, j)
         s = s + (lazy[0] if c.rank == 2 else lazy)  # (i, d) inputs have no head axis
     if c.score_mod is not None:  # after the bias, before the mask; raw positions, flat batch index

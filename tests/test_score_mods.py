@@ -45,11 +45,7 @@ def engine(request, monkeypatch):
 
 
 def inputs(i=I, j=J, g=G, dtype=torch.float64, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, i, D, generator=gen, dtype=dtype)
-    k = torch.randn(B, g, j, D, generator=gen, dtype=dtype)
-    v = torch.randn(B, g, j, E, generator=gen, dtype=dtype)
-    return [x.requires_grad_() for x in (q, k, v)]
+    return ref.random_qkv(B, H, g, i, j, D, E, dtype=dtype, seed=seed)
 
 
 def cotangent(shape, dtype=torch.float64):
@@ -116,13 +112,6 @@ def modifiers():
 def run(backend, q, k, v, fn, params, **kw):
     out = qkv.attention(q, k, v, score_mod=fn, backend=backend, **kw)
     return out, torch.autograd.grad(out, [q, k, v, *params], cotangent(out.shape, out.dtype))
-
-
-def assert_same(got, expected, tol=1e-10):
-    (out, grads), (out_ref, grads_ref) = got, expected
-    torch.testing.assert_close(out, out_ref, rtol=tol, atol=tol)
-    for a, b_ in zip(grads, grads_ref, strict=True):
-        torch.testing.assert_close(a, b_, rtol=10 * tol, atol=10 * tol)
 
 
 # --- the convention and closed forms --------------------------------------------------
@@ -194,7 +183,7 @@ def test_chunked_equals_reference_for_every_kind_of_modifier(name, mask, engine)
     dead[1, 0, 2] = False
     masks = {"none": None, "causal": qkv.masks.causal(), "window": qkv.masks.window(3, 1), "dense_dead_row": dead}
     kw = dict(mask=masks[mask])
-    assert_same(run("chunked", q, k, v, fn, params, **kw), run("reference", q, k, v, fn, params, **kw))
+    ref.assert_same_output_and_grads(run("chunked", q, k, v, fn, params, **kw), run("reference", q, k, v, fn, params, **kw))
 
 
 @pytest.mark.parametrize("score", ["general", "concat"])
@@ -216,14 +205,14 @@ def test_chunked_equals_reference_with_scores_and_biases(score, bias):
     gate = PerHeadGate()
     params = list(sc.parameters()) + bias_params + list(gate.parameters())
     kw = dict(score=sc, bias=b, causal=True)
-    assert_same(run("chunked", q, k, v, gate, params, **kw), run("reference", q, k, v, gate, params, **kw))
+    ref.assert_same_output_and_grads(run("chunked", q, k, v, gate, params, **kw), run("reference", q, k, v, gate, params, **kw))
 
 
 @pytest.mark.parametrize("i, j, g", [(5, 14, H), (14, 14, 1), (17, 14, G)])
 def test_lengths_and_grouped_heads(i, j, g, engine):
     q, k, v = inputs(i, j, g)
     fn, params = modifiers()["closure_scalar"]
-    assert_same(run("chunked", q, k, v, fn, params, causal=True), run("reference", q, k, v, fn, params, causal=True))
+    ref.assert_same_output_and_grads(run("chunked", q, k, v, fn, params, causal=True), run("reference", q, k, v, fn, params, causal=True))
 
 
 def test_dropout_with_a_modifier_gradcheck():

@@ -17,3 +17,19 @@ def probability(name: str, value: object) -> float:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name}: expected a probability in [0, 1), got {value}")
     return float(value)
+
+
+def int_at_least(low: int, what: str):
+    """An argparse ``type``: the text as an int ``>= low``, else one line naming ``what`` was expected."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 from . import __version__
+from ._args import int_at_least
 
 EXAMPLES = """examples:
   qkv demo                      the full tour (a few minutes), figures in ./qkv-demo/
@@ -33,24 +34,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
+_positive_int = int_at_least(1, "a positive integer")
+_non_negative_int = int_at_least(0, "a non-negative integer")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

@@ -38,13 +38,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import re
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import torch
 
+from .._args import int_at_least
 from . import results
 
 #: Suites by name -> module. Register a new suite by adding it here.
@@ -93,16 +93,6 @@ def _suite_name(text: str) -> str:
     return text
 
 
-def _threads(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``qkv bench`` (also used by ``python -m qkv.bench``)."""
     parser.add_argument(
@@ -111,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: checks the machinery in < 1 min")
     parser.add_argument("--out", type=Path, default=None, help=f"markdown file to write (default {DEFAULT_OUT})")
-    parser.add_argument("--threads", type=_threads, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int_at_least(1, "a positive integer"), default=None, help="torch threads (default: torch's choice)")
     parser.add_argument(
         "--summary", action="store_true",
         help="run nothing: print each target's figure on every CPU in the results file, and the range",

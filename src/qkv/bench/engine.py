@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .. import positional, scores
 from ..functional import attention
 from ..masks import Tile, window
-from .measure import interleaved, mib, peak_memory
+from .measure import call_or_step, interleaved, mib, peak_memory
 from .report import Targets, table
 
 NAME = "engine"
@@ -129,18 +129,7 @@ def build(spec: dict) -> Callable[[], object]:
         fn = lambda: attention(q, k, v, score=score, backend=backend)  # noqa: E731
     else:
         raise ValueError(f"case: expected dot, bias, window or additive, got {case!r}")
-    if not grad:
-        def call():
-            with torch.no_grad():
-                return fn()
-        return call
-
-    def step():
-        out = fn()
-        out.backward(cot)
-        for x in (q, k, v):
-            x.grad = None
-    return step
+    return call_or_step(fn, grad, cot, (q, k, v))
 
 
 def _time(say, label: str, base: dict, impls: list[str], repeats: int) -> dict[str, float]:

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
+from torch import Tensor
 
 #: ``ru_maxrss`` unit: KiB on Linux, bytes on macOS.
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024
@@ -57,6 +58,22 @@ def interleaved(contenders: dict[str, Callable[[], object]], repeats: int, warmu
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, <malloc.h>
 _GLIBC_DEFAULT = 128 * 1024  # both thresholds' initial values
+
+
+def call_or_step(fn: Callable[[], Tensor], grad: bool, cot: Tensor, inputs: tuple[Tensor, ...]) -> Callable[[], object]:
+    """A contender's timed call: ``fn()`` under ``no_grad``, or ``fn()`` with a backward of ``cot``
+    (the inputs' gradients cleared after, so every step does the same work)."""
+    if not grad:
+        def call():
+            with torch.no_grad():
+                return fn()
+        return call
+
+    def step():
+        fn().backward(cot)
+        for x in inputs:
+            x.grad = None
+    return step
 
 
 def _glibc() -> ctypes.CDLL | None:

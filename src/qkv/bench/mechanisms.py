@@ -34,7 +34,7 @@ from ..backends import mod_tiles, workers
 from ..functional import attention
 from ..masks import Tile
 from ..score_mods import SoftCap, indices
-from .measure import interleaved, mib, peak_memory
+from .measure import call_or_step, interleaved, mib, peak_memory
 from .report import Targets, table
 
 NAME = "mechanisms"
@@ -146,18 +146,7 @@ def build(spec: dict) -> Callable[[], object]:
         return lambda: _floor(q, k, v, cot, grad)
     else:
         raise ValueError(f"impl: expected qkv, sdpa, flex, materialised or floor, got {impl!r}")
-    if not grad:
-        def call():
-            with torch.no_grad():
-                return fn()
-        return call
-
-    def step():
-        out = fn()
-        out.backward(cot)
-        for x in (q, k, v):
-            x.grad = None
-    return step
+    return call_or_step(fn, grad, cot, (q, k, v))
 
 
 def _flex_backward(spec: dict) -> str:

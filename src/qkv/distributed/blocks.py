@@ -30,7 +30,7 @@ from torch import Tensor
 from ..backends import partial
 from ..backends.dropout import Origin
 from ..backends.request import Request
-from .framing import Block, frame_bias, frame_mask, frame_score_mod, mask_state
+from .framing import Block, block_slice, frame_bias, frame_mask, frame_score_mod, mask_state
 
 #: Largest piece (1 MiB), in bytes of what it carries ([k | v] of a key piece; the float32 output
 #: rows of a query piece). Small enough that a few in flight are a fraction of a rank's
@@ -148,7 +148,7 @@ class Work:
             dk[..., cols, :] += grads.k
             dv[..., cols, :] += grads.v
             if d_dense is not None and grads.bias is not None:
-                _dense_view(d_dense, block, self.heads).add_(grads.bias.to(d_dense.dtype))
+                block_slice(d_dense, block, self.heads).add_(grads.bias.to(d_dense.dtype))
             for n, grad in enumerate(grads.params):
                 if grad is not None:
                     d_params[n] = grad if d_params[n] is None else d_params[n] + grad
@@ -171,14 +171,3 @@ def merge_into(out: Tensor, lse: Tensor, o: Tensor, m: Tensor) -> None:
     out.mul_(torch.exp(lse - ref).unsqueeze(-1).to(out.dtype))
     out.add_(o.mul_(torch.exp(m - ref).unsqueeze(-1).to(o.dtype)))
     lse.copy_(new)
-
-
-def _dense_view(x: Tensor, block: Block, heads: tuple[int, int] | None) -> Tensor:
-    """The block's part of a dense bias (or of its gradient), as a view (size-1 dims kept)."""
-    if x.shape[-2] != 1:
-        x = x[..., block.r0 : block.r0 + block.it, :]
-    if x.shape[-1] != 1:
-        x = x[..., block.c0 : block.c0 + block.jt]
-    if heads is not None and x.dim() >= 3 and x.shape[-3] != 1:
-        x = x[..., heads[0] : heads[1], :, :]
-    return x

@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from ..masks import And, Dense, Lengths, Mask, Offsets, Or, Tile, Window
@@ -98,7 +97,7 @@ def _frame(mask: Mask, block: Block) -> Mask:
     if kind is Lengths:
         return Lengths((mask.key_lengths - block.c0).clamp(min=0, max=block.jt))
     if kind is Dense:
-        return Dense(_slice(mask.mask, block))
+        return Dense(block_slice(mask.mask, block))
     if kind is And:
         return And(_frame(mask.a, block), _frame(mask.b, block))
     if kind is Or:
@@ -106,7 +105,7 @@ def _frame(mask: Mask, block: Block) -> Mask:
     return Translated(mask, block)
 
 
-def _slice(x: Tensor, block: Block, heads: tuple[int, int] | None = None) -> Tensor:
+def block_slice(x: Tensor, block: Block, heads: tuple[int, int] | None = None) -> Tensor:
     """Rows, keys (and heads) of a tensor broadcastable to ``(..., h, I, J)``; size-1 dims kept."""
     if x.shape[-2] != 1:
         x = x[..., block.r0 : block.r0 + block.it, :]
@@ -147,7 +146,7 @@ def frame_bias(
     if bias is None:
         return None
     if isinstance(bias, Tensor):
-        return _slice(bias, block, heads)
+        return block_slice(bias, block, heads)
     if heads is not None and bias.heads == 1:
         heads = None
     if bias.shift_invariant:
