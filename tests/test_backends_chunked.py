@@ -11,8 +11,12 @@ import reference as ref
 import torch
 
 import qkv
-from qkv.backends import bias_grad, chunked, dropout, fused_blocks, reference
-from qkv.backends.tiles import BiasSource
+from qkv.backends import chunked, engines, reference
+from qkv.backends.engines import fused_blocks, online_softmax
+from qkv.backends.tiling import bias_grad, dropout
+from qkv.backends.tiling.flash_cpu import same_head_size
+from qkv.backends.tiling.offset_profile import DiagonalMask
+from qkv.backends.tiling.tiles import BiasSource
 from qkv.masks import Tile
 
 B, H, G, D, E = 2, 6, 3, 11, 13
@@ -20,7 +24,7 @@ B, H, G, D, E = 2, 6, 3, 11, 13
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(chunked, "TILE_ELEMENTS", 2 * H * 4 * 4)  # tiles of about 4 x 4
+    monkeypatch.setattr(online_softmax, "TILE_ELEMENTS", 2 * H * 4 * 4)  # tiles of about 4 x 4
     monkeypatch.setattr(fused_blocks, "BLOCK_BYTES", 1)  # query blocks of 32 rows
     monkeypatch.setattr(fused_blocks, "KEY_STEP", 8)
     monkeypatch.setattr(fused_blocks, "DIAGONAL_ROWS", 8)
@@ -125,10 +129,9 @@ def test_biases_match_reference_with_bias_gradients(bias, score, mask):
 def test_every_offset_range_is_one_diagonal_profile(mask):
     """Causal, windows and ``offsets(lo, hi)`` with a shift-invariant bias take the strided
     ``DiagonalMask`` path, whose profile is the reference's mask along each diagonal."""
-    plan = fused_blocks.FusedPlan(mask=OFFSET_MASKS[mask], bias=qkv.ALiBi(H), scale=1.0, causal_square=False)
-    assert fused_blocks.DiagonalMask.applies(plan)
+    assert DiagonalMask.applies(OFFSET_MASKS[mask], qkv.ALiBi(H))
     i, j = 9, 13
-    diagonal = fused_blocks.DiagonalMask(plan, i, j, torch.float64, torch.device("cpu"))
+    diagonal = DiagonalMask(OFFSET_MASKS[mask], qkv.ALiBi(H), i, j, torch.float64, torch.device("cpu"))
     t = Tile(0, i, 0, j, i, j)
     keep = torch.ones(i, j, dtype=torch.bool) if OFFSET_MASKS[mask] is None else OFFSET_MASKS[mask].tile(t)
     got = diagonal.reversed_block(t).flip(-2)[0]  # h i j, rows back in order
@@ -144,7 +147,7 @@ def test_fused_engine_takes_lazy_bias_without_gradients():
         t5 = qkv.RelativePositionBias(H, 8, 20).double()
         req = qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=t5, causal=True, scale=None,
                                  dropout=0.0, return_weights=False)  # fmt: skip
-        assert chunked.engine(req) == "fused_blocks"
+        assert engines.choose(req)[0].name == "fused_blocks"
         torch.testing.assert_close(chunked.run(req)[0], reference.run(req)[0], rtol=1e-10, atol=1e-10)
     # learned and differentiated: the fused engine when the mask is a window (the bias
     # gradient is rebuilt along diagonals), the online engine under any other mask
@@ -271,16 +274,17 @@ def test_learned_t5_split_forward_and_bias_gradient(i, j, mask):
     _assert_chunked_matches_reference(q, k, v, params, **kw)
 
 
-def test_split_block_keeps_the_far_share():
-    """``far_share`` is the softmax mass of keys at offset >= reach, ``far_out`` their part of out."""
+def test_split_block_keeps_the_far_keys_part():
+    """``far_out`` and ``far_lse`` are the own output and log-sum-exp of the keys at offset >= reach."""
     i, j, reach = 11, 13, 4
-    q, k, v = chunked.same_head_size(*(x.detach() for x in make_inputs(i, j)))  # the kernel wants d == e
+    q, k, v = same_head_size(*(x.detach() for x in make_inputs(i, j)))  # the kernel wants d == e
     t5 = qkv.RelativePositionBias(H, 8, reach).double()
-    plan = fused_blocks.FusedPlan(mask=None, bias=t5, scale=0.3, causal_square=False)
-    diagonal = fused_blocks.DiagonalMask(plan, i, j, q.dtype, q.device)
+    diagonal = DiagonalMask(None, t5, i, j, q.dtype, q.device)
     t = Tile(0, i, 0, j, i, j)
     near, far = diagonal.clipped(hi=reach - 1), diagonal.clipped(lo=reach)
-    out, lse, far_out, far_share = fused_blocks._split_block(near, far, t, q, k, v, 0.3, reach)
+    out, lse, own_far_out, far_lse = fused_blocks._split_block(near, far, t, q, k, v, 0.3, reach)
+    far_share = torch.exp(far_lse - lse)
+    far_out = own_far_out * far_share[..., None]
     kr, vr = qkv.backends.repeat_kv(k, H // G), qkv.backends.repeat_kv(v, H // G)
     logits = 0.3 * q @ kr.transpose(-1, -2) + t5.dense(i, j)
     w = logits.softmax(-1)

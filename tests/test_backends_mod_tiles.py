@@ -15,18 +15,20 @@ import reference as ref
 import torch
 
 import qkv
-from qkv.backends import chunked, mod_tiles, tile_math, workers
+from qkv.backends import engines
+from qkv.backends.engines import mod_tiles
+from qkv.backends.tiling import threads, tile_math
 
 B, H, G, I, J, D, E = 2, 6, 3, 9, 14, 11, 13
 
 
 @pytest.fixture(autouse=True, params=[1, 3], ids=["inline", "threads"])
 def small_tiles(monkeypatch, request):
-    """Several tiles per call; run inline and on 3 threads (``backends.workers``) however small the call."""
+    """Several tiles per call; run inline and on 3 threads (``backends.tiling.threads``) however small the call."""
     monkeypatch.setattr(mod_tiles, "TILE_ROWS", 4)
     monkeypatch.setattr(mod_tiles, "TILE_COLS", 5)
-    monkeypatch.setattr(workers, "THREADS", request.param)
-    monkeypatch.setattr(workers, "MIN_WORK", 0)
+    monkeypatch.setattr(threads, "THREADS", request.param)
+    monkeypatch.setattr(threads, "MIN_WORK", 0)
 
 
 def inputs(i=I, j=J, g=G, dtype=torch.float64, seed=0, spread=1.0):
@@ -79,8 +81,9 @@ def test_soft_cap_equals_reference(cap, mask):
         "dense_dead_row": dead,
     }
     kw = dict(score_mod=qkv.SoftCap(cap), mask=masks[mask])
-    assert chunked.engine(qkv.checks.request(q, k, v, score="scaled_dot", bias=None, causal=False, scale=None,
-                                             dropout=0.0, return_weights=False, **kw)) == "mod_tiles"  # fmt: skip
+    req = qkv.checks.request(q, k, v, score="scaled_dot", bias=None, causal=False, scale=None, dropout=0.0,
+                             return_weights=False, **kw)  # fmt: skip
+    assert engines.choose(req)[0].name == "mod_tiles"
     ref.assert_same_output_and_grads(run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw))
 
 
@@ -173,19 +176,20 @@ def test_the_product_dtype_follows_the_cpu_for_bfloat16_only(monkeypatch):
     cpu = torch.device("cpu")
     assert tile_math.matmul_dtype(torch.float16, cpu) == torch.float32  # no fast float16 products on CPUs
     assert tile_math.matmul_dtype(torch.float64, cpu) == torch.float64
+    timed = tile_math._bf16_products_faster
     for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(tile_math, "_bf16_fast", fast)
+        monkeypatch.setattr(tile_math, "_bf16_products_faster", lambda fast=fast: fast)
         assert tile_math.matmul_dtype(torch.bfloat16, cpu) == want
     assert tile_math.matmul_dtype(torch.bfloat16, torch.device("meta")) == torch.bfloat16  # nothing to time off the CPU
-    monkeypatch.setattr(tile_math, "_bf16_fast", None)
+    monkeypatch.setattr(tile_math, "_bf16_products_faster", timed)
     assert tile_math.matmul_dtype(torch.bfloat16, cpu) in (torch.bfloat16, torch.float32)
-    assert isinstance(tile_math._bf16_fast, bool)  # timed once, then kept
+    assert timed.cache_info().currsize == 1  # timed once, then kept
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["bf16-products", "float32-products"])
 def test_bfloat16_soft_cap_follows_the_flash_rule_with_either_product_dtype(monkeypatch, fast):
     """bf16 in, bf16 out and gradients, within the flash rule: the products' dtype changes speed only."""
-    monkeypatch.setattr(tile_math, "_bf16_fast", fast)
+    monkeypatch.setattr(tile_math, "_bf16_products_faster", lambda: fast)
     low = [x.detach().bfloat16().requires_grad_() for x in inputs()]
     high = [x.detach().double().requires_grad_() for x in low]
     d_out = torch.randn(B, H, I, E, generator=torch.Generator().manual_seed(3), dtype=torch.float64).bfloat16()

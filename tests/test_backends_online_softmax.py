@@ -18,8 +18,9 @@ import torch
 from torch.func import functional_call
 
 import qkv
-from qkv.backends import additive_tiles, chunked, dropout
-from qkv.backends.additive_tiles import AdditiveTiles
+from qkv.backends.engines import online_softmax
+from qkv.backends.tiling import additive_tiles, dropout
+from qkv.backends.tiling.additive_tiles import AdditiveTiles
 from qkv.masks import Tile
 
 B, H, G, D, E, N = 2, 6, 3, 11, 13, 5
@@ -27,7 +28,7 @@ B, H, G, D, E, N = 2, 6, 3, 11, 13, 5
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(chunked, "TILE_ELEMENTS", 2 * H * 4 * 4)  # softmax tiles of 16 x 16
+    monkeypatch.setattr(online_softmax, "TILE_ELEMENTS", 2 * H * 4 * 4)  # softmax tiles of 16 x 16
     for name in ("SUB_ELEMENTS", "SUB_ELEMENTS_THREADED"):  # sub-blocks of about 4 x 3
         monkeypatch.setattr(additive_tiles, name, B * H * N * 12)
 

@@ -127,7 +127,8 @@ def test_supports_the_dot_family():
     q = torch.randn(5, D)
     req = checks.request(q, q, q, score="dot", mask=None, bias=None, causal=False, scale=None, dropout=0.0,
                          return_weights=False)  # fmt: skip
-    assert sdpa.supports(req) == "the fused kernel needs a head dimension"
+    assert sdpa.supports(req) is None  # no head axis: the same (b, h, i, d) call as any other
+    torch.testing.assert_close(qkv.attention(q, q, q, score="dot", backend="sdpa"), qkv.attention(q, q, q, score="dot", backend="reference"))
 
 
 def test_sdpa_dropout_keeps_the_expectation():

@@ -16,14 +16,15 @@ import reference as ref
 import torch
 
 import qkv
-from qkv.backends import bias_grad, chunked, fused_blocks
+from qkv.backends.engines import fused_blocks, online_softmax
+from qkv.backends.tiling import bias_grad
 
 B, H, G, I, J, D, E = 2, 6, 3, 9, 14, 11, 13
 
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(chunked, "TILE_ELEMENTS", 2 * H * 4 * 4)
+    monkeypatch.setattr(online_softmax, "TILE_ELEMENTS", 2 * H * 4 * 4)
     monkeypatch.setattr(fused_blocks, "BLOCK_BYTES", 1)
     monkeypatch.setattr(fused_blocks, "KEY_STEP", 4)
     monkeypatch.setattr(fused_blocks, "DIAGONAL_ROWS", 4)
@@ -162,7 +163,7 @@ def test_weights_with_sinks_sum_to_less_than_one_on_every_path(monkeypatch):
     _, rebuilt = qkv.attention(q, k, v, sinks=s, causal=True, return_weights=True, backend="chunked")
     with torch.no_grad():
         _, exp_form = qkv.attention(q, k, v, sinks=s, causal=True, return_weights=True, backend="chunked")
-    monkeypatch.setattr(qkv.backends.weights, "CHUNK_ELEMENTS", 10)  # not the small path
+    monkeypatch.setattr(qkv.backends, "MATERIALISE_ELEMENTS", 0)  # not the small path
     selected = qkv.attention_weights(q, k, sinks=s, causal=True, weights_for={"heads": [1, 4], "rows": [0, 5]})
     for w in (rebuilt, exp_form):
         torch.testing.assert_close(w, expected, rtol=1e-12, atol=1e-12)

@@ -4,6 +4,8 @@ Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length
 length, ``d`` query/key size, ``e`` value size.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -24,7 +26,11 @@ def inputs(i=5, j=7, dtype=torch.float64):
 
 def chosen(q, k, v, **kw):
     base = dict(score="scaled_dot", mask=None, bias=None, causal=False, scale=None, dropout=0.0, return_weights=False)
-    return backends.choose(checks.request(q, k, v, **{**base, **kw}))[0].name
+    rows = kw.pop("weights_for", {}).get("rows")
+    req = checks.request(q, k, v, **{**base, **kw})
+    if rows is not None:
+        req = replace(req, weights_for=(None, torch.tensor(rows)))
+    return backends.choose(req)[0].name
 
 
 def test_preference_order_is_fastest_first_with_reference_last():
@@ -39,7 +45,8 @@ def test_preference_order_is_fastest_first_with_reference_last():
         ({"causal": True}, "sdpa"),
         ({"bias": qkv.ALiBi(H)}, "chunked"),
         ({"bias": qkv.RelativePositionBias(H, 8, 20)}, "chunked"),
-        ({"score": "dot", "return_weights": True}, "chunked"),
+        ({"score": "dot", "return_weights": True}, "reference"),  # every weight, and few: materialised
+        ({"score": "dot", "return_weights": True, "weights_for": {"rows": [1]}}, "chunked"),
         ({"dropout": 0.1, "generator": torch.Generator()}, "chunked"),
         ({"mask": qkv.masks.window(2)}, "sdpa"),  # short: the window covers most keys
     ],
@@ -66,9 +73,14 @@ def test_explain_names_the_backend_and_each_reason():
     assert text.splitlines()[0] == "backend: chunked (fused_blocks)"
     assert "not local: the mask has no bounded sliding window" in text
     assert "not sdpa: a lazy bias would be materialised as an (h, i, j) tensor" in text
-    text = qkv.explain(q, k, v, score=qkv.scores.Additive(D, D, 4).double(), return_weights=True)
+    assert text.splitlines()[-1] == "  not alibi_column (engine): i = 5 is one block of 256 rows: nothing to take off the mask"
+    text = qkv.explain(q, k, v, score=qkv.scores.Additive(D, D, 4).double(), weights_for={"rows": [0]}, return_weights=True)
     assert text.splitlines()[0] == "backend: chunked (online_softmax)"
     assert "not sdpa: the concat score is not a dot product" in text
+    assert "  not fused_blocks (engine): the concat score is not a dot product" in text.splitlines()
+    text = qkv.explain(q, k, v, return_weights=True)  # every weight of a small call: one softmax
+    assert text.splitlines()[0] == "backend: reference"
+    assert "chunked: every weight is returned and the logits fit in" in text
     assert qkv.explain(q, k, v) == "backend: sdpa\n  not local: the mask has no bounded sliding window"
 
 
@@ -100,3 +112,39 @@ def test_weights_with_auto_come_from_the_fast_path_and_match_reference():
     out_ref, w_ref = qkv.attention(q, k, v, causal=True, return_weights=True, backend="reference")
     torch.testing.assert_close(out, out_ref)
     torch.testing.assert_close(w, w_ref)
+
+
+def test_an_empty_call_goes_to_the_reference_even_when_a_backend_is_named():
+    q, k, v = inputs(i=0)
+    assert qkv.explain(q, k, v) == (
+        "backend: reference\n  not local: the mask has no bounded sliding window\n"
+        "  not sdpa: an empty call (i = 0, j = 7) has nothing to compute\n"
+        "  not chunked: an empty call (i = 0, j = 7) has nothing to compute"
+    )
+    assert qkv.explain(q, k, v, backend="sdpa") == "backend: reference\n  not sdpa: an empty call (i = 0, j = 7) has nothing to compute"
+
+
+@pytest.mark.parametrize("layout", ["(i, d)", "(h, i, d)", "(x, b, h, i, d)"])
+def test_every_layout_takes_the_path_and_result_of_its_b_h_i_d_equivalent(layout):
+    """Inputs are reshaped once, when checked: no layout selects another backend or engine."""
+    q, k, v = inputs(i=9, j=9)
+    if layout == "(i, d)":  # one head of one batch row: (1, 1, i, d)
+        q4, k4, v4 = q[:1, :1], k[:1, :1], v[:1, :1]
+        cut = lambda x: x[0, 0]  # noqa: E731
+    elif layout == "(h, i, d)":  # one batch row: (1, h, i, d)
+        q4, k4, v4 = q[:1], k[:1], v[:1]
+        cut = lambda x: x[0]  # noqa: E731
+    else:  # x = 2 groups of b = 1: (2, h, i, d)
+        q4, k4, v4 = q, k, v
+        cut = lambda x: x.unflatten(0, (2, 1))  # noqa: E731
+    heads = q4.shape[1]
+    calls = [({}, {}), ({"causal": True}, {}), ({"bias": qkv.ALiBi(heads)}, {}), ({"score_mod": qkv.SoftCap(3.0)}, {}),
+             ({"return_weights": True, "weights_for": {"rows": [2]}}, {})]  # fmt: skip
+    if layout == "(x, b, h, i, d)":  # a lengths mask of the b = 1 rows, the same for both groups
+        calls.append(({"mask": qkv.masks.lengths(torch.tensor([4]))}, {"mask": qkv.masks.lengths(torch.tensor([4, 4]))}))
+    for kw, kw4 in calls:
+        kw4 = kw4 or kw
+        assert qkv.explain(cut(q4), cut(k4), cut(v4), **kw) == qkv.explain(q4, k4, v4, **kw4), kw
+        got, want = qkv.attention(cut(q4), cut(k4), cut(v4), **kw), qkv.attention(q4, k4, v4, **kw4)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(a, cut(b), rtol=1e-12, atol=1e-12)

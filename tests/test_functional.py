@@ -245,13 +245,13 @@ def test_explain_names_the_backend_and_why_others_were_passed_over():
 
 @pytest.mark.parametrize("score_name", ["scaled_dot", "concat"])
 def test_attention_weights_on_the_fast_path_equal_the_reference(score_name, monkeypatch):
-    # Force the fast path (CHUNK_ELEMENTS = 0 makes every call "large") and compare with the oracle.
+    # Force the fast path (MATERIALISE_ELEMENTS = 0 makes every call "large") and compare with the oracle.
     torch.manual_seed(0)
     q, k, _ = _inputs(torch.float64, 3, I)
     score = "scaled_dot" if score_name == "scaled_dot" else qkv.scores.Additive(D, D, 5).double()
     lazy, _ = ref.mask_case("dense&lengths", B, I, J, causal=True)
     expected = qkv.attention_weights(q, k, score=score, mask=lazy, backend="reference")
-    monkeypatch.setattr(qkv.backends.weights, "CHUNK_ELEMENTS", 0)
+    monkeypatch.setattr(qkv.backends, "MATERIALISE_ELEMENTS", 0)
     fast = qkv.attention_weights(q, k, score=score, mask=lazy)
     torch.testing.assert_close(fast, expected)
     picked = qkv.attention_weights(q, k, score=score, mask=lazy, weights_for={"heads": [0, 2], "rows": slice(1, 4)})
@@ -269,7 +269,7 @@ def test_attention_weights_gradients_flow_on_the_fast_path(monkeypatch):
     q, k, _ = _inputs(torch.float64, 3, I)
     q.requires_grad_(True)
     (g_ref,) = torch.autograd.grad((qkv.attention_weights(q, k, causal=True) ** 2).sum(), (q,))
-    monkeypatch.setattr(qkv.backends.weights, "CHUNK_ELEMENTS", 0)
+    monkeypatch.setattr(qkv.backends, "MATERIALISE_ELEMENTS", 0)
     (g_fast,) = torch.autograd.grad((qkv.attention_weights(q, k, causal=True) ** 2).sum(), (q,))
     torch.testing.assert_close(g_fast, g_ref)
 
@@ -282,7 +282,7 @@ def test_attention_weights_on_the_fast_path_give_the_bias_its_gradient(kind, mon
     params = list(bias.parameters()) if kind == "t5" else [bias.requires_grad_()]
     cot = torch.randn(B, H, I, J, dtype=torch.float64)
     (expected,) = torch.autograd.grad(qkv.attention_weights(q, k, bias=bias, backend="reference"), params, cot)
-    monkeypatch.setattr(qkv.backends.weights, "CHUNK_ELEMENTS", 0)
+    monkeypatch.setattr(qkv.backends, "MATERIALISE_ELEMENTS", 0)
     w = qkv.attention_weights(q, k, bias=bias)
     assert w.requires_grad
     (got,) = torch.autograd.grad(w, params, cot)

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+import qkv
 from qkv.integrations import packaged
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -89,9 +90,7 @@ def test_no_mask_takes_causality_from_the_call_like_sdpa(i, j, module_causal, ca
 @needs_transformers
 @pytest.mark.parametrize("budget", [2**26, 0])  # weights from materialised logits, or rebuilt after the fused kernel
 def test_weights_are_returned_when_asked_by_the_call_or_the_config(budget, monkeypatch):
-    from qkv.integrations import transformers as integration
-
-    monkeypatch.setattr(integration, "MATERIALISE_ELEMENTS", budget)
+    monkeypatch.setattr(qkv.backends, "MATERIALISE_ELEMENTS", budget)
     q, k, v = _qkv_inputs()
     mask = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(1)) > 0.3
     mask[..., 0] = True  # every row sees a key

@@ -17,6 +17,8 @@ that ``qkv.backends.choose`` accepts for the call, and ``"auto"``, must agree wi
 score formulas, ALiBi slopes and T5 buckets, bottom-right offsets and masks): outputs,
 weights, ``attention_weights``, and the gradients of q, k, v, of a learned dense bias, of
 the score's parameters, of the T5 table, of the sinks and of the tensor a ``score_mod`` reads.
+On every ``"auto"`` call, ``qkv.explain`` must name the backend and engine the call takes
+(recorded at their entry points, :class:`Taken`).
 
 Size: 400 + 250 examples make about 2500 qkv calls (each test asserts its share, so a
 strategy that stops reaching the backends fails), about 15 s of CPU on a quiet machine.
@@ -38,8 +40,10 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import backends, checks
-from qkv.backends import additive_tiles, bias_grad, chunked, fused_blocks, local
-from qkv.backends import weights as weights_module
+from qkv.backends import engines, local
+from qkv.backends.engines import fused_blocks, online_softmax
+from qkv.backends.tiling import additive_tiles, bias_grad
+from qkv.backends.tiling import weights_from_lse as weights_module
 from qkv.positional import ALiBi, RelativePositionBias
 
 BACKENDS = (*backends.PREFERENCE, "auto")
@@ -350,7 +354,7 @@ class Built:
 def small_blocks(case: Case, mp: pytest.MonkeyPatch) -> None:
     """Patch the backends' size constants to the case's (tiny) tiles, blocks and chunks."""
     b = case.blocks
-    mp.setattr(chunked, "_blocks", lambda req, qp: (min(req.i, b["online"][0]), min(req.j, b["online"][1])))
+    mp.setattr(online_softmax, "_blocks", lambda req: (min(req.i, b["online"][0]), min(req.j, b["online"][1])))
     rows = fused_blocks.rows_per_block  # a causal square runs whole (the kernel's own flag is top-left)
 
     def small_rows(plan, q, j_len, diagonal):
@@ -474,9 +478,38 @@ def tolerance(dtype: torch.dtype, grad: bool = False) -> dict:
     return dict(atol=2e-4 if grad else 5e-5, rtol=2e-4 if grad else 5e-5)
 
 
+class Taken:
+    """The backend and the engine each call runs, recorded at their entry points, as ``qkv.explain`` words it."""
+
+    def __init__(self, mp: pytest.MonkeyPatch):
+        self.path: list[tuple[str, str]] = []
+        for name, module in backends.REGISTRY.items():
+            mp.setattr(module, "run", self._spy(module.run, "backend", name))
+        for engine in engines.ENGINES:
+            mp.setattr(engine, "forward", self._spy(engine.forward, "engine", engine.name))
+
+    def _spy(self, fn, kind: str, name: str):
+        def spy(*args, **kwargs):
+            self.path.append((kind, name))
+            return fn(*args, **kwargs)
+
+        return spy
+
+    def line(self) -> str:
+        """``"backend: NAME"`` or ``"backend: chunked (ENGINE)"`` of the calls since the last line."""
+        backend = next(name for kind, name in self.path if kind == "backend")
+        engine = next((name for kind, name in self.path if kind == "engine"), None)
+        self.path = []
+        return f"backend: {backend}" + (f" ({engine})" if backend == "chunked" else "")
+
+
+def explained(built: Built) -> str:
+    return qkv.explain(built.q, built.k, built.v, **built.kwargs()).splitlines()[0]
+
+
 # --------------------------------------------------------------------------- the properties
 
-CALLS = {"forward": 0, "gradients": 0}
+CALLS = {"forward": 0, "gradients": 0, "explained": 0}
 
 
 @_settings(EXAMPLES["forward"])
@@ -487,10 +520,16 @@ def _forward_property(case: Case) -> None:
     want_w = select(want_w, built)
     with pytest.MonkeyPatch.context() as mp:
         small_blocks(case, mp)
+        taken = Taken(mp)
         with torch.no_grad():
             for name in built.runnable():
+                said = explained(built) if name == "auto" else None
                 result = qkv.attention(built.q, built.k, built.v, backend=name, **built.kwargs())
                 CALLS["forward"] += 1
+                if said is not None:  # qkv.explain names the path the call took
+                    assert taken.line() == said, (said, case)
+                    CALLS["explained"] += 1
+                taken.path = []
                 out, w = result if case.return_weights else (result, None)
                 assert out.dtype == case.dtype and out.shape == want_out.shape, name
                 torch.testing.assert_close(out.double(), want_out, **tolerance(case.dtype), msg=lambda m: f"{name} out: {m}")
@@ -522,9 +561,15 @@ def _gradient_property(case: Case) -> None:
     theirs = {name: x for name, x in inputs(built).items() if x.requires_grad}
     with pytest.MonkeyPatch.context() as mp:
         small_blocks(case, mp)
+        taken = Taken(mp)
         for name in built.runnable():
+            said = explained(built) if name == "auto" else None
             result = qkv.attention(built.q, built.k, built.v, backend=name, **built.kwargs())
             CALLS["gradients"] += 1
+            if said is not None:  # qkv.explain names the path the call took, with gradients on
+                assert taken.line() == said, (said, case)
+                CALLS["explained"] += 1
+            taken.path = []
             out, w = result if case.return_weights else (result, None)
             total = (out.double() * d_out).sum() + ((w.double() * d_w).sum() if d_w is not None else 0.0)
             grads = torch.autograd.grad(total, list(theirs.values()), allow_unused=True)
@@ -538,12 +583,14 @@ def _gradient_property(case: Case) -> None:
 
 
 def test_forward_and_weights_of_random_calls_match_the_oracle():
-    before = CALLS["forward"]
+    before, explained_before = CALLS["forward"], CALLS["explained"]
     _forward_property()
     assert CALLS["forward"] - before >= MIN_CALLS["forward"]
+    assert CALLS["explained"] - explained_before >= EXAMPLES["forward"]  # every example's auto call
 
 
 def test_gradients_of_random_calls_match_the_oracle():
-    before = CALLS["gradients"]
+    before, explained_before = CALLS["gradients"], CALLS["explained"]
     _gradient_property()
     assert CALLS["gradients"] - before >= MIN_CALLS["gradients"]
+    assert CALLS["explained"] - explained_before >= EXAMPLES["gradients"]

@@ -23,7 +23,7 @@ from torch import nn
 
 import qkv
 from qkv import score_mods
-from qkv.backends import chunked, mod_tiles
+from qkv.backends.engines import chooser, mod_tiles, online_softmax
 from qkv.masks import Tile
 
 B, H, G, I, J, D, E = 2, 6, 3, 9, 14, 11, 13
@@ -31,7 +31,7 @@ B, H, G, I, J, D, E = 2, 6, 3, 9, 14, 11, 13
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(chunked, "TILE_ELEMENTS", 2 * H * 4 * 4)
+    monkeypatch.setattr(online_softmax, "TILE_ELEMENTS", 2 * H * 4 * 4)
     monkeypatch.setattr(mod_tiles, "TILE_ROWS", 4)
     monkeypatch.setattr(mod_tiles, "TILE_COLS", 5)
 
@@ -40,7 +40,7 @@ def small_tiles(monkeypatch):
 def engine(request, monkeypatch):
     """Dot-form scores with a modifier run in ``mod_tiles``; the online engine (learned biases, dropout) too."""
     if request.param == "online_softmax":
-        monkeypatch.setattr(chunked, "engine", lambda req: "online_softmax")
+        monkeypatch.setattr(chooser, "ENGINES", (online_softmax,))
     return request.param
 
 
@@ -236,7 +236,7 @@ def test_float32_flash_rule(engine):
 
 def test_memory_stays_one_tile(monkeypatch, engine):
     """Forward and backward at i = j = 128: no intermediate holds more than a tile (never (h, i, j))."""
-    monkeypatch.setattr(chunked, "TILE_ELEMENTS", B * H * 32 * 32)
+    monkeypatch.setattr(online_softmax, "TILE_ELEMENTS", B * H * 32 * 32)
     monkeypatch.setattr(mod_tiles, "TILE_ROWS", 32)
     monkeypatch.setattr(mod_tiles, "TILE_COLS", 32)
     gen = torch.Generator().manual_seed(0)
@@ -260,7 +260,7 @@ def test_weights_and_weights_for_see_true_head_and_row_indices(monkeypatch):
     (g_w,) = torch.autograd.grad(w.sum(), params)  # the rebuilt weights carry the closure's gradient
     (g_ref,) = torch.autograd.grad(expected.sum(), params)
     torch.testing.assert_close(g_w, g_ref)
-    monkeypatch.setattr(qkv.backends.weights, "CHUNK_ELEMENTS", 10)
+    monkeypatch.setattr(qkv.backends.tiling.weights_from_lse, "CHUNK_ELEMENTS", 10)
     with torch.no_grad():
         some = qkv.attention_weights(q, k, score_mod=fn, causal=True, weights_for={"heads": [4, 1], "rows": [7, 2]})
     torch.testing.assert_close(some, expected[:, [4, 1]][:, :, [7, 2]], rtol=1e-12, atol=1e-12)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends import weights
+from qkv.backends.tiling import weights_from_lse as weights
 
 B, H, G, D, E = 2, 6, 3, 11, 13
 

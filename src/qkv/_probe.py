@@ -92,16 +92,7 @@ class Probe:
         if torch.compiler.is_compiling():
             return False
         with torch.no_grad():
-            blas, onednn = routes()
-            best = [float("inf"), float("inf")]
-            calls = (blas, onednn)
-            for fn in calls:
-                fn()  # warm-up: oneDNN builds its kernel for this shape on the first call
-            for round_ in range(ROUNDS):
-                for n in ((0, 1) if round_ % 2 == 0 else (1, 0)):
-                    start = _clock()
-                    calls[n]()
-                    best[n] = min(best[n], _clock() - start)
+            best = best_times(*routes())
         chosen = best[1] * MARGIN < best[0]
         self.choices[key], self.times[key] = chosen, (best[0], best[1])
         return chosen
@@ -113,6 +104,29 @@ class Probe:
             f"{'oneDNN' if self.choices[key] else 'BLAS'}"
             for key, t in self.times.items()
         ]
+
+
+def best_times(*calls: Callable[[], object], rounds: int = ROUNDS) -> list[float]:
+    """The best time in seconds of each argument-less call: a warm-up call of each, then interleaved rounds.
+
+    The one timing routine of every probe in qkv (oneDNN or BLAS here, ALiBi's column or
+    masked kernel, bfloat16 or float32 tile products): the order alternates between rounds
+    so that neither call always runs on a warmer cache, and the best of the rounds is
+    kept, the time least disturbed by other work on a shared machine. Runs outside
+    inference mode, since the first call may come from a decoding loop and a probe may
+    time a backward.
+    """
+    best = [float("inf")] * len(calls)
+    with torch.inference_mode(False):
+        for fn in calls:
+            fn()  # warm-up: kernels are built and buffers allocated for this shape on the first call
+        for round_ in range(rounds):
+            order = range(len(calls)) if round_ % 2 == 0 else reversed(range(len(calls)))
+            for n in order:
+                start = _clock()
+                calls[n]()
+                best[n] = min(best[n], _clock() - start)
+    return best
 
 
 def bucket(n: int, cap: int) -> int:

@@ -3,9 +3,11 @@
 Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
 length, ``j`` key length, ``d`` query/key size, ``e`` value size.
 
-Each error names the argument and prints what was expected and what was got. Nothing is
-broadcast silently: leading dims of q, k and v must be equal, and masks and biases must
-broadcast to ``(..., h, i, j)`` without growing it.
+Each error names the argument and prints what was expected and what was got, in the
+caller's shapes. Nothing is broadcast silently: leading dims of q, k and v must be equal,
+and masks and biases must broadcast to ``(..., h, i, j)`` without growing it. Once checked,
+the call is reshaped to the one layout the backends see, ``(b, h, i, d)``
+(``qkv._layout``), with its masks and biases.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import Tensor
 
 from . import score_mods
 from ._args import probability
+from ._layout import Layout, merge_lead
 from .backends.request import Request
 from .masks import Mask, Window, as_mask
 from .positional import LazyBias
@@ -61,22 +64,23 @@ def request(
     mask = as_mask(mask)
     if mask is not None:
         _mask_shape(mask, target)
+    bias = _bias(bias, target, q)
+    scale = _scale(scale, score, q.shape[-1])
+    dropout = probability("dropout", dropout)
+    sinks = _sinks(sinks, q)
+    score_mod = score_mods.check(score_mod)
+    layout = Layout.of(q)
+    if not layout.canonical:  # one reshape, here: every backend sees (b, h, i, d)
+        q, k, v = (layout.to_canonical(x) for x in (q, k, v))
+        mask = None if mask is None else mask.merge_lead(layout.lead)
+        bias = merge_lead(bias, layout.lead) if isinstance(bias, Tensor) else bias
     if causal:
         mask = _CAUSAL if mask is None else mask & _CAUSAL
     return Request(
-        q=q,
-        k=k,
-        v=v,
-        score=score,
-        mask=mask,
-        bias=_bias(bias, target, q),
-        scale=_scale(scale, score, q.shape[-1]),
-        dropout=probability("dropout", dropout),
-        return_weights=return_weights,
-        generator=generator,
-        sinks=_sinks(sinks, q),
-        score_mod=score_mods.check(score_mod),
-    )
+        q=q, k=k, v=v, score=score, mask=mask, bias=bias, scale=scale, dropout=dropout,
+        return_weights=return_weights, generator=generator, sinks=sinks, score_mod=score_mod,
+        layout=None if layout.canonical else layout,
+    )  # fmt: skip
 
 
 def _tensors(q: Tensor, k: Tensor, v: Tensor) -> None:

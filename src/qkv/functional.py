@@ -5,8 +5,10 @@ length, ``j`` key length, ``d`` query/key size, ``e`` value size.
 
 ``q (..., h, i, d)``, ``k (..., g, j, d)``, ``v (..., g, j, e)`` -> ``out (..., h, i, e)`` and,
 on request, ``weights (..., h, i, j)``: the layout of ``F.scaled_dot_product_attention``.
-Inputs without a head dim, ``(i, d)``, also work. Each call is validated once
-(``qkv.checks``), then a backend runs it (``qkv.backends.choose``).
+Inputs without a head dim, ``(i, d)``, also work. Each call is validated once and reshaped
+to ``(b, h, i, d)`` (``qkv.checks``); a backend runs it (``qkv.backends.choose``, which
+alone decides the path, and which :func:`explain` reports); its outputs return to the
+caller's layout.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import torch
 from torch import Tensor
 
 from . import backends, checks
-from .backends import reference
-from .backends import weights as weights_module
+from .backends import engines
 from .masks import Mask
 from .positional import LazyBias
 from .scores import Score
@@ -77,8 +78,10 @@ def attention(
     Returns:
         ``out (..., h, i, e)``, or ``(out, weights)``. A query whose keys are all masked gets
         zero output, zero weights and zero gradients. With ``return_weights=True`` and
-        ``backend="auto"`` the output still comes from a fused kernel and the weights are
-        rebuilt exactly from the log-sum-exp it saved (``qkv.backends.weights``).
+        ``backend="auto"``, a call small enough is materialised (``qkv.backends.
+        MATERIALISE_ELEMENTS``); a larger one, or one with ``weights_for``, gets its output
+        from a fused engine and its weights rebuilt exactly from the log-sum-exp
+        (``qkv.backends.tiling.weights_from_lse``).
     """
     req = checks.request(
         q, k, v, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
@@ -87,28 +90,16 @@ def attention(
     )  # fmt: skip
     if weights_for is not None:
         req = replace(req, weights_for=_weights_for(weights_for, req))
-    impl, _ = _choose(req, backend)
+    impl, _ = backends.choose(req, backend)
     out, weights = impl.run(req)
-    if weights is not None and req.weights_for is not None and not getattr(impl, "selects_weights", False):
+    out = req.restore(out)
+    if not return_weights:
+        return out
+    if req.weights_for is not None and not getattr(impl, "selects_weights", False):
         heads, rows = req.weights_for
-        weights = weights if heads is None else weights.index_select(-3, heads.to(weights.device))
-        weights = weights if rows is None else weights.index_select(-2, rows.to(weights.device))
-    return (out, weights) if return_weights else out
-
-
-def _choose(req: backends.Request, backend: str) -> tuple:
-    """``backends.choose``, except that an empty call (no query rows or no keys) goes to the reference.
-
-    There is nothing to compute then: every tensor the reference's equations build has a
-    zero-sized axis, and they give the result for any score, mask, bias or sinks (no rows;
-    or rows that see no key: zero output, zero gradients). The fused kernels assume a row
-    and a key. A backend named explicitly still refuses what it could not run otherwise.
-    """
-    impl, passed_over = backends.choose(req, backend)
-    if (req.i == 0 or req.j == 0) and impl is not reference:
-        passed_over = [*passed_over, f"{impl.name}: an empty call (i = {req.i}, j = {req.j}) has nothing to compute"]
-        return reference, passed_over
-    return impl, passed_over
+        weights = weights if heads is None else weights.index_select(1, heads.to(weights.device))
+        weights = weights if rows is None else weights.index_select(2, rows.to(weights.device))
+    return out, req.restore(weights)
 
 
 def _weights_for(spec: object, req: backends.Request) -> tuple[Tensor | None, Tensor | None]:
@@ -120,8 +111,8 @@ def _weights_for(spec: object, req: backends.Request) -> tuple[Tensor | None, Te
         raise ValueError(f"weights_for: expected keys 'heads' and/or 'rows', got {unknown}")
     if not req.return_weights:
         raise ValueError("weights_for: selects which weights to return, so it needs return_weights=True, got False")
-    if "heads" in spec and req.q.dim() < 3:
-        raise ValueError(f"weights_for: 'heads' needs q with a head dim (..., h, i, d), got shape {tuple(req.q.shape)}")
+    if "heads" in spec and req.layout is not None and not req.layout.head_axis:
+        raise ValueError(f"weights_for: 'heads' needs q with a head dim (..., h, i, d), got shape {tuple(req.q.shape[2:])}")
     sizes = {"heads": req.heads, "rows": req.i}
     return tuple(_indices(key, spec.get(key), sizes[key]) for key in ("heads", "rows"))  # type: ignore[return-value]
 
@@ -171,29 +162,15 @@ def attention_weights(
 ) -> Tensor:
     """Only the weights ``α (..., h, i, j)`` of :func:`attention` (rows sum to 1, or 0 if fully masked, < 1 with sinks).
 
-    ``weights_for`` selects heads and rows as in :func:`attention`. With ``backend="auto"``
-    a call whose logits (times the additive score's hidden size) fit in
-    ``backends.weights.CHUNK_ELEMENTS`` is materialised by the reference backend, one
-    softmax, the fastest way when the weights are the whole output anyway. A larger call,
-    or one with ``weights_for``, runs :func:`attention` on a one-column stand-in for the
-    values: the fast backend saves its log-sum-exp and the weights are rebuilt from it in
-    row chunks, so additive scores never build the ``(i, j, hidden)`` tensor and a few
-    rows of a long sequence never build all ``(h, i, j)`` weights.
+    ``weights_for`` selects heads and rows as in :func:`attention`. It is :func:`attention`
+    on a one-column stand-in for the values, so the dispatcher decides as it does there: a
+    call whose logits (times the additive score's hidden size) fit in
+    ``qkv.backends.MATERIALISE_ELEMENTS`` is materialised, one softmax, the fastest way when
+    the weights are the whole output anyway; a larger call, or one with ``weights_for``,
+    runs the chunked backend, whose weights are rebuilt from its log-sum-exp in row chunks,
+    so additive scores never build the ``(i, j, hidden)`` tensor and a few rows of a long
+    sequence never build all ``(h, i, j)`` weights.
     """
-    v = k.new_empty((*k.shape[:-1], 0))  # the weights do not depend on v
-    req = checks.request(
-        q, k, v, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
-        dropout=0.0, return_weights=True, sinks=sinks, score_mod=score_mod,
-    )  # fmt: skip
-    width = 1 if req.score.dot_form else _prepared_width(req)
-    small = req.q[..., 0].numel() * req.j * width <= weights_module.CHUNK_ELEMENTS
-    if backend == "reference" or (backend == "auto" and small and weights_for is None):
-        w = reference.weights(req).to(q.dtype)
-        if weights_for is None:
-            return w
-        heads, rows = _weights_for(weights_for, req)
-        w = w if heads is None else w.index_select(-3, heads.to(w.device))
-        return w if rows is None else w.index_select(-2, rows.to(w.device))
     # One zero column stands in for the values: (..., g, j, 1), a broadcast view, no copy.
     stand_in = k.new_zeros(()).expand(*k.shape[:-1], 1)
     _, w = attention(
@@ -203,15 +180,12 @@ def attention_weights(
     return w
 
 
-def _prepared_width(req: backends.Request) -> int:
-    """Size of a prepared query (the additive score's hidden size): one row prepared to find out."""
-    with torch.no_grad():
-        qp, _ = req.score.prepare(req.q[..., :1, :], req.k[..., :1, :])
-    return max(1, qp.shape[-1])
-
-
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
-    """Which backend ``attention(q, k, v, **kwargs)`` would run, and why faster ones were passed over."""
+    """Which backend (and engine) ``attention(q, k, v, **kwargs)`` runs, and why faster ones were passed over.
+
+    It asks the same two choosers the call does (``qkv.backends.choose``, then, for the
+    chunked backend, ``qkv.backends.engines.choose``), so it names the path that runs.
+    """
     backend = kwargs.pop("backend", "auto")
     kwargs.setdefault("score", "scaled_dot")
     kwargs.setdefault("mask", None)
@@ -224,14 +198,11 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
     req = checks.request(q, k, v, **kwargs)
     if weights_for is not None:
         req = replace(req, weights_for=_weights_for(weights_for, req))
-    impl, passed_over = _choose(req, backend)
+    impl, passed_over = backends.choose(req, backend)
     head = f"backend: {impl.name}"
-    online = backends.chunked.online_reason(req) if impl.name == "chunked" else None
+    lines = [f"  not {reason}" for reason in passed_over]
     if impl.name == "chunked":
-        column = online is None and backends.chunked.column_path(req)
-        head += f" ({backends.chunked.engine(req)}{', ALiBi as a key column' if column else ''})"
-    lines = [head]
-    if online is not None:
-        lines.append(f"  online-softmax tiles, not the fused kernel: {online}")
-    lines += [f"  not {reason}" for reason in passed_over]
-    return "\n".join(lines)
+        engine, engines_passed_over = engines.choose(req)
+        head += f" ({engine.name})"
+        lines += [f"  not {name} (engine):{why}" for name, _, why in (r.partition(":") for r in engines_passed_over)]
+    return "\n".join([head, *lines])

@@ -25,12 +25,14 @@ Query ``r`` may see key ``c`` iff ``c - r - (j - i) <= 0``; that offset is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from ._layout import merge_lead
 from ._trace import concrete
 
 State = Literal["full", "empty", "partial"]
@@ -93,6 +95,15 @@ class Mask:
     def batch_shape(self) -> tuple[int, ...]:
         """Leading dims the mask carries besides ``(i, j)``; ``()`` for masks of positions only."""
         return ()
+
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        """The same mask for inputs whose leading dims ``lead`` are merged into one batch dim.
+
+        ``qkv.attention`` runs ``(x, …, b, h, i, d)`` inputs as ``(x·…·b, h, i, d)``
+        (``qkv._layout``); a mask that varies along those dims is merged the same way. A mask
+        of positions only is itself.
+        """
+        return self if len(lead) <= 1 or len(self.batch_shape()) <= 1 else _MergedLead(self, lead)
 
     def __and__(self, other: Mask | Tensor) -> Mask:
         return And(self, as_mask(other))
@@ -239,6 +250,9 @@ class Lengths(Mask):
     def batch_shape(self) -> tuple[int, ...]:
         return (self.key_lengths.shape[0], 1)
 
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        return self if len(lead) <= 1 else Lengths(self.key_lengths.expand(*lead).reshape(-1))
+
     def __repr__(self) -> str:
         return f"lengths({self.key_lengths.tolist()})"
 
@@ -281,6 +295,9 @@ class Starts(Mask):
 
     def batch_shape(self) -> tuple[int, ...]:
         return (self.key_starts.shape[0], 1)
+
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        return self if len(lead) <= 1 else Starts(self.key_starts.expand(*lead).reshape(-1))
 
     def __repr__(self) -> str:
         return f"starts({self.key_starts.tolist()})"
@@ -328,6 +345,10 @@ class Dense(Mask):
     def batch_shape(self) -> tuple[int, ...]:
         return tuple(self.mask.shape[:-2])
 
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        merged = merge_lead(self.mask, lead)
+        return self if merged is self.mask else Dense(merged)
+
     def __repr__(self) -> str:
         return f"Dense(shape={tuple(self.mask.shape)})"
 
@@ -352,6 +373,10 @@ class And(Mask):
 
     def batch_shape(self) -> tuple[int, ...]:
         return _longer(self.a.batch_shape(), self.b.batch_shape())
+
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        a, b = self.a.merge_lead(lead), self.b.merge_lead(lead)
+        return self if a is self.a and b is self.b else And(a, b)
 
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
@@ -378,8 +403,32 @@ class Or(Mask):
     def batch_shape(self) -> tuple[int, ...]:
         return _longer(self.a.batch_shape(), self.b.batch_shape())
 
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        a, b = self.a.merge_lead(lead), self.b.merge_lead(lead)
+        return self if a is self.a and b is self.b else Or(a, b)
+
     def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"
+
+
+class _MergedLead(Mask):
+    """Any mask whose tiles carry leading dims, with those dims merged into one (``Mask.merge_lead``)."""
+
+    def __init__(self, mask: Mask, lead: tuple[int, ...]):
+        self.mask, self.lead = mask, lead
+
+    def tile(self, t: Tile) -> Tensor:
+        return merge_lead(self.mask.tile(t), self.lead)
+
+    def state(self, t: Tile) -> State:
+        return self.mask.state(t)
+
+    def batch_shape(self) -> tuple[int, ...]:
+        *own, heads = self.mask.batch_shape()
+        return (1 if all(n == 1 for n in own) else math.prod(self.lead), heads)
+
+    def __repr__(self) -> str:
+        return f"{self.mask!r}.merge_lead({self.lead})"
 
 
 def _longer(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

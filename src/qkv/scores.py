@@ -48,6 +48,9 @@ class Score(nn.Module):
     dot_form: bool = False
     #: Short name used in messages and ``qkv.explain``.
     name: str = "score"
+    #: Numbers :meth:`pairwise` builds per logit (the additive score's hidden size): what
+    #: materialising all logits costs, per logit.
+    pair_width: int = 1
 
     def prepare(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Per-position transforms: ``q (..., i, dq) -> qp (..., i, *)``, ``k (..., j, dk) -> kp (..., j, *)``."""
@@ -134,7 +137,7 @@ class Additive(Score):
     ``prepare`` projects every query and key once (O((i + j)·n)); ``pairwise`` builds the
     ``(it, jt, n)`` sum only for one tile. The chunked backend evaluates the same formula in
     cache-sized pieces of that tile, with a hand-written backward
-    (``qkv.backends.additive_tiles``), so its memory does not grow with ``n·i·j``.
+    (``qkv.backends.tiling.additive_tiles``), so its memory does not grow with ``n·i·j``.
     """
 
     name = "concat"
@@ -148,6 +151,7 @@ class Additive(Score):
         self.key_proj = nn.Linear(key_dim, hidden, bias=False)
         self.v = nn.Parameter(torch.empty(hidden))
         nn.init.uniform_(self.v, -1 / math.sqrt(hidden), 1 / math.sqrt(hidden))
+        self.pair_width = hidden  # pairwise builds (it, jt, hidden)
 
     def check(self, q: Tensor, k: Tensor) -> None:
         _last_dim("q", q, self.query_proj.in_features)
@@ -217,7 +221,6 @@ ALIASES = {
     "mlp": "concat",
     "location": "location",
 }
-LEARNED = {"general", "concat", "location"}
 
 
 def make(

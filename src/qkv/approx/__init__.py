@@ -18,8 +18,9 @@ LinearAttention    yes     key padding         yes             implicit ``φφ�
 NystromAttention   no      key padding         yes             ``F̃ Ã⁺ B̃``
 =================  ======  ==================  ==============  =========================
 
-What cannot be honoured raises ``ValueError`` naming the argument. Each module's math lives
-in a pure function beside it (``linformer_attention``, ``lsh_attention``,
+What cannot be honoured raises ``ValueError`` naming the argument; those checks, which open
+every forward call, are written once in their base, :class:`qkv.approx.base.ApproxAttention`.
+Each module's math lives in a pure function beside it (``linformer_attention``, ``lsh_attention``,
 ``favor_attention``, ``linear_attention``, ``nystrom_attention``).
 """
 

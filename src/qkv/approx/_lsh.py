@@ -17,13 +17,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..backends.tiling import flash_cpu
 from ._common import needs_grad
 
 INT16_CODES = 2**15  # window codes (times 4, the largest arithmetic on them) below this are int16
 HASH_ROWS = 1 << 12  # rows per projection block: one (r · Σ f/2, rows) score buffer that stays in cache
-
-_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
 
 def hash_buckets(x: Tensor, rotations: Tensor, factors: tuple[int, ...]) -> Tensor:
     """Angular LSH bucket of each row of ``x (n, d)`` in each round -> ``(r, n)`` long.
@@ -147,13 +145,15 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float)
 
     ``q (s, x, w)``, ``k, v (s, y, w)``, ``bias (s, x, y)``. On CPU this is PyTorch's fused
     flash kernel (which returns the log-sum-exp the rounds are combined with), under
-    autograd with :class:`_FlashChunks`' backward; elsewhere :func:`plain_chunk_attention`.
+    autograd with :class:`_FlashChunks`' backward, where ``backends.tiling.flash_cpu``
+    allows it (CPU tensors, not tracing, the kernel present and checked for this dtype);
+    elsewhere :func:`plain_chunk_attention`.
     """
-    if _flash is not None and q.device.type == "cpu":
+    if flash_cpu.unusable(q) is None:
         if needs_grad(q, k, v):
             out, lse = _FlashChunks.apply(q, k, v, bias, scale)
         else:
-            out, lse = (t[0] for t in _flash(q[None], k[None], v[None], attn_mask=bias[None], scale=scale))
+            out, lse = (t[0] for t in flash_cpu.forward(q[None], k[None], v[None], attn_mask=bias[None], scale=scale))
         return out, lse.to(torch.promote_types(q.dtype, torch.float32))
     return plain_chunk_attention(q, k, v, bias, scale)
 
@@ -171,7 +171,7 @@ class _FlashChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, scale):
-        out, lse = (t[0] for t in _flash(q[None], k[None], v[None], attn_mask=bias[None], scale=scale))
+        out, lse = (t[0] for t in flash_cpu.forward(q[None], k[None], v[None], attn_mask=bias[None], scale=scale))
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.scale = scale
         return out, lse

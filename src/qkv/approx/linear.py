@@ -49,23 +49,20 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from einops import einsum
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._args import positive_int
 from ._common import (
     CHUNK_ELEMENTS,
     GROUPED_MIN_PIXELS,
     Scratch,
-    check_flags,
-    check_qkv,
-    dense_mask,
     grouped_matmul,
     grouped_prefers_onednn,
-    key_padding,
     project_into,
     repeat_kv,
     safe_divide,
 )
+from .base import CAUSAL_INSTEAD, ApproxAttention
 
 
 def elu_feature_map(x: Tensor) -> Tensor:
@@ -353,7 +350,7 @@ def linear_attention(
     return out
 
 
-class LinearAttention(nn.Module):
+class LinearAttention(ApproxAttention):
     """Linear attention (Katharopoulos et al. 2020) as a qkv mechanism; no parameters.
 
     ``forward(q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), *, mask=None, causal=False,
@@ -366,6 +363,9 @@ class LinearAttention(nn.Module):
     There is no ``scale``: the feature map replaces the softmax kernel, and ``elu(x) + 1``
     is not scale-invariant, so a scale would be a different model, not a temperature.
     """
+
+    method = "LinearAttention"
+    mask_hint = CAUSAL_INSTEAD
 
     def __init__(self, *, chunk_size: int = 128):
         super().__init__()
@@ -381,14 +381,7 @@ class LinearAttention(nn.Module):
         causal: bool = False,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        dims = check_qkv(q, k, v)
-        check_flags(causal, return_weights)
-        keep = key_padding(
-            dense_mask(mask, dims, q.device),
-            dims,
-            "LinearAttention",
-            "use causal=True for the causal mask, or exact attention (qkv.attention) for other masks",
-        )
+        _, keep = self.check_call(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
         return linear_attention(
             q, k, v, keep=keep, causal=causal, chunk_size=self.chunk_size, return_weights=return_weights
         )

@@ -50,17 +50,8 @@ from einops import einsum
 from torch import Tensor, nn
 
 from .._args import positive_int
-from ._common import (
-    CHUNK_ELEMENTS,
-    check_flags,
-    check_qkv,
-    check_scale,
-    dense_mask,
-    floor_logits,
-    key_padding,
-    needs_grad,
-    repeat_kv,
-)
+from ._common import CHUNK_ELEMENTS, Dims, check_scale, floor_logits, needs_grad, repeat_kv
+from .base import ApproxAttention
 
 SHARES = ("none", "headwise", "kv")
 
@@ -160,7 +151,7 @@ def _chunked_softmax_attention(q: Tensor, k_proj: Tensor, v_proj: Tensor) -> Ten
     return out.unflatten(0, (b, h))
 
 
-class Linformer(nn.Module):
+class Linformer(ApproxAttention):
     """Linformer attention (Wang et al. 2020) as a qkv mechanism.
 
     ``forward(q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), *, mask=None, causal=False,
@@ -174,6 +165,10 @@ class Linformer(nn.Module):
             sharing is one instance used by every layer).
         scale: logits are ``scale · qᵀ(Ek)``; default ``1/sqrt(d)``.
     """
+
+    method = "Linformer"
+    why_not_causal = "Linformer projects keys along the sequence"
+    mask_hint = "the projection mixes all positions; use exact attention (qkv.attention) for such masks"
 
     def __init__(
         self,
@@ -211,13 +206,14 @@ class Linformer(nn.Module):
         causal: bool = False,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        dims = check_qkv(q, k, v)
-        check_flags(causal, return_weights)
-        if causal:
-            raise ValueError(
-                "causal: Linformer projects keys along the sequence, so it cannot be causal; "
-                "use qkv.approx.Performer or qkv.approx.LinearAttention with causal=True, or exact attention"
-            )
+        dims, keep = self.check_call(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
+        f_full = self.e_proj if self.f_proj is None else self.f_proj
+        e_proj, f_proj = self.e_proj[..., : dims.j], f_full[..., : dims.j]
+        return linformer_attention(
+            q, k, v, e_proj.to(q.dtype), f_proj.to(q.dtype), keep=keep, scale=self.scale, return_weights=return_weights
+        )
+
+    def check_sizes(self, dims: Dims, k: Tensor) -> None:
         if dims.j > self.seq_len:
             raise ValueError(
                 f"k: Linformer(seq_len={self.seq_len}) projects at most {self.seq_len} keys, "
@@ -227,17 +223,6 @@ class Linformer(nn.Module):
             raise ValueError(
                 f"q: Linformer(heads={self.heads}, share='none') has projections for {self.heads} heads, got h={dims.h}"
             )
-        keep = key_padding(
-            dense_mask(mask, dims, q.device),
-            dims,
-            "Linformer",
-            "the projection mixes all positions; use exact attention (qkv.attention) for such masks",
-        )
-        f_full = self.e_proj if self.f_proj is None else self.f_proj
-        e_proj, f_proj = self.e_proj[..., : dims.j], f_full[..., : dims.j]
-        return linformer_attention(
-            q, k, v, e_proj.to(q.dtype), f_proj.to(q.dtype), keep=keep, scale=self.scale, return_weights=return_weights
-        )
 
     def extra_repr(self) -> str:
         return f"seq_len={self.seq_len}, k={self.k}, heads={self.heads}, share={self.share!r}"

@@ -52,15 +52,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._args import positive_int
-from ._common import (
-    check_flags,
-    check_qkv,
-    check_scale,
-    dense_mask,
-    key_padding,
-    masked_softmax,
-    repeat_kv,
-)
+from ._common import check_scale, masked_softmax, repeat_kv
+from .base import ApproxAttention
 
 
 def segment_ids(n: int, m: int, device: torch.device | None = None) -> Tensor:
@@ -188,7 +181,7 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int, pinv_iteratio
     return F.scaled_dot_product_attention(q, k_marks, values, scale=scale)
 
 
-class NystromAttention(nn.Module):
+class NystromAttention(ApproxAttention):
     """Nyström attention (Xiong et al. 2021) as a qkv mechanism.
 
     ``forward(q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), *, mask=None, causal=False,
@@ -202,6 +195,10 @@ class NystromAttention(nn.Module):
             (the paper's skip connection); None (default) leaves it out.
         heads: ``h``, required with ``conv_kernel`` (one filter per head).
     """
+
+    method = "NystromAttention"
+    why_not_causal = "Nyström landmarks average over the whole sequence"
+    mask_hint = "landmarks mix all positions; use exact attention (qkv.attention) for such masks"
 
     def __init__(
         self,
@@ -238,19 +235,9 @@ class NystromAttention(nn.Module):
         causal: bool = False,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        dims = check_qkv(q, k, v)
-        check_flags(causal, return_weights)
-        if causal:
-            raise ValueError(
-                "causal: Nyström landmarks average over the whole sequence, so it cannot be causal; "
-                "use qkv.approx.Performer or qkv.approx.LinearAttention with causal=True, or exact attention"
-            )
-        keep = key_padding(
-            dense_mask(mask, dims, q.device),
-            dims,
-            "NystromAttention",
-            "landmarks mix all positions; use exact attention (qkv.attention) for such masks",
-        )
+        dims, keep = self.check_call(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
+        # Checked here, after the mask, rather than in check_sizes: a call with a bad mask and
+        # a bad size for the convolution keeps getting the mask's error, as it always has.
         if self.conv is not None:
             if dims.h != self.heads:
                 raise ValueError(

@@ -61,22 +61,11 @@ import math
 
 import torch
 from einops import einsum
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._args import positive_int
-from ._common import (
-    Scratch,
-    check_flags,
-    check_interval,
-    check_qkv,
-    check_scale,
-    dense_mask,
-    key_padding,
-    make_generator,
-    needs_grad,
-    project_into,
-    repeat_kv,
-)
+from ._common import Dims, Scratch, check_interval, check_scale, make_generator, needs_grad, project_into, repeat_kv
+from .base import CAUSAL_INSTEAD, ApproxAttention
 from .linear import grouped_keep, kernel_attention, kernel_attention_weights, streamed_kernel_attention
 
 
@@ -212,7 +201,7 @@ def _favor_streamed(q: Tensor, k: Tensor, v: Tensor, projection: Tensor, root: f
     return streamed_kernel_attention(q, v, query_features, key_features, m, keep=keep, scratch=scratch)
 
 
-class Performer(nn.Module):
+class Performer(ApproxAttention):
     """FAVOR+ attention (Choromanski et al. 2021) as a qkv mechanism.
 
     ``forward(q (b, h, i, d), k (b, g, j, d), v (b, g, j, e), *, mask=None, causal=False,
@@ -230,6 +219,9 @@ class Performer(nn.Module):
         seed, generator: the random stream of the features (one of them, or neither to seed
             from torch's global RNG).
     """
+
+    method = "Performer"
+    mask_hint = CAUSAL_INSTEAD
 
     def __init__(
         self,
@@ -274,16 +266,7 @@ class Performer(nn.Module):
         causal: bool = False,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        dims = check_qkv(q, k, v)
-        check_flags(causal, return_weights)
-        if dims.d != self.dim_head:
-            raise ValueError(f"q: Performer(dim_head={self.dim_head}) expects d={self.dim_head}, got d={dims.d}")
-        keep = key_padding(
-            dense_mask(mask, dims, q.device),
-            dims,
-            "Performer",
-            "use causal=True for the causal mask, or exact attention (qkv.attention) for other masks",
-        )
+        _, keep = self.check_call(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
         if self.training and self.redraw_interval is not None:
             self._steps += 1
             if self._steps % self.redraw_interval == 0:
@@ -299,6 +282,10 @@ class Performer(nn.Module):
             chunk_size=self.chunk_size,
             return_weights=return_weights,
         )
+
+    def check_sizes(self, dims: Dims, k: Tensor) -> None:
+        if dims.d != self.dim_head:
+            raise ValueError(f"q: Performer(dim_head={self.dim_head}) expects d={self.dim_head}, got d={dims.d}")
 
     def extra_repr(self) -> str:
         return (

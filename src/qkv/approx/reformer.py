@@ -69,22 +69,13 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from .._args import positive_int
-from ._common import (
-    Scratch,
-    check_flags,
-    check_interval,
-    check_qkv,
-    check_scale,
-    dense_mask,
-    make_generator,
-    needs_grad,
-    repeat_kv,
-)
+from ._common import Dims, Scratch, check_interval, check_scale, make_generator, needs_grad, repeat_kv
 from ._lsh import combine_rounds, dense_weights, hash_buckets, interval_bounds, sort_buckets, window_codes
 from ._lsh_round import RoundSetup, attend_round
+from .base import ApproxAttention
 
 BLOCK_ROWS = 1 << 14  # sorted positions per block of (b, h) rows: a block's buffers stay ~50 MB at d = e = 64
 SLAB = 1 << 21  # logits per slab of chunks: one mask of 8 MB (float32), one attention call
@@ -246,7 +237,7 @@ def _sorted_rows(source: Tensor, pick: Tensor, size: int, m: int, n: int, length
     return rows
 
 
-class LSHAttention(nn.Module):
+class LSHAttention(ApproxAttention):
     """Reformer LSH attention (Kitaev et al. 2020) as a qkv mechanism; keys are the queries.
 
     ``forward(q (b, h, i, d), k (b, g, i, d), v (b, g, i, e), *, mask=None, causal=False,
@@ -265,6 +256,9 @@ class LSHAttention(nn.Module):
             (1, the default, is the paper's fresh hash per step); None never redraws on its own.
         seed, generator: the random stream of the rotations.
     """
+
+    # Causal, and any bool mask is honoured (see honoured_mask), so no mask_hint.
+    method = "LSHAttention"
 
     def __init__(
         self,
@@ -308,16 +302,7 @@ class LSHAttention(nn.Module):
         causal: bool = False,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        dims = check_qkv(q, k, v)
-        check_flags(causal, return_weights)
-        if dims.d != self.dim_head:
-            raise ValueError(f"q: LSHAttention(dim_head={self.dim_head}) expects d={self.dim_head}, got d={dims.d}")
-        if dims.j != dims.i:
-            raise ValueError(
-                f"k: LSHAttention uses the queries as keys (shared QK), so it needs j == i={dims.i}, "
-                f"got j={dims.j} (shape {tuple(k.shape)}); use exact attention for cross-attention"
-            )
-        mask = dense_mask(mask, dims, q.device)
+        dims, mask = self.check_call(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
         if self.training and self.redraw_interval is not None:
             self._steps += 1
             if self._steps % self.redraw_interval == 0:
@@ -333,6 +318,19 @@ class LSHAttention(nn.Module):
             scale=self.scale,
             return_weights=return_weights,
         )
+
+    def check_sizes(self, dims: Dims, k: Tensor) -> None:
+        if dims.d != self.dim_head:
+            raise ValueError(f"q: LSHAttention(dim_head={self.dim_head}) expects d={self.dim_head}, got d={dims.d}")
+        if dims.j != dims.i:
+            raise ValueError(
+                f"k: LSHAttention uses the queries as keys (shared QK), so it needs j == i={dims.i}, "
+                f"got j={dims.j} (shape {tuple(k.shape)}); use exact attention for cross-attention"
+            )
+
+    def honoured_mask(self, mask: Tensor | None, dims: Dims) -> Tensor | None:
+        """Any bool mask, dense ``(b|1, h|1, i|1, i)``: the chunks read its entries pair by pair."""
+        return mask
 
     def extra_repr(self) -> str:
         return (

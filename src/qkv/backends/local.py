@@ -25,17 +25,16 @@ from torch import Tensor
 
 from ..masks import And, Dense, Lengths, Mask, Or, Tile, Window
 from ..positional import LazyBias
-from . import kernels
-from .chunked import same_head_size
-from .fused_blocks import grouped_backward, mask_dtype
-from .request import Request
-from .tiles import NEG_INF, BiasSource, as_heads, shift_invariant
+from .request import Request, bias_needs_grad
+from .tiling import flash_cpu
+from .tiling.flash_cpu import grouped_backward, mask_dtype, same_head_size
+from .tiling.tiles import NEG_INF, BiasSource, as_heads, shift_invariant
 
 name = "local"
 selects_weights = False
 
-# the private fused CPU kernel: supports() takes a call only where kernels.unusable allows
-_forward = kernels.forward
+# the private fused CPU kernel: supports() takes a call only where flash_cpu.unusable allows
+_forward = flash_cpu.forward
 
 
 def find_window(mask: Mask | None) -> Window | None:
@@ -68,7 +67,7 @@ def supports(req: Request) -> str | None:
     window = find_window(req.mask)
     if window is None:
         return "the mask has no bounded sliding window"
-    if (reason := kernels.unusable(req.q)) is not None:
+    if (reason := flash_cpu.unusable(req.q)) is not None:
         return reason
     if not _lazy_only(req.mask):
         return "a dense mask is combined with the window"
@@ -80,22 +79,12 @@ def supports(req: Request) -> str | None:
         return "it has no sinks"
     if req.score_mod is not None:
         return "a score_mod needs each tile's logits, which the fused kernel never exposes"
-    if req.q.dim() != 4:
-        return "it needs (b, h, i, d) inputs"
-    if req.bias is not None and _trainable(req.bias):
+    if bias_needs_grad(req):
         return "the fused kernel cannot differentiate a learned bias"
     span = block_size(window) + window.left + window.right
     if 2 * span > req.j or span > req.i:
         return f"the window (block + left + right = {span} keys) covers most of the i={req.i}, j={req.j} positions"
     return None
-
-
-def _trainable(bias) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    if isinstance(bias, Tensor):
-        return bias.requires_grad
-    return any(p.requires_grad for p in bias.parameters())
 
 
 class _Kernel(torch.autograd.Function):

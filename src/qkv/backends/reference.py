@@ -1,11 +1,11 @@
 """The reference backend: the seed texts' equations, materialised and literal.
 
-Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query
 length, ``j`` key length, ``d`` query/key size, ``e`` value size.
 
-    e_ij  = mod(scale · score(q_i, k_j) + bias_ij)     (logits, (..., h, i, j); mod = score_mod or identity)
+    e_ij  = mod(scale · score(q_i, k_j) + bias_ij)     (logits, (b, h, i, j); mod = score_mod or identity)
     α_ij  = exp(e_ij) / Σ_k exp(e_ik)  over allowed k   (weights; + exp(sink_h) in the sum with sinks)
-    out_i = Σ_j α_ij v_j                                 ((..., h, i, e))
+    out_i = Σ_j α_ij v_j                                 ((b, h, i, e))
 
 Masked logits are filled with ``finfo.min`` (not -inf, which turns a fully masked row into
 NaN); such rows are then multiplied by zero, so their output, weights and gradients are 0.
@@ -30,7 +30,7 @@ def supports(req: Request) -> str | None:
 
 
 def logits(req: Request) -> tuple[Tensor, Tensor | None]:
-    """The masked logits ``(..., h, i, j)`` (float32 or wider) and the dense mask (None if unmasked)."""
+    """The masked logits ``(b, h, i, j)`` (float32 or wider) and the dense mask (None if unmasked)."""
     qp, kp = req.score.prepare(req.q, req.k)
     if qp.dtype in (torch.float16, torch.bfloat16):
         # Half-precision logits lose too much before the softmax: combine the prepared q and k
@@ -41,8 +41,6 @@ def logits(req: Request) -> tuple[Tensor, Tensor | None]:
     e = req.scale * req.score.pairwise(qp, kp, tile)
     if req.bias is not None:
         bias = req.bias if isinstance(req.bias, Tensor) else req.bias.dense(req.i, req.j, e.device)
-        if not isinstance(req.bias, Tensor) and req.q.dim() == 2:
-            bias = bias[0]  # a lazy bias is (1, i, j); inputs without a head axis have (i, j) logits
         e = e + bias.to(e.dtype)
     if req.score_mod is not None:
         e = score_mods.apply(req.score_mod, e, tile)
@@ -54,14 +52,14 @@ def logits(req: Request) -> tuple[Tensor, Tensor | None]:
 
 
 def weights(req: Request) -> Tensor:
-    """Attention weights ``(..., h, i, j)`` before dropout; rows with no allowed key are zero.
+    """Attention weights ``(b, h, i, j)`` before dropout; rows with no allowed key are zero.
 
     With sinks, each row's softmax runs over one more logit, ``sinks_h``, whose weight is
     then dropped (a sink has no value): the row's weights sum to less than 1.
     """
     e, allowed = logits(req)
     if req.sinks is not None:
-        column = req.sinks.to(e.dtype).reshape(-1, 1, 1) if e.dim() >= 3 else req.sinks.to(e.dtype).reshape(1, 1)
+        column = req.sinks.to(e.dtype).reshape(-1, 1, 1)
         e = torch.cat((e, column.expand(*e.shape[:-1], 1)), dim=-1)
     w = torch.softmax(e, dim=-1)
     if req.sinks is not None:

@@ -1,6 +1,6 @@
 """PyTorch's fused kernel, ``F.scaled_dot_product_attention``, for the dot family of scores.
 
-Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query
 length, ``j`` key length, ``d`` query/key size, ``e`` value size.
 
 A dot-form score (dot, scaled dot, bilinear) is ``scale · qp kpᵀ`` after its ``prepare``
@@ -24,7 +24,7 @@ from torch import Tensor
 from .._trace import concrete, tracing
 from ..masks import Offsets, Tile
 from .request import Request
-from .tiles import offset_live_rows
+from .tiling.tiles import NEG_INF, offset_live_rows
 
 name = "sdpa"
 selects_weights = False
@@ -36,12 +36,10 @@ def supports(req: Request) -> str | None:
     if req.return_weights:
         return "the fused kernel does not return weights"
     if req.bias is not None and not isinstance(req.bias, Tensor) and not tracing():
-        # while tracing, the bias is materialised: public ops only (see backends.kernels)
+        # while tracing, the bias is materialised: public ops only (see backends.tiling.flash_cpu)
         return "a lazy bias would be materialised as an (h, i, j) tensor"
     if req.dropout > 0 and req.generator is not None:
         return "the fused kernel's dropout cannot take a generator"
-    if req.q.dim() < 3:
-        return "the fused kernel needs a head dimension"
     if req.sinks is not None:
         return "sinks need each row's log-sum-exp, which the kernel does not return"
     if req.score_mod is not None:
@@ -100,7 +98,7 @@ def _mask(req: Request) -> tuple[Tensor | None, bool, Tensor | None]:
     bias = req.bias if isinstance(req.bias, Tensor) else req.bias.tile(tile)
     bias = bias.to(torch.promote_types(req.q.dtype, torch.float32))  # half-precision calls add a float32 bias
     if allowed is not None:
-        bias = bias.masked_fill(~allowed, torch.finfo(bias.dtype).min)
+        bias = bias.masked_fill(~allowed, NEG_INF)  # no row is all -inf: dead rows were given every key
     return bias, False, live_rows
 
 

@@ -63,7 +63,7 @@ def _flex(bias, i: int):
     """``flex_attention`` compiled, with the bias as a score_mod reading an ``(h, 2i - 1)`` table by offset."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    with torch.no_grad():  # offsets -(i-1) .. i-1 along one row (see qkv.backends.tiles)
+    with torch.no_grad():  # offsets -(i-1) .. i-1 along one row (see qkv.backends.tiling.tiles)
         table = bias.tile(Tile(0, 1, 0, 2 * i - 1, 1, i))[:, 0, :].float()  # ALiBi's tiles are float64
 
     def score_mod(score, b, h, q_idx, kv_idx):

@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..backends import mod_tiles, workers
+from ..backends.engines import mod_tiles
+from ..backends.tiling import threads
 from ..functional import attention
 from ..masks import Tile
 from ..score_mods import SoftCap, indices
@@ -92,7 +93,7 @@ def _materialised(q, k, v, mod):
 
 
 def _floor(q, k, v, cot, grad: bool):
-    """The engine's tile matmuls alone, run as its tiles are (``backends.workers``): the floor of the loop.
+    """The engine's tile matmuls alone, run as its tiles are (``backends.tiling.threads``): the floor of the loop.
 
     Forward: per block of query rows, ``S = Q Kᵀ`` and ``S V`` on each causal tile; backward:
     per block of keys, ``S`` again, ``dV += Sᵀ dO``, ``dP = dO Vᵀ``, ``dQ += dP K``, ``dK += dPᵀ Q``.
@@ -121,10 +122,10 @@ def _floor(q, k, v, cot, grad: bool):
 
     work = q3.shape[0] * i * i // 2
     starts = list(range(0, i, rows))
-    workers.run(starts, [work / len(starts)] * len(starts), forward, lambda: None)
+    threads.run(starts, [work / len(starts)] * len(starts), forward, lambda: None)
     if grad:
         starts = list(range(0, i, cols))
-        workers.run(starts, [work / len(starts)] * len(starts), backward, lambda: torch.zeros_like(q3))
+        threads.run(starts, [work / len(starts)] * len(starts), backward, lambda: torch.zeros_like(q3))
 
 
 def build(spec: dict) -> Callable[[], object]:

@@ -1,4 +1,4 @@
-"""The blocks one rank computes: its query pieces against one key piece, through ``backends.partial``.
+"""The blocks one rank computes: its query pieces against one key piece, through ``backends.engines.key_blocks``.
 
 Shape legend: ``b`` batch, ``h`` query heads (this rank's), ``g`` KV heads, ``d`` prepared
 query/key size, ``e`` value size, ``S·c`` a rank's padded rows (``S`` slots of ``c``);
@@ -13,10 +13,10 @@ query piece. Every rank cuts every rank's slots the same way (:class:`Pieces`), 
 ends of a transfer agree on it.
 
 A block is a query piece against a key piece at global positions (``framing.Block``): a
-block the mask leaves empty is skipped; the others run ``partial.forward`` with the mask
+block the mask leaves empty is skipped; the others run ``key_blocks.forward`` with the mask
 and bias framed, and merge into the rows' running ``(out, lse)`` in place (in float32 or
 wider; a row that has seen no key yet has ``lse = -inf`` and takes the new block's values,
-never NaN). The backward runs ``partial.backward`` on the same blocks with the rows' final
+never NaN). The backward runs ``key_blocks.backward`` on the same blocks with the rows' final
 ``(out, lse)``.
 """
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..backends import partial
-from ..backends.dropout import Origin
+from ..backends.engines import key_blocks
+from ..backends.tiling.dropout import Origin
 from ..backends.request import Request
 from .framing import Block, block_slice, frame_bias, frame_mask, frame_score_mod, mask_state
 
@@ -130,7 +130,7 @@ class Work:
         for a, c, block in self.blocks(q, k, key):
             rows, cols = q.rows(a), _cols(k, c, key)
             preq = self.request(block, qp[..., rows, :], kp[..., cols, :], v[..., cols, :], dense)
-            o, m = partial.forward(preq, self.seed, self.origin(block))
+            o, m = key_blocks.forward(preq, self.seed, self.origin(block))
             merge_into(out[..., rows, :], lse[..., rows], o, m)
             computed["elements"] += block.it * block.jt
 
@@ -141,7 +141,7 @@ class Work:
         for a, c, block in self.blocks(q, k, key):
             rows, cols = q.rows(a), _cols(k, c, key)
             preq = self.request(block, qp[..., rows, :], kp[..., cols, :], v[..., cols, :], dense)
-            grads = partial.backward(
+            grads = key_blocks.backward(
                 preq, out[..., rows, :], lse[..., rows], d_out[..., rows, :], self.seed, self.origin(block)
             )
             dq[..., rows, :] += grads.q

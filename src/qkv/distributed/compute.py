@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..backends import partial
+from ..backends.engines import key_blocks
 from ..functional import attention
 from .blocks import Work
 from .comm import Group
@@ -47,7 +47,7 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, call, *, r0: int = 0, c0: int =
 
 def _placed(q: Tensor, k: Tensor, v: Tensor, call, block: Block, heads: tuple[int, int] | None,
             sinks: Tensor | None) -> Tensor:  # fmt: skip
-    """The block through ``backends.partial``, which places its dropout mask at the block's origin.
+    """The block through ``backends.engines.key_blocks``, which places its dropout mask at the block's origin.
 
     A ring of one rank: the same forward and backward as the ring strategy, no messages.
     """
@@ -58,4 +58,4 @@ def _placed(q: Tensor, k: Tensor, v: Tensor, call, block: Block, heads: tuple[in
     plan = plan_for(Group(None, 1, 0), work, [((block.r0, block.it),)], [((block.c0, block.jt),)], block.it, block.jt,
                     per_row)  # fmt: skip
     dense = req.bias if isinstance(req.bias, Tensor) else None
-    return attend(qp, kp, v, dense, plan, partial.parameters(req), sinks)
+    return attend(qp, kp, v, dense, plan, key_blocks.parameters(req), sinks)

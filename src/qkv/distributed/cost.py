@@ -8,7 +8,7 @@ Two fitted ingredients, both measured on the machine at hand:
 * a link: sending ``m`` bytes between two ranks takes ``α + m·β`` (Hockney's model), fitted by
   least squares to a gloo ping-pong over message sizes (:func:`fit_link`);
 * compute: one block of attention, forward and backward as the ring runs it
-  (``backends.partial`` and the merge and gradient bookkeeping around it), takes
+  (``backends.engines.key_blocks`` and the merge and gradient bookkeeping around it), takes
   ``c0 + γ·pairs·h·(d + e)`` seconds on one thread, fitted on blocks of a few sizes
   (:func:`fit_compute`). A rank with ``t`` cores is ``t`` times faster (the kernels are
   data-parallel; measured speed-ups on 2 cores are close to 2).
@@ -221,7 +221,7 @@ def fit_compute(sides: tuple[int, ...] = (128, 256, 512), h: int = 8, d: int = 6
     """``c0``, ``γ`` of one block's forward + backward as the ring runs it, on one thread.
 
     A block is timed through the ring's own per-block code (``blocks.Work``): the framed
-    request, ``backends.partial``'s kernels, the merge into the running ``(out, lse)`` and
+    request, ``backends.engines.key_blocks``'s kernels, the merge into the running ``(out, lse)`` and
     the gradients added into ``dq``, ``dk``, ``dv``; the bookkeeping is most of ``c0``.
     """
     from .. import checks
@@ -258,17 +258,17 @@ def _probe(rank: int, world: int, seconds: float) -> float:
     import torch.distributed as dist
 
     from .. import checks
-    from ..backends import partial
+    from ..backends.engines import key_blocks
 
     q, k, v = (torch.randn(1, 8, 256, 64) for _ in range(3))
-    req = partial.prepare(checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
+    req = key_blocks.prepare(checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
                                          scale=None, dropout=0.0, return_weights=False))  # fmt: skip
     dist.barrier()
     times, end = [], time.perf_counter() + seconds
     while time.perf_counter() < end or len(times) < 3:
         start = time.perf_counter()
-        out, lse = partial.forward(req)
-        partial.backward(req, out, lse, torch.ones_like(out))
+        out, lse = key_blocks.forward(req)
+        key_blocks.backward(req, out, lse, torch.ones_like(out))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

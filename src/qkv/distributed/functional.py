@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import checks
 from .._args import probability
-from ..backends import dropout as drop
+from ..backends.tiling import dropout as drop
 from ..backends.request import Request
 from ..masks import Mask
 from ..positional import LazyBias

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends import partial
+from ..backends.engines import key_blocks
 from ..backends.request import repeat_kv
 from .blocks import Work
 from .comm import Group, all_gather_ints, all_to_all, attach, resolve
@@ -109,7 +109,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, call, *, ring_group=None, ulysses_group
                     lay_q.side, lay_k.side, per_row)  # fmt: skip
     dense = req.bias if isinstance(req.bias, Tensor) else None
     sinks = None if req.sinks is None else req.sinks[heads[0] : heads[1]]
-    out = attend(qh, kvh[..., :d], kvh[..., d:], dense, plan, partial.parameters(req), sinks)
+    out = attend(qh, kvh[..., :d], kvh[..., d:], dense, plan, key_blocks.parameters(req), sinks)
     out = out if out.requires_grad else attach(out, qh, kvh)
     # back: (b, h/U, U·S·c, e) -> (U, b, h/U, S·c, e) -> all-to-all -> (b, h, S·c, e)
     back = all_to_all(out.unflatten(-2, (uly.size, -1)).movedim(-3, 0), uly, "a2a")

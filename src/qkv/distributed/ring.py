@@ -6,13 +6,13 @@ Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``d`` prepared que
 Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers for
 Near-Infinite Context"): at step ``s = 0 .. P-1`` rank ``r`` holds the keys and values of
 rank ``r - s`` and attends its queries to them; the per-step outputs merge by their
-log-sum-exp (``backends.partial.merge``), so the result is the exact softmax over all keys.
+log-sum-exp (``backends.engines.key_blocks.merge``), so the result is the exact softmax over all keys.
 The next step's K/V are posted before this step's blocks are computed, so transfer and
 compute overlap. The backward walks the same steps with the saved final ``(out, lse)``
-(FlashAttention-2's backward needs nothing else, ``partial.backward``): ``dq`` stays, the
+(FlashAttention-2's backward needs nothing else, ``key_blocks.backward``): ``dq`` stays, the
 ``dk, dv`` of a visiting block travel back to the rank that owns it. The forward is not
 rerun. Attention sinks (``sinks (h,)``, GPT-OSS) join each row's denominator once, after
-the last block (``partial.with_sinks``).
+the last block (``key_blocks.with_sinks``).
 
 Each step's K/V are sent straight from their owner rank (``r - s -> r``), not forwarded
 hop by hop; the schedule of blocks is ring attention's, and the bytes per step the same
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..backends import partial
+from ..backends.engines import key_blocks
 from ..backends.request import Request
 from .blocks import Pieces, Work, piece_rows
 from .comm import Exchange, Group
@@ -119,7 +119,7 @@ class RingAttention(torch.autograd.Function):
                              dense, out, lse)  # fmt: skip
             pending, buf = following, None
         if sinks is not None:  # each row's denominator gains exp(sink) once, after every block
-            out, lse = partial.with_sinks(out, lse, sinks.detach())
+            out, lse = key_blocks.with_sinks(out, lse, sinks.detach())
         ctx.plan = plan
         ctx.save_for_backward(qp, kp, v, dense, sinks, out, lse, *params)
         return out.to(v.dtype)
@@ -226,5 +226,5 @@ def run(q: Tensor, k: Tensor, v: Tensor, call) -> Tensor:
                     lay_q.side, lay_k.side, per_row)  # fmt: skip
     dense = req.bias if isinstance(req.bias, Tensor) else None
     out = attend(lay_q.pad(qp, -2, grp.rank), lay_k.pad(kp, -2, grp.rank), lay_k.pad(v, -2, grp.rank), dense,
-                 plan, partial.parameters(req), req.sinks)  # fmt: skip
+                 plan, key_blocks.parameters(req), req.sinks)  # fmt: skip
     return lay_q.unpad(out, -2, grp.rank)

@@ -36,9 +36,10 @@ Options, as transformers passes them:
   ``attention_mask`` of 0 and the dtype's minimum (eager's) is read as the bool mask it is;
 * GQA (``g < h``) and ``d != e`` (DeepSeek's multi-head latent attention) are native;
 * ``output_attentions`` (the call's, else the model config's) → ``return_weights=True``;
-  transformers keeps every weight, so up to :data:`MATERIALISE_ELEMENTS` logits a layer
-  materialises them once (one softmax, then ``weights @ v``) rather than run the fused
-  kernel and rebuild them (see :func:`_backend`).
+  transformers keeps every weight, so qkv's dispatcher materialises a layer's logits once
+  (one softmax, then ``weights @ v``) up to ``qkv.backends.MATERIALISE_ELEMENTS`` of them,
+  rather than run a fused engine and rebuild the weights; the integration itself never
+  picks a backend.
 * ``weights_for={"heads": ..., "rows": ...}``, a keyword of the model's forward call that
   transformers hands down to every layer (as it does ``position_ids``), with
   ``output_attentions``: the layer returns only those weights, ``(b, len(heads),
@@ -86,11 +87,6 @@ IGNORED = frozenset(
         "token_type_ids",
     }
 )
-
-
-#: Largest ``b·h·i·j`` for which the weights of ``output_attentions`` are computed by
-#: materialising the logits (float32: 256 MiB of logits beside the weights returned).
-MATERIALISE_ELEMENTS = 2**26
 
 
 def register(name: str = NAME) -> None:
@@ -162,28 +158,10 @@ def attention_forward(
     result = attention(
         query, key, value, mask=mask, bias=bias, scale=scaling, dropout=float(dropout),
         return_weights=weights_wanted, weights_for=weights_for,
-        backend=_backend(query, key, weights_wanted, weights_for), sinks=s_aux, score_mod=score_mod,
+        sinks=s_aux, score_mod=score_mod,
     )  # fmt: skip
     out, weights = result if weights_wanted else (result, None)
     return out.transpose(1, 2).contiguous(), weights
-
-
-def _backend(query: Tensor, key: Tensor, weights_wanted: bool, weights_for: dict | None = None) -> str:
-    """``"reference"`` when every weight is returned and the logits fit :data:`MATERIALISE_ELEMENTS`, else ``"auto"``.
-
-    With ``output_attentions`` transformers keeps every ``(b, h, i, j)`` weight, so that
-    tensor exists whatever runs. Materialising the logits once (one softmax, then
-    ``weights @ v``) is then the fastest way: ``auto`` would run the fused kernel and
-    rebuild the weights from its log-sum-exp, computing ``q·k`` twice (measured about 2x
-    the time of eager attention for MiniLM's layers at 512 tokens, against about 1.1x for
-    materialising). Above the budget the fused path is kept, as it never holds a second
-    ``(b, h, i, j)`` tensor. With ``weights_for`` only some weights are kept, so ``auto``
-    it is: it runs the chunked backend, which rebuilds just those from the log-sum-exp.
-    """
-    if not weights_wanted or weights_for is not None:
-        return "auto"
-    logits = query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2]
-    return "reference" if logits <= MATERIALISE_ELEMENTS else "auto"
 
 
 def _check_keywords(kwargs: dict) -> None:

@@ -1,6 +1,6 @@
 """Sigmoid attention: an elementwise sigmoid instead of the row softmax, with a bias of −log n.
 
-Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``r = h/g``
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``r = h/g``
 query heads per KV head, ``i`` query length, ``j`` key length, ``d`` query/key size, ``e``
 value size; ``it``/``jt`` the sides of a tile.
 
@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from .. import checks
 from ..backends.request import Request
-from ..backends.tiles import NEG_INF, BiasSource, dense_tile
+from ..backends.tiling.tiles import NEG_INF, BiasSource, dense_tile, grouped, live_tiles, sum_to
 from ..masks import Mask, Tile
 from ..positional import LazyBias
 
@@ -86,38 +86,24 @@ def sigmoid_attention(
         raise ValueError(f"logit_bias: expected a finite float or None (−log of the key length), got {logit_bias!r}")
     else:
         offset = float(logit_bias)
-    no_heads = q.dim() == 2
-    if no_heads:  # (i, d) -> (1, i, d): heads are indexed at dim -3
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    q, k, v = req.q, req.k, req.v  # (b, h, i, d): the one layout (qkv._layout)
     lazy = req.bias if isinstance(req.bias, LazyBias) else None
     dense = req.bias if isinstance(req.bias, Tensor) else None
     block_i, block_j = _blocks(req)
     plan = _Plan(req.mask, lazy, req.scale, offset, block_i, block_j)
     params = [] if lazy is None else list(lazy.parameters())
-    out = SigmoidTiles.apply(plan, q, k, v, dense, *params)
-    weights = _weights(plan, q, k, dense) if return_weights else None
-    if no_heads:
-        out = out.squeeze(0)
-        weights = None if weights is None else weights.squeeze(0)
-    return (out, weights) if return_weights else out
+    out = req.restore(SigmoidTiles.apply(plan, q, k, v, dense, *params))
+    if not return_weights:
+        return out
+    return out, req.restore(_weights(plan, q, k, dense))
 
 
 def _blocks(req: Request) -> tuple[int, int]:
-    rows = math.prod(req.q.shape[:-2]) if req.q.dim() > 2 else 1  # batch x heads
+    rows = req.q.shape[0] * req.q.shape[1]  # batch x heads
     budget = max(256, TILE_ELEMENTS // rows)
     block_j = min(max(req.j, 1), 1024, max(16, int(math.sqrt(budget))))
     block_i = min(max(req.i, 1), max(16, budget // block_j))
     return block_i, block_j
-
-
-def _tiles(plan: _Plan, i_len: int, j_len: int, device):
-    """``(tile, state)`` of every tile the mask does not report empty, query tiles outermost."""
-    for i0 in range(0, i_len, plan.block_i):
-        for j0 in range(0, j_len, plan.block_j):
-            t = Tile(i0, min(i0 + plan.block_i, i_len), j0, min(j0 + plan.block_j, j_len), i_len, j_len, device)
-            state = "full" if plan.mask is None else plan.mask.state(t)
-            if state != "empty":
-                yield t, state
 
 
 def _logits(plan: _Plan, q5: Tensor, k5: Tensor, bias: BiasSource, dense: Tensor | None, t: Tile, state: str):
@@ -135,12 +121,6 @@ def _logits(plan: _Plan, q5: Tensor, k5: Tensor, bias: BiasSource, dense: Tensor
     return s
 
 
-def _split(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(..., h, i, d) -> (..., g, r, i, d)``; keys and values get a size-1 ``r`` axis."""
-    g = k.shape[-3]
-    return q.unflatten(-3, (g, q.shape[-3] // g)), k.unsqueeze(-3), v.unsqueeze(-3)
-
-
 class SigmoidTiles(torch.autograd.Function):
     """``(plan, q, k, v, dense_bias, *lazy_bias_params) -> out``; see the module docstring."""
 
@@ -149,11 +129,11 @@ class SigmoidTiles(torch.autograd.Function):
         i_len, j_len = q.shape[-2], k.shape[-2]
         acc = torch.promote_types(v.dtype, torch.float32)
         out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=v.device)
-        q5, k5, v5 = _split(q, k, v)
+        q5, k5, v5 = grouped(q, k, v)
         bias = BiasSource(plan.lazy, i_len, j_len, q.device)
         g = k.shape[-3]
         with torch.no_grad():
-            for t, state in _tiles(plan, i_len, j_len, q.device):
+            for t, state in live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, q.device):
                 p = torch.sigmoid(_logits(plan, q5, k5, bias, dense, t, state))
                 pv = p.to(v.dtype).unflatten(-3, (g, -1)) @ v5[..., t.j0 : t.j1, :]
                 out[..., t.i0 : t.i1, :] += pv.flatten(-4, -3)
@@ -168,7 +148,7 @@ class SigmoidTiles(torch.autograd.Function):
         i_len, j_len, g = q.shape[-2], k.shape[-2], k.shape[-3]
         acc = torch.promote_types(v.dtype, torch.float32)
         d_out5 = d_out.to(acc).unflatten(-3, (g, -1))  # (..., g, r, i, e)
-        q5, k5, v5 = _split(q, k, v)
+        q5, k5, v5 = grouped(q, k, v)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -179,7 +159,7 @@ class SigmoidTiles(torch.autograd.Function):
         # shift-invariant biases (T5 buckets) take their gradient through one (h, L) profile
         leaves = [bias.profile] if bias.profile_graph is not None else trainable
         d_leaves = [torch.zeros_like(x) for x in leaves] if learned else []
-        for t, state in _tiles(plan, i_len, j_len, q.device):
+        for t, state in live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, q.device):
             rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
             with torch.no_grad():
                 p = torch.sigmoid(_logits(plan, q5, k5, bias, dense, t, state))
@@ -192,11 +172,11 @@ class SigmoidTiles(torch.autograd.Function):
             dk[..., cols, :] += torch.einsum("...rij,...rid->...jd", ds5, q5[..., rows, :].to(acc)) * plan.scale
             ds = ds5.flatten(-4, -3)
             if d_dense is not None:
-                dense_tile(d_dense, t).add_(_sum_to(ds, dense_tile(dense, t).shape))
+                dense_tile(d_dense, t).add_(sum_to(ds, dense_tile(dense, t).shape))
             if learned:
                 with torch.enable_grad():
                     tile_bias = bias.tile(t)
-                grads = torch.autograd.grad(tile_bias, leaves, _sum_to(ds, tile_bias.shape).to(tile_bias.dtype),
+                grads = torch.autograd.grad(tile_bias, leaves, sum_to(ds, tile_bias.shape).to(tile_bias.dtype),
                                             allow_unused=True)  # fmt: skip
                 for total, grad in zip(d_leaves, grads):
                     if grad is not None:
@@ -210,22 +190,14 @@ class SigmoidTiles(torch.autograd.Function):
         return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_dense, *grads_params
 
 
-def _sum_to(x: Tensor, shape: torch.Size) -> Tensor:
-    """Sum ``x`` over the dims it was broadcast along, back to ``shape``."""
-    while x.dim() > len(shape):
-        x = x.sum(0)
-    dims = [n for n, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1]
-    return x.sum(dims, keepdim=True) if dims else x
-
-
 @torch.no_grad()
 def _weights(plan: _Plan, q: Tensor, k: Tensor, dense: Tensor | None) -> Tensor:
     """The ``(..., h, i, j)`` weights, built tile by tile (only on request)."""
     i_len, j_len = q.shape[-2], k.shape[-2]
     weights = q.new_zeros((*q.shape[:-1], j_len))
-    q5, k5, _ = _split(q, k, k)
+    q5, k5, _ = grouped(q, k, k)
     bias = BiasSource(plan.lazy, i_len, j_len, q.device)
-    for t, state in _tiles(plan, i_len, j_len, q.device):
+    for t, state in live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, q.device):
         weights[..., t.i0 : t.i1, t.j0 : t.j1] = torch.sigmoid(_logits(plan, q5, k5, bias, dense, t, state)).to(q.dtype)
     return weights
 

@@ -1,4 +1,4 @@
-"""``backends.workers``: tile tasks dealt to threads, each with one intra-op thread.
+"""``backends.tiling.threads``: tile tasks dealt to threads, each with one intra-op thread.
 
 Closed forms of the deal; every task run once; state per thread; the caller's modes and
 thread setting kept; errors raised in the caller.
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from qkv.backends import workers
+from qkv.backends.tiling import threads as workers
 
 
 def test_deal_is_a_balanced_snake():

@@ -12,17 +12,14 @@ float64).
 
 from __future__ import annotations
 
+import functools
 import math
-import time
 
 import torch
 from torch import Tensor
 
-from .._trace import tracing
-
-#: Whether bfloat16 tile products beat float32 ones on this CPU: timed once (:func:`matmul_dtype`).
-_bf16_fast: bool | None = None
-
+from ..._probe import best_times
+from ..._trace import tracing
 
 class Scratch:
     """Tile-sized buffers reused by every tile of a call: a fresh 2 MiB tensor per op costs page faults.
@@ -107,25 +104,20 @@ def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
         return acc
     if device.type != "cpu" or tracing():
         return dtype
-    global _bf16_fast
-    if _bf16_fast is None:
-        _bf16_fast = _bf16_products_faster()
-    return dtype if _bf16_fast else acc
+    return dtype if _bf16_products_faster() else acc
 
 
-def _bf16_products_faster(rounds: int = 3) -> bool:
+@functools.cache
+def _bf16_products_faster() -> bool:
     """Time a tile's two products, ``q kᵀ`` and ``P v`` (256 × 256 tiles, head size 64, 16 heads), both ways."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(16, 256, 64, generator=gen) for _ in range(3))
     p = torch.rand(16, 256, 256, generator=gen)
-    operands = {dtype: [x.to(dtype) for x in (q, k, p, v)] for dtype in (torch.float32, torch.bfloat16)}
-    best = dict.fromkeys(operands, float("inf"))
-    with torch.inference_mode(False), torch.no_grad():
-        for round_ in range(rounds + 1):  # the first round warms up
-            for dtype in operands if round_ % 2 else reversed(list(operands)):
-                q_, k_, p_, v_ = operands[dtype]
-                start = time.perf_counter()
-                torch.bmm(q_, k_.transpose(1, 2)), torch.bmm(p_, v_)
-                if round_:
-                    best[dtype] = min(best[dtype], time.perf_counter() - start)
-    return best[torch.bfloat16] < best[torch.float32]
+
+    def products(dtype: torch.dtype):
+        q_, k_, p_, v_ = (x.to(dtype) for x in (q, k, p, v))
+        return lambda: (torch.bmm(q_, k_.transpose(1, 2)), torch.bmm(p_, v_))
+
+    with torch.no_grad():
+        bf16, f32 = best_times(products(torch.bfloat16), products(torch.float32))
+    return bf16 < f32

@@ -16,33 +16,41 @@ own backward per block with the same bias, summing the key and value gradients. 
 mask there are no keys to skip, and a single call over all rows is both the fastest and
 the smallest: its gradients are the result, with no accumulators or per-block copies.
 
-A query with no visible key comes out of the kernel as 0; its ``lse`` is set to ``+inf``
-(weights exp(s - lse) = 0) and its incoming gradient is zeroed, so its gradients are 0.
+A query with no visible key comes out of the kernel as 0; its ``lse`` is set to ``-inf``
+(no mass, ``tiling.lse``) and its incoming gradient is zeroed, so its gradients are 0.
 
 The kernel cannot differentiate the bias. For a learned shift-invariant bias under a
-window mask or none (T5 buckets) the gradient is rebuilt by ``bias_grad`` from the
+window mask or none (T5 buckets) the gradient is rebuilt by ``tiling.bias_grad`` from the
 diagonals of ``dS``; beyond ``max_distance`` only region sums are needed, and those come
 from the forward pass: each query block is attended over its near keys (offset <
 ``max_distance``) and its far-future keys separately, two kernel calls whose partial
-softmaxes are merged by their log-sum-exp, which leaves the far keys' share of every row
-(``_split_block``). Other learned biases go to ``online_softmax``.
+softmaxes are merged by their log-sum-exp, which leaves the far keys' own output and
+log-sum-exp (``_split_block``, the engine's ``saved``). Other learned biases go to
+``online_softmax``. Checked against the float64 reference in
+``tests/test_backends_chunked.py``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 from torch import Tensor
 
-from ..masks import Tile
-from ..positional import RelativePositionBias
-from . import kernels
-from . import sinks as sink
-from .bias_grad import add_profile_grad, far_profile_grad, saturating_profile_grad
-from .diagonal import DiagonalMask, FusedPlan
-from .tiles import NEG_INF, BiasSource, as_heads, key_range
+from ...masks import Mask, Tile
+from ...positional import LazyBias, RelativePositionBias
+from ..request import Request, bias_needs_grad
+from ..tiling import flash_cpu, lse as row_lse
+from ..tiling.bias_grad import add_profile_grad, far_profile_grad, saturating_profile_grad
+from ..tiling.flash_cpu import grouped_backward, mask_dtype, same_head_size
+from ..tiling.offset_profile import DiagonalMask
+from ..tiling.tiles import NEG_INF, BiasSource, as_heads, key_range
+from .contract import Grads, parameters
 
-# the private fused CPU kernel; chunked.engine chooses this engine only where kernels.unusable allows
-_forward, _backward = kernels.forward, kernels.backward
+name = "fused_blocks"
+
+# the private fused CPU kernel: refuses() lets a call through only where flash_cpu.unusable allows
+_forward = flash_cpu.forward
 
 #: Bytes allowed for one block's float bias/mask; blocks shrink to stay under it.
 BLOCK_BYTES = 32 * 2**20
@@ -54,11 +62,6 @@ BLOCK_BYTES = 32 * 2**20
 DIAGONAL_ROWS = 512
 #: Key granularity for skipping keys a whole query block cannot see.
 KEY_STEP = 256
-
-
-def mask_dtype(q: Tensor) -> torch.dtype:
-    """dtype of the additive masks: float32 for half-precision inputs (the kernel adds them in float32)."""
-    return torch.promote_types(q.dtype, torch.float32)
 
 
 def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> int:
@@ -114,24 +117,38 @@ def _blocks(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool, split: bool 
         yield Tile(i0, i1, jlo, jhi, i_len, j_len, q.device)
 
 
-def far_reach(plan: FusedPlan, diagonal: DiagonalMask | None, profile: Tensor | None) -> int | None:
+def far_reach(plan: FusedPlan, diagonal: DiagonalMask | None) -> int | None:
     """``max_distance`` when a learned saturating bias has keys at offsets >= it, else None."""
     reach = saturation(plan.bias)
-    if profile is None or diagonal is None or reach is None:
+    if not plan.learned or diagonal is None or reach is None:
         return None
     w = diagonal.window
     farthest = diagonal.i_len - 1 if w is None or w.hi is None else min(diagonal.i_len - 1, w.hi)
     return reach if farthest >= reach else None
 
 
+@dataclass(frozen=True)
+class Learned:
+    """What the forward keeps for the gradient of a learned bias.
+
+    ``own_lse (b, h, i)`` is the log-sum-exp over this call's keys: relative to a row's final
+    log-sum-exp ``L`` (with sinks), everything outside them holds ``1 - exp(own_lse - L)`` of
+    its mass. For a saturating bias with keys beyond its reach, ``far_out (b, h, i, e)`` is
+    the far-future keys' own softmax-normalised output and ``far_lse (b, h, i)`` their
+    log-sum-exp: they hold ``exp(far_lse - L)`` of the row's mass.
+    """
+
+    own_lse: Tensor
+    far_out: Tensor | None = None
+    far_lse: Tensor | None = None
+
+
 def _split_block(near: DiagonalMask, far: DiagonalMask, t: Tile, q: Tensor, k: Tensor, v: Tensor, scale: float, reach: int):
     """One block attended over offsets ``< reach`` and ``>= reach`` separately, then merged.
 
-    Returns ``(out, lse, far_out, far_share)`` for rows ``t.i0:t.i1``: ``far_share`` is the
-    softmax mass ``Σ_{c far} P_rc`` of the far keys and ``far_out = Σ_{c far} P_rc v_c``, which
-    the bias gradient needs (``bias_grad.saturating_profile_grad``). Merging two partial
-    softmaxes is ``lse = logaddexp(lse_1, lse_2)``, ``out = Σ_n exp(lse_n - lse) out_n``.
-    Each part costs its keys only: the two key ranges overlap by the block's height.
+    Returns ``(out, lse, far_out, far_lse)`` for rows ``t.i0:t.i1``: the far keys' own
+    output and log-sum-exp are what the bias gradient needs (:class:`Learned`). Each part costs
+    its keys only: the two key ranges overlap by the block's height.
     """
     shift = near.shift
     q_rev = q[..., t.i0 : t.i1, :].flip(-2)
@@ -140,36 +157,33 @@ def _split_block(near: DiagonalMask, far: DiagonalMask, t: Tile, q: Tensor, k: T
     for mask, lo, hi, j0, j1 in ranges:
         live = mask.sees(t, lo, hi) if j0 < j1 else None
         if live is None or not bool(live.any()):
-            parts.append((0.0, torch.full(q_rev.shape[:-1], NEG_INF, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)))
+            empty = torch.full(q_rev.shape[:-1], NEG_INF, dtype=mask_dtype(q), device=q.device)
+            parts.append((q.new_zeros((*q_rev.shape[:-1], v.shape[-1])), empty))
             continue
         sub = Tile(t.i0, t.i1, j0, j1, t.i_len, t.j_len, q.device)
         o, m = _forward(q_rev, k[..., j0:j1, :], v[..., j0:j1, :], 0.0, False, attn_mask=mask.reversed_block(sub), scale=scale)
         parts.append((o.flip(-2), torch.where(live, m.flip(-1), NEG_INF)))  # the kernel gives a row with no key lse 0
     (o_near, m_near), (o_far, m_far) = parts
-    lse = torch.logaddexp(m_near, m_far)  # -inf on rows that see no key at all
-    ref = torch.where(torch.isinf(lse), 0.0, lse)
-    w_near, far_share = torch.exp(m_near - ref), torch.exp(m_far - ref)
-    acc = lse.dtype  # merged in float32 (or wider): half-precision parts would round twice
-    o_near, o_far = (o.to(acc) if torch.is_tensor(o) else o for o in (o_near, o_far))
-    far_out = o_far * far_share[..., None]
-    return (o_near * w_near[..., None] + far_out).to(q.dtype), lse, far_out.to(q.dtype), far_share
+    acc = m_near.dtype  # merged in float32 (or wider): half-precision parts would round twice
+    out, lse = row_lse.merge(o_near.to(acc), m_near, o_far.to(acc), m_far)
+    return out.to(q.dtype), lse, o_far, m_far
 
 
-def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, profile: Tensor | None = None):
-    """``(out, lse, far)`` of one call: ``lse`` is ``+inf`` on rows that see no key.
+def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Learned | None]:
+    """``(out, lse, learned)`` of one call: ``lse`` is ``-inf`` on rows that see no key.
 
-    ``far`` is ``(far_out, far_share)`` when a learned saturating bias keeps its far keys'
-    share for the bias gradient (``_split_block``), else None. No autograd graph.
+    ``learned`` is what the gradient of a learned bias needs (:class:`Learned`, with the far
+    keys' part for a saturating one, ``_split_block``), else None. No autograd graph.
     """
     i_len, j_len = q.shape[-2], k.shape[-2]
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-    lse = torch.full(q.shape[:-1], float("inf"), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-    diagonal = DiagonalMask(plan, i_len, j_len, mask_dtype(q), q.device, profile) if DiagonalMask.applies(plan) else None
+    lse = torch.full(q.shape[:-1], NEG_INF, dtype=mask_dtype(q), device=q.device)
+    diagonal = DiagonalMask(plan.mask, plan.bias, i_len, j_len, mask_dtype(q), q.device) if plan.diagonal else None
     bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
-    reach = far_reach(plan, diagonal, profile)
-    far_out = far_share = None
-    if reach is not None:  # learned T5 buckets: keep the far keys' share for the bias gradient
-        far_out, far_share = torch.zeros_like(out), torch.zeros_like(lse)
+    reach = far_reach(plan, diagonal)
+    far_out = far_lse = None
+    if reach is not None:  # learned T5 buckets: keep the far keys' part for the bias gradient
+        far_out, far_lse = torch.zeros_like(out), torch.full_like(lse, NEG_INF)
         near, far = diagonal.clipped(hi=reach - 1), diagonal.clipped(lo=reach)
     whole = diagonal is not None and plan.mask is None and reach is None  # nothing to skip: one call
     for t in _blocks(plan, q, j_len, diagonal is not None, split=reach is not None, whole=whole):
@@ -177,13 +191,11 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, profile: Ten
         if t.j0 == t.j1:
             continue
         kc, vc = k[..., cols, :], v[..., cols, :]
+        live = None
         if reach is not None:
-            o, m, far_out[..., rows, :], far_share[..., rows] = _split_block(near, far, t, q, k, v, plan.scale, reach)
-            live = torch.isfinite(m)[..., None]
-            live = None if bool(live.all()) else live
+            o, m, far_out[..., rows, :], far_lse[..., rows] = _split_block(near, far, t, q, k, v, plan.scale, reach)
         elif plan.causal_square:
             o, m = _forward(q[..., rows, :], kc, vc, 0.0, True, scale=plan.scale)
-            live = None
         elif diagonal is not None:
             add, live = diagonal.reversed_block(t), diagonal.live(t)
             o, m = _forward(q[..., rows, :].flip(-2), kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
@@ -193,60 +205,41 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, profile: Ten
             o, m = _forward(q[..., rows, :], kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
         if live is not None:
             o = o * live
-            m = torch.where(live.squeeze(-1), m, float("inf"))
+            m = torch.where(live.squeeze(-1), m, NEG_INF)
         out[..., rows, :] = o
         lse[..., rows] = m
-    return out, lse, None if far_out is None else (far_out, far_share)
-
-
-def grouped_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
-    """The kernel's backward; half-precision grouped heads get their key and value sums in float32.
-
-    With ``g < h`` KV heads the kernel adds the ``h / g`` query heads' shares of dk and dv
-    into one buffer of the input's precision; in bfloat16 that doubled their error against
-    float64 at i = 4096, GQA 8/2 (``tests/test_backends_bf16.py`` holds the rule). So
-    half-precision calls get the KV heads repeated, and the shares are summed here in float32.
-    """
-    group = q.shape[-3] // k.shape[-3]
-    if group == 1 or q.dtype not in (torch.float16, torch.bfloat16):
-        return _backward(d_out, q, k, v, *args, **kwargs)
-    gq, gk, gv = _backward(d_out, q, k.repeat_interleave(group, -3), v.repeat_interleave(group, -3), *args, **kwargs)
-    gk, gv = (x.unflatten(-3, (-1, group)).sum(-3, dtype=torch.float32).to(x.dtype) for x in (gk, gv))
-    return gq, gk, gv
+    return out, lse, Learned(lse, far_out, far_lse) if plan.learned else None
 
 
 def fused_backward(
     plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
-    profile: Tensor | None = None, far: tuple[Tensor, Tensor] | None = None, grad_profile: bool = False,
-    sinks: Tensor | None = None,
+    learned: Learned | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
-    """``(dq, dk, dv, d_profile)`` from the row's output ``out`` and log-sum-exp ``lse``.
+    """``(dq, dk, dv, d_profile)`` from the row's final output ``out`` and log-sum-exp ``lse``.
 
-    FlashAttention-2's backward needs only ``P = exp(s - lse)`` and ``D = rowsum(dO ∘ O)``
-    of the row, so when ``out`` and ``lse`` are a larger softmax's (more key blocks, sinks)
-    the result is this call's share of that softmax's gradients. Rows with an infinite
-    ``lse`` see no key anywhere: their gradients are 0. ``far`` is what
-    :func:`fused_forward` kept, already relative to ``lse``; ``sinks``, when ``lse`` includes
-    them, only matter to a learned bias's gradient.
+    Rows with an infinite ``lse`` see no key anywhere: their gradients are 0. ``d_profile``
+    is the gradient of a learned bias's ``(h|1, L)`` profile (``plan.learned``, with what
+    :func:`fused_forward` kept in ``learned``), else None.
     """
     i_len, j_len = q.shape[-2], k.shape[-2]
     dead = ~torch.isfinite(lse)
     if bool(dead.any()):  # no gradient flows from rows that see no key (a copy: never write into the caller's)
         d_out = d_out.masked_fill(dead[..., None], 0.0)
     d_out = d_out.contiguous()
-    # the kernel's backward wants a finite lse (dead rows' d_out is 0 anyway)
-    lse = torch.where(dead, 0.0, lse)
+    kernel_lse = torch.where(dead, 0.0, lse)  # the kernel's backward wants a finite lse (dead rows' d_out is 0)
     dq = dk = dv = None  # allocated by the first block that does not cover every row and key
-    diagonal = DiagonalMask(plan, i_len, j_len, mask_dtype(q), q.device, profile) if DiagonalMask.applies(plan) else None
+    diagonal = DiagonalMask(plan.mask, plan.bias, i_len, j_len, mask_dtype(q), q.device) if plan.diagonal else None
     d_profile = None
-    if profile is not None and grad_profile:
-        acc = torch.promote_types(q.dtype, torch.float32)
-        d_profile = torch.zeros(profile.shape, dtype=acc, device=q.device)
+    if plan.learned:
+        acc = mask_dtype(q)
+        d_profile = torch.zeros(diagonal.profile.shape, dtype=acc, device=q.device)
         delta = torch.einsum("...e,...e->...", d_out.to(acc), out.to(acc))  # D = rowsum(dO ∘ O), via bmm
     bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
     reach = saturation(plan.bias)
-    if d_profile is not None and far is not None:
-        far_profile_grad(d_profile, d_out, delta, reach, diagonal.offset0, far)
+    if d_profile is not None and learned.far_out is not None:
+        far_share = torch.exp(learned.far_lse - row_lse.for_recompute(lse))  # relative to the final lse
+        far_out = learned.far_out.to(acc) * far_share[..., None]
+        far_profile_grad(d_profile, d_out, delta, reach, diagonal.offset0, (far_out, far_share))
     # Without a mask there are no keys to skip: one call over every row, whose gradients are
     # the result (no accumulators and no per-block copies, which is what bounds the memory).
     whole = diagonal is not None and plan.mask is None
@@ -254,7 +247,7 @@ def fused_backward(
         if t.j0 == t.j1:
             continue
         rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
-        args = [d_out[..., rows, :], q[..., rows, :], k[..., cols, :], v[..., cols, :], out[..., rows, :], lse[..., rows]]
+        args = [d_out[..., rows, :], q[..., rows, :], k[..., cols, :], v[..., cols, :], out[..., rows, :], kernel_lse[..., rows]]
         add, flip = None, diagonal is not None and not plan.causal_square
         if flip:
             add = diagonal.reversed_block(t)
@@ -281,38 +274,70 @@ def fused_backward(
     if dq is None:  # every row saw no key
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if d_profile is not None and reach is not None:  # after the loop: its blocks reuse the freed memory
-        true_lse = torch.where(dead, float("inf"), lse)  # +inf on rows that see no key
-        row_sums = None if sinks is None else delta * torch.exp(sink.per_head(sinks, true_lse) - true_lse)
-        saturating_profile_grad(d_profile, diagonal, q, k, v, d_out, true_lse, delta, plan.scale, reach, row_sums)
-    d_profile = None if d_profile is None else d_profile.to(profile.dtype)
+        recompute = row_lse.for_recompute(lse)
+        # the mass a row holds outside this call's keys (sinks): its dS sums to D times that mass
+        outside = torch.where(torch.isinf(recompute), 0.0, -torch.expm1(learned.own_lse - recompute))
+        row_sums = delta * outside
+        saturating_profile_grad(d_profile, diagonal, q, k, v, d_out, recompute, delta, plan.scale, reach, row_sums)
     return dq, dk, dv, d_profile
 
 
-class FusedBlocks(torch.autograd.Function):
-    """``(q, k, v, profile, sinks) -> (out, lse)`` with ``q (b, h, i, d)``, ``k (b, g, j, d)``, ``v (b, g, j, e)``.
+@dataclass(frozen=True)
+class FusedPlan:
+    """What a call adds to the kernel's logits, and how."""
 
-    ``sinks (h,)`` or None: each row's softmax denominator gains ``exp(sinks_h)``
-    (``backends.sinks``); ``lse`` is then the total, sink included.
-    """
+    mask: Mask | None  # True = may attend
+    bias: Tensor | LazyBias | None  # dense (no gradient), or lazy (learned only if shift-invariant)
+    scale: float
+    causal_square: bool  # the mask is exactly causal and i == j: the kernel's own flag is right
+    diagonal: bool  # mask and bias are one offset profile (tiling.offset_profile)
+    learned: bool  # a learned shift-invariant bias: its profile's gradient is rebuilt here
 
-    @staticmethod
-    def forward(ctx, plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor, profile: Tensor | None = None, sinks: Tensor | None = None):
-        out, lse, far = fused_forward(plan, q, k, v, profile)
-        if sinks is not None:
-            out, lse, share = sink.apply(out, lse, sinks)
-            far = None if far is None else (far[0] * share[..., None].to(far[0].dtype), far[1] * share)
-        # the far keys' share and output: read by every backward over this graph (retain_graph)
-        ctx.plan, ctx.far = plan, far
-        ctx.save_for_backward(q, k, v, out, lse, profile, sinks)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
-        q, k, v, out, lse, profile, sinks = ctx.saved_tensors
-        # ctx.far is not cleared: a second backward (retain_graph=True) needs it again
-        dq, dk, dv, d_profile = fused_backward(
-            ctx.plan, q, k, v, out, lse, d_out, profile, ctx.far, grad_profile=ctx.needs_input_grad[4], sinks=sinks
-        )
-        d_sinks = sink.grad(out, lse, d_out, sinks) if ctx.needs_input_grad[5] else None
-        return None, dq, dk, dv, d_profile, d_sinks
+def plan(req: Request) -> FusedPlan:
+    causal_square = req.bias is None and req.is_causal_only and req.i == req.j
+    return FusedPlan(req.mask, req.bias, req.scale, causal_square, DiagonalMask.applies(req.mask, req.bias), bias_needs_grad(req))
+
+
+def refuses(req: Request) -> str | None:
+    if not req.score.dot_form:
+        return f"the {req.score.name} score is not a dot product"
+    if req.dropout > 0:
+        return "the fused kernel's dropout cannot be repeated in its backward"
+    if req.score_mod is not None:
+        return "a score_mod needs each tile's logits, which the fused kernel never exposes"
+    if (reason := flash_cpu.unusable(req.q)) is not None:
+        return reason
+    if bias_needs_grad(req):
+        if isinstance(req.bias, Tensor) or not DiagonalMask.applies(req.mask, req.bias):
+            return "the fused kernel cannot differentiate this learned bias under this mask"
+        if req.piece is not None:
+            return "a learned bias's gradient needs the whole call's forward, which a block of keys does not keep"
+    return None
+
+
+def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, Learned | None]:
+    """The contract's forward (``engines.contract``): ``out`` comes in the inputs' dtype."""
+    e = req.v.shape[-1]
+    out, lse, far = fused_forward(plan(req), *same_head_size(req.q, req.k, req.v))
+    return out[..., :e], lse, far
+
+
+def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: Learned | None, dtype: torch.dtype) -> Grads:
+    """The contract's backward: a learned bias's profile gradient reaches its parameters here."""
+    q, k, v = req.q, req.k, req.v
+    d, e = q.shape[-1], v.shape[-1]
+    qf, kf, vf = same_head_size(q, k, v)
+    pad = vf.shape[-1] - e  # the kernel wants d == e: zero value columns, sliced off after
+    out_f, d_out_f = (torch.nn.functional.pad(x.to(q.dtype), (0, pad)) if pad else x.to(q.dtype) for x in (out, d_out))
+    fplan = plan(req)
+    dq, dk, dv, d_profile = fused_backward(fplan, qf, kf, vf, out_f, lse, d_out_f, saved)
+    params = parameters(req)
+    d_params: list[Tensor | None] = [None] * len(params)
+    if d_profile is not None:  # one backward through the bias for the whole call: (h, L) profile -> parameters
+        profile = BiasSource(req.bias, req.i, req.j, q.device, grad=True).profile_graph
+        wanted = [n for n, p in enumerate(params) if p.requires_grad]
+        grads = torch.autograd.grad(profile, [params[n] for n in wanted], d_profile.to(profile.dtype), allow_unused=True)
+        for n, grad in zip(wanted, grads):
+            d_params[n] = grad
+    return Grads(q=dq[..., :d], k=dk[..., :d], v=dv[..., :e], bias=None, params=d_params)

@@ -15,7 +15,7 @@ m (e - 1 - c) + [-m (e - 1 - r - (j - i))]``. A key term is one extra column: ``
 ``m_h / scale`` and ``k`` gets ``c - a`` (left) or ``e - 1 - c`` (right), so the kernel runs
 these keys with no ``attn_mask`` at all, forward and backward. Only the block's own
 ``it x it`` square, where ``|o|`` bends, is attended with the exact bias as a mask
-(``fused_blocks.DiagonalMask``, a strided view). The parts' partial softmaxes are merged by
+(``tiling.offset_profile.DiagonalMask``, a strided view). The parts' partial softmaxes are merged by
 their log-sum-exp, each shifted by its row term. The backward calls the kernel's backward
 per part with the merged output and log-sum-exp (less the part's row term), which gives
 each part's share of dq, dk and dv exactly (the usual split-key flash backward).
@@ -29,23 +29,30 @@ Whether this beats the masked kernel depends on the CPU: here the extra column c
 kernel 20-40% (its head size leaves the vector width), while a masked call costs 5-20%.
 :func:`preferred` times both once per process (``(1, 8, 512, 64)``, forward and backward
 apart) and keeps the faster. Checked against the float64 reference in
-``tests/test_backends_linear_bias.py``.
+``tests/test_backends_alibi_column.py``.
 """
 
 from __future__ import annotations
 
-import time
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..masks import Offsets, Tile
-from ..positional import ALiBi
-from . import kernels
-from .diagonal import DiagonalMask, FusedPlan
-from .fused_blocks import FusedBlocks
-from .tiles import NEG_INF
+from ..._probe import best_times
+from ...masks import Offsets, Tile
+from ...positional import ALiBi
+from ..request import Request
+from ..tiling import flash_cpu
+from ..tiling import lse as row_lse
+from ..tiling.flash_cpu import same_head_size
+from ..tiling.offset_profile import DiagonalMask
+from ..tiling.tiles import NEG_INF
+from . import fused_blocks
+from .contract import Grads
+
+name = "alibi_column"
 
 #: Query rows per block: the masked square is ``BLOCK_ROWS / j`` of the work; smaller blocks
 #: mean more kernel calls, each reading every key of its side.
@@ -53,55 +60,69 @@ BLOCK_ROWS = 256
 #: The column path is kept when its time is below this share of the masked path's.
 MARGIN = 0.9
 
-_choice: dict[tuple[bool, torch.dtype], bool] = {}
+
+def refuses(req: Request) -> str | None:
+    if not isinstance(req.bias, ALiBi):
+        return "the bias is not ALiBi"
+    if req.mask is not None and not req.is_causal_only:
+        return "ALiBi's key column needs no mask or the plain causal one"
+    if req.q.dtype not in (torch.float32, torch.float64):
+        return f"the column's key positions would round in {req.q.dtype}"
+    if req.i <= BLOCK_ROWS:
+        return f"i = {req.i} is one block of {BLOCK_ROWS} rows: nothing to take off the mask"
+    if not req.score.dot_form or req.dropout > 0 or req.score_mod is not None:
+        return "it runs the fused kernel on plain dot products (no other score, dropout or score_mod)"
+    if (reason := flash_cpu.unusable(req.q)) is not None:
+        return reason
+    grad = req.grad and any(x.requires_grad for x in (req.q, req.k, req.v))
+    if not preferred(req.q.dtype, grad):
+        return f"the masked kernel was timed faster on this CPU ({'forward + backward' if grad else 'forward'})"
+    return None
 
 
-def applies(bias: object, mask: object, q: Tensor) -> bool:
-    """True for ALiBi without a mask or with the plain causal one, in float32 or float64, with ``i > BLOCK_ROWS``."""
-    if not isinstance(bias, ALiBi) or q.dtype not in (torch.float32, torch.float64) or q.shape[-2] <= BLOCK_ROWS:
-        return False
-    return mask is None or (isinstance(mask, Offsets) and mask.lo is None and mask.hi == 0)
+def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, None]:
+    """The contract's forward (``engines.contract``), with the kernel's head sizes made equal."""
+    e = req.v.shape[-1]
+    out, lse = column_forward(*same_head_size(req.q, req.k, req.v), req.bias, req.scale, req.mask is not None)
+    return out[..., :e], lse, None
 
 
-def preferred(q: Tensor, grad: bool) -> bool:
+def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None, dtype: torch.dtype) -> Grads:
+    """The contract's backward: each part's share of the gradients from the final ``out`` and ``lse``."""
+    q, k, v = req.q, req.k, req.v
+    d, e = q.shape[-1], v.shape[-1]
+    qf, kf, vf = same_head_size(q, k, v)
+    pad = vf.shape[-1] - e
+    out_f, d_out_f = (F.pad(x.to(q.dtype), (0, pad)) if pad else x.to(q.dtype) for x in (out, d_out))
+    dq, dk, dv = column_backward(qf, kf, vf, out_f, lse, d_out_f, req.bias, req.scale, req.mask is not None)
+    return Grads(q=dq[..., :d], k=dk[..., :d], v=dv[..., :e], bias=None, params=[])
+
+
+@functools.cache
+def preferred(dtype: torch.dtype, grad: bool) -> bool:
     """True when the column path was the faster on this CPU (timed once per mode and dtype)."""
-    key = (grad, q.dtype)
-    if key not in _choice:
-        _choice[key] = _probe(q.dtype, grad)
-    return _choice[key]
+    with torch.inference_mode(False), torch.no_grad():  # the first call may come from a decoding loop
+        return _column_faster(dtype, grad)
 
 
-def _probe(dtype: torch.dtype, grad: bool) -> bool:
-    with torch.inference_mode(False):  # the first call may come from a decoding loop
-        return _timed(dtype, grad)
-
-
-def _timed(dtype: torch.dtype, grad: bool) -> bool:
+def _column_faster(dtype: torch.dtype, grad: bool) -> bool:
     gen = torch.Generator().manual_seed(0)
     q, k, v, d_out = (torch.randn(1, 8, 2 * BLOCK_ROWS, 64, generator=gen, dtype=dtype) for _ in range(4))
     bias, scale = ALiBi(8), 0.125
+    masked_plan = fused_blocks.FusedPlan(None, bias, scale, causal_square=False, diagonal=True, learned=False)
 
     def masked():
-        x = [t.detach().requires_grad_(grad) for t in (q, k, v)]
-        out, _ = FusedBlocks.apply(FusedPlan(mask=None, bias=bias, scale=scale, causal_square=False), *x, None, None)
+        out, lse, _ = fused_blocks.fused_forward(masked_plan, q, k, v)
         if grad:
-            torch.autograd.grad(out, x, d_out)
+            fused_blocks.fused_backward(masked_plan, q, k, v, out, lse, d_out)
 
     def column():
-        x = [t.detach().requires_grad_(grad) for t in (q, k, v)]
-        out, _ = ColumnBlocks.apply(x[0], x[1], x[2], bias, scale, False)
+        out, lse = column_forward(q, k, v, bias, scale, False)
         if grad:
-            torch.autograd.grad(out, x, d_out)
+            column_backward(q, k, v, out, lse, d_out, bias, scale, False)
 
-    best = {masked: float("inf"), column: float("inf")}
-    with torch.set_grad_enabled(grad):
-        for round_ in range(4):  # the first round warms up (allocations, kernel set-up)
-            for fn in (masked, column) if round_ % 2 else (column, masked):
-                start = time.perf_counter()
-                fn()
-                if round_:
-                    best[fn] = min(best[fn], time.perf_counter() - start)
-    return best[column] < MARGIN * best[masked]
+    t_column, t_masked = best_times(column, masked)
+    return t_column < MARGIN * t_masked
 
 
 def _blocks(i_len: int, j_len: int, causal: bool):
@@ -121,47 +142,33 @@ def _row_terms(slopes: Tensor, i0: int, i1: int, a: int, e: int, shift: int) -> 
     return -m * (r + shift - a), -m * (e - 1 - r - shift)
 
 
-class ColumnBlocks(torch.autograd.Function):
-    """``(q, k, v) -> (out, lse)`` for ALiBi without a mask or causal; ``q (b, h, i, d)``, ``k, v (b, g, j, d)``."""
+def column_forward(q: Tensor, k: Tensor, v: Tensor, bias: ALiBi, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` for ALiBi without a mask or causal; ``q (b, h, i, d)``, ``k, v (b, g, j, d)``; no graph."""
+    i_len, j_len = q.shape[-2], k.shape[-2]
+    parts = _Parts(q, k, v, bias, scale, causal)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], NEG_INF, dtype=q.dtype, device=q.device)  # rows before the first key: no mass
+    for i0, i1, a, e, right in _blocks(i_len, j_len, causal):
+        acc_out = acc_lse = None
+        for o, m in parts.forward(i0, i1, a, e, right):
+            acc_out, acc_lse = (o, m) if acc_lse is None else row_lse.merge(acc_out, acc_lse, o, m)
+        if acc_lse is not None:
+            out[..., i0:i1, :], lse[..., i0:i1] = acc_out, acc_lse
+    return out, lse
 
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: ALiBi, scale: float, causal: bool):
-        i_len, j_len = q.shape[-2], k.shape[-2]
-        parts = _Parts(q, k, v, bias, scale, causal)
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
-        for i0, i1, a, e, right in _blocks(i_len, j_len, causal):
-            acc_out = acc_lse = None
-            for o, m in parts.forward(i0, i1, a, e, right):
-                if acc_lse is None:
-                    acc_out, acc_lse = o, m
-                    continue
-                new = torch.logaddexp(acc_lse, m)
-                ref = torch.where(torch.isinf(new), 0.0, new)
-                acc_out = acc_out * torch.exp(acc_lse - ref)[..., None] + o * torch.exp(m - ref)[..., None]
-                acc_lse = new
-            if acc_lse is None:  # causal rows before the first key: no part at all
-                out[..., i0:i1, :], lse[..., i0:i1] = 0.0, float("inf")
-                continue
-            out[..., i0:i1, :] = acc_out
-            lse[..., i0:i1] = torch.where(torch.isneginf(acc_lse), float("inf"), acc_lse)  # no key: +inf
-        ctx.bias, ctx.scale, ctx.causal = bias, scale, causal
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, d_out: Tensor, _d_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dead = torch.isinf(lse)  # rows that see no key: no gradient, and a finite lse for the kernel
-        d_out = d_out.masked_fill(dead[..., None], 0.0).contiguous()
-        lse = lse.masked_fill(dead, 0.0)
-        parts = _Parts(q, k, v, ctx.bias, ctx.scale, ctx.causal)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        padded = F.pad(d_out, (0, 1)), F.pad(out, (0, 1))  # the column parts' head size, once per call
-        for i0, i1, a, e, right in _blocks(q.shape[-2], k.shape[-2], ctx.causal):
-            parts.backward(i0, i1, a, e, right, d_out, out, lse, padded, dq, dk, dv)
-        return dq, dk, dv, None, None, None
+def column_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor, bias: ALiBi, scale: float,
+                    causal: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` from the row's final ``out`` and ``lse`` (``±inf``: a row that sees no key)."""
+    dead = torch.isinf(lse)  # rows that see no key: no gradient, and a finite lse for the kernel
+    d_out = d_out.masked_fill(dead[..., None], 0.0).contiguous()
+    lse = lse.masked_fill(dead, 0.0)
+    parts = _Parts(q, k, v, bias, scale, causal)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    padded = F.pad(d_out, (0, 1)), F.pad(out, (0, 1))  # the column parts' head size, once per call
+    for i0, i1, a, e, right in _blocks(q.shape[-2], k.shape[-2], causal):
+        parts.backward(i0, i1, a, e, right, d_out, out, lse, padded, dq, dk, dv)
+    return dq, dk, dv
 
 
 class _Parts:
@@ -178,8 +185,7 @@ class _Parts:
         self.v_aug = F.pad(v, (0, 1))  # a zero column: the kernel needs one head size
         self.keys = torch.arange(k.shape[-2], device=q.device, dtype=q.dtype)
         window = Offsets(None, 0) if causal else None
-        plan = FusedPlan(mask=window, bias=bias, scale=scale, causal_square=False)
-        self.square = DiagonalMask(plan, i_len, k.shape[-2], q.dtype, q.device)  # the exact bias where |o| bends
+        self.square = DiagonalMask(window, bias, i_len, k.shape[-2], q.dtype, q.device)  # the exact bias where |o| bends
 
     def _columns(self, a: int, e: int, right: bool) -> None:
         self.k_aug[..., :a, -1] = self.keys[:a] - a
@@ -197,12 +203,12 @@ class _Parts:
         rows, d = slice(i0, i1), self.q.shape[-1]
         self._columns(a, e, right)
         for keys, term in self._sides(i0, i1, a, e, right):
-            o, m = kernels.forward(self.q_aug[..., rows, :], self.k_aug[..., keys, :], self.v_aug[..., keys, :],
+            o, m = flash_cpu.forward(self.q_aug[..., rows, :], self.k_aug[..., keys, :], self.v_aug[..., keys, :],
                                    0.0, False, scale=self.scale)  # fmt: skip
             yield o[..., :d], m + term.to(m.dtype)
         if e > a:
             t = Tile(i0, i1, a, e, self.q.shape[-2], self.k.shape[-2], self.q.device)
-            o, m = kernels.forward(self.q[..., rows, :].flip(-2), self.k[..., a:e, :], self.v[..., a:e, :], 0.0, False,
+            o, m = flash_cpu.forward(self.q[..., rows, :].flip(-2), self.k[..., a:e, :], self.v[..., a:e, :], 0.0, False,
                                    attn_mask=self.square.reversed_block(t), scale=self.scale)  # fmt: skip
             live = self.square.sees(t)  # the kernel gives a row with no key lse 0
             yield o.flip(-2), torch.where(live, m.flip(-1), NEG_INF)
@@ -212,7 +218,7 @@ class _Parts:
         self._columns(a, e, right)
         do_aug, out_aug = padded[0][..., rows, :], padded[1][..., rows, :]
         for keys, term in self._sides(i0, i1, a, e, right):
-            gq, gk, gv = kernels.backward(do_aug, self.q_aug[..., rows, :], self.k_aug[..., keys, :],
+            gq, gk, gv = flash_cpu.backward(do_aug, self.q_aug[..., rows, :], self.k_aug[..., keys, :],
                                           self.v_aug[..., keys, :], out_aug, lse[..., rows] - term.to(lse.dtype),
                                           0.0, False, scale=self.scale)  # fmt: skip
             dq[..., rows, :] += gq[..., :d]
@@ -221,7 +227,7 @@ class _Parts:
         if e > a:
             t = Tile(i0, i1, a, e, self.q.shape[-2], self.k.shape[-2], self.q.device)
             flip = [x[..., rows, :].flip(-2) for x in (d_out, self.q, out)]
-            gq, gk, gv = kernels.backward(flip[0], flip[1], self.k[..., a:e, :], self.v[..., a:e, :], flip[2],
+            gq, gk, gv = flash_cpu.backward(flip[0], flip[1], self.k[..., a:e, :], self.v[..., a:e, :], flip[2],
                                           lse[..., rows].flip(-1), 0.0, False, attn_mask=self.square.reversed_block(t),
                                           scale=self.scale)  # fmt: skip
             dq[..., rows, :] += gq.flip(-2)

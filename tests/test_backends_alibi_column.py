@@ -1,4 +1,4 @@
-"""ALiBi as a key column (``qkv.backends.linear_bias``) against the float64 reference.
+"""ALiBi as a key column (``qkv.backends.engines.alibi_column``) against the float64 reference.
 
 Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
 length, ``d`` query/key size, ``e`` value size; b=2, h=6, g=3, d=11, e=13. Blocks of 8 rows,
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends import linear_bias
+from qkv.backends.engines import alibi_column
 
 B, H, G, D, E = 2, 6, 3, 11, 13
 
@@ -17,8 +17,8 @@ B, H, G, D, E = 2, 6, 3, 11, 13
 @pytest.fixture
 def column(monkeypatch):
     """Small blocks, and the column path chosen whatever the timing on this CPU says."""
-    monkeypatch.setattr(linear_bias, "BLOCK_ROWS", 8)
-    monkeypatch.setattr(linear_bias, "_choice", {(g, dt): True for g in (False, True) for dt in (torch.float32, torch.float64)})
+    monkeypatch.setattr(alibi_column, "BLOCK_ROWS", 8)
+    monkeypatch.setattr(alibi_column, "preferred", lambda dtype, grad: True)
 
 
 def inputs(i, j, dtype=torch.float64):
@@ -38,7 +38,7 @@ def run(q, k, v, backend, **kw):
 def test_matches_reference_float64(column, i, j, causal):
     q, k, v = inputs(i, j)
     kw = dict(bias=qkv.ALiBi(H).double(), causal=causal)
-    assert "ALiBi as a key column" in qkv.explain(q, k, v, **kw)
+    assert qkv.explain(q, k, v, **kw).splitlines()[0] == "backend: chunked (alibi_column)"
     for a, b in zip(run(q, k, v, "chunked", **kw), run(q, k, v, "reference", **kw)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
@@ -74,15 +74,18 @@ def test_flash_rule_float32(column):
 def test_other_calls_keep_the_masked_path(column, kw, dtype):
     q, k, v = (x.detach().to(dtype) for x in inputs(37, 37))
     kw = {name: (x.to(dtype) if isinstance(x, torch.nn.Module) else x) for name, x in kw.items()}
-    assert "key column" not in qkv.explain(q, k, v, **kw)
+    text = qkv.explain(q, k, v, **kw).splitlines()
+    assert text[0] == "backend: chunked (fused_blocks)"
+    assert any(line.startswith("  not alibi_column (engine): ") for line in text)
 
 
 def test_the_timing_probe_answers_once_per_mode(monkeypatch):
-    monkeypatch.setattr(linear_bias, "_choice", {})
-    monkeypatch.setattr(linear_bias, "BLOCK_ROWS", 8)  # both paths timed on 16 rows
-    q = torch.ones(1, 1, 600, 4)
-    answers = {grad: linear_bias.preferred(q, grad=grad) for grad in (False, True)}
-    assert all(isinstance(a, bool) for a in answers.values())
-    assert linear_bias._choice == {(grad, torch.float32): a for grad, a in answers.items()}
-    monkeypatch.setattr(linear_bias, "_probe", lambda *a: pytest.fail("probed twice"))
-    assert linear_bias.preferred(q, grad=True) is answers[True]
+    monkeypatch.setattr(alibi_column, "BLOCK_ROWS", 8)  # both paths timed on 16 rows
+    alibi_column.preferred.cache_clear()
+    try:
+        answers = {grad: alibi_column.preferred(torch.float32, grad) for grad in (False, True)}
+        assert all(isinstance(a, bool) for a in answers.values())
+        monkeypatch.setattr(alibi_column, "_column_faster", lambda *a: pytest.fail("probed twice"))
+        assert alibi_column.preferred(torch.float32, True) is answers[True]
+    finally:
+        alibi_column.preferred.cache_clear()  # later calls time afresh, at the real block size

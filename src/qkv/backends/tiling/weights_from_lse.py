@@ -1,12 +1,13 @@
 """Attention weights rebuilt from the log-sum-exp, for chosen heads and query rows only.
 
-Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query
 length, ``j`` key length, ``d`` prepared query/key size; ``hs`` and ``is`` the numbers of
 selected heads and rows.
 
 A fast backend keeps, for every query row, ``lse = log Σ_k exp(s_k)`` over its allowed keys.
 Then each weight is one exponential, ``α_j = exp(s_j - lse)``, exactly the softmax, with no
-second pass over the row; a row with no allowed key has ``lse = +inf`` and weights 0. With
+second pass over the row; a row with no allowed key has ``lse = -inf`` (``tiling.lse``) and
+weights 0. With
 attention sinks ``lse`` includes the sink's mass, so the same formula gives rows summing to
 less than 1. Only
 the selected ``(hs, is, j)`` block is ever built, in row chunks, so inspecting two heads of
@@ -25,10 +26,11 @@ import math
 import torch
 from torch import Tensor
 
-from .. import score_mods
-from ..masks import Tile
-from ..positional import LazyBias
-from .request import Request
+from ... import score_mods
+from ...masks import Tile
+from ...positional import LazyBias
+from ..request import Request, bias_needs_grad
+from .lse import for_recompute
 from .tiles import NEG_INF, BiasSource, dense_tile
 
 #: Elements of logits built at once (times the additive score's hidden size).
@@ -45,23 +47,19 @@ def _pick_heads(x: Tensor, heads: Tensor | None, h: int) -> Tensor:
 def rebuild(
     req: Request, qp: Tensor, kp: Tensor, lse: Tensor, *, heads: Tensor | None = None, rows: Tensor | None = None
 ) -> Tensor:
-    """Weights ``(..., hs, is, j)`` from the prepared ``qp (..., h, i, d)``, ``kp (..., g, j, d)`` and ``lse (..., h, i)``.
+    """Weights ``(b, hs, is, j)`` from the prepared ``qp (b, h, i, d)``, ``kp (b, g, j, d)`` and ``lse (b, h, i)``.
 
     ``heads`` and ``rows`` are 1-d long tensors of indices (None = all).
     """
-    has_heads = qp.dim() >= 3
-    if not has_heads:  # (i, d): give it the head axis the code below indexes
-        qp, kp, lse = qp.unsqueeze(0), kp.unsqueeze(0), lse.unsqueeze(0)
     h, g, i_len, j_len = qp.shape[-3], kp.shape[-3], qp.shape[-2], kp.shape[-2]
     head_ids = torch.arange(h, device=qp.device) if heads is None else heads.to(qp.device)
     row_ids = torch.arange(i_len, device=qp.device) if rows is None else rows.to(qp.device)
     q_sel = qp.index_select(-3, head_ids)
     k_sel = kp.index_select(-3, torch.div(head_ids, h // g, rounding_mode="floor"))
-    lse_sel = lse.index_select(-2, head_ids)
+    lse_sel = for_recompute(lse.index_select(-2, head_ids))
     differentiable = torch.is_grad_enabled() and (
         any(x.requires_grad for x in (qp, kp))
-        or (isinstance(req.bias, Tensor) and req.bias.requires_grad)
-        or (isinstance(req.bias, LazyBias) and any(p.requires_grad for p in req.bias.parameters()))
+        or bias_needs_grad(req)
         or (req.sinks is not None and req.sinks.requires_grad)
         or (req.score_mod is not None and any(x.requires_grad for x in score_mods.closure_tensors(req.score_mod)))
     )
@@ -99,8 +97,7 @@ def rebuild(
         else:
             w = torch.exp(s - lse_sel[..., start:stop, None])
         parts.append(w)
-    out = torch.cat(parts, dim=-2).to(qp.dtype)
-    return out if has_heads else out.squeeze(0)
+    return torch.cat(parts, dim=-2).to(qp.dtype)
 
 
 def _runs(rows: list[int], chunk: int):

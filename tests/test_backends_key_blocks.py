@@ -1,4 +1,4 @@
-"""``backends.partial``: the keys of a call split into blocks, merged, equal the whole call.
+"""``backends.engines.key_blocks``: the keys of a call split into blocks, merged, equal the whole call.
 
 Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
 length, ``d`` query/key size, ``e`` value size. Distinct odd sizes so a swapped axis fails.
@@ -19,8 +19,9 @@ import torch
 
 import qkv
 from qkv import checks
-from qkv.backends import chunked, dropout, fused_blocks, partial
-from qkv.backends.dropout import Origin
+from qkv.backends.engines import fused_blocks, key_blocks, online_softmax
+from qkv.backends.tiling import dropout
+from qkv.backends.tiling.dropout import Origin
 from qkv.masks import Mask, Tile
 from qkv.positional import LazyBias
 
@@ -31,7 +32,7 @@ CUTS = (0, 3, 9, J)  # three uneven blocks of keys
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(chunked, "TILE_ELEMENTS", 2 * H * 4 * 4)
+    monkeypatch.setattr(online_softmax, "TILE_ELEMENTS", 2 * H * 4 * 4)
     monkeypatch.setattr(fused_blocks, "BLOCK_BYTES", 1)
     monkeypatch.setattr(fused_blocks, "KEY_STEP", 2)
 
@@ -95,16 +96,16 @@ def block(preq, c0, c1):
 def run_blocks(preq, cuts=CUTS, seed=0):
     """Forward of every block, merged: ``(out, lse, blocks, per-block lse)``."""
     blocks = [block(preq, c0, c1) for c0, c1 in zip(cuts[:-1], cuts[1:])]
-    parts = [partial.forward(blk, seed=seed, origin=Origin(col=c0)) for blk, c0 in zip(blocks, cuts)]
+    parts = [key_blocks.forward(blk, seed=seed, origin=Origin(col=c0)) for blk, c0 in zip(blocks, cuts)]
     out, lse = parts[0]
     for o, m in parts[1:]:
-        out, lse = partial.merge(out, lse, o, m)
+        out, lse = key_blocks.merge(out, lse, o, m)
     return out, lse, blocks, [m for _, m in parts]
 
 
 def grads_by_blocks(preq, blocks, out, lse, d_out, cuts=CUTS, seed=0):
     """``(dq_prepared, dk_prepared, dv, d_dense, d_params)`` summed/concatenated over the blocks."""
-    shares = [partial.backward(blk, out, lse, d_out, seed=seed, origin=Origin(col=c0)) for blk, c0 in zip(blocks, cuts)]
+    shares = [key_blocks.backward(blk, out, lse, d_out, seed=seed, origin=Origin(col=c0)) for blk, c0 in zip(blocks, cuts)]
     dq = sum(s.q for s in shares)
     dk = torch.cat([s.k for s in shares], dim=-2)
     dv = torch.cat([s.v for s in shares], dim=-2)
@@ -149,12 +150,12 @@ def check(q, k, v, *, extra=(), atol=1e-10, **kw):
     leaves = [q, k, v, *extra, *score_params]
     expected_grads = torch.autograd.grad(expected, leaves, d_out)
 
-    preq = partial.prepare(req)
+    preq = key_blocks.prepare(req)
     out, lse, blocks, lses = run_blocks(preq)
     torch.testing.assert_close(out, expected, rtol=atol, atol=atol)
     dq, dk, dv, d_dense, d_params = grads_by_blocks(preq, blocks, out, lse, d_out)
     # through the score's prepare: the chain from the prepared q, k to the inputs and W
-    params = partial.parameters(preq)
+    params = key_blocks.parameters(preq)
     through = torch.autograd.grad([preq.q, preq.k], [q, k, *score_params], [dq, dk], allow_unused=True)
     got_q, got_k = through[0], through[1]
     got_score = list(through[2:])
@@ -224,24 +225,24 @@ def test_score_mod_in_blocks_and_its_closure_gradient(score):
     d_out = cotangent(expected.shape)
     expected_w = torch.autograd.grad(expected, w, d_out)[0]
     req = checks.request(q, k, v, bias=None, causal=False, scale=None, dropout=0.0, return_weights=False, **kw)
-    preq = partial.prepare(req)
+    preq = key_blocks.prepare(req)
     blocks = []
     for c0, c1 in zip(CUTS[:-1], CUTS[1:]):
         def shifted(s, b, h, q_idx, kv_idx, c0=c0):
             return fn(s, b, h, q_idx, kv_idx + c0)
 
         blk = block(replace(preq, score_mod=shifted), c0, c1)
-        assert any(p is w for p in partial.parameters(blk))
+        assert any(p is w for p in key_blocks.parameters(blk))
         blocks.append(blk)
-    parts = [partial.forward(blk) for blk in blocks]
+    parts = [key_blocks.forward(blk) for blk in blocks]
     out, lse = parts[0]
     for o, m in parts[1:]:
-        out, lse = partial.merge(out, lse, o, m)
+        out, lse = key_blocks.merge(out, lse, o, m)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     d_w = 0
     for blk in blocks:
-        grads = partial.backward(blk, out, lse, d_out)
-        d_w = d_w + next(g for p, g in zip(partial.parameters(blk), grads.params) if p is w)
+        grads = key_blocks.backward(blk, out, lse, d_out)
+        d_w = d_w + next(g for p, g in zip(key_blocks.parameters(blk), grads.params) if p is w)
     torch.testing.assert_close(d_w, expected_w, rtol=1e-9, atol=1e-9)
 
 
@@ -249,11 +250,11 @@ def test_fused_engine_for_dot_scores_online_for_the_rest():
     q, k, v = inputs()
     base = checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=True, scale=None,
                           dropout=0.0, return_weights=False)  # fmt: skip
-    assert partial.engine(partial.prepare(base)) == "fused_blocks"
-    assert partial.engine(replace(base, score=scores()["concat"])) == "online_softmax"
+    assert key_blocks.engine(key_blocks.prepare(base)) == "fused_blocks"
+    assert key_blocks.engine(replace(base, score=scores()["concat"])) == "online_softmax"
     learned = replace(base, bias=qkv.RelativePositionBias(H, 8, 6).double())
-    assert partial.engine(learned) == "online_softmax"  # the kernel cannot differentiate a bias
-    assert partial.engine(replace(base, dropout=0.2)) == "online_softmax"
+    assert key_blocks.engine(learned) == "online_softmax"  # the kernel cannot differentiate a bias
+    assert key_blocks.engine(replace(base, dropout=0.2)) == "online_softmax"
 
 
 def test_merge_closed_form_and_dead_rows():
@@ -261,11 +262,11 @@ def test_merge_closed_form_and_dead_rows():
     out_a, out_b = torch.tensor([[1.0, 0.0], [5.0, 5.0]]), torch.tensor([[0.0, 1.0], [7.0, 7.0]])
     lse_a = torch.tensor([0.0, float("-inf")])
     lse_b = torch.tensor([torch.log(torch.tensor(3.0)).item(), float("-inf")])
-    out, lse = partial.merge(out_a, lse_a, out_b, lse_b)
+    out, lse = key_blocks.merge(out_a, lse_a, out_b, lse_b)
     torch.testing.assert_close(out[0], torch.tensor([0.25, 0.75]))
     torch.testing.assert_close(lse[0], torch.log(torch.tensor(4.0)))
     assert torch.equal(out[1], torch.zeros(2)) and bool(torch.isneginf(lse[1]))
-    out, lse = partial.merge(out_a[:1], lse_a[:1], torch.zeros(1, 2), torch.tensor([float("-inf")]))
+    out, lse = key_blocks.merge(out_a[:1], lse_a[:1], torch.zeros(1, 2), torch.tensor([float("-inf")]))
     torch.testing.assert_close(out, out_a[:1])  # a block of zero mass changes nothing
 
 
@@ -274,7 +275,7 @@ def test_rows_dead_everywhere_get_zero_gradients():
     nothing = torch.zeros(B, 1, I, J, dtype=torch.bool)
     req = checks.request(q, k, v, score="scaled_dot", mask=nothing, bias=None, causal=False, scale=None,
                          dropout=0.0, return_weights=False)  # fmt: skip
-    preq = partial.prepare(req)
+    preq = key_blocks.prepare(req)
     out, lse, blocks, _ = run_blocks(preq)
     assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
     dq, dk, dv, _, _ = grads_by_blocks(preq, blocks, out, lse, cotangent(out.shape))
@@ -290,7 +291,7 @@ def test_dropout_blocks_are_the_whole_calls_slices():
     d_out = cotangent(expected.shape)
     expected_grads = torch.autograd.grad(expected, [q, k, v], d_out)
     req = checks.request(q, k, v, score="scaled_dot", bias=None, causal=False, scale=None, return_weights=False, **kw)
-    preq = partial.prepare(req)
+    preq = key_blocks.prepare(req)
     out, lse, blocks, _ = run_blocks(preq, seed=seed)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     dq, dk, dv, _, _ = grads_by_blocks(preq, blocks, out, lse, d_out, seed=seed)
@@ -310,7 +311,7 @@ def test_dropout_origin_places_heads_and_rows():
     sub_q, sub_k, sub_v = q[:, 2:4, 3:8], k[:, 1:2], v[:, 1:2]
     req = checks.request(sub_q, sub_k, sub_v, score="scaled_dot", mask=None, bias=None, causal=False, scale=None,
                          dropout=0.4, return_weights=False)  # fmt: skip
-    out, _ = partial.forward(partial.prepare(req), seed=seed, origin=Origin(head=2, heads=H, row=3))
+    out, _ = key_blocks.forward(key_blocks.prepare(req), seed=seed, origin=Origin(head=2, heads=H, row=3))
     torch.testing.assert_close(out, expected[:, 2:4, 3:8], rtol=1e-10, atol=1e-10)
 
 
@@ -318,14 +319,14 @@ def test_with_sinks_closed_form_and_gradient():
     """One key of logit 0 and a sink of logit log 3: out = v/4, lse = log 4; d s by autograd = the formula."""
     out, lse = torch.tensor([[[2.0, 4.0]]]), torch.tensor([[0.0]])  # (h=1, i=1, e=2)
     sinks = torch.log(torch.tensor([3.0])).requires_grad_()
-    got, total = partial.with_sinks(out, lse, sinks)
+    got, total = key_blocks.with_sinks(out, lse, sinks)
     torch.testing.assert_close(got, torch.tensor([[[0.5, 1.0]]]))
     torch.testing.assert_close(total, torch.log(torch.tensor([[4.0]])))
     d_out = torch.tensor([[[1.0, -2.0]]])
     (d_s,) = torch.autograd.grad(got, sinks, d_out)
     delta = (d_out * got).sum(-1)  # D = rowsum(dO ∘ O_total)
     torch.testing.assert_close(d_s, -(torch.exp(sinks - total) * delta).sum(-1).detach().reshape(1))
-    dead, dead_total = partial.with_sinks(torch.zeros(1, 1, 2), torch.tensor([[float("-inf")]]), sinks)
+    dead, dead_total = key_blocks.with_sinks(torch.zeros(1, 1, 2), torch.tensor([[float("-inf")]]), sinks)
     assert torch.equal(dead, torch.zeros(1, 1, 2)) and torch.allclose(dead_total, sinks.detach())
 
 
@@ -333,7 +334,7 @@ def test_float32_blocks_match_float64():
     q, k, v = (x.detach().float() for x in inputs())
     req = checks.request(q, k, v, score="scaled_dot", mask=qkv.masks.causal(), bias=None, causal=False,
                          scale=None, dropout=0.0, return_weights=False)  # fmt: skip
-    out, lse, _, _ = run_blocks(partial.prepare(req))
+    out, lse, _, _ = run_blocks(key_blocks.prepare(req))
     assert out.dtype == lse.dtype == torch.float32
     expected = qkv.attention(q.double(), k.double(), v.double(), mask=qkv.masks.causal(), backend="reference")
     baseline = ref.plain_attention(q, k, v, scale=D**-0.5, mask=ref.bottom_right_causal(I, J))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..masks import Tile
+from ...masks import Tile
 
 _LOW32 = 0xFFFFFFFF
 

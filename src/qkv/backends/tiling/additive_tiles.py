@@ -53,9 +53,9 @@ import math
 import torch
 from torch import Tensor
 
-from .._trace import concrete
-from ..masks import Tile
-from ..scores import Additive, Score
+from ..._trace import concrete
+from ...masks import Tile
+from ...scores import Additive, Score
 
 #: Elements of one ``(ib, jb, n)`` sub-block summed over batch and heads, with one intra-op
 #: thread: 2 MiB in float32, about one core's L2 cache (1 MiB) plus what L3 streams in.

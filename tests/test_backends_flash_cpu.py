@@ -1,4 +1,4 @@
-"""The fused CPU kernel's probe (``qkv.backends.kernels``) and the public fallback it guards.
+"""The fused CPU kernel's probe (``qkv.backends.tiling.flash_cpu``) and the public fallback it guards.
 
 Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
 length, ``d`` query/key size, ``e`` value size; b=2, h=6, g=3, i=5, j=7, d=11, e=13.
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends import chunked, kernels
+from qkv.backends import engines
+from qkv.backends.tiling import flash_cpu as kernels
 
 B, H, G, I, J, D, E = 2, 6, 3, 5, 7, 11, 13
 
@@ -34,7 +35,9 @@ def broken_kernel(monkeypatch):
     yield
 
 
-@pytest.mark.parametrize("kw", [dict(bias=qkv.ALiBi(H).double()), dict(causal=True, return_weights=True)])
+@pytest.mark.parametrize(
+    "kw", [dict(bias=qkv.ALiBi(H).double()), dict(causal=True, return_weights=True, weights_for={"rows": [0, 3]})]
+)
 def test_without_the_kernel_chunked_runs_the_public_tiles(broken_kernel, kw):
     q, k, v = inputs()
     text = qkv.explain(q, k, v, **kw)
@@ -50,8 +53,9 @@ def test_without_the_kernel_a_long_window_leaves_the_local_backend(broken_kernel
     q, k, v = (x.detach().float() for x in inputs(i=600, j=600))
     text = qkv.explain(q, k, v, mask=qkv.masks.window(16))
     assert "not local: this torch's fused CPU kernel is missing or failed its check for torch.float32" in text
-    assert chunked.engine(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=qkv.ALiBi(H), causal=False,
-                                             scale=None, dropout=0.0, return_weights=False)) == "online_softmax"  # fmt: skip
+    req = qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=qkv.ALiBi(H), causal=False, scale=None,
+                             dropout=0.0, return_weights=False)  # fmt: skip
+    assert engines.choose(req)[0].name == "online_softmax"
 
 
 def test_a_kernel_that_gives_wrong_answers_fails_the_probe(monkeypatch):

@@ -1,10 +1,12 @@
-"""PyTorch's private fused CPU attention kernel, behind a probe: when a call may use it.
+"""PyTorch's private fused CPU attention kernel, behind a probe: when a call may use it, and how.
 
-Shape legend: ``b`` batch, ``h`` heads, ``i`` query length, ``j`` key length, ``d`` head size.
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size.
 
 ``aten::_scaled_dot_product_flash_attention_for_cpu`` (and its backward) is the kernel
 behind ``F.scaled_dot_product_attention`` on the CPU. Unlike the public function it returns
-the log-sum-exp, which the ``chunked`` (``fused_blocks``) and ``local`` backends need. It is
+the log-sum-exp, which the ``fused_blocks`` and ``alibi_column`` engines need (the ``local``
+backend and the Reformer's chunks use it too). It is
 private: a torch may lack it, refuse a dtype, or change it, and it runs on CPU tensors
 only. So a backend asks :func:`unusable` before choosing it, and gets a reason when it may
 not, which ``qkv.explain`` prints:
@@ -21,9 +23,10 @@ not, which ``qkv.explain`` prints:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .._trace import tracing
+from ..._trace import tracing
 
 _op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _op_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -75,3 +78,38 @@ def _probe(dtype: torch.dtype) -> bool:
     tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4
     got = (out, dq, dk, dv)
     return all(torch.allclose(a.double(), b, atol=tol, rtol=tol) for a, b in zip(got, (want, *grads)))
+
+
+def mask_dtype(q: Tensor) -> torch.dtype:
+    """dtype of additive masks for the kernel: float32 for half-precision inputs (it adds them in float32)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def same_head_size(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero-pad ``d`` or ``e`` so they match, as the kernel requires.
+
+    Zeros appended to q and k leave every dot product unchanged; zeros appended to v add
+    output columns that the caller slices off.
+    """
+    d, e = q.shape[-1], v.shape[-1]
+    if d < e:
+        q, k = F.pad(q, (0, e - d)), F.pad(k, (0, e - d))
+    elif e < d:
+        v = F.pad(v, (0, d - e))
+    return q, k, v
+
+
+def grouped_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's backward; half-precision grouped heads get their key and value sums in float32.
+
+    With ``g < h`` KV heads the kernel adds the ``h / g`` query heads' shares of dk and dv
+    into one buffer of the input's precision; in bfloat16 that doubled their error against
+    float64 at i = 4096, GQA 8/2 (``tests/test_backends_bf16.py`` holds the rule). So
+    half-precision calls get the KV heads repeated, and the shares are summed here in float32.
+    """
+    group = q.shape[-3] // k.shape[-3]
+    if group == 1 or q.dtype not in (torch.float16, torch.bfloat16):
+        return backward(d_out, q, k, v, *args, **kwargs)
+    gq, gk, gv = backward(d_out, q, k.repeat_interleave(group, -3), v.repeat_interleave(group, -3), *args, **kwargs)
+    gk, gv = (x.unflatten(-3, (-1, group)).sum(-3, dtype=torch.float32).to(x.dtype) for x in (gk, gv))
+    return gq, gk, gv

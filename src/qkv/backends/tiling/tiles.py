@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import Mask, Offsets, Tile
-from ..positional import LazyBias
+from ...masks import Mask, Offsets, Tile
+from ...positional import LazyBias
 
 NEG_INF = float("-inf")
 
@@ -55,10 +55,6 @@ class BiasSource:
                 self.profile = graph.detach().requires_grad_()
             else:
                 self.profile = graph
-
-    @property
-    def dense(self) -> bool:
-        return isinstance(self.bias, Tensor)
 
     def tile(self, t: Tile) -> Tensor | None:
         """Bias of one tile, broadcastable to ``(..., h, it, jt)``, or None."""
@@ -124,3 +120,17 @@ def offset_live_rows(mask: Offsets, i_len: int, j_len: int) -> tuple[int, int]:
     first = 0 if mask.hi is None else max(0, -shift - mask.hi)
     stop = i_len if mask.lo is None else min(i_len, j_len - shift - mask.lo)
     return first, max(first, stop)
+
+
+def sum_to(x: Tensor, shape: torch.Size) -> Tensor:
+    """Sum ``x`` over the dims it was broadcast along, back to ``shape`` (a dense bias's gradient)."""
+    while x.dim() > len(shape):
+        x = x.sum(0)
+    dims = [n for n, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1]
+    return x.sum(dims, keepdim=True) if dims else x
+
+
+def grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q (b, h, i, d) -> (b, g, r, i, d)``; ``k``, ``v`` get a size-1 ``r`` axis: products broadcast over the group."""
+    g = k.shape[-3]
+    return q.unflatten(-3, (g, q.shape[-3] // g)), k.unsqueeze(-3), v.unsqueeze(-3)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..masks import Tile
+from ...masks import Tile
 
 #: Query rows per block in :func:`saturating_profile_grad`. Each block recomputes ``dS`` on
 #: ``BAND_ROWS + 2·max_distance`` keys, so smaller blocks waste less; but every block is a

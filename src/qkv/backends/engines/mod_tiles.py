@@ -46,13 +46,16 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .. import score_mods
-from ..masks import Mask, Tile
-from ..score_mods import SoftCap
-from . import sinks as sink
-from . import tile_math, workers
-from .online_softmax import bound
-from .tiles import NEG_INF, BiasSource, live_tiles
+from ... import score_mods
+from ...masks import Mask, Tile
+from ...score_mods import SoftCap
+from ..request import Request, bias_needs_grad
+from ..tiling import lse as row_lse
+from ..tiling import threads, tile_math
+from ..tiling.tiles import NEG_INF, BiasSource, live_tiles
+from .contract import Grads, parameters
+
+name = "mod_tiles"
 
 #: Query rows per tile. With ``TILE_COLS`` and 8 heads a float32 tile is 4 MiB, the size at
 #: which this machine's elementwise passes were cheapest per element (measured 0.03 ns for
@@ -62,7 +65,7 @@ TILE_ROWS = 256
 TILE_COLS = 256
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModPlan:
     """What a call is, besides its tensors."""
 
@@ -78,9 +81,21 @@ class ModPlan:
         return self.score_mod.cap if isinstance(self.score_mod, SoftCap) else None
 
 
-def plan(req) -> ModPlan:
-    """The plan of a request (``backends.Request``) this engine runs."""
+def plan(req: Request) -> ModPlan:
+    """The plan of a request this engine runs."""
     return ModPlan(req.mask, req.bias, req.scale, req.score_mod, TILE_ROWS, TILE_COLS)
+
+
+def refuses(req: Request) -> str | None:
+    if req.score_mod is None:
+        return "it is the loop for score_mods, and this call has none"
+    if not req.score.dot_form:
+        return f"the {req.score.name} score is not a dot product"
+    if req.dropout > 0:
+        return "it has no dropout"
+    if bias_needs_grad(req):
+        return "it cannot differentiate a learned bias"
+    return None
 
 
 def _rows(x: Tensor, g: int, t: Tile, dtype: torch.dtype) -> Tensor:
@@ -171,20 +186,18 @@ def _cost(tiles, b: int, h: int) -> int:
     return sum(b * h * (t.i1 - t.i0) * (t.j1 - t.j0) for t, _ in tiles)
 
 
-def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype | None = None,
-            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``(out (b, h, i, e), lse (b, h, i))``, no graph; ``lse`` (float32 or wider) is ``+inf`` on rows with no key.
+def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """``(out (b, h, i, e), lse (b, h, i))``, no graph; ``lse`` (float32 or wider) is ``-inf`` on rows with no key.
 
     ``out`` is in ``out_dtype`` (default float32 or wider); each block of rows is
-    accumulated in float32 and written once, with ``sinks (h,)`` applied there when given.
-    One task per block of query rows, which owns those rows (``backends.workers`` runs the
-    tasks on threads).
+    accumulated in float32 and written once. One task per block of query rows, which owns
+    those rows (``tiling.threads`` runs the tasks on threads).
     """
     b, h, i_len, _ = q.shape
     g, j_len, e = k.shape[1], k.shape[2], v.shape[-1]
     q, k, v, mm, acc, factor = _inputs(plan, q, k, v)
     out = torch.zeros(b, h, i_len, e, dtype=acc if out_dtype is None else out_dtype, device=q.device)
-    lse = torch.full((b, h, i_len), float("inf"), dtype=acc, device=q.device)
+    lse = torch.full((b, h, i_len), NEG_INF, dtype=acc, device=q.device)
     bias = BiasSource(plan.bias, i_len, j_len, q.device)
     cap = plan.cap
     clamp = cap is not None and _needs_clamp(plan, q, k, factor)
@@ -230,27 +243,21 @@ def forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dty
             pv = scratch.take("pv", (b * g, (h // g) * it, e), acc)
             rows += tile_math.mm(p.view(b * g, -1, t.j1 - t.j0).to(mm), _cols(v, t, mm), pv).view(b, h, it, e)
         live = l > 0
-        rows = torch.where(live, rows / l.clamp(min=1e-30), 0.0)
-        row_lse = torch.where(live, m + torch.log(l.clamp(min=1e-30)), float("inf")).squeeze(-1)
-        if sinks is not None:
-            rows, row_lse, _ = sink.apply(rows, row_lse, sinks)
-        out[:, :, i0:i1] = rows
-        lse[:, :, i0:i1] = row_lse
+        out[:, :, i0:i1] = torch.where(live, rows / l.clamp(min=1e-30), 0.0)
+        lse[:, :, i0:i1] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), NEG_INF).squeeze(-1)
 
     tasks = sorted(rows_of)
-    workers.run(tasks, [_cost(rows_of[i0], b, h) for i0 in tasks], work, lambda: tile_math.Scratch(q.device))
-    if sinks is not None:  # rows in no task see no key: all their mass is the sink's
-        lse = torch.where(torch.isinf(lse), sink.apply(out[..., :1], lse, sinks)[1], lse)
+    threads.run(tasks, [_cost(rows_of[i0], b, h) for i0 in tasks], work, lambda: tile_math.Scratch(q.device))
     return out, lse
 
 
-def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
-             params: tuple[Tensor, ...] = (), grad_dtype: torch.dtype | None = None,
-             ) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:  # fmt: skip
+def tiles_backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
+                   params: tuple[Tensor, ...] = (), grad_dtype: torch.dtype | None = None,
+                   ) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:  # fmt: skip
     """``(dq, dk, dv, d_params)`` from the row's final ``out`` and ``lse``.
 
-    As in ``online_softmax.tiled_backward``, ``out`` and ``lse`` may be a larger softmax's
-    (more key blocks, sinks): the result is then this call's share. ``params`` are the
+    ``out`` and ``lse`` may be a larger softmax's (more key blocks, sinks): the result is
+    then this call's share (``engines.contract``). ``params`` are the
     tensors the modifier reads; ``d_params`` is aligned with them (None where none needed).
     One task per block of keys, which accumulates its rows of ``dk`` and ``dv`` in float32
     and writes them once, in ``grad_dtype`` (default float32 or wider); ``dq`` and the
@@ -262,7 +269,7 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     q, k, v, mm, acc, factor = _inputs(plan, q, k, v)
     grad_dtype = acc if grad_dtype is None else grad_dtype
     d_out = d_out.contiguous()
-    lse = torch.where(torch.isinf(lse), float("inf"), lse.to(acc))  # -inf (merge convention) or +inf: no key
+    lse = row_lse.for_recompute(lse, acc)
     delta = _row_dots(d_out, out, acc)  # D = rowsum(dO ∘ O)
     dk = torch.zeros(k.shape, dtype=grad_dtype, device=q.device)
     dv = torch.zeros(v.shape, dtype=grad_dtype, device=q.device)
@@ -326,7 +333,7 @@ def backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         return _Share(tile_math.Scratch(q.device), dq, [torch.zeros_like(p) for p in trainable])
 
     tasks = sorted(cols_of)
-    shares = workers.run(tasks, [_cost(cols_of[j0], b, h) for j0 in tasks], work, make_share)
+    shares = threads.run(tasks, [_cost(cols_of[j0], b, h) for j0 in tasks], work, make_share)
     dq = shares[0].dq
     for share in shares[1:]:
         dq += share.dq
@@ -345,21 +352,13 @@ class _Share:
     d_params: list[Tensor]  # aligned with the trainable modifier tensors
 
 
-class ModTiles(torch.autograd.Function):
-    """``(q, k, v, sinks, *params) -> (out, lse)``; ``params`` are the tensors the modifier reads."""
+def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, None]:
+    """The contract's forward (``engines.contract``): ``out`` is written in ``dtype``."""
+    out, lse = tiles_forward(plan(req), req.q, req.k, req.v, out_dtype=dtype)
+    return out, lse, None
 
-    @staticmethod
-    def forward(ctx, plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, *params: Tensor):
-        out, lse = forward(plan, q, k, v, out_dtype=v.dtype, sinks=sinks)
-        ctx.plan, ctx.params = plan, params
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        with bound(score_mods.modules(ctx.plan.score_mod), ctx.params):
-            dq, dk, dv, d_params = backward(ctx.plan, q, k, v, out, lse, d_out, ctx.params, grad_dtype=q.dtype)
-        d_sinks = sink.grad(out, lse, d_out, sinks) if ctx.needs_input_grad[4] else None
-        return None, dq, dk, dv, d_sinks, *d_params
+def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None, dtype: torch.dtype) -> Grads:
+    """The contract's backward: gradients in ``dtype``, the modifier's tensors' aligned with ``parameters(req)``."""
+    dq, dk, dv, d_params = tiles_backward(plan(req), req.q, req.k, req.v, out, lse, d_out, tuple(parameters(req)), dtype)
+    return Grads(q=dq, k=dk, v=dv, bias=None, params=d_params)

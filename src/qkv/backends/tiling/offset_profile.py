@@ -3,33 +3,22 @@
 Shape legend: ``h`` heads, ``i`` query length, ``j`` key length, ``L = i + j - 1`` the number
 of query-key offsets; ``it``/``jt`` the sides of a block.
 
-:class:`FusedPlan` says what a ``fused_blocks`` call adds to the logits; when that is an
-offset-range mask (causal, windows, ``offsets``) and a shift-invariant bias (ALiBi, T5
-buckets), :class:`DiagonalMask` holds it as an ``(h|1, L)`` profile from which each
-block's additive mask is a zero-copy strided view that PyTorch's fused kernel reads
-directly. Checked against the reference mask and bias in ``tests/test_backends_chunked.py``.
+When a call's mask is an offset range (causal, windows, ``offsets``) and its bias is
+shift-invariant (ALiBi, T5 buckets), :class:`DiagonalMask` holds both as an ``(h|1, L)``
+profile from which each block's additive mask is a zero-copy strided view that PyTorch's
+fused kernel reads directly (the ``fused_blocks`` and ``alibi_column`` engines). Checked against the reference mask and bias in ``tests/test_backends_chunked.py``.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..masks import Mask, Offsets, Tile
-from ..positional import LazyBias
+from ...masks import Mask, Offsets, Tile
+from ...positional import LazyBias
 from .tiles import NEG_INF, BiasSource, offset_live_rows, shift_invariant
-
-
-@dataclass
-class FusedPlan:
-    mask: Mask | None
-    bias: object  # Tensor (dense, no grad), LazyBias (trainable only if shift-invariant), or None
-    scale: float
-    causal_square: bool  # the mask is exactly causal and i == j: the kernel's own flag is right
-
 
 
 class DiagonalMask:
@@ -44,15 +33,14 @@ class DiagonalMask:
     tensor), which the fused kernel reads directly. Outputs are un-reversed afterwards.
     """
 
-    def __init__(self, plan: FusedPlan, i_len: int, j_len: int, dtype: torch.dtype, device, profile: Tensor | None = None):
-        self.window, self.i_len, self.j_len = plan.mask, i_len, j_len
+    def __init__(self, mask: Offsets | None, bias: LazyBias | None, i_len: int, j_len: int, dtype: torch.dtype, device):
+        self.window, self.i_len, self.j_len = mask, i_len, j_len
         self.shift = j_len - i_len
         self.offset0 = -(i_len - 1) - self.shift
         offsets = torch.arange(self.offset0, self.offset0 + i_len + j_len - 1, device=device)
-        if profile is not None:  # a learned bias, evaluated (with its graph) by the caller
-            prof = profile.detach().to(dtype)
-        elif plan.bias is not None:
-            prof = BiasSource(plan.bias, i_len, j_len, device).profile.to(dtype)
+        if bias is not None:
+            with torch.no_grad():  # a learned bias's gradient is rebuilt apart (tiling.bias_grad)
+                prof = BiasSource(bias, i_len, j_len, device).profile.to(dtype)
         else:
             prof = torch.zeros(1, offsets.numel(), dtype=dtype, device=device)
         w = self.window
@@ -66,11 +54,12 @@ class DiagonalMask:
         self.profile = prof.contiguous()
 
     @staticmethod
-    def applies(plan: FusedPlan) -> bool:
-        if plan.mask is None and plan.bias is None:
+    def applies(mask: Mask | None, bias: object) -> bool:
+        """True when ``mask`` is an offset range or None and ``bias`` shift-invariant or None (not both None)."""
+        if mask is None and bias is None:
             return False  # nothing to add to the logits: plain kernel calls, no zero profile or row flips
-        lazy_ok = plan.bias is None or (isinstance(plan.bias, LazyBias) and shift_invariant(plan.bias))
-        return lazy_ok and (plan.mask is None or isinstance(plan.mask, Offsets))
+        lazy_ok = bias is None or (isinstance(bias, LazyBias) and shift_invariant(bias))
+        return lazy_ok and (mask is None or isinstance(mask, Offsets))
 
     def base(self, t: Tile) -> int:
         """Profile index of the reversed block's row 0, column 0 (query ``i1 - 1``, key ``j0``)."""

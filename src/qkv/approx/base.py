@@ -1,0 +1,75 @@
+"""The base of the approximate mechanisms: the checks that open every forward call, written once.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size.
+
+Every mechanism in :mod:`qkv.approx` opens its forward the same way, in this order (the
+order decides which error a call with several faults gets, so it is fixed here):
+
+1. ``q, k, v`` and the ``causal`` / ``return_weights`` flags are checked
+   (:func:`qkv.approx._common.check_qkv`, :func:`~qkv.approx._common.check_flags`);
+2. ``causal=True`` is refused by a method that mixes all positions;
+3. the method's own sizes are checked (:meth:`ApproxAttention.check_sizes`);
+4. the mask is made dense (:func:`~qkv.approx._common.dense_mask`) and reduced to what the
+   method honours (:meth:`ApproxAttention.honoured_mask`): by default a key padding mask,
+   ``keep (b|1, h|1, j)`` (:func:`~qkv.approx._common.key_padding`).
+
+A subclass declares its name in errors (``method``), why it cannot be causal
+(``why_not_causal``, None when it can) and what runs a mask it cannot honour
+(``mask_hint``), then calls ``dims, keep = self.check_call(...)``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ._common import Dims, check_flags, check_qkv, dense_mask, key_padding
+
+#: ``mask_hint`` of a method that can be causal: the causal mask has a flag of its own.
+CAUSAL_INSTEAD = "use causal=True for the causal mask, or exact attention (qkv.attention) for other masks"
+
+
+class ApproxAttention(nn.Module):
+    """Base of the :mod:`qkv.approx` mechanisms: :meth:`check_call` validates a forward call.
+
+    Class attributes a subclass sets:
+        method: its name in errors, e.g. ``"Linformer"``.
+        why_not_causal: the clause ``causal=True`` is refused with (``"<why>, so it cannot be
+            causal; ..."``), or None when the method can be causal.
+        mask_hint: what to use instead of a mask that is not key padding, the end of
+            :func:`qkv.approx._common.key_padding`'s error (:data:`CAUSAL_INSTEAD` for a
+            method that can be causal). Not read by a subclass that overrides
+            :meth:`honoured_mask`.
+    """
+
+    method: str
+    why_not_causal: str | None = None
+    mask_hint: str
+
+    def check_call(
+        self, q: Tensor, k: Tensor, v: Tensor, *, mask: object, causal: object, return_weights: object
+    ) -> tuple[Dims, Tensor | None]:
+        """Validate one forward call; return its sizes and the mask the method honours.
+
+        The mask is ``keep (b|1, h|1, j)`` (True = real key) unless :meth:`honoured_mask` is
+        overridden, and None without a mask. Errors name the argument (``ValueError`` /
+        ``TypeError``), in the order of the module docstring.
+        """
+        dims = check_qkv(q, k, v)
+        check_flags(causal, return_weights)
+        if causal and self.why_not_causal is not None:
+            raise ValueError(
+                f"causal: {self.why_not_causal}, so it cannot be causal; "
+                "use qkv.approx.Performer or qkv.approx.LinearAttention with causal=True, or exact attention"
+            )
+        self.check_sizes(dims, k)
+        return dims, self.honoured_mask(dense_mask(mask, dims, q.device), dims)
+
+    def check_sizes(self, dims: Dims, k: Tensor) -> None:
+        """Sizes the method's own settings fix (``d``, ``j``, ``h``); raise ``ValueError`` when
+        they do not fit. ``k`` is passed for its shape in messages. Nothing by default."""
+
+    def honoured_mask(self, mask: Tensor | None, dims: Dims) -> Tensor | None:
+        """The dense mask ``(b|1, h|1, i|1, j)`` reduced to what the method can run: by default
+        a key padding ``keep (b|1, h|1, j)``, refusing masks that vary with the query."""
+        return key_padding(mask, dims, self.method, self.mask_hint)
