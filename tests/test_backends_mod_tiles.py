@@ -145,13 +145,15 @@ def test_huge_logits_saturate_without_overflow():
     """``x / c`` in the hundreds: ``expm1`` would overflow without the clamp; no clamp when the bound allows."""
     q, k, v = inputs(spread=10.0)
     kw = dict(score_mod=qkv.SoftCap(0.05), causal=True)
-    plan = mod_tiles.plan(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
+    plan = mod_tiles.plan_of(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
                                              scale=0.3, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(0.05)))  # fmt: skip
-    q_mm, k_mm, _, _, _, factor = mod_tiles._inputs(plan, q, k, v)
+    ops = mod_tiles._operands(plan, q, k, v)
+    q_mm, k_mm, factor = ops.q, ops.k, ops.factor
     assert mod_tiles._needs_clamp(plan, q_mm, k_mm, factor)
-    small = mod_tiles.plan(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
+    small = mod_tiles.plan_of(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
                                               scale=1e-4, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(50.0)))  # fmt: skip
-    q_mm, k_mm, _, _, _, factor = mod_tiles._inputs(small, q, k, v)
+    ops = mod_tiles._operands(small, q, k, v)
+    q_mm, k_mm, factor = ops.q, ops.k, ops.factor
     assert not mod_tiles._needs_clamp(small, q_mm, k_mm, factor)
     got, expected = run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw)
     assert bool(torch.isfinite(got[0]).all())

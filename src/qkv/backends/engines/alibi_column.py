@@ -35,6 +35,7 @@ apart) and keeps the faster. Checked against the float64 reference in
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,7 @@ def refuses(req: Request) -> str | None:
 def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, None]:
     """The contract's forward (``engines.contract``), with the kernel's head sizes made equal."""
     e = req.v.shape[-1]
-    out, lse = column_forward(*same_head_size(req.q, req.k, req.v), req.bias, req.scale, req.mask is not None)
+    out, lse = column_forward(_Parts(*same_head_size(req.q, req.k, req.v), req.bias, req.scale, req.mask is not None))
     return out[..., :e], lse, None
 
 
@@ -94,7 +95,7 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None,
     qf, kf, vf = same_head_size(q, k, v)
     pad = vf.shape[-1] - e
     out_f, d_out_f = (F.pad(x.to(q.dtype), (0, pad)) if pad else x.to(q.dtype) for x in (out, d_out))
-    dq, dk, dv = column_backward(qf, kf, vf, out_f, lse, d_out_f, req.bias, req.scale, req.mask is not None)
+    dq, dk, dv = column_backward(_Parts(qf, kf, vf, req.bias, req.scale, req.mask is not None), out_f, lse, d_out_f)
     return Grads(q=dq[..., :d], k=dk[..., :d], v=dv[..., :e], bias=None, params=[])
 
 
@@ -117,22 +118,23 @@ def _column_faster(dtype: torch.dtype, grad: bool) -> bool:
             fused_blocks.fused_backward(masked_plan, q, k, v, out, lse, d_out)
 
     def column():
-        out, lse = column_forward(q, k, v, bias, scale, False)
+        parts = _Parts(q, k, v, bias, scale, False)
+        out, lse = column_forward(parts)
         if grad:
-            column_backward(q, k, v, out, lse, d_out, bias, scale, False)
+            column_backward(parts, out, lse, d_out)
 
     t_column, t_masked = best_times(column, masked)
     return t_column < MARGIN * t_masked
 
 
 def _blocks(i_len: int, j_len: int, causal: bool):
-    """Per block of rows ``(i0, i1, a, e, right)``: square keys ``a:e``, and whether keys right of it are seen."""
+    """:class:`_Block` per :data:`BLOCK_ROWS` rows: its square keys, and whether keys right of it are seen."""
     shift = j_len - i_len
     for i0 in range(0, i_len, BLOCK_ROWS):
         i1 = min(i0 + BLOCK_ROWS, i_len)
         a = min(j_len, max(0, i0 + shift))
         e = max(a, min(j_len, i1 + shift))
-        yield i0, i1, a, e, not causal and e < j_len
+        yield _Block(i0, i1, a, e, not causal and e < j_len)
 
 
 def _row_terms(slopes: Tensor, i0: int, i1: int, a: int, e: int, shift: int) -> tuple[Tensor, Tensor]:
@@ -142,33 +144,48 @@ def _row_terms(slopes: Tensor, i0: int, i1: int, a: int, e: int, shift: int) -> 
     return -m * (r + shift - a), -m * (e - 1 - r - shift)
 
 
-def column_forward(q: Tensor, k: Tensor, v: Tensor, bias: ALiBi, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` for ALiBi without a mask or causal; ``q (b, h, i, d)``, ``k, v (b, g, j, d)``; no graph."""
-    i_len, j_len = q.shape[-2], k.shape[-2]
-    parts = _Parts(q, k, v, bias, scale, causal)
+def column_forward(parts: _Parts) -> tuple[Tensor, Tensor]:
+    """``(out (b, h, i, d), lse (b, h, i))`` of ALiBi without a mask or causal, ``parts`` its inputs; no graph."""
+    q = parts.q
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:-1], NEG_INF, dtype=q.dtype, device=q.device)  # rows before the first key: no mass
-    for i0, i1, a, e, right in _blocks(i_len, j_len, causal):
+    for block in _blocks(q.shape[-2], parts.k.shape[-2], parts.causal):
         acc_out = acc_lse = None
-        for o, m in parts.forward(i0, i1, a, e, right):
+        for o, m in parts.forward(block):
             acc_out, acc_lse = (o, m) if acc_lse is None else row_lse.merge(acc_out, acc_lse, o, m)
         if acc_lse is not None:
-            out[..., i0:i1, :], lse[..., i0:i1] = acc_out, acc_lse
+            out[..., block.i0 : block.i1, :], lse[..., block.i0 : block.i1] = acc_out, acc_lse
     return out, lse
 
 
-def column_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor, bias: ALiBi, scale: float,
-                    causal: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def column_backward(parts: _Parts, out: Tensor, lse: Tensor, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` from the row's final ``out`` and ``lse`` (``±inf``: a row that sees no key)."""
+    q, k, v = parts.q, parts.k, parts.v
     dead = torch.isinf(lse)  # rows that see no key: no gradient, and a finite lse for the kernel
-    d_out = d_out.masked_fill(dead[..., None], 0.0).contiguous()
-    lse = lse.masked_fill(dead, 0.0)
-    parts = _Parts(q, k, v, bias, scale, causal)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    padded = F.pad(d_out, (0, 1)), F.pad(out, (0, 1))  # the column parts' head size, once per call
-    for i0, i1, a, e, right in _blocks(q.shape[-2], k.shape[-2], causal):
-        parts.backward(i0, i1, a, e, right, d_out, out, lse, padded, dq, dk, dv)
-    return dq, dk, dv
+    rows = _Rows(d_out.masked_fill(dead[..., None], 0.0).contiguous(), out, lse.masked_fill(dead, 0.0))
+    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for block in _blocks(q.shape[-2], k.shape[-2], parts.causal):
+        parts.backward(block, rows, grads)
+    return grads
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Rows ``i0:i1``; keys ``a:e`` are their diagonal square; ``right``: keys right of it are seen."""
+
+    i0: int
+    i1: int
+    a: int
+    e: int
+    right: bool
+
+
+class _Rows:
+    """What the backward reads of every row: ``d_out``, ``out``, a finite ``lse``, and the first two padded by one column."""
+
+    def __init__(self, d_out: Tensor, out: Tensor, lse: Tensor):
+        self.d_out, self.out, self.lse = d_out, out, lse
+        self.d_out_aug, self.out_aug = F.pad(d_out, (0, 1)), F.pad(out, (0, 1))  # the column parts' head size
 
 
 class _Parts:
@@ -176,7 +193,7 @@ class _Parts:
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, bias: ALiBi, scale: float, causal: bool):
         slopes = bias.slopes.to(device=q.device, dtype=torch.float64)
-        self.q, self.k, self.v, self.slopes, self.scale = q, k, v, slopes, scale
+        self.q, self.k, self.v, self.slopes, self.scale, self.causal = q, k, v, slopes, scale, causal
         b, h, i_len, d = q.shape
         self.shift = k.shape[-2] - i_len
         column = (slopes / scale).to(q.dtype)[None, :, None, None].expand(b, h, i_len, 1)
@@ -192,17 +209,18 @@ class _Parts:
         if right:
             self.k_aug[..., e:, -1] = (e - 1) - self.keys[e:]
 
-    def _sides(self, i0, i1, a, e, right):
+    def _sides(self, block: _Block):
         """``(keys, row term (h, it))`` of the column parts of a block."""
-        left_term, right_term = _row_terms(self.slopes, i0, i1, a, e, self.shift)
-        sides = [(slice(0, a), left_term)] if a > 0 else []
-        return sides + ([(slice(e, None), right_term)] if right else [])
+        left_term, right_term = _row_terms(self.slopes, block.i0, block.i1, block.a, block.e, self.shift)
+        sides = [(slice(0, block.a), left_term)] if block.a > 0 else []
+        return sides + ([(slice(block.e, None), right_term)] if block.right else [])
 
-    def forward(self, i0, i1, a, e, right):
+    def forward(self, block: _Block):
         """Yield ``(out (b, h, it, d), lse (b, h, it))`` of each part of the block, lse with its row term."""
+        i0, i1, a, e = block.i0, block.i1, block.a, block.e
         rows, d = slice(i0, i1), self.q.shape[-1]
-        self._columns(a, e, right)
-        for keys, term in self._sides(i0, i1, a, e, right):
+        self._columns(a, e, block.right)
+        for keys, term in self._sides(block):
             o, m = flash_cpu.forward(self.q_aug[..., rows, :], self.k_aug[..., keys, :], self.v_aug[..., keys, :],
                                    0.0, False, scale=self.scale)  # fmt: skip
             yield o[..., :d], m + term.to(m.dtype)
@@ -213,11 +231,14 @@ class _Parts:
             live = self.square.sees(t)  # the kernel gives a row with no key lse 0
             yield o.flip(-2), torch.where(live, m.flip(-1), NEG_INF)
 
-    def backward(self, i0, i1, a, e, right, d_out, out, lse, padded, dq, dk, dv):
+    def backward(self, block: _Block, given: _Rows, grads: tuple[Tensor, Tensor, Tensor]) -> None:
+        """Add the block's parts' shares of ``(dq, dk, dv)`` into ``grads``."""
+        i0, i1, a, e = block.i0, block.i1, block.a, block.e
+        d_out, out, lse, (dq, dk, dv) = given.d_out, given.out, given.lse, grads
         rows, d = slice(i0, i1), self.q.shape[-1]
-        self._columns(a, e, right)
-        do_aug, out_aug = padded[0][..., rows, :], padded[1][..., rows, :]
-        for keys, term in self._sides(i0, i1, a, e, right):
+        self._columns(a, e, block.right)
+        do_aug, out_aug = given.d_out_aug[..., rows, :], given.out_aug[..., rows, :]
+        for keys, term in self._sides(block):
             gq, gk, gv = flash_cpu.backward(do_aug, self.q_aug[..., rows, :], self.k_aug[..., keys, :],
                                           self.v_aug[..., keys, :], out_aug, lse[..., rows] - term.to(lse.dtype),
                                           0.0, False, scale=self.scale)  # fmt: skip

@@ -41,7 +41,7 @@ from ...masks import Mask, Tile
 from ...positional import LazyBias, RelativePositionBias
 from ..request import Request, bias_needs_grad
 from ..tiling import flash_cpu, lse as row_lse
-from ..tiling.bias_grad import add_profile_grad, far_profile_grad, saturating_profile_grad
+from ..tiling.bias_grad import Rows, add_profile_grad, far_profile_grad, saturating_profile_grad
 from ..tiling.flash_cpu import grouped_backward, mask_dtype, same_head_size
 from ..tiling.offset_profile import DiagonalMask
 from ..tiling.tiles import NEG_INF, BiasSource, as_heads, key_range
@@ -256,10 +256,8 @@ def fused_backward(
             add = _block_mask(plan, t, bias, mask_dtype(q))[0]
         gq, gk, gv = grouped_backward(*args, 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
         if d_profile is not None and reach is None:
-            add_profile_grad(
-                d_profile, args[1], args[2], args[3], args[0], args[5], delta[..., rows].flip(-1),
-                add, diagonal.base(t), plan.scale,
-            )  # fmt: skip
+            flipped = Rows(q=args[1], d_out=args[0], lse=args[5], delta=delta[..., rows].flip(-1))  # already reversed
+            add_profile_grad(d_profile, flipped, args[2], args[3], add, diagonal.base(t), plan.scale)
         del args  # the flipped copies, before gq's
         if flip:
             gq = gq.flip(-2)
@@ -278,7 +276,7 @@ def fused_backward(
         # the mass a row holds outside this call's keys (sinks): its dS sums to D times that mass
         outside = torch.where(torch.isinf(recompute), 0.0, -torch.expm1(learned.own_lse - recompute))
         row_sums = delta * outside
-        saturating_profile_grad(d_profile, diagonal, q, k, v, d_out, recompute, delta, plan.scale, reach, row_sums)
+        saturating_profile_grad(d_profile, diagonal, Rows(q, d_out, recompute, delta), k, v, plan.scale, reach, row_sums)
     return dq, dk, dv, d_profile
 
 
@@ -294,7 +292,7 @@ class FusedPlan:
     learned: bool  # a learned shift-invariant bias: its profile's gradient is rebuilt here
 
 
-def plan(req: Request) -> FusedPlan:
+def plan_of(req: Request) -> FusedPlan:
     causal_square = req.bias is None and req.is_causal_only and req.i == req.j
     return FusedPlan(req.mask, req.bias, req.scale, causal_square, DiagonalMask.applies(req.mask, req.bias), bias_needs_grad(req))
 
@@ -319,7 +317,7 @@ def refuses(req: Request) -> str | None:
 def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, Learned | None]:
     """The contract's forward (``engines.contract``): ``out`` comes in the inputs' dtype."""
     e = req.v.shape[-1]
-    out, lse, far = fused_forward(plan(req), *same_head_size(req.q, req.k, req.v))
+    out, lse, far = fused_forward(plan_of(req), *same_head_size(req.q, req.k, req.v))
     return out[..., :e], lse, far
 
 
@@ -330,8 +328,8 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: Learn
     qf, kf, vf = same_head_size(q, k, v)
     pad = vf.shape[-1] - e  # the kernel wants d == e: zero value columns, sliced off after
     out_f, d_out_f = (torch.nn.functional.pad(x.to(q.dtype), (0, pad)) if pad else x.to(q.dtype) for x in (out, d_out))
-    fplan = plan(req)
-    dq, dk, dv, d_profile = fused_backward(fplan, qf, kf, vf, out_f, lse, d_out_f, saved)
+    plan = plan_of(req)
+    dq, dk, dv, d_profile = fused_backward(plan, qf, kf, vf, out_f, lse, d_out_f, saved)
     params = parameters(req)
     d_params: list[Tensor | None] = [None] * len(params)
     if d_profile is not None:  # one backward through the bias for the whole call: (h, L) profile -> parameters

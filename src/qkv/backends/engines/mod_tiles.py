@@ -81,7 +81,7 @@ class ModPlan:
         return self.score_mod.cap if isinstance(self.score_mod, SoftCap) else None
 
 
-def plan(req: Request) -> ModPlan:
+def plan_of(req: Request) -> ModPlan:
     """The plan of a request this engine runs."""
     return ModPlan(req.mask, req.bias, req.scale, req.score_mod, TILE_ROWS, TILE_COLS)
 
@@ -109,38 +109,59 @@ def _cols(x: Tensor, t: Tile, dtype: torch.dtype) -> Tensor:
     return x[:, :, t.j0 : t.j1].flatten(0, 1).to(dtype)
 
 
-def _inputs(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor):
-    """``(q, k, v, mm, acc, factor)``: the operands, their products' dtype, and what multiplies ``qᵀk`` in a tile.
+@dataclass(frozen=True)
+class _Operands:
+    """One call's operands as its tiles read them, and the numbers every tile uses."""
+
+    q: Tensor  # (b, h, i, d), contiguous
+    k: Tensor  # (b, g, j, d)
+    v: Tensor  # (b, g, j, e)
+    mm: torch.dtype  # the products' dtype
+    acc: torch.dtype  # the dtype of everything elementwise and of every accumulator
+    factor: float  # what multiplies qᵀk in a tile: scale, or 2·scale/c under a soft cap
+    bias: BiasSource  # the bias's tiles
+    clamp: bool  # the soft cap's exponent may overflow: clamp it (_needs_clamp)
+
+    @property
+    def heads(self) -> tuple[int, int, int]:
+        """``(b, h, g)``."""
+        return self.q.shape[0], self.q.shape[1], self.k.shape[1]
+
+
+def _operands(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> _Operands:
+    """The operands, their products' dtype, and what multiplies ``qᵀk`` in a tile.
 
     bfloat16 products stay bfloat16 where they (float32 accumulation inside) beat float32
     ones on this CPU, else run in float32 (``tile_math.matmul_dtype``, timed once); float16
     runs float32. The operands keep their dtype and each tile's slice is converted to ``mm``
     as it is used, so no float32 copy of a whole input is held (a tile's conversion costs
-    ``1/tile`` of its product). ``acc`` is the dtype of everything elementwise and of every
-    accumulator. ``factor`` is ``scale``, or
-    ``2·scale/c`` for a soft cap (the tile then holds ``z = 2x/c``); it is applied to each
-    tile's product, so no scaled copy of ``q`` is made.
+    ``1/tile`` of its product). ``factor`` is ``scale``, or ``2·scale/c`` for a soft cap (the
+    tile then holds ``z = 2x/c``); it is applied to each tile's product, so no scaled copy
+    of ``q`` is made.
     """
     acc = torch.promote_types(q.dtype, torch.float32)
     mm = tile_math.matmul_dtype(q.dtype, q.device)
     factor = plan.scale if plan.cap is None else 2.0 * plan.scale / plan.cap
-    return q.contiguous(), k.contiguous(), v.contiguous(), mm, acc, factor
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    bias = BiasSource(plan.bias, q.shape[-2], k.shape[-2], q.device)
+    clamp = plan.cap is not None and _needs_clamp(plan, q, k, factor)
+    return _Operands(q, k, v, mm, acc, factor, bias, clamp)
 
 
-def _logits(plan: ModPlan, q_t: Tensor, k_t: Tensor, factor: float, bias: BiasSource, t: Tile, b: int, h: int,
-            scratch: tile_math.Scratch, acc: torch.dtype) -> Tensor:  # fmt: skip
+def _logits(plan: ModPlan, ops: _Operands, q_t: Tensor, k_t: Tensor, t: Tile, scratch: tile_math.Scratch) -> Tensor:
     """``(b, h, it, jt)``: ``scale·qᵀk + bias``, or for a soft cap ``z = 2(scale·qᵀk + bias)/c``.
 
     ``q_t (b·g, r·it, d)`` and ``k_t (b·g, jt, d)`` are the tile's operands (``_rows``, ``_cols``).
     """
+    b, h, _ = ops.heads
     it, jt = t.i1 - t.i0, t.j1 - t.j0
-    out = scratch.take("s", (q_t.shape[0], q_t.shape[1], jt), acc)
-    if q_t.dtype == acc:  # the factor rides on the product (beta = 0: out's old values are ignored)
-        s = torch.baddbmm(out, q_t, k_t.transpose(1, 2), beta=0.0, alpha=factor, out=out)
+    out = scratch.take("s", (q_t.shape[0], q_t.shape[1], jt), ops.acc)
+    if q_t.dtype == ops.acc:  # the factor rides on the product (beta = 0: out's old values are ignored)
+        s = torch.baddbmm(out, q_t, k_t.transpose(1, 2), beta=0.0, alpha=ops.factor, out=out)
     else:
-        s = out.copy_(torch.bmm(q_t, k_t.transpose(1, 2))).mul_(factor)
+        s = out.copy_(torch.bmm(q_t, k_t.transpose(1, 2))).mul_(ops.factor)
     s = s.view(b, h, it, jt)
-    if (tile := bias.tile(t)) is not None:
+    if (tile := ops.bias.tile(t)) is not None:
         s.add_(tile.to(s.dtype), alpha=1.0 if plan.cap is None else 2.0 / plan.cap)
     return s
 
@@ -193,14 +214,12 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
     accumulated in float32 and written once. One task per block of query rows, which owns
     those rows (``tiling.threads`` runs the tasks on threads).
     """
-    b, h, i_len, _ = q.shape
-    g, j_len, e = k.shape[1], k.shape[2], v.shape[-1]
-    q, k, v, mm, acc, factor = _inputs(plan, q, k, v)
+    ops = _operands(plan, q, k, v)
+    q, k, v, mm, acc = ops.q, ops.k, ops.v, ops.mm, ops.acc
+    (b, h, g), i_len, j_len, e = ops.heads, q.shape[2], k.shape[2], v.shape[-1]
     out = torch.zeros(b, h, i_len, e, dtype=acc if out_dtype is None else out_dtype, device=q.device)
     lse = torch.full((b, h, i_len), NEG_INF, dtype=acc, device=q.device)
-    bias = BiasSource(plan.bias, i_len, j_len, q.device)
     cap = plan.cap
-    clamp = cap is not None and _needs_clamp(plan, q, k, factor)
     rows_of = _by(live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, q.device), "i0")
 
     def work(i0: int, scratch: tile_math.Scratch) -> None:
@@ -212,7 +231,7 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
         rows = torch.zeros(b, h, it, e, dtype=acc, device=q.device)
         q_t = _rows(q, g, tiles[0][0], mm)  # this task's query rows, for every key tile
         for t, state in tiles:
-            s = _logits(plan, q_t, _cols(k, t, mm), factor, bias, t, b, h, scratch, acc)
+            s = _logits(plan, ops, q_t, _cols(k, t, mm), t, scratch)
             hide = _hide(plan, t, state, acc)
             tmp = scratch.take("tmp", s.shape, acc)
             if cap is not None:
@@ -222,7 +241,7 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
                 z_max = s.amax(-1, keepdim=True)
                 m_new = torch.maximum(m, torch.where(torch.isneginf(z_max), NEG_INF, torch.tanh(z_max * 0.5) * cap))
                 base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
-                em1 = tile_math.expm1_(s, clamp)
+                em1 = tile_math.expm1_(s, ops.clamp)
                 # c·E/(E + 2) - base, in one pass, then its exponential
                 a = torch.addcdiv(-base, em1, torch.add(em1, 2.0, out=tmp), value=cap, out=s)
                 if hide is not None:  # expm1(-inf) = -1: masked entries are finite again
@@ -251,33 +270,28 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
     return out, lse
 
 
-def tiles_backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d_out: Tensor,
-                   params: tuple[Tensor, ...] = (), grad_dtype: torch.dtype | None = None,
-                   ) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:  # fmt: skip
-    """``(dq, dk, dv, d_params)`` from the row's final ``out`` and ``lse``.
+def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None, dtype: torch.dtype) -> Grads:
+    """The contract's backward (``engines.contract``): gradients in ``dtype``, from the final ``out`` and ``lse``.
 
-    ``out`` and ``lse`` may be a larger softmax's (more key blocks, sinks): the result is
-    then this call's share (``engines.contract``). ``params`` are the
-    tensors the modifier reads; ``d_params`` is aligned with them (None where none needed).
-    One task per block of keys, which accumulates its rows of ``dk`` and ``dv`` in float32
-    and writes them once, in ``grad_dtype`` (default float32 or wider); ``dq`` and the
-    modifier's tensors are summed per thread, then over threads in a fixed order.
+    The tensors the modifier reads get theirs, aligned with ``parameters(req)`` (None where
+    none is needed). One task per block of keys, which accumulates its rows of ``dk`` and
+    ``dv`` in float32 and writes them once; ``dq`` and the modifier's tensors are summed per
+    thread, then over threads in a fixed order.
     """
-    b, h, i_len, _ = q.shape
-    g, j_len = k.shape[1], k.shape[2]
-    q, k, v = q.detach(), k.detach(), v.detach()  # only the modifier's tile is differentiated here
-    q, k, v, mm, acc, factor = _inputs(plan, q, k, v)
-    grad_dtype = acc if grad_dtype is None else grad_dtype
+    plan = plan_of(req)
+    params = tuple(parameters(req))
+    # only the modifier's tile is differentiated here
+    ops = _operands(plan, req.q.detach(), req.k.detach(), req.v.detach())
+    q, k, v, mm, acc = ops.q, ops.k, ops.v, ops.mm, ops.acc
+    (b, h, g), i_len = ops.heads, q.shape[2]
     d_out = d_out.contiguous()
     lse = row_lse.for_recompute(lse, acc)
     delta = _row_dots(d_out, out, acc)  # D = rowsum(dO ∘ O)
-    dk = torch.zeros(k.shape, dtype=grad_dtype, device=q.device)
-    dv = torch.zeros(v.shape, dtype=grad_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
     trainable = [p for p in params if p.requires_grad]
-    bias = BiasSource(plan.bias, i_len, j_len, q.device)
     cap = plan.cap
-    clamp = cap is not None and _needs_clamp(plan, q, k, factor)
-    cols_of = _by(live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, q.device), "j0")
+    cols_of = _by(live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, k.shape[2], q.device), "j0")
 
     def work(j0: int, share: _Share) -> None:
         scratch = share.scratch
@@ -291,13 +305,13 @@ def tiles_backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
             rows = slice(t.i0, t.i1)
             q_t = _rows(q, g, t, mm)
             with torch.no_grad():
-                s = _logits(plan, q_t, k_t, factor, bias, t, b, h, scratch, acc)
+                s = _logits(plan, ops, q_t, k_t, t, scratch)
             hide = _hide(plan, t, state, acc)
             neg_lse = lse[:, :, rows, None].neg()
             p = scratch.take("p", s.shape, acc)
             tmp = scratch.take("tmp", s.shape, acc)  # E + 2, then 1 - σ, then dS: one buffer
             if cap is not None:
-                u = tile_math.tanh_(s, tmp, clamp)
+                u = tile_math.tanh_(s, tmp, ops.clamp)
                 torch.add(neg_lse, u, alpha=cap, out=p)  # c·tanh(x/c) - lse
             else:
                 pre = s.detach().requires_grad_()
@@ -337,10 +351,10 @@ def tiles_backward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     dq = shares[0].dq
     for share in shares[1:]:
         dq += share.dq
-    dq = dq.mul_(plan.scale).to(grad_dtype)
+    dq = dq.mul_(plan.scale).to(dtype)
     d_params = [sum(share.d_params[n] for share in shares) for n in range(len(trainable))]
     it_params = iter(d_params)
-    return dq, dk, dv, [next(it_params) if p.requires_grad else None for p in params]
+    return Grads(q=dq, k=dk, v=dv, bias=None, params=[next(it_params) if p.requires_grad else None for p in params])
 
 
 @dataclass
@@ -354,11 +368,5 @@ class _Share:
 
 def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, None]:
     """The contract's forward (``engines.contract``): ``out`` is written in ``dtype``."""
-    out, lse = tiles_forward(plan(req), req.q, req.k, req.v, out_dtype=dtype)
+    out, lse = tiles_forward(plan_of(req), req.q, req.k, req.v, out_dtype=dtype)
     return out, lse, None
-
-
-def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None, dtype: torch.dtype) -> Grads:
-    """The contract's backward: gradients in ``dtype``, the modifier's tensors' aligned with ``parameters(req)``."""
-    dq, dk, dv, d_params = tiles_backward(plan(req), req.q, req.k, req.v, out, lse, d_out, tuple(parameters(req)), dtype)
-    return Grads(q=dq, k=dk, v=dv, bias=None, params=d_params)

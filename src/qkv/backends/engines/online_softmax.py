@@ -43,7 +43,7 @@ from ... import score_mods
 from ...masks import Mask, Tile
 from ...positional import LazyBias
 from ...scores import Score
-from ..request import Request
+from ..request import Request, bias_needs_grad
 from ..tiling import additive_tiles
 from ..tiling import dropout as drop
 from ..tiling import lse as row_lse
@@ -74,17 +74,19 @@ class Plan:
     block_j: int  # key tile side
     origin: drop.Origin | None = None  # where this call sits in a larger one (dropout coordinates)
     score_mod: Callable | None = None  # fn(score, b, h, q_idx, kv_idx) on each tile (qkv.score_mods)
+    learned_bias: bool = False  # the lazy bias's parameters get gradients (through its tiles)
 
 
 def refuses(req: Request) -> str | None:
     return None  # every score, mask, bias, score_mod and dropout
 
 
-def plan(req: Request) -> Plan:
+def plan_of(req: Request) -> Plan:
     """The plan of a request (its ``q`` the prepared queries)."""
     lazy = req.bias if isinstance(req.bias, LazyBias) else None
     block_i, block_j = _blocks(req)
-    return Plan(req.score, req.mask, lazy, req.scale, req.dropout, req.seed, block_i, block_j, req.piece, req.score_mod)
+    return Plan(req.score, req.mask, lazy, req.scale, req.dropout, req.seed, block_i, block_j, req.piece, req.score_mod,
+                lazy is not None and bias_needs_grad(req))  # fmt: skip
 
 
 def _blocks(req: Request) -> tuple[int, int]:
@@ -104,21 +106,8 @@ def _blocks(req: Request) -> tuple[int, int]:
 def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, None]:
     """The contract's forward (``engines.contract``): ``out`` comes in float32 (or wider)."""
     dense = req.bias if isinstance(req.bias, Tensor) else None
-    out, lse = tiled_forward(plan(req), req.q, req.k, req.v, dense)
+    out, lse = tiled_forward(plan_of(req), req.q, req.k, req.v, dense)
     return out, lse, None
-
-
-def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None, dtype: torch.dtype) -> Grads:
-    """The contract's backward: also the gradients of a dense bias and of :func:`~.contract.parameters`."""
-    dense = req.bias if isinstance(req.bias, Tensor) else None
-    grad_dense = dense is not None and dense.requires_grad
-    dense = None if dense is None else dense.detach().requires_grad_(grad_dense)
-    grad_qk = req.q.requires_grad or req.k.requires_grad or req.piece is not None
-    dq, dk, dv, d_dense, d_params = tiled_backward(
-        plan(req), req.q.detach(), req.k.detach(), req.v.detach(), dense, tuple(parameters(req)), out, lse, d_out,
-        grad_qk=grad_qk, grad_dense=grad_dense,
-    )  # fmt: skip
-    return Grads(q=dq, k=dk, v=dv, bias=d_dense, params=d_params)
 
 
 def _pairwise(plan: Plan, qp5: Tensor, kp5: Tensor, t: Tile) -> Tensor:
@@ -206,19 +195,23 @@ def tiled_forward(plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor |
     return out, lse
 
 
-def tiled_backward(
-    plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor | None, params: tuple[Tensor, ...],
-    out: Tensor, lse: Tensor, d_out: Tensor, *, grad_qk: bool = True, grad_dense: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, list[Tensor | None]]:  # fmt: skip
-    """``(dq, dk, dv, d_dense, d_params)`` from the row's output ``out`` and log-sum-exp ``lse``.
+def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None, dtype: torch.dtype) -> Grads:
+    """The contract's backward, from the row's final output ``out`` and log-sum-exp ``lse``.
 
     Only ``P = exp(s - lse)`` and ``D = rowsum(dO ∘ O)`` of each row enter, so when ``out``
     and ``lse`` are a larger softmax's (more key blocks, sinks) the result is this call's
     share of its gradients. A row with an infinite ``lse`` sees no key anywhere: gradient 0.
-    ``dq``, ``dk``, ``dv`` are float32 (or wider); ``d_params`` is aligned with ``params``
-    (None where a parameter needs no gradient). ``grad_qk`` asks for the gradient of the
-    additive score's prepared q and k (the dot form always gets them).
+    Besides ``q``, ``k``, ``v`` (float32 or wider), the gradients of a dense bias that
+    requires one and of :func:`~.contract.parameters` (None where one needs none); the
+    additive score's prepared ``q``, ``k`` get theirs only when asked (``requires_grad``).
     """
+    plan = plan_of(req)
+    qp, kp, v = req.q.detach(), req.k.detach(), req.v.detach()
+    dense = req.bias if isinstance(req.bias, Tensor) else None
+    grad_dense = dense is not None and dense.requires_grad
+    dense = None if dense is None else dense.detach().requires_grad_(grad_dense)
+    grad_qk = req.q.requires_grad or req.k.requires_grad or req.piece is not None
+    params = tuple(parameters(req))
     g, i_len, j_len = kp.shape[-3], qp.shape[-2], kp.shape[-2]
     heads_shape = (*qp.shape[:-2],)
     acc = torch.promote_types(out.dtype, torch.float32)
@@ -232,8 +225,7 @@ def tiled_backward(
     d_dense = torch.zeros_like(dense, dtype=acc) if dense is not None and grad_dense else None
     trainable = [p for p in params if p.requires_grad]
     d_params = [torch.zeros_like(p) for p in trainable]
-    lazy = plan.lazy_bias
-    learned_bias = lazy is not None and any(p.requires_grad for p in lazy.parameters())
+    lazy, learned_bias = plan.lazy_bias, plan.learned_bias
     q5, k5, v5 = grouped(qp, kp, v)
     additive, w_slot = None, None
     if additive_tiles.applies(plan.score):  # hand-written tile backward (backends.additive_tiles)
@@ -324,4 +316,4 @@ def tiled_backward(
     it = iter(d_params)
     grads_params = [next(it) if p.requires_grad else None for p in params]
     d_dense = None if d_dense is None else d_dense.to(dense.dtype)
-    return dq, dk, dv, d_dense, grads_params
+    return Grads(q=dq, k=dk, v=dv, bias=d_dense, params=grads_params)

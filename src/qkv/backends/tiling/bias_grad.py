@@ -25,6 +25,8 @@ so that row ``a'`` shifts right by ``a'``, and sum the columns.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -47,26 +49,33 @@ def antidiagonal_sums(x: Tensor) -> Tensor:
     return skew.unflatten(-1, (it, jt + it - 1)).sum(-2)
 
 
+@dataclass(frozen=True)
+class Rows:
+    """What the gradient reads of some query rows: ``q (b, h, it, d)``, ``d_out (b, h, it, e)``,
+    their log-sum-exp ``lse`` and ``delta = rowsum(dO ∘ O)`` ``(b, h, it)``."""
+
+    q: Tensor
+    d_out: Tensor
+    lse: Tensor
+    delta: Tensor
+
+    def reversed(self, rows: slice) -> Rows:
+        """Rows ``rows``, last first (the order of ``DiagonalMask.reversed_block``)."""
+        return Rows(*(x[..., rows, :].flip(-2) for x in (self.q, self.d_out)), *(x[..., rows].flip(-1) for x in (self.lse, self.delta)))
+
+
 def add_profile_grad(
-    d_profile: Tensor,
-    q_rev: Tensor,
-    k: Tensor,
-    v: Tensor,
-    d_out_rev: Tensor,
-    lse_rev: Tensor,
-    delta_rev: Tensor,
-    mask_rev: Tensor,
-    base: int,
-    scale: float,
+    d_profile: Tensor, rows: Rows, k: Tensor, v: Tensor, mask_rev: Tensor, base: int, scale: float,
     keep: tuple[int, int] | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Add one block's contribution to ``d_profile (h|1, L)``, in place.
 
-    ``q_rev (b, h, it, d)``, ``d_out_rev (b, h, it, e)``, ``lse_rev``/``delta_rev (b, h, it)``
-    and ``mask_rev (1, h|1, it, jt)`` are the block's rows in reverse order; ``k (b, g, jt, d)``,
-    ``v (b, g, jt, e)`` its keys; ``base`` the profile index of reversed row 0, key 0; only
-    profile indices in ``keep = (first, last)`` (inclusive) are updated when it is given.
+    ``rows`` and ``mask_rev (1, h|1, it, jt)`` are the block's rows in reverse order
+    (:meth:`Rows.reversed`); ``k (b, g, jt, d)``, ``v (b, g, jt, e)`` its keys; ``base`` the
+    profile index of reversed row 0, key 0; only profile indices in ``keep = (first,
+    last)`` (inclusive) are updated when it is given.
     """
+    q_rev, d_out_rev, lse_rev, delta_rev = rows.q, rows.d_out, rows.lse, rows.delta
     b, h, it, _ = q_rev.shape
     acc = torch.promote_types(q_rev.dtype, torch.float32)
     g, jt = k.shape[-3], k.shape[-2]
@@ -113,8 +122,8 @@ def far_profile_grad(d_profile: Tensor, d_out: Tensor, delta: Tensor, reach: int
     d_profile[:, reach - offset0] += part.sum(-1) if d_profile.shape[0] > 1 else part.sum()
 
 
-def saturating_profile_grad(d_profile: Tensor, diagonal, q: Tensor, k: Tensor, v: Tensor, d_out: Tensor, lse: Tensor,
-                            delta: Tensor, scale: float, reach: int, row_sums: Tensor | None = None) -> None:  # fmt: skip
+def saturating_profile_grad(d_profile: Tensor, diagonal, rows: Rows, k: Tensor, v: Tensor, scale: float, reach: int,
+                            row_sums: Tensor | None = None) -> None:  # fmt: skip
     """``dL/d profile`` of a bias that is one value per side beyond ``|offset| >= reach``.
 
     T5's buckets saturate at ``max_distance``: every key at least that far in the future
@@ -128,24 +137,22 @@ def saturating_profile_grad(d_profile: Tensor, diagonal, q: Tensor, k: Tensor, v
       sum is minus everything else. With attention sinks a row's keys hold only part of its
       mass and its ``dS`` sums to ``row_sums = P_sink · D`` ``(b, h, i)`` instead.
 
-    ``q, k, v, d_out (b, h|g, ·, ·)``, ``lse`` with ``+inf`` on rows that see no key, ``delta =
-    rowsum(dO ∘ O)``; ``diagonal`` is the call's ``fused_blocks.DiagonalMask``.
+    ``rows`` are every query row (``lse`` ``+inf`` on rows that see no key), ``k, v (b, g, j,
+    ·)``; ``diagonal`` is the call's ``tiling.offset_profile.DiagonalMask``.
     """
-    i_len, j_len = q.shape[-2], k.shape[-2]
-    rows = BAND_ROWS
-    shift, off0, device = diagonal.shift, diagonal.offset0, q.device
+    i_len, j_len = rows.q.shape[-2], k.shape[-2]
+    step = BAND_ROWS
+    shift, off0, device = diagonal.shift, diagonal.offset0, rows.q.device
     band = (-reach + 1 - off0, reach - 1 - off0)  # profile indices of the band, inclusive
     # 1. the band |offset| < reach: every key of a block of rows that is that close to one of them
-    for i0 in range(0, i_len, rows):
-        i1 = min(i0 + rows, i_len)
+    for i0 in range(0, i_len, step):
+        i1 = min(i0 + step, i_len)
         jlo, jhi = max(0, i0 + shift - reach + 1), min(j_len, i1 - 1 + shift + reach)
         if jlo >= jhi:
             continue
         t = Tile(i0, i1, jlo, jhi, i_len, j_len, device)
-        r = slice(i0, i1)
-        add_profile_grad(d_profile, q[..., r, :].flip(-2), k[..., jlo:jhi, :], v[..., jlo:jhi, :], d_out[..., r, :].flip(-2),
-                         lse[..., r].flip(-1), delta[..., r].flip(-1), diagonal.reversed_block(t), diagonal.base(t), scale,
-                         keep=band)  # fmt: skip
+        add_profile_grad(d_profile, rows.reversed(slice(i0, i1)), k[..., jlo:jhi, :], v[..., jlo:jhi, :],
+                         diagonal.reversed_block(t), diagonal.base(t), scale, keep=band)  # fmt: skip
     # 2. the far past, offset <= -reach: rows of dS sum to zero
     past_index = -reach - off0
     if past_index >= 0:

@@ -1,0 +1,240 @@
+"""The mask contract (tiles, states), the combinations ``&`` and ``|``, and dense bool masks.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``i`` query length, ``j`` key length; a tile
+is the rectangle ``rows i0:i1`` x ``cols j0:j1`` of the ``(i, j)`` logits, ``it = i1 - i0``
+and ``jt = j1 - j0`` its sides.
+
+A mask produces any :class:`Tile` on demand (bool, True = may attend, broadcastable to
+``(b, h, it, jt)``) and says whether a tile is "empty" (skip it), "full" (drop the mask)
+or "partial". The lazy masks of positions and of padding live beside this file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .._layout import merge_lead
+from .._trace import concrete
+
+State = Literal["full", "empty", "partial"]
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A rectangle of the logits: rows ``i0:i1`` of ``i_len`` queries, cols ``j0:j1`` of ``j_len`` keys."""
+
+    i0: int  # first query row of the tile
+    i1: int  # one past the last query row
+    j0: int  # first key column
+    j1: int  # one past the last key column
+    i_len: int  # total number of queries
+    j_len: int  # total number of keys
+    device: torch.device | str = "cpu"
+
+    @classmethod
+    def whole(cls, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tile:
+        return cls(0, i_len, 0, j_len, i_len, j_len, device)
+
+    @property
+    def shift(self) -> int:
+        """``j_len - i_len``: how far the bottom-right alignment moves the diagonal."""
+        return self.j_len - self.i_len
+
+    @property
+    def rows(self) -> Tensor:
+        return torch.arange(self.i0, self.i1, device=self.device)
+
+    @property
+    def cols(self) -> Tensor:
+        return torch.arange(self.j0, self.j1, device=self.device)
+
+    @property
+    def diagonal(self) -> Tensor:
+        """``(it, jt)`` long: ``col - row - (j_len - i_len)``; 0 on the causal diagonal, < 0 in the past."""
+        return self.cols[None, :] - self.rows[:, None] - self.shift
+
+    def offset_range(self) -> tuple[int, int]:
+        """Smallest and largest value of :attr:`diagonal` in this tile (no tensor built)."""
+        return self.j0 - (self.i1 - 1) - self.shift, (self.j1 - 1) - self.i0 - self.shift
+
+
+class Mask:
+    """Base class of lazy masks. Subclasses implement :meth:`tile` and :meth:`state`."""
+
+    def tile(self, t: Tile) -> Tensor:
+        """Bool ``(..., it, jt)``, True = may attend, broadcastable to ``(b, h, it, jt)``."""
+        raise NotImplementedError
+
+    def state(self, t: Tile) -> State:
+        """'empty' if nothing in the tile may attend, 'full' if everything may, else 'partial'."""
+        return "partial"
+
+    def dense(self, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tensor:
+        """The whole mask as a bool tensor broadcastable to ``(b, h, i, j)``."""
+        return self.tile(Tile.whole(i_len, j_len, device))
+
+    def batch_shape(self) -> tuple[int, ...]:
+        """Leading dims the mask carries besides ``(i, j)``; ``()`` for masks of positions only."""
+        return ()
+
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        """The same mask for inputs whose leading dims ``lead`` are merged into one batch dim.
+
+        ``qkv.attention`` runs ``(x, …, b, h, i, d)`` inputs as ``(x·…·b, h, i, d)``
+        (``qkv._layout``); a mask that varies along those dims is merged the same way. A mask
+        of positions only is itself.
+        """
+        return self if len(lead) <= 1 or len(self.batch_shape()) <= 1 else _MergedLead(self, lead)
+
+    def __and__(self, other: Mask | Tensor) -> Mask:
+        return And(self, as_mask(other))
+
+    def __rand__(self, other: Tensor) -> Mask:
+        return And(as_mask(other), self)
+
+    def __or__(self, other: Mask | Tensor) -> Mask:
+        return Or(self, as_mask(other))
+
+    def __ror__(self, other: Tensor) -> Mask:
+        return Or(as_mask(other), self)
+
+
+class Dense(Mask):
+    """A bool tensor broadcastable to ``(..., i, j)``, sliced per tile."""
+
+    def __init__(self, mask: Tensor):
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"mask: expected a bool tensor or a qkv.masks.Mask, got {type(mask).__name__}")
+        if mask.dtype != torch.bool:
+            raise TypeError(
+                f"mask: expected dtype torch.bool (True = may attend), got {mask.dtype}; "
+                "pass a float tensor as bias= to add it to the logits"
+            )
+        if mask.dim() < 2:
+            raise ValueError(f"mask: expected at least 2 dims (..., i, j), got shape {tuple(mask.shape)}")
+        self.mask = mask
+
+    def tile(self, t: Tile) -> Tensor:
+        m = self.mask
+        rows = slice(t.i0, t.i1) if m.shape[-2] != 1 else slice(None)
+        cols = slice(t.j0, t.j1) if m.shape[-1] != 1 else slice(None)
+        return m[..., rows, cols].to(t.device)
+
+    def state(self, t: Tile) -> State:
+        if not concrete(self.mask):  # tracing or meta: no value may be read, every tile is kept
+            return "partial"
+        part = self.tile(t)
+        if bool(part.all()):
+            return "full"
+        if not bool(part.any()):
+            return "empty"
+        return "partial"
+
+    def dense(self, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tensor:
+        return self.mask.to(device)
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return tuple(self.mask.shape[:-2])
+
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        merged = merge_lead(self.mask, lead)
+        return self if merged is self.mask else Dense(merged)
+
+    def __repr__(self) -> str:
+        return f"Dense(shape={tuple(self.mask.shape)})"
+
+
+class And(Mask):
+    """May attend where both masks allow."""
+
+    def __init__(self, a: Mask, b: Mask):
+        self.a, self.b = a, b
+
+    def tile(self, t: Tile) -> Tensor:
+        return self.a.tile(t) & self.b.tile(t)
+
+    def state(self, t: Tile) -> State:
+        sa = self.a.state(t)
+        if sa == "empty":
+            return "empty"
+        sb = self.b.state(t)
+        if sb == "empty":
+            return "empty"
+        return "full" if sa == sb == "full" else "partial"
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return _longer(self.a.batch_shape(), self.b.batch_shape())
+
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        a, b = self.a.merge_lead(lead), self.b.merge_lead(lead)
+        return self if a is self.a and b is self.b else And(a, b)
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} & {self.b!r})"
+
+
+class Or(Mask):
+    """May attend where either mask allows."""
+
+    def __init__(self, a: Mask, b: Mask):
+        self.a, self.b = a, b
+
+    def tile(self, t: Tile) -> Tensor:
+        return self.a.tile(t) | self.b.tile(t)
+
+    def state(self, t: Tile) -> State:
+        sa = self.a.state(t)
+        if sa == "full":
+            return "full"
+        sb = self.b.state(t)
+        if sb == "full":
+            return "full"
+        return "empty" if sa == sb == "empty" else "partial"
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return _longer(self.a.batch_shape(), self.b.batch_shape())
+
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        a, b = self.a.merge_lead(lead), self.b.merge_lead(lead)
+        return self if a is self.a and b is self.b else Or(a, b)
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} | {self.b!r})"
+
+
+class _MergedLead(Mask):
+    """Any mask whose tiles carry leading dims, with those dims merged into one (``Mask.merge_lead``)."""
+
+    def __init__(self, mask: Mask, lead: tuple[int, ...]):
+        self.mask, self.lead = mask, lead
+
+    def tile(self, t: Tile) -> Tensor:
+        return merge_lead(self.mask.tile(t), self.lead)
+
+    def state(self, t: Tile) -> State:
+        return self.mask.state(t)
+
+    def batch_shape(self) -> tuple[int, ...]:
+        *own, heads = self.mask.batch_shape()
+        return (1 if all(n == 1 for n in own) else math.prod(self.lead), heads)
+
+    def __repr__(self) -> str:
+        return f"{self.mask!r}.merge_lead({self.lead})"
+
+
+def _longer(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return a if len(a) >= len(b) else b
+
+
+def as_mask(mask: Mask | Tensor | None) -> Mask | None:
+    """Wrap a bool tensor as :class:`Dense`; pass masks and None through; reject anything else."""
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, Tensor):
+        return Dense(mask)
+    raise TypeError(f"mask: expected a bool tensor or a qkv.masks.Mask, got {type(mask).__name__}")

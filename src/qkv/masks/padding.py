@@ -1,0 +1,124 @@
+"""Masks of padding: per batch row, the keys that are real (right padding) or the first real key (left padding).
+
+Shape legend: ``b`` batch, ``j`` key length; a tile is ``(b, 1, 1, jt)``.
+
+The per-row tensors are read once, when the mask is made, so that ``state`` (called once
+per tile) reads no tensor; where values cannot be read (tracing, meta tensors) every tile
+is "partial": the same result, with no tile skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._trace import concrete
+from .base import Mask, State, Tile
+
+
+def _per_row(name: str, values: object, what: str) -> tuple[int, int]:
+    """Check a ``(b,)`` integer tensor of non-negative key positions; return its (min, max) as ints.
+
+    The two ints are kept by the mask so that ``state`` (called once per tile) reads no tensor.
+    Where values cannot be read (``qkv._trace``) it returns ``(0, -1)``, an empty range that
+    makes ``state`` answer "partial" for every tile: the same result, with no tile skipped.
+    """
+    if not isinstance(values, Tensor) or values.dim() != 1:
+        got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+        raise ValueError(f"{name}: expected a 1-d tensor of shape (b,), got {got}")
+    if values.dtype.is_floating_point or values.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor, got {values.dtype}")
+    if values.numel() == 0:
+        raise ValueError(f"{name}: expected at least one batch row, got an empty tensor")
+    if not concrete(values):  # tracing or meta: no value may be read; every tile is then "partial"
+        return 0, -1
+    low, high = torch.aminmax(values)
+    low, high = int(low), int(high)
+    if low < 0:
+        raise ValueError(f"{name}: expected non-negative {what}, got {values.tolist()}")
+    return low, high
+
+
+class Lengths(Mask):
+    """Key padding on the right: in batch row ``n`` only the first ``key_lengths[n]`` keys are real.
+
+    ``key_lengths`` has shape ``(b,)``; the tile is ``(b, 1, 1, jt)``. The tensor is read
+    once, when the mask is made (do not change it in place afterwards).
+    """
+
+    def __init__(self, key_lengths: Tensor):
+        self._shortest, self._longest = _per_row("key_lengths", key_lengths, "lengths")
+        self.key_lengths = key_lengths
+
+    def tile(self, t: Tile) -> Tensor:
+        lengths = self.key_lengths.to(t.device)
+        return (t.cols[None, :] < lengths[:, None])[:, None, None, :]  # (b, 1, 1, jt)
+
+    def state(self, t: Tile) -> State:
+        if self._longest < self._shortest:  # values unread (tracing, meta): keep every tile
+            return "partial"
+        if t.j1 <= self._shortest:
+            return "full"
+        if t.j0 >= self._longest:
+            return "empty"
+        return "partial"
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return (self.key_lengths.shape[0], 1)
+
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        return self if len(lead) <= 1 else Lengths(self.key_lengths.expand(*lead).reshape(-1))
+
+    def __repr__(self) -> str:
+        return f"lengths({self.key_lengths.tolist()})"
+
+
+def lengths(key_lengths: Tensor) -> Lengths:
+    """Padding mask from the number of real keys per batch row, ``(b,)``."""
+    return Lengths(key_lengths)
+
+
+class Starts(Mask):
+    """Key padding on the left: in batch row ``n`` the keys before ``key_starts[n]`` are padding.
+
+    The mirror of :class:`Lengths`, for batches padded on the left (as decoders are for
+    generation: every row's last token is at the end). ``starts(s) & lengths(l)`` keeps
+    keys ``s[n] <= c < l[n]``. ``key_starts`` has shape ``(b,)``; the tile is
+    ``(b, 1, 1, jt)``. With ``i`` queries on ``j`` keys and rows padded like the keys
+    (``i == j``), the padded queries see no key and get zero output, like any fully masked
+    row::
+
+        starts([2]), j = 5      k0 k1 k2 k3 k4
+                           q*    .  .  1  1  1
+    """
+
+    def __init__(self, key_starts: Tensor):
+        self._first, self._last = _per_row("key_starts", key_starts, "starts")
+        self.key_starts = key_starts
+
+    def tile(self, t: Tile) -> Tensor:
+        starts = self.key_starts.to(t.device)
+        return (t.cols[None, :] >= starts[:, None])[:, None, None, :]  # (b, 1, 1, jt)
+
+    def state(self, t: Tile) -> State:
+        if self._last < self._first:  # values unread (tracing, meta): keep every tile
+            return "partial"
+        if t.j0 >= self._last:
+            return "full"
+        if t.j1 <= self._first:
+            return "empty"
+        return "partial"
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return (self.key_starts.shape[0], 1)
+
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        return self if len(lead) <= 1 else Starts(self.key_starts.expand(*lead).reshape(-1))
+
+    def __repr__(self) -> str:
+        return f"starts({self.key_starts.tolist()})"
+
+
+def starts(key_starts: Tensor) -> Starts:
+    """Left-padding mask from the index of the first real key per batch row, ``(b,)``."""
+    return Starts(key_starts)

@@ -1,0 +1,97 @@
+"""Masks of positions: which keys lie at which offsets from each (bottom-right aligned) query.
+
+Shape legend: ``i`` query length, ``j`` key length; a tile is ``it x jt``.
+
+``Offsets`` keeps keys whose offset ``c - r - (j - i)`` lies in a range; ``Window`` is the
+range that holds the query's own position (``causal()``, sliding windows). Their tiles
+depend on positions only, and whether a tile is empty, full or partial is arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Mask, State, Tile
+
+
+class Offsets(Mask):
+    """Keys whose offset ``c - r - (j - i)`` (:attr:`Tile.diagonal`) lies in ``lo..hi``; None = no bound.
+
+    A :class:`Window` always contains the query's own position; an offset range need not,
+    e.g. ``offsets(1, 2)``, "the next two tokens only", or ``offsets(None, -1)``, strictly
+    the past. A query whose range holds no key gets zero output, like any fully masked row::
+
+        offsets(1, 2), i = j = 4
+            k0 k1 k2 k3
+        q0   .  1  1  .
+        q1   .  .  1  1
+        q2   .  .  .  1
+        q3   .  .  .  .
+    """
+
+    def __init__(self, lo: int | None, hi: int | None):
+        for name, value in (("lo", lo), ("hi", hi)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"offsets: expected lo <= hi, got lo={lo}, hi={hi}")
+        self.lo, self.hi = lo, hi
+
+    def tile(self, t: Tile) -> Tensor:
+        offset = t.diagonal
+        allowed = torch.ones_like(offset, dtype=torch.bool)
+        if self.lo is not None:
+            allowed &= offset >= self.lo
+        if self.hi is not None:
+            allowed &= offset <= self.hi
+        return allowed
+
+    def state(self, t: Tile) -> State:
+        first, last = t.offset_range()
+        lo = -float("inf") if self.lo is None else self.lo
+        hi = float("inf") if self.hi is None else self.hi
+        if last < lo or first > hi:
+            return "empty"
+        return "full" if first >= lo and last <= hi else "partial"
+
+    def __repr__(self) -> str:
+        return f"offsets({self.lo}, {self.hi})"
+
+
+def offsets(lo: int | None, hi: int | None) -> Offsets:
+    """Each query sees the keys at offsets ``lo..hi`` from its bottom-right aligned position."""
+    return Offsets(lo, hi)
+
+
+class Window(Offsets):
+    """Keys within ``left`` steps before and ``right`` steps after each query's (bottom-right aligned) position.
+
+    ``causal()`` is ``Window(left=None, right=0)``; ``None`` means unbounded on that side.
+    It is the offset range ``-left..right``, which always holds the query's own position;
+    backends read ``left`` and ``right`` to run it block-locally.
+    """
+
+    def __init__(self, left: int | None = None, right: int | None = 0):
+        for name, value in (("left", left), ("right", right)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
+        super().__init__(None if left is None else -left, right)
+        self.left, self.right = left, right
+
+    def __repr__(self) -> str:
+        if self.left is None and self.right == 0:
+            return "causal()"
+        return f"window(left={self.left}, right={self.right})"
+
+
+def causal() -> Window:
+    """Causal mask aligned bottom-right: query ``r`` sees keys ``c <= r + (j - i)``."""
+    return Window(left=None, right=0)
+
+
+def window(left: int, right: int = 0) -> Window:
+    """Sliding window: each query sees ``left`` keys before its position and ``right`` after."""
+    if left is None:
+        raise ValueError("left: expected a non-negative int, got None (use causal() for no left bound)")
+    return Window(left=left, right=right)
