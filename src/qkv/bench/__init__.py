@@ -56,6 +56,7 @@ SUITES: dict[str, str] = {
     "engine-window": "qkv.bench.engine:window",
     "engine-additive": "qkv.bench.engine:additive",
     "engine-bf16": "qkv.bench.engine:bf16",
+    "engine-layouts": "qkv.bench.engine:layouts",
     "modules": "qkv.bench.modules",
     "approx": "qkv.bench.approx",
     "learning": "qkv.bench.learning",

@@ -19,6 +19,10 @@ Cases (each timed forward, under ``no_grad``, and forward + backward):
   bfloat16 inputs, with the float32 time of the same qkv call beside them.
 * **additive** — ``vᵀ tanh(W_q q + W_k k)``, ``n = 128, h = 1``, ``i = 2048``, chunked
   against the materialised path; ``i = 8192`` chunked alone, for its peak memory.
+* **layouts** — ALiBi, causal, ``i = 4096``, forward + backward, on inputs without a batch
+  dim ``(h, i, d)``, with an extra leading dim ``(x, b, h, i, d)`` and without a head axis
+  ``(i, d)``, each against the same call on its ``(b, h, i, d)`` equivalent: every layout is
+  reshaped once to ``(b, h, i, d)``, so each must run the same engine at the same speed.
 
 Peak memory of the chosen cases is measured in a fresh process each (``measure``).
 """
@@ -123,13 +127,37 @@ def build(spec: dict) -> Callable[[], object]:
             fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)  # noqa: E731
         else:
             fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    elif case == "layout":
+        q, k, v, cot = _layout(spec["layout"], q, k, v, cot)
+        bias = positional.ALiBi(q.shape[-3] if q.dim() > 2 else 1)
+        fn = lambda: attention(q, k, v, bias=bias, causal=True)  # noqa: E731
     elif case == "additive":
         score = scores.Additive(q.shape[-1], q.shape[-1], spec["hidden"])
         backend = "chunked" if impl == "qkv" else "reference"
         fn = lambda: attention(q, k, v, score=score, backend=backend)  # noqa: E731
     else:
-        raise ValueError(f"case: expected dot, bias, window or additive, got {case!r}")
+        raise ValueError(f"case: expected dot, bias, window, layout or additive, got {case!r}")
     return call_or_step(fn, grad, cot, (q, k, v))
+
+
+#: The layouts of the layouts part: each as its (b, h, i, d) equivalent sees it.
+LAYOUTS = {"(b, h, i, d)": "b h i d", "(h, i, d)": "h i d", "(x, b, h, i, d)": "x b h i d",
+           "(b, h, i, d), h = 1": "b 1 i d", "(i, d)": "i d"}  # fmt: skip
+
+
+def _layout(layout: str, *tensors):
+    """``(1, h, i, d)`` inputs (and cotangent) in ``layout``: leaves of their own, so each call differentiates them."""
+    grad = tensors[0].requires_grad
+
+    def cut(x):
+        x = x.detach()
+        x = {"b h i d": x, "h i d": x[0], "x b h i d": x[None], "b 1 i d": x[:, :1], "i d": x[0, 0]}[layout]
+        return x.contiguous().requires_grad_(grad)
+
+    q, k, v = (cut(x) for x in tensors[:3])
+    cot = {"b h i d": tensors[3], "h i d": tensors[3][0], "x b h i d": tensors[3][None], "b 1 i d": tensors[3][:, :1],
+           "i d": tensors[3][0, 0]}[layout].contiguous()  # fmt: skip
+    return q, k, v, cot
 
 
 def _time(say, label: str, base: dict, impls: list[str], repeats: int) -> dict[str, float]:
@@ -266,8 +294,25 @@ def _bf16(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[str]:
     return parts + table(header, rows) + [""]
 
 
+def _layouts(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[str]:
+    """ALiBi, causal, forward + backward in every input layout against its ``(b, h, i, d)`` equivalent."""
+    i = cfg["bias"]
+    fns = {}
+    for name, layout in LAYOUTS.items():
+        fns[name] = build({"case": "layout", "impl": "qkv", "layout": layout, "i": i, "h": 8, "mode": "fwdbwd"})
+    t = interleaved(fns, cfg["bias_repeats"])
+    say("  layouts: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items()))
+    rows = []
+    for name, base in (("(h, i, d)", "(b, h, i, d)"), ("(x, b, h, i, d)", "(b, h, i, d)"), ("(i, d)", "(b, h, i, d), h = 1")):
+        ratio = t[name] / t[base]
+        rows.append([name, base, f"{t[name] * 1e3:.0f}", f"{t[base] * 1e3:.0f}", f"{ratio:.3f}"])
+        targets.add(f"ALiBi causal, i = {i}, fwd+bwd, {name} inputs: time / {base} ≤ 1.15", ratio, 1.15)
+    parts = [f"### Input layouts (ALiBi, causal, i = j = {i}, h = 8, d = 64, fwd+bwd)", ""]
+    return parts + table(["layout", "against", "ms", "equivalent ms", "ratio"], rows) + [""]
+
+
 #: The parts of this suite, each also registered alone as ``engine-NAME`` (see ``qkv.bench``).
-PARTS = {"dot": _dot, "bias": _bias, "window": _window, "additive": _additive, "bf16": _bf16}
+PARTS = {"dot": _dot, "bias": _bias, "window": _window, "additive": _additive, "bf16": _bf16, "layouts": _layouts}
 
 
 def section(quick: bool, say: Callable[[str], None], parts: tuple[str, ...] | None = None) -> str:
