@@ -234,3 +234,13 @@ def t5_bucket(relative: int, buckets: int, max_distance: int, bidirectional: boo
         return offset + distance
     log_part = math.log(distance / exact) / math.log(max_distance / exact) * (buckets - exact)
     return offset + min(buckets - 1, exact + int(log_part))
+
+
+def run_with_grads(fn, leaves: list[Tensor], seed: int = 1) -> list[Tensor]:
+    """``fn()``'s outputs and the gradients of ``leaves`` under seeded random cotangents (finite entries only)."""
+    outs = fn()
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((torch.where(torch.isfinite(o), o, 0.0) * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outs)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [*outs, *(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))]

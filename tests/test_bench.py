@@ -37,7 +37,7 @@ def test_peak_memory_is_measured_in_a_fresh_process():
 
 
 def test_an_unknown_case_is_an_error():
-    with pytest.raises(ValueError, match="case: expected dot, bias, window or additive, got 'nonsense'"):
+    with pytest.raises(ValueError, match="case: expected dot, bias, window, layout or additive, got 'nonsense'"):
         measure.run_case({"suite": "engine", "case": "nonsense", "i": 8, "h": 1, "mode": "fwd", "impl": "qkv"})
 
 
@@ -106,7 +106,7 @@ def test_a_suite_run_part_by_part_replaces_the_whole(tmp_path):
     bench.write(out, {"engine": "## Engine\nold\n"}, {})
     bench.write(out, {"engine-bias": "## Engine (bias)\nnew bias\n"}, {})
     assert "old" in out.read_text()  # other parts not rerun yet: the whole run is kept
-    bench.write(out, {f"engine-{p}": f"## Engine ({p})\nnew {p}\n" for p in ("dot", "window", "additive", "bf16")}, {})
+    bench.write(out, {f"engine-{p}": f"## Engine ({p})\nnew {p}\n" for p in ("dot", "window", "additive", "bf16", "layouts")}, {})
     text = out.read_text()
     assert "old" not in text and "new bias" in text and "new additive" in text
 

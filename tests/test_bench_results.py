@@ -51,7 +51,7 @@ def test_a_rerun_replaces_only_its_own_cpu_and_its_own_suites(tmp_path):
 def test_suites_not_rerun_on_a_cpu_are_kept_and_parts_replace_the_whole(tmp_path):
     out = tmp_path / "RESULTS.md"
     bench.write(out, {"engine": "## Engine\nold engine\n", "modules": "## Modules\nmodules\n"}, AMD)
-    bench.write(out, {f"engine-{p}": f"## Engine ({p})\nnew {p}\n" for p in ("dot", "bias", "window", "additive", "bf16")}, AMD)
+    bench.write(out, {f"engine-{p}": f"## Engine ({p})\nnew {p}\n" for p in ("dot", "bias", "window", "additive", "bf16", "layouts")}, AMD)
     suites = results.parse(out.read_text())["AMD EPYC, AVX2"]["suites"]
     assert "engine" not in suites and "modules" in suites and "new bias" in suites["engine-bias"]
 

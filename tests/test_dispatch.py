@@ -34,7 +34,7 @@ def chosen(q, k, v, **kw):
 
 
 def test_preference_order_is_fastest_first_with_reference_last():
-    assert backends.PREFERENCE == ("local", "sdpa", "chunked", "reference")
+    assert backends.PREFERENCE == ("segments", "local", "sdpa", "chunked", "reference")
     assert set(backends.PREFERENCE) == set(backends.REGISTRY)
 
 
@@ -81,7 +81,10 @@ def test_explain_names_the_backend_and_each_reason():
     text = qkv.explain(q, k, v, return_weights=True)  # every weight of a small call: one softmax
     assert text.splitlines()[0] == "backend: reference"
     assert "chunked: every weight is returned and the logits fit in" in text
-    assert qkv.explain(q, k, v) == "backend: sdpa\n  not local: the mask has no bounded sliding window"
+    assert qkv.explain(q, k, v) == (
+        "backend: sdpa\n  not segments: the mask has no lazy documents (qkv.masks.documents)\n"
+        "  not local: the mask has no bounded sliding window"
+    )
 
 
 def test_explain_accepts_weights_for_and_a_forced_backend():
@@ -102,7 +105,7 @@ def test_forcing_a_backend_that_cannot_run_the_call():
     q, k, v = inputs()
     with pytest.raises(ValueError, match="backend: 'sdpa' cannot run this call: the fused kernel does not return weights"):
         qkv.attention(q, k, v, backend="sdpa", return_weights=True)
-    with pytest.raises(ValueError, match=r"backend: expected 'auto' or one of \['chunked', 'local', 'reference', 'sdpa'\], got 'fast'"):
+    with pytest.raises(ValueError, match=r"backend: expected 'auto' or one of \['chunked', 'local', 'reference', 'sdpa', 'segments'\], got 'fast'"):
         qkv.attention(q, k, v, backend="fast")
 
 
@@ -117,7 +120,8 @@ def test_weights_with_auto_come_from_the_fast_path_and_match_reference():
 def test_an_empty_call_goes_to_the_reference_even_when_a_backend_is_named():
     q, k, v = inputs(i=0)
     assert qkv.explain(q, k, v) == (
-        "backend: reference\n  not local: the mask has no bounded sliding window\n"
+        "backend: reference\n  not segments: the mask has no lazy documents (qkv.masks.documents)\n"
+        "  not local: the mask has no bounded sliding window\n"
         "  not sdpa: an empty call (i = 0, j = 7) has nothing to compute\n"
         "  not chunked: an empty call (i = 0, j = 7) has nothing to compute"
     )

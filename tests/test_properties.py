@@ -7,7 +7,7 @@ score lets it differ), ``e`` value size, ``n`` the additive score's hidden size.
 hypothesis draws whole calls: the layout (``(i, d)``, ``(h, i, d)``, ``(b, h, i, d)``,
 ``(a, b, h, i, d)``), grouped KV heads, ``i ≠ j``, ``d ≠ e``; a score (dot, scaled dot,
 general, additive, location); a mask built from every lazy kind (causal, window, offsets,
-lengths) and dense tensors, combined with ``&`` and ``|``, plus ``causal=True``; a dense
+lengths, documents) and dense tensors, combined with ``&`` and ``|``, plus ``causal=True``; a dense
 bias (sometimes learned) or a lazy one (ALiBi, T5 buckets); a scale; attention sinks and a
 ``score_mod`` (soft-capping, a learned per-head relative slope read from a closure, one that
 reads the batch index); ``return_weights`` and ``weights_for``; float64 or float32; and the backends' tile, block and chunk sizes,
@@ -69,8 +69,8 @@ def _settings(examples: int):
 
 @dataclass(frozen=True)
 class MaskLeaf:
-    kind: str  # "causal", "window", "offsets", "lengths", "dense"
-    args: tuple = ()  # window (left, right); offsets (lo, hi); lengths per batch row; dense shape + seed
+    kind: str  # "causal", "window", "offsets", "lengths", "documents", "dense"
+    args: tuple = ()  # window (left, right); offsets (lo, hi); lengths per batch row; ids_q, ids_k; dense shape + seed
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def _offset_bound(draw, low: int, high: int):
 
 @st.composite
 def mask_leaf(draw, rank: int, lead: tuple[int, ...], h: int, i: int, j: int) -> MaskLeaf:
-    kinds = ["causal", "window", "window", "offsets", "dense"] + (["lengths"] if rank >= 4 else [])
+    kinds = ["causal", "window", "window", "offsets", "dense"] + (["lengths", "documents"] if rank >= 4 else [])
     kind = draw(st.sampled_from(kinds))
     if kind == "window":  # mostly narrow, so the local backend (2 · (block + left + right) <= j) runs too
         return MaskLeaf(kind, (draw(st.sampled_from([0, 0, 1, 1, 2, 4])), draw(st.sampled_from([0, 0, 1, 2, 4]))))
@@ -130,6 +130,10 @@ def mask_leaf(draw, rank: int, lead: tuple[int, ...], h: int, i: int, j: int) ->
         return MaskLeaf(kind, (lo, hi))
     if kind == "lengths":
         return MaskLeaf(kind, tuple(draw(st.integers(0, j)) for _ in range(lead[-1])))
+    if kind == "documents":  # sorted ids per batch row: packed documents, some with no query or no key
+        ids = lambda n: tuple(sorted(draw(st.integers(0, 3)) for _ in range(n)))  # noqa: E731
+        rows = draw(st.sampled_from([1, lead[-1]]))
+        return MaskLeaf(kind, (tuple(ids(i) for _ in range(rows)), tuple(ids(j) for _ in range(rows))))
     if kind == "dense":
         full = (*lead, h, i, j)[-rank:]  # the target's dims (rank 2: (i, j))
         dims = len(full) - draw(st.integers(0, max(0, len(full) - 2)))  # may drop leading dims
@@ -305,6 +309,9 @@ class Built:
         if node.kind == "lengths":
             lengths = torch.tensor(node.args)
             return qkv.masks.lengths(lengths), (torch.arange(c.j)[None, :] < lengths[:, None])[:, None, None, :]
+        if node.kind == "documents":
+            ids_q, ids_k = torch.tensor(node.args[0]), torch.tensor(node.args[1])
+            return qkv.masks.documents(ids_q, ids_k), (ids_q[:, :, None] == ids_k[:, None, :])[:, None]
         shape, seed, p = node.args
         dense = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < p
         return dense, dense

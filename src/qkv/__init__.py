@@ -13,10 +13,11 @@ from . import approx, backends, blocks, cache, masks, models, positional, score_
 from .attention import Attention, MultiHeadAttention
 from .blocks import Decoder, Encoder, FeedForward, TransformerDecoderLayer, TransformerEncoderLayer
 from .cache import DecoderCache, KVCache, LatentCache, StreamingCache
-from .functional import attention, attention_weights, explain
+from .functional import attention, attention_weights, explain, merge
 from .latent import MultiHeadLatentAttention
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
 from .score_mods import SoftCap
+from .varlen import pad_input, unpad_input, varlen_attention
 from .variants import DifferentialAttention, OutputGate, QKNorm, SigmoidAttention
 
 try:
@@ -56,10 +57,14 @@ __all__ = [
     "cache",
     "explain",
     "masks",
+    "merge",
     "models",
+    "pad_input",
     "positional",
     "score_mods",
     "scores",
     "tasks",
+    "unpad_input",
     "variants",
+    "varlen_attention",
 ]

@@ -49,6 +49,7 @@ def request(
     generator: torch.Generator | None = None,
     sinks: Tensor | None = None,
     score_mod=None,
+    return_lse: bool = False,
 ) -> Request:
     """Validate one call and fold it into a :class:`Request`."""
     _tensors(q, k, v)
@@ -60,10 +61,13 @@ def request(
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights: expected a bool, got {type(return_weights).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     target = (*q.shape[:-1], k.shape[-2])  # (..., h, i, j)
     mask = as_mask(mask)
     if mask is not None:
         _mask_shape(mask, target)
+        mask.check(q.shape[-2], k.shape[-2])
     bias = _bias(bias, target, q)
     scale = _scale(scale, score, q.shape[-1])
     dropout = probability("dropout", dropout)
@@ -78,7 +82,7 @@ def request(
         mask = _CAUSAL if mask is None else mask & _CAUSAL
     return Request(
         q=q, k=k, v=v, score=score, mask=mask, bias=bias, scale=scale, dropout=dropout,
-        return_weights=return_weights, generator=generator, sinks=sinks, score_mod=score_mod,
+        return_weights=return_weights, generator=generator, sinks=sinks, score_mod=score_mod, return_lse=return_lse,
         layout=None if layout.canonical else layout,
     )  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""The functional API: ``attention``, ``attention_weights`` and ``explain``.
+"""The functional API: ``attention``, ``attention_weights``, ``merge`` and ``explain``.
 
 Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
 length, ``j`` key length, ``d`` query/key size, ``e`` value size.
@@ -14,13 +14,14 @@ caller's layout.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from . import backends, checks
 from .backends import engines
+from .backends.tiling.lse import merge_all
 from .masks import Mask
 from .positional import LazyBias
 from .scores import Score
@@ -43,7 +44,8 @@ def attention(
     weights_for: dict | None = None,
     sinks: Tensor | None = None,
     score_mod: Callable | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
     """Attention: ``out = softmax(scale · score(q, k) + bias, masked) @ v``.
 
     Args:
@@ -74,10 +76,15 @@ def attention(
             scaled logits after the bias and before the mask (``flex_attention``'s
             convention; ``qkv.score_mods``), e.g. ``qkv.SoftCap(c)``. The chunked backend runs
             it tile by tile, forward and backward; tensors it closes over get gradients.
+        return_lse: also return each row's log-sum-exp ``lse (..., h, i)``, the natural log of
+            its softmax denominator (with sinks, the whole denominator, sink included), so
+            that attentions over disjoint keys merge exactly (:func:`merge`). Gradients flow
+            through it. A row with no key (and no sink) has ``lse = -inf``.
 
     Returns:
-        ``out (..., h, i, e)``, or ``(out, weights)``. A query whose keys are all masked gets
-        zero output, zero weights and zero gradients. With ``return_weights=True`` and
+        ``out (..., h, i, e)``; with ``return_weights`` and/or ``return_lse`` a tuple
+        ``(out, weights, lse)`` of what was asked, in that order. A query whose keys are all
+        masked gets zero output, zero weights and zero gradients. With ``return_weights=True`` and
         ``backend="auto"``, a call small enough is materialised (``qkv.backends.
         MATERIALISE_ELEMENTS``); a larger one, or one with ``weights_for``, gets its output
         from a fused engine and its weights rebuilt exactly from the log-sum-exp
@@ -86,20 +93,22 @@ def attention(
     req = checks.request(
         q, k, v, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
         dropout=dropout, return_weights=return_weights, generator=generator, sinks=sinks,
-        score_mod=score_mod,
+        score_mod=score_mod, return_lse=return_lse,
     )  # fmt: skip
     if weights_for is not None:
         req = replace(req, weights_for=_weights_for(weights_for, req))
     impl, _ = backends.choose(req, backend)
-    out, weights = impl.run(req)
-    out = req.restore(out)
-    if not return_weights:
-        return out
-    if req.weights_for is not None and not getattr(impl, "selects_weights", False):
-        heads, rows = req.weights_for
-        weights = weights if heads is None else weights.index_select(1, heads.to(weights.device))
-        weights = weights if rows is None else weights.index_select(2, rows.to(weights.device))
-    return out, req.restore(weights)
+    out, weights, lse = impl.run(req)
+    results = [req.restore(out)]
+    if return_weights:
+        if req.weights_for is not None and not getattr(impl, "selects_weights", False):
+            heads, rows = req.weights_for
+            weights = weights if heads is None else weights.index_select(1, heads.to(weights.device))
+            weights = weights if rows is None else weights.index_select(2, rows.to(weights.device))
+        results.append(req.restore(weights))
+    if return_lse:
+        results.append(req.restore(lse))
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 def _weights_for(spec: object, req: backends.Request) -> tuple[Tensor | None, Tensor | None]:
@@ -178,6 +187,34 @@ def attention_weights(
         return_weights=True, backend=backend, weights_for=weights_for, sinks=sinks, score_mod=score_mod,
     )  # fmt: skip
     return w
+
+
+def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Attentions over disjoint sets of keys, merged into the attention over all of them: ``(out, lse)``.
+
+    ``outs[n] (..., h, i, e)`` and ``lses[n] (..., h, i)`` are :func:`attention`'s output and
+    log-sum-exp (``return_lse=True``) over the ``n``-th set of keys; the result is exactly
+    the attention over their union (Milakov & Gimelshein 2018's merge, as in ring attention)::
+
+        lse = log Σ_n exp(lse_n)          out = Σ_n exp(lse_n - lse) · out_n
+
+    Differentiable in every ``out`` and ``lse``; a part whose row saw no key (``lse = -inf``)
+    has weight 0, and a row no part saw gets ``out = 0``, ``lse = -inf``, with no NaN in the
+    values or the gradients. Sinks belong to one part only (they are one more logit).
+    """
+    if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise TypeError(f"merge: expected lists of outputs and log-sum-exps, got {type(outs).__name__}, {type(lses).__name__}")
+    if len(outs) != len(lses) or not outs:
+        raise ValueError(f"merge: expected as many log-sum-exps as outputs (at least one), got {len(outs)} and {len(lses)}")
+    for n, (out, lse) in enumerate(zip(outs, lses)):
+        if not isinstance(out, Tensor) or not isinstance(lse, Tensor):
+            raise TypeError(f"merge: part {n}: expected tensors, got {type(out).__name__}, {type(lse).__name__}")
+        if tuple(out.shape[:-1]) != tuple(lse.shape) or out.shape != outs[0].shape:
+            raise ValueError(
+                f"merge: part {n}: expected out {tuple(outs[0].shape)} and lse {tuple(outs[0].shape[:-1])}, "
+                f"got {tuple(out.shape)} and {tuple(lse.shape)}"
+            )
+    return merge_all(outs, lses)
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:

@@ -51,6 +51,9 @@ class Score(nn.Module):
     #: Numbers :meth:`pairwise` builds per logit (the additive score's hidden size): what
     #: materialising all logits costs, per logit.
     pair_width: int = 1
+    #: True when :meth:`pairwise` reads the tile's key positions (a call cut into pieces
+    #: renumbers them, so such a score runs whole).
+    reads_positions: bool = False
 
     def prepare(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Per-position transforms: ``q (..., i, dq) -> qp (..., i, *)``, ``k (..., j, dk) -> kp (..., j, *)``."""
@@ -180,6 +183,7 @@ class Location(Score):
     """
 
     name = "location"
+    reads_positions = True  # the logit of key c is the query's c-th output
 
     def __init__(self, query_dim: int, max_len: int, *, bias: bool = True):
         super().__init__()

@@ -1,12 +1,14 @@
 """Backends: how attention is computed. Each agrees with ``reference``.
 
 A backend is a module with ``name``, ``supports(req) -> str | None`` (None = it can run the
-request, else why not) and ``run(req) -> (out, weights | None)``. :func:`choose` walks
+request, else why not) and ``run(req) -> (out, weights | None, lse | None)`` (the weights
+and the log-sum-exp when the request asks for them). :func:`choose` walks
 :data:`PREFERENCE` (fastest first) and takes the first backend that supports the request;
 it is the one place that decides which path a call takes (``qkv.explain`` prints its
 reasons). A new backend is one file here plus its place in :data:`PREFERENCE`.
 
 =============  =====================================================================
+``segments``   packed documents (``masks.documents``): one ordinary call per document
 ``local``      sliding windows: block-local fused kernel, O(i·window)
 ``sdpa``       ``F.scaled_dot_product_attention``: dot-form scores, no lazy bias,
                no weights
@@ -16,7 +18,7 @@ reasons). A new backend is one file here plus its place in :data:`PREFERENCE`.
 ``reference``  the literal equations, materialised (the oracle)
 =============  =====================================================================
 
-The layout of the package: the four backends here; ``engines/`` (the exact engines behind
+The layout of the package: the five backends here; ``engines/`` (the exact engines behind
 ``chunked`` and sequence parallelism, one contract); ``tiling/`` (what the engines share:
 tiles, the fused CPU kernel, tile arithmetic, dropout, sinks, weights).
 """
@@ -27,13 +29,14 @@ import importlib
 import warnings
 from types import ModuleType
 
-from . import chunked, local, reference, sdpa
+from . import chunked, local, reference, sdpa, segments
 from .request import Request, repeat_kv
 
 #: Backends by name.
-REGISTRY: dict[str, ModuleType] = {m.name: m for m in (local, sdpa, chunked, reference)}
+REGISTRY: dict[str, ModuleType] = {m.name: m for m in (segments, local, sdpa, chunked, reference)}
 #: The order ``auto`` tries them in: fastest first, the reference last (it runs everything).
-PREFERENCE: tuple[str, ...] = ("local", "sdpa", "chunked", "reference")
+#: ``segments`` first: a packed batch is many small calls, each of which then takes this walk.
+PREFERENCE: tuple[str, ...] = ("segments", "local", "sdpa", "chunked", "reference")
 #: Largest ``b·h·i·j`` (times the score's pairwise width) for which a call that returns every
 #: weight is materialised: the ``(b, h, i, j)`` weights exist anyway, and one softmax then
 #: ``weights @ v`` beats a fused kernel plus rebuilding the weights from its log-sum-exp

@@ -26,6 +26,6 @@ def supports(req: Request) -> str | None:
     return None  # every score, mask, bias, dropout, sink and score_mod
 
 
-def run(req: Request) -> tuple[Tensor, Tensor | None]:
-    out, _, weights = engines.run(req)
-    return out, weights
+def run(req: Request) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    out, lse, weights = engines.run(req)
+    return out, weights, (lse if req.return_lse else None)

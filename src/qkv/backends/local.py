@@ -73,6 +73,8 @@ def supports(req: Request) -> str | None:
         return "a dense mask is combined with the window"
     if req.return_weights:
         return "it does not return weights"
+    if req.return_lse:
+        return "it does not return the log-sum-exp"
     if req.dropout > 0:
         return "it has no dropout"
     if req.sinks is not None:
@@ -164,7 +166,7 @@ def _offset_masks(req: Request, size: int, n: int, first: int, width: int) -> Te
     return add
 
 
-def run(req: Request) -> tuple[Tensor, None]:
+def run(req: Request) -> tuple[Tensor, None, None]:
     window = find_window(req.mask)
     qp, kp = req.score.prepare(req.q, req.k)
     e = req.v.shape[-1]
@@ -202,7 +204,7 @@ def run(req: Request) -> tuple[Tensor, None]:
         add = _block_masks(req, window, size, n, first, width)  # (b|1, n, h|1, B, W)
         out = _blocks_call(q_blocks, k_blocks, v_blocks, add.expand(b, *add.shape[1:]).flatten(0, 1), req.scale)
     out = rearrange(out, "b n h r e -> b h (n r) e")[:, :, :i_len, :e]
-    return out, None
+    return out, None, None
 
 
 def _blocks_call(q: Tensor, k: Tensor, v: Tensor, add: Tensor, scale: float) -> Tensor:

@@ -57,16 +57,28 @@ def weights(req: Request) -> Tensor:
     With sinks, each row's softmax runs over one more logit, ``sinks_h``, whose weight is
     then dropped (a sink has no value): the row's weights sum to less than 1.
     """
+    return weights_and_lse(req)[0]
+
+
+def weights_and_lse(req: Request) -> tuple[Tensor, Tensor]:
+    """:func:`weights`, and each row's ``lse = log Σ exp(e)`` over its allowed keys (and its sink): ``(b, h, i)``.
+
+    A row with no allowed key and no sink has ``lse = -inf``.
+    """
     e, allowed = logits(req)
     if req.sinks is not None:
         column = req.sinks.to(e.dtype).reshape(-1, 1, 1)
         e = torch.cat((e, column.expand(*e.shape[:-1], 1)), dim=-1)
     w = torch.softmax(e, dim=-1)
+    lse = torch.logsumexp(e, dim=-1)
     if req.sinks is not None:
         w = w[..., :-1]
     if allowed is not None:
-        w = w * allowed.any(dim=-1, keepdim=True)
-    return w
+        live = allowed.any(dim=-1, keepdim=True)
+        w = w * live
+        if req.sinks is None:  # finfo.min logits are not "no key": the row has no mass
+            lse = lse.masked_fill(~live.squeeze(-1).expand(lse.shape), float("-inf"))
+    return w, lse
 
 
 def dropout_weights(w: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
@@ -77,8 +89,8 @@ def dropout_weights(w: Tensor, p: float, generator: torch.Generator | None) -> T
     return w * keep / (1.0 - p)
 
 
-def run(req: Request) -> tuple[Tensor, Tensor | None]:
-    w = weights(req)
+def run(req: Request) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    w, lse = weights_and_lse(req)
     v = repeat_kv(req.v, req.group)
     out = dropout_weights(w, req.dropout, req.generator).to(v.dtype) @ v
-    return out, (w.to(req.q.dtype) if req.return_weights else None)
+    return out, (w.to(req.q.dtype) if req.return_weights else None), (lse if req.return_lse else None)

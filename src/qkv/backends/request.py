@@ -42,6 +42,7 @@ class Request:
     sinks: Tensor | None = None  # (h,) sink logit per query head: in every row's softmax denominator
     # fn(score, b, h, q_idx, kv_idx) -> score on each tile's logits, after the bias, before the mask
     score_mod: Callable | None = None
+    return_lse: bool = False  # also return each row's log-sum-exp (b, h, i), differentiable
     layout: Layout | None = None  # the caller's layout, restored on the way out (None: (b, h, i, d) itself)
     # whether gradients are recorded for this call: the grad mode it was made under, kept
     # because engines run inside autograd functions, where grad mode is always off

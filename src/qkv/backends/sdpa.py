@@ -35,6 +35,8 @@ def supports(req: Request) -> str | None:
         return f"the {req.score.name} score is not a dot product"
     if req.return_weights:
         return "the fused kernel does not return weights"
+    if req.return_lse:
+        return "the fused kernel does not return the log-sum-exp"
     if req.bias is not None and not isinstance(req.bias, Tensor) and not tracing():
         # while tracing, the bias is materialised: public ops only (see backends.tiling.flash_cpu)
         return "a lazy bias would be materialised as an (h, i, j) tensor"
@@ -47,7 +49,7 @@ def supports(req: Request) -> str | None:
     return None
 
 
-def run(req: Request) -> tuple[Tensor, None]:
+def run(req: Request) -> tuple[Tensor, None, None]:
     # No short-sequence switch to the math path: with b·i = 4096 tokens, 8 heads, d = 64, one
     # thread, forward + backward, PyTorch's flash kernel beat bmm + softmax + bmm (its MATH
     # backend and a hand-written one) at every length tried, i = 64 to 512 (i = 64: 175 ms
@@ -66,7 +68,7 @@ def run(req: Request) -> tuple[Tensor, None]:
     )
     if live_rows is not None:
         out = out * live_rows
-    return out, None
+    return out, None, None
 
 
 def _mask(req: Request) -> tuple[Tensor | None, bool, Tensor | None]:

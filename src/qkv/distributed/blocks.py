@@ -29,8 +29,9 @@ from torch import Tensor
 
 from ..backends.engines import key_blocks
 from ..backends.tiling.dropout import Origin
+from ..backends.tiling.lse import merge_into
 from ..backends.request import Request
-from .framing import Block, block_slice, frame_bias, frame_mask, frame_score_mod, mask_state
+from ..backends.tiling.framing import Block, block_slice, frame_bias, frame_mask, frame_score_mod, mask_state
 
 #: Largest piece (1 MiB), in bytes of what it carries ([k | v] of a key piece; the float32 output
 #: rows of a query piece). Small enough that a few in flight are a fraction of a rank's
@@ -158,16 +159,3 @@ class Work:
 def _cols(k: Pieces, c: int, key: int | None) -> slice:
     """Where key piece ``c`` sits: at its rows of the rank's keys (``key`` None), or alone in a buffer."""
     return k.rows(c) if key is None else slice(0, k.spans[c][1])
-
-
-def merge_into(out: Tensor, lse: Tensor, o: Tensor, m: Tensor) -> None:
-    """``(out, lse) <- merge((out, lse), (o, m))`` in place; ``o`` (a fresh block output) is overwritten.
-
-    ``lse = logaddexp(lse, m)``, ``out = exp(lse_old - lse)·out + exp(m - lse)·o``: rows where
-    both are ``-inf`` keep ``out = 0``, ``lse = -inf`` (never NaN).
-    """
-    new = torch.logaddexp(lse, m)
-    ref = torch.where(torch.isneginf(new), 0.0, new)
-    out.mul_(torch.exp(lse - ref).unsqueeze(-1).to(out.dtype))
-    out.add_(o.mul_(torch.exp(m - ref).unsqueeze(-1).to(o.dtype)))
-    lse.copy_(new)

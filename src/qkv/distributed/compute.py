@@ -18,7 +18,7 @@ from ..backends.engines import key_blocks
 from ..functional import attention
 from .blocks import Work
 from .comm import Group
-from .framing import Block, frame_bias, frame_mask, frame_score_mod, mask_state
+from ..backends.tiling.framing import Block, frame_bias, frame_mask, frame_score_mod, mask_state
 from .ring import attend, plan_for, row_bytes
 
 

@@ -24,10 +24,11 @@ Query ``r`` may see key ``c`` iff ``c - r - (j - i) <= 0``; that offset is
 """
 
 from .base import And, Dense, Mask, Or, State, Tile, as_mask
+from .documents import Documents, documents
 from .padding import Lengths, Starts, lengths, starts
 from .positions import Offsets, Window, causal, offsets, window
 
 __all__ = [
-    "And", "Dense", "Lengths", "Mask", "Offsets", "Or", "Starts", "State", "Tile", "Window", "as_mask", "causal",
-    "lengths", "offsets", "starts", "window",
+    "And", "Dense", "Documents", "Lengths", "Mask", "Offsets", "Or", "Starts", "State", "Tile", "Window", "as_mask", "causal",
+    "documents", "lengths", "offsets", "starts", "window",
 ]  # fmt: skip

@@ -82,6 +82,9 @@ class Mask:
         """Leading dims the mask carries besides ``(i, j)``; ``()`` for masks of positions only."""
         return ()
 
+    def check(self, i_len: int, j_len: int) -> None:
+        """Raise ``ValueError`` (naming ``mask``) if the mask was made for other query or key lengths."""
+
     def merge_lead(self, lead: tuple[int, ...]) -> Mask:
         """The same mask for inputs whose leading dims ``lead`` are merged into one batch dim.
 
@@ -174,6 +177,10 @@ class And(Mask):
         a, b = self.a.merge_lead(lead), self.b.merge_lead(lead)
         return self if a is self.a and b is self.b else And(a, b)
 
+    def check(self, i_len: int, j_len: int) -> None:
+        self.a.check(i_len, j_len)
+        self.b.check(i_len, j_len)
+
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
@@ -202,6 +209,10 @@ class Or(Mask):
     def merge_lead(self, lead: tuple[int, ...]) -> Mask:
         a, b = self.a.merge_lead(lead), self.b.merge_lead(lead)
         return self if a is self.a and b is self.b else Or(a, b)
+
+    def check(self, i_len: int, j_len: int) -> None:
+        self.a.check(i_len, j_len)
+        self.b.check(i_len, j_len)
 
     def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"

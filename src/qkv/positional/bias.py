@@ -53,15 +53,23 @@ class ALiBi(LazyBias):
 
     shift_invariant = True
 
-    def __init__(self, heads: int):
+    def __init__(self, heads: int, *, slopes: Tensor | None = None):
+        """``slopes (heads,)``: the head slopes to use instead of the paper's (e.g. a model's own, or flash-attn's ``alibi_slopes``)."""
         super().__init__()
         self.heads = heads
-        self.register_buffer("slopes", alibi_slopes(heads), persistent=False)
+        if slopes is not None:
+            if not isinstance(slopes, Tensor) or not slopes.dtype.is_floating_point or tuple(slopes.shape) != (heads,):
+                got = tuple(slopes.shape) if isinstance(slopes, Tensor) else type(slopes).__name__
+                raise ValueError(f"slopes: expected a float tensor of shape ({heads},), got {got}")
+            slopes = slopes.detach().to(torch.float64).clone()
+        self._given = slopes
+        self.register_buffer("slopes", alibi_slopes(heads) if slopes is None else slopes, persistent=False)
 
     def _apply(self, fn, recurse=True):
         # .to(device) moves the slopes; .to(dtype) / .half() / .float() must not round them.
         super()._apply(fn, recurse)
-        self.slopes = alibi_slopes(self.heads).to(self.slopes.device)
+        exact = alibi_slopes(self.heads) if self._given is None else self._given
+        self.slopes = exact.to(self.slopes.device)
         return self
 
     def tile(self, t: Tile) -> Tensor:

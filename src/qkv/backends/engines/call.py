@@ -8,7 +8,8 @@ step once, a dropout seed drawn once (the engine places its mask by hashing it w
 weight's coordinates, ``tiling.dropout``), the chosen engine's forward, sinks joined to
 each row's ``(out, lse)`` (``tiling.sinks``), and, when asked, the weights rebuilt from
 ``lse`` (``tiling.weights_from_lse``) for the chosen heads and rows only. The backward is
-the engine's, from the final ``out`` and ``lse``, plus the sinks' own gradient. Tensors a
+the engine's, from the final ``out`` and ``lse``, plus the sinks' own gradient, plus, when
+``lse`` itself gets a gradient, the keys' share of it (:func:`_lse_grads`). Tensors a
 score, a lazy bias or a ``score_mod`` reads (``contract.parameters``) are inputs of the
 autograd function, so they get gradients, and the modules are rebound to them while the
 backward recomputes tiles (:func:`bound`).
@@ -28,11 +29,11 @@ from ..tiling import dropout as drop
 from ..tiling import sinks as sink
 from ..tiling.weights_from_lse import rebuild
 from .chooser import choose
-from .contract import accumulation, modules, parameters, prepared, unique
+from .contract import Grads, accumulation, modules, parameters, prepared, unique
 
 
 def run(req: Request) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(out (b, h, i, e), lse (b, h, i), weights | None)`` of a whole call, differentiable in ``out``.
+    """``(out (b, h, i, e), lse (b, h, i), weights | None)`` of a whole call, differentiable in ``out`` and ``lse``.
 
     ``lse`` is the log of each row's whole denominator, sinks included (``-inf`` on a row that
     sees no key and has no sink); ``weights`` are those ``req.weights_for`` selects.
@@ -62,11 +63,11 @@ class EngineCall(torch.autograd.Function):
             out, lse = sink.with_sinks(out, lse, sinks)
         ctx.engine, ctx.req, ctx.saved, ctx.params = engine, req, saved, params
         ctx.save_for_backward(q, k, v, dense, sinks, out, lse)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an output nobody used gets None: no backward pass for it
         return out.to(v.dtype), lse
 
     @staticmethod
-    def backward(ctx, d_out: Tensor, _d_lse: Tensor | None):
+    def backward(ctx, d_out: Tensor | None, d_lse: Tensor | None):
         q, k, v, dense, sinks, out, lse = ctx.saved_tensors
         needs = ctx.needs_input_grad
         # the engine reads requires_grad to skip what nobody asked for
@@ -74,11 +75,53 @@ class EngineCall(torch.autograd.Function):
         if dense is not None:
             dense = dense.detach().requires_grad_(needs[5])
         req = replace(ctx.req, q=q, k=k, v=v.detach(), bias=ctx.req.bias if dense is None else dense)
+        grads = []
         with bound(modules(req), ctx.params):
-            grads = ctx.engine.backward(req, out, lse, d_out, ctx.saved, q.dtype)
-        d_sinks = sink.grad(out, lse, d_out, sinks) if needs[6] else None
-        return (None, None, grads.q.to(q.dtype), grads.k.to(k.dtype), grads.v.to(v.dtype), grads.bias, d_sinks,
-                *grads.params)  # fmt: skip
+            if d_out is not None:
+                grads.append(ctx.engine.backward(req, out, lse, d_out, ctx.saved, q.dtype))
+            if d_lse is not None:
+                grads.append(_lse_grads(ctx.engine, req, lse, d_lse, ctx.saved))
+        d_sinks = None
+        if needs[6]:
+            d_sinks = torch.zeros_like(sinks)
+            d_sinks = d_sinks if d_out is None else d_sinks + sink.grad(out, lse, d_out, sinks)
+            d_sinks = d_sinks if d_lse is None else d_sinks + sink.lse_grad(lse, d_lse, sinks)
+        if not grads:
+            return (None,) * (7 + len(ctx.params))
+        total = grads[0] if len(grads) == 1 else _sum(grads)
+        return (None, None, total.q.to(q.dtype), total.k.to(k.dtype), total.v.to(v.dtype), total.bias, d_sinks,
+                *total.params)  # fmt: skip
+
+
+def _lse_grads(engine, req: Request, lse: Tensor, d_lse: Tensor, saved: object) -> Grads:
+    """The gradients that reach the inputs through ``lse`` alone.
+
+    ``∂lse_r/∂s_rc = P_rc``, so the lse's share of the logits' gradient is ``dS = P ∘ d_lse``,
+    which is what any engine's backward gives for values that are one column of ones, an
+    output of zeros and ``d_out = d_lse``: ``dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)) = P ∘ d_lse``
+    (the values' own gradient is then discarded). One more backward pass, of head size 1,
+    run only when the log-sum-exp is differentiated.
+    """
+    b, h, i_len = lse.shape
+    ones = req.v.new_ones((*req.v.shape[:-1], 1))
+    zeros = lse.new_zeros((b, h, i_len, 1))
+    adapt = getattr(engine, "saved_for_lse", None)  # what the engine kept, for those values
+    grads = engine.backward(replace(req, v=ones), zeros, lse, d_lse[..., None], saved if adapt is None else adapt(saved),
+                            req.q.dtype)  # fmt: skip
+    return replace(grads, v=torch.zeros_like(req.v))
+
+
+def _sum(parts: list[Grads]) -> Grads:
+    """Gradients summed field by field (None where every part has None)."""
+
+    def add(xs):
+        xs = [x for x in xs if x is not None]
+        return None if not xs else xs[0] if len(xs) == 1 else sum(xs[1:], xs[0])
+
+    return Grads(
+        q=add(p.q for p in parts), k=add(p.k for p in parts), v=add(p.v for p in parts),
+        bias=add(p.bias for p in parts), params=[add(ps) for ps in zip(*(p.params for p in parts))],
+    )  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -314,6 +314,17 @@ def refuses(req: Request) -> str | None:
     return None
 
 
+def saved_for_lse(saved: Learned | None) -> Learned | None:
+    """``saved`` as it would be for values that are one column of ones (``engines.call``'s lse gradient).
+
+    The far keys' own output is then 1 on every row that sees one, and 0 elsewhere.
+    """
+    if saved is None or saved.far_out is None:
+        return saved
+    ones = torch.isfinite(saved.far_lse)[..., None].to(saved.far_out.dtype)
+    return Learned(saved.own_lse, ones, saved.far_lse)
+
+
 def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, Learned | None]:
     """The contract's forward (``engines.contract``): ``out`` comes in the inputs' dtype."""
     e = req.v.shape[-1]

@@ -19,6 +19,8 @@ and a piece with ``lse_n = -inf`` has weight 0. Backward passes recompute weight
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
@@ -27,6 +29,26 @@ def for_recompute(lse: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """``lse`` with every dead row (``±inf``) at ``+inf``, so that ``exp(s - lse)`` is 0 there."""
     lse = lse if dtype is None else lse.to(dtype)
     return torch.where(torch.isinf(lse), float("inf"), lse)
+
+
+def merge_all(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Pieces' ``(out (..., e), lse (...))`` over disjoint key sets merged into the softmax over all their keys.
+
+    Exact and differentiable in every piece's ``out`` and ``lse``. A row whose pieces all
+    have ``lse = -inf`` gets ``out = 0``, ``lse = -inf`` and zero gradients; a piece with
+    ``lse = -inf`` has weight 0. No NaN appears in the values or the gradients: the row
+    maximum is taken as a constant, and dead rows are computed on zeros and then replaced
+    (gradients through ``torch.where`` reach only the branch that was kept).
+    """
+    lse_n = torch.stack([torch.as_tensor(x) for x in lses])  # (n, ...)
+    dead = torch.isneginf(lse_n).all(0)
+    top = torch.where(dead, 0.0, lse_n.amax(0)).detach()
+    safe = torch.where(dead, 0.0, lse_n)
+    total = top + torch.log(torch.exp(safe - top).sum(0))  # finite on every row
+    lse = torch.where(dead, float("-inf"), total)
+    weights = torch.exp(lse_n - torch.where(dead, 0.0, total))  # exp(-inf) = 0 for dead pieces and rows
+    out = sum(o * w[..., None].to(o.dtype) for o, w in zip(outs, weights))
+    return out, lse
 
 
 def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -40,3 +62,16 @@ def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[T
     ref = torch.where(torch.isneginf(lse), 0.0, lse)  # both -inf: weights exp(-inf) = 0
     w_a, w_b = torch.exp(lse_a - ref), torch.exp(lse_b - ref)
     return out_a * w_a[..., None].to(out_a.dtype) + out_b * w_b[..., None].to(out_b.dtype), lse
+
+
+def merge_into(out: Tensor, lse: Tensor, o: Tensor, m: Tensor) -> None:
+    """``(out, lse) <- merge((out, lse), (o, m))`` in place, no graph; ``o`` (a fresh piece's output) is overwritten.
+
+    The running merge of ring attention: one piece at a time into the rows' accumulators,
+    with no copy of them (rows where both are ``-inf`` keep ``out = 0``, ``lse = -inf``).
+    """
+    new = torch.logaddexp(lse, m)
+    ref = torch.where(torch.isneginf(new), 0.0, new)
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1).to(out.dtype))
+    out.add_(o.mul_(torch.exp(m - ref).unsqueeze(-1).to(o.dtype)))
+    lse.copy_(new)

@@ -48,3 +48,9 @@ def grad(out: Tensor, lse: Tensor, d_out: Tensor, sinks: Tensor) -> Tensor:
     delta = torch.einsum("...e,...e->...", d_out.to(acc), out.to(acc))  # D, via bmm: no (b, h, i, e) product
     mass = torch.exp(per_head(sinks, lse) - lse)  # the sink's weight in each row
     return (-(mass * delta)).sum((0, 2)).to(sinks.dtype)
+
+
+def lse_grad(lse: Tensor, d_lse: Tensor, sinks: Tensor) -> Tensor:
+    """The sinks' gradient through the total ``lse``: ``d s_h = Σ d_lse · exp(s_h - lse_total)``, in ``sinks.dtype``."""
+    mass = torch.exp(per_head(sinks, lse) - lse)  # ∂ logaddexp(lse_keys, s) / ∂ s: the sink's weight
+    return (mass * d_lse.to(lse.dtype)).sum((0, 2)).to(sinks.dtype)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qkv import masks
-from qkv.distributed.framing import Block, Shifted, TranslatedBias, frame_bias, frame_mask, heads_only, mask_state
+from qkv.backends.tiling.framing import Block, Shifted, TranslatedBias, frame_bias, frame_mask, heads_only, mask_state
 from qkv.masks import Offsets, Tile, Window
 from qkv.positional import ALiBi, LazyBias, RelativePositionBias
 

@@ -14,8 +14,8 @@ lazy mask and bias of qkv is a function of tile coordinates, bottom-right aligne
   ``delta = (jt - it) + (c0 - r0) - (J - I)``, so the block's mask is ``offsets(lo - delta,
   hi - delta)``, still an ``Offsets`` (a ``Window`` when it holds offset 0), which keeps
   the engine's fused diagonal path;
-* ``Lengths``: ``lengths - c0`` (clamped to ``0 .. jt``);
-* ``Dense``: the slice ``[r0 : r0 + it, c0 : c0 + jt]``;
+* ``Lengths`` and ``Starts``: ``lengths - c0`` (clamped to ``0 .. jt``);
+* ``Dense``: the slice ``[r0 : r0 + it, c0 : c0 + jt]``; ``Documents``: the slices of its ids;
 * ``&`` / ``|``: both parts framed;
 * any other mask: :class:`Translated`, which hands the mask global tiles;
 * a shift-invariant lazy bias (ALiBi, T5 buckets): :class:`Shifted`, the same function of
@@ -28,7 +28,10 @@ lazy mask and bias of qkv is a function of tile coordinates, bottom-right aligne
   ``functools.partial``, so the tensors it reads still get their gradients.
 
 A block whose mask state is "empty" is not computed; one whose state is "full" drops the
-mask. Ulysses also slices heads: :func:`frame_bias` takes ``heads=(h0, h1)``.
+mask. Ulysses also slices heads: :func:`frame_bias` takes ``heads=(h0, h1)``. A packed
+batch's documents (the ``segments`` backend) are blocks of one batch row: :func:`frame_row`
+keeps that row of a mask, :func:`row_slice` of a dense tensor, and :func:`frame_score_mod`
+moves the batch index too.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..masks import And, Dense, Lengths, Mask, Offsets, Or, Tile, Window
-from ..positional import LazyBias
-from ..score_mods import SoftCap
+from ...masks import And, Dense, Documents, Lengths, Mask, Offsets, Or, Starts, Tile, Window
+from ...positional import LazyBias
+from ...score_mods import SoftCap
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,12 @@ def _frame(mask: Mask, block: Block) -> Mask:
         return Offsets(lo, hi)
     if kind is Lengths:
         return Lengths((mask.key_lengths - block.c0).clamp(min=0, max=block.jt))
+    if kind is Starts:
+        return Starts((mask.key_starts - block.c0).clamp(min=0, max=block.jt))
     if kind is Dense:
         return Dense(block_slice(mask.mask, block))
+    if kind is Documents:
+        return Documents(mask.ids_q[:, block.r0 : block.r0 + block.it], mask.ids_k[:, block.c0 : block.c0 + block.jt])
     if kind is And:
         return And(_frame(mask.a, block), _frame(mask.b, block))
     if kind is Or:
@@ -219,8 +226,8 @@ class HeadSlice(_Wrapped):
         return self._heads(self.inner.tile(t))
 
 
-def frame_score_mod(fn, block: Block | None, heads: tuple[int, int] | None = None):
-    """``fn`` reading global indices: rows from ``block.r0``, keys from ``block.c0``, heads from ``heads[0]``.
+def frame_score_mod(fn, block: Block | None, heads: tuple[int, int] | None = None, row: int = 0):
+    """``fn`` reading global indices: rows from ``block.r0``, keys from ``block.c0``, heads from ``heads[0]``, batch from ``row``.
 
     Soft-capping reads no index and is returned as it is (the engine recognises it).
     """
@@ -228,13 +235,55 @@ def frame_score_mod(fn, block: Block | None, heads: tuple[int, int] | None = Non
         return fn
     r0, c0 = (0, 0) if block is None else (block.r0, block.c0)
     h0 = 0 if heads is None else heads[0]
-    if (r0, c0, h0) == (0, 0, 0):
+    if (r0, c0, h0, row) == (0, 0, 0, 0):
         return fn
-    return functools.partial(_moved, fn, r0, c0, h0)
+    return functools.partial(_moved, fn, (row, h0, r0, c0))
 
 
-def _moved(fn, r0: int, c0: int, h0: int, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    return fn(score, b, h + h0, q_idx + r0, kv_idx + c0)
+def _moved(fn, origin: tuple[int, int, int, int], score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    row, h0, r0, c0 = origin
+    return fn(score, b + row, h + h0, q_idx + r0, kv_idx + c0)
 
 
-__all__ = ["Block", "frame_bias", "frame_mask", "frame_score_mod", "heads_only", "mask_state"]
+def frame_row(mask: Mask | None, n: int) -> Mask | None:
+    """The mask of batch row ``n`` alone, as a mask of a one-row call."""
+    kind = type(mask)
+    if mask is None or kind in (Offsets, Window):
+        return mask
+    if kind is Lengths:
+        return mask if mask.key_lengths.shape[0] == 1 else Lengths(mask.key_lengths[n : n + 1])
+    if kind is Starts:
+        return mask if mask.key_starts.shape[0] == 1 else Starts(mask.key_starts[n : n + 1])
+    if kind is Dense:
+        return Dense(row_slice(mask.mask, n))
+    if kind is Documents:
+        return mask.row(n)
+    if kind is And:
+        return And(frame_row(mask.a, n), frame_row(mask.b, n))
+    if kind is Or:
+        return Or(frame_row(mask.a, n), frame_row(mask.b, n))
+    return RowOf(mask, n)
+
+
+def row_slice(x: Tensor, n: int) -> Tensor:
+    """Batch row ``n`` of a tensor broadcastable to ``(b, h, i, j)`` (kept as it is when it has no batch dim)."""
+    return x[n : n + 1] if x.dim() >= 4 and x.shape[0] > 1 else x
+
+
+class RowOf(Mask):
+    """Any mask, kept to batch row ``n`` (its tiles' batch dim sliced)."""
+
+    def __init__(self, mask: Mask, n: int):
+        self.mask, self.n = mask, n
+
+    def tile(self, t: Tile) -> Tensor:
+        return row_slice(self.mask.tile(t), self.n)
+
+    def state(self, t: Tile) -> str:
+        return self.mask.state(t)  # of every row: "empty" and "full" hold for row n too
+
+    def __repr__(self) -> str:
+        return f"RowOf({self.mask!r}, {self.n})"
+
+
+__all__ = ["Block", "frame_bias", "frame_mask", "frame_row", "frame_score_mod", "heads_only", "mask_state", "row_slice"]

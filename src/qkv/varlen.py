@@ -1,0 +1,191 @@
+"""Packed sequences in flash-attn's dialect: ``varlen_attention``, ``unpad_input`` and ``pad_input``.
+
+Shape legend: ``t`` packed tokens (``total_q`` / ``total_k``), ``h`` query heads, ``g`` KV
+heads, ``d`` query/key size, ``e`` value size, ``b`` sequences; ``sq``/``sk`` one
+sequence's query and key lengths.
+
+``varlen_attention`` has ``flash_attn.flash_attn_varlen_func``'s signature and semantics, so
+code that imports one can import the other, and it runs forward and backward on a CPU:
+``q (total_q, h, d)``, ``k (total_k, g, d)``, ``v (total_k, g, e)`` hold the sequences end to
+end, sequence ``s`` in rows ``cu_seqlens[s] : cu_seqlens[s + 1]``. Per sequence, queries are
+the last ``sq`` of ``sk`` positions (bottom-right), so with ``causal`` query ``r`` sees keys
+``c <= r + sk - sq``; ``window_size = (left, right)`` keeps keys in ``[r + sk - sq - left,
+r + sk - sq + right]`` (-1: unbounded; ``causal`` sets ``right = 0``); ``alibi_slopes``
+``(h,)`` or ``(b, h)`` add ``-slope · |r + sk - sq - c|``; ``softcap`` caps the scaled
+logits (``c · tanh(s / c)``, before ALiBi, as flash-attn does). A query that sees no key
+gets zeros and, with ``return_lse``, ``lse = -inf``. qkv adds ``score_mod`` (its ``b`` the
+sequence's index, positions inside the sequence), ``sinks`` and ``generator``.
+
+Each sequence runs as an ordinary call of its own (``backends.segments``): the work is
+``Σ sq·sk``, a sequence's result does not depend on its neighbours, and every mechanism of
+``qkv.attention`` applies to it. Checked against a per-sequence loop of the formula in
+``tests/test_varlen.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import checks
+from .backends.segments import Segment, run_segments
+from .backends.tiling.framing import Block, frame_score_mod
+from .masks import Window
+from .positional import ALiBi
+from .score_mods import SoftCap
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    *,
+    score_mod: Callable | None = None,
+    sinks: Tensor | None = None,
+    return_lse: bool = False,
+    generator: torch.Generator | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over packed sequences: ``out (total_q, h, e)``, and ``lse (h, total_q)`` with ``return_lse``.
+
+    Args are ``flash_attn_varlen_func``'s (see the module docstring); ``max_seqlen_q/k``,
+    when given, must be at least the longest sequence (flash-attn sizes its grid with
+    them). ``deterministic`` is always honoured here: a CPU run with a fixed thread count
+    gives the same bits every time. ``dropout_p`` drops weights (draw with ``generator``
+    for reproducible runs).
+    """
+    cu_q, cu_k = _offsets("cu_seqlens_q", cu_seqlens_q, q, "q"), _offsets("cu_seqlens_k", cu_seqlens_k, k, "k")
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"cu_seqlens_k: expected {len(cu_q)} offsets like cu_seqlens_q (b + 1), got {len(cu_k)}")
+    for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
+        longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < longest):
+            raise ValueError(f"{name}: expected an int at least the longest sequence, {longest}, got {given!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor) or x.dim() != 3:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{name}: expected packed tokens (total, heads, size), got {got}")
+    left, right = _window(window_size, causal)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
+        raise ValueError(f"softcap: expected a non-negative number (0: no cap), got {softcap!r}")
+    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, h, t, ·): views
+    req = checks.request(
+        q4, k4, v4, score="scaled_dot", mask=None, bias=None, causal=False, scale=softmax_scale, dropout=dropout_p,
+        return_weights=False, generator=generator, sinks=sinks, score_mod=score_mod, return_lse=return_lse,
+    )  # fmt: skip
+    slopes = _slopes(alibi_slopes, req.heads, len(cu_q) - 1, q.device)
+    segments = []
+    for s in range(len(cu_q) - 1):
+        block = Block(cu_q[s], cu_q[s + 1] - cu_q[s], cu_k[s], cu_k[s + 1] - cu_k[s], req.i, req.j)
+        mask = None if left is None and right is None else Window(left, right)
+        row = None if slopes is None else slopes[min(s, len(slopes) - 1)]
+        bias, mod = _logit_terms(row, float(softcap), score_mod, s, block.jt - block.it)
+        segments.append(Segment(0, block, mask, bias, mod))
+    out, lse = run_segments(req, segments)
+    out = out[0].transpose(0, 1).contiguous()  # (total_q, h, e)
+    return (out, lse[0]) if return_lse else out
+
+
+def _offsets(name: str, cu: object, x: Tensor, of: str) -> list[int]:
+    """Check ``cu_seqlens`` (1-d integers from 0, non-decreasing, ending at ``x``'s token count) and read it."""
+    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 1:
+        got = tuple(cu.shape) if isinstance(cu, Tensor) else type(cu).__name__
+        raise ValueError(f"{name}: expected a 1-d tensor of b + 1 offsets, got {got}")
+    if cu.dtype.is_floating_point or cu.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor (int32, as flash-attn's), got {cu.dtype}")
+    values = cu.tolist()
+    total = x.shape[0] if isinstance(x, Tensor) and x.dim() == 3 else None
+    if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or (total is not None and values[-1] != total):
+        raise ValueError(f"{name}: expected offsets from 0, non-decreasing, ending at {of}'s {total} tokens, got {values}")
+    return values
+
+
+def _window(window_size: object, causal: object) -> tuple[int | None, int | None]:
+    """``(left, right)`` of each sequence's window (None: unbounded); ``causal`` sets ``right = 0``."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size)):  # fmt: skip
+        raise ValueError(f"window_size: expected (left, right), ints >= -1 (-1: unbounded), got {window_size!r}")
+    left, right = (None if w == -1 else w for w in window_size)
+    return left, 0 if causal else right
+
+
+def _slopes(alibi_slopes: Tensor | None, heads: int, sequences: int, device) -> Tensor | None:
+    """``(1 | b, h)`` float64 slopes, or None."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, Tensor) or not alibi_slopes.dtype.is_floating_point:
+        raise TypeError(f"alibi_slopes: expected a float tensor (h,) or (b, h), got {type(alibi_slopes).__name__}")
+    slopes = alibi_slopes.detach().to(device=device, dtype=torch.float64)
+    if tuple(slopes.shape) not in ((heads,), (sequences, heads)):
+        raise ValueError(f"alibi_slopes: expected shape ({heads},) or ({sequences}, {heads}), got {tuple(slopes.shape)}")
+    return slopes.reshape(-1, heads)
+
+
+def _logit_terms(slopes: Tensor | None, softcap: float, score_mod: Callable | None, s: int, shift: int):
+    """``(bias, score_mod)`` of sequence ``s`` (``shift = sk - sq``): flash-attn's order, soft cap, then ALiBi, then ``score_mod``.
+
+    Alone, each keeps its fast path: ALiBi as a lazy bias (the fused diagonal profile), the
+    soft cap as ``SoftCap``. Together, one modifier applies them in flash-attn's order.
+    """
+    user = frame_score_mod(score_mod, None, row=s)  # b = the sequence's index, positions inside it
+    if softcap == 0.0 and user is None:
+        return (None if slopes is None else ALiBi(len(slopes), slopes=slopes)), None
+    if slopes is None and user is None:
+        return None, SoftCap(softcap)
+    return None, _Composed(softcap, slopes, user, shift)
+
+
+class _Composed:
+    """Soft cap, then ALiBi (``-slope_h · |r + sk - sq - c|``), then a ``score_mod``, on one sequence's logits."""
+
+    def __init__(self, softcap: float, slopes: Tensor | None, user: Callable | None, shift: int):
+        self.softcap, self.slopes, self.user, self.shift = softcap, slopes, user, shift
+
+    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if self.softcap > 0:
+            score = torch.tanh(score / self.softcap) * self.softcap
+        if self.slopes is not None:
+            distance = (q_idx + self.shift - kv_idx).abs()
+            score = score - self.slopes.to(score.device)[h].to(score.dtype) * distance.to(score.dtype)
+        return score if self.user is None else self.user(score, b, h, q_idx, kv_idx)
+
+
+def unpad_input(hidden: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
+    """A padded batch as packed tokens, as ``flash_attn.bert_padding.unpad_input``.
+
+    ``hidden (b, s, ...)`` and ``attention_mask (b, s)`` (nonzero: a real token) ->
+    ``(packed (t, ...), indices (t,), cu_seqlens (b + 1,) int32, max_seqlen, seqlens (b,) int32)``:
+    the real tokens in order, their flat positions in ``(b·s)``, the offsets for
+    :func:`varlen_attention`, the longest sequence and each sequence's length.
+    """
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or tuple(hidden.shape[:2]) != tuple(attention_mask.shape):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask: expected shape {tuple(hidden.shape[:2])} (b, s) like hidden, got {got}")
+    keep = attention_mask.bool()
+    seqlens = keep.sum(-1, dtype=torch.int32)
+    indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, 0, dtype=torch.int32), (1, 0))
+    packed = hidden.reshape(-1, *hidden.shape[2:]).index_select(0, indices)
+    return packed, indices, cu_seqlens, int(seqlens.max()) if seqlens.numel() else 0, seqlens
+
+
+def pad_input(packed: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
+    """Packed tokens back to a padded ``(batch, seqlen, ...)`` batch (zeros at padding), as ``flash_attn``'s ``pad_input``."""
+    out = packed.new_zeros((batch * seqlen, *packed.shape[1:]))
+    return out.index_copy(0, indices, packed).reshape(batch, seqlen, *packed.shape[1:])

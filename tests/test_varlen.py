@@ -1,0 +1,204 @@
+"""``qkv.varlen_attention`` (flash-attn's varlen dialect), ``unpad_input`` and ``pad_input``.
+
+Shape legend: ``t`` packed tokens, ``h`` query heads, ``g`` KV heads, ``d`` query/key size,
+``e`` value size, ``b`` sequences; ``sq``/``sk`` one sequence's lengths. h=6, g=3, d=11,
+e=13, so a swapped axis fails.
+
+The oracle is written here, literally: a loop over the sequences, each the formula of
+``flash_attn_varlen_func``'s docstring (bottom-right causal and windows, ALiBi
+``-slope·|r + sk - sq - c|``, the soft cap before ALiBi, zeros for a query with no key),
+materialised in float64. Outputs, log-sum-exps and every gradient are compared to 1e-10.
+"""
+
+import math
+
+import pytest
+import torch
+
+import qkv
+
+H, G, D, E = 6, 3, 11, 13
+
+
+def packed(lengths_q, lengths_k, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tq, tk = sum(lengths_q), sum(lengths_k)
+    q = torch.randn(tq, H, D, generator=gen, dtype=dtype).requires_grad_()
+    k = torch.randn(tk, G, D, generator=gen, dtype=dtype).requires_grad_()
+    v = torch.randn(tk, G, E, generator=gen, dtype=dtype).requires_grad_()
+    cu = lambda ls: torch.tensor([0, *torch.cumsum(torch.tensor(ls), 0).tolist()], dtype=torch.int32)  # noqa: E731
+    return q, k, v, cu(lengths_q), cu(lengths_k)
+
+
+def oracle(q, k, v, cu_q, cu_k, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None, score_mod=None,
+           sinks=None):  # fmt: skip
+    """Per sequence, the formula written out: ``(out (t, h, e), lse (h, t))``."""
+    scale = D**-0.5 if scale is None else scale
+    outs, lses = [], []
+    for s in range(len(cu_q) - 1):
+        a, b, c0, c1 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        sq, sk = b - a, c1 - c0
+        qs = q[a:b].transpose(0, 1)  # (h, sq, d)
+        ks = k[c0:c1].transpose(0, 1).repeat_interleave(H // G, 0)
+        vs = v[c0:c1].transpose(0, 1).repeat_interleave(H // G, 0)
+        logits = scale * qs @ ks.transpose(-1, -2)  # (h, sq, sk)
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        r = torch.arange(sq)[:, None]
+        col = torch.arange(sk)[None, :]
+        diag = r + sk - sq  # the key each query is aligned with
+        if alibi is not None:
+            slopes = alibi if alibi.dim() == 1 else alibi[s]
+            logits = logits - slopes.double()[:, None, None] * (diag - col).abs()
+        if score_mod is not None:
+            logits = torch.stack([
+                torch.stack([score_mod(logits[hh, rr, cc], torch.tensor(s), torch.tensor(hh), torch.tensor(rr), torch.tensor(cc))
+                             for rr in range(sq) for cc in range(sk)]).reshape(sq, sk) if sq * sk else logits[hh]
+                for hh in range(H)
+            ])  # fmt: skip
+        allowed = torch.ones(sq, sk, dtype=torch.bool)
+        right = 0 if causal else window[1]
+        if window[0] >= 0:
+            allowed &= col >= diag - window[0]
+        if right >= 0:
+            allowed &= col <= diag + right
+        logits = logits.masked_fill(~allowed, -math.inf)
+        if sinks is not None:
+            logits = torch.cat((logits, sinks.reshape(H, 1, 1).expand(H, sq, 1)), -1)
+        lse = torch.logsumexp(logits, -1)  # (h, sq)
+        live = torch.isfinite(lse)[..., None]
+        w = torch.where(live, torch.exp(logits - torch.where(live, lse[..., None], 0.0)), 0.0)
+        if sinks is not None:
+            w = w[..., :-1]
+        outs.append((w @ vs).transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs, 0), torch.cat(lses, -1)
+
+
+def relative(score, b, h, q_idx, kv_idx):
+    """A score_mod reading every index: the sequence, the head and local positions."""
+    return score + 0.1 * b + 0.05 * h - 0.02 * (q_idx - kv_idx).abs()
+
+
+CASES = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window_size=(2, 1)),
+    "causal_window": dict(causal=True, window_size=(3, -1)),
+    "alibi": dict(causal=True, alibi_slopes="h"),
+    "alibi_per_sequence": dict(alibi_slopes="bh"),
+    "softcap": dict(causal=True, softcap=2.0),
+    "softcap_alibi": dict(softcap=2.0, alibi_slopes="h"),
+    "score_mod": dict(causal=True, score_mod=relative),
+    "sinks": dict(causal=True, sinks=True),
+    "scale": dict(softmax_scale=0.7),
+}
+LENGTHS = [([3, 0, 1, 5, 2], [4, 2, 1, 5, 0]), ([1, 4], [1, 4]), ([5, 3, 4], [5, 3, 4])]
+
+
+def _args(case: dict, b: int):
+    kw = dict(case)
+    gen = torch.Generator().manual_seed(4)
+    if kw.get("alibi_slopes") == "h":
+        kw["alibi_slopes"] = torch.rand(H, generator=gen, dtype=torch.float64)
+    elif kw.get("alibi_slopes") == "bh":
+        kw["alibi_slopes"] = torch.rand(b, H, generator=gen, dtype=torch.float64)
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(H, generator=gen, dtype=torch.float64).requires_grad_()
+    theirs = dict(causal=kw.get("causal", False), window=kw.get("window_size", (-1, -1)), softcap=kw.get("softcap", 0.0),
+                  alibi=kw.get("alibi_slopes"), scale=kw.get("softmax_scale"), score_mod=kw.get("score_mod"),
+                  sinks=kw.get("sinks"))  # fmt: skip
+    return kw, theirs
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["ragged", "short", "self"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_equals_the_per_sequence_formula(name, lengths):
+    q, k, v, cu_q, cu_k = packed(*lengths)
+    kw, theirs = _args(CASES[name], len(lengths[0]))
+    out, lse = qkv.varlen_attention(q, k, v, cu_q, cu_k, max(lengths[0]), max(lengths[1]), return_lse=True, **kw)
+    want, want_lse = oracle(q, k, v, cu_q, cu_k, **theirs)
+    assert out.shape == (q.shape[0], H, E) and lse.shape == (H, q.shape[0])
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+    leaves = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+    gen = torch.Generator().manual_seed(2)
+    d_out, d_lse = torch.randn(out.shape, generator=gen, dtype=out.dtype), torch.randn(lse.shape, generator=gen, dtype=lse.dtype)
+    finite = torch.isfinite(want_lse)
+    got = torch.autograd.grad((out * d_out).sum() + (torch.where(finite, lse, 0.0) * d_lse).sum(), leaves)
+    expected = torch.autograd.grad((want * d_out).sum() + (torch.where(finite, want_lse, 0.0) * d_lse).sum(), leaves)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_rows_with_no_key_are_zero_and_their_lse_is_minus_inf():
+    q, k, v, cu_q, cu_k = packed([2, 3], [0, 2])
+    out, lse = qkv.varlen_attention(q, k, v, cu_q, cu_k, return_lse=True)
+    assert torch.equal(out[:2], torch.zeros_like(out[:2])) and bool(torch.isneginf(lse[:, :2]).all())
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert torch.equal(dq[:2], torch.zeros_like(dq[:2])) and bool(torch.isfinite(dq).all())
+
+
+def test_float32_follows_the_flash_rule():
+    q, k, v, cu_q, cu_k = packed([40, 7, 25], [40, 7, 25])
+    low = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    got = qkv.varlen_attention(*low, cu_q, cu_k, causal=True)
+    plain, _ = oracle(*low, cu_q, cu_k, causal=True)
+    exact, _ = oracle(q, k, v, cu_q, cu_k, causal=True)
+    assert (got.double() - exact).abs().max() <= 2 * (plain.double() - exact).abs().max() + 1e-6
+
+
+def test_a_sequence_is_bitwise_the_same_alone_and_among_neighbours():
+    """Batch invariance: output and gradients of a document do not depend on what is packed beside it."""
+    gen = torch.Generator().manual_seed(0)
+    doc = [torch.randn(37, H, D, generator=gen), torch.randn(37, G, D, generator=gen), torch.randn(37, G, E, generator=gen)]
+    d_out = torch.randn(37, H, E, generator=gen)
+
+    def run(before: int, after: int):
+        pad = lambda n, heads, size: torch.randn(n, heads, size, generator=gen)  # noqa: E731
+        parts = [torch.cat([pad(before, x.shape[1], x.shape[2]), x, pad(after, x.shape[1], x.shape[2])]) for x in doc]
+        leaves = [p.requires_grad_() for p in parts]
+        cu = torch.tensor([0, before, before + 37, before + 37 + after], dtype=torch.int32)
+        out = qkv.varlen_attention(*leaves, cu, cu, causal=True)
+        grads = torch.autograd.grad(out[before : before + 37], leaves, d_out)
+        return [out[before : before + 37], *(g[before : before + 37] for g in grads)]
+
+    alone = run(0, 0)
+    for before, after in ((5, 0), (0, 91), (64, 13)):
+        for a, b in zip(alone, run(before, after)):
+            assert torch.equal(a, b)
+
+
+def test_padded_and_packed_agree():
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([5, 2, 7])
+    b, s = 3, 7
+    x = torch.randn(b, s, H, D, generator=gen, dtype=torch.float64)
+    mask = torch.arange(s)[None, :] < lengths[:, None]
+    packed_x, indices, cu, longest, seqlens = qkv.unpad_input(x, mask)
+    assert longest == 7 and cu.dtype == torch.int32 and cu.tolist() == [0, 5, 7, 14] and seqlens.tolist() == [5, 2, 7]
+    assert torch.equal(qkv.pad_input(packed_x, indices, b, s), x * mask[..., None, None])
+    out = qkv.varlen_attention(packed_x, packed_x[:, :G], packed_x[:, :G], cu, cu, causal=True)
+    xt = x.transpose(1, 2)  # (b, h, s, d)
+    padded = qkv.attention(xt, xt[:, :G], xt[:, :G], causal=True, mask=qkv.masks.lengths(lengths))
+    torch.testing.assert_close(qkv.pad_input(out, indices, b, s), padded.transpose(1, 2) * mask[..., None, None])
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 2, 8])), ValueError, r"cu_seqlens_q: expected offsets from 0, non-decreasing"),
+        (dict(cu_seqlens_q=torch.tensor([0.0, 8.0])), TypeError, r"cu_seqlens_q: expected an integer tensor"),
+        (dict(cu_seqlens_k=torch.tensor([0, 8], dtype=torch.int32)), ValueError, r"cu_seqlens_k: expected 3 offsets"),
+        (dict(max_seqlen_q=4), ValueError, r"max_seqlen_q: expected an int at least the longest sequence, 5, got 4"),
+        (dict(window_size=(-2, 0)), ValueError, r"window_size: expected \(left, right\), ints >= -1"),
+        (dict(alibi_slopes=torch.ones(4)), ValueError, r"alibi_slopes: expected shape \(6,\) or \(2, 6\), got \(4,\)"),
+        (dict(softcap=-1.0), ValueError, r"softcap: expected a non-negative number"),
+    ],
+)
+def test_errors_name_the_argument(kw, error, match):
+    q, k, v, cu_q, cu_k = packed([3, 5], [3, 5])
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    args.update(kw)
+    with pytest.raises(error, match=match):
+        qkv.varlen_attention(q, k, v, **args)
