@@ -117,14 +117,43 @@ def run(backend, q, k, v, fn, params, **kw):
 # --- the convention and closed forms --------------------------------------------------
 
 
-def test_indices_broadcast_against_the_tile():
+def test_a_tile_sees_the_callers_indices():
     s = torch.zeros(2, 3, 4, 5)
-    b, h, q_idx, kv_idx = score_mods.indices(s, Tile(10, 14, 20, 25, 30, 40))
-    assert (b + h + q_idx + kv_idx).shape == s.shape
-    assert b.flatten().tolist() == [0, 1] and h.flatten().tolist() == [0, 1, 2]
-    assert q_idx.flatten().tolist() == [10, 11, 12, 13] and kv_idx.tolist() == [20, 21, 22, 23, 24]
-    b, h, _, _ = score_mods.indices(torch.zeros(4, 5), Tile(0, 4, 0, 5, 4, 5))
-    assert b.dim() == h.dim() == 0
+    got = score_mods.apply(lambda s, b, h, q_idx, kv_idx: s + 1000 * b + 100 * h + 10 * q_idx + kv_idx, s, Tile(10, 14, 20, 25, 30, 40))
+    b, h, q, kv = torch.meshgrid(torch.arange(2), torch.arange(3), torch.arange(10, 14), torch.arange(20, 25), indexing="ij")
+    assert torch.equal(got, (1000 * b + 100 * h + 10 * q + kv).float())
+
+
+def test_flex_idioms_mean_what_they_mean_in_flex():
+    """Chained indexing of a captured tensor, written for 0-d indices: evaluated as flex's vmap does."""
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(2, 3, 30, 40, generator=gen)
+    rel = torch.randn(80, generator=gen)
+    s = torch.randn(2, 3, 4, 5, generator=gen)
+    t = Tile(10, 14, 20, 25, 30, 40)
+    chained = score_mods.apply(lambda s, b, h, q_idx, kv_idx: s + table[b][h][q_idx][kv_idx], s, t)
+    torch.testing.assert_close(chained, s + table[:, :, 10:14, 20:25])
+    relative = score_mods.apply(lambda s, b, h, q_idx, kv_idx: s + rel[q_idx - kv_idx + 40], s, t)
+    offsets = torch.arange(10, 14)[:, None] - torch.arange(20, 25)[None, :] + 40
+    torch.testing.assert_close(relative, s + rel[offsets])
+
+
+def test_the_way_a_function_is_evaluated_is_decided_once(monkeypatch):
+    from qkv import _mods
+
+    probes = []
+    real = _mods._probe
+    monkeypatch.setattr(_mods, "_probe", lambda *a: probes.append(1) or real(*a))
+
+    def elementwise(s, b, h, q_idx, kv_idx):
+        return s * 2
+
+    s = torch.randn(1, 2, 3, 4)
+    for _ in range(3):
+        score_mods.apply(elementwise, s, Tile.whole(3, 4))
+    assert len(probes) == 1 and _mods._modes[id(elementwise)][1] is True
+    score_mods.apply(qkv.SoftCap(2.0), s, Tile.whole(3, 4))  # declared elementwise: no probe
+    assert len(probes) == 1
 
 
 def test_two_keys_closed_form():
@@ -158,8 +187,8 @@ def test_softcap_closed_form_and_literal_oracle():
             torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(w, alpha, rtol=1e-12, atol=1e-12)
     s = torch.tensor([-100.0, 0.0, 1.0])
-    torch.testing.assert_close(qkv.SoftCap(3.0)(s, *score_mods.indices(s.view(1, 3), Tile(0, 1, 0, 3, 1, 3))),
-                               3.0 * torch.tanh(s / 3.0))  # fmt: skip
+    zero = torch.zeros((), dtype=torch.long)
+    torch.testing.assert_close(qkv.SoftCap(3.0)(s, zero, zero, zero, zero), 3.0 * torch.tanh(s / 3.0))
 
 
 def test_modifier_runs_after_the_bias_and_before_the_mask():
@@ -301,7 +330,7 @@ def test_errors_name_the_argument():
     with pytest.raises(TypeError, match="score_mod: expected a callable fn"):
         qkv.attention(q, k, v, score_mod=2.0)
     with pytest.raises(ValueError, match=r"score_mod: expected a tensor of the score's shape"):
-        qkv.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s.sum(-1), backend="chunked")
+        qkv.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.stack([s, s]), backend="chunked")
     with pytest.raises(ValueError, match="cap: expected a positive finite number, got 0"):
         qkv.SoftCap(0)
 

@@ -13,6 +13,7 @@ from . import approx, backends, blocks, cache, masks, models, positional, score_
 from .attention import Attention, MultiHeadAttention
 from .blocks import Decoder, Encoder, FeedForward, TransformerDecoderLayer, TransformerEncoderLayer
 from .cache import DecoderCache, KVCache, LatentCache, StreamingCache
+from .flex import flex_attention
 from .functional import attention, attention_weights, explain, merge
 from .latent import MultiHeadLatentAttention
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
@@ -56,6 +57,7 @@ __all__ = [
     "blocks",
     "cache",
     "explain",
+    "flex_attention",
     "masks",
     "merge",
     "models",

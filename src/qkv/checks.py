@@ -68,6 +68,7 @@ def request(
     if mask is not None:
         _mask_shape(mask, target)
         mask.check(q.shape[-2], k.shape[-2])
+        mask.reset()
     bias = _bias(bias, target, q)
     scale = _scale(scale, score, q.shape[-1])
     dropout = probability("dropout", dropout)

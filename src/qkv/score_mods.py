@@ -7,13 +7,14 @@ The convention is ``torch.nn.attention.flex_attention``'s, so code moves over::
 
     def fn(score, b, h, q_idx, kv_idx) -> score
 
-``score`` is a tile of the scaled logits, after the bias and before the mask,
-``(..., h, it, jt)`` in float32 (or float64); ``b``, ``h``, ``q_idx``, ``kv_idx`` are
-integer tensors that broadcast against it: the flat index of the leading (batch) dims
-``(b, 1, 1, 1)``, the query head ``(h, 1, 1)``, the query row ``(it, 1)`` and the key
-column ``(jt,)``, raw positions ``0 .. i-1`` and ``0 .. j-1`` (not the bottom-right
-alignment of ``qkv.masks``). ``fn`` must be elementwise: a tile's result may not depend on
-which other entries share its tile.
+``score`` is the scaled logit, after the bias and before the mask, in float32 (or
+float64); ``b`` the flat index of the leading (batch) dims, ``h`` the query head,
+``q_idx`` and ``kv_idx`` raw positions ``0 .. i-1`` and ``0 .. j-1`` (not the
+bottom-right alignment of ``qkv.masks``). As in FlexAttention, ``fn`` is written for one
+element with 0-d indices, so ``bias[b][h][q_idx][kv_idx]`` and ``table[q_idx - kv_idx]``
+mean what they say: a tile is evaluated the way flex evaluates it (``qkv._mods``: one
+call with broadcast index tensors ``(b, 1, 1, 1)``, ``(h, 1, 1)``, ``(it, 1)``, ``(jt,)``
+where that gives the same tile, ``torch.vmap`` over the four index dims otherwise).
 
 Gradients reach what ``fn`` reads, found by :func:`closure_tensors`:
 
@@ -46,6 +47,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from . import _mods
 from .masks import Tile
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -57,6 +59,8 @@ class SoftCap:
     Pass it as ``score_mod=qkv.SoftCap(c)``. Its derivative is ``1 - tanh²(s / c)``, which
     the tiled engine applies directly in its backward.
     """
+
+    broadcasts = True  # elementwise: one call on a whole tile is flex's answer (qkv._mods)
 
     def __init__(self, cap: float):
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
@@ -83,35 +87,16 @@ def check(fn: object) -> ScoreMod | None:
     return fn
 
 
-def indices(s: Tensor, t: Tile) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(b, h, q_idx, kv_idx)`` of tile ``t`` for logits ``s (..., h, it, jt)``, broadcastable to ``s``.
-
-    Logits without a head dim ``(it, jt)`` get 0-d zeros for ``b`` and ``h``; without leading
-    dims ``(h, it, jt)``, a 0-d zero for ``b``.
-    """
-    device = s.device
-    zero = torch.zeros((), dtype=torch.long, device=device)
-    q_idx = torch.arange(t.i0, t.i1, device=device).view(-1, 1)
-    kv_idx = torch.arange(t.j0, t.j1, device=device)
-    if s.dim() < 3:
-        return zero, zero, q_idx, kv_idx
-    h = torch.arange(s.shape[-3], device=device).view(-1, 1, 1)
-    lead = s.shape[:-3]
-    if not lead:
-        return zero, h, q_idx, kv_idx
-    b = torch.arange(math.prod(lead), device=device).view(*lead, 1, 1, 1)
-    return b, h, q_idx, kv_idx
-
-
 def apply(fn: ScoreMod, s: Tensor, t: Tile, heads: Tensor | None = None) -> Tensor:
-    """``fn`` on one tile of logits, its result checked to keep the tile's shape.
+    """``fn`` on one tile of logits ``s (b, h, it, jt)``, as flex evaluates it, its result checked to keep the tile's shape.
 
     ``heads (hs,)``: the head indices of ``s``'s head axis when it holds only some heads.
     """
-    b, h, q_idx, kv_idx = indices(s, t)
-    if heads is not None and s.dim() >= 3:
-        h = heads.to(s.device).view(-1, 1, 1)
-    out = fn(s, b, h, q_idx, kv_idx)
+    device = s.device
+    b = torch.arange(s.shape[0], device=device)
+    h = torch.arange(s.shape[1], device=device) if heads is None else heads.to(device)
+    q_idx, kv_idx = torch.arange(t.i0, t.i1, device=device), torch.arange(t.j0, t.j1, device=device)
+    out = _mods.evaluate(fn, s, b, h, q_idx, kv_idx)
     if not isinstance(out, Tensor) or out.shape != s.shape:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"score_mod: expected a tensor of the score's shape {tuple(s.shape)}, got {got}")

@@ -156,6 +156,9 @@ class _Composed:
 
     def __init__(self, softcap: float, slopes: Tensor | None, user: Callable | None, shift: int):
         self.softcap, self.slopes, self.user, self.shift = softcap, slopes, user, shift
+        # its own arithmetic is elementwise: evaluated the way the user's function is (qkv._mods)
+        self.__wrapped_mod__ = user
+        self.broadcasts = user is None
 
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         if self.softcap > 0:

@@ -10,7 +10,9 @@ step, which is exactly what the kernel computes. Three things are adapted to qkv
   is used only when ``i == j`` (where the two agree); otherwise the mask is built.
 * Lazy biases are left to the chunked backend, which builds them one query block at a
   time (here they would be one ``(…, h, i, j)`` tensor). Lazy masks other than the plain
-  causal one are materialised as an ``(i, j)`` bool mask (or ``(b, 1, i, j)`` for lengths).
+  causal one are materialised as an ``(i, j)`` bool mask (or ``(b, 1, i, j)`` for lengths),
+  so only where that is small (:data:`MASK_ELEMENTS`, a decoding step's); a larger call is
+  left to the chunked backend, which builds its mask a tile at a time.
 * A fully masked row would be NaN in the kernel; it is unmasked for the kernel and its
   output multiplied by zero afterwards, which also zeroes its gradients.
 """
@@ -22,12 +24,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._trace import concrete, tracing
-from ..masks import Offsets, Tile
+from ..masks import Dense, Offsets, Tile
 from .request import Request
 from .tiling.tiles import NEG_INF, offset_live_rows
 
 name = "sdpa"
 selects_weights = False
+
+#: Largest lazy mask (elements of its ``(b, i, j)`` tensor) materialised for the kernel: 1 MiB
+#: of bool, what a decoding step over a padded cache needs; beyond it the mask is built lazily.
+MASK_ELEMENTS = 2**20
 
 
 def supports(req: Request) -> str | None:
@@ -46,7 +52,22 @@ def supports(req: Request) -> str | None:
         return "sinks need each row's log-sum-exp, which the kernel does not return"
     if req.score_mod is not None:
         return "a score_mod needs each tile's logits, which the fused kernel never exposes"
+    if req.mask is not None and not isinstance(req.mask, Dense) and not _by_flag(req):
+        rows = req.q.shape[0] if req.mask.batch_shape() else 1
+        elements = rows * req.i * req.j
+        if elements > MASK_ELEMENTS:
+            return f"the lazy mask would be materialised as a ({rows}, {req.i}, {req.j}) tensor, more than {MASK_ELEMENTS} elements"
     return None
+
+
+def _by_flag(req: Request) -> bool:
+    """True when the kernel needs no mask tensor: an offset range that hides nothing, or causal on a square."""
+    mask = req.mask
+    if not isinstance(mask, Offsets):
+        return False
+    if mask.state(Tile.whole(req.i, req.j, req.q.device)) == "full":
+        return True
+    return req.bias is None and req.is_causal_only and req.i == req.j
 
 
 def run(req: Request) -> tuple[Tensor, None, None]:

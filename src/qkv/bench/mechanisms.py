@@ -34,7 +34,7 @@ from ..backends.engines import mod_tiles
 from ..backends.tiling import threads
 from ..functional import attention
 from ..masks import Tile
-from ..score_mods import SoftCap, indices
+from ..score_mods import SoftCap, apply
 from .measure import call_or_step, interleaved, mib, peak_memory
 from .report import Targets, table
 
@@ -87,7 +87,7 @@ def _materialised(q, k, v, mod):
     """What a user writes without a kernel: the ``(b, h, i, j)`` logits in memory."""
     s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     i, j = s.shape[-2:]
-    s = mod(s, *indices(s, Tile.whole(i, j, s.device)))
+    s = apply(mod, s, Tile.whole(i, j, s.device))
     causal = torch.ones(i, j, dtype=torch.bool, device=s.device).tril(j - i)
     return torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1) @ v
 

@@ -27,8 +27,9 @@ from .base import And, Dense, Mask, Or, State, Tile, as_mask
 from .documents import Documents, documents
 from .padding import Lengths, Starts, lengths, starts
 from .positions import Offsets, Window, causal, offsets, window
+from .programs import FlexBlocks, MaskMod, from_mask_mod
 
 __all__ = [
-    "And", "Dense", "Documents", "Lengths", "Mask", "Offsets", "Or", "Starts", "State", "Tile", "Window", "as_mask", "causal",
-    "documents", "lengths", "offsets", "starts", "window",
+    "And", "Dense", "Documents", "FlexBlocks", "Lengths", "Mask", "MaskMod", "Offsets", "Or", "Starts", "State", "Tile", "Window", "as_mask", "causal",
+    "documents", "from_mask_mod", "lengths", "offsets", "starts", "window",
 ]  # fmt: skip

@@ -85,6 +85,9 @@ class Mask:
     def check(self, i_len: int, j_len: int) -> None:
         """Raise ``ValueError`` (naming ``mask``) if the mask was made for other query or key lengths."""
 
+    def reset(self) -> None:
+        """Forget what was computed for an earlier call (a program's cached tile): a call starts afresh."""
+
     def merge_lead(self, lead: tuple[int, ...]) -> Mask:
         """The same mask for inputs whose leading dims ``lead`` are merged into one batch dim.
 
@@ -181,6 +184,10 @@ class And(Mask):
         self.a.check(i_len, j_len)
         self.b.check(i_len, j_len)
 
+    def reset(self) -> None:
+        self.a.reset()
+        self.b.reset()
+
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
@@ -213,6 +220,10 @@ class Or(Mask):
     def check(self, i_len: int, j_len: int) -> None:
         self.a.check(i_len, j_len)
         self.b.check(i_len, j_len)
+
+    def reset(self) -> None:
+        self.a.reset()
+        self.b.reset()
 
     def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"

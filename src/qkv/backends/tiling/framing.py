@@ -237,7 +237,9 @@ def frame_score_mod(fn, block: Block | None, heads: tuple[int, int] | None = Non
     h0 = 0 if heads is None else heads[0]
     if (r0, c0, h0, row) == (0, 0, 0, 0):
         return fn
-    return functools.partial(_moved, fn, (row, h0, r0, c0))
+    moved = functools.partial(_moved, fn, (row, h0, r0, c0))
+    moved.__wrapped_mod__ = fn  # it only moves indices: evaluated the way fn is (qkv._mods)
+    return moved
 
 
 def _moved(fn, origin: tuple[int, int, int, int], score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

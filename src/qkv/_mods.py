@@ -1,0 +1,102 @@
+"""Index functions (``score_mod``, ``mask_mod``) evaluated on a tile as FlexAttention evaluates them.
+
+Shape legend: ``b`` batch, ``h`` heads, ``it``/``jt`` the rows and keys of a tile.
+
+Imports nothing from qkv but ``_trace``, so every layer may use it.
+
+FlexAttention calls ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx,
+kv_idx)`` as if on one element at a time: its reference implementation ``torch.vmap``\\s the
+function over the four index dimensions, so each call sees 0-d indices, and idioms such
+as ``bias[b][h][q_idx][kv_idx]`` or ``doc[q_idx] == doc[kv_idx]`` mean what they say. qkv
+evaluates a whole tile at once, the same way (:func:`evaluate`), and takes a shortcut
+where it is exact: most functions are elementwise arithmetic that gives the same tile
+when called once with broadcastable index tensors (``b (b, 1, 1, 1)``, ``h (h, 1, 1)``,
+``q_idx (it, 1)``, ``kv_idx (jt,)``), without vmap's per-op batching overhead (measured
+1.3 ms against 2.1 ms for a sine of the indices on an 8 × 256 × 256 tile, 0.4 against 2.8
+for a table look-up). So the first time a function is met, both ways run on a small
+corner of the tile (at most 2 × 3 × 5 × 7 elements: distinct sizes, so that an index used
+on the wrong axis shows); where they agree the broadcast call is kept for that function,
+else vmap. The answer is cached per function (wrappers that only move indices, such as
+qkv's framing of a block, say so with ``__wrapped_mod__`` and share their function's).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ._trace import concrete, tracing
+
+#: How many functions' answers are kept (the oldest is forgotten first).
+CACHE = 1024
+_modes: OrderedDict[int, tuple[object, bool]] = OrderedDict()  # id -> (function, broadcast is exact)
+
+
+def evaluate(fn: Callable, score: Tensor | None, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    """``fn`` over the grid ``b × h × q × kv`` (1-d index vectors), as FlexAttention evaluates it.
+
+    ``score (b, h, it, jt)`` for a ``score_mod`` (the result has its shape), None for a
+    ``mask_mod`` (the result is bool, broadcastable to ``(b, h, it, jt)``).
+    """
+    if _broadcasts(fn, score, b, h, q, kv):
+        return _broadcast_call(fn, score, b, h, q, kv)
+    return _vmap_call(fn, score, b, h, q, kv)
+
+
+def _broadcast_call(fn, score, b, h, q, kv):
+    args = (b.view(-1, 1, 1, 1), h.view(-1, 1, 1), q.view(-1, 1), kv)
+    return fn(*args) if score is None else fn(score, *args)
+
+
+def _vmap_call(fn, score, b, h, q, kv):
+    prefix = () if score is None else (0,)
+    call = fn
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        call = torch.vmap(call, in_dims=prefix + dims)
+    return call(b, h, q, kv) if score is None else call(score, b, h, q, kv)
+
+
+def _key(fn: object) -> object:
+    """The function whose answer ``fn`` shares: through wrappers that only move indices."""
+    while getattr(fn, "__wrapped_mod__", None) is not None:
+        fn = fn.__wrapped_mod__
+    return fn
+
+
+def _broadcasts(fn, score, b, h, q, kv) -> bool:
+    key = _key(fn)
+    if getattr(key, "broadcasts", False):  # declared elementwise (qkv.SoftCap)
+        return True
+    known = _modes.get(id(key))
+    if known is not None and known[0] is key:
+        _modes.move_to_end(id(key))
+        return known[1]
+    if tracing() or not concrete(b) or (score is not None and not concrete(score)):
+        return False  # no values to compare: flex's way, always right
+    exact = _probe(fn, score, b, h, q, kv)
+    _modes[id(key)] = (key, exact)
+    if len(_modes) > CACHE:
+        _modes.popitem(last=False)
+    return exact
+
+
+def _probe(fn, score, b, h, q, kv) -> bool:
+    """True when the broadcast call equals vmap's on a corner of the tile."""
+    corner = (b[:2], h[:3], q[:5], kv[:7])
+    part = None if score is None else score[: len(corner[0]), : len(corner[1]), : len(corner[2]), : len(corner[3])]
+    with torch.no_grad():
+        try:
+            want = _vmap_call(fn, part, *corner)
+        except Exception:  # noqa: BLE001 (flex's own way fails too: let the real call raise it)
+            return False
+        try:
+            got = _broadcast_call(fn, part, *corner)
+            got = torch.broadcast_to(torch.as_tensor(got), want.shape)
+        except Exception:  # noqa: BLE001 (an idiom that needs scalar indices)
+            return False
+    if got.dtype != want.dtype:
+        return False
+    return bool(torch.equal(got, want)) if not want.dtype.is_floating_point else bool(torch.allclose(got, want, rtol=1e-6, atol=1e-6, equal_nan=True))

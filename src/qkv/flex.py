@@ -1,0 +1,85 @@
+"""FlexAttention's dialect: ``qkv.flex_attention``, a drop-in with a backward on the CPU.
+
+Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` KV heads, ``L`` query length, ``S``
+key length, ``E`` query/key size, ``Ev`` value size.
+
+``torch.nn.attention.flex_attention.flex_attention(query, key, value, score_mod, block_mask,
+scale, enable_gqa, return_lse, kernel_options, *, return_aux)`` runs a ``score_mod`` and a
+``BlockMask`` as a compiled kernel, on CPU forward only ("FlexAttention does not support
+backward on CPU"). :func:`flex_attention` takes the same arguments, torch's own
+``BlockMask`` included (``create_block_mask(..., device="cpu")``), and runs them on qkv's
+engines, forward and backward: the block mask's lists skip the blocks it leaves out and
+drop the ``mask_mod`` on its full blocks (``qkv.masks.FlexBlocks``), and ``score_mod`` is
+evaluated as flex evaluates it (0-d indices; ``qkv._mods``). ``return_lse`` /
+``return_aux=AuxRequest(lse=True)`` give the natural-log log-sum-exp ``(B, Hq, L)``,
+differentiable. ``kernel_options`` tune flex's Triton kernels and are accepted and
+ignored. Checked against flex's own CPU forward in ``tests/test_flex.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from torch import Tensor
+
+from .functional import attention
+from .masks.programs import FlexBlocks
+
+
+def flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    score_mod: Callable | None = None,
+    block_mask=None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: dict | None = None,
+    *,
+    return_aux=None,
+):
+    """``out (B, Hq, L, Ev)``; ``(out, lse)`` with ``return_lse``; ``(out, AuxOutput(lse=...))`` with ``return_aux``."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, Tensor) or x.dim() != 4:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{name}: expected a 4-d tensor (B, H, length, size), as flex_attention does, got {got}")
+    hq, hkv = query.shape[1], key.shape[1]
+    if not enable_gqa and hq != hkv:
+        raise ValueError(
+            f"key: expected query and key/value to have the same number of heads but got Hq={hq} and Hkv={hkv}; "
+            "set enable_gqa=True for grouped-query attention"
+        )
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options: expected a dict or None, got {type(kernel_options).__name__}")
+    if return_lse and return_aux is not None:
+        raise ValueError("return_lse: give return_lse or return_aux=AuxRequest(lse=True), not both")
+    want_lse = bool(return_lse) or bool(getattr(return_aux, "lse", False))
+    if getattr(return_aux, "max_scores", False):
+        raise ValueError("return_aux: qkv computes the log-sum-exp (AuxRequest(lse=True)), not max_scores")
+    if query.shape[0] != key.shape[0]:
+        if key.shape[0] != 1:
+            raise ValueError(f"key: expected batch {query.shape[0]} like query, or 1 (shared), got {key.shape[0]}")
+        key, value = key.expand(query.shape[0], *key.shape[1:]), value.expand(query.shape[0], *value.shape[1:])
+    mask = None
+    if block_mask is not None:
+        if not hasattr(block_mask, "kv_num_blocks") or not hasattr(block_mask, "mask_mod"):
+            raise TypeError(f"block_mask: expected torch's BlockMask (create_block_mask), got {type(block_mask).__name__}")
+        mask = FlexBlocks(block_mask)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    result = attention(query, key, value, mask=mask, scale=scale, score_mod=score_mod, return_lse=want_lse)
+    if not want_lse:
+        return result
+    out, lse = result
+    if return_aux is not None:
+        return out, _aux(lse)
+    return out, lse
+
+
+def _aux(lse: Tensor):
+    """flex's ``AuxOutput(lse=...)`` (torch's own named tuple)."""
+    from torch.nn.attention.flex_attention import AuxOutput
+
+    return AuxOutput(lse=lse)

@@ -1,0 +1,162 @@
+"""``qkv.flex_attention`` and ``qkv.masks.from_mask_mod`` against FlexAttention's own CPU forward and a materialised oracle.
+
+Shape legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` KV heads, ``L`` query length, ``S`` key
+length, ``E`` query/key size, ``Ev`` value size; B=2, Hq=4, Hkv=2, L=300, S=260, E=16, Ev=8:
+three of flex's 128-blocks along each side, the last one ragged.
+
+The forward is compared with ``torch.nn.attention.flex_attention`` itself (eager, float64);
+flex has no backward on the CPU, so gradients are compared with autograd through the
+definition, materialised: the logits, ``score_mod`` and ``mask_mod`` evaluated per element
+with ``torch.vmap`` (flex's semantics), a softmax, ``@ v``.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import qkv
+
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+B, HQ, HKV, L, S, E, EV = 2, 4, 2, 300, 260, 16, 8
+GEN = torch.Generator().manual_seed(0)
+IDS_Q = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 100, 100]))
+IDS_K = torch.repeat_interleave(torch.arange(3), torch.tensor([60, 100, 100]))
+TABLE = torch.randn(B, HQ, L, S, generator=GEN, dtype=torch.float64)
+REL = torch.randn(L + S, generator=GEN, dtype=torch.float64)
+
+
+def inputs(dtype=torch.float64, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, L, E, generator=gen, dtype=dtype)
+    k = torch.randn(B, HKV, S, E, generator=gen, dtype=dtype)
+    v = torch.randn(B, HKV, S, EV, generator=gen, dtype=dtype)
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+MASK_MODS = {
+    "causal": lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+    "document_causal": lambda b, h, q_idx, kv_idx: (IDS_Q[q_idx] == IDS_K[kv_idx]) & (q_idx >= kv_idx),
+    "sliding_window": lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= 40,
+    "prefix_lm": lambda b, h, q_idx, kv_idx: (kv_idx < 50) | (q_idx >= kv_idx),
+    "per_batch_and_head": lambda b, h, q_idx, kv_idx: (kv_idx % (b + h + 2)) != 0,
+}
+SCORE_MODS = {
+    "none": None,
+    "chained_index": lambda score, b, h, q_idx, kv_idx: score + TABLE[b][h][q_idx][kv_idx],
+    "relative_table": lambda score, b, h, q_idx, kv_idx: score + REL[q_idx - kv_idx + S],
+    "alibi_like": lambda score, b, h, q_idx, kv_idx: score - (h + 1) * 0.05 * (q_idx - kv_idx).abs(),
+    "soft_cap": lambda score, b, h, q_idx, kv_idx: 20 * torch.tanh(score / 20),
+}
+
+
+def block_mask(name):
+    mm = MASK_MODS[name]
+    per = name == "per_batch_and_head"
+    return flex.create_block_mask(mm, B if per else None, HQ if per else None, L, S, device="cpu")
+
+
+def oracle(q, k, v, score_mod, mask_mod, scale=E**-0.5):
+    """The definition, materialised, with flex's per-element semantics: ``(out, lse)``."""
+    kr, vr = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+    s = scale * q @ kr.transpose(-1, -2)
+    idx = (torch.arange(B), torch.arange(HQ), torch.arange(L), torch.arange(S))
+    if score_mod is not None:
+        s = flex._vmap_for_bhqkv(score_mod, prefix=(0,))(s, *idx)
+    if mask_mod is not None:
+        allowed = flex._vmap_for_bhqkv(mask_mod, prefix=())(*idx)
+        s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    w = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return w @ vr, lse
+
+
+@pytest.mark.parametrize("mask", list(MASK_MODS))
+@pytest.mark.parametrize("mod", list(SCORE_MODS))
+def test_forward_equals_flex_itself(mask, mod):
+    q, k, v = (x.detach() for x in inputs())
+    bm = block_mask(mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want, want_lse = flex.flex_attention(q, k, v, score_mod=SCORE_MODS[mod], block_mask=bm, enable_gqa=True, return_lse=True)
+    got, got_lse = qkv.flex_attention(q, k, v, score_mod=SCORE_MODS[mod], block_mask=bm, enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got_lse, want_lse.to(got_lse.dtype), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mask", ["document_causal", "per_batch_and_head"])
+@pytest.mark.parametrize("mod", ["chained_index", "alibi_like", "soft_cap"])
+def test_backward_on_the_cpu_equals_the_definition(mask, mod):
+    q, k, v = inputs()
+    got = qkv.flex_attention(q, k, v, score_mod=SCORE_MODS[mod], block_mask=block_mask(mask), enable_gqa=True,
+                             return_aux=flex.AuxRequest(lse=True))  # fmt: skip
+    assert isinstance(got[1], flex.AuxOutput)
+    want = oracle(q, k, v, SCORE_MODS[mod], MASK_MODS[mask])
+    gen = torch.Generator().manual_seed(3)
+    cots = [torch.randn(x.shape, generator=gen, dtype=x.dtype) for x in want]
+
+    def loss(out, lse):
+        return (out * cots[0]).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * cots[1]).sum()
+
+    mine = torch.autograd.grad(loss(got[0], got[1].lse), (q, k, v))
+    theirs = torch.autograd.grad(loss(*want), (q, k, v))
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_blocks_the_lists_leave_out_are_not_computed_and_full_ones_skip_the_mask_mod():
+    """A hand-made BlockMask whose lists disagree with its mask_mod: flex's kernel follows the lists, so does qkv.
+
+    (flex's eager path, which materialises the scores, applies the mask_mod on full blocks
+    too; its compiled kernel, what users run, does not: checked once by hand, and here
+    against the lists' meaning, so the test needs no compile.)"""
+    q, k, v = (x.detach()[:1, :1, :256, :] for x in inputs())
+    k, v = k[..., :256, :], v[..., :256, :]
+    never = lambda b, h, q_idx, kv_idx: q_idx < 0  # noqa: E731  (False everywhere)
+    kv_num = torch.tensor([[[1, 0]]], dtype=torch.int32)  # q block 0: one partial block; q block 1: none
+    kv_idx = torch.tensor([[[[1, 0], [0, 0]]]], dtype=torch.int32)
+    full_num = torch.tensor([[[0, 1]]], dtype=torch.int32)  # q block 1: key block 0 full
+    full_idx = torch.tensor([[[[0, 0], [0, 0]]]], dtype=torch.int32)
+    bm = flex.BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, mask_mod=never, seq_lengths=(256, 256))
+    got, got_lse = qkv.flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert torch.equal(got[..., :128, :], torch.zeros_like(got[..., :128, :]))  # a partial block whose mask_mod is False
+    assert bool(torch.isneginf(got_lse[..., :128]).all())
+    want, want_lse = qkv.attention(q[..., 128:, :], k[..., :128, :], v[..., :128, :], return_lse=True, backend="reference")
+    torch.testing.assert_close(got[..., 128:, :], want, rtol=1e-10, atol=1e-10)  # a full block: no mask_mod
+    torch.testing.assert_close(got_lse[..., 128:], want_lse, rtol=1e-10, atol=1e-10)
+
+
+def test_from_mask_mod_composes_with_qkv_masks_and_never_builds_the_whole_mask(monkeypatch):
+    q, k, v = inputs()
+    doc = qkv.masks.from_mask_mod(lambda b, h, q_idx, kv_idx: IDS_Q[q_idx] == IDS_K[kv_idx])
+    mask = doc & qkv.masks.causal()
+    got = qkv.attention(q, k, v, mask=mask)
+    allowed = (IDS_Q[:, None] == IDS_K[None, :]) & (torch.arange(S)[None, :] <= torch.arange(L)[:, None] + S - L)
+    want = qkv.attention(q, k, v, mask=allowed)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    from qkv import _mods
+    from qkv.backends.engines import fused_blocks
+
+    monkeypatch.setattr(fused_blocks, "BLOCK_BYTES", 1)  # blocks of 32 rows, as a long call has (32 MiB of mask each)
+    sizes = []
+    real = _mods.evaluate
+    monkeypatch.setattr(_mods, "evaluate", lambda fn, score, b, h, qi, kv: sizes.append(len(qi) * len(kv)) or real(fn, score, b, h, qi, kv))
+    qkv.attention(q.detach().float(), k.detach().float(), v.detach().float(), mask=mask, backend="chunked")
+    assert sizes and max(sizes) < L * S  # tile by tile
+    big = torch.empty(1, 8, 4096, 64, device="meta")
+    huge = qkv.masks.from_mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    assert "not sdpa: the lazy mask would be materialised as a (1, 4096, 4096) tensor" in qkv.explain(big, big, big, mask=huge)
+
+
+def test_errors_follow_flex():
+    q, k, v = (x.detach() for x in inputs())
+    with pytest.raises(ValueError, match=r"key: expected query and key/value to have the same number of heads but got Hq=4 and Hkv=2"):
+        qkv.flex_attention(q, k, v)
+    with pytest.raises(ValueError, match=r"block_mask: created for \(q_len, kv_len\) = \(300, 260\), got \(299, 260\)"):
+        qkv.flex_attention(q[..., :299, :], k, v, block_mask=block_mask("causal"), enable_gqa=True)
+    with pytest.raises(ValueError, match="return_lse: give return_lse or return_aux"):
+        qkv.flex_attention(q, k, v, enable_gqa=True, return_lse=True, return_aux=flex.AuxRequest(lse=True))
+    with pytest.raises(TypeError, match="mask_mod: expected a bool tensor"):
+        qkv.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                      mask=qkv.masks.from_mask_mod(lambda b, h, qi, kv: (qi - kv).float()))  # fmt: skip
