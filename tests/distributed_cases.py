@@ -87,10 +87,18 @@ def _score_mod(kind: str, h, gen, dt):
     raise KeyError(kind)
 
 
+def _documents(b: int, n: int) -> torch.Tensor:
+    """Sorted document ids ``(b, n)``: row r has documents of about ``n / (r + 3)`` tokens (different rows, different cuts)."""
+    return torch.stack([torch.arange(n) * (r + 3) // n for r in range(b)])
+
+
 def _mask(kind: str, b, h, i, j, gen):
     lengths = torch.tensor([j, max(1, j // 2)] + [j] * (b - 2))[:b]
     dense = torch.rand(b, 1, i, j, generator=gen) > 0.3
+    docs = masks.documents(_documents(b, i), _documents(b, j))
     return {
+        "documents": docs,
+        "documents_causal": docs & masks.causal(),
         "none": None,
         "causal": masks.causal(),
         "window": masks.window(4),

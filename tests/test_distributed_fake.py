@@ -81,6 +81,20 @@ def test_window_sends_to_neighbours_only(world, layout):
     assert per_p[64] == per_p[512] == 2 * sends * chunk  # forward and backward
 
 
+@pytest.mark.parametrize("size", [64, 256])
+def test_ring_sends_a_documents_keys_only_to_the_ranks_it_spans(world, size):
+    """Packed documents of two ranks' rows, causal, contiguous: the first rank of a document sends
+    its K/V to the second only (forward and backward), and receives nothing, so sends no gradient."""
+    from qkv import masks
+
+    world(size, size // 2)
+    q, k, v = _inputs()
+    ids = torch.arange(size * ROWS) // (2 * ROWS)
+    sent, _ = _step("ring", q, k, v, mask=masks.documents(ids) & masks.causal(), layout="contiguous")
+    packed = ROWS * H * 2 * D * 4
+    assert sent.get("kv", 0) == 2 * packed and sent.get("grad", 0) == 0
+
+
 def qd_window(left):
     from qkv import masks
 

@@ -126,6 +126,10 @@ DEFAULT = [
     case(strategy="ring", mask="causal", score_mod="learned", bias="alibi"),
     case(strategy="allgather", mask="window", score_mod="learned", layout="contiguous"),
     case(strategy="ring", mask="lengths", score_mod="softcap", dtype="float32"),
+    case(strategy="ring", mask="documents_causal", layout="contiguous", i=17),
+    case(strategy="ring", mask="documents_causal", bias="alibi", i=17),
+    case(strategy="ulysses", mask="documents_causal", i=17, j=17, h=6, g=3),
+    case(strategy="allgather", mask="documents", i=11, j=15, score_mod="learned"),
 ]
 
 

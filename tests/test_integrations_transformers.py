@@ -148,8 +148,9 @@ def test_sliding_window_without_a_mask_is_applied_from_the_call():
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"cu_seq_lens_q": torch.tensor([0, 5])}, TypeError, r"cannot honour the keyword argument\(s\) \['cu_seq_lens_q'\]"),
-        ({"block_indices": 3, "seq_idx": torch.zeros(5)}, TypeError, r"\['block_indices', 'seq_idx'\]"),
+        ({"block_indices": 3, "rope_deltas": 2}, TypeError, r"cannot honour the keyword argument\(s\) \['block_indices', 'rope_deltas'\]"),
+        ({"cu_seq_lens_q": torch.tensor([0, 3])}, ValueError, r"cu_seq_lens_q: expected offsets from 0, non-decreasing, ending at the \d+ packed tokens"),
+        ({"seq_idx": torch.zeros(3, dtype=torch.long)}, ValueError, r"seq_idx: expected a sequence index per token"),
         ({"sliding_window": 0}, ValueError, r"sliding_window: expected a positive int or None, got 0"),
     ],
 )  # fmt: skip

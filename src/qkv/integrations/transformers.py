@@ -47,10 +47,12 @@ Options, as transformers passes them:
   the fused kernel's log-sum-exp one query block at a time, never by materialising, so a
   text of thousands of tokens never holds a layer's ``(b, h, i, j)`` weights.
 
-Keywords that only describe the inputs (``position_ids``, ``use_cache``,
-``token_type_ids``, ...) are ignored; any other keyword with a value, e.g. the
-packed-sequence lengths of flash attention (``cu_seq_lens_q``), raises a ``TypeError``
-naming it: nothing is dropped silently. Unlike eager attention, returned weights are
+Packed batches (``DataCollatorWithFlattening``, with or without
+``return_flash_attn_kwargs``): ``cu_seq_lens_q/k``, ``seq_idx`` and packed
+``position_ids`` make each sequence a document of ``qkv.masks.documents``, run as its own
+call, with no ``(T, T)`` mask (``transformers_packing``). Keywords that only describe the
+inputs (``use_cache``, ``token_type_ids``, ...) are ignored; any other keyword with a
+value raises a ``TypeError`` naming it: nothing is dropped silently. Unlike eager attention, returned weights are
 those before dropout.
 """
 
@@ -63,6 +65,7 @@ from ..functional import attention
 from ..masks import Dense, Mask, Tile, Window, causal, window
 from ..score_mods import SoftCap
 from .transformers_masks import LayerMask, mask_interface
+from .transformers_packing import documents_for, with_documents
 
 #: The name models are loaded with: ``attn_implementation="qkv"``.
 NAME = "qkv"
@@ -81,6 +84,13 @@ IGNORED = frozenset(
         "output_router_logits",
         "num_items_in_batch",
         "return_dict",
+        # packed batches: the offsets and ids are read (transformers_packing); flash's
+        # maximum lengths only size its grid
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "seq_idx",
         # BERT-style segment ids: a tokenizer's output passed whole to a decoder reaches its
         # attention through the forward's **kwargs; eager ignores them, as an encoder has
         # already added them to its embeddings
@@ -138,6 +148,7 @@ def attention_forward(
     """
     _check_keywords(kwargs)
     mask, bias = _mask_and_bias(module, attention_mask, query.shape[-2], key.shape[-2], is_causal, sliding_window)
+    mask = with_documents(mask, documents_for(query, key, kwargs))  # a packed batch: one call per sequence
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
     score_mod = None

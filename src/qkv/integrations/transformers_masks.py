@@ -34,9 +34,11 @@ the masks in advance, calls ``.contiguous()`` on them and hands them back to the
 which hands them back here).
 
 A padding mask whose real tokens are not one run per row becomes a per-key
-``(b, 1, 1, j)`` bool mask (still no ``(i, j)``). Any other mask function (chunked
-attention, packed sequences, image-token overlays, a user's own) is built by
-transformers' own ``sdpa_mask`` as a ``(b, 1, i, j)`` bool tensor: right, but not lazy.
+``(b, 1, 1, j)`` bool mask (still no ``(i, j)``). Packed sequences (transformers detects
+them from ``position_ids``) are ``documents(ids) &`` the pattern above
+(``transformers_packing``). Any other mask function (chunked attention, image-token
+overlays, a user's own) is built by transformers' own ``sdpa_mask`` as a ``(b, 1, i, j)``
+bool tensor: right, but not lazy.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from torch import Tensor
 
 from .. import masks
 from ..masks import Dense, Mask
+from .transformers_packing import packed_parts
 
 
 class LayerMask:
@@ -110,6 +113,12 @@ def _build(masking_utils, batch_size, q_length, kv_length, q_offset, kv_offset, 
     if mask_function is None:
         mask_function = masking_utils.causal_mask_function
     q_offset, kv_offset = int(q_offset), int(kv_offset)
+    packed = packed_parts(mask_function)
+    if packed is not None:  # position-id packing: the pattern within each sequence, and its ids
+        base, ids = packed
+        inner = _build(masking_utils, batch_size, q_length, kv_length, q_offset, kv_offset, base,
+                       attention_mask, local_size, device, kwargs)  # fmt: skip
+        return masks.documents(ids.expand(batch_size, -1)) & inner
     pattern = describe(mask_function)
     if pattern is None or (local_size is not None and pattern[1] not in (None, local_size)):
         dense = masking_utils.sdpa_mask(

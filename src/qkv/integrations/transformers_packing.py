@@ -1,0 +1,99 @@
+"""Packed batches in transformers, as qkv's lazy document masks: no ``(T, T)`` mask, one call per document.
+
+Shape legend: ``b`` batch, ``i`` query length, ``j`` key length, ``T`` packed tokens.
+
+transformers says that a batch row holds several sequences end to end in three ways
+(``DataCollatorWithFlattening``, TRL's ``padding_free``):
+
+* ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (and ``max_length_q`` / ``max_length_k``): the
+  sequences' offsets in the flattened tokens, flash-attn's ``cu_seqlens`` (the collator's
+  ``return_flash_attn_kwargs=True``); the maximum lengths only size flash's grid;
+* ``seq_idx``: a sequence index per token ``(b, T)``;
+* packed ``position_ids``: a position that does not follow its predecessor (``p[t] !=
+  p[t - 1] + 1``) starts a sequence, the rule of transformers' own
+  ``find_packed_sequence_indices``.
+
+:func:`documents_for` turns whichever the layer was given into ``qkv.masks.documents``,
+combined with the layer's own mask by the integration, so the ``segments`` backend runs
+each sequence as its own call. :func:`packed_parts` reads the mask function transformers
+composes for position-id packing (its causal or sliding pattern on per-sequence
+positions, and'ed with the sequence ids), so that mask, too, is built lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..masks import And, Documents, Mask
+
+
+def documents_for(query: Tensor, key: Tensor, kwargs: dict) -> Documents | None:
+    """The documents of a packed layer call, from its keywords; None when it is not packed."""
+    b, i, j = query.shape[0], query.shape[-2], key.shape[-2]
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        cu_q = cu_k if cu_q is None else cu_q
+        cu_k = cu_q if cu_k is None else cu_k
+        return Documents(_ids("cu_seq_lens_q", cu_q, b, i), _ids("cu_seq_lens_k", cu_k, b, j))
+    seq_idx = kwargs.get("seq_idx")
+    if seq_idx is not None:
+        if not isinstance(seq_idx, Tensor) or seq_idx.shape[-1] != i or i != j:
+            got = tuple(seq_idx.shape) if isinstance(seq_idx, Tensor) else type(seq_idx).__name__
+            raise ValueError(f"seq_idx: expected a sequence index per token (b, {i}) of a self-attention layer, got {got}")
+        return Documents(seq_idx.expand(b, -1))
+    positions = kwargs.get("position_ids")
+    if isinstance(positions, Tensor) and positions.dim() == 2 and positions.shape[-1] == i == j and i > 1:
+        starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
+        if bool(starts[:, 1:].any()):
+            return Documents(starts.cumsum(-1).expand(b, -1))
+    return None
+
+
+def _ids(name: str, cu: object, b: int, n: int) -> Tensor:
+    """Sequence ids ``(b, n)`` from offsets over the ``b·n`` flattened tokens."""
+    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point:
+        got = tuple(cu.shape) if isinstance(cu, Tensor) else type(cu).__name__
+        raise ValueError(f"{name}: expected 1-d integer offsets (sequences + 1,), got {got}")
+    counts = torch.diff(cu.long())
+    if int(cu[0]) != 0 or bool((counts < 0).any()) or int(cu[-1]) != b * n:
+        raise ValueError(f"{name}: expected offsets from 0, non-decreasing, ending at the {b * n} packed tokens, got {cu.tolist()}")
+    return torch.repeat_interleave(torch.arange(len(counts), device=cu.device), counts.to(cu.device)).reshape(b, n)
+
+
+def packed_parts(mask_function: Callable) -> tuple[Callable, Tensor] | None:
+    """``(base, ids)`` of transformers' mask for position-id packing, ``and_masks(remap(base, positions), packed(ids))``.
+
+    Within a sequence the positions run on by one, so ``base`` on them is ``base`` on the
+    tokens' own indices: the mask is ``documents(ids) & base``.
+    """
+    from .transformers_masks import _closure  # one reader of transformers' closures
+
+    parts = _closure(mask_function, "and_masks.<locals>.and_mask").get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    remapped, packed = parts
+    base = _closure(remapped, "remap_positions_for_packed_sequence.<locals>.inner_mask").get("mask_function")
+    ids = _closure(packed, "packed_sequence_mask_function.<locals>.inner_mask").get("packed_sequence_mask")
+    if base is None or not isinstance(ids, Tensor):
+        return None
+    return base, ids
+
+
+def with_documents(mask: Mask | None, docs: Documents | None) -> Mask | None:
+    """``mask & docs``; the mask as it is when it already holds documents."""
+    if docs is None:
+        return mask
+    if mask is None:
+        return docs
+    if _has_documents(mask):
+        return mask
+    return And(docs, mask)
+
+
+def _has_documents(mask: Mask) -> bool:
+    if isinstance(mask, Documents):
+        return True
+    return isinstance(mask, And) and (_has_documents(mask.a) or _has_documents(mask.b))

@@ -1,0 +1,105 @@
+"""Packed batches through transformers with ``attn_implementation="qkv"``: the same logits and loss as one by one.
+
+Shape legend: ``b`` batch, ``T`` packed tokens, ``V`` vocabulary.
+
+A tiny Llama (causal, GQA) and a BERT-like encoder (bidirectional), built from configs with
+seeded weights, are fed three sequences of 5, 3 and 7 tokens by transformers'
+``DataCollatorWithFlattening``, with and without ``return_flash_attn_kwargs``; each
+packed token's logits equal those of its sequence run alone (float32, 1e-5), and so does
+the language model's loss. The layers never see a ``(T, T)`` mask: the segments backend
+runs every sequence as its own call.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+import qkv
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+
+SEQUENCES = [[3, 17, 5, 9, 12], [7, 2, 40], [1, 8, 8, 30, 22, 11, 4]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+
+    from qkv.integrations.transformers import register
+
+    register()
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))  # fmt: skip
+    bert = BertModel(BertConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, max_position_embeddings=64), add_pooling_layer=False)  # fmt: skip
+    for model in (llama, bert):
+        model.set_attn_implementation("qkv")
+        model.eval()
+    return {"llama": llama, "bert": bert}
+
+
+def packed_batch(flash_kwargs: bool) -> dict:
+    from transformers import DataCollatorWithFlattening
+
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    return collator([{"input_ids": s} for s in SEQUENCES])
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_a_packed_causal_lm_equals_its_sequences_one_by_one(models, flash_kwargs, monkeypatch):
+    llama = models["llama"]
+    batch = packed_batch(flash_kwargs)
+    assert ("cu_seq_lens_q" in batch) == flash_kwargs
+    seen = []
+    real = qkv.backends.segments.run
+    monkeypatch.setattr(qkv.backends.segments, "run", lambda req: seen.append(req.i) or real(req))
+    with torch.no_grad():
+        packed = llama(**batch)
+        alone = [llama(input_ids=torch.tensor([s]), labels=torch.tensor([s])) for s in SEQUENCES]
+    assert seen == [sum(map(len, SEQUENCES))] * 2  # each layer: one packed call, run per document
+    torch.testing.assert_close(packed.logits[0], torch.cat([a.logits[0] for a in alone]), rtol=1e-5, atol=1e-5)
+    # the packed loss averages every predicted token: the sequences' losses weighted by their counts
+    counts = torch.tensor([len(s) - 1 for s in SEQUENCES], dtype=torch.float32)
+    expected = (torch.stack([a.loss for a in alone]) * counts).sum() / counts.sum()
+    torch.testing.assert_close(packed.loss, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_a_packed_encoder_equals_its_sequences_one_by_one(models, flash_kwargs):
+    bert = models["bert"]
+    batch = {k: v for k, v in packed_batch(flash_kwargs).items() if k != "labels"}
+    with torch.no_grad():
+        packed = bert(**batch).last_hidden_state[0]
+        alone = [bert(input_ids=torch.tensor([s])).last_hidden_state[0] for s in SEQUENCES]
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-5, atol=1e-5)
+
+
+def test_the_mask_transformers_builds_for_position_id_packing_is_lazy(models):
+    """The causal LM's own mask function for packed position ids is read as documents & causal, not built densely."""
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        packed_sequence_mask_function,
+        remap_positions_for_packed_sequence,
+    )
+
+    from qkv.integrations.transformers_masks import mask_interface
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2]])
+    fn = and_masks(remap_positions_for_packed_sequence(causal_mask_function, positions), packed_sequence_mask_function(ids))
+    mask = mask_interface(1, 9, 9, mask_function=fn).mask
+    assert isinstance(mask, qkv.masks.And) and isinstance(mask.a, qkv.masks.Documents)
+    dense = mask.tile(qkv.masks.Tile.whole(9, 9))
+    want = (ids[0][:, None] == ids[0][None, :]) & (torch.arange(9)[None, :] <= torch.arange(9)[:, None])
+    assert torch.equal(dense.expand(1, 1, 9, 9)[0, 0], want)
+
+
+def test_bad_offsets_name_the_keyword(models):
+    llama = models["llama"]
+    batch = packed_batch(True)
+    batch["cu_seq_lens_q"] = torch.tensor([0, 5, 9], dtype=torch.int32)  # ends before the 15 tokens
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q: expected offsets from 0, non-decreasing, ending at the 15 packed tokens"):
+        llama(**batch)
