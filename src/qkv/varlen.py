@@ -95,9 +95,8 @@ def varlen_attention(
         row = None if slopes is None else slopes[min(s, len(slopes) - 1)]
         bias, mod = _logit_terms(row, float(softcap), score_mod, s, block.jt - block.it)
         segments.append(Segment(0, block, mask, bias, mod))
-    out, lse = run_segments(req, segments)
-    out = out[0].transpose(0, 1).contiguous()  # (total_q, h, e)
-    return (out, lse[0]) if return_lse else out
+    out, lse = run_segments(req, segments, packed=True)  # (total_q, h, e), (h, total_q)
+    return (out, lse) if return_lse else out
 
 
 def _offsets(name: str, cu: object, x: Tensor, of: str) -> list[int]:

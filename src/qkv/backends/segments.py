@@ -99,11 +99,13 @@ def run(req: Request) -> tuple[Tensor, None, Tensor | None]:
     return out, None, lse
 
 
-def run_segments(req: Request, parts: list[Segment]) -> tuple[Tensor, Tensor | None]:
+def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tuple[Tensor, Tensor | None]:
     """``(out (b, h, i, e), lse (b, h, i) | None)``: each segment run as its own call, put back in place.
 
     Rows no segment covers get ``out = 0`` and ``lse = -inf``; ``lse`` only when
     ``req.return_lse``. Autograd runs through every piece (one ``cat`` per batch row).
+    ``packed``: one batch row, returned as ``out (i, h, e)`` and ``lse (h, i)``, the
+    tokens-first layout of flash-attn's varlen calls, put together by the same one copy.
     """
     from . import choose  # the dispatcher, for each segment's own call
 
@@ -119,9 +121,11 @@ def run_segments(req: Request, parts: list[Segment]) -> tuple[Tensor, Tensor | N
         rows[part.row].append((part.block.r0, out, lse))
     outs, lses = [], []
     for pieces in rows:
-        row_out, row_lse = _assemble(pieces, req, h, i_len, e)
+        row_out, row_lse = _assemble(pieces, req, h, i_len, e, packed)
         outs.append(row_out)
         lses.append(row_lse)
+    if packed:
+        return outs[0], lses[0]
     out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
     lse = None if not req.return_lse else torch.cat(lses, dim=0) if len(lses) > 1 else lses[0]
     return out, lse
@@ -137,8 +141,11 @@ def _call(req: Request, part: Segment) -> Request:
     )  # fmt: skip
 
 
-def _assemble(pieces: list, req: Request, h: int, i_len: int, e: int) -> tuple[Tensor, Tensor | None]:
-    """One batch row's ``(1, h, i, e)`` output (and ``(1, h, i)`` lse) from its pieces, zeros between them."""
+def _assemble(pieces: list, req: Request, h: int, i_len: int, e: int, packed: bool = False) -> tuple[Tensor, Tensor | None]:
+    """One batch row's ``(1, h, i, e)`` output (and ``(1, h, i)`` lse) from its pieces, zeros between them.
+
+    ``packed``: ``(i, h, e)`` and ``(h, i)`` instead (each piece transposed as it is copied in).
+    """
     pieces = sorted(pieces, key=lambda p: p[0])
     acc = torch.promote_types(req.v.dtype, torch.float32)
 
@@ -160,8 +167,11 @@ def _assemble(pieces: list, req: Request, h: int, i_len: int, e: int) -> tuple[T
     if at < i_len:
         for xs, x in zip((outs, lses), gap(i_len - at)):
             xs.append(x)
-    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    if packed:
+        outs = [x[0].transpose(0, 1) for x in outs]
+    out = torch.cat(outs, dim=0 if packed else 2)
     if not req.return_lse:
         return out, None
-    lse = torch.cat([x.to(acc) for x in lses], dim=2) if len(lses) > 1 else lses[0].to(acc)
-    return out, lse
+    if packed:
+        lses = [x[0] for x in lses]
+    return out, torch.cat([x.to(acc) for x in lses], dim=1 if packed else 2)

@@ -65,6 +65,7 @@ SUITES: dict[str, str] = {
     "latent": "qkv.bench.latent",
     "distributed": "qkv.bench.distributed",
     "mechanisms": "qkv.bench.mechanisms",
+    "packing": "qkv.bench.packing",
 }
 #: Suites run when ``--suite`` is not given.
 DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")
