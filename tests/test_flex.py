@@ -136,9 +136,9 @@ def test_from_mask_mod_composes_with_qkv_masks_and_never_builds_the_whole_mask(m
     want = qkv.attention(q, k, v, mask=allowed)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     from qkv import _mods
-    from qkv.backends.engines import fused_blocks
+    from qkv.backends.engines import fused_runs
 
-    monkeypatch.setattr(fused_blocks, "BLOCK_BYTES", 1)  # blocks of 32 rows, as a long call has (32 MiB of mask each)
+    monkeypatch.setattr(fused_runs, "RUN_ROWS", 32)  # blocks of 32 rows, so that a block is not the whole call
     sizes = []
     real = _mods.evaluate
     monkeypatch.setattr(_mods, "evaluate", lambda fn, score, b, h, qi, kv: sizes.append(len(qi) * len(kv)) or real(fn, score, b, h, qi, kv))

@@ -88,6 +88,14 @@ class Mask:
     def reset(self) -> None:
         """Forget what was computed for an earlier call (a program's cached tile): a call starts afresh."""
 
+    def key_bounds(self, t: Tile) -> tuple[int, int] | None:
+        """``(j0, j1)``: keys outside it are masked for every row of ``t``'s rows (its columns ignored); None if unknown.
+
+        Lets an engine skip, without asking any tile's state, the keys a block of rows
+        cannot see (a packed batch's other documents, the future under a causal mask).
+        """
+        return None
+
     def merge_lead(self, lead: tuple[int, ...]) -> Mask:
         """The same mask for inputs whose leading dims ``lead`` are merged into one batch dim.
 
@@ -158,6 +166,8 @@ class Dense(Mask):
 class And(Mask):
     """May attend where both masks allow."""
 
+    op = "&"
+
     def __init__(self, a: Mask, b: Mask):
         self.a, self.b = a, b
 
@@ -188,12 +198,17 @@ class And(Mask):
         self.a.reset()
         self.b.reset()
 
+    def key_bounds(self, t: Tile) -> tuple[int, int] | None:
+        return _combine(self.a.key_bounds(t), self.b.key_bounds(t), self.op)
+
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
 
 class Or(Mask):
     """May attend where either mask allows."""
+
+    op = "|"
 
     def __init__(self, a: Mask, b: Mask):
         self.a, self.b = a, b
@@ -225,6 +240,9 @@ class Or(Mask):
         self.a.reset()
         self.b.reset()
 
+    def key_bounds(self, t: Tile) -> tuple[int, int] | None:
+        return _combine(self.a.key_bounds(t), self.b.key_bounds(t), self.op)
+
     def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"
 
@@ -247,6 +265,17 @@ class _MergedLead(Mask):
 
     def __repr__(self) -> str:
         return f"{self.mask!r}.merge_lead({self.lead})"
+
+
+def _combine(a: tuple[int, int] | None, b: tuple[int, int] | None, op: str) -> tuple[int, int] | None:
+    """Key bounds of ``a & b`` (the intersection; either alone bounds it) or ``a | b`` (the union; both needed)."""
+    if op == "&":
+        if a is None or b is None:
+            return a if b is None else b
+        return max(a[0], b[0]), max(max(a[0], b[0]), min(a[1], b[1]))
+    if a is None or b is None:
+        return None
+    return min(a[0], b[0]), max(a[1], b[1])
 
 
 def _longer(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

@@ -70,6 +70,15 @@ class Documents(Mask):
             return "full"
         return "partial"
 
+    def key_bounds(self, t: Tile) -> tuple[int, int] | None:
+        """The keys of the documents rows ``t.i0:t.i1`` belong to (sorted ids: found by bisection)."""
+        if self._host is None or not self._host[2] or t.i0 >= t.i1:
+            return None
+        q, k, _ = self._host
+        lo = torch.searchsorted(k, q[:, t.i0 : t.i0 + 1]).min()
+        hi = torch.searchsorted(k, q[:, t.i1 - 1 : t.i1], right=True).max()
+        return int(lo), max(int(lo), int(hi))
+
     def runs(self) -> list[list[tuple[int, int, int, int]]] | None:
         """Per batch row, ``(q0, q1, k0, k1)`` of each document in both ids, in query order; None if unknown.
 

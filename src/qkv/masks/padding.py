@@ -69,6 +69,9 @@ class Lengths(Mask):
     def merge_lead(self, lead: tuple[int, ...]) -> Mask:
         return self if len(lead) <= 1 else Lengths(self.key_lengths.expand(*lead).reshape(-1))
 
+    def key_bounds(self, t: Tile) -> tuple[int, int] | None:
+        return None if self._longest < self._shortest else (0, min(t.j_len, self._longest))
+
     def __repr__(self) -> str:
         return f"lengths({self.key_lengths.tolist()})"
 
@@ -114,6 +117,9 @@ class Starts(Mask):
 
     def merge_lead(self, lead: tuple[int, ...]) -> Mask:
         return self if len(lead) <= 1 else Starts(self.key_starts.expand(*lead).reshape(-1))
+
+    def key_bounds(self, t: Tile) -> tuple[int, int] | None:
+        return None if self._last < self._first else (min(t.j_len, self._first), t.j_len)
 
     def __repr__(self) -> str:
         return f"starts({self.key_starts.tolist()})"

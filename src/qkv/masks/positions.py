@@ -55,6 +55,13 @@ class Offsets(Mask):
             return "empty"
         return "full" if first >= lo and last <= hi else "partial"
 
+    def key_bounds(self, t: Tile) -> tuple[int, int] | None:
+        # row r sees keys r + (j - i) + lo .. r + (j - i) + hi
+        shift = t.j_len - t.i_len
+        lo = 0 if self.lo is None else max(0, t.i0 + shift + self.lo)
+        hi = t.j_len if self.hi is None else min(t.j_len, t.i1 - 1 + shift + self.hi + 1)
+        return lo, max(lo, hi)
+
     def __repr__(self) -> str:
         return f"offsets({self.lo}, {self.hi})"
 

@@ -96,6 +96,13 @@ class FlexBlocks(Mask):
         return self._host[:, :, qb, kb]
 
     def tile(self, t: Tile) -> Tensor:
+        blocks = self._blocks(t)
+        if blocks.shape[-2:] == (1, 1) and bool((blocks == blocks.flatten()[0]).all()):  # one block, one state
+            state = int(blocks.flatten()[0])
+            if state == 1:
+                return self._mod.tile(t)
+            shape = (*self.states.shape[:2], t.i1 - t.i0, t.j1 - t.j0)
+            return torch.full(shape, state == 2, dtype=torch.bool, device=t.device)
         states = self.states.to(t.device)
         per_row = states.index_select(2, torch.div(t.rows, self.q_block, rounding_mode="floor"))
         per_elem = per_row.index_select(3, torch.div(t.cols, self.kv_block, rounding_mode="floor"))  # (B, H, it, jt)
@@ -116,6 +123,16 @@ class FlexBlocks(Mask):
 
     def batch_shape(self) -> tuple[int, ...]:
         return tuple(self.states.shape[:2])
+
+    def key_bounds(self, t: Tile) -> tuple[int, int] | None:
+        """The keys of the blocks the lists hold for these rows' query blocks."""
+        if t.i0 >= t.i1:
+            return None
+        listed = self._host[:, :, t.i0 // self.q_block : (t.i1 - 1) // self.q_block + 1].amax((0, 1, 2))  # (nk,)
+        blocks = torch.nonzero(listed).flatten()
+        if blocks.numel() == 0:
+            return 0, 0
+        return int(blocks[0]) * self.kv_block, min(self.kv_len, (int(blocks[-1]) + 1) * self.kv_block)
 
     def reset(self) -> None:
         self._mod.reset()

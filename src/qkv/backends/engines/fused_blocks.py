@@ -45,6 +45,7 @@ from ..tiling.bias_grad import Rows, add_profile_grad, far_profile_grad, saturat
 from ..tiling.flash_cpu import grouped_backward, mask_dtype, same_head_size
 from ..tiling.offset_profile import DiagonalMask
 from ..tiling.tiles import NEG_INF, BiasSource, as_heads, key_range
+from . import fused_runs
 from .contract import Grads, parameters
 
 name = "fused_blocks"
@@ -71,6 +72,8 @@ def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> in
         return i_len
     if diagonal:  # masks are free views; blocks skip keys a window hides and bound the row flips
         return min(i_len, DIAGONAL_ROWS)
+    if plan.bias is None:  # a mask alone runs in fused_runs, which bounds each partial run's mask itself
+        return min(i_len, fused_runs.RUN_ROWS)
     per_row = max(1, q.shape[0] * q.shape[1] * j_len * mask_dtype(q).itemsize)  # worst case: a (b, h, it, jt) mask
     rows = max(32, BLOCK_BYTES // per_row) // 32 * 32
     return min(i_len, rows)
@@ -200,6 +203,8 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
             add, live = diagonal.reversed_block(t), diagonal.live(t)
             o, m = _forward(q[..., rows, :].flip(-2), kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
             o, m = o.flip(-2), m.flip(-1)
+        elif plan.bias is None and plan.mask is not None:  # a mask alone: its full tiles unmasked, its partial ones masked (fused_runs)
+            o, m = fused_runs.forward(plan.mask, t, q, k, v, plan.scale)
         else:
             add, live = _block_mask(plan, t, bias, mask_dtype(q))
             o, m = _forward(q[..., rows, :], kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
@@ -247,6 +252,12 @@ def fused_backward(
         if t.j0 == t.j1:
             continue
         rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
+        if diagonal is None and not plan.causal_square and plan.bias is None and plan.mask is not None:  # fused_runs
+            if dq is None:
+                dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            given = [d_out[..., rows, :], q[..., rows, :], out[..., rows, :], kernel_lse[..., rows]]
+            fused_runs.backward(plan.mask, t, given, k, v, plan.scale, (dq, dk, dv))
+            continue
         args = [d_out[..., rows, :], q[..., rows, :], k[..., cols, :], v[..., cols, :], out[..., rows, :], kernel_lse[..., rows]]
         add, flip = None, diagonal is not None and not plan.causal_square
         if flip:

@@ -97,7 +97,10 @@ def key_range(mask: Mask | None, i0: int, i1: int, i_len: int, j_len: int, step:
     """``(jlo, jhi)``: the keys that rows ``i0:i1`` may see, to ``step`` granularity; ``jlo == jhi`` if none."""
     if mask is None:
         return 0, j_len
-    live = [j0 for j0 in range(0, j_len, step) if mask.state(Tile(i0, i1, j0, min(j0 + step, j_len), i_len, j_len, device)) != "empty"]
+    bounds = mask.key_bounds(Tile(i0, i1, 0, j_len, i_len, j_len, device))
+    lo, hi = (0, j_len) if bounds is None else bounds
+    lo = lo // step * step  # the same steps as without bounds: ranges and tiles line up
+    live = [j0 for j0 in range(lo, hi, step) if mask.state(Tile(i0, i1, j0, min(j0 + step, j_len), i_len, j_len, device)) != "empty"]
     if not live:
         return 0, 0
     return live[0], min(live[-1] + step, j_len)
