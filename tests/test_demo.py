@@ -51,7 +51,7 @@ def quick(tmp_path_factory):
 def test_quick_run_writes_every_figure_and_index(quick):
     out, _, results = quick
     figures = [figure.file for result in results for figure in result.figures]
-    assert len(figures) == 8 and len(set(figures)) == 8
+    assert len(figures) == 9 and len(set(figures)) == 9
     for file in figures:
         data = (out / file).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n", file
@@ -94,8 +94,9 @@ def test_quick_run_prints_the_measured_numbers(quick):
 
 def test_steps_are_named_by_what_they_show(quick):
     out, lines, results = quick
-    assert "[1/5] worked example: four words, numpy seed 42" in lines
-    assert "[5/5] decoding past the training length" in lines
+    assert "[1/6] worked example: four words, numpy seed 42" in lines
+    assert "[5/6] decoding past the training length" in lines
+    assert "[6/6] packed documents" in lines
     assert results[0].name == "worked example"
     # User-facing text names what it shows: no source file names, no internal example numbers.
     page = (out / "index.html").read_text(encoding="utf-8")
@@ -226,3 +227,12 @@ def test_metric_targets_and_table():
     rows = text.splitlines()
     assert rows[0].split() == ["step", "model", "measure", "value", "target", "met"]
     assert rows[2].endswith("yes") and rows[3].endswith("NO") and rows[4].endswith("1.5e-06")
+
+
+def test_packing_step_measures_what_it_prints(quick):
+    _, lines, results = quick
+    packed = next(r for r in results if r.name == "packing")
+    values = {m.name: m.value for m in packed.metrics}
+    assert values["documents equal to themselves alone (1 = all)"] == 1.0
+    assert 0.0 < values["share of the T×T scores computed"] < 0.5
+    assert "every document's output equals the document run alone, bit for bit: yes" in lines

@@ -319,6 +319,41 @@ def curves(
     return figure
 
 
+def tile_states(mask: Any, i: int, j: int, *, tile: int = 64, title: str | None = None, ax: Any = None) -> Any:
+    """The tiles of a ``qkv.masks`` mask as the engines see them: skipped, computed whole, or masked.
+
+    Each ``tile × tile`` square of the ``(i, j)`` logits is coloured by ``mask.state``:
+    "empty" (never computed), "full" (computed without a mask) or "partial" (computed with
+    the mask). A packed batch's documents show as squares on the diagonal.
+    """
+    from .masks import Tile
+
+    rows, cols = -(-i // tile), -(-j // tile)
+    code = {"empty": 0.0, "full": 1.0, "partial": 0.5}
+    grid = np.zeros((rows, cols))
+    for a in range(rows):
+        for b in range(cols):
+            t = Tile(a * tile, min(i, (a + 1) * tile), b * tile, min(j, (b + 1) * tile), i, j)
+            grid[a, b] = code[mask.state(t)]
+    if ax is None:
+        figure = _figure(_MARGIN + 1.5 + 0.12 * max(cols, 24), _MARGIN + 0.12 * max(rows, 24))
+        ax = figure.add_subplot()
+    else:
+        figure = ax.figure
+    from matplotlib.colors import ListedColormap
+
+    cmap = ListedColormap(["#f4f4f4", "#e0a030", "#2b5d8a"])
+    image = ax.imshow(grid, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto",
+                      extent=(0, j, i, 0))  # fmt: skip
+    bar = figure.colorbar(image, ax=ax, ticks=[1 / 6, 0.5, 5 / 6], shrink=0.8)
+    bar.ax.set_yticklabels(["skipped", "masked", "unmasked"])
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    if title:
+        ax.set_title(title)
+    return figure
+
+
 def save(figure: Any, path: str | Path, *, dpi: int = 150) -> Path:
     """Write ``figure`` to ``path`` (format from the suffix: .png, .svg or .pdf); return it.
 

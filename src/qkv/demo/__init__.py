@@ -10,6 +10,8 @@ The steps, in order (one file each in this package):
 4. ``positions`` — the sinusoidal table and RoPE's relative-position property;
 5. ``streaming`` — a language model decoding ten times past its training length with a
    full cache and with StreamingLLM's bounded caches (with and without attention sinks);
+6. ``packing`` — documents packed into one row: the tiles the engines skip, each document
+   equal to itself alone, and the time against a dense mask;
 
 then a summary table, ``results.json`` and an offline ``index.html`` (``report``).
 
@@ -44,7 +46,7 @@ class DemoError(ValueError):
 def _steps() -> list[tuple[str, Callable[[Context], StepResult]]]:
     # Imported here so `import qkv.demo` stays light and a step's import error is reported
     # as that step failing.
-    from . import dates, order, positions, streaming, worked_example
+    from . import dates, order, packing, positions, streaming, worked_example
 
     return [
         (STEPS[0], worked_example.run),
@@ -52,11 +54,12 @@ def _steps() -> list[tuple[str, Callable[[Context], StepResult]]]:
         (STEPS[2], dates.run),
         (STEPS[3], positions.run),
         (STEPS[4], streaming.run),
+        (STEPS[5], packing.run),
     ]
 
 
 STEPS = ("worked example: four words, numpy seed 42", "order matters", "translation with alignment", "positions",
-         "decoding past the training length")  # fmt: skip
+         "decoding past the training length", "packed documents")  # fmt: skip
 
 
 def _check_out(out: Path) -> None:
