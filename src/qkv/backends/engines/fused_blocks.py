@@ -243,8 +243,7 @@ def fused_backward(
     reach = saturation(plan.bias)
     if d_profile is not None and learned.far_out is not None:
         far_share = torch.exp(learned.far_lse - row_lse.for_recompute(lse))  # relative to the final lse
-        far_out = learned.far_out.to(acc) * far_share[..., None]
-        far_profile_grad(d_profile, d_out, delta, reach, diagonal.offset0, (far_out, far_share))
+        far_profile_grad(d_profile, d_out, delta, reach, diagonal.offset0, (learned.far_out, far_share))
     # Without a mask there are no keys to skip: one call over every row, whose gradients are
     # the result (no accumulators and no per-block copies, which is what bounds the memory).
     whole = diagonal is not None and plan.mask is None

@@ -109,15 +109,16 @@ def far_profile_grad(d_profile: Tensor, d_out: Tensor, delta: Tensor, reach: int
     """Add the far future's share of ``dL/d profile`` (offsets ``>= reach``) to ``d_profile``.
 
     For the far future ``C`` of row ``r``, ``Σ_{c∈C} dS_rc = Σ_C P_rc (dO_r·v_c) - D_r Σ_C P_rc
-    = dO_r · far_out_r - D_r far_share_r``, with ``far_out = Σ_C P_rc v_c`` and ``far_share =
-    Σ_C P_rc`` kept by the forward pass (``fused_blocks._split_block``). All offsets of ``C``
-    share one bucket, so the sum goes to the profile entry of offset ``reach``.
-    ``d_out (b, h, i, e)``, ``delta (b, h, i)``, ``far = (far_out (b, h, i, e), far_share (b, h, i))``.
+    = share_r (dO_r · own_r - D_r)``, with ``share = Σ_C P_rc`` the far keys' part of the
+    row's mass and ``own = Σ_C P_rc v_c / share`` their own softmax-normalised output, both
+    kept by the forward pass (``fused_blocks._split_block``). All offsets of ``C`` share one
+    bucket, so the sum goes to the profile entry of offset ``reach``.
+    ``d_out (b, h, i, e)``, ``delta (b, h, i)``, ``far = (own (b, h, i, e), share (b, h, i))``.
     """
-    far_out, far_share = far
+    own, share = far
     acc = d_profile.dtype
     # einsum contracts through bmm: no (b, h, i, e) product in memory
-    part = torch.einsum("...e,...e->...", d_out.to(acc), far_out.to(acc)) - delta * far_share.to(acc)
+    part = share.to(acc) * (torch.einsum("...e,...e->...", d_out.to(acc), own.to(acc)) - delta)
     part = part.flatten(0, -3).sum(0)  # (h, i): the bias is shared by the batch
     d_profile[:, reach - offset0] += part.sum(-1) if d_profile.shape[0] > 1 else part.sum()
 
