@@ -163,13 +163,40 @@ class Dense(Mask):
         return f"Dense(shape={tuple(self.mask.shape)})"
 
 
-class And(Mask):
-    """May attend where both masks allow."""
+class _Pair(Mask):
+    """Two masks combined (``&`` or ``|``): what does not depend on the operator."""
 
-    op = "&"
+    op = ""
 
     def __init__(self, a: Mask, b: Mask):
         self.a, self.b = a, b
+
+    def batch_shape(self) -> tuple[int, ...]:
+        return _longer(self.a.batch_shape(), self.b.batch_shape())
+
+    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
+        a, b = self.a.merge_lead(lead), self.b.merge_lead(lead)
+        return self if a is self.a and b is self.b else type(self)(a, b)
+
+    def check(self, i_len: int, j_len: int) -> None:
+        self.a.check(i_len, j_len)
+        self.b.check(i_len, j_len)
+
+    def reset(self) -> None:
+        self.a.reset()
+        self.b.reset()
+
+    def key_bounds(self, t: Tile) -> tuple[int, int] | None:
+        return _combine(self.a.key_bounds(t), self.b.key_bounds(t), self.op)
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} {self.op} {self.b!r})"
+
+
+class And(_Pair):
+    """May attend where both masks allow."""
+
+    op = "&"
 
     def tile(self, t: Tile) -> Tensor:
         return self.a.tile(t) & self.b.tile(t)
@@ -183,35 +210,11 @@ class And(Mask):
             return "empty"
         return "full" if sa == sb == "full" else "partial"
 
-    def batch_shape(self) -> tuple[int, ...]:
-        return _longer(self.a.batch_shape(), self.b.batch_shape())
 
-    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
-        a, b = self.a.merge_lead(lead), self.b.merge_lead(lead)
-        return self if a is self.a and b is self.b else And(a, b)
-
-    def check(self, i_len: int, j_len: int) -> None:
-        self.a.check(i_len, j_len)
-        self.b.check(i_len, j_len)
-
-    def reset(self) -> None:
-        self.a.reset()
-        self.b.reset()
-
-    def key_bounds(self, t: Tile) -> tuple[int, int] | None:
-        return _combine(self.a.key_bounds(t), self.b.key_bounds(t), self.op)
-
-    def __repr__(self) -> str:
-        return f"({self.a!r} & {self.b!r})"
-
-
-class Or(Mask):
+class Or(_Pair):
     """May attend where either mask allows."""
 
     op = "|"
-
-    def __init__(self, a: Mask, b: Mask):
-        self.a, self.b = a, b
 
     def tile(self, t: Tile) -> Tensor:
         return self.a.tile(t) | self.b.tile(t)
@@ -224,27 +227,6 @@ class Or(Mask):
         if sb == "full":
             return "full"
         return "empty" if sa == sb == "empty" else "partial"
-
-    def batch_shape(self) -> tuple[int, ...]:
-        return _longer(self.a.batch_shape(), self.b.batch_shape())
-
-    def merge_lead(self, lead: tuple[int, ...]) -> Mask:
-        a, b = self.a.merge_lead(lead), self.b.merge_lead(lead)
-        return self if a is self.a and b is self.b else Or(a, b)
-
-    def check(self, i_len: int, j_len: int) -> None:
-        self.a.check(i_len, j_len)
-        self.b.check(i_len, j_len)
-
-    def reset(self) -> None:
-        self.a.reset()
-        self.b.reset()
-
-    def key_bounds(self, t: Tile) -> tuple[int, int] | None:
-        return _combine(self.a.key_bounds(t), self.b.key_bounds(t), self.op)
-
-    def __repr__(self) -> str:
-        return f"({self.a!r} | {self.b!r})"
 
 
 class _MergedLead(Mask):
