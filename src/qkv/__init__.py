@@ -18,6 +18,7 @@ from .functional import attention, attention_weights, explain, merge
 from .latent import MultiHeadLatentAttention
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
 from .score_mods import SoftCap
+from .torch_sdpa import scaled_dot_product_attention
 from .varlen import pad_input, unpad_input, varlen_attention
 from .variants import DifferentialAttention, OutputGate, QKNorm, SigmoidAttention
 
@@ -64,6 +65,7 @@ __all__ = [
     "pad_input",
     "positional",
     "score_mods",
+    "scaled_dot_product_attention",
     "scores",
     "tasks",
     "unpad_input",

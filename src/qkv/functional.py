@@ -45,6 +45,7 @@ def attention(
     sinks: Tensor | None = None,
     score_mod: Callable | None = None,
     return_lse: bool = False,
+    **unknown,
 ) -> Tensor | tuple[Tensor, ...]:
     """Attention: ``out = softmax(scale · score(q, k) + bias, masked) @ v``.
 
@@ -90,6 +91,8 @@ def attention(
         from a fused engine and its weights rebuilt exactly from the log-sum-exp
         (``qkv.backends.tiling.weights_from_lse``).
     """
+    if unknown:
+        _unknown_keywords(unknown)
     req = checks.request(
         q, k, v, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
         dropout=dropout, return_weights=return_weights, generator=generator, sinks=sinks,
@@ -109,6 +112,23 @@ def attention(
     if return_lse:
         results.append(req.restore(lse))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+#: ``F.scaled_dot_product_attention``'s keywords, and what ``qkv.attention`` calls them.
+SDPA_NAMES = {
+    "attn_mask": "mask= (bool, True = may attend) or bias= (float, added to the logits)",
+    "is_causal": "causal= (aligned bottom-right; qkv.scaled_dot_product_attention keeps SDPA's top-left)",
+    "dropout_p": "dropout=",
+    "enable_gqa": "nothing: grouped KV heads (h % g == 0) are understood without a flag",
+}
+
+
+def _unknown_keywords(unknown: dict) -> None:
+    """A ``TypeError`` naming each keyword qkv does not take, with qkv's name for SDPA's."""
+    name = sorted(unknown)[0]
+    if name in SDPA_NAMES:
+        raise TypeError(f"attention: {name}= is F.scaled_dot_product_attention's keyword; qkv.attention takes {SDPA_NAMES[name]}")
+    raise TypeError(f"attention() got an unexpected keyword argument {name!r}")
 
 
 def _weights_for(spec: object, req: backends.Request) -> tuple[Tensor | None, Tensor | None]:

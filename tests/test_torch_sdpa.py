@@ -1,0 +1,113 @@
+"""``qkv.scaled_dot_product_attention`` equals ``F.scaled_dot_product_attention``: masks, causal, scales, GQA, broadcasting, dtypes.
+
+Shape legend: ``N`` batch, ``Hq`` query heads, ``H`` KV heads, ``L`` query length, ``S`` key
+length, ``E`` query/key size, ``Ev`` value size; N=2, Hq=6, H=3, E=11, Ev=13 (distinct, so a
+swapped axis fails).
+"""
+
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qkv
+
+N, HQ, H, E, EV = 2, 6, 3, 11, 13
+
+
+def inputs(L, S, dtype=torch.float64, kv_heads=HQ, kv_batch=N, lead=()):
+    gen = torch.Generator().manual_seed(L * 31 + S)
+    q = torch.randn(*lead, N, HQ, L, E, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(*lead, kv_batch, kv_heads, S, E, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(*lead, kv_batch, kv_heads, S, EV, generator=gen, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def masks(L, S):
+    gen = torch.Generator().manual_seed(3)
+    keep = torch.rand(N, 1, L, S, generator=gen) > 0.4
+    keep[0, 0, 1] = False  # a query with no key: zeros in both
+    return {
+        "none": None,
+        "bool (L, S)": keep[0, 0],
+        "bool (N, 1, L, S)": keep,
+        "float (N, Hq, L, S)": torch.randn(N, HQ, L, S, generator=gen, dtype=torch.float64),
+        "float with -inf": torch.zeros(N, 1, L, S, dtype=torch.float64).masked_fill(~keep, float("-inf")),
+    }
+
+
+@pytest.mark.parametrize("L, S", [(5, 7), (7, 5), (6, 6)])
+@pytest.mark.parametrize("mask_name", ["none", "bool (L, S)", "bool (N, 1, L, S)", "float (N, Hq, L, S)", "float with -inf"])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_equals_torch_in_float64(L, S, mask_name, scale):
+    q, k, v = inputs(L, S)
+    mask = masks(L, S)[mask_name]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("L, S", [(5, 7), (7, 5), (6, 6), (1, 9)])
+def test_is_causal_is_top_left(L, S):
+    q, k, v = inputs(L, S)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v, is_causal=True), want, rtol=1e-12, atol=1e-12)
+    if L != S:  # qkv's own causal=True is bottom-right: not the same call
+        assert not torch.allclose(qkv.attention(q, k, v, causal=True), want)
+
+
+def test_grouped_heads_broadcast_batches_and_leading_dims():
+    q, k, v = inputs(5, 7, kv_heads=H)
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
+    torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True), want,
+                               rtol=1e-12, atol=1e-12)  # fmt: skip
+    q, k, v = inputs(5, 7, kv_batch=1)  # K/V shared by the batch
+    torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v),
+                               rtol=1e-12, atol=1e-12)  # fmt: skip
+    q, k, v = inputs(5, 7, lead=(3,))
+    torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v),
+                               rtol=1e-12, atol=1e-12)  # fmt: skip
+    q, k, v = (x[0, 0] for x in inputs(5, 7))
+    torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v),
+                               rtol=1e-12, atol=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_follows_the_flash_rule(dtype):
+    q, k, v = inputs(40, 48)
+    exact = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    low = [x.to(dtype) for x in (q, k, v)]
+    plain = F.scaled_dot_product_attention(*low, is_causal=True)
+    got = qkv.scaled_dot_product_attention(*low, is_causal=True)
+    assert got.dtype == dtype
+    assert (got.double() - exact).abs().max() <= 2 * (plain.double() - exact).abs().max() + 1e-6
+
+
+def test_gradients_equal_torch():
+    q, k, v = (x.requires_grad_() for x in inputs(5, 7, kv_heads=H))
+    mask = masks(5, 7)["bool (N, 1, L, S)"]
+    for fn in (F.scaled_dot_product_attention, qkv.scaled_dot_product_attention):
+        out = fn(q, k, v, attn_mask=mask, enable_gqa=True)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        if fn is F.scaled_dot_product_attention:
+            want = grads
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_errors_are_torchs():
+    q, k, v = inputs(5, 7, kv_heads=H)
+    with pytest.raises(RuntimeError, match="Explicit attn_mask should not be set when is_causal=True"):
+        qkv.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.bool), is_causal=True)
+    with pytest.raises(RuntimeError, match=r"The size of tensor a \(6\) must match the size of tensor b \(3\)"):
+        qkv.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("name, hint", [("attn_mask", "mask="), ("is_causal", "causal="), ("dropout_p", "dropout="),
+                                        ("enable_gqa", "understood without a flag")])  # fmt: skip
+def test_qkv_attention_answers_sdpa_keywords_with_its_own_names(name, hint):
+    q, k, v = inputs(5, 7)
+    with pytest.raises(TypeError, match=f"attention: {name}= is F.scaled_dot_product_attention's keyword; qkv.attention takes .*{hint}"):
+        qkv.attention(q, k, v, **{name: None})
+    with pytest.raises(TypeError, match="attention\\(\\) got an unexpected keyword argument 'colour'"):
+        qkv.attention(q, k, v, colour=1)
