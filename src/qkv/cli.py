@@ -4,13 +4,19 @@ Shape legend (``qkv plot``): ``h`` heads, ``i`` queries (rows), ``j`` keys (colu
 
 Every bad argument ends the program with exit code 2 and one line on stderr,
 ``qkv <command>: error: <what is wrong>`` (argparse's default prints the usage first; one
-line is easier to read and to test). Heavy imports (torch models, matplotlib, the
-benchmarks) happen inside the command that needs them, so ``qkv --help`` is quick.
+line is easier to read and to test). So does a missing optional package (``needs
+matplotlib, which is not installed: pip install "qkv[demo]"``), checked before the command
+starts its work, and a file ``qkv plot`` cannot read. ``qkv`` with no command at all is
+what a newcomer types first: it prints the help (the commands and examples) to stderr and
+exits with 2. Heavy imports (torch models, matplotlib, the benchmarks) happen inside the
+command that needs them, so ``qkv --help`` is quick.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import re
 import sys
 from pathlib import Path
 from typing import NoReturn, Sequence
@@ -32,6 +38,46 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+#: The optional packages each command imports, and what installs each (pyproject.toml's
+#: extras; quoted, since an unquoted [ ] is a glob in zsh). A command checks them before it
+#: starts, so a missing one is one line, not a traceback after minutes of training.
+NEEDS: dict[str, dict[str, str]] = {
+    "demo": {"matplotlib": '"qkv[demo]"', "babel": '"qkv[demo]"', "tqdm": '"qkv[demo]"'},
+    "plot": {"matplotlib": '"qkv[viz]"', "safetensors": "safetensors"},
+    "inspect": {"transformers": '"qkv[transformers]"', "tokenizers": '"qkv[transformers]"',
+                "safetensors": '"qkv[transformers]"', "matplotlib": '"qkv[viz]"'},
+}  # fmt: skip
+
+
+def _missing(command: str, error: ImportError) -> str | None:
+    """One line for an ImportError of an optional package, or None when it is not one (a bug in qkv)."""
+    cause: BaseException | None = error
+    while cause is not None:  # qkv.viz and qkv.tasks wrap the original error with their own message
+        if isinstance(cause, ModuleNotFoundError) and cause.name:
+            package = cause.name.partition(".")[0]
+            if package == "qkv":
+                return None
+            install = NEEDS.get(command, {}).get(package)
+            # A module's name is not always its package's name on PyPI: say how only when known.
+            return f"needs {package}, which is not installed" + (f": pip install {install}" if install else "")
+        cause = cause.__cause__
+    return None
+
+
+def _check_needs(command: str, packages: Sequence[str]) -> str | None:
+    """The one-line error for the first of ``packages`` that cannot be imported, or None if all can."""
+    for package in packages:
+        try:
+            importlib.import_module(package)
+        except ImportError as error:
+            if isinstance(error, ModuleNotFoundError) and (error.name or "").partition(".")[0] == package:
+                return _missing(command, error)
+            # Installed, but broken: a module of its own missing, a shared library, a version clash.
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            return f"{package} is installed but cannot be imported ({first})"
+    return None
 
 
 _positive_int = int_at_least(1, "a positive integer")
@@ -129,8 +175,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"qkv {__version__}")
+    # Not required: without a command, main() prints the help (argparse would print only
+    # "the following arguments are required: command", which names no command).
     sub = parser.add_subparsers(dest="command", metavar="command", parser_class=_Parser)
-    sub.required = True
     _add_demo(sub)
     _add_bench(sub, argv)
     _add_plot(sub)
@@ -139,6 +186,13 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    # tqdm draws the progress bars, which appear only on a terminal and not with --quiet
+    # (qkv.demo.context.Context.progress): without them the demo runs without tqdm.
+    needed = [name for name in NEEDS["demo"] if name != "tqdm" or (not args.quiet and sys.stderr.isatty())]
+    missing = _check_needs("demo", needed)
+    if missing:
+        print(f"qkv demo: error: {missing}", file=sys.stderr)
+        return 2
     from .demo import DemoError, run
 
     try:
@@ -146,10 +200,63 @@ def _demo(args: argparse.Namespace) -> int:
     except DemoError as error:
         print(f"qkv demo: error: {error}", file=sys.stderr)
         return 2
+    except ImportError as error:  # a package the check above did not know of
+        missing = _missing("demo", error)
+        if missing is None:
+            raise
+        print(f"qkv demo: error: {missing}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("qkv demo: interrupted; nothing was written", file=sys.stderr)
         return 130
     return 0
+
+
+#: How the files numpy writes begin: without it, np.load takes a file for a pickle and says
+#: "contains pickled (object) data", which misleads about a file that is merely damaged.
+_MAGIC = {".npy": (b"\x93NUMPY", "numpy.save's header"), ".npz": (b"PK", "a zip archive's header")}
+
+
+def _reason(error: BaseException) -> str:
+    """Why a loader failed, in a few words (its messages run to paragraphs of advice)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # torch colours part of its message
+    # torch.load(weights_only=True) buries the cause after two paragraphs about trusting the file.
+    cause = text.partition("WeightsUnpickler error:")[2].strip()
+    if cause:
+        return "torch.load: " + " ".join(cause.split("\n\n")[0].split()).partition(". Please use")[0].rstrip(".")
+    if isinstance(error, EOFError):
+        return "the file ends too early"
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    if len(first) > 120:  # a paragraph: keep its first sentences up to the one ending past 40 characters
+        end = first.find(". ", 40)
+        first = first[:end] if end > 0 else first
+    return first if len(first) <= 200 else first[:197] + "..."
+
+
+def _read(path: Path, suffix: str):
+    """What ``path`` holds (an array, a tensor or a dict of them), or ValueError saying why not."""
+    import numpy as np
+    import torch
+
+    if suffix == ".safetensors":
+        from safetensors.torch import load_file  # outside the try: a missing package is not a bad file
+    try:
+        if suffix in _MAGIC:
+            magic, what = _MAGIC[suffix]
+            with path.open("rb") as file:
+                if file.read(len(magic)) != magic:
+                    raise ValueError(f"it does not start with {what}")
+        if suffix == ".npy":
+            return np.load(path, allow_pickle=False)
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as archive:
+                return dict(archive)
+        if suffix == ".safetensors":
+            return load_file(str(path))
+        # weights_only: a weights file must not be able to run code when loaded.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # whatever the loader raises (its own error types), the file cannot be plotted
+        raise ValueError(f"file: could not read {path.name} ({_reason(error)})") from error
 
 
 def _load(path: Path, key: str | None):
@@ -158,19 +265,9 @@ def _load(path: Path, key: str | None):
     import torch
 
     suffix = path.suffix.lower()
-    if suffix == ".npy":
-        data = np.load(path, allow_pickle=False)
-    elif suffix == ".npz":
-        data = dict(np.load(path, allow_pickle=False))
-    elif suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        data = load_file(str(path))
-    elif suffix in (".pt", ".pth"):
-        # weights_only: a weights file must not be able to run code when loaded.
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    else:
+    if suffix not in (".npy", ".npz", ".safetensors", ".pt", ".pth"):
         raise ValueError(f"file: expected a .pt, .pth, .npy, .npz or .safetensors file, got {path.name!r}")
+    data = _read(path, suffix)
     if isinstance(data, dict):
         if key is None:
             if len(data) != 1:
@@ -191,6 +288,10 @@ def _plot(args: argparse.Namespace) -> int:
 
     if not args.file.is_file():
         print(f"qkv plot: error: file: {args.file} does not exist", file=sys.stderr)
+        return 2
+    missing = _check_needs("plot", ["matplotlib"])  # safetensors only for a .safetensors file, in _load
+    if missing:
+        print(f"qkv plot: error: {missing}", file=sys.stderr)
         return 2
     out = args.out or args.file.with_suffix(".png")
     try:
@@ -217,11 +318,22 @@ def _plot(args: argparse.Namespace) -> int:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"qkv plot: error: {message}", file=sys.stderr)
         return 2
+    except ImportError as error:
+        missing = _missing("plot", error)
+        if missing is None:
+            raise
+        print(f"qkv plot: error: {missing}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    # Before the model is loaded: matplotlib, for one, is imported only after the model ran.
+    missing = _check_needs("inspect", list(NEEDS["inspect"]))
+    if missing:
+        print(f"qkv inspect: error: {missing}", file=sys.stderr)
+        return 2
     from .inspect import InspectError, inspect
 
     try:
@@ -229,6 +341,12 @@ def _inspect(args: argparse.Namespace) -> int:
                 heads=args.heads, out=args.out)  # fmt: skip
     except InspectError as error:
         print(f"qkv inspect: error: {error}", file=sys.stderr)
+        return 2
+    except ImportError as error:
+        missing = _missing("inspect", error)
+        if missing is None:
+            raise
+        print(f"qkv inspect: error: {missing}", file=sys.stderr)
         return 2
     except OSError as error:
         print(f"qkv inspect: error: --out: {error}", file=sys.stderr)
@@ -249,7 +367,11 @@ def _bench(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``qkv`` script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
     return {"demo": _demo, "plot": _plot, "bench": _bench, "inspect": _inspect}[args.command](args)
 
 

@@ -3,7 +3,9 @@
 Every figure is a ratio measured side by side in one process (medians over interleaved
 repeats, see :mod:`qkv.bench.measure`) against what a user would run instead, plus peak
 memory measured in a fresh subprocess per case. ``--quick`` runs tiny sizes in under a
-minute (a smoke test of the machinery, not figures to quote).
+minute (a smoke test of the machinery, not figures to quote); without ``--out`` it writes
+into a new folder in the system's temporary folder, never next to the real results (a
+``benchmarks/RESULTS-quick.md`` in the working tree was an untracked file in the repository).
 
 Adding a suite
 --------------
@@ -39,6 +41,7 @@ import argparse
 import importlib
 import json
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -102,7 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"suite to run (repeatable; 'all' for every one): {', '.join(SUITES)}; default {', '.join(DEFAULT_SUITES)}",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: checks the machinery in < 1 min")
-    parser.add_argument("--out", type=Path, default=None, help=f"markdown file to write (default {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"markdown file to write (default {DEFAULT_OUT}; with --quick, a new "
+                        "folder in the system's temporary folder)")  # fmt: skip
     parser.add_argument("--threads", type=int_at_least(1, "a positive integer"), default=None, help="torch threads (default: torch's choice)")
     parser.add_argument(
         "--summary", action="store_true",
@@ -136,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"qkv bench: error: {error}", file=sys.stderr)
         return 2
-    out = args.out if args.out is not None else (Path("benchmarks/RESULTS-quick.md") if args.quick else DEFAULT_OUT)
+    out = args.out if args.out is not None else (quick_out() if args.quick else DEFAULT_OUT)
     from .measure import machine
 
     sections, infos = {}, {}
@@ -148,6 +153,15 @@ def run(args: argparse.Namespace) -> int:
         write(out, sections, machine(), quick=args.quick, infos=infos)  # after each suite: a long run keeps what it has
     print(f"wrote {out}")
     return 0
+
+
+def quick_out() -> Path:
+    """Where a ``--quick`` run without ``--out`` writes: a fresh folder under the system's temp folder.
+
+    Not the working tree: quick figures are not to be quoted, and a file there is an untracked
+    file in the repository. A fresh folder per run, so no other run's (or user's) file is merged.
+    """
+    return Path(tempfile.mkdtemp(prefix="qkv-bench-quick-")) / "RESULTS.md"
 
 
 def _say(line: str) -> None:
@@ -189,6 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-__all__ = ["DEFAULT_SUITES", "SUITES", "add_arguments", "main", "run", "suite_module", "write"]
+__all__ = ["DEFAULT_SUITES", "SUITES", "add_arguments", "main", "quick_out", "run", "suite_module", "write"]
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

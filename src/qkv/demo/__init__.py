@@ -8,8 +8,9 @@ The steps, in order (one file each in this package):
 3. ``dates`` — dates in many formats and languages to ISO ``YYYY-MM-DD`` with Bahdanau and
    Luong RNN encoder–decoders, and their alignment heatmaps;
 4. ``positions`` — the sinusoidal table and RoPE's relative-position property;
-5. ``streaming`` — a language model decoding ten times past its training length with a
-   full cache and with StreamingLLM's bounded caches (with and without attention sinks);
+5. ``streaming`` — a language model decoding ten times past its training length (four in a
+   quick run) with a full cache and with StreamingLLM's bounded caches (with and without
+   attention sinks);
 6. ``packing`` — documents packed into one row: the tiles the engines skip, each document
    equal to itself alone, and the time against a dense mask;
 
@@ -17,8 +18,9 @@ then a summary table, ``results.json`` and an offline ``index.html`` (``report``
 
 The output is written into a temporary folder next to ``out`` and renamed to ``out``
 only when every step has succeeded, so a failed or interrupted run leaves nothing
-half-written behind. Every number printed is measured in the run; the same ``seed``
-prints the same numbers (timings aside).
+half-written behind. Every number printed is measured in the run, and so is every number
+and verdict in a figure's caption (a quick run's captions describe the quick run); the
+same ``seed`` prints the same numbers (timings aside).
 """
 
 from __future__ import annotations

@@ -154,8 +154,12 @@ def run(ctx: Context) -> StepResult:
                 f"{name} attention: the alignment of output and input characters",
                 "Each row is one generated character of YYYY-MM-DD, each column one input "
                 "character; a bright cell is where the model looked to write that character. "
-                "The year digits should sit on the input year, the month digits on the month "
-                "(a name or a number), the day digits on the day.",
+                "A model that aligns puts the year digits on the input year, the month digits on "
+                "the month (a name or a number), the day digits on the day. Measured in this run "
+                f"on the {n_test} held-out dates, the top attention of the output digits falls on "
+                "the right input field for "
+                + ", ".join(f"{field} {100 * h:.0f}%" for field, h in zip(FIELDS, hits))
+                + f"; exact match {100 * exact:.1f}%.",
             )
         )
         data[name] = {"exact": exact, "alignment": dict(zip(FIELDS, hits)), "errors": len(wrong)}

@@ -209,6 +209,7 @@ def run(ctx: Context) -> StepResult:
     viz.save(_heads_figure(task, rows[0], test_weights, layer, head), ctx.out / "order_heads.png", dpi=80)
 
     described = "attention + reads the next two words, relative positions"
+    mean, top, count = links["negation → negated word"]
     return StepResult(
         NAME,
         metrics=[
@@ -226,19 +227,19 @@ def run(ctx: Context) -> StepResult:
                 "Two mirrored pairs of test sentences: each pair has the same words and opposite "
                 "labels, so the bag of words must give both the same answer. Shown is the head "
                 "that (chosen on training sentences) puts the most weight from a negation on the "
-                "word after it; read the row of 'not' or 'never' (in red). This head reads mostly "
-                "the next word in other rows too; in the negation's row that word is the one "
-                "negated. The summary gives how often it is the row's top link on all test "
-                "sentences with a negation.",
+                "word after it; read the row of 'not' or 'never' (in red), where that word is the "
+                f"one negated. Measured in this run on the {count} test sentences with a negation: "
+                f"the negated word is the top link of the negation's row in {100 * top:.0f}% of them, "
+                f"with {100 * mean:.0f}% of the row's attention on average.",
             ),
             Figure(
                 "order_heads.png",
                 "Order matters: every head on one sentence",
                 "All heads of the attention classifier on the first sentence of the picture above "
                 "(rows attend to columns; each word sees only the two words after it). "
-                "Heads differ: some read the next word, some the word after it, some pick a word "
-                "by its sentiment; the chosen head is the one that reads the negated word from "
-                "the negation's row.",
+                "What each head reads (the next word, the word after it, a word by its sentiment) "
+                "is learned and differs from run to run; the chosen head is the one that, on the "
+                "training sentences, reads the word after a negation most from the negation's row.",
             ),
         ],
         notes=[

@@ -26,7 +26,7 @@ from pathlib import Path
 from .capture import Capture, run, tokenize
 from .model import InspectError, Loaded, load, resolve
 from .selection import Selection, SelectionError, choose, parse_indices
-from .summary import LayerSummary, anchor_label, format_table, summarize
+from .summary import LayerSummary, anchor_label, format_table, scope, summarize
 
 __all__ = ["Capture", "InspectError", "Report", "inspect", "parse_indices"]
 
@@ -102,10 +102,7 @@ def inspect(
     capture = run(loaded, words, selection)
     summaries = summarize(capture, causal=loaded.causal)
     anchor = anchor_label(capture)
-    kept = len(selection.rows)
-    over = "all rows" if kept == len(words.ids) else ("the row" if kept == 1 else f"the {kept} rows") + " computed"
-    if loaded.causal and len(selection.rows) > 1:
-        over += ", the first row left out: it can only see itself"
+    over = scope(selection.rows, len(words.ids), causal=loaded.causal)
     lines.append(f"the head of each layer with the largest mean share of weight on ... ({over})")
     lines.append(format_table(summaries, anchor))
 

@@ -90,7 +90,7 @@ def load(where: ModelPath) -> Loaded:
     try:
         import transformers
     except ImportError:
-        raise InspectError("needs the transformers package: pip install 'qkv[transformers]'") from None
+        raise InspectError('needs transformers, which is not installed: pip install "qkv[transformers]"') from None
     from ..integrations.transformers import NAME, register
 
     register()

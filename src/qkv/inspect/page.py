@@ -117,7 +117,9 @@ def render(
     }
     rows = capture.selection.rows
     over = "the row" if len(rows) == 1 else f"the {len(rows)} rows"
-    summary_rows = "" if capture.selection.complete else f", over {over} computed"
+    # Name the rows: means over the few rows of a long text are not means over the text.
+    summary_rows = "" if capture.selection.complete else \
+        f", over {over} computed, of {len(capture.text.ids)} query rows ({_ranges(rows)})"
     esc = html.escape
     fill = {
         "title": esc(f"Attention in {model}"),

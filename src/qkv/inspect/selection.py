@@ -72,10 +72,24 @@ def parse_indices(option: str, text: str) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
+def _runs(values: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Sorted distinct ``values`` as inclusive runs: ``(0, 1, 2, 7)`` -> ``[(0, 2), (7, 7)]``."""
+    runs: list[tuple[int, int]] = []
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], value)
+        else:
+            runs.append((value, value))
+    return runs
+
+
 def _check(option: str, chosen: tuple[int, ...], size: int, what: str) -> None:
-    outside = [value for value in chosen if value >= size]
+    # Name the ranges as the user wrote them (parse_indices expanded them): "--rows 0-1000" on
+    # nine tokens is "got 0-1000", not the first bad value 9, a number the user never typed.
+    outside = [(low, high) for low, high in _runs(chosen) if high >= size]
     if outside:
-        raise SelectionError(f"{option}: expected values in 0..{size - 1} ({size} {what}), got {outside[0]}")
+        given = ",".join(str(low) if low == high else f"{low}-{high}" for low, high in outside)
+        raise SelectionError(f"{option}: expected values in 0..{size - 1} ({size} {what}), got {given}")
 
 
 def spread(count: int, size: int) -> tuple[int, ...]:

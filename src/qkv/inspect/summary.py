@@ -20,7 +20,7 @@ import numpy as np
 
 from .capture import Capture
 
-__all__ = ["LayerSummary", "Pick", "anchor_label", "format_table", "summarize"]
+__all__ = ["LayerSummary", "Pick", "anchor_label", "format_table", "scope", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,21 @@ def summarize(capture: Capture, *, causal: bool) -> list[LayerSummary]:
         )
         for layer in range(weights.shape[0])
     ]
+
+
+def scope(rows: tuple[int, ...], total: int, *, causal: bool) -> str:
+    """Which query rows the means are over, in words; their numbers when they are not all.
+
+    A long text keeps a few rows (3 of 4871 for SmolLM2): the summary is then a sample of
+    those rows, and says so with the rows, rather than reading as a verdict on the whole text.
+    """
+    first_out = causal and 0 in rows and len(rows) > 1  # as summarize() does
+    if len(rows) == total:
+        return "every row but the first, which can only see itself" if first_out else f"all {total} query rows"
+    shown = ", ".join(map(str, rows)) if len(rows) <= 6 else f"{rows[0]}, {rows[1]}, {rows[2]}, ..., {rows[-1]}"
+    counted = "only the row computed" if len(rows) == 1 else f"only the {len(rows)} rows computed"
+    text = f"{counted}, of {total} query rows: {shown}"
+    return text + ("; row 0 left out: it can only see itself" if first_out else "")
 
 
 def _cell(pick: Pick | None) -> str:
