@@ -1,7 +1,11 @@
 """Test set-up: one torch thread (the tensors are tiny; pytest-xdist runs a worker per core,
 and more threads only spin-wait on a shared 2-core machine), fixed seeds, and the oneDNN
 routes taken wherever they apply (``qkv._probe``: a timing probe would make the route, and
-the float rounding, depend on how busy the machine is; ``tests/test_probe.py`` tests it)."""
+the float rounding, depend on how busy the machine is; ``tests/test_probe.py`` tests it), and
+an inductor cache per CPU capability."""
+
+import os
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +13,12 @@ import torch
 from qkv import _probe
 
 torch.set_num_threads(1)
+# inductor's on-disk cache is keyed without ATEN_CPU_CAPABILITY: kernels built under one
+# capability were loaded (and aborted) under another, so each capability gets its own cache
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"qkv-inductor-{torch.backends.cpu.get_cpu_capability().lower()}"),
+)
 _probe.set_route("onednn")
 
 

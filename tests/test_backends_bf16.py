@@ -69,9 +69,16 @@ def check_bf16(backend, kind, i, j, monkeypatch=None, online=False):
         qp, kp, vp = (F.pad(x, (0, d - x.shape[-1])) for x in (q, k, v))
         return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=add, enable_gqa=True, scale=D**-0.5)[..., :E]
 
-    yardstick = results(sdpa, low, params)
+    try:
+        yardstick = results(sdpa, low, params)
+    except RuntimeError as error:  # ATEN_CPU_CAPABILITY below the CPU's own: torch's packed bf16 path raises
+        if kernels.works(torch.bfloat16):
+            raise
+        pytest.skip(f"the yardstick, PyTorch's own bfloat16 SDPA, fails on this CPU capability: {error}")
     if online:  # this dtype fails the kernel's probe: the chunked backend runs its online tiles
         monkeypatch.setitem(kernels._probed, torch.bfloat16, False)
+    elif not kernels.works(torch.bfloat16):  # the online cases test what runs instead
+        pytest.skip("torch's fused CPU kernel fails its bfloat16 check on this CPU capability")
     text = qkv.explain(*low, backend=backend, **kw)
     if backend == "chunked":
         assert f"chunked ({'online_softmax' if online else 'fused_blocks'})" in text, text

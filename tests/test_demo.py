@@ -135,9 +135,11 @@ def test_streaming_step_reports_the_three_caches_as_printed(quick):
         first = next(m for m in step.metrics if m.model == label and m.name.startswith("perplexity, first"))
         last = next(m for m in step.metrics if m.model == label and m.name.startswith("perplexity, last"))
         assert re.search(rf"{re.escape(label)}\s+{first.value:.2f}\s+{last.value:.2f}\s+\d+", text), label
-    # within the training length nothing is evicted: the three agree
+    # within the training length nothing is evicted: the three agree up to float32 rounding
+    # (each cache runs its own engine, which sums in its own order: 2.4e-7 apart, relative,
+    # under AVX2 kernels; 1e-5 is about 80 float32 ulps)
     firsts = {m.value for m in step.metrics if m.name.startswith("perplexity, first")}
-    assert max(firsts) - min(firsts) < 1e-6
+    assert max(firsts) - min(firsts) <= 1e-5 * max(firsts)
     # the two streaming caches hold the training length, the full cache everything
     held = dict(re.findall(r"^(full cache, positions in the text|sliding window|window \+ 4 attention sinks)\s.*\s(\d+)$",
                            text, flags=re.M))  # fmt: skip

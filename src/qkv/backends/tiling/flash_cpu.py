@@ -66,6 +66,13 @@ def _probe(dtype: torch.dtype) -> bool:
         with torch.no_grad():
             out, lse = forward(q, k, v, 0.0, False, attn_mask=mask, scale=0.5)
             dq, dk, dv = backward(d_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=0.5)
+        if dtype in (torch.float16, torch.bfloat16):
+            # 64 x 64 and larger take the kernel's packed (VNNI) path, which raises where
+            # ATEN_CPU_CAPABILITY is set below the CPU's own (avx2 on an AVX-512 CPU)
+            wide = torch.zeros(1, 1, 64, 4, dtype=dtype)
+            with torch.no_grad():
+                wide_out, wide_lse = forward(wide, wide, wide, 0.0, True, scale=0.5)
+                backward(wide, wide, wide, wide, wide_out, wide_lse, 0.0, True, scale=0.5)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
     # the softmax and its gradient written out (no autograd: the probe may run under no_grad
