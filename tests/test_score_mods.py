@@ -335,6 +335,48 @@ def test_errors_name_the_argument():
         qkv.SoftCap(0)
 
 
+SIGNATURE = "score_mod: expected a function of (score, b, h, i, j) (FlexAttention's signature), got one that "
+
+
+@pytest.mark.parametrize(
+    "fn, says",
+    [
+        (lambda s: s * 2, "takes 1 argument"),
+        (lambda s, b, h: s, "takes 3 arguments"),
+        (lambda s, b, h, i, j, extra: s, "requires 6 arguments"),
+        (lambda s, b, h, i, j, *, scale: s * scale, "also requires the keyword-only argument scale"),
+        (nn.Identity(), "takes 1 argument"),  # a module: its forward
+        (functools.partial(lambda w, s, b, h, i, j: s * w, 2.0, 3.0), "takes 4 arguments"),
+    ],
+    ids=["one", "three", "six", "keyword-only", "module", "partial"],
+)
+def test_a_score_mod_with_the_wrong_arguments_is_named_up_front(fn, says):
+    q, k, v = inputs()
+    for call in (
+        lambda: qkv.attention(q, k, v, score_mod=fn),
+        lambda: qkv.flex_attention(q, k, v, score_mod=fn, enable_gqa=True),
+        lambda: qkv.MultiHeadAttention(24, H, score_mod=fn),
+    ):
+        with pytest.raises(TypeError) as caught:
+            call()
+        assert str(caught.value) == SIGNATURE + says
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda *args: args[0],
+        lambda s, b, h, i, j, scale=1.0: s * scale,
+        qkv.SoftCap(2.0),
+        functools.partial(lambda w, s, b, h, i, j: s * w, 2.0),
+        max,
+    ],
+    ids=["varargs", "a default", "softcap", "partial", "no signature"],
+)
+def test_score_mods_that_take_the_five_arguments_pass_the_check(fn):
+    assert score_mods.check(fn) is fn  # max has no signature to read: its first call would say
+
+
 def test_closure_tensors_rule():
     w, u = torch.ones(2, requires_grad=True), torch.zeros(3)
     gate = PerHeadGate()

@@ -9,7 +9,9 @@ tracing needs of qkv, in about a second per case); one case also runs through in
 skipped where no C++ compiler exists.
 """
 
+import os
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -95,6 +97,11 @@ def test_compile_fullgraph_equals_eager_with_gradients(kind):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+@pytest.mark.skipif(
+    os.environ.get("ATEN_CPU_CAPABILITY") is not None,
+    reason="inductor's C++ targets the CPU itself, not ATEN_CPU_CAPABILITY: under an emulated capability "
+    "its generated code fails to compile (a PyTorch limitation, not qkv's)",
+)
 def test_compile_with_inductor_equals_eager():
     q, k, v = inputs()
     bias = qkv.ALiBi(H)
@@ -126,6 +133,20 @@ def test_export_of_multi_head_attention_with_alibi_and_lengths():
     x2, lengths2 = torch.randn(2, 9, 16), torch.tensor([2, 9])
     with torch.no_grad():
         torch.testing.assert_close(program.module()(x2, lengths2), module(x2, lengths2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_jit_trace_of_multi_head_attention_equals_eager_on_a_fresh_input(kv_heads):
+    """``enable_gqa`` reaches the kernel as a Python bool, not a traced size (``backends.sdpa``)."""
+    torch.manual_seed(4)
+    module = qkv.MultiHeadAttention(16, 4, kv_heads=kv_heads).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # shape checks become constants of the trace
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace is deprecated, and still used
+        traced = torch.jit.trace(module, (torch.randn(2, 5, 16),))
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), module(x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("positional", ["alibi", "relative", "rotary"])

@@ -18,6 +18,11 @@ corner of the tile (at most 2 × 3 × 5 × 7 elements: distinct sizes, so that a
 on the wrong axis shows); where they agree the broadcast call is kept for that function,
 else vmap. The answer is cached per function (wrappers that only move indices, such as
 qkv's framing of a block, say so with ``__wrapped_mod__`` and share their function's).
+
+A function not yet known met on ``meta`` tensors (no values to probe) runs under vmap,
+and nothing is cached. While ``torch.compile`` or ``torch.export`` trace a call
+(``qkv._trace``) every function runs under vmap, as flex's own, unless it declares
+``broadcasts = True``, and the cache is neither read nor filled.
 """
 
 from __future__ import annotations
@@ -43,7 +48,18 @@ def evaluate(fn: Callable, score: Tensor | None, b: Tensor, h: Tensor, q: Tensor
     """
     if _broadcasts(fn, score, b, h, q, kv):
         return _broadcast_call(fn, score, b, h, q, kv)
-    return _vmap_call(fn, score, b, h, q, kv)
+    if not tracing():
+        return _vmap_call(fn, score, b, h, q, kv)
+    try:
+        return _vmap_call(fn, score, b, h, q, kv)
+    except RuntimeError as e:  # torch.export's vmap cannot index a tensor with a batched 0-d index
+        kind = "mask_mod" if score is None else "score_mod"
+        raise RuntimeError(
+            f"{kind}: could not be traced under torch.vmap, FlexAttention's evaluation, which a traced call "
+            f"uses ({type(e).__name__}: {str(e).splitlines()[0]}). If one call with broadcast index tensors "
+            "b (b, 1, 1, 1), h (h, 1, 1), q_idx (i, 1), kv_idx (j,) gives the whole tile, as it does for a "
+            "table look-up such as table[q_idx - kv_idx], declare it: fn.broadcasts = True"
+        ) from e
 
 
 def _broadcast_call(fn, score, b, h, q, kv):
@@ -70,12 +86,17 @@ def _broadcasts(fn, score, b, h, q, kv) -> bool:
     key = _key(fn)
     if getattr(key, "broadcasts", False):  # declared elementwise (qkv.SoftCap)
         return True
+    if tracing():
+        # vmap, flex's way, always right: no values to probe, and a traced graph must not
+        # depend on this cache (dynamo would guard on it and recompile as it changes); a
+        # traced vmap leaves batched ops in the graph, not its per-call Python overhead
+        return False
     known = _modes.get(id(key))
     if known is not None and known[0] is key:
         _modes.move_to_end(id(key))
         return known[1]
-    if tracing() or not concrete(b) or (score is not None and not concrete(score)):
-        return False  # no values to compare: flex's way, always right
+    if not concrete(b) or (score is not None and not concrete(score)):
+        return False  # no values to compare (meta tensors): flex's way, always right
     exact = _probe(fn, score, b, h, q, kv)
     _modes[id(key)] = (key, exact)
     if len(_modes) > CACHE:

@@ -14,6 +14,13 @@ evaluated as flex evaluates it (0-d indices; ``qkv._mods``). ``return_lse`` /
 ``return_aux=AuxRequest(lse=True)`` give the natural-log log-sum-exp ``(B, Hq, L)``,
 differentiable. ``kernel_options`` tune flex's Triton kernels and are accepted and
 ignored. Checked against flex's own CPU forward in ``tests/test_flex.py``.
+
+Under ``torch.compile(fullgraph=True)``, ``torch.export`` and on ``meta`` tensors a call
+with a ``score_mod`` works as :func:`qkv.attention`'s does (``qkv.score_mods`` says which
+functions fail under export, and why; ``tests/test_score_mods_trace.py``). A ``block_mask``
+does not trace: ``qkv.masks.FlexBlocks`` reads the block lists' values on the host to skip
+blocks ("could not guard on data-dependent expression" under export) and keeps per-thread
+state that dynamo cannot trace (``threading.local``); on ``meta`` tensors it works.
 """
 
 from __future__ import annotations
@@ -40,7 +47,11 @@ def flex_attention(
     *,
     return_aux=None,
 ):
-    """``out (B, Hq, L, Ev)``; ``(out, lse)`` with ``return_lse``; ``(out, AuxOutput(lse=...))`` with ``return_aux``."""
+    """``out (B, Hq, L, Ev)``; ``(out, lse)`` with ``return_lse``; ``(out, AuxOutput(lse=...))`` with ``return_aux``.
+
+    Traceable by ``torch.compile(fullgraph=True)`` and ``torch.export`` with a ``score_mod``,
+    not with a ``block_mask`` (the module docstring says why).
+    """
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, Tensor) or x.dim() != 4:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__

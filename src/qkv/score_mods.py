@@ -35,6 +35,23 @@ list) are constants to it: pass them through one of the routes above to train th
 :class:`SoftCap` is the soft-capping of Gemma 2 (Gemma Team 2024), ``c · tanh(s / c)``, which
 the tiled engine recognises and runs with a hand-written derivative (no autograd on the
 tile).
+
+**Tracing and shape inference** (``qkv._trace``; ``tests/test_score_mods_trace.py``). On
+``meta`` tensors a call runs its usual engine with its data-dependent shortcuts skipped
+(the soft cap's clamp is kept); the tensors ``fn`` reads must be on ``meta`` too. While
+``torch.compile`` or ``torch.export`` trace a call it runs on the reference backend (public
+ops, the ``(b, h, i, j)`` logits materialised; ``backends.chunked`` says why), and ``fn``
+under ``torch.vmap`` as flex's own, since no values can be probed; under
+``torch.compile(fullgraph=True)`` the call is one graph with no break. What fails:
+
+* ``torch.export`` of a function that indexes a tensor with its index arguments
+  (``table[q_idx - kv_idx]``, ``bias[h]``): export's vmap cannot index with a batched 0-d
+  index (non-strict: "calling .item()", raised as a ``RuntimeError`` naming ``score_mod``;
+  strict: "requires_grad_() inside a functorch transform"). ``torch.compile`` traces it.
+  Where one call with broadcast index tensors gives the whole tile, as it does for such
+  look-ups, declare it, ``fn.broadcasts = True`` (as :class:`SoftCap` does), and it exports.
+* ``torch.jit.trace`` with a ``score_mod``: use ``torch.export``.
+* The arguments of ``fn`` are not checked while tracing (:func:`check`).
 """
 
 from __future__ import annotations
@@ -48,6 +65,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _mods
+from ._trace import tracing
 from .masks import Tile
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -80,11 +98,54 @@ class SoftCap:
         return hash(("SoftCap", self.cap))
 
 
+#: The arguments FlexAttention passes a score_mod: ``score, b, h, q_idx, kv_idx``.
+ARGS = 5
+
+
 def check(fn: object) -> ScoreMod | None:
-    """``fn`` if it is None or callable, else ``TypeError`` naming the argument."""
-    if fn is not None and not callable(fn):
+    """``fn`` if it is None, or callable with FlexAttention's five arguments; else ``TypeError`` naming the argument.
+
+    The arguments are checked up front against ``inspect.signature`` (an ``nn.Module``'s
+    ``forward``), so that ``lambda s: s * 2`` is named here rather than failing inside vmap;
+    a callable without a signature (some builtins) is taken as it is, and a wrong one fails
+    at its first call. While ``torch.compile`` / ``torch.export`` trace the call
+    (``qkv._trace``) the arguments are not checked: a wrong function fails when traced.
+    """
+    if fn is None:
+        return None
+    if not callable(fn):
         raise TypeError(f"score_mod: expected a callable fn(score, b, h, q_idx, kv_idx) -> score, got {type(fn).__name__}")
+    # not while tracing: dynamo's stand-in for inspect.signature(...).bind rejects good functions
+    problem = None if tracing() else _arguments_problem(fn)
+    if problem is not None:
+        raise TypeError(
+            f"score_mod: expected a function of (score, b, h, i, j) (FlexAttention's signature), got one that {problem}"
+        )
     return fn
+
+
+def _arguments_problem(fn: object) -> str | None:
+    """How ``fn``'s signature fails to take ``ARGS`` positional arguments (``"takes 1 argument"``), or None."""
+    try:
+        sig = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin, a C extension's callable)
+        return None
+    try:
+        sig.bind(*range(ARGS))
+        return None
+    except TypeError:
+        pass
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) > ARGS:
+        return f"requires {len(required)} arguments"
+    if len(positional) < ARGS and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return f"takes {len(positional)} argument{'' if len(positional) == 1 else 's'}"
+    keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if not keyword_only:  # no other way for the bind to fail; should one appear, the call will say
+        return None
+    return f"also requires the keyword-only argument{'' if len(keyword_only) == 1 else 's'} {', '.join(keyword_only)}"
 
 
 def apply(fn: ScoreMod, s: Tensor, t: Tile, heads: Tensor | None = None) -> Tensor:

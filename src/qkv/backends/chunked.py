@@ -8,12 +8,19 @@ kernel per query block, ALiBi as a key column, score_mod tiles, or the online so
 everything else), under the one autograd wrapper that adds sinks and dropout and rebuilds
 weights from the log-sum-exp, for chosen heads and rows only. Checked against the float64
 reference backend in ``tests/test_backends_chunked.py``.
+
+A call with a ``score_mod`` that ``torch.compile`` or ``torch.export`` traces is left to the
+reference backend (public ops, autograd's own backward), as traced graphs get
+``F.scaled_dot_product_attention`` instead of the fused CPU kernel
+(``backends.tiling.flash_cpu``, ``qkv._trace``): the score_mod engines are Python tile loops
+on threads inside a custom autograd function, which dynamo cannot put in one graph.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from .._trace import tracing
 from . import engines
 from .request import Request
 
@@ -23,6 +30,13 @@ selects_weights = True
 
 
 def supports(req: Request) -> str | None:
+    if req.score_mod is not None and tracing():
+        # the module docstring says why; the reference's materialised (b, h, i, j) logits are
+        # what a traced graph of public ops would hold anyway
+        return (
+            "torch.compile / torch.export is tracing the call, and a score_mod's engines are tile loops "
+            "(traced graphs use public ops)"
+        )
     return None  # every score, mask, bias, dropout, sink and score_mod
 
 

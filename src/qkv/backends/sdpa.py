@@ -26,6 +26,7 @@ from torch import Tensor
 from .._trace import concrete, tracing
 from ..masks import Dense, Offsets, Tile
 from .request import Request
+from .tiling import flash_cpu
 from .tiling.tiles import NEG_INF, offset_live_rows
 
 name = "sdpa"
@@ -37,6 +38,9 @@ MASK_ELEMENTS = 2**20
 
 
 def supports(req: Request) -> str | None:
+    if req.q.device.type == "cpu" and not tracing() and not flash_cpu.works(req.q.dtype):
+        # on CPU, F.scaled_dot_product_attention runs this same kernel
+        return f"this torch's fused CPU kernel is missing or failed its check for {req.q.dtype}"
     if not req.score.dot_form:
         return f"the {req.score.name} score is not a dot product"
     if req.return_weights:
@@ -85,11 +89,23 @@ def run(req: Request) -> tuple[Tensor, None, None]:
         dropout_p=req.dropout,
         is_causal=is_causal,
         scale=req.scale,
-        enable_gqa=req.group > 1,
+        enable_gqa=_grouped(req),
     )
     if live_rows is not None:
         out = out * live_rows
     return out, None, None
+
+
+def _grouped(req: Request) -> bool:
+    """True when the query heads share KV heads (``h > g``): the kernel's ``enable_gqa``, a Python bool.
+
+    Under ``torch.jit.trace`` a size read from a traced input is a 0-d tensor, so ``h // g > 1``
+    would be one too, which the kernel refuses ("enable_gqa must be bool, not Tensor"). The
+    sizes are read as ints here: the flag becomes a constant of the trace, right for every
+    input of the traced shapes (a trace is specialised to its heads anyway: the projections'
+    reshapes are).
+    """
+    return int(req.heads) != int(req.kv_heads)
 
 
 def _mask(req: Request) -> tuple[Tensor | None, bool, Tensor | None]:

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from ... import score_mods
+from ..._trace import concrete
 from ...masks import Mask, Tile
 from ...score_mods import SoftCap
 from ..request import Request, bias_needs_grad
@@ -167,8 +168,12 @@ def _logits(plan: ModPlan, ops: _Operands, q_t: Tensor, k_t: Tensor, t: Tile, sc
 
 
 def _needs_clamp(plan: ModPlan, q: Tensor, k: Tensor, factor: float) -> bool:
-    """False when ``|z| <= factor · max‖q_i‖ · max‖k_j‖`` (Cauchy–Schwarz) is far below the clamp: a pass saved per tile."""
-    if plan.bias is not None:
+    """False when ``|z| <= factor · max‖q_i‖ · max‖k_j‖`` (Cauchy–Schwarz) is far below the clamp: a pass saved per tile.
+
+    Only an optimisation: where the norms cannot be read (``meta`` tensors, ``qkv._trace``)
+    the clamp is kept, which gives the same result.
+    """
+    if plan.bias is not None or not concrete(q, k):
         return True
     bound = abs(factor) * q.float().norm(dim=-1).max() * k.float().norm(dim=-1).max()
     return not bool(bound < 30.0)
