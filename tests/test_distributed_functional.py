@@ -77,9 +77,10 @@ def test_errors_are_raised_on_every_rank(dist_pool):
         "ulysses": r"ValueError: strategy: Ulysses splits the h=3 query heads over 2 ranks",
         "hybrid_one": r"ValueError: ring_group, ulysses_group: give both groups",
         "hybrid_size": r"ValueError: ring_group, ulysses_group: their sizes 2 x 2 must multiply to the group size 2",
-        "mask": r"ValueError: mask: expected shape broadcastable to \(1, 4, 8, 8\), got \(5, 8\)",
+        "mask": r"ValueError: mask: expected shape broadcastable to \(b, h, i, j\) = \(1, 4, 8, 8\), got \(5, 8\)",
         "unshard": r"ValueError: x_local: every dim but dim=1 must match across ranks",
-        "lengths_mask": r"ValueError: mask: expected shape broadcastable to \(1, 4, 8, 8\), got \(2, 1, 1, 1\)",
+        "lengths_mask": r"ValueError: mask: qkv.masks.lengths got key_lengths of shape \(2,\), one per batch row; the call needs b = 1: "
+        r"a mask broadcasts to \(b, h, i, j\) = \(1, 4, 8, 8\)",
     }
     for messages in dist_pool.run("test_distributed_functional:errors", 2):
         for key, pattern in expected.items():

@@ -294,6 +294,39 @@ def test_minilm_weights_for_on_a_right_padded_batch(minilm):
     _chosen_match_eager(model, tokenizer(SENTENCES, padding=True, return_tensors="pt"))
 
 
+EAGER_IGNORES = r'weights_for: only qkv\'s attention reads it, and this model runs attn_implementation=\'{}\'.*attn_implementation="qkv" after qkv.integrations.transformers.register\(\)'
+
+
+def test_minilm_weights_for_on_an_eager_model_says_how_to_load_it(minilm):
+    """It was ignored: an eager model returned all (b, h, i, j) weights as if weights_for were not there."""
+    model, tokenizer = minilm
+    batch = tokenizer(SENTENCES[:2], padding=True, return_tensors="pt")
+    model.set_attn_implementation("eager")
+    with torch.no_grad(), pytest.raises(TypeError, match=EAGER_IGNORES.format("eager")):
+        model(**batch, output_attentions=True, weights_for=CHOSEN)
+    with torch.no_grad():
+        model.set_attn_implementation("qkv")  # the fix the message names
+        chosen = model(**batch, output_attentions=True, weights_for=CHOSEN)
+    assert chosen.attentions[0].shape == (2, 2, 3, batch["input_ids"].shape[1])
+
+
+@needs_transformers
+def test_other_attention_functions_refuse_weights_for_and_are_otherwise_unchanged():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    q, k, v = _qkv_inputs()
+    layer = _Layer(False, groups=2)
+    assert ALL_ATTENTION_FUNCTIONS.get_interface("qkv", None) is attention_forward
+    sdpa = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
+    with pytest.raises(TypeError, match=EAGER_IGNORES.format("sdpa")):
+        sdpa(layer, q, k, v, None, weights_for=CHOSEN)
+    out, _ = sdpa(layer, q, k, v, None, scaling=0.3, weights_for=None)
+    torch.testing.assert_close(out, sdpa_attention_forward(layer, q, k, v, None, scaling=0.3)[0], atol=0, rtol=0)
+    wrapped = type(ALL_ATTENTION_FUNCTIONS).get_interface
+    register()  # again: the lookup is wrapped once, not once per call
+    assert type(ALL_ATTENTION_FUNCTIONS).get_interface is wrapped
+
+
 @needs_transformers
 @pytest.mark.skipif(packaged.minilm() is None, reason="the packaged all-MiniLM-L6-v2 is not installed (its tokenizer)")
 def test_tiny_llama_weights_for_on_a_left_padded_bert_tokenizer_batch(tmp_path):

@@ -113,13 +113,26 @@ def test_fully_padded_query_is_nan_in_pytorch_and_zero_in_qkv():
     torch.testing.assert_close(y_q[:, [0, 1, 3, 4]], y_t[:, [0, 1, 3, 4]])
 
 
-def test_sequence_first_module_with_transposed_inputs():
+def test_sequence_first_module_keeps_its_layout():
+    """A batch_first=False module (PyTorch's default) becomes a qkv module taking (i, b, dim), not a batch-first one."""
     theirs, ours = _pair(batch_first=False)
-    _compare(theirs, ours, _inputs(), torch_kwargs={}, qkv_kwargs={}, batch_first=False)
+    assert not ours.batch_first and "batch_first=False" in repr(ours)
+    x = torch.randn(I, B, DIM, dtype=torch.float64, requires_grad=True)  # (i, b, dim)
+    y_t, w_t = theirs(x, x, x, need_weights=True, average_attn_weights=True)
+    y_q, w_q = ours(x, return_weights=True)
+    assert y_q.shape == (I, B, DIM)
+    torch.testing.assert_close(y_q, y_t)
+    torch.testing.assert_close(w_q.mean(1), w_t)  # weights stay (b, h, i, j)
+    dy = torch.randn(y_t.shape, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(y_q, x, dy)[0], torch.autograd.grad(y_t, x, dy)[0])
+    kv = torch.randn(J, B, DIM, dtype=torch.float64)  # cross-attention, keys longer than queries
+    torch.testing.assert_close(ours(x, kv, kv), theirs(x, kv, kv, need_weights=False)[0])
+    with pytest.raises(ValueError, match=r"query: expected shape \(length, b, dim\) \(batch_first=False\)"):
+        ours(x[0])
 
 
 def test_conversion_keeps_sizes_mode_and_dropout():
-    theirs = nn.MultiheadAttention(DIM, HEADS, dropout=0.25, kdim=8, vdim=10)
+    theirs = nn.MultiheadAttention(DIM, HEADS, dropout=0.25, kdim=8, vdim=10, batch_first=True)
     theirs.eval()
     ours = qkv.MultiHeadAttention.from_torch(theirs)
     assert not ours.training and ours.attention.dropout == 0.25

@@ -121,7 +121,7 @@ class Attention(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention with learned ``W^Q, W^K, W^V, W^O``; batch-first; self or cross.
+    """Multi-head attention with learned ``W^Q, W^K, W^V, W^O``; batch-first by default; self or cross.
 
     Args:
         dim: model size of the query input and of the output.
@@ -146,6 +146,8 @@ class MultiHeadAttention(nn.Module):
             before any rotation, e.g. ``qkv.QKNorm(dim_head)`` (default none).
         gate: a module ``(out (b, h, i, e), query (b, i, dim)) -> out`` applied to the heads'
             outputs before ``W^O``, e.g. ``qkv.OutputGate(dim, heads, dim_value_head)``.
+        batch_first: inputs and output are ``(b, length, dim)`` (default); False takes and
+            returns ``(length, b, dim)``, as ``nn.MultiheadAttention``'s default does.
     """
 
     def __init__(
@@ -166,8 +168,12 @@ class MultiHeadAttention(nn.Module):
         score_mod: Callable | None = None,
         qk_norm: nn.Module | None = None,
         gate: nn.Module | None = None,
+        batch_first: bool = True,
     ):
         super().__init__()
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"batch_first: expected a bool, got {type(batch_first).__name__}")
+        self.batch_first = batch_first
         _positive("dim", dim)
         _positive("heads", heads)
         kv_heads = heads if kv_heads is None else kv_heads
@@ -241,10 +247,13 @@ class MultiHeadAttention(nn.Module):
         mask is ``keep[:, None, None, :]``), or a lazy ``qkv.masks`` object. ``cache`` is a
         ``qkv.cache.KVCache`` for incremental decoding: new keys are appended to it and the
         queries attend to all of it. Returns ``(b, i, dim)``, and per-head weights
-        ``(b, h, i, j)`` with ``return_weights=True``.
+        ``(b, h, i, j)`` with ``return_weights=True``. With ``batch_first=False`` the inputs
+        and the output are ``(length, b, dim)`` instead (the weights stay ``(b, h, i, j)``).
         """
         key = query if key is None else key
         value = key if value is None else value
+        if not self.batch_first:  # (length, b, dim) -> (b, length, dim): views, one per distinct input
+            query, key, value = _batch_first(query, key, value)
         _input("query", query, self.q_proj.in_features)
         if key is not query:  # self-attention (the decoding step) checks its one input once
             _input("key", key, self.k_proj.in_features)
@@ -285,13 +294,27 @@ class MultiHeadAttention(nn.Module):
         if self.gate is not None:
             out = self.gate(out, query)
         y = self.out_proj(out.transpose(1, 2).flatten(2))  # "b h i e -> b i (h e)"
+        y = y if self.batch_first else y.transpose(0, 1)
         return (y, weights) if return_weights else y
 
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, heads={self.heads}, kv_heads={self.kv_heads}, "
             f"dim_head={self.dim_head}, dim_value_head={self.dim_value_head}"
+            + ("" if self.batch_first else ", batch_first=False")
         )
+
+
+def _batch_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(length, b, dim)`` inputs as ``(b, length, dim)`` views, keeping which of them are the same tensor."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if isinstance(x, Tensor) and x.dim() != 3:
+            raise ValueError(f"{name}: expected shape (length, b, dim) (batch_first=False), got {tuple(x.shape)}")
+    flip = lambda x: x.transpose(0, 1) if isinstance(x, Tensor) else x  # noqa: E731 (others: _input's TypeError)
+    q = flip(query)
+    k = q if key is query else flip(key)
+    v = k if value is key else flip(value)
+    return q, k, v
 
 
 def _input(name: str, x: Tensor, size: int) -> None:

@@ -21,6 +21,7 @@ from torch import Tensor
 from . import score_mods
 from ._args import probability
 from ._layout import Layout, merge_lead
+from .backends import hidden_keys
 from .backends.request import Request
 from .masks import Mask, Window, as_mask
 from .positional import LazyBias
@@ -66,7 +67,7 @@ def request(
     target = (*q.shape[:-1], k.shape[-2])  # (..., h, i, j)
     mask = as_mask(mask)
     if mask is not None:
-        _mask_shape(mask, target)
+        _mask(mask, target, q)
         mask.check(q.shape[-2], k.shape[-2])
         mask.reset()
     bias = _bias(bias, target, q)
@@ -81,11 +82,12 @@ def request(
         bias = merge_lead(bias, layout.lead) if isinstance(bias, Tensor) else bias
     if causal:
         mask = _CAUSAL if mask is None else mask & _CAUSAL
-    return Request(
+    req = Request(
         q=q, k=k, v=v, score=score, mask=mask, bias=bias, scale=scale, dropout=dropout,
         return_weights=return_weights, generator=generator, sinks=sinks, score_mod=score_mod, return_lse=return_lse,
         layout=None if layout.canonical else layout,
     )  # fmt: skip
+    return hidden_keys.guard(req)  # no NaN from a key no row sees, on any engine
 
 
 def _tensors(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -130,27 +132,71 @@ def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
 
-def _mask_shape(mask: Mask, target: tuple[int, ...]) -> None:
-    from .masks import Dense
-
-    shape = tuple(mask.mask.shape) if isinstance(mask, Dense) else (*mask.batch_shape(), 1, 1)
-    if not _broadcasts(shape, target):
-        raise ValueError(f"mask: expected shape broadcastable to {target}, got {shape}")
-    if not isinstance(mask, Dense):
-        _nested_dense(mask, target)
+def _dim_names(n: int) -> list[str]:
+    """Names of the ``n`` dims a mask broadcasts to: ``b, h, i, j`` from the right, ``...`` before ``b``."""
+    return ["b", "h", "i", "j"][-n:] if n <= 4 else ["..."] * (n - 4) + ["b", "h", "i", "j"]
 
 
-def _nested_dense(mask: Mask, target: tuple[int, ...]) -> None:
-    """Check every part inside ``&``/``|`` combinations too.
+def _names(target: tuple[int, ...]) -> str:
+    """The legend of ``target`` as the messages print it: ``(b, h, i, j)``, ``(i, j)``, ``(..., b, h, i, j)``."""
+    names = _dim_names(len(target))
+    return f"({', '.join(names[-5:] if len(names) > 4 else names)})"
 
-    A combination reports only its longer part's batch shape, so a second ``lengths`` (or
-    dense) part with another batch size would otherwise broadcast the output past ``q``.
+
+def _mask(mask: Mask, target: tuple[int, ...], q: Tensor) -> None:
+    """Check a mask (every part of an ``&``/``|`` combination) against the call, in the caller's terms.
+
+    Each message quotes what the caller passed (the tensor's shape, ``lengths``' key
+    lengths), never the shape a lazy mask's tiles take inside, and the ``target`` the mask
+    must broadcast to, named dim by dim.
     """
-    from .masks import And, Or
+    from .masks import And, Dense, Or
 
     if isinstance(mask, (And, Or)):
+        # A combination reports only its longer part's batch shape, so a second ``lengths`` (or
+        # dense) part with another batch size would otherwise broadcast the output past ``q``.
         for part in (mask.a, mask.b):
-            _mask_shape(part, target)
+            _mask(part, target, q)
+        return
+    if q.device.type != "meta":
+        # Tiles copy a mask's tensors to q's device (a CPU mask serves a CUDA call), but a meta
+        # tensor has a shape and no values: the copy would fail deep in a backend, unnamed.
+        for what, x in mask.tensors():
+            if x.device.type == "meta":
+                raise ValueError(
+                    f"mask: expected {what} on {q.device} like q, got one on meta (a meta tensor has a shape but no values)"
+                )
+    if isinstance(mask, Dense):
+        _dense_shape(tuple(mask.mask.shape), target)
+        return
+    batch = tuple(mask.batch_shape())
+    if not _broadcasts((*batch, 1, 1), target):
+        needs = _needs((*batch, 1, 1), target)
+        raise ValueError(f"mask: {mask.describe()}; {needs}: a mask broadcasts to {_names(target)} = {target}")
+
+
+def _dense_shape(shape: tuple[int, ...], target: tuple[int, ...]) -> None:
+    if _broadcasts(shape, target):
+        return
+    message = f"mask: expected shape broadcastable to {_names(target)} = {target}, got {shape}"
+    if len(shape) == 2 and len(target) >= 4 and shape == (target[-4], target[-1]):
+        # transformers' (b, j) padding layout. A 2-d mask is (i, j) whatever its values (when
+        # b == i it broadcasts as such), so it is never read as (b, j): the caller says which.
+        message += (
+            "; a 2-d mask is (i, j), and a (b, j) padding mask (True = real key) goes in as "
+            "mask=keep[:, None, None, :], or lazily as qkv.masks.lengths(keep.sum(-1)) for right padding "
+            "(qkv.masks.starts(first_real_key) for left padding)"
+        )
+    raise ValueError(message)
+
+
+def _needs(shape: tuple[int, ...], target: tuple[int, ...]) -> str:
+    """What the call needs of a (lazy) mask's batch dims, by name: ``"the call needs b = 2 (or 1)"``."""
+    if len(shape) > len(target):
+        return "the call has no batch dim for it"
+    names = _dim_names(len(target))[-len(shape) :]
+    wrong = [(n, t) for n, s, t in zip(names, shape, target[-len(shape) :]) if s not in (1, t)]
+    return "the call needs " + ", ".join(f"{n} = {t}" + ("" if t == 1 else " (or 1)") for n, t in wrong)
 
 
 def _bias(bias: Tensor | LazyBias | None, target: tuple[int, ...], q: Tensor) -> Tensor | LazyBias | None:

@@ -16,7 +16,9 @@ Where the two differ, and how to call qkv for the same result:
 * PyTorch returns weights averaged over heads by default; qkv returns ``(b, h, i, j)``
   per head (``weights.mean(1)`` is PyTorch's).
 * PyTorch gives NaN for a query whose keys are all masked; qkv gives zeros.
-* ``batch_first=False`` modules take ``(i, b, dim)``; qkv modules are always batch-first.
+* ``batch_first=False`` modules (PyTorch's default) take ``(i, b, dim)``; so does the qkv
+  module :func:`from_torch` makes from one (``batch_first=False``). Its weights stay
+  ``(b, h, i, j)``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ from torch import nn
 
 
 def from_torch(cls, module: nn.MultiheadAttention):
-    """Build ``cls`` (``qkv.MultiHeadAttention``) with ``module``'s weights; outputs then match."""
+    """Build ``cls`` (``qkv.MultiHeadAttention``) with ``module``'s weights; outputs then match.
+
+    The copy keeps ``module``'s layout: ``batch_first=False`` (PyTorch's default) gives a
+    module that takes and returns ``(i, b, dim)`` as ``module`` does.
+    """
     if not isinstance(module, nn.MultiheadAttention):
         raise TypeError(f"module: expected torch.nn.MultiheadAttention, got {type(module).__name__}")
     if module.bias_k is not None or module.add_zero_attn:
@@ -36,7 +42,8 @@ def from_torch(cls, module: nn.MultiheadAttention):
     dim, heads = module.embed_dim, module.num_heads
     has_bias = module.in_proj_bias is not None
     ours = cls(
-        dim, heads, kdim=module.kdim, vdim=module.vdim, bias=has_bias, dropout=module.dropout
+        dim, heads, kdim=module.kdim, vdim=module.vdim, bias=has_bias, dropout=module.dropout,
+        batch_first=module.batch_first,
     ).to(dtype=module.out_proj.weight.dtype, device=module.out_proj.weight.device)
     with torch.no_grad():
         if module._qkv_same_embed_dim:

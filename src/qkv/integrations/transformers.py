@@ -45,7 +45,10 @@ Options, as transformers passes them:
   ``output_attentions``: the layer returns only those weights, ``(b, len(heads),
   len(rows), j)``, as ``qkv.attention(..., weights_for=...)`` does. They are rebuilt from
   the fused kernel's log-sum-exp one query block at a time, never by materialising, so a
-  text of thousands of tokens never holds a layer's ``(b, h, i, j)`` weights.
+  text of thousands of tokens never holds a layer's ``(b, h, i, j)`` weights. Only qkv's
+  attention reads it: after :func:`register`, a model that runs another implementation
+  (``"eager"``, ``"sdpa"``, ...) raises a ``TypeError`` on ``weights_for`` rather than
+  ignore it and return every weight.
 
 Packed batches (``DataCollatorWithFlattening``, with or without
 ``return_flash_attn_kwargs``): ``cu_seq_lens_q/k``, ``seq_idx`` and packed
@@ -120,6 +123,46 @@ def register(name: str = NAME) -> None:
         ) from err
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_interface)
+    _refuse_weights_for_elsewhere(AttentionInterface)
+
+
+def _refuse_weights_for_elsewhere(interface: type) -> None:
+    """Make every attention function but qkv's raise on ``weights_for`` instead of dropping it.
+
+    ``weights_for`` is a keyword of the model's forward call that transformers hands down to
+    whichever attention function the model runs; eager and sdpa take ``**kwargs`` and
+    ignore it, so an eager model silently returned every weight. Models look their function
+    up through ``AttentionInterface.get_interface(name, eager_default)`` (the eager default is
+    each model's own), so that lookup is wrapped, once: a call with ``weights_for`` and any
+    other function raises, a call without it reaches that function unchanged.
+    """
+    lookup = getattr(interface, "get_interface", None)
+    if lookup is None or getattr(lookup, "_qkv_refuses_weights_for", False):
+        return  # a transformers without the lookup, or already wrapped by an earlier register()
+
+    def get_interface(self, attn_implementation, default):
+        function = lookup(self, attn_implementation, default)
+        return function if function is attention_forward else _without_weights_for(function, attn_implementation)
+
+    get_interface._qkv_refuses_weights_for = True
+    get_interface.__doc__ = lookup.__doc__
+    interface.get_interface = get_interface
+
+
+def _without_weights_for(function, attn_implementation: str | None):
+    """``function`` (another attention implementation), raising on the ``weights_for`` only qkv's reads."""
+
+    def forward(*args, weights_for: dict | None = None, **kwargs):
+        if weights_for is not None:
+            raise TypeError(
+                f"weights_for: only qkv's attention reads it, and this model runs attn_implementation="
+                f"{attn_implementation!r}, which would ignore it and return every weight; load the model with "
+                'attn_implementation="qkv" after qkv.integrations.transformers.register() '
+                '(or call model.set_attn_implementation("qkv"))'
+            )
+        return function(*args, **kwargs)
+
+    return forward
 
 
 def attention_forward(

@@ -85,6 +85,21 @@ class Mask:
     def check(self, i_len: int, j_len: int) -> None:
         """Raise ``ValueError`` (naming ``mask``) if the mask was made for other query or key lengths."""
 
+    def tensors(self) -> list[tuple[str, Tensor]]:
+        """The tensors the tiles read, each with how the caller knows it (``"qkv.masks.lengths' key_lengths"``).
+
+        ``qkv.checks`` names them when they cannot serve the call (a meta tensor has no values).
+        """
+        return []
+
+    def describe(self) -> str:
+        """What the caller passed, with the shape its batch dims came from, for messages.
+
+        :meth:`batch_shape` is the mask's own view (``lengths`` of ``(b,)`` is ``(b, 1)``);
+        a message quotes this instead, in the terms of the call that made the mask.
+        """
+        return f"{self!r} has batch dims {self.batch_shape()}"
+
     def reset(self) -> None:
         """Forget what was computed for an earlier call (a program's cached tile): a call starts afresh."""
 
@@ -93,6 +108,16 @@ class Mask:
 
         Lets an engine skip, without asking any tile's state, the keys a block of rows
         cannot see (a packed batch's other documents, the future under a causal mask).
+        """
+        return None
+
+    def hidden_keys(self, i_len: int, j_len: int) -> Tensor | None:
+        """Bool ``(b|1, h|1, 1, j)``, True where a key is masked for every query row; None if unknown.
+
+        What such a key holds (cache padding from ``torch.empty``: NaN, inf) must not reach
+        an output, and ``0 · NaN`` in ``weights @ v`` would let it: ``qkv.backends.
+        hidden_keys`` zeroes these keys when they hold a non-finite value. None is always
+        safe (nothing is zeroed); masks of positions, whose every key some row sees, say None.
         """
         return None
 
@@ -119,16 +144,25 @@ class Mask:
 
 
 class Dense(Mask):
-    """A bool tensor broadcastable to ``(..., i, j)``, sliced per tile."""
+    """A bool tensor broadcastable to ``(..., i, j)``, sliced per tile.
+
+    Its dims are read from the right, as broadcasting reads them: a 2-d mask is ``(i, j)``,
+    never a ``(b, j)`` padding mask (which would be indistinguishable when ``b == i``); that
+    one goes in as ``keep[:, None, None, :]`` or as :func:`~qkv.masks.lengths`.
+    """
 
     def __init__(self, mask: Tensor):
         if not isinstance(mask, Tensor):
             raise TypeError(f"mask: expected a bool tensor or a qkv.masks.Mask, got {type(mask).__name__}")
         if mask.dtype != torch.bool:
-            raise TypeError(
-                f"mask: expected dtype torch.bool (True = may attend), got {mask.dtype}; "
-                "pass a float tensor as bias= to add it to the logits"
-            )
+            if mask.dtype.is_floating_point or mask.dtype.is_complex:
+                hint = "pass a float tensor as bias= to add it to the logits"
+            else:  # most often a tokenizer's 0/1 attention_mask
+                hint = (
+                    "a 0/1 integer mask becomes one with .bool(), and a tokenizer's (b, j) attention_mask "
+                    "goes in as mask=attention_mask.bool()[:, None, None, :]"
+                )
+            raise TypeError(f"mask: expected dtype torch.bool (True = may attend), got {mask.dtype}; {hint}")
         if mask.dim() < 2:
             raise ValueError(f"mask: expected at least 2 dims (..., i, j), got shape {tuple(mask.shape)}")
         self.mask = mask
@@ -152,8 +186,20 @@ class Dense(Mask):
     def dense(self, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tensor:
         return self.mask.to(device)
 
+    def hidden_keys(self, i_len: int, j_len: int) -> Tensor | None:
+        m = self.mask
+        m = m.reshape(*((1,) * (4 - m.dim())), *m.shape) if m.dim() < 4 else m
+        # (b|1, h|1, i|1, j|1): any over the rows; leading dims beyond b were merged already
+        return (~m.any(dim=-2, keepdim=True)).expand(*m.shape[:-2], 1, j_len) if m.dim() == 4 else None
+
     def batch_shape(self) -> tuple[int, ...]:
         return tuple(self.mask.shape[:-2])
+
+    def tensors(self) -> list[tuple[str, Tensor]]:
+        return [("a tensor", self.mask)]
+
+    def describe(self) -> str:
+        return f"got shape {tuple(self.mask.shape)}"
 
     def merge_lead(self, lead: tuple[int, ...]) -> Mask:
         merged = merge_lead(self.mask, lead)
@@ -182,12 +228,21 @@ class _Pair(Mask):
         self.a.check(i_len, j_len)
         self.b.check(i_len, j_len)
 
+    def tensors(self) -> list[tuple[str, Tensor]]:
+        return self.a.tensors() + self.b.tensors()
+
     def reset(self) -> None:
         self.a.reset()
         self.b.reset()
 
     def key_bounds(self, t: Tile) -> tuple[int, int] | None:
         return _combine(self.a.key_bounds(t), self.b.key_bounds(t), self.op)
+
+    def hidden_keys(self, i_len: int, j_len: int) -> Tensor | None:
+        a, b = self.a.hidden_keys(i_len, j_len), self.b.hidden_keys(i_len, j_len)
+        if self.op == "&":  # hidden by either
+            return a if b is None else b if a is None else a | b
+        return None if a is None or b is None else a & b  # hidden by both
 
     def __repr__(self) -> str:
         return f"({self.a!r} {self.op} {self.b!r})"
@@ -240,6 +295,10 @@ class _MergedLead(Mask):
 
     def state(self, t: Tile) -> State:
         return self.mask.state(t)
+
+    def hidden_keys(self, i_len: int, j_len: int) -> Tensor | None:
+        hidden = self.mask.hidden_keys(i_len, j_len)
+        return None if hidden is None else merge_lead(hidden, self.lead)
 
     def batch_shape(self) -> tuple[int, ...]:
         *own, heads = self.mask.batch_shape()

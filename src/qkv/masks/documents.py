@@ -75,8 +75,8 @@ class Documents(Mask):
         if self._host is None or not self._host[2] or t.i0 >= t.i1:
             return None
         q, k, _ = self._host
-        lo = torch.searchsorted(k, q[:, t.i0 : t.i0 + 1]).min()
-        hi = torch.searchsorted(k, q[:, t.i1 - 1 : t.i1], right=True).max()
+        lo = torch.searchsorted(k, q[:, t.i0 : t.i0 + 1].contiguous()).min()  # (b, 1) columns: copy b ints
+        hi = torch.searchsorted(k, q[:, t.i1 - 1 : t.i1].contiguous(), right=True).max()
         return int(lo), max(int(lo), int(hi))
 
     def runs(self) -> list[list[tuple[int, int, int, int]]] | None:
@@ -99,6 +99,17 @@ class Documents(Mask):
 
     def batch_shape(self) -> tuple[int, ...]:
         return (max(self.ids_q.shape[0], self.ids_k.shape[0]), 1)
+
+    def tensors(self) -> list[tuple[str, Tensor]]:
+        pairs = [("qkv.masks.documents' ids_q", self.ids_q)]
+        return pairs if self.ids_k is self.ids_q else [*pairs, ("qkv.masks.documents' ids_k", self.ids_k)]
+
+    def describe(self) -> str:
+        # (i,) ids were made (1, i) on the way in; a batch of 1 always fits: only (b, i) ids get here
+        shapes = f"ids_q of shape {tuple(self.ids_q.shape)}"
+        if self.ids_k is not self.ids_q:
+            shapes += f" and ids_k of shape {tuple(self.ids_k.shape)}"
+        return f"qkv.masks.documents got {shapes}, one per batch row"
 
     def check(self, i_len: int, j_len: int) -> None:
         for name, ids, n, what in (("ids_q", self.ids_q, i_len, "i queries"), ("ids_k", self.ids_k, j_len, "j keys")):

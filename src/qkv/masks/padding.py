@@ -66,11 +66,22 @@ class Lengths(Mask):
     def batch_shape(self) -> tuple[int, ...]:
         return (self.key_lengths.shape[0], 1)
 
+    def tensors(self) -> list[tuple[str, Tensor]]:
+        return [("qkv.masks.lengths' key_lengths", self.key_lengths)]
+
+    def describe(self) -> str:
+        return f"qkv.masks.lengths got key_lengths of shape {tuple(self.key_lengths.shape)}, one per batch row"
+
     def merge_lead(self, lead: tuple[int, ...]) -> Mask:
         return self if len(lead) <= 1 else Lengths(self.key_lengths.expand(*lead).reshape(-1))
 
     def key_bounds(self, t: Tile) -> tuple[int, int] | None:
         return None if self._longest < self._shortest else (0, min(t.j_len, self._longest))
+
+    def hidden_keys(self, i_len: int, j_len: int) -> Tensor | None:
+        if self._shortest >= j_len:  # no padding: nothing to hide, no tensor built
+            return None
+        return self.tile(Tile.whole(i_len, j_len, self.key_lengths.device)).logical_not()
 
     def __repr__(self) -> str:
         return f"lengths({self.key_lengths.tolist()})"
@@ -115,11 +126,22 @@ class Starts(Mask):
     def batch_shape(self) -> tuple[int, ...]:
         return (self.key_starts.shape[0], 1)
 
+    def tensors(self) -> list[tuple[str, Tensor]]:
+        return [("qkv.masks.starts' key_starts", self.key_starts)]
+
+    def describe(self) -> str:
+        return f"qkv.masks.starts got key_starts of shape {tuple(self.key_starts.shape)}, one per batch row"
+
     def merge_lead(self, lead: tuple[int, ...]) -> Mask:
         return self if len(lead) <= 1 else Starts(self.key_starts.expand(*lead).reshape(-1))
 
     def key_bounds(self, t: Tile) -> tuple[int, int] | None:
         return None if self._last < self._first else (min(t.j_len, self._first), t.j_len)
+
+    def hidden_keys(self, i_len: int, j_len: int) -> Tensor | None:
+        if self._first <= self._last and self._last <= 0:  # no padding: nothing to hide
+            return None
+        return self.tile(Tile.whole(i_len, j_len, self.key_starts.device)).logical_not()
 
     def __repr__(self) -> str:
         return f"starts({self.key_starts.tolist()})"

@@ -97,8 +97,10 @@ def causal() -> Window:
     return Window(left=None, right=0)
 
 
-def window(left: int, right: int = 0) -> Window:
-    """Sliding window: each query sees ``left`` keys before its position and ``right`` after."""
-    if left is None:
-        raise ValueError("left: expected a non-negative int, got None (use causal() for no left bound)")
+def window(left: int | None, right: int | None = 0) -> Window:
+    """Sliding window: each query sees ``left`` keys before its position and ``right`` after.
+
+    ``None`` leaves that side unbounded, as in :class:`Window`: ``window(None)`` is
+    ``causal()``, ``window(None, 2)`` every past key and the next two.
+    """
     return Window(left=left, right=right)

@@ -70,6 +70,10 @@ class MaskMod(Mask):
     def batch_shape(self) -> tuple[int, ...]:
         return () if self.B is None and self.H is None else (self.B or 1, self.H or 1)
 
+    def describe(self) -> str:
+        name = getattr(self.mask_mod, "__name__", type(self.mask_mod).__name__)
+        return f"qkv.masks.from_mask_mod({name}) was made for (B, H) = ({self.B}, {self.H})"
+
     def __repr__(self) -> str:
         return f"from_mask_mod({getattr(self.mask_mod, '__name__', type(self.mask_mod).__name__)}, B={self.B}, H={self.H})"
 
@@ -123,6 +127,9 @@ class FlexBlocks(Mask):
 
     def batch_shape(self) -> tuple[int, ...]:
         return tuple(self.states.shape[:2])
+
+    def describe(self) -> str:
+        return f"block_mask was made for (B, H) = {tuple(self.states.shape[:2])}"
 
     def key_bounds(self, t: Tile) -> tuple[int, int] | None:
         """The keys of the blocks the lists hold for these rows' query blocks."""

@@ -1,0 +1,77 @@
+"""Keys no query sees never reach an output: zero the hidden keys that hold NaN or inf.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` queries, ``j`` keys,
+``d`` key size, ``e`` value size.
+
+A key masked for every query row of its batch row and head (padding, a KV cache's unfilled
+slots, often made with ``torch.empty``) gets weight 0, but ``0 · NaN = NaN`` in
+``weights @ v`` and ``NaN + (-inf) = NaN`` in an additive mask, so on any engine, PyTorch's
+SDPA included, one non-finite value there would turn every row of the batch into NaN, and
+a non-finite hidden key turns the gradient of the queries into NaN. The rule, applied once
+per call before any engine runs (``qkv.checks.request``):
+
+* find the hidden keys: ``Mask.hidden_keys`` (lazy padding masks know them without a
+  tensor; a dense mask is reduced over its rows) and the columns a dense float bias sets
+  to ``-inf`` for every row;
+* read only those keys (and their values): if all are finite, the call is unchanged and
+  costs a gather and a sum of the padding; otherwise ``k`` and ``v`` are replaced by copies with the
+  hidden keys set to 0 (their gradient is 0 either way: no output depends on them).
+
+While tracing (``torch.compile``, ``torch.export``, meta tensors) no value may be read, so
+the zeroing is applied whenever the mask can hide keys: the same result, branch-free.
+
+A key hidden from some rows and seen by others (the future under a causal mask) is a real
+input of the rows that see it, and a NaN there is theirs; the rows that do not see it may
+get it too, through ``0 · NaN`` in ``weights @ v``, on every engine as in PyTorch's SDPA:
+such a key is not padding, and its NaN is an error of the model that made it. Masks of
+positions (``causal``, ``window``) hide no key from every row of a square call and report
+none here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from .._trace import concrete
+from .request import Request
+
+
+def hidden_keys(req: Request) -> Tensor | None:
+    """Bool ``(b|1, g|1, j, 1)``, True where a key is masked for every query row of its KV head; None if none known."""
+    found = None if req.mask is None else req.mask.hidden_keys(req.i, req.j)
+    bias = req.bias
+    if isinstance(bias, Tensor) and bias.dim() == 4 and bias.shape[-1] == req.j:
+        neg_inf = torch.isneginf(bias).all(dim=-2, keepdim=True)  # (b|1, h|1, 1, j)
+        found = neg_inf if found is None else found | neg_inf
+    if found is None:
+        return None
+    found = found.to(req.k.device)  # a mask may live elsewhere (copied per tile by the engines)
+    if found.shape[1] not in (1, req.kv_heads):  # (b, h, ...) query heads -> hidden from each head of a group
+        found = found.unflatten(1, (req.kv_heads, -1)).all(dim=2)
+    return found.transpose(-1, -2)
+
+
+def guard(req: Request) -> Request:
+    """``req``, or ``req`` with copies of ``k`` and ``v`` whose non-finite hidden keys are zeroed (see the module)."""
+    hidden = hidden_keys(req)
+    if hidden is None:
+        return req
+    k, v = req.k, req.v
+    if concrete(k, v, hidden):
+        at = hidden.expand(k.shape[0], -1, -1, -1)[..., 0]  # (b, g|1, j)
+        if at.shape[1] == 1:  # the same keys hidden in every head (padding): index (b, j) only
+            rows = at[:, 0].nonzero(as_tuple=True)
+            k_at, v_at = k.transpose(1, 2)[rows], v.transpose(1, 2)[rows]  # (n, g, d): the hidden keys alone
+        else:
+            rows = at.nonzero(as_tuple=True)
+            k_at, v_at = k[rows], v[rows]
+        if rows[0].numel() == 0:
+            return req
+        # A sum is NaN or inf when one term is (or when it overflows: zeroing is then harmless);
+        # one pass over the padding, no bool tensor, one read on the host.
+        if bool((k_at.sum() + v_at.sum()).isfinite()):
+            return req
+    return replace(req, k=k.masked_fill(hidden, 0), v=v.masked_fill(hidden, 0))

@@ -1,0 +1,144 @@
+"""Keys that no query sees never reach an output: NaN, inf or garbage in padding, on every engine.
+
+Also: a padded causal batch (the commonest language-model mask) never builds its ``(i, j)``
+mask on a fused path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv import backends, checks
+from qkv.backends import hidden_keys
+from qkv.masks import base as mask_base
+from qkv.masks import padding
+
+B, H, G, N, D = 2, 4, 2, 24, 8
+LENGTHS = torch.tensor([15, N])
+STARTS = torch.tensor([0, 9])
+
+# A call's masks, each hiding keys from every row of a batch row; (mask, bias) and where padding is.
+CASES = {
+    "lengths": (lambda: qkv.masks.lengths(LENGTHS), None, "right"),
+    "lengths & causal": (lambda: qkv.masks.lengths(LENGTHS) & qkv.masks.causal(), None, "right"),
+    "starts & causal": (lambda: qkv.masks.starts(STARTS) & qkv.masks.causal(), None, "left"),
+    "dense (b, 1, 1, j)": (lambda: _keep("right")[:, None, None, :], None, "right"),
+    "dense & causal": (lambda: qkv.masks.as_mask(_keep("left")[:, None, None, :]) & qkv.masks.causal(), None, "left"),
+    "float bias, -inf columns": (lambda: None, lambda: _neg_inf_bias("right"), "right"),
+}
+
+
+def _keep(side: str) -> torch.Tensor:
+    cols = torch.arange(N)
+    return cols[None] < LENGTHS[:, None] if side == "right" else cols[None] >= STARTS[:, None]
+
+
+def _neg_inf_bias(side: str) -> torch.Tensor:
+    bias = torch.zeros(B, 1, N, N)
+    return bias.masked_fill(~_keep(side)[:, None, None, :], float("-inf"))
+
+
+def _inputs(poison: float, side: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, G, N, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, G, N, D, generator=g, dtype=torch.float64)
+    hidden = ~_keep(side)[:, None, :, None]  # (b, 1, j, 1)
+    clean_k, clean_v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+    bad_k, bad_v = k.masked_fill(hidden, poison), v.masked_fill(hidden, -poison if poison == poison else poison)
+    return q, (bad_k, bad_v), (clean_k, clean_v)
+
+
+def _engines(mask, bias) -> list[str]:
+    """The backends that take this call (auto first)."""
+    names = ["auto"]
+    q = torch.zeros(B, H, N, D)
+    req = checks.request(q, q[:, :G], q[:, :G], score="scaled_dot", mask=mask, bias=bias, causal=False,
+                         scale=None, dropout=0.0, return_weights=False)  # fmt: skip
+    for name, impl in backends.REGISTRY.items():
+        if impl.supports(req) is None:
+            names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), 3e38], ids=["nan", "inf", "huge"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_padding_holding_nan_or_inf_never_reaches_an_output_or_a_gradient(case, poison):
+    make_mask, make_bias, side = CASES[case]
+    mask, bias = make_mask(), None if make_bias is None else make_bias()
+    q, bad, clean = _inputs(poison, side)
+    expected = qkv.attention(q, *clean, mask=mask, bias=bias, backend="reference")
+    assert torch.isfinite(expected).all()
+    for name in _engines(mask, bias):
+        q1 = q.clone().requires_grad_()
+        k1, v1 = (x.clone().requires_grad_() for x in bad)
+        out = qkv.attention(q1, k1, v1, mask=make_mask(), bias=bias, backend=name)
+        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{case}, backend {name}")
+        out.square().sum().backward()
+        for label, grad in (("q", q1.grad), ("k", k1.grad), ("v", v1.grad)):
+            assert torch.isfinite(grad).all(), f"{case}, backend {name}: non-finite gradient of {label}"
+
+
+def test_padding_through_the_sdpa_dialect_and_return_lse_and_weights():
+    q, (k, v), clean = _inputs(float("nan"), "right")
+    keep = _keep("right")[:, None, None, :]
+    out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+    assert torch.isfinite(out).all()
+    out, weights, lse = qkv.attention(q, k, v, mask=keep, return_weights=True, return_lse=True)
+    ref = qkv.attention(q, *clean, mask=keep, return_weights=True, return_lse=True)
+    for got, want in zip((out, weights, lse), ref):
+        torch.testing.assert_close(got, want)
+
+
+def test_finite_padding_costs_no_copy():
+    """The usual case: padding that holds finite values leaves k and v as they were (no copy)."""
+    q, (k, v), _ = _inputs(0.5, "right")
+    req = checks.request(q, k, v, score="scaled_dot", mask=qkv.masks.lengths(LENGTHS), bias=None, causal=True,
+                         scale=None, dropout=0.0, return_weights=False)  # fmt: skip
+    assert req.k is k and req.v is v
+    unpadded = qkv.masks.lengths(torch.tensor([N, N]))
+    assert unpadded.hidden_keys(N, N) is None  # no padding: no tensor built at all
+
+
+def test_hidden_keys_per_kv_head_needs_every_query_head_of_its_group():
+    """A key hidden from one query head of a group but seen by another is not hidden."""
+    keep = torch.ones(1, H, 1, N, dtype=torch.bool)
+    keep[0, 0, 0, 3] = False  # head 0 (group 0) hides key 3; head 1, same group, sees it
+    keep[0, 2:4, 0, 5] = False  # both heads of group 1 hide key 5
+    q = torch.zeros(1, H, N, D)
+    req = checks.request(q, q[:, :G], q[:, :G], score="scaled_dot", mask=keep, bias=None, causal=False,
+                         scale=None, dropout=0.0, return_weights=False)  # fmt: skip
+    found = hidden_keys.hidden_keys(req)[0, :, :, 0]  # (g, j)
+    assert found[0].nonzero().flatten().tolist() == []
+    assert found[1].nonzero().flatten().tolist() == [5]
+
+
+def test_on_meta_tensors_the_zeroing_is_branch_free():
+    q = torch.empty(B, H, N, D, device="meta")
+    out = qkv.attention(q, q[:, :G], q[:, :G], mask=qkv.masks.lengths(LENGTHS.to("meta")), causal=True)
+    assert out.shape == (B, H, N, D) and out.device.type == "meta"
+
+
+def test_a_padded_causal_batch_never_builds_its_i_by_j_mask(monkeypatch):
+    """``causal=True, mask=lengths(L)``: the fused paths see tiles, never the whole ``(i, j)`` mask."""
+    n = 1024  # (b, i, j) = 2 · 1024² elements: beyond what SDPA may be given as a materialised mask
+    built = []
+    for cls in (padding.Lengths, mask_base.And, qkv.masks.Window):
+        original = cls.tile
+
+        def spy(self, t, original=original):
+            out = original(self, t)
+            built.append(out.shape[-2] * out.shape[-1])
+            return out
+
+        monkeypatch.setattr(cls, "tile", spy)
+    q = torch.randn(2, 2, n, 16)
+    lengths = torch.tensor([700, n])
+    for name in ("auto", "chunked"):
+        built.clear()
+        out = qkv.attention(q, q, q, mask=qkv.masks.lengths(lengths), causal=True, backend=name)
+        assert built and max(built) < n * n, f"backend {name} built a {max(built)}-element mask tile"
+        assert torch.isfinite(out).all()
+    assert "sdpa" not in qkv.explain(q, q, q, mask=qkv.masks.lengths(lengths), causal=True).splitlines()[0]
