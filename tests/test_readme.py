@@ -1,7 +1,7 @@
 """The README's Python examples run as written, and every picture it shows is in the repository.
 
-The ```python blocks are executed in order in one namespace (a later block may use names
-from an earlier one), in a temporary working directory so files they save land there.
+Each ```python block runs alone, in a fresh namespace (a reader copies one block, not the
+ones above it), in a temporary working directory so files it saves land there.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ def test_readme_has_python_examples():
 
 def test_readme_python_examples_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    torch.manual_seed(0)
-    namespace: dict = {"__name__": "readme"}
     for number, block in enumerate(_blocks(), start=1):
+        torch.manual_seed(0)
         try:
-            exec(compile(block, f"README.md python block {number}", "exec"), namespace)
+            exec(compile(block, f"README.md python block {number}", "exec"), {"__name__": "readme"})
         except Exception as error:  # pragma: no cover - the message says which block failed
             pytest.fail(f"README python block {number} failed: {type(error).__name__}: {error}")
     # The plotting example saves its figure where the README says.
