@@ -51,6 +51,7 @@ from torch import Tensor
 
 from .. import masks
 from ..masks import Dense, Mask
+from .transformers_closures import closure
 from .transformers_packing import packed_parts
 
 
@@ -153,7 +154,7 @@ def describe(mask_function: Callable) -> tuple[str, int | None] | None:
         return "causal", None
     if mask_function is mu.bidirectional_mask_function:
         return "bidirectional", None
-    parts = _closure(mask_function, "and_masks.<locals>.and_mask").get("mask_functions")
+    parts = closure(mask_function, "and_masks.<locals>.and_mask").get("mask_functions")
     if not isinstance(parts, tuple) or len(parts) != 2:
         return None
     overlay, base = parts
@@ -161,21 +162,10 @@ def describe(mask_function: Callable) -> tuple[str, int | None] | None:
         ("sliding_causal", "sliding_window_overlay", mu.causal_mask_function),
         ("sliding_bidirectional", "sliding_window_bidirectional_overlay", mu.bidirectional_mask_function),
     ):
-        size = _closure(overlay, f"{maker}.<locals>.inner_mask").get("sliding_window")
+        size = closure(overlay, f"{maker}.<locals>.inner_mask").get("sliding_window")
         if base is expected_base and isinstance(size, int) and not isinstance(size, bool) and size > 0:
             return kind, size
     return None
-
-
-def _closure(fn: Callable, qualname: str) -> dict:
-    """The closure variables of ``fn`` if it is transformers' inner function ``qualname``, else {}."""
-    code = getattr(fn, "__code__", None)
-    if code is None or getattr(fn, "__qualname__", None) != qualname:
-        return {}
-    if getattr(fn, "__module__", None) != "transformers.masking_utils":
-        return {}
-    cells = fn.__closure__ or ()
-    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
 
 
 def _positions(kind: str, size: int | None, shift: int) -> masks.Offsets:

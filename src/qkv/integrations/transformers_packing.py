@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..masks import And, Documents, Mask
+from .transformers_closures import closure
 
 
 def documents_for(query: Tensor, key: Tensor, kwargs: dict) -> Documents | None:
@@ -69,14 +70,12 @@ def packed_parts(mask_function: Callable) -> tuple[Callable, Tensor] | None:
     Within a sequence the positions run on by one, so ``base`` on them is ``base`` on the
     tokens' own indices: the mask is ``documents(ids) & base``.
     """
-    from .transformers_masks import _closure  # one reader of transformers' closures
-
-    parts = _closure(mask_function, "and_masks.<locals>.and_mask").get("mask_functions")
+    parts = closure(mask_function, "and_masks.<locals>.and_mask").get("mask_functions")
     if not isinstance(parts, tuple) or len(parts) != 2:
         return None
     remapped, packed = parts
-    base = _closure(remapped, "remap_positions_for_packed_sequence.<locals>.inner_mask").get("mask_function")
-    ids = _closure(packed, "packed_sequence_mask_function.<locals>.inner_mask").get("packed_sequence_mask")
+    base = closure(remapped, "remap_positions_for_packed_sequence.<locals>.inner_mask").get("mask_function")
+    ids = closure(packed, "packed_sequence_mask_function.<locals>.inner_mask").get("packed_sequence_mask")
     if base is None or not isinstance(ids, Tensor):
         return None
     return base, ids
