@@ -18,17 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from cli_run import fails
 from qkv.cli import main
-
-
-def _fails(capsys, argv: list[str]) -> str:
-    """Run ``qkv argv``, expect exit code 2 and exactly one line on stderr; return that line."""
-    with pytest.raises(SystemExit) as exit_info:
-        raise SystemExit(main(argv))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.endswith("\n") and err.count("\n") == 1, err
-    return err.strip()
 
 
 def _uninstall(monkeypatch, *packages: str) -> None:
@@ -60,7 +51,7 @@ def test_no_command_prints_the_commands_and_examples(capsys):
 def test_demo_names_a_missing_package_before_any_work(monkeypatch, capsys, tmp_path, package, argv):
     _uninstall(monkeypatch, package)
     out = tmp_path / "demo"
-    assert _fails(capsys, [*argv, "--out", str(out)]) == (
+    assert fails(capsys, [*argv, "--out", str(out)]) == (
         f'qkv demo: error: needs {package}, which is not installed: pip install "qkv[demo]"'
     )
     assert list(tmp_path.iterdir()) == []  # not even the temporary folder
@@ -69,7 +60,7 @@ def test_demo_names_a_missing_package_before_any_work(monkeypatch, capsys, tmp_p
 def test_plot_names_a_missing_matplotlib(monkeypatch, capsys, tmp_path):
     np.save(tmp_path / "w.npy", np.full((3, 4), 0.25))
     _uninstall(monkeypatch, "matplotlib")
-    assert _fails(capsys, ["plot", str(tmp_path / "w.npy")]) == (
+    assert fails(capsys, ["plot", str(tmp_path / "w.npy")]) == (
         'qkv plot: error: needs matplotlib, which is not installed: pip install "qkv[viz]"'
     )
     assert not (tmp_path / "w.png").exists()
@@ -78,7 +69,7 @@ def test_plot_names_a_missing_matplotlib(monkeypatch, capsys, tmp_path):
 def test_plot_names_a_missing_safetensors_only_for_a_safetensors_file(monkeypatch, capsys, tmp_path):
     (tmp_path / "w.safetensors").write_bytes(b"anything")
     _uninstall(monkeypatch, "safetensors")
-    assert _fails(capsys, ["plot", str(tmp_path / "w.safetensors")]) == (
+    assert fails(capsys, ["plot", str(tmp_path / "w.safetensors")]) == (
         "qkv plot: error: needs safetensors, which is not installed: pip install safetensors"
     )
 
@@ -90,7 +81,7 @@ def test_plot_names_a_missing_safetensors_only_for_a_safetensors_file(monkeypatc
 def test_inspect_names_a_missing_package_before_loading(monkeypatch, capsys, tmp_path, package, install):
     # matplotlib draws the heatmaps after the model ran: it is checked before the model loads.
     _uninstall(monkeypatch, package)
-    assert _fails(capsys, ["inspect", "The cat sat.", "--out", str(tmp_path / "page")]) == (
+    assert fails(capsys, ["inspect", "The cat sat.", "--out", str(tmp_path / "page")]) == (
         f"qkv inspect: error: needs {package}, which is not installed: pip install {install}"
     )
     assert not (tmp_path / "page").exists()
@@ -145,7 +136,7 @@ def test_plot_a_damaged_file_is_one_line(capsys, tmp_path, name, make, reason):
     if name.endswith(".safetensors"):
         pytest.importorskip("safetensors")
     make(tmp_path / name)
-    line = _fails(capsys, ["plot", str(tmp_path / name)])
+    line = fails(capsys, ["plot", str(tmp_path / name)])
     assert line.startswith(f"qkv plot: error: file: could not read {name} (") and line.endswith(")"), line
     assert reason in line
     assert len(line) < 300 and "\x1b" not in line, line  # no paragraphs of advice, no terminal colours

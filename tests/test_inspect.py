@@ -19,6 +19,7 @@ pytest.importorskip("matplotlib")
 
 from inspect_models import needs_minilm, needs_smollm2, smollm2_folder, tiny_llama  # noqa: E402
 
+from cli_run import fails  # noqa: E402
 from qkv.cli import main  # noqa: E402
 from qkv.inspect import InspectError, inspect  # noqa: E402
 from qkv.inspect.model import load, resolve  # noqa: E402
@@ -34,16 +35,6 @@ def _data(page: str) -> dict:
 def _weights(data: dict) -> np.ndarray:
     raw = np.frombuffer(base64.b64decode(data["weights"]), dtype="<u2") / 65535
     return raw.reshape(data["layers"], len(data["heads"]), len(data["rows"]), len(data["tokens"]))
-
-
-def _fails(capsys, argv: list[str]) -> str:
-    """Run ``qkv argv``, expect exit code 2 and exactly one line on stderr; return that line."""
-    with pytest.raises(SystemExit) as exit_info:
-        raise SystemExit(main(argv))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.endswith("\n") and err.count("\n") == 1, err
-    return err.strip()
 
 
 @needs_minilm
@@ -96,25 +87,25 @@ def test_head_outside_heads_option_is_refused_before_loading(tmp_path):
     ],
 )
 def test_out_of_range_for_the_model(tmp_path, capsys, extra, message):
-    line = _fails(capsys, ["inspect", SENTENCE, "--out", str(tmp_path), *extra])
+    line = fails(capsys, ["inspect", SENTENCE, "--out", str(tmp_path), *extra])
     assert re.fullmatch("qkv inspect: error: " + message, line), line
     assert not (tmp_path / "index.html").exists()
 
 
 def test_errors_found_before_loading_a_model(tmp_path, capsys):
     missing = tmp_path / "nothing-here"
-    assert _fails(capsys, ["inspect", SENTENCE, "--model", str(missing)]) == (
+    assert fails(capsys, ["inspect", SENTENCE, "--model", str(missing)]) == (
         f"qkv inspect: error: --model: {missing} does not exist"
     )
-    assert _fails(capsys, ["inspect", "  "]) == "qkv inspect: error: TEXT: expected some text, got an empty string"
-    assert _fails(capsys, ["inspect", SENTENCE, "--rows", "x"]) == (
+    assert fails(capsys, ["inspect", "  "]) == "qkv inspect: error: TEXT: expected some text, got an empty string"
+    assert fails(capsys, ["inspect", SENTENCE, "--rows", "x"]) == (
         "qkv inspect: error: argument --rows: expected integers and ranges such as 0,3,5-8, got 'x'"
     )
-    assert _fails(capsys, ["inspect", SENTENCE, "--layer", "-1"]).startswith("qkv inspect: error: argument --layer")
-    assert _fails(capsys, ["inspect"]) == "qkv inspect: error: the following arguments are required: TEXT"
+    assert fails(capsys, ["inspect", SENTENCE, "--layer", "-1"]).startswith("qkv inspect: error: argument --layer")
+    assert fails(capsys, ["inspect"]) == "qkv inspect: error: the following arguments are required: TEXT"
     taken = tmp_path / "a-file"
     taken.write_text("")
-    assert _fails(capsys, ["inspect", SENTENCE, "--out", str(taken)]) == (
+    assert fails(capsys, ["inspect", SENTENCE, "--out", str(taken)]) == (
         f"qkv inspect: error: --out: {taken} is a file, expected a folder"
     )
 
