@@ -72,7 +72,10 @@ def test_padding_holding_nan_or_inf_never_reaches_an_output_or_a_gradient(case, 
     expected = qkv.attention(q, *clean, mask=mask, bias=bias, backend="reference")
     assert torch.isfinite(expected).all()
     for name in _engines(mask, bias):
-        q1 = q.clone().requires_grad_()
+        with torch.no_grad():  # inference: the output is checked after the engine ran
+            out = qkv.attention(q, *bad, mask=make_mask(), bias=bias, backend=name)
+        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{case}, backend {name}, no_grad")
+        q1 = q.clone().requires_grad_()  # recording gradients: the hidden keys are read before
         k1, v1 = (x.clone().requires_grad_() for x in bad)
         out = qkv.attention(q1, k1, v1, mask=make_mask(), bias=bias, backend=name)
         torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{case}, backend {name}")
@@ -90,6 +93,15 @@ def test_padding_through_the_sdpa_dialect_and_return_lse_and_weights():
     ref = qkv.attention(q, *clean, mask=keep, return_weights=True, return_lse=True)
     for got, want in zip((out, weights, lse), ref):
         torch.testing.assert_close(got, want)
+
+
+def test_an_inference_call_reads_no_padding_and_runs_once_when_its_output_is_finite(monkeypatch):
+    """A decoding step over a padded cache pays one sum over its output, not a read of the padding."""
+    q, (k, v), _ = _inputs(0.5, "right")
+    monkeypatch.setattr(hidden_keys, "guard", lambda req: pytest.fail("the padding was read"))
+    with torch.no_grad():
+        out = qkv.attention(q[:, :, -1:], k, v, mask=qkv.masks.lengths(LENGTHS))
+    assert torch.isfinite(out).all()
 
 
 def test_finite_padding_costs_no_copy():

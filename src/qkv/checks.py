@@ -51,8 +51,15 @@ def request(
     sinks: Tensor | None = None,
     score_mod=None,
     return_lse: bool = False,
+    hidden_after: bool = False,
 ) -> Request:
-    """Validate one call and fold it into a :class:`Request`."""
+    """Validate one call and fold it into a :class:`Request`.
+
+    Keys the mask hides from every query are made harmless here (``backends.hidden_keys.
+    guard``), unless ``hidden_after``: then a caller that runs the call itself checks its
+    output with ``hidden_keys.after`` instead, which an inference call pays less for (the
+    guard still runs here for calls that record gradients or are traced).
+    """
     _tensors(q, k, v)
     named = _STATELESS.get(score) if isinstance(score, str) else None
     score = make(score) if named is None else named
@@ -87,6 +94,8 @@ def request(
         return_weights=return_weights, generator=generator, sinks=sinks, score_mod=score_mod, return_lse=return_lse,
         layout=None if layout.canonical else layout,
     )  # fmt: skip
+    if hidden_after and not hidden_keys.needs_guard_first(req):
+        return req
     return hidden_keys.guard(req)  # no NaN from a key no row sees, on any engine
 
 

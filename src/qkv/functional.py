@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import backends, checks
-from .backends import engines
+from .backends import engines, hidden_keys
 from .backends.tiling.lse import merge_all
 from .masks import Mask
 from .positional import LazyBias
@@ -96,12 +96,15 @@ def attention(
     req = checks.request(
         q, k, v, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
         dropout=dropout, return_weights=return_weights, generator=generator, sinks=sinks,
-        score_mod=score_mod, return_lse=return_lse,
+        score_mod=score_mod, return_lse=return_lse, hidden_after=True,
     )  # fmt: skip
     if weights_for is not None:
         req = replace(req, weights_for=_weights_for(weights_for, req))
     impl, _ = backends.choose(req, backend)
-    out, weights, lse = impl.run(req)
+    if hidden_keys.needs_guard_first(req):  # already guarded by checks.request
+        out, weights, lse = impl.run(req)
+    else:  # inference: padding holding NaN shows in the output; only then run again on zeroed keys
+        out, weights, lse = hidden_keys.after(req, impl.run, impl.run(req))
     results = [req.restore(out)]
     if return_weights:
         if req.weights_for is not None and not getattr(impl, "selects_weights", False):
@@ -241,7 +244,9 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
     """Which backend (and engine) ``attention(q, k, v, **kwargs)`` runs, and why faster ones were passed over.
 
     It asks the same two choosers the call does (``qkv.backends.choose``, then, for the
-    chunked backend, ``qkv.backends.engines.choose``), so it names the path that runs.
+    chunked backend, ``qkv.backends.engines.choose``), so it names the path that runs. On
+    CUDA it also names the kernel: ``backend: sdpa (flash or efficient kernel, chosen by
+    PyTorch)``, ``backend: flex (compiled flex_attention)``.
     """
     backend = kwargs.pop("backend", "auto")
     kwargs.setdefault("score", "scaled_dot")
@@ -257,6 +262,10 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
         req = replace(req, weights_for=_weights_for(weights_for, req))
     impl, passed_over = backends.choose(req, backend)
     head = f"backend: {impl.name}"
+    kernel = getattr(impl, "kernel", None)  # what runs, in words, where a backend has several (CUDA's SDPA kernels)
+    detail = None if kernel is None else kernel(req)
+    if detail:
+        head += f" ({detail})"
     lines = [f"  not {reason}" for reason in passed_over]
     if impl.name == "chunked":
         engine, engines_passed_over = engines.choose(req)

@@ -7,18 +7,23 @@ A key masked for every query row of its batch row and head (padding, a KV cache'
 slots, often made with ``torch.empty``) gets weight 0, but ``0 · NaN = NaN`` in
 ``weights @ v`` and ``NaN + (-inf) = NaN`` in an additive mask, so on any engine, PyTorch's
 SDPA included, one non-finite value there would turn every row of the batch into NaN, and
-a non-finite hidden key turns the gradient of the queries into NaN. The rule, applied once
-per call before any engine runs (``qkv.checks.request``):
+a non-finite hidden key turns the gradient of the queries into NaN (``dS @ K`` with
+``dS = 0`` there). The hidden keys are found once per call: ``Mask.hidden_keys`` (lazy
+padding masks know them without a tensor; a dense mask is reduced over its rows) and the
+columns a dense float bias sets to ``-inf`` for every row. Then, by what the call is:
 
-* find the hidden keys: ``Mask.hidden_keys`` (lazy padding masks know them without a
-  tensor; a dense mask is reduced over its rows) and the columns a dense float bias sets
-  to ``-inf`` for every row;
-* read only those keys (and their values): if all are finite, the call is unchanged and
-  costs a gather and a sum of the padding; otherwise ``k`` and ``v`` are replaced by copies with the
-  hidden keys set to 0 (their gradient is 0 either way: no output depends on them).
+* **recording gradients**, or **traced** (``torch.compile``, ``torch.export``, meta
+  tensors): :func:`guard`, before any engine. A traced call zeroes the hidden keys in
+  copies of ``k`` and ``v`` unconditionally (no value may be read: the same result,
+  branch-free); an eager one reads the hidden keys alone (one gather and a sum of the
+  padding, small beside a differentiated attention) and copies only when one is not finite;
+* **inference** (no gradient): :func:`after`, once the engine ran. A non-finite hidden
+  value shows in the output (``0 · NaN``; a non-finite hidden key alone leaves the forward
+  finite, since every engine masks by selection), so a finite output is the answer, for the
+  cost of one sum over it; otherwise the call runs again on zeroed copies. A one-token
+  decoding step over a long padded cache thus pays nothing for reading its padding.
 
-While tracing (``torch.compile``, ``torch.export``, meta tensors) no value may be read, so
-the zeroing is applied whenever the mask can hide keys: the same result, branch-free.
+Either way a hidden key's gradient is 0 (no output depends on it).
 
 A key hidden from some rows and seen by others (the future under a causal mask) is a real
 input of the rows that see it, and a NaN there is theirs; the rows that do not see it may
@@ -31,6 +36,7 @@ none here.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -54,8 +60,13 @@ def hidden_keys(req: Request) -> Tensor | None:
     return found.transpose(-1, -2)
 
 
+def zeroed(req: Request, hidden: Tensor) -> Request:
+    """``req`` with copies of ``k`` and ``v`` whose hidden keys are 0."""
+    return replace(req, k=req.k.masked_fill(hidden, 0), v=req.v.masked_fill(hidden, 0))
+
+
 def guard(req: Request) -> Request:
-    """``req``, or ``req`` with copies of ``k`` and ``v`` whose non-finite hidden keys are zeroed (see the module)."""
+    """Before the engine: ``req``, or :func:`zeroed` when a hidden key or value is not finite (or values cannot be read)."""
     hidden = hidden_keys(req)
     if hidden is None:
         return req
@@ -74,4 +85,21 @@ def guard(req: Request) -> Request:
         # one pass over the padding, no bool tensor, one read on the host.
         if bool((k_at.sum() + v_at.sum()).isfinite()):
             return req
-    return replace(req, k=k.masked_fill(hidden, 0), v=v.masked_fill(hidden, 0))
+    return zeroed(req, hidden)
+
+
+def needs_guard_first(req: Request) -> bool:
+    """True when :func:`guard` must run before the engine (gradients recorded, or values unreadable)."""
+    if not concrete(req.k, req.v):
+        return True
+    return req.grad and any(x.requires_grad for x in (req.q, req.k, req.v))
+
+
+def after(req: Request, run: Callable[[Request], tuple], result: tuple) -> tuple:
+    """After an inference call: ``result`` when its output is finite, else ``run`` again on :func:`zeroed` inputs."""
+    if req.mask is None and not isinstance(req.bias, Tensor):  # nothing can hide a key
+        return result
+    if bool(result[0].sum().isfinite()):
+        return result
+    hidden = hidden_keys(req)
+    return result if hidden is None else run(zeroed(req, hidden))
