@@ -34,8 +34,10 @@ def chosen(q, k, v, **kw):
 
 
 def test_preference_order_is_fastest_first_with_reference_last():
-    assert backends.PREFERENCE == ("segments", "local", "sdpa", "chunked", "reference")
-    assert set(backends.PREFERENCE) == set(backends.REGISTRY)
+    assert backends.PREFERENCE == ("segments", "local", "sdpa", "chunked", "reference")  # the CPU's
+    assert backends.CUDA_PREFERENCE == ("sdpa", "flex", "segments", "local", "chunked", "reference")
+    assert set(backends.CUDA_PREFERENCE) == set(backends.REGISTRY)
+    assert set(backends.PREFERENCE) == set(backends.REGISTRY) - {"flex"}  # flex_attention has no CPU backward
 
 
 @pytest.mark.parametrize(
@@ -105,7 +107,7 @@ def test_forcing_a_backend_that_cannot_run_the_call():
     q, k, v = inputs()
     with pytest.raises(ValueError, match="backend: 'sdpa' cannot run this call: the fused kernel does not return weights"):
         qkv.attention(q, k, v, backend="sdpa", return_weights=True)
-    with pytest.raises(ValueError, match=r"backend: expected 'auto' or one of \['chunked', 'local', 'reference', 'sdpa', 'segments'\], got 'fast'"):
+    with pytest.raises(ValueError, match=r"backend: expected 'auto' or one of \['chunked', 'flex', 'local', 'reference', 'sdpa', 'segments'\], got 'fast'"):
         qkv.attention(q, k, v, backend="fast")
 
 

@@ -12,10 +12,11 @@ a non-finite hidden key turns the gradient of the queries into NaN (``dS @ K`` w
 padding masks know them without a tensor; a dense mask is reduced over its rows) and the
 columns a dense float bias sets to ``-inf`` for every row. Then, by what the call is:
 
-* **recording gradients**, or **traced** (``torch.compile``, ``torch.export``, meta
-  tensors): :func:`guard`, before any engine. A traced call zeroes the hidden keys in
-  copies of ``k`` and ``v`` unconditionally (no value may be read: the same result,
-  branch-free); an eager one reads the hidden keys alone (one gather and a sum of the
+* **recording gradients**, **traced** (``torch.compile``, ``torch.export``, meta
+  tensors) or **on an accelerator**: :func:`guard`, before any engine. A traced call, or
+  one on a GPU (where reading a value on the host would stall the stream), zeroes the
+  hidden keys in copies of ``k`` and ``v`` unconditionally (the same result, branch-free);
+  an eager CPU one reads the hidden keys alone (one gather and a sum of the
   padding, small beside a differentiated attention) and copies only when one is not finite;
 * **inference** (no gradient): :func:`after`, once the engine ran. A non-finite hidden
   value shows in the output (``0 · NaN``; a non-finite hidden key alone leaves the forward
@@ -71,7 +72,7 @@ def guard(req: Request) -> Request:
     if hidden is None:
         return req
     k, v = req.k, req.v
-    if concrete(k, v, hidden):
+    if concrete(k, v, hidden) and k.device.type == "cpu":
         at = hidden.expand(k.shape[0], -1, -1, -1)[..., 0]  # (b, g|1, j)
         if at.shape[1] == 1:  # the same keys hidden in every head (padding): index (b, j) only
             rows = at[:, 0].nonzero(as_tuple=True)
@@ -90,8 +91,8 @@ def guard(req: Request) -> Request:
 
 def needs_guard_first(req: Request) -> bool:
     """True when :func:`guard` must run before the engine (gradients recorded, or values unreadable)."""
-    if not concrete(req.k, req.v):
-        return True
+    if not concrete(req.k, req.v) or req.k.device.type != "cpu":
+        return True  # traced, or an accelerator, where reading a value on the host is a sync
     return req.grad and any(x.requires_grad for x in (req.q, req.k, req.v))
 
 

@@ -15,6 +15,16 @@ step, which is exactly what the kernel computes. Three things are adapted to qkv
   left to the chunked backend, which builds its mask a tile at a time.
 * A fully masked row would be NaN in the kernel; it is unmasked for the kernel and its
   output multiplied by zero afterwards, which also zeroes its gradients.
+
+On CUDA the same function runs PyTorch's flash or efficient kernel (its choice); nothing
+here calls a CPU-only op there: the fused CPU kernel's probe (``tiling.flash_cpu.works``)
+is asked for CPU calls only. One more case runs without a mask tensor on CUDA: the plain
+causal mask with fewer queries than keys (a chunk of a prompt after a KV cache) is
+PyTorch's ``torch.nn.attention.bias.causal_lower_right``, the flash kernel's own causal
+alignment (:func:`_lower_right`). :data:`MASK_ELEMENTS` holds on CUDA too where the
+``flex`` backend takes the call: a larger lazy mask goes there, built by blocks; where it
+cannot (no Triton, an older GPU, dropout), up to :data:`DEVICE_MASK_ELEMENTS` are
+materialised, faster on a GPU than the chunked engines' tile loops (:func:`_mask_limit`).
 """
 
 from __future__ import annotations
@@ -35,6 +45,12 @@ selects_weights = False
 #: Largest lazy mask (elements of its ``(b, i, j)`` tensor) materialised for the kernel: 1 MiB
 #: of bool, what a decoding step over a padded cache needs; beyond it the mask is built lazily.
 MASK_ELEMENTS = 2**20
+#: The same limit on CUDA when the ``flex`` backend cannot take the call (no flex_attention or
+#: Triton, a GPU older than Ampere, dropout): 256 MiB of bool (and SDPA's additive copy in the
+#: inputs' dtype), far faster there than the chunked engines' public-op tile loops.
+DEVICE_MASK_ELEMENTS = 2**28
+#: Devices whose SDPA runs ``causal_lower_right`` in a kernel (elsewhere it is materialised).
+LOWER_RIGHT_DEVICES = ("cuda",)
 
 
 def supports(req: Request) -> str | None:
@@ -59,19 +75,65 @@ def supports(req: Request) -> str | None:
     if req.mask is not None and not isinstance(req.mask, Dense) and not _by_flag(req):
         rows = req.q.shape[0] if req.mask.batch_shape() else 1
         elements = rows * req.i * req.j
-        if elements > MASK_ELEMENTS:
-            return f"the lazy mask would be materialised as a ({rows}, {req.i}, {req.j}) tensor, more than {MASK_ELEMENTS} elements"
+        limit, by_blocks = _mask_limit(req)
+        if elements > limit:
+            return f"the lazy mask would be materialised as a ({rows}, {req.i}, {req.j}) tensor, more than {limit} elements{by_blocks}"
     return None
 
 
+def _mask_limit(req: Request) -> tuple[int, str]:
+    """``(elements, why)``: the largest lazy mask materialised for this call, and what builds a larger one.
+
+    :data:`MASK_ELEMENTS`, except on CUDA where the ``flex`` backend cannot take the call:
+    there :data:`DEVICE_MASK_ELEMENTS`, as the alternative is the chunked engines' tile loops.
+    """
+    if req.q.device.type != "cuda":
+        return MASK_ELEMENTS, ""
+    from . import flex_gpu  # (flex_gpu does not import this module)
+
+    if flex_gpu.supports(req) is None:
+        return MASK_ELEMENTS, "; flex_attention builds it by blocks"
+    return DEVICE_MASK_ELEMENTS, ""
+
+
 def _by_flag(req: Request) -> bool:
-    """True when the kernel needs no mask tensor: an offset range that hides nothing, or causal on a square."""
+    """True when the kernel needs no mask tensor: an offset range that hides nothing, causal on a square, or lower-right."""
     mask = req.mask
     if not isinstance(mask, Offsets):
         return False
     if mask.state(Tile.whole(req.i, req.j, req.q.device)) == "full":
         return True
-    return req.bias is None and req.is_causal_only and req.i == req.j
+    return (req.bias is None and req.is_causal_only and req.i == req.j) or _lower_right(req)
+
+
+def _lower_right(req: Request) -> bool:
+    """True when the mask is plain causal with ``i < j`` on a device whose SDPA aligns it bottom-right in a kernel.
+
+    ``causal_lower_right(i, j)`` as the ``attn_mask`` runs PyTorch's flash kernel with its
+    causal flag, which is bottom-right aligned (else the efficient kernel's lower-right mask
+    type), with no ``(i, j)`` tensor. With ``i < j`` every query sees a key, so no row is
+    dead. Grouped KV heads are left to the mask tensor: that dispatch passes no
+    ``enable_gqa``. Not while tracing: the traced graph keeps plain tensors.
+    """
+    return (
+        req.q.device.type in LOWER_RIGHT_DEVICES and req.bias is None and req.is_causal_only
+        and req.i < req.j and int(req.heads) == int(req.kv_heads) and not tracing()
+    )  # fmt: skip
+
+
+def kernel(req: Request) -> str | None:
+    """What runs, in words, for ``qkv.explain`` on CUDA (None elsewhere: one kernel, the CPU's).
+
+    PyTorch picks the kernel at run time; a mask tensor rules out flash (it takes none), so
+    such a call runs the memory-efficient kernel (or cuDNN's, where PyTorch prefers it).
+    """
+    if req.q.device.type != "cuda":
+        return None
+    if req.bias is not None or (req.mask is not None and not _by_flag(req)):
+        return "efficient kernel with a mask tensor, chosen by PyTorch"
+    if _lower_right(req) and req.mask.state(Tile.whole(req.i, req.j, req.q.device)) != "full":
+        return "flash or efficient kernel, causal_lower_right, chosen by PyTorch"
+    return "flash or efficient kernel, chosen by PyTorch"
 
 
 def run(req: Request) -> tuple[Tensor, None, None]:
@@ -108,7 +170,7 @@ def _grouped(req: Request) -> bool:
     return int(req.heads) != int(req.kv_heads)
 
 
-def _mask(req: Request) -> tuple[Tensor | None, bool, Tensor | None]:
+def _mask(req: Request) -> tuple[Tensor | object | None, bool, Tensor | None]:
     """``(attn_mask, is_causal, live_rows)`` for the kernel; live_rows is None when every row sees a key.
 
     An offset mask (causal, windows) that hides nothing from any query, such as the causal
@@ -122,6 +184,10 @@ def _mask(req: Request) -> tuple[Tensor | None, bool, Tensor | None]:
             mask = None
         elif req.bias is None and req.is_causal_only and req.i == req.j:
             return None, True, None
+        elif _lower_right(req):
+            from torch.nn.attention.bias import causal_lower_right
+
+            return causal_lower_right(req.i, req.j), False, None
     if mask is None and req.bias is None:
         return None, False, None
     tile = Tile.whole(req.i, req.j, req.q.device)

@@ -1,0 +1,144 @@
+"""The flex backend: CUDA calls with a score_mod, a lazy bias or a large lazy mask, as one compiled flex_attention.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size.
+
+On CUDA, PyTorch's SDPA kernels (flash, efficient) run the calls they can, unmasked, with
+their causal flag or a small mask tensor (``backends.sdpa``). What they cannot run without
+an ``(i, j)`` tensor per call, a ``score_mod``, a lazy bias (ALiBi, T5 buckets), sinks, the
+log-sum-exp, or a lazy mask too large to materialise, is one call of
+``torch.nn.attention.flex_attention.flex_attention`` compiled by ``torch.compile`` (a fused
+Triton kernel, forward and backward): the request is lowered to flex's ``score_mod``,
+``mask_mod`` and a ``BlockMask`` by ``backends.tiling.flex_lowering``, whose block lists
+skip what the mask hides, and query and KV heads are grouped by ``enable_gqa``.
+
+* Sinks: flex returns each row's log-sum-exp ``lse`` over the keys; with a sink logit
+  ``s_h`` the row's softmax has one more term, so ``out = out_flex · σ(lse - s_h)`` (the
+  keys' share, ``exp(lse) / (exp(lse) + exp(s_h))``) and the call's log-sum-exp is
+  ``logaddexp(lse, s_h)``, both differentiable (flex's backward takes ``lse``'s gradient).
+* A row no key may see gets zero output and ``lse = -inf`` from flex, qkv's convention.
+
+It declines, each with its reason (``qkv.explain`` prints it): CPU tensors (flex_attention
+has no backward on CPU: the CPU engines run the call), any device but CUDA, a call
+``torch.compile`` or ``torch.export`` is tracing (the traced graph keeps public ops), a
+torch without flex_attention or Triton, a GPU below compute capability 8.0 (flex's Triton
+kernels need Ampere or newer), non-dot scores, weights, dropout, float64 (flex's kernels
+are built and tested by PyTorch for float16, bfloat16 and float32), a mask or bias with
+no lowering. Set :data:`ENABLED` to False to keep CUDA calls off it.
+
+``torch.compile`` specialises the kernel to what the call's closures hold (the bias kind,
+the mask's structure, a window's width, the scale) and recompiles when one of those
+changes; lengths are inputs (``flex_lowering``). Past torch's recompile limit
+(``torch._dynamo.config.recompile_limit``) a call runs flex's unfused eager path, correct
+but slow: a model uses a few kinds of call, a test sweep may need the limit raised.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._trace import tracing
+from .request import Request
+from .tiling import flex_lowering
+
+name = "flex"
+selects_weights = False
+
+#: False keeps every call off this backend (CUDA calls then go to SDPA or the chunked engines).
+ENABLED = True
+#: The dtypes flex_attention's CUDA kernels are built for.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_compiled = None
+_environment: dict[object, str | None] = {}
+
+
+def supports(req: Request) -> str | None:
+    device = req.q.device.type
+    if device == "cpu":
+        return "flex_attention on CPU has no backward; the CPU engines run this"
+    if device != "cuda":
+        return f"flex_attention is compiled here for CUDA tensors only, got {device}"
+    if not ENABLED:
+        return "qkv.backends.flex_gpu.ENABLED is False"
+    if tracing():
+        return "torch.compile / torch.export is tracing the call (traced graphs use public ops)"
+    if (reason := environment(req.q.device)) is not None:
+        return reason
+    if not req.score.dot_form:
+        return f"the {req.score.name} score is not a dot product (flex_attention computes q·k)"
+    if req.return_weights:
+        return "flex_attention does not return weights"
+    if req.dropout > 0:
+        return "flex_attention has no dropout"
+    if req.q.dtype not in DTYPES:
+        return f"flex_attention's kernels are built for float16, bfloat16 and float32, got {req.q.dtype}"
+    if req.piece is not None:
+        return "a block of a larger softmax runs on the engines (backends.engines.key_blocks)"
+    return flex_lowering.mask_problem(req.mask) or flex_lowering.bias_problem(req.bias)
+
+
+def environment(device: torch.device) -> str | None:
+    """Why flex_attention cannot be compiled for ``device`` here (checked once per device), or None."""
+    key = str(device)
+    if key not in _environment:
+        _environment[key] = _environment_problem(device)
+    return _environment[key]
+
+
+def _environment_problem(device: torch.device) -> str | None:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return "this torch has no torch.nn.attention.flex_attention"
+    if not torch.cuda.is_available():
+        return "this torch has no CUDA runtime to compile flex_attention for"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"flex_attention's Triton kernels need compute capability 8.0 or newer, this GPU has {major}.{minor}"
+    from torch.utils._triton import has_triton
+
+    if not has_triton():
+        return "Triton is not installed: flex_attention cannot be compiled"
+    return None
+
+
+def kernel(req: Request) -> str:
+    """What runs, in words, for ``qkv.explain``."""
+    return "compiled flex_attention"
+
+
+def compiled():
+    """``torch.compile(flex_attention)``, made once, at first use."""
+    global _compiled
+    if _compiled is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled = torch.compile(flex_attention)
+    return _compiled
+
+
+def run(req: Request) -> tuple[Tensor, None, Tensor | None]:
+    return forward(req, compiled())
+
+
+def forward(req: Request, flex) -> tuple[Tensor, None, Tensor | None]:
+    """``(out, None, lse | None)`` of ``req`` through ``flex`` (the compiled kernel; tests pass flex's eager one)."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    low = flex_lowering.lower(req)
+    want_lse = req.return_lse or req.sinks is not None
+    result = flex(
+        low.q, low.k, low.v, score_mod=low.score_mod, block_mask=low.block_mask, scale=low.scale,
+        enable_gqa=low.enable_gqa, return_aux=AuxRequest(lse=True) if want_lse else None,
+    )  # fmt: skip
+    out, lse = (result[0], result[1].lse) if want_lse else (result, None)
+    out = out[..., : low.e]
+    if req.sinks is not None:
+        acc = torch.promote_types(out.dtype, torch.float32)
+        sink = req.sinks.to(acc)[None, :, None]  # (1, h, 1)
+        lse = lse.to(acc)
+        out = (out.to(acc) * torch.sigmoid(lse - sink)[..., None]).to(req.v.dtype)  # the keys' share of the row
+        lse = torch.logaddexp(lse, sink)
+    return out, None, (lse if req.return_lse else None)
