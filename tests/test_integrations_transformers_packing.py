@@ -103,3 +103,34 @@ def test_bad_offsets_name_the_keyword(models):
     batch["cu_seq_lens_q"] = torch.tensor([0, 5, 9], dtype=torch.int32)  # ends before the 15 tokens
     with pytest.raises(ValueError, match=r"cu_seq_lens_q: expected offsets from 0, non-decreasing, ending at the 15 packed tokens"):
         llama(**batch)
+
+
+def test_a_left_padded_batch_is_not_read_as_packed(models, monkeypatch):
+    """generate's position ids of a left-padded batch restart at the padding: that is padding, not packing."""
+    from qkv.backends import segments
+
+    llama = models["llama"]
+    ids = torch.tensor([[0, 0, 0, 5, 9, 12], [3, 17, 5, 9, 12, 7]])
+    attention_mask = (ids != 0).long()
+    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # what generate passes
+    monkeypatch.setattr(segments, "run", lambda req: pytest.fail("the padded batch ran as packed documents"))
+    with torch.no_grad():
+        logits = llama(input_ids=ids, attention_mask=attention_mask, position_ids=positions).logits
+        alone = llama(input_ids=ids[:1, 3:], position_ids=positions[:1, 3:]).logits
+    torch.testing.assert_close(logits[0, 3:], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_decoding_step_prepares_its_mask_once_for_every_layer(models, monkeypatch):
+    """A step after a cache: the padded mask is made (and, being small, built as a tensor) once per forward."""
+    from qkv.integrations import transformers_masks
+
+    llama = models["llama"]
+    made = []
+    real = transformers_masks._for_call
+    monkeypatch.setattr(transformers_masks, "_for_call", lambda *args: made.append(args[1:3]) or real(*args))
+    ids = torch.tensor([[0, 0, 5, 9], [3, 17, 5, 9]])
+    with torch.no_grad():
+        out = llama.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=3, do_sample=False,
+                             pad_token_id=0)  # fmt: skip
+    assert out.shape == (2, 7)
+    assert made == [(4, 4), (1, 5), (1, 6)]  # one per forward, not one per layer (the model has 2)

@@ -69,6 +69,7 @@ SUITES: dict[str, str] = {
     "distributed": "qkv.bench.distributed",
     "mechanisms": "qkv.bench.mechanisms",
     "packing": "qkv.bench.packing",
+    "decoding": "qkv.bench.decoding",
 }
 #: Suites run when ``--suite`` is not given.
 DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")

@@ -190,8 +190,9 @@ def attention_forward(
     weights are only the chosen ``(b, len(heads), len(rows), j)``.
     """
     _check_keywords(kwargs)
-    mask, bias = _mask_and_bias(module, attention_mask, query.shape[-2], key.shape[-2], is_causal, sliding_window)
-    mask = with_documents(mask, documents_for(query, key, kwargs))  # a packed batch: one call per sequence
+    mask, bias = _mask_and_bias(module, attention_mask, query.shape[-2], key.shape[-2], is_causal, sliding_window,
+                                query.device)  # fmt: skip
+    mask = with_documents(mask, documents_for(query, key, kwargs, mask))  # a packed batch: one call per sequence
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
     score_mod = None
@@ -237,10 +238,11 @@ def _mask_and_bias(
     j: int,
     is_causal: bool | None,
     sliding_window: int | None,
+    device: torch.device,
 ) -> tuple[Mask | None, Tensor | None]:
     """The mask (and, for a float 4-d mask, the bias) for ``qkv.attention``."""
     if isinstance(attention_mask, LayerMask):
-        attention_mask = attention_mask.mask
+        return attention_mask.for_call(i, j, device), None
     if isinstance(attention_mask, Mask):
         # built by mask_interface from what the model asked: causality and windows included.
         # A mask that hides nothing (a decode step without padding) is dropped, so the

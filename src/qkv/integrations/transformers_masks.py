@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import masks
+from ..backends.sdpa import MASK_ELEMENTS
 from ..masks import Dense, Mask
 from .transformers_closures import closure
 from .transformers_packing import packed_parts
@@ -68,6 +69,21 @@ class LayerMask:
     def __init__(self, mask: Mask, shape: tuple[int, int, int, int]):
         self.mask = mask
         self.shape = shape
+        self._calls: dict[tuple, Mask | None] = {}
+
+    def for_call(self, i: int, j: int, device: torch.device) -> Mask | None:
+        """The mask one layer call runs with, made once and shared by every layer of the forward.
+
+        None when it hides nothing (a decoding step without padding: the fastest path); for
+        a call after a cache (fewer queries than keys) whose mask PyTorch's kernel would be
+        given as a tensor anyway (``qkv.backends.sdpa.MASK_ELEMENTS``: a decoding step over a
+        padded cache), that tensor, built once here rather than by each of a model's layers;
+        else the lazy mask itself.
+        """
+        key = (i, j, device)
+        if key not in self._calls:
+            self._calls[key] = _for_call(self.mask, i, j, device)
+        return self._calls[key]
 
     def dim(self) -> int:
         return self.ndim
@@ -77,6 +93,17 @@ class LayerMask:
 
     def __repr__(self) -> str:
         return f"LayerMask({self.mask!r}, shape={self.shape})"
+
+
+def _for_call(mask: Mask, i: int, j: int, device: torch.device) -> Mask | None:
+    if isinstance(mask, Dense):
+        return mask
+    if mask.state(masks.Tile.whole(i, j, device)) == "full":
+        return None
+    rows = mask.batch_shape()[0] if mask.batch_shape() else 1
+    if i >= j or rows * i * j > MASK_ELEMENTS:  # not a step after a cache: packed documents stay lazy
+        return mask
+    return Dense(mask.dense(i, j, device))
 
 
 def mask_interface(

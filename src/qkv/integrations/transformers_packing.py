@@ -31,8 +31,13 @@ from ..masks import And, Documents, Mask
 from .transformers_closures import closure
 
 
-def documents_for(query: Tensor, key: Tensor, kwargs: dict) -> Documents | None:
-    """The documents of a packed layer call, from its keywords; None when it is not packed."""
+def documents_for(query: Tensor, key: Tensor, kwargs: dict, mask: Mask | None = None) -> Documents | None:
+    """The documents of a packed layer call, from its keywords; None when it is not packed.
+
+    ``mask`` is the layer's own mask: where it pads some keys (a padded batch, whose
+    ``generate`` gives the padding one repeated position id), ``position_ids`` say nothing of
+    packing, as in transformers, which looks for packed positions only without a padding mask.
+    """
     b, i, j = query.shape[0], query.shape[-2], key.shape[-2]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
@@ -46,7 +51,8 @@ def documents_for(query: Tensor, key: Tensor, kwargs: dict) -> Documents | None:
             raise ValueError(f"seq_idx: expected a sequence index per token (b, {i}) of a self-attention layer, got {got}")
         return Documents(seq_idx.expand(b, -1))
     positions = kwargs.get("position_ids")
-    if isinstance(positions, Tensor) and positions.dim() == 2 and positions.shape[-1] == i == j and i > 1:
+    padded = mask is not None and mask.hidden_keys(i, j) is not None
+    if isinstance(positions, Tensor) and positions.dim() == 2 and positions.shape[-1] == i == j and i > 1 and not padded:
         starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
         if bool(starts[:, 1:].any()):
             return Documents(starts.cumsum(-1).expand(b, -1))
