@@ -36,6 +36,7 @@ none here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable
 
@@ -84,7 +85,7 @@ def guard(req: Request) -> Request:
             return req
         # A sum is NaN or inf when one term is (or when it overflows: zeroing is then harmless);
         # one pass over the padding, no bool tensor, one read on the host.
-        if bool((k_at.sum() + v_at.sum()).isfinite()):
+        if math.isfinite(float(k_at.detach().sum() + v_at.detach().sum())):  # (Tensor.isfinite costs ~40 µs on a 0-d tensor)
             return req
     return zeroed(req, hidden)
 
@@ -100,7 +101,7 @@ def after(req: Request, run: Callable[[Request], tuple], result: tuple) -> tuple
     """After an inference call: ``result`` when its output is finite, else ``run`` again on :func:`zeroed` inputs."""
     if req.mask is None and not isinstance(req.bias, Tensor):  # nothing can hide a key
         return result
-    if bool(result[0].sum().isfinite()):
+    if math.isfinite(float(result[0].sum())):
         return result
     hidden = hidden_keys(req)
     return result if hidden is None else run(zeroed(req, hidden))

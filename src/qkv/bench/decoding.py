@@ -176,16 +176,18 @@ def prefill_segments(batch: dict, heads: int = 9, kv_heads: int = 3, d: int = 64
     """How many separate calls qkv's integration makes of one prefill layer of ``batch`` under generate.
 
     generate gives a left-padded batch the position ids ``cumsum(mask) - 1`` with 0 at the
-    pads (transformers' ``_prepare_position_ids_for_generation``); the integration reads
-    position ids that do not run on by one as a packed batch (``documents_for``), one call
-    per document on the segments backend. 1 per row when it does not.
+    pads (transformers' ``_prepare_position_ids_for_generation``); were they read as a
+    packed batch (``documents_for``), there would be one call per document on the segments
+    backend, not one per row; with the layer's padding mask they are not.
     """
     from ..integrations.transformers_packing import documents_for
+    from ..masks import Dense
 
     real = batch["attention_mask"]
     positions = (real.long().cumsum(-1) - 1).masked_fill(real == 0, 0)
     b, i = real.shape
-    docs = documents_for(torch.empty(b, heads, i, d), torch.empty(b, kv_heads, i, d), {"position_ids": positions})
+    padding = Dense(real.bool()[:, None, None, :])  # the padding part of the layer's own mask
+    docs = documents_for(torch.empty(b, heads, i, d), torch.empty(b, kv_heads, i, d), {"position_ids": positions}, padding)
     runs = None if docs is None else docs.runs()
     if runs is None:
         return b

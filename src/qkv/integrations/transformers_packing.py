@@ -51,8 +51,9 @@ def documents_for(query: Tensor, key: Tensor, kwargs: dict, mask: Mask | None = 
             raise ValueError(f"seq_idx: expected a sequence index per token (b, {i}) of a self-attention layer, got {got}")
         return Documents(seq_idx.expand(b, -1))
     positions = kwargs.get("position_ids")
-    padded = mask is not None and mask.hidden_keys(i, j) is not None
-    if isinstance(positions, Tensor) and positions.dim() == 2 and positions.shape[-1] == i == j and i > 1 and not padded:
+    if not (isinstance(positions, Tensor) and positions.dim() == 2 and positions.shape[-1] == i == j and i > 1):
+        return None
+    if mask is None or mask.hidden_keys(i, j) is None:  # no padding: restarting positions are packing
         starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
         if bool(starts[:, 1:].any()):
             return Documents(starts.cumsum(-1).expand(b, -1))
