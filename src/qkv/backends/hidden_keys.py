@@ -101,7 +101,7 @@ def after(req: Request, run: Callable[[Request], tuple], result: tuple) -> tuple
     """After an inference call: ``result`` when its output is finite, else ``run`` again on :func:`zeroed` inputs."""
     if req.mask is None and not isinstance(req.bias, Tensor):  # nothing can hide a key
         return result
-    if math.isfinite(float(result[0].sum())):
+    if math.isfinite(float(result[0].detach().sum())):
         return result
     hidden = hidden_keys(req)
     return result if hidden is None else run(zeroed(req, hidden))

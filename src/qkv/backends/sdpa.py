@@ -212,8 +212,9 @@ def _dead_rows(mask, allowed: Tensor, req: Request) -> Tensor | None:
 
     An offset mask's rows with keys are one range, found by arithmetic; for other masks the
     rows are found from ``allowed``, and whether any is dead is read on the host only where
-    values can be read (``qkv._trace``): while tracing every row is treated as possibly dead
-    (the same result, one more multiplication).
+    values can be read (``qkv._trace``) and cheaply (a CPU tensor: on a GPU the read would wait
+    for the device): elsewhere every row is treated as possibly dead (the same result, one
+    more multiplication).
     """
     if isinstance(mask, Offsets):
         first, stop = offset_live_rows(mask, req.i, req.j)
@@ -222,7 +223,7 @@ def _dead_rows(mask, allowed: Tensor, req: Request) -> Tensor | None:
         rows = torch.arange(req.i, device=allowed.device)[:, None]
         return (rows < first) | (rows >= stop)
     dead = ~allowed.any(dim=-1, keepdim=True)
-    if concrete(dead) and not bool(dead.any()):
+    if concrete(dead) and dead.device.type == "cpu" and not bool(dead.any()):  # on a GPU the read is a sync
         return None
     return dead
 
