@@ -137,3 +137,27 @@ def test_sdpa_dropout_keeps_the_expectation():
     draws = torch.stack([qkv.attention(q, k, v, dropout=0.5, backend="sdpa") for _ in range(1000)])
     assert not torch.equal(draws[0], draws[1])
     torch.testing.assert_close(draws.mean(0), qkv.attention(q, k, v), atol=0.1, rtol=0)
+
+
+@pytest.mark.parametrize("given", ["tril", "tril but one", "per batch row"])
+def test_a_mask_that_is_exactly_the_causal_square_runs_the_causal_kernel(given, monkeypatch):
+    """A computed mask equal to the causal square takes ``is_causal`` (no mask tensor); any other keeps its tensor."""
+    q, k, v = _inputs(g=H, i=J)
+    allowed = torch.ones(J, J, dtype=torch.bool).tril()
+    if given == "tril but one":
+        allowed[3, 1] = False
+    if given == "per batch row":
+        allowed = allowed.expand(B, 1, J, J)
+    seen = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal", False)))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    out = qkv.attention(q, k, v, mask=qkv.masks.Dense(allowed), backend="sdpa")
+    monkeypatch.undo()
+    assert seen == [(given != "tril but one", given != "tril but one")]
+    expected = qkv.attention(q, k, v, mask=allowed, backend="reference")
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)

@@ -160,3 +160,94 @@ def test_errors_follow_flex():
     with pytest.raises(TypeError, match="mask_mod: expected a bool tensor"):
         qkv.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                       mask=qkv.masks.from_mask_mod(lambda b, h, qi, kv: (qi - kv).float()))  # fmt: skip
+
+
+@pytest.mark.parametrize("sizes", [[128, 256, 128], [100, 284, 128], [512]])
+def test_a_packed_document_block_mask_runs_one_call_per_group_of_blocks(sizes):
+    """Documents that no listed block joins are independent calls; the result is flex's, forward and backward."""
+    ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    n = ids.numel()
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    bm = flex.create_block_mask(doc_causal, None, None, n, n, device="cpu")
+    groups = qkv.masks.FlexBlocks(bm).diagonal_groups()
+    # a block shared by two documents joins them: groups are runs of whole blocks
+    want_groups = {(128, 256, 128): [0] * 128 + [1] * 256 + [2] * 128, (100, 284, 128): [0] * 384 + [1] * 128, (512,): None}
+    expected = want_groups[tuple(sizes)]
+    assert (groups is None) if expected is None else groups.tolist() == expected
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, HQ, n, E, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, HKV, n, E, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, HKV, n, EV, generator=gen, dtype=torch.float64, requires_grad=True)
+    soft = SCORE_MODS["soft_cap"]
+    got, lse = qkv.flex_attention(q, k, v, score_mod=soft, block_mask=bm, enable_gqa=True, return_lse=True)
+    kr, vr = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+    s = 20 * torch.tanh(E**-0.5 * q @ kr.transpose(-1, -2) / 20)
+    s = s.masked_fill(~((ids[:, None] == ids[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()), float("-inf"))
+    want, want_lse = torch.softmax(s, -1) @ vr, torch.logsumexp(s, -1)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+    cot = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    mine = torch.autograd.grad((got * cot).sum() + lse.sum(), (q, k, v))
+    theirs = torch.autograd.grad((want * cot).sum() + want_lse.sum(), (q, k, v))
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_diagonal_groups_need_square_blocks_and_no_block_across():
+    n = 384
+    window = flex.create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= 40, None, None, n, n, device="cpu")
+    assert qkv.masks.FlexBlocks(window).diagonal_groups() is None  # every block reaches its neighbours
+    ids = torch.arange(n) // 128
+    docs = lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx]  # noqa: E731
+    assert qkv.masks.FlexBlocks(flex.create_block_mask(docs, None, None, n, n, device="cpu")).diagonal_groups() is not None
+    wide = flex.create_block_mask(docs, None, None, n, n, device="cpu", BLOCK_SIZE=(128, 64))
+    assert qkv.masks.FlexBlocks(wide).diagonal_groups() is None  # query and key blocks differ: not read
+
+
+def test_a_reused_block_mask_evaluates_its_mask_mod_once_while_what_it_reads_is_unchanged(monkeypatch):
+    """As a model's layers reuse one block mask: tiles are kept; a captured tensor changed in place is read afresh."""
+    from qkv import _mods
+
+    n = 256
+    ids = torch.arange(n) // 100  # documents straddle blocks: the mask_mod is needed
+
+    def docs(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    calls = []
+    evaluate = _mods.evaluate
+    monkeypatch.setattr(_mods, "evaluate", lambda fn, *a: calls.append(fn) or evaluate(fn, *a))
+    bm = flex.create_block_mask(docs, None, None, n, n, device="cpu")
+    q, k, v = (x.detach()[:1, :2, :n] for x in inputs())
+    k, v = k[:, :, :n], v[:, :, :n]
+    first = qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert calls
+    calls.clear()
+    again = qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert calls == [] and torch.equal(first, again)
+    ids[150:] = 0  # in place: documents 1 and 2 become one, inside the blocks the lists already name
+    changed = qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert calls  # evaluated afresh
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = flex.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    torch.testing.assert_close(changed, want, rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(changed, first)
+
+
+def test_a_mask_mod_reading_a_list_is_evaluated_at_every_call():
+    n = 256
+    cut = [100]
+    bm = flex.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= cut[0], None, None, n, n, device="cpu")
+    q, k, v = (x.detach()[:1, :2, :n] for x in inputs())
+    k, v = k[:, :, :n], v[:, :, :n]
+    qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    cut[0] = 120  # a list changes unseen: nothing is kept, so flex's answer follows it
+    got = qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = flex.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -9,7 +9,9 @@ scale, enable_gqa, return_lse, kernel_options, *, return_aux)`` runs a ``score_m
 backward on CPU"). :func:`flex_attention` takes the same arguments, torch's own
 ``BlockMask`` included (``create_block_mask(..., device="cpu")``), and runs them on qkv's
 engines, forward and backward: the block mask's lists skip the blocks it leaves out and
-drop the ``mask_mod`` on its full blocks (``qkv.masks.FlexBlocks``), and ``score_mod`` is
+drop the ``mask_mod`` on its full blocks (``qkv.masks.FlexBlocks``); a block mask whose
+lists fall into independent runs along the diagonal (packed documents) runs as one ordinary
+call per run (``FlexBlocks.diagonal_groups``, the segments backend); and ``score_mod`` is
 evaluated as flex evaluates it (0-d indices; ``qkv._mods``). ``return_lse`` /
 ``return_aux=AuxRequest(lse=True)`` give the natural-log log-sum-exp ``(B, Hq, L)``,
 differentiable. ``kernel_options`` tune flex's Triton kernels and are accepted and
@@ -31,6 +33,7 @@ from typing import Callable
 from torch import Tensor
 
 from .functional import attention
+from .masks import documents
 from .masks.programs import FlexBlocks
 
 
@@ -78,6 +81,9 @@ def flex_attention(
         if not hasattr(block_mask, "kv_num_blocks") or not hasattr(block_mask, "mask_mod"):
             raise TypeError(f"block_mask: expected torch's BlockMask (create_block_mask), got {type(block_mask).__name__}")
         mask = FlexBlocks(block_mask)
+        groups = mask.diagonal_groups()
+        if groups is not None:  # block-diagonal (packed documents): one ordinary call per group
+            mask = documents(groups.to(query.device)) & mask
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     result = attention(query, key, value, mask=mask, scale=scale, score_mod=score_mod, return_lse=want_lse)

@@ -21,6 +21,7 @@ afresh.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from .. import _mods
 from .base import Mask, State, Tile
+from .reads import fingerprint
 
 
 class MaskMod(Mask):
@@ -86,13 +88,16 @@ def from_mask_mod(mask_mod: Callable, B: int | None = None, H: int | None = None
 class FlexBlocks(Mask):
     """torch's ``BlockMask``: its listed blocks, "full" ones unmasked and "partial" ones through its ``mask_mod``."""
 
+    #: Up to this many partial blocks in a tile, the mask_mod runs on each alone (else on the whole tile).
+    FEW_PARTIAL = 16
+
     def __init__(self, block_mask):
         self.block_mask = block_mask
         self.q_block, self.kv_block = block_mask.BLOCK_SIZE
         self.q_len, self.kv_len = block_mask.seq_lengths
-        self.states = _block_states(block_mask)  # (B, H, nq, nk) int8: 0 not listed, 1 partial, 2 full
-        self._host = self.states.cpu()
-        self._mod = MaskMod(block_mask.mask_mod, self.states.shape[0], self.states.shape[1])
+        self._mod = MaskMod(block_mask.mask_mod, *block_mask.kv_num_blocks.shape[:2])
+        self._kept = _kept_for(block_mask)
+        self.states, self._host = self._kept.states, self._kept.host  # (B, H, nq, nk) int8: 0 not listed, 1 partial, 2 full
 
     def _blocks(self, t: Tile) -> Tensor:
         qb = slice(t.i0 // self.q_block, (t.i1 - 1) // self.q_block + 1)
@@ -100,20 +105,74 @@ class FlexBlocks(Mask):
         return self._host[:, :, qb, kb]
 
     def tile(self, t: Tile) -> Tensor:
-        blocks = self._blocks(t)
+        key = _key(t)
+        kept = self._kept.tiles.get(key)
+        if kept is None:
+            kept = self._evaluate(t)
+            self._kept.keep(key, kept)
+        return kept
+
+    def _evaluate(self, t: Tile) -> Tensor:
+        blocks = self._blocks(t)  # on the host: whole blocks are decided without touching the tile
         if blocks.shape[-2:] == (1, 1) and bool((blocks == blocks.flatten()[0]).all()):  # one block, one state
             state = int(blocks.flatten()[0])
             if state == 1:
                 return self._mod.tile(t)
             shape = (*self.states.shape[:2], t.i1 - t.i0, t.j1 - t.j0)
             return torch.full(shape, state == 2, dtype=torch.bool, device=t.device)
-        states = self.states.to(t.device)
-        per_row = states.index_select(2, torch.div(t.rows, self.q_block, rounding_mode="floor"))
-        per_elem = per_row.index_select(3, torch.div(t.cols, self.kv_block, rounding_mode="floor"))  # (B, H, it, jt)
-        full = per_elem == 2
-        if not bool((per_elem == 1).any()):
-            return full
-        return full | ((per_elem == 1) & self._mod.tile(t))
+        if not bool((blocks == 1).any()):
+            return self._spread(blocks == 2, t)
+        partial = (blocks == 1).any(0).any(0)  # (nq, nk): partial for some batch row or head
+        spots = partial.nonzero().tolist()
+        if len(spots) > self.FEW_PARTIAL or 2 * len(spots) > partial.numel():
+            return torch.where(self._spread(blocks == 1, t), self._mod.tile(t), self._spread(blocks == 2, t))
+        # Few partial blocks (a causal diagonal): the program runs on those blocks alone, as flex runs it.
+        allowed = self._spread(blocks == 2, t).clone()
+        qb0, kb0 = t.i0 // self.q_block, t.j0 // self.kv_block
+        for qb, kb in spots:
+            i0, i1 = max(t.i0, (qb0 + qb) * self.q_block), min(t.i1, (qb0 + qb + 1) * self.q_block)
+            j0, j1 = max(t.j0, (kb0 + kb) * self.kv_block), min(t.j1, (kb0 + kb + 1) * self.kv_block)
+            part = self._mod.tile(Tile(i0, i1, j0, j1, t.i_len, t.j_len, t.device))
+            states = blocks[:, :, qb : qb + 1, kb : kb + 1].to(t.device)  # (B, H, 1, 1): partial, full or not listed
+            rows, cols = slice(i0 - t.i0, i1 - t.i0), slice(j0 - t.j0, j1 - t.j0)
+            allowed[:, :, rows, cols] = torch.where(states == 1, part, states == 2)
+        return allowed
+
+    def _spread(self, blocks: Tensor, t: Tile) -> Tensor:
+        """``blocks (B, H, nq, nk)``, one value per block, as one per element of tile ``t``."""
+        n_b, n_h, nq, nk = blocks.shape
+        per_elem = blocks.to(t.device)[:, :, :, None, :, None].expand(n_b, n_h, nq, self.q_block, nk, self.kv_block)
+        per_elem = per_elem.reshape(n_b, n_h, nq * self.q_block, nk * self.kv_block)
+        r0, c0 = t.i0 % self.q_block, t.j0 % self.kv_block  # the tile's offset in its first block
+        return per_elem[:, :, r0 : r0 + t.i1 - t.i0, c0 : c0 + t.j1 - t.j0]
+
+    def diagonal_groups(self) -> Tensor | None:
+        """``(L,)`` int64: a group id per token when the lists never cross between groups, else None.
+
+        Runs of blocks along the diagonal that no listed block joins are independent
+        attentions (packed documents, at block granularity): a query of one group sees no key
+        of another. With more than one such group the call is block-diagonal, and
+        ``qkv.masks.documents(groups) & self`` is the same mask, which the segments backend
+        runs as one ordinary call per group. None for one group, or when queries and keys are
+        blocked differently.
+        """
+        if self.q_block != self.kv_block or self.q_len != self.kv_len:
+            return None
+        listed = self._host.amax((0, 1)) > 0  # (nq, nk): listed for some batch row or head
+        n = min(listed.shape)
+        if n < 2:
+            return None
+        cols = torch.arange(listed.shape[1])
+        last = torch.where(listed, cols, -1).amax(1)[:n]  # each query block's last listed key block
+        first = torch.where(listed, cols, listed.shape[1]).amin(1)[:n]
+        reach_before = torch.cummax(last, 0).values[:-1]  # rows above a cut t reach keys < t only
+        reach_after = torch.flip(torch.cummin(torch.flip(first, (0,)), 0).values, (0,))[1:]  # rows below: keys >= t
+        cut = torch.arange(1, n)
+        cuts = (reach_before < cut) & (reach_after >= cut)
+        if not bool(cuts.any()):
+            return None
+        block_group = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(cuts.long(), 0)])  # (n,)
+        return block_group.repeat_interleave(self.q_block)[: self.q_len]
 
     def state(self, t: Tile) -> State:
         if t.i0 >= t.i1 or t.j0 >= t.j1:
@@ -153,6 +212,48 @@ class FlexBlocks(Mask):
 
     def __repr__(self) -> str:
         return f"FlexBlocks(shape={tuple(self.states.shape)}, BLOCK_SIZE=({self.q_block}, {self.kv_block}))"
+
+
+class _Kept:
+    """What one ``BlockMask`` keeps between calls: its block states, and its evaluated tiles
+    while its ``mask_mod`` reads the same values (:func:`qkv.masks.reads.fingerprint`)."""
+
+    #: Evaluated tiles kept per block mask, in bytes (a model's layers reuse one block mask).
+    LIMIT = 32 * 2**20
+
+    def __init__(self, block_mask):
+        self.states = _block_states(block_mask)
+        self.host = self.states.cpu()
+        self.read = _reads(block_mask)
+        self.tiles: dict = {}
+        self.size = 0
+
+    def keep(self, key: tuple, allowed: Tensor) -> None:
+        if self.read is None or self.size + allowed.numel() > self.LIMIT:
+            return  # what the program reads can change unseen, or the budget is spent
+        self.tiles[key] = allowed
+        self.size += allowed.numel()
+
+
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _kept_for(block_mask) -> _Kept:
+    """The block mask's :class:`_Kept`, started afresh when its program now reads other values."""
+    kept = _KEPT.get(block_mask)
+    if kept is None or kept.read is None or kept.read != _reads(block_mask):
+        kept = _Kept(block_mask)
+        try:
+            _KEPT[block_mask] = kept
+        except TypeError:  # not weakly referable: nothing is kept between calls
+            pass
+    return kept
+
+
+def _reads(block_mask) -> tuple | None:
+    """The fingerprint of the block lists and of what the ``mask_mod`` reads."""
+    lists = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    return fingerprint((block_mask.mask_mod, *lists))
 
 
 def _block_states(block_mask) -> Tensor:

@@ -1,0 +1,73 @@
+"""What a mask program reads besides its arguments, as a fingerprint that changes when that does.
+
+A ``mask_mod`` such as ``lambda b, h, q, kv: ids[q] == ids[kv]`` reads tensors it captured
+(closure cells) or names it looks up (module globals). Its answer for a tile is fixed while
+those stay the same objects with the same contents; a tensor changed in place bumps its
+version counter (``Tensor._version``), and rebinding a name changes the object found. The
+fingerprint lists, for every tensor reached, its identity and version, and for every plain
+value its value; it is None when the program reaches anything whose changes cannot be seen
+that way (a list, a dict, a module of weights): then nothing may be remembered between calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+from torch import Tensor
+
+_PLAIN = (int, float, bool, complex, str, bytes, type(None))
+_STATIC = (types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType)
+
+
+def fingerprint(fn: object) -> tuple | None:
+    """A tuple that equals an earlier one only if ``fn`` reads the same values; None when that cannot be told."""
+    found: list = []
+    seen: set[int] = set()
+    stack = [fn]
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, Tensor):
+            found.append(("tensor", id(x), x._version))
+        elif isinstance(x, _PLAIN):
+            found.append(("value", x))
+        elif isinstance(x, tuple):
+            stack.extend(x)
+        elif isinstance(x, functools.partial):
+            stack.extend((x.func, *x.args, *x.keywords.values()))
+        elif isinstance(x, types.FunctionType):
+            found.append(("function", id(x)))
+            stack.extend(_free_values(x))
+        elif isinstance(x, _STATIC):
+            continue  # modules, classes and builtins: what they compute does not change between calls
+        else:
+            return None  # a list, a dict, an nn.Module, an object: contents that change unseen
+    return tuple(found)
+
+
+def _free_values(fn: types.FunctionType) -> list:
+    """The values ``fn`` reaches beyond its arguments: closure cells, and the globals its code names."""
+    values = [cell.cell_contents for cell in fn.__closure__ or () if _filled(cell)]
+    # co_names also holds attribute names (x.shape); only those bound in the globals are variables
+    values += [fn.__globals__[name] for name in _names(fn.__code__) if name in fn.__globals__]
+    values.extend(fn.__defaults__ or ())
+    return values
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:  # functions defined inside: their names are looked up in the same globals
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell (a name assigned later in the enclosing function)
+        return False
+    return True
