@@ -9,13 +9,14 @@ See docs/DESIGN.md for the layers; every name exported here is public and stable
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import approx, backends, blocks, cache, masks, models, positional, score_mods, scores, tasks, variants
+from . import approx, backends, blocks, cache, masks, models, paged, positional, score_mods, scores, tasks, variants
 from .attention import Attention, MultiHeadAttention
 from .blocks import Decoder, Encoder, FeedForward, TransformerDecoderLayer, TransformerEncoderLayer
 from .cache import DecoderCache, KVCache, LatentCache, StreamingCache
 from .flex import flex_attention
 from .functional import attention, attention_weights, explain, merge
 from .latent import MultiHeadLatentAttention
+from .paged import PagedKVCache, paged_attention
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
 from .score_mods import SoftCap
 from .torch_sdpa import scaled_dot_product_attention
@@ -41,6 +42,7 @@ __all__ = [
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
     "OutputGate",
+    "PagedKVCache",
     "QKNorm",
     "RelativePositionBias",
     "Rotary",
@@ -63,6 +65,8 @@ __all__ = [
     "merge",
     "models",
     "pad_input",
+    "paged",
+    "paged_attention",
     "positional",
     "score_mods",
     "scaled_dot_product_attention",

@@ -273,6 +273,8 @@ class MultiHeadAttention(nn.Module):
         v = v.unflatten(-1, (self.kv_heads, self.dim_value_head)).transpose(1, 2)
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k)
+        if cache is not None and hasattr(cache, "attend"):  # a serving step over pages (qkv.paged.serve)
+            return self._paged(q, k, v, query, cache, return_weights)
         extra = {}
         # A cache that re-positions its keys (qkv.cache.StreamingCache: positions within the
         # cache) gets them unrotated; every key is rotated after the update instead.
@@ -296,6 +298,23 @@ class MultiHeadAttention(nn.Module):
         y = self.out_proj(out.transpose(1, 2).flatten(2))  # "b h i e -> b i (h e)"
         y = y if self.batch_first else y.transpose(0, 1)
         return (y, weights) if return_weights else y
+
+    def _paged(self, q: Tensor, k: Tensor, v: Tensor, query: Tensor, layer, return_weights: bool) -> Tensor:
+        """``q (1, h, T, d)``: a packed step of many requests; ``layer`` writes ``k, v`` to its pages and attends."""
+        if return_weights:
+            raise ValueError("return_weights: a paged serving step does not build weights")
+        if self.positional is not None:
+            if self.positional.bias() is not None:
+                raise ValueError(
+                    f"positional: a paged serving step rotates keys by position (rotary) or adds positions to the "
+                    f"embeddings; {type(self.positional).__name__}'s bias is not passed to the pages"
+                )
+            q, k = self.positional.rotate(q, k, positions=(layer.positions, layer.positions))
+        out = layer.attend(q, k, v)
+        if self.gate is not None:
+            out = self.gate(out, query)
+        y = self.out_proj(out.transpose(1, 2).flatten(2))
+        return y if self.batch_first else y.transpose(0, 1)
 
     def extra_repr(self) -> str:
         return (

@@ -326,7 +326,7 @@ def _check_x(x: object, dim: int) -> None:
 
 
 def _check_cache(cache: object, layers: int) -> None:
-    if cache is None:
+    if cache is None or getattr(cache, "paged", False):  # qkv.paged.serve's step: one paged layer per layer
         return
     if not isinstance(cache, DecoderCache):
         raise TypeError(f"cache: expected a qkv.cache.DecoderCache, got {type(cache).__name__}")

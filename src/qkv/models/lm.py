@@ -81,7 +81,8 @@ class CausalLM(nn.Module):
         ``lengths (b,)`` marks right padding (keys past a row's length are ignored). With a
         ``cache``, ``ids`` are the new tokens only and their positions start at ``cache.length``.
         """
-        x = self.embed(ids, 0 if cache is None else cache.length)
+        start = getattr(cache, "positions", None)  # a paged serving step: each token's own position
+        x = self.embed(ids, (0 if cache is None else cache.length) if start is None else start)
         lengths = lengths_for("lengths", lengths, ids)
         check_batch(ids=ids, lengths=lengths)
         if lengths is not None and cache is not None:

@@ -105,8 +105,11 @@ class TokenEmbedding(nn.Module):
             self.position = LearnedPositionalEmbedding(max_len, dim)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, ids: Tensor, start: int = 0, name: str = "ids") -> Tensor:
+    def forward(self, ids: Tensor, start: int | Tensor = 0, name: str = "ids") -> Tensor:
+        """``start``: the first token's position, or ``positions (i,)``, each token's own (a packed serving step)."""
         check_ids(name, ids, self.vocab)
+        if isinstance(start, Tensor):
+            return self._at(ids, start, name)
         if self.kind == "learned" and start + ids.shape[1] > self.max_len:
             raise ValueError(
                 f"{name}: expected at most max_len={self.max_len} positions with learned position embeddings, "
@@ -116,6 +119,20 @@ class TokenEmbedding(nn.Module):
         if self.position is not None:
             x = self.position(x, start)
         return self.dropout(x) if self.training else x  # identity in eval: skip the call
+
+    def _at(self, ids: Tensor, positions: Tensor, name: str) -> Tensor:
+        """Tokens ``ids (b, i)`` at ``positions (i,)``, not necessarily consecutive."""
+        if positions.shape != (ids.shape[1],):
+            raise ValueError(f"positions: expected one per token of {name} ({ids.shape[1]},), got {tuple(positions.shape)}")
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if self.kind == "learned" and top > self.max_len:
+            raise ValueError(f"{name}: expected positions below max_len={self.max_len} (learned positions), got {top - 1}")
+        x = self.embedding(ids) * math.sqrt(self.dim)
+        if self.position is not None:
+            sinusoidal = self.kind == "sinusoidal"
+            table = self.position.encoding(top, dtype=x.dtype, device=x.device) if sinusoidal else self.position.encoding(top)
+            x = x + table.to(x.dtype).index_select(0, positions.to(x.device))
+        return self.dropout(x) if self.training else x
 
 
 def inference(method):

@@ -1,0 +1,229 @@
+"""``qkv.PagedKVCache``: the page allocator behind ``qkv.paged_attention``.
+
+Shape legend: ``T`` new tokens of a step (all requests), ``h`` query heads, ``g`` KV heads,
+``d`` head size, ``P`` page size, ``L`` layers.
+
+Every layer has a pool of ``num_pages`` pages of ``P`` tokens; a request owns a list of page
+ids, the same in every layer (vLLM's block table). A request's memory is its pages: it is
+given pages as it grows and gives them back the moment it is freed, so the cache holds
+``Σ ⌈len / P⌉`` pages, not ``requests × longest``. :meth:`fork` starts a request that shares
+its parent's first tokens: full pages are shared (counted references), never copied; a shared
+page that must take a new token is copied first (copy-on-write). ``paged_attention`` attends
+shared leading pages once for all the requests that hold them.
+
+A step::
+
+    step = cache.plan({"a": 5, "b": 1})             # room for 5 new tokens of a, 1 of b
+    for layer in range(L):
+        ...                                           # q (T, h, d), k, v (T, g, d) of step.positions
+        cache.write(layer, step, k, v)
+        out = cache.attend(layer, step, q)            # qkv.paged_attention over the step's table
+    cache.free("b")                                   # b's pages return to the pool now
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._args import positive_int
+from .attention import paged_attention
+from .pages import FloatPages
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's table: FlashInfer's four tensors, where each new token goes, and its position."""
+
+    requests: tuple  # the requests, in the order of their rows
+    qo_indptr: Tensor  # (R + 1,)
+    kv_indptr: Tensor  # (R + 1,)
+    kv_indices: Tensor  # (N,)
+    kv_last_page_len: Tensor  # (R,)
+    page: Tensor  # (T,) the page of each new token
+    offset: Tensor  # (T,) its place in that page
+    positions: Tensor  # (T,) its position in its sequence
+
+    @property
+    def table(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len
+
+
+class PagedKVCache:
+    """Pages for ``layers`` layers, handed out to requests as they grow; see the module docstring."""
+
+    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, *, layers: int = 1,
+                 value_dim: int | None = None, dtype: torch.dtype = torch.float32, device="cpu",
+                 quantized: bool = False):  # fmt: skip
+        self.num_pages = positive_int("num_pages", num_pages)
+        self.page_size = positive_int("page_size", page_size)
+        self.layers = positive_int("layers", layers)
+        positive_int("kv_heads", kv_heads)
+        positive_int("head_dim", head_dim)
+        if value_dim not in (None, head_dim):
+            raise ValueError(f"value_dim: FlashInfer's layout holds keys and values of one size ({head_dim}), got {value_dim}")
+        if quantized:
+            from .quant import Int8Pages
+
+            self.pools = [Int8Pages(num_pages, page_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        else:
+            shape = (num_pages, 2, page_size, kv_heads, head_dim)
+            self.pools = [FloatPages(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
+        self.device = torch.device(device)
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids first
+        self._refs = [0] * num_pages
+        self._pages: dict[Hashable, list[int]] = {}
+        self._length: dict[Hashable, int] = {}
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, request: Hashable) -> None:
+        """Start an empty request."""
+        if request in self._pages:
+            raise ValueError(f"request {request!r} is already in the cache")
+        self._pages[request], self._length[request] = [], 0
+
+    def fork(self, parent: Hashable, child: Hashable, length: int | None = None) -> None:
+        """Start ``child`` holding ``parent``'s first ``length`` tokens (all by default), sharing their pages."""
+        self._known(parent)
+        if child in self._pages:
+            raise ValueError(f"request {child!r} is already in the cache")
+        n = self._length[parent] if length is None else length
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._length[parent]:
+            raise ValueError(f"length: expected 0 to {self._length[parent]} (the parent's tokens), got {length!r}")
+        pages = self._pages[parent][: -(-n // self.page_size)]
+        for p in pages:
+            self._refs[p] += 1
+        self._pages[child], self._length[child] = list(pages), n
+
+    def free(self, request: Hashable) -> None:
+        """End ``request``: its pages that no other request holds return to the pool now."""
+        self._known(request)
+        for p in self._pages.pop(request):
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+        del self._length[request]
+
+    def length(self, request: Hashable) -> int:
+        return self._length[self._known(request)]
+
+    def pages_of(self, request: Hashable) -> list[int]:
+        return list(self._pages[self._known(request)])
+
+    @property
+    def requests(self) -> list:
+        return list(self._pages)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's pool (allocated up front, as a serving engine does)."""
+        return sum(pool.nbytes for pool in self.pools)
+
+    # ------------------------------------------------------------------ steps
+
+    def plan(self, new_tokens: dict) -> Step:
+        """Room for ``{request: n}`` new tokens (0 is allowed: attend without appending); the step's table.
+
+        Pages are taken from the pool; a shared page that would take a new token is copied
+        first, in every layer. Raises ``RuntimeError`` (and changes nothing) when the pool
+        has too few pages.
+        """
+        requests = list(new_tokens)
+        for r in requests:
+            self._known(r)
+            n = new_tokens[r]
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"new_tokens[{r!r}]: expected a count >= 0, got {n!r}")
+        needed = self.pages_needed(new_tokens)
+        if needed > len(self._free):
+            raise RuntimeError(
+                f"PagedKVCache: this step needs {needed} more pages but {len(self._free)} are free "
+                f"(of {self.num_pages}); free finished requests or make the cache larger"
+            )
+        page, offset, positions = [], [], []
+        for r in requests:
+            n, start = new_tokens[r], self._length[r]
+            if n and start % self.page_size:
+                self._own_last_page(r)
+            for t in range(start, start + n):
+                slot, where = divmod(t, self.page_size)
+                if slot == len(self._pages[r]):
+                    self._pages[r].append(self._take())
+                page.append(self._pages[r][slot])
+                offset.append(where)
+                positions.append(t)
+            self._length[r] = start + n
+        return self._step(requests, new_tokens, page, offset, positions)
+
+    def pages_needed(self, new_tokens: dict) -> int:
+        """Pages :meth:`plan` would take from the pool for ``{request: n}`` (new pages and copies)."""
+        return sum(self._pages_needed(r, n) for r, n in new_tokens.items() if r in self._pages)
+
+    def write(self, layer: int, step: Step, k: Tensor, v: Tensor) -> None:
+        """The step's new keys and values ``k, v (T, g, d)`` into layer ``layer``'s pages."""
+        if k.shape[0] != step.page.numel() or v.shape[0] != step.page.numel():
+            raise ValueError(f"k, v: expected {step.page.numel()} new tokens (the step's), got {k.shape[0]} and {v.shape[0]}")
+        self.pools[layer].write(step.page, step.offset, k, v)
+
+    def attend(self, layer: int, step: Step, q: Tensor, **options):
+        """``qkv.paged_attention`` of the step's queries ``q (T, h, d)`` over layer ``layer``'s pages."""
+        return paged_attention(q, self.layer(layer), *step.table, **options)
+
+    def layer(self, layer: int):
+        """Layer ``layer``'s pages: a ``(num_pages, 2, P, g, d)`` tensor, or an ``Int8Pages``."""
+        pool = self.pools[layer]
+        return pool.cache if isinstance(pool, FloatPages) else pool
+
+    # ------------------------------------------------------------------ inside
+
+    def _known(self, request: Hashable) -> Hashable:
+        if request not in self._pages:
+            raise KeyError(f"request {request!r} is not in the cache (add it first)")
+        return request
+
+    def _pages_needed(self, request: Hashable, n: int) -> int:
+        start, have = self._length[request], len(self._pages[request])
+        fresh = max(0, -(-(start + n) // self.page_size) - have)
+        shared_last = n and start % self.page_size and self._refs[self._pages[request][-1]] > 1
+        return fresh + (1 if shared_last else 0)
+
+    def _own_last_page(self, request: Hashable) -> None:
+        last = self._pages[request][-1]
+        if self._refs[last] > 1:  # copy-on-write: the other holders keep the original
+            fresh = self._take()
+            for pool in self.pools:
+                pool.copy_page(last, fresh)
+            self._refs[last] -= 1
+            self._pages[request][-1] = fresh
+
+    def _take(self) -> int:
+        p = self._free.pop()
+        self._refs[p] = 1
+        return p
+
+    def _step(self, requests, new_tokens, page, offset, positions) -> Step:
+        dev = self.device
+        counts = [len(self._pages[r]) for r in requests]
+        last = [self._length[r] - (c - 1) * self.page_size if c else 0 for r, c in zip(requests, counts)]
+        qo = [0]
+        for r in requests:
+            qo.append(qo[-1] + new_tokens[r])
+        kv = [0]
+        for c in counts:
+            kv.append(kv[-1] + c)
+        indices = [p for r in requests for p in self._pages[r]]
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        return Step(tuple(requests), as_long(qo), as_long(kv), as_long(indices), as_long(last),
+                    as_long(page), as_long(offset), as_long(positions))  # fmt: skip

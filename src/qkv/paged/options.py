@@ -1,0 +1,76 @@
+"""What a paged call computes besides ``q·k``: scale, soft-cap, ALiBi, window, score_mod.
+
+Shape legend: ``h`` query heads, ``g`` KV heads, ``x = h / g`` query heads per KV head.
+
+The logit of a query at position ``qp`` and a key at position ``kp`` of the same request is,
+in this order (FlashInfer's, with qkv's ``score_mod`` last)::
+
+    s = sm_scale · q·k
+    s = cap · tanh(s / cap)                      logits_soft_cap = cap > 0 (Gemma 2)
+    s = s + slope_h · (kp - qp)                  alibi_slopes (Press et al. 2022): 0 at the query, < 0 before
+    s = score_mod(s, r, h, qp, kp)               qkv's score_mod: request r, positions in its sequence
+
+and the key is seen when ``kp <= qp`` (``causal``) and ``kp >= qp - window_left``
+(``window_left >= 0``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Options:
+    scale: float
+    causal: bool
+    window_left: int  # -1: no window
+    soft_cap: float  # 0: none
+    alibi_slopes: Tensor | None  # (h,) float
+    score_mod: Callable | None
+
+    def logits(self, s: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:
+        """Scaled, capped and ALiBi-biased logits ``s (..., g, x, keys)`` for ``qpos - kpos`` broadcast to it.
+
+        ``qpos`` and ``kpos`` broadcast against ``s`` without its head dims: ``(..., 1, 1, keys)``.
+        """
+        s = s * self.scale
+        if self.soft_cap > 0:
+            s = self.soft_cap * torch.tanh(s / self.soft_cap)
+        if self.alibi_slopes is not None:
+            g, x = s.shape[-3], s.shape[-2]
+            slopes = self.alibi_slopes.to(s.dtype).view(g, x, 1)
+            s = s + slopes * (kpos - qpos).to(s.dtype)
+        return s
+
+    def seen(self, qpos: Tensor, kpos: Tensor) -> Tensor | None:
+        """Bool: which keys a query sees by position (None: all)."""
+        allowed = None
+        if self.causal:
+            allowed = kpos <= qpos
+        if self.window_left >= 0:
+            inside = kpos >= qpos - self.window_left
+            allowed = inside if allowed is None else allowed & inside
+        return allowed
+
+
+def options(q: Tensor, *, causal, window_left, logits_soft_cap, sm_scale, alibi_slopes, score_mod) -> Options:
+    """Checked options for ``q (T, h, d)``."""
+    h, d = q.shape[1], q.shape[2]
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left: expected -1 (no window) or a number of keys >= 0, got {window_left!r}")
+    cap = float(logits_soft_cap or 0.0)
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"logits_soft_cap: expected 0 (none) or a positive number, got {logits_soft_cap!r}")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, Tensor) or tuple(alibi_slopes.shape) != (h,):
+            got = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__
+            raise ValueError(f"alibi_slopes: expected a tensor of shape ({h},), one slope per query head, got {got}")
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod: expected a callable score_mod(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
+    return Options(scale, bool(causal), window_left, cap, alibi_slopes, score_mod)

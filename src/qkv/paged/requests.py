@@ -1,0 +1,87 @@
+"""One request at a time, a tile of its pages at a time: prefill chunks, and calls with a score_mod.
+
+Shape legend: ``t`` the request's queries, ``L`` keys in a tile, ``h`` query heads, ``g`` KV
+heads, ``d`` key size, ``e`` value size, ``P`` page size.
+
+A request's queries ``q (t, h, d)`` sit at positions ``kv_len - t .. kv_len - 1``. Its pages
+are read :data:`TILE_KEYS` keys at a time (one copy of those pages; never its whole cache),
+each tile runs as an ordinary :func:`qkv.attention` call with its causal and window limits
+as an offset mask and ALiBi, the soft cap and the score_mod as one score_mod reading the
+tile's true positions, and the tiles' ``(out, lse)`` are merged exactly (``qkv.merge``'s rule).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..backends.tiling.lse import merge_all
+from ..functional import attention
+from ..masks import Offsets
+from .options import Options
+
+#: Keys per tile of one request.
+TILE_KEYS = 4096
+
+
+def request(q: Tensor, kv_len: int, page_ids: Tensor, pages, opts: Options, r: int) -> tuple[Tensor, Tensor]:
+    """``(out (t, h, e), lse (t, h))`` of request ``r``'s queries against its ``kv_len`` keys in ``page_ids``."""
+    t, h, _ = q.shape
+    P = pages.page_size
+    qpos0 = kv_len - t
+    per_tile = max(1, TILE_KEYS // P)
+    outs, lses = [], []
+    for first in range(0, page_ids.numel(), per_tile):
+        k0 = first * P
+        L = min(per_tile * P, kv_len - k0)
+        if opts.window_left >= 0 and k0 + L - 1 < qpos0 - opts.window_left:
+            continue  # the tile ends before the first query's window begins
+        K, V = pages.take(page_ids[first : first + per_tile])  # (n, P, g, d)
+        K = K.reshape(-1, *K.shape[2:])[:L].permute(1, 0, 2)[None]  # (1, g, L, d)
+        V = V.reshape(-1, *V.shape[2:])[:L].permute(1, 0, 2)[None]
+        out, lse = attention(
+            q.permute(1, 0, 2)[None], K, V, mask=_mask(opts, qpos0, t, k0, L), scale=opts.scale,
+            score_mod=score_mod(opts, torch.arange(qpos0, kv_len, device=q.device), k0, r), return_lse=True,
+        )  # fmt: skip
+        outs.append(out[0].permute(1, 0, 2))  # (t, h, e)
+        lses.append(lse[0].permute(1, 0))  # (t, h)
+    if not outs:
+        e = pages.value_dim
+        return q.new_zeros(t, h, e), torch.full((t, h), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32))
+    out, lse = merge_all(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+    return out, lse
+
+
+def _mask(opts: Options, qpos0: int, t: int, k0: int, L: int):
+    """Key ``c`` of the tile (position ``k0 + c``) for query ``r`` (position ``qpos0 + r``), as qkv's offsets.
+
+    An offset is ``c - r - (L - t)``: ``kp <= qp`` is ``offset <= qpos0 - k0 - (L - t)``, and
+    ``kp >= qp - w`` is ``offset >= qpos0 - k0 - w - (L - t)``.
+    """
+    top = qpos0 - k0 - (L - t)
+    hi = top if opts.causal else None
+    lo = top - opts.window_left if opts.window_left >= 0 else None
+    return None if hi is None and lo is None else Offsets(lo, hi)
+
+
+def score_mod(opts: Options, qpos: Tensor, k0: int, r: int | Tensor):
+    """The soft cap, ALiBi and the caller's score_mod at true positions; None when none is asked.
+
+    Query ``q_idx`` of the call sits at ``qpos[q_idx]`` and belongs to request ``r`` (an int,
+    or ``(t,)`` per query); key ``kv_idx`` sits at ``k0 + kv_idx``.
+    """
+    if opts.soft_cap <= 0 and opts.alibi_slopes is None and opts.score_mod is None:
+        return None
+    cap, slopes, user = opts.soft_cap, opts.alibi_slopes, opts.score_mod
+
+    def paged(score, b, h, q_idx, kv_idx):
+        qp, kp = qpos[q_idx], kv_idx + k0
+        if cap > 0:
+            score = cap * torch.tanh(score / cap)
+        if slopes is not None:
+            score = score + slopes[h] * (kp - qp)
+        if user is not None:
+            score = user(score, r[q_idx] if isinstance(r, Tensor) else b * 0 + r, h, qp, kp)
+        return score
+
+    return paged

@@ -1,0 +1,122 @@
+"""Continuous batching for qkv's causal LM: requests arrive and finish at different steps, over one paged cache.
+
+Shape legend: ``T`` tokens of a step (every running request's new tokens, packed in one row),
+``h`` query heads, ``g`` KV heads, ``d`` head size, ``V`` vocabulary.
+
+Each step runs the model once on a packed row ``(1, T)``: a newly admitted request brings its
+whole prompt (a prefill chunk), a running one its last token (a decoding step); each token
+carries its own position, and every attention layer writes its keys and values to the
+request's pages and attends with :func:`qkv.paged_attention` (:class:`PagedStep`). A request
+is admitted when the pool has pages for its prompt, and its pages return to the pool the step
+it finishes, so a long request does not hold the others' memory and a short one leaves early
+(Yu et al. 2022, "Orca"; Kwon et al. 2023, vLLM).
+
+    done = qkv.paged.serve(model, [Request("a", prompt_a, 20), Request("b", prompt_b, 5, arrival=3)], cache)
+
+Greedy decoding gives each request the tokens ``model.generate`` gives it alone (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .kv_cache import PagedKVCache, Step
+
+
+@dataclass(frozen=True)
+class Request:
+    """A prompt ``(i,)`` of token ids, how many tokens to add, and the step it arrives at."""
+
+    name: Hashable
+    prompt: Tensor
+    max_new_tokens: int
+    arrival: int = 0
+
+
+class PagedLayer:
+    """What one attention layer sees of a step: the tokens' positions, and its pages to write and read."""
+
+    def __init__(self, cache: PagedKVCache, layer: int, step: Step):
+        self.cache, self.layer, self.step = cache, layer, step
+        self.positions = step.positions
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """``q (1, h, T, d)``, the step's new ``k, v (1, g, T, d)`` -> ``(1, h, T, e)``."""
+        self.cache.write(self.layer, self.step, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        out = self.cache.attend(self.layer, self.step, q[0].transpose(0, 1))  # (T, h, e)
+        return out.transpose(0, 1)[None]
+
+
+class PagedStep:
+    """A step as a decoder cache: one :class:`PagedLayer` per layer (``qkv.blocks.Encoder`` reads ``self_attn``)."""
+
+    paged = True
+
+    def __init__(self, cache: PagedKVCache, step: Step):
+        self.positions = step.positions
+        self.self_attn = [PagedLayer(cache, n, step) for n in range(cache.layers)]
+
+
+@torch.no_grad()
+def serve(model, requests: list[Request], cache: PagedKVCache, *, eos_id: int | None = None) -> dict:
+    """``{name: prompt followed by its greedy tokens (i + n,)}`` for every request, run with continuous batching.
+
+    ``model`` is a :class:`qkv.models.CausalLM` (rotary, learned, sinusoidal or no positions);
+    ``cache`` a :class:`qkv.PagedKVCache` with one layer per model layer. A request stops
+    after ``max_new_tokens`` or at ``eos_id``. Requests wait (in arrival order) while the
+    pool lacks the pages for their prompt.
+    """
+    if cache.layers != len(model.blocks.layers):
+        raise ValueError(f"cache: expected {len(model.blocks.layers)} layers (the model's), got {cache.layers}")
+    names = [r.name for r in requests]
+    if len(set(names)) != len(names):
+        raise ValueError("requests: names must be distinct")
+    waiting = sorted(requests, key=lambda r: r.arrival)
+    running: dict[Hashable, list[int]] = {}  # name -> its tokens so far
+    left: dict[Hashable, int] = {}  # name -> tokens still to generate
+    final: dict[Hashable, int] = {}  # name -> its length when done: pages reserved up to it
+    done: dict[Hashable, Tensor] = {}
+    clock = 0
+    while waiting or running:
+        new: dict[Hashable, int] = {name: 1 for name in running}
+        tokens: dict[Hashable, list[int]] = {name: seq[-1:] for name, seq in running.items()}
+        while waiting and waiting[0].arrival <= clock and _fits(cache, final, waiting[0]):
+            r = waiting.pop(0)
+            cache.add(r.name)
+            running[r.name] = r.prompt.tolist()
+            left[r.name], final[r.name] = r.max_new_tokens, r.prompt.numel() + r.max_new_tokens
+            new[r.name], tokens[r.name] = len(running[r.name]), running[r.name]
+        if not new:
+            clock += 1  # nothing has arrived yet
+            continue
+        step = cache.plan(new)
+        ids = torch.tensor([t for name in step.requests for t in tokens[name]], device=cache.device)[None]
+        logits = model(ids, cache=PagedStep(cache, step))[0]  # (T, V)
+        picks = logits.index_select(0, step.qo_indptr[1:] - 1).argmax(-1).tolist()
+        for name, token in zip(step.requests, picks):
+            running[name].append(token)
+            left[name] -= 1
+            if left[name] == 0 or token == eos_id:
+                done[name] = torch.tensor(running.pop(name))
+                del left[name], final[name]
+                cache.free(name)  # its pages go back now
+        clock += 1
+    return done
+
+
+def _fits(cache: PagedKVCache, final: dict, request: Request) -> bool:
+    """Whether the pool holds ``request``'s pages to its last token, after every running request's growth.
+
+    Admission reserves a request's whole length (prompt and every new token), so a step
+    never runs out of pages and no running request has to be evicted.
+    """
+    P = cache.page_size
+    whole = -(-(request.prompt.numel() + request.max_new_tokens) // P)
+    if whole > cache.num_pages:
+        raise ValueError(f"request {request.name!r}: it needs {whole} pages, more than the cache's {cache.num_pages}")
+    growth = sum(-(-n // P) - (len(cache.pages_of(name)) if name in cache.requests else 0) for name, n in final.items())
+    return growth + whole <= cache.free_pages

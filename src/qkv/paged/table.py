@@ -1,0 +1,95 @@
+"""A page table in FlashInfer's CSR form, checked once and read on the host.
+
+Shape legend: ``R`` requests, ``T`` query rows of all requests (``total_q``), ``N`` page
+entries of all requests, ``P`` page size, ``g`` KV heads, ``d`` head size.
+
+Request ``r``'s queries are rows ``qo_indptr[r] : qo_indptr[r + 1]`` of ``q (T, h, d)``; its
+pages are ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]``, in order, the last one holding
+``kv_last_page_len[r]`` entries (1 to ``P``). It has ``kv_len = (pages - 1) · P + last``
+keys (0 with no pages), and its queries are the last ``qo_len`` of those positions: query
+``t`` sits at position ``kv_len - qo_len + t`` (the bottom-right alignment of a chunk after a
+cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """The checked table: per request, its query rows, its pages and its key count (host ints)."""
+
+    qo_start: list[int]  # (R,) first query row
+    qo_len: list[int]  # (R,) query rows
+    kv_len: list[int]  # (R,) keys
+    page_start: list[int]  # (R,) first entry of its pages in ``indices``
+    page_count: list[int]  # (R,) pages
+    indices: Tensor  # (N,) int64 page ids, on the cache's device
+    page_size: int
+
+    @property
+    def requests(self) -> int:
+        return len(self.qo_len)
+
+    def pages(self, r: int) -> Tensor:
+        """Request ``r``'s page ids, in order: ``(pages,)``."""
+        return self.indices[self.page_start[r] : self.page_start[r] + self.page_count[r]]
+
+
+def _ints(name: str, x, device) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected an integer tensor, got {type(x).__name__}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor (int32 or int64), got {x.dtype}")
+    if x.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-d tensor, got shape {tuple(x.shape)}")
+    return x.to(device=device, dtype=torch.long)
+
+
+def _indptr(name: str, x: Tensor, last: int | None, what: str) -> list[int]:
+    values = x.tolist()
+    if not values or values[0] != 0:
+        raise ValueError(f"{name}: expected an offsets tensor starting at 0, got {values[:4]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name}: offsets must not decrease, got {values}")
+    if last is not None and values[-1] != last:
+        raise ValueError(f"{name}: the last offset must be the number of {what} ({last}), got {values[-1]}")
+    return values
+
+
+def page_table(
+    total_q: int, num_pages: int, page_size: int, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, device
+) -> PageTable:
+    """Check FlashInfer's four tensors against ``q``'s rows and the cache's pages; clear errors otherwise."""
+    qo = _indptr("qo_indptr", _ints("qo_indptr", qo_indptr, "cpu"), total_q, "query rows in q")
+    indices = _ints("kv_indices", kv_indices, device)
+    kv = _indptr("kv_indptr", _ints("kv_indptr", kv_indptr, "cpu"), indices.numel(), "entries in kv_indices")
+    last = _ints("kv_last_page_len", kv_last_page_len, "cpu").tolist()
+    requests = len(qo) - 1
+    if len(kv) - 1 != requests or len(last) != requests:
+        raise ValueError(
+            f"qo_indptr, kv_indptr and kv_last_page_len describe different numbers of requests: "
+            f"{len(qo) - 1}, {len(kv) - 1} and {len(last)}"
+        )
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num_pages):
+        raise ValueError(f"kv_indices: page ids must lie in 0 .. {num_pages - 1} (the cache's pages), "
+                         f"got {int(indices.min())} .. {int(indices.max())}")  # fmt: skip
+    qo_len, kv_len, count = [], [], []
+    for r in range(requests):
+        pages, n_q = kv[r + 1] - kv[r], qo[r + 1] - qo[r]
+        if pages and not 1 <= last[r] <= page_size:
+            raise ValueError(f"kv_last_page_len[{r}]: expected 1 to {page_size} (the page size), got {last[r]}")
+        keys = 0 if pages == 0 else (pages - 1) * page_size + last[r]
+        if n_q > keys:
+            raise ValueError(
+                f"request {r}: {n_q} queries but {keys} keys; its queries are the last qo_len of its kv_len "
+                "positions, so the cache must already hold their keys (append them before attending)"
+            )
+        qo_len.append(n_q)
+        kv_len.append(keys)
+        count.append(pages)
+    return PageTable(qo[:-1], qo_len, kv_len, kv[:-1], count, indices, page_size)

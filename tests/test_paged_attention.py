@@ -1,0 +1,164 @@
+"""``qkv.paged_attention`` against the same attention written literally on each request's contiguous keys.
+
+Shape legend: ``T`` query rows, ``h`` query heads, ``g`` KV heads, ``d`` head size, ``P`` page
+size, ``R`` requests; float64, to 1e-12.
+"""
+
+import math
+
+import pytest
+import torch
+
+import qkv
+
+H, G, D = 4, 2, 8
+
+
+def build(qo_lens, kv_lens, P, seed=0, shared=0, spare=3):
+    """A random cache and table: pages in a random order, ``shared`` leading pages common to every request."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // P) for n in kv_lens]
+    own = [c - (min(shared, c - 1) if shared else 0) for c in counts]
+    total = sum(own) + shared + spare
+    cache = torch.randn(total, 2, P, G, D, generator=gen, dtype=torch.float64)
+    order = torch.randperm(total, generator=gen).tolist()
+    prefix = order[:shared]
+    free = order[shared:]
+    indices, indptr, last = [], [0], []
+    for n, c in zip(kv_lens, counts):
+        mine = prefix[: min(shared, c - 1)] if shared else []
+        while len(mine) < c:
+            mine.append(free.pop())
+        indices += mine
+        indptr.append(len(indices))
+        last.append(n - (c - 1) * P if c else 0)
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0).tolist()))
+    q = torch.randn(sum(qo_lens), H, D, generator=gen, dtype=torch.float64)
+    table = (qo_indptr, torch.tensor(indptr), torch.tensor(indices, dtype=torch.int32), torch.tensor(last, dtype=torch.int32))
+    return q, cache, table
+
+
+def literal(q, cache, table, *, causal=True, window_left=-1, cap=0.0, sinks=None, alibi=None, score_mod=None, scale=None):
+    """Each request alone: its pages concatenated, the logits written out, a softmax."""
+    qo_indptr, kv_indptr, kv_indices, last = table
+    P = cache.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    outs, lses = [], []
+    for r in range(len(qo_indptr) - 1):
+        qr = q[qo_indptr[r] : qo_indptr[r + 1]]  # (t, h, d)
+        ids = kv_indices[kv_indptr[r] : kv_indptr[r + 1]].long()
+        n = 0 if len(ids) == 0 else (len(ids) - 1) * P + int(last[r])
+        k = cache[ids, 0].reshape(-1, G, D)[:n].repeat_interleave(H // G, 1)  # (n, h, d)
+        v = cache[ids, 1].reshape(-1, G, D)[:n].repeat_interleave(H // G, 1)
+        t = qr.shape[0]
+        qp = torch.arange(n - t, n)[:, None]  # (t, 1)
+        kp = torch.arange(n)[None, :]
+        s = torch.einsum("thd,nhd->htn", qr, k) * scale  # (h, t, n)
+        if cap:
+            s = cap * torch.tanh(s / cap)
+        if alibi is not None:
+            s = s + alibi[:, None, None] * (kp - qp)[None]
+        if score_mod is not None:
+            hh = torch.arange(H)[:, None, None]
+            s = score_mod(s, torch.full_like(hh, r), hh, qp[None], kp[None])
+        seen = torch.ones(t, n, dtype=torch.bool)
+        if causal:
+            seen &= kp <= qp
+        if window_left >= 0:
+            seen &= kp >= qp - window_left
+        s = s.masked_fill(~seen[None], float("-inf"))
+        lse = torch.logsumexp(s, -1)  # (h, t)
+        if sinks is not None:
+            lse = torch.logaddexp(lse, sinks[:, None].to(lse.dtype))
+        w = torch.where(torch.isneginf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
+        outs.append(torch.einsum("htn,nhd->thd", w, v))
+        lses.append(lse.T)
+    return torch.cat(outs), torch.cat(lses)
+
+
+CASES = {
+    "causal": {},
+    "not causal": {"causal": False},
+    "window": {"window_left": 5},
+    "soft cap": {"cap": 2.0},
+    "sinks": {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)},
+    "alibi": {"alibi": torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)},
+    "score_mod": {"score_mod": lambda s, b, h, q, kv: s + 0.1 * ((q - kv) % 3) - 0.05 * b},
+    "scale": {"scale": 0.3},
+}
+
+
+def paged(q, cache, table, causal=True, window_left=-1, cap=0.0, sinks=None, alibi=None, score_mod=None, scale=None):
+    return qkv.paged_attention(q, cache, *table, causal=causal, window_left=window_left, logits_soft_cap=cap,
+                               sinks=sinks, alibi_slopes=alibi, score_mod=score_mod, sm_scale=scale, return_lse=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("P", [1, 16, 128])
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_equals_each_request_alone(P, case):
+    gen = torch.Generator().manual_seed(P)
+    R = 6
+    kv_lens = [1, 0, *torch.randint(1, 300, (R - 2,), generator=gen).tolist()]
+    qo_lens = [1, 0, 0, 1, 1, min(kv_lens[-1], 37)]  # decoding steps, no queries, a prefill chunk
+    q, cache, table = build(qo_lens, kv_lens, P, seed=P)
+    got = paged(q, cache, table, **CASES[case])
+    want = literal(q, cache, table, **CASES[case])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["causal", "alibi", "soft cap", "sinks"])
+def test_requests_sharing_a_prefix_equal_unshared_ones(case):
+    """The cascade (shared pages attended once, merged by LSE) against each request alone, and against no sharing."""
+    kv_lens, qo_lens = [70, 90, 49, 200, 33], [1, 1, 1, 1, 1]
+    q, cache, table = build(qo_lens, kv_lens, 16, seed=3, shared=3)
+    assert table[2][: 3].tolist() == table[2][table[1][1] : table[1][1] + 3].tolist()  # the same first pages
+    got = paged(q, cache, table, **CASES[case])
+    want = literal(q, cache, table, **CASES[case])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_ragged_batch_in_one_call_equals_its_parts():
+    q, cache, table = build([40, 1, 1, 17, 1], [300, 5, 260, 17, 90], 16, seed=4)
+    qo_indptr, kv_indptr, kv_indices, last = table
+    whole, whole_lse = paged(q, cache, table)
+    for r in range(5):
+        part = (qo_indptr[r : r + 2] - qo_indptr[r], kv_indptr[r : r + 2] - kv_indptr[r],
+                kv_indices[kv_indptr[r] : kv_indptr[r + 1]], last[r : r + 1])  # fmt: skip
+        out, lse = paged(q[qo_indptr[r] : qo_indptr[r + 1]], cache, part)
+        torch.testing.assert_close(whole[qo_indptr[r] : qo_indptr[r + 1]], out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(whole_lse[qo_indptr[r] : qo_indptr[r + 1]], lse, rtol=1e-12, atol=1e-12)
+
+
+def test_float32_and_bfloat16_follow_float64():
+    q, cache, table = build([1, 1, 9, 1], [100, 257, 40, 3], 16, seed=5)
+    exact, _ = paged(q, cache, table)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        got, lse = paged(q.to(dtype), cache.to(dtype), table)
+        assert got.dtype == dtype and lse.dtype == torch.float32
+        assert (got.double() - exact).abs().max() < tol
+
+
+def test_errors_name_the_argument():
+    q, cache, table = build([1, 2], [10, 20], 4)
+    qo_indptr, kv_indptr, kv_indices, last = table
+    bad = [
+        ((q[:, :3],), ValueError, "not a multiple"),
+        ((q, cache[:, :1]), ValueError, "kv_cache"),
+        ((q, cache, torch.tensor([0, 1, 2])), ValueError, "qo_indptr"),
+        ((q, cache, qo_indptr, kv_indptr, kv_indices, torch.tensor([0, 9])), ValueError, "kv_last_page_len"),
+        ((q, cache, qo_indptr, kv_indptr, kv_indices + 100, last), ValueError, "kv_indices"),
+        ((q, cache, qo_indptr, kv_indptr, kv_indices.float(), last), TypeError, "kv_indices"),
+    ]
+    for args, error, word in bad:
+        full = list(args) + [cache, *table][len(args) - 1 :] if len(args) < 6 else list(args)
+        with pytest.raises(error, match=word):
+            qkv.paged_attention(*full)
+    q2, cache2, table2 = build([1, 2], [1, 20], 4)
+    with pytest.raises(ValueError, match="queries but"):
+        qkv.paged_attention(q2, cache2, torch.tensor([0, 2, 3]), *table2[1:])
+    with pytest.raises(ValueError, match="window_left"):
+        qkv.paged_attention(q, cache, *table, window_left=-2)
+    with pytest.raises(ValueError, match="sinks"):
+        qkv.paged_attention(q, cache, *table, sinks=torch.zeros(3))

@@ -1,0 +1,109 @@
+"""``qkv.PagedKVCache``: pages handed out and returned, forks sharing pages with copy-on-write, steps' tables.
+
+Shape legend: ``T`` new tokens of a step, ``h`` query heads, ``g`` KV heads, ``d`` head size.
+"""
+
+import pytest
+import torch
+
+import qkv
+
+H, G, D, P = 4, 2, 8, 4
+
+
+def step_and_check(cache, new, keys, values, gen, layer=0):
+    """Plan a step, write random keys for it, attend, and compare with each request's keys written out."""
+    step = cache.plan(new)
+    T = step.page.numel()
+    k = torch.randn(T, G, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(T, G, D, generator=gen, dtype=torch.float64)
+    q = torch.randn(T, H, D, generator=gen, dtype=torch.float64)
+    cache.write(layer, step, k, v)
+    out, lse = cache.attend(layer, step, q, return_lse=True)
+    row = 0
+    for r in step.requests:
+        n = new[r]
+        keys[r] = torch.cat([keys.get(r, k[:0]), k[row : row + n]])
+        values[r] = torch.cat([values.get(r, v[:0]), v[row : row + n]])
+        assert step.positions[row : row + n].tolist() == list(range(len(keys[r]) - n, len(keys[r])))
+        if n:
+            qr = q[row : row + n].transpose(0, 1)[None]  # (1, h, n, d)
+            want, want_lse = qkv.attention(qr, keys[r].transpose(0, 1)[None], values[r].transpose(0, 1)[None],
+                                           causal=True, return_lse=True, backend="reference")  # fmt: skip
+            torch.testing.assert_close(out[row : row + n], want[0].transpose(0, 1), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(lse[row : row + n], want_lse[0].T, rtol=1e-12, atol=1e-12)
+        row += n
+
+
+def test_requests_grow_and_free_their_pages_at_once():
+    cache = qkv.PagedKVCache(16, P, G, D, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    keys, values = {}, {}
+    for r in "abc":
+        cache.add(r)
+    step_and_check(cache, {"a": 7, "b": 1, "c": 4}, keys, values, gen)  # prefill chunks of three sizes
+    assert cache.used_pages == 2 + 1 + 1
+    for _ in range(6):  # decoding steps, b finishing early
+        step_and_check(cache, {"a": 1, "b": 1, "c": 1} if "b" in cache.requests else {"a": 1, "c": 1}, keys, values, gen)
+        if "b" in cache.requests and cache.length("b") == 3:
+            before = cache.used_pages
+            cache.free("b")
+            assert cache.used_pages == before - 1  # b's one page is back in the pool the moment b ends
+    assert cache.used_pages == -(-cache.length("a") // P) + -(-cache.length("c") // P)
+
+
+def test_a_fork_shares_full_pages_and_copies_a_shared_page_before_writing_it():
+    cache = qkv.PagedKVCache(16, P, G, D, layers=2, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    keys, values = {}, {}
+    cache.add("parent")
+    step_and_check(cache, {"parent": 10}, keys, values, gen)  # pages: 4 + 4 + 2 tokens
+    used = cache.used_pages
+    cache.fork("parent", "child")
+    assert cache.used_pages == used and cache.pages_of("child") == cache.pages_of("parent")
+    keys["child"], values["child"] = keys["parent"].clone(), values["parent"].clone()
+    step_and_check(cache, {"parent": 1, "child": 1}, keys, values, gen)  # both write into the shared last page
+    assert cache.pages_of("child")[:2] == cache.pages_of("parent")[:2]  # the full pages stay shared
+    assert cache.pages_of("child")[2] != cache.pages_of("parent")[2]  # the partial one was copied
+    assert cache.used_pages == used + 1
+    cache.fork("parent", "prefix", length=5)  # a prefix ending inside a page
+    keys["prefix"], values["prefix"] = keys["parent"][:5].clone(), values["parent"][:5].clone()
+    step_and_check(cache, {"prefix": 2, "parent": 1, "child": 1}, keys, values, gen)
+    for layer in (0, 1):  # every layer's pages follow the same table
+        step = cache.plan({"child": 0, "prefix": 0})
+        assert step.page.numel() == 0
+    cache.free("parent")
+    cache.free("child")
+    cache.free("prefix")
+    assert cache.used_pages == 0
+
+
+def test_steps_with_shared_prefixes_use_the_cascade_and_equal_the_definition():
+    cache = qkv.PagedKVCache(64, P, G, D, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    keys, values = {}, {}
+    cache.add("root")
+    step_and_check(cache, {"root": 12}, keys, values, gen)  # three full pages
+    for n in range(4):
+        cache.fork("root", n)
+        keys[n], values[n] = keys["root"].clone(), values["root"].clone()
+    step_and_check(cache, {n: 3 for n in range(4)}, keys, values, gen)
+    for _ in range(3):
+        step_and_check(cache, {n: 1 for n in range(4)}, keys, values, gen)
+    assert cache.used_pages < 5 * -(-15 // P)  # the prompt is stored once
+
+
+def test_running_out_of_pages_says_so_and_changes_nothing():
+    cache = qkv.PagedKVCache(2, P, G, D)
+    cache.add("a")
+    cache.plan({"a": 8})
+    cache.add("b")
+    with pytest.raises(RuntimeError, match="needs 1 more pages but 0 are free"):
+        cache.plan({"b": 1})
+    assert cache.length("b") == 0 and cache.free_pages == 0
+    with pytest.raises(KeyError, match="not in the cache"):
+        cache.plan({"z": 1})
+    with pytest.raises(ValueError, match="already"):
+        cache.add("a")
+    with pytest.raises(ValueError, match="length"):
+        cache.fork("a", "c", length=9)
