@@ -70,6 +70,7 @@ SUITES: dict[str, str] = {
     "mechanisms": "qkv.bench.mechanisms",
     "packing": "qkv.bench.packing",
     "decoding": "qkv.bench.decoding",
+    "serving": "qkv.bench.serving",
 }
 #: Suites run when ``--suite`` is not given.
 DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")

@@ -124,6 +124,8 @@ def register(name: str = NAME) -> None:
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_interface)
     _refuse_weights_for_elsewhere(AttentionInterface)
+    from .transformers_serving import register as register_serving  # generate_batch: transformers_serving.NAME
+    register_serving()
 
 
 def _refuse_weights_for_elsewhere(interface: type) -> None:

@@ -2,10 +2,11 @@
 
 ``qkv.paged_attention`` (:mod:`.attention`) attends each request's queries to its pages;
 ``qkv.PagedKVCache`` (:mod:`.kv_cache`) hands out and frees the pages and writes the page
-tables.
+tables; ``qkv.paged.Int8Pages`` (:mod:`.quant`) holds the pages in int8, read a tile at a time.
 """
 
 from .attention import paged_attention
 from .kv_cache import PagedKVCache, Step
+from .quant import Int8Pages
 
-__all__ = ["PagedKVCache", "Step", "paged_attention"]
+__all__ = ["Int8Pages", "PagedKVCache", "Step", "paged_attention"]

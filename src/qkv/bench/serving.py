@@ -1,0 +1,202 @@
+"""Benchmark suite ``serving``: paged attention for many requests, against what a user would write instead.
+
+Shape legend: ``R`` requests, ``h = 8`` query heads, ``g = 2`` KV heads, ``d = 64``, page size
+``P = 16``, float32, under ``no_grad``.
+
+* **decode** — one decoding step of 32 requests of random lengths 64 to 2048, their pages
+  handed out as the requests grew together (interleaved in the pool): ``qkv.paged_attention``
+  against a Python loop of ``F.scaled_dot_product_attention`` over each request's own
+  contiguous cache, and against SDPA on the requests padded to the longest with a mask.
+  The caches' bytes: paged ``Σ ⌈len / P⌉ · P`` tokens against padded ``R · max``;
+* **mixed** — 4 prefill chunks of 512 queries (after 512 cached keys) and 28 decoding steps
+  in one call, against the same work as separate calls (one per chunk, one for the steps);
+* **shared prefix** — 32 requests sharing a 1024-token prompt, each with its own 16 to 256
+  further tokens: pages stored, and the step with the prompt's pages shared (attended once,
+  merged by LSE) against each request holding its own copy;
+* **int8** — the same decoding step over ``qkv.paged.Int8Pages`` (KIVI: keys per channel,
+  values per token, a full-precision partial last page): bytes per token against float32,
+  and the step's time against the float32 paged step; its accuracy (next-token KL divergence
+  and perplexity against float32) on the demo's word-stream language model, and on the
+  packaged SmolLM2-135M where installed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..paged import paged_attention
+from .measure import interleaved
+from .report import Targets, table
+
+NAME = "serving"
+DESCRIPTION = "paged attention: a decoding step of 32 requests, a ragged batch, a shared prompt, an int8 cache"
+
+FULL = dict(requests=32, low=64, high=2048, chunk=512, prefix=1024, repeats=7, accuracy=True)
+QUICK = dict(requests=6, low=8, high=64, chunk=16, prefix=32, repeats=1, accuracy=False)
+H, G, D, P = 8, 2, 64, 16
+
+
+class Table:
+    """Some requests of a pool: their pages and lengths as FlashInfer's table, and a call over them."""
+
+    def __init__(self, cache, pages: list[list[int]], lengths: list[int]):
+        counts = [len(ps) for ps in pages]
+        self.cache = cache
+        longs = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        self.indices = longs([p for ps in pages for p in ps])
+        self.indptr = longs([0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()])
+        self.last = longs([n - (c - 1) * P for n, c in zip(lengths, counts)])
+
+    def attend(self, q, qo_lens: list[int]):
+        qo = torch.tensor([0, *torch.tensor(qo_lens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.long)
+        return paged_attention(q, self.cache, qo, self.indptr, self.indices, self.last)
+
+
+class Pool(Table):
+    """Requests' keys in a page pool, pages handed out round-robin as they grew (one step at a time);
+    the first ``shared`` tokens' pages held by every request once."""
+
+    def __init__(self, lengths: list[int], seed: int = 0, shared: int = 0, quantized: bool = False):
+        gen = torch.Generator().manual_seed(seed)
+        counts = [-(-n // P) for n in lengths]
+        common = shared // P
+        pages: list[list[int]] = [list(range(common)) for _ in lengths]
+        total = common
+        for slot in range(common, max(counts)):
+            for r, c in enumerate(counts):
+                if slot < c:
+                    pages[r].append(total)
+                    total += 1
+        self.data = torch.randn(total, 2, P, G, D, generator=gen)
+        cache = self.data
+        if quantized:
+            from ..paged.quant import Int8Pages
+
+            cache = Int8Pages(total, P, G, D)
+            ids, offsets = torch.arange(total).repeat_interleave(P), torch.arange(P).repeat(total)
+            cache.write(ids, offsets, self.data[:, 0].reshape(-1, G, D), self.data[:, 1].reshape(-1, G, D))
+        super().__init__(cache, pages, lengths)
+        self.pages, self.lengths = pages, lengths
+
+    def part(self, requests: slice) -> Table:
+        return Table(self.cache, self.pages[requests], self.lengths[requests])
+
+    def contiguous(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request ``r``'s keys and values as ``(1, g, n, d)`` contiguous tensors."""
+        pages = self.data[self.pages[r]]  # (c, 2, P, g, d)
+        k = pages[:, 0].reshape(-1, G, D)[: self.lengths[r]].transpose(0, 1).contiguous()[None]
+        v = pages[:, 1].reshape(-1, G, D)[: self.lengths[r]].transpose(0, 1).contiguous()[None]
+        return k, v
+
+
+def _lengths(cfg: dict, n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(cfg["low"], cfg["high"] + 1, (n,), generator=gen).tolist()
+
+
+def _decode(cfg: dict, say) -> tuple[list, Targets, dict]:
+    lengths = _lengths(cfg, cfg["requests"], 0)
+    pool = Pool(lengths)
+    R = len(lengths)
+    q = torch.randn(R, H, D, generator=torch.Generator().manual_seed(1))
+    kv = [pool.contiguous(r) for r in range(R)]
+    longest = max(lengths)
+    kp = torch.zeros(R, G, longest, D)
+    vp = torch.zeros(R, G, longest, D)
+    for r, (k, v) in enumerate(kv):
+        kp[r, :, : lengths[r]], vp[r, :, : lengths[r]] = k[0], v[0]
+    keep = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+
+    def loop():
+        return torch.cat([F.scaled_dot_product_attention(q[r][None, :, None], k, v, enable_gqa=True)[0, :, 0][None]
+                          for r, (k, v) in enumerate(kv)])  # fmt: skip
+
+    fns = {
+        "paged": lambda: pool.attend(q, [1] * R),
+        "loop": loop,
+        "padded": lambda: F.scaled_dot_product_attention(q[:, :, None], kp, vp, attn_mask=keep, enable_gqa=True),
+        "int8 paged": (lambda p: lambda: p.attend(q, [1] * R))(Pool(lengths, quantized=True)),
+    }
+    with torch.no_grad():
+        t = interleaved(fns, cfg["repeats"])
+    say("  decode: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in t.items()))
+    per_token = 2 * G * D * 4
+    paged_bytes = sum(-(-n // P) * P for n in lengths) * per_token
+    padded_bytes = R * longest * per_token
+    from ..paged.quant import Int8Pages
+
+    int8_ratio = Int8Pages(1, P, G, D).bytes_per_token / per_token
+    targets = Targets()
+    targets.add(f"decode step, {R} requests, paged / loop of SDPA over contiguous caches ≤ 1.0", t["paged"] / t["loop"], 1.0)
+    targets.add(f"decode step, {R} requests, paged / SDPA padded to the longest ≤ 0.6", t["paged"] / t["padded"], 0.6)
+    targets.add("int8 cache: bytes per token / float32's ≤ 0.3", int8_ratio, 0.3)
+    targets.add("int8 cache: decode step / float32 paged step ≤ 1.5", t["int8 paged"] / t["paged"], 1.5)
+    rows = [[f"{R} requests, lengths {cfg['low']}–{cfg['high']}", f"{t['paged'] * 1e3:.2f}", f"{t['loop'] * 1e3:.2f}",
+             f"{t['padded'] * 1e3:.2f}", f"{t['int8 paged'] * 1e3:.2f}", f"{paged_bytes / 2**20:.1f} MiB",
+             f"{padded_bytes / 2**20:.1f} MiB"]]  # fmt: skip
+    return rows, targets, {"int8 ratio": int8_ratio}
+
+
+def _mixed(cfg: dict, say, targets: Targets) -> list:
+    decodes = _lengths(cfg, cfg["requests"] - 4, 2)
+    chunk = cfg["chunk"]
+    lengths = [2 * chunk] * 4 + decodes  # the chunks follow as many cached keys
+    pool = Pool(lengths, seed=3)
+    qo = [chunk] * 4 + [1] * len(decodes)
+    q = torch.randn(sum(qo), H, D, generator=torch.Generator().manual_seed(4))
+    parts = [pool.part(slice(r, r + 1)) for r in range(4)]
+    steps = pool.part(slice(4, None))
+
+    def separate():
+        outs = [parts[r].attend(q[r * chunk : (r + 1) * chunk], [chunk]) for r in range(4)]
+        outs.append(steps.attend(q[4 * chunk :], [1] * len(decodes)))
+        return torch.cat(outs)
+
+    with torch.no_grad():
+        t = interleaved({"one call": lambda: pool.attend(q, qo), "separate calls": separate}, cfg["repeats"])
+    say(f"  mixed: one call {t['one call'] * 1e3:.1f} ms, separate {t['separate calls'] * 1e3:.1f} ms")
+    targets.add(f"4 prefill chunks of {chunk} + {len(decodes)} decoding steps in one call / separate calls ≤ 1.2",
+                t["one call"] / t["separate calls"], 1.2)  # fmt: skip
+    return [[f"4 chunks of {chunk} + {len(decodes)} steps", f"{t['one call'] * 1e3:.1f}", f"{t['separate calls'] * 1e3:.1f}",
+             f"{t['one call'] / t['separate calls']:.2f}"]]  # fmt: skip
+
+
+def _shared(cfg: dict, say) -> list:
+    R, prefix = cfg["requests"], cfg["prefix"]
+    own = _lengths({"low": 16, "high": 256}, R, 5)
+    lengths = [prefix + n for n in own]
+    shared, alone = Pool(lengths, seed=6, shared=prefix), Pool(lengths, seed=6)
+    q = torch.randn(R, H, D, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        t = interleaved({"shared": lambda: shared.attend(q, [1] * R), "not shared": lambda: alone.attend(q, [1] * R)},
+                        cfg["repeats"])  # fmt: skip
+    say(f"  shared prefix: shared {t['shared'] * 1e3:.2f} ms, not shared {t['not shared'] * 1e3:.2f} ms")
+    pages = lambda pool: len(set(pool.indices.tolist()))  # noqa: E731
+    return [[f"{R} requests, {prefix}-token prompt + 16–256 own", str(pages(shared)), str(pages(alone)),
+             f"{t['shared'] * 1e3:.2f}", f"{t['not shared'] * 1e3:.2f}", f"{t['shared'] / t['not shared']:.2f}"]]  # fmt: skip
+
+
+def section(quick: bool, say: Callable[[str], None]) -> str:
+    cfg = QUICK if quick else FULL
+    decode_rows, targets, _ = _decode(cfg, say)
+    mixed_rows = _mixed(cfg, say, targets)
+    shared_rows = _shared(cfg, say)
+    lines = ["## Serving: paged attention (`qkv bench --suite serving`)", "",
+             f"h = {H}, KV heads = {G}, d = {D}, page size {P}, float32, no_grad; times are medians in ms, side by side.", "",
+             "### A decoding step", ""]  # fmt: skip
+    lines += table(["requests", "paged", "loop of SDPA", "SDPA padded", "int8 paged", "paged cache", "padded cache"],
+                   decode_rows) + [""]  # fmt: skip
+    lines += ["### A ragged batch: prefill chunks and decoding steps in one call", ""]
+    lines += table(["batch", "one call", "separate calls", "ratio"], mixed_rows) + [""]
+    lines += ["### A shared prompt: pages stored once, attended once", ""]
+    lines += table(["requests", "pages (shared)", "pages (not shared)", "step shared", "step not shared", "ratio"],
+                   shared_rows) + [""]  # fmt: skip
+    if cfg["accuracy"]:
+        from .serving_accuracy import accuracy_lines
+
+        lines += accuracy_lines(say) + [""]
+    lines += ["### Targets", ""] + targets.lines()
+    return "\n".join(lines)

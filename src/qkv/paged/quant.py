@@ -1,0 +1,172 @@
+"""``Int8Pages``: a paged KV cache held in int8 (KIVI's scales), dequantised a tile of pages at a time.
+
+Shape legend: ``N`` pages in the pool, ``n`` pages read or written, ``P`` page size, ``g`` KV
+heads, ``d`` head size (keys and values alike, FlashInfer's layout).
+
+KIVI (Liu et al. 2024) quantises keys **per channel** and values **per token**: a key channel
+carries outliers that persist across tokens, while a value's error is mixed by the attention
+weights token by token. Per page, symmetric absmax int8 with scales stored as float16::
+
+    sK[c, j, i] = max_p |K[c, p, j, i]| / 127        (N, g, d)     one per page, head, channel
+    sV[c, p, j] = max_i |V[c, p, j, i]| / 127        (N, P, g)     one per page, token, head
+    K8 = round(K / sK) ∈ [-127, 127],   K ≈ K8 · sK   (|error| ≤ sK / 2), and the same for V
+
+A key channel's scale spans the page's ``P`` tokens, so a page is quantised once, when its
+``P`` offsets are written; until then it lives in full precision in a small residual (KIVI's
+recent tokens): one ``(2, P, g, d)`` tensor per partially filled page, read back as written.
+``range`` and ``take`` dequantise only the pages asked for, never the whole cache.
+
+Bytes per token of a full page: ``2·g·d`` (int8 K and V) ``+ 2·g·d / P`` (key scales) ``+ 2·g``
+(value scales), i.e. ``(1 + 1/P + 1/d) / 4`` of float32's ``2·g·d·4``: at most 0.3 where
+``1/P + 1/d ≤ 0.2`` (P = 16, d = 64: 0.27; P = 16, d = 8: 0.297).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._args import positive_int
+
+#: A float16 scale lies in [tiny, max]: an all-zero channel or token gets ``tiny`` (never 0, never a
+#: division by zero) and a value beyond ``127 · 65504`` is clipped rather than scaled to inf.
+_TINY, _HUGE = torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max
+
+
+class Int8Pages:
+    """``num_pages`` pages of int8 keys and values with float16 scales; reads give ``dtype``."""
+
+    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+                 device="cpu"):  # fmt: skip
+        self.num_pages = positive_int("num_pages", num_pages)
+        self.page_size = P = positive_int("page_size", page_size)
+        self.kv_heads = g = positive_int("kv_heads", kv_heads)
+        self.head_dim = self.value_dim = d = positive_int("head_dim", head_dim)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected the floating-point dtype the pages dequantise to, got {dtype}")
+        self.dtype, self.device = dtype, torch.device(device)
+        self.keys = torch.zeros(num_pages, P, g, d, dtype=torch.int8, device=self.device)
+        self.values = torch.zeros(num_pages, P, g, d, dtype=torch.int8, device=self.device)
+        self.key_scale = torch.ones(num_pages, g, d, dtype=torch.float16, device=self.device)  # over the page's tokens
+        self.value_scale = torch.ones(num_pages, P, g, dtype=torch.float16, device=self.device)  # over the channels
+        self.residual: dict[int, Tensor] = {}  # page -> (2, P, g, d) in dtype, while partially filled
+        self.filled = [0] * num_pages  # offsets written since the page was (re)started
+
+    # ------------------------------------------------------------------ reads
+
+    def range(self, p0: int, p1: int) -> tuple[Tensor, Tensor]:
+        """Pages ``p0 .. p1 - 1``: ``(K (n, P, g, d), V (n, P, g, d))``, dequantised."""
+        K, V = self._dequantise(slice(p0, p1))
+        for p, both in self.residual.items():
+            if p0 <= p < p1:
+                K[p - p0], V[p - p0] = both[0], both[1]
+        return K, V
+
+    def take(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Pages ``ids (n,)`` in that order (repeats allowed): ``(K, V)``, dequantised."""
+        ids = ids.to(device=self.device, dtype=torch.long)
+        K, V = self._dequantise(ids)
+        if self.residual:
+            at = [(n, p) for n, p in enumerate(ids.tolist()) if p in self.residual]
+            if at:
+                where = torch.tensor([n for n, _ in at], device=self.device)
+                both = torch.stack([self.residual[p] for _, p in at])  # (m, 2, P, g, d)
+                K.index_copy_(0, where, both[:, 0])
+                V.index_copy_(0, where, both[:, 1])
+        return K, V
+
+    def _dequantise(self, pages) -> tuple[Tensor, Tensor]:
+        work = torch.promote_types(self.dtype, torch.float32)  # the product in float32 at least, then dtype
+        K = self.keys[pages].to(work) * self.key_scale[pages].to(work)[:, None]
+        V = self.values[pages].to(work) * self.value_scale[pages].to(work)[..., None]
+        return K.to(self.dtype), V.to(self.dtype)
+
+    # ------------------------------------------------------------------ writes
+
+    def write(self, page: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
+        """Token ``n`` of ``k, v (n, g, d)`` into page ``page[n]`` at ``offset[n]``; pages filled by it are quantised.
+
+        Writes arrive in order within a page: a write at offset 0 starts the page over (a freed
+        page handed out again), and a page's filled count is one past the last offset written.
+        """
+        pages, offsets = page.tolist(), offset.tolist()
+        if not pages:
+            return
+        order = sorted(range(len(pages)), key=lambda n: (pages[n], offsets[n]))
+        index = torch.tensor(order, device=self.device)
+        both = torch.stack([k.to(self.device, self.dtype).index_select(0, index),
+                            v.to(self.device, self.dtype).index_select(0, index)], 1)  # (n, 2, g, d) by page  # fmt: skip
+        full = []
+        a = 0
+        while a < len(order):
+            p = pages[order[a]]
+            b = a
+            while b < len(order) and pages[order[b]] == p:
+                b += 1
+            offs = [offsets[n] for n in order[a:b]]
+            res = self._residual(p, restart=offs[0] == 0)
+            if offs == list(range(offs[0], offs[0] + b - a)):
+                res[:, offs[0] : offs[0] + b - a] = both[a:b].transpose(0, 1)  # a run of offsets: a slice
+            else:
+                res[:, torch.tensor(offs, device=self.device)] = both[a:b].transpose(0, 1)
+            self.filled[p] = offs[-1] + 1
+            if self.filled[p] == self.page_size:
+                full.append(p)
+            a = b
+        if full:
+            self._quantise(full)
+
+    def _residual(self, p: int, restart: bool) -> Tensor:
+        """Page ``p``'s full-precision copy: zeros when it starts over, its dequantised values when a full page is rewritten."""
+        if restart or self.filled[p] == 0:
+            self.filled[p] = 0
+            self.residual[p] = torch.zeros(2, *self.keys.shape[1:], dtype=self.dtype, device=self.device)
+        elif p not in self.residual:
+            self.residual[p] = torch.cat(self._dequantise(slice(p, p + 1)))
+        return self.residual[p]
+
+    def _quantise(self, full: list[int]) -> None:
+        """Full pages leave the residual for int8, all in one batch."""
+        ids = torch.tensor(full, device=self.device)
+        both = torch.stack([self.residual.pop(p) for p in full]).to(torch.promote_types(self.dtype, torch.float32))
+        K, V = both[:, 0], both[:, 1]  # (n, P, g, d)
+        sK = _scale(K.abs().amax(1))  # (n, g, d)
+        sV = _scale(V.abs().amax(-1))  # (n, P, g)
+        self.keys.index_copy_(0, ids, _round(K / sK.to(K.dtype)[:, None]))
+        self.values.index_copy_(0, ids, _round(V / sV.to(V.dtype)[..., None]))
+        self.key_scale.index_copy_(0, ids, sK)
+        self.value_scale.index_copy_(0, ids, sV)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page ``dst`` becomes a copy of page ``src`` (int8 data, scales, residual and filled count)."""
+        for t in (self.keys, self.values, self.key_scale, self.value_scale):
+            t[dst] = t[src]
+        self.filled[dst] = self.filled[src]
+        if src in self.residual:
+            self.residual[dst] = self.residual[src].clone()
+        else:
+            self.residual.pop(dst, None)
+
+    # ------------------------------------------------------------------ size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: every page's int8 data and scales (allocated up front) and the residual pages."""
+        stored = (self.keys, self.values, self.key_scale, self.value_scale, *self.residual.values())
+        return sum(t.numel() * t.element_size() for t in stored)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes per token of a full page: ``2·g·d + 2·g·d / P + 2·g`` (see the module docstring)."""
+        g, d, P = self.kv_heads, self.head_dim, self.page_size
+        return 2 * g * d + 2 * g * d / P + 2 * g
+
+
+def _scale(absmax: Tensor) -> Tensor:
+    """absmax / 127 as float16, kept within float16's normal range (never 0)."""
+    return (absmax / 127).clamp(_TINY, _HUGE).to(torch.float16)
+
+
+def _round(x: Tensor) -> Tensor:
+    # the float16 scale may round below absmax / 127: clamp the few values that land past 127
+    return x.round().clamp(-127, 127).to(torch.int8)

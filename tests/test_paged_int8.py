@@ -1,0 +1,156 @@
+"""``qkv.paged.Int8Pages``: KIVI's int8 pages against the float values written into them.
+
+Shape legend: ``N`` pages, ``P`` page size, ``h`` query heads, ``g`` KV heads, ``d`` head size.
+
+Written through ``write`` as a server does (several tokens of several pages per call), a full
+page reads back within half a scale step of what was written, a partial page exactly; and
+``qkv.paged_attention`` over the int8 pages is exactly the attention over their dequantised
+values (float64, 1e-12), for decoding steps, a prefill chunk and a shared prefix.
+"""
+
+import pytest
+import torch
+
+import qkv
+from qkv.paged import Int8Pages
+
+H, G = 4, 2
+
+
+def fill(kv_lens, P, D, dtype, seed, shared=0, spare=3):
+    """Int8Pages and the float cache of the same values, written in interleaved chunks; ``(pages, cache, table)``.
+
+    Pages lie in a random order; request ``r > 0`` begins with request 0's first ``shared``
+    full pages (a forked prompt; fewer where it is shorter); every request's last page may be partial.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // P) for n in kv_lens]
+    common = [min(shared, c - 1) if r else 0 for r, c in enumerate(counts)]
+    own = [c - s for c, s in zip(counts, common)]
+    N = sum(own) + spare
+    free = torch.randperm(N, generator=gen).tolist()
+    lists, fills = [], {}
+    for r, (n, c) in enumerate(zip(kv_lens, counts)):
+        mine = lists[0][: common[r]] if r else []
+        while len(mine) < c:
+            p = free.pop()
+            fills[p] = min(P, n - len(mine) * P)
+            mine.append(p)
+        lists.append(mine)
+    cache = torch.zeros(N, 2, P, G, D, dtype=dtype)
+    for p, f in fills.items():
+        cache[p, :, :f] = torch.randn(2, f, G, D, generator=gen, dtype=dtype)
+    pages = Int8Pages(N, P, G, D, dtype=dtype)
+    chunks = {}  # page -> its offsets, cut into runs at random
+    for p, f in fills.items():
+        cuts = sorted(set(torch.randint(1, max(2, f), (2,), generator=gen).tolist()) | {0, f})
+        chunks[p] = [list(range(a, b)) for a, b in zip(cuts, cuts[1:]) if b > a]
+    for i in range(max(len(c) for c in chunks.values())):
+        pairs = [(p, o) for p, c in chunks.items() if i < len(c) for o in c[i]]
+        pairs = [pairs[j] for j in torch.randperm(len(pairs), generator=gen).tolist()]  # any order across pages
+        page, offset = torch.tensor(pairs).T
+        pages.write(page, offset, cache[page, 0, offset], cache[page, 1, offset])
+    indptr = torch.tensor([0, *torch.tensor([len(m) for m in lists]).cumsum(0).tolist()])
+    last = torch.tensor([n - (c - 1) * P for n, c in zip(kv_lens, counts)])
+    table = (indptr, torch.tensor([p for m in lists for p in m]), last)
+    return pages, cache, fills, table
+
+
+def dequantised(pages):
+    """The float cache ``(N, 2, P, g, d)`` the int8 pages read back as."""
+    return torch.stack(pages.range(0, pages.num_pages), 1)
+
+
+def test_full_pages_within_half_a_step_partial_pages_exact():
+    P, D = 16, 8
+    pages, cache, fills, _ = fill([37, 16, 5, 64, 80], P, D, torch.float32, seed=1)
+    partial = {p for p, f in fills.items() if f < P}
+    assert set(pages.residual) == partial  # only the partially filled pages are held in full precision
+    K, V = dequantised(pages).unbind(1)
+    for p, f in fills.items():
+        if p in partial:
+            assert torch.equal(K[p], cache[p, 0]) and torch.equal(V[p], cache[p, 1])
+        else:
+            sK = pages.key_scale[p].float()[None]  # (1, g, d): one per channel, over the page's tokens
+            sV = pages.value_scale[p].float()[..., None]  # (P, g, 1): one per token
+            assert ((K[p] - cache[p, 0]).abs() <= sK / 2 + 1e-6).all()
+            assert ((V[p] - cache[p, 1]).abs() <= sV / 2 + 1e-6).all()
+            assert not torch.equal(K[p], cache[p, 0])  # it was quantised
+    ids = torch.tensor([*fills, *list(fills)[:3]])  # every page, then three again
+    ids = ids[torch.randperm(len(ids))]
+    k, v = pages.take(ids)
+    assert torch.equal(k, K[ids]) and torch.equal(v, V[ids])
+    k, v = pages.range(2, 6)
+    assert torch.equal(k, K[2:6]) and torch.equal(v, V[2:6])
+
+
+def test_a_zero_page_reads_zero_and_a_reused_page_starts_over():
+    P, D = 4, 8
+    pages = Int8Pages(2, P, G, D)
+    pages.write(torch.zeros(P, dtype=torch.long), torch.arange(P), torch.zeros(P, G, D), torch.zeros(P, G, D))
+    K, V = pages.take(torch.tensor([0]))
+    assert 0 not in pages.residual and torch.equal(K, torch.zeros_like(K)) and torch.equal(V, torch.zeros_like(V))
+    assert (pages.key_scale[0] > 0).all() and (pages.value_scale[0] > 0).all()  # never a zero scale
+    k = torch.randn(1, G, D)
+    pages.write(torch.tensor([0]), torch.tensor([0]), k, -k)  # the freed page handed out again
+    assert pages.filled[0] == 1 and 0 in pages.residual
+    K, V = pages.range(0, 1)
+    assert torch.equal(K[0, 0], k[0]) and torch.equal(V[0, 0], -k[0]) and not K[0, 1:].any()
+
+
+def attend(q, cache, qo_lens, table):
+    qo_indptr = torch.tensor([0, *torch.tensor(qo_lens).cumsum(0).tolist()])
+    return qkv.paged_attention(q, cache, qo_indptr, *table, return_lse=True)
+
+
+CALLS = {
+    "decoding steps": ([70, 90, 49, 200, 33], [1, 1, 1, 1, 1], 0),
+    "a prefill chunk among steps": ([70, 16, 130, 5], [1, 1, 40, 3], 0),
+    "a shared prefix": ([70, 90, 49, 200, 33], [1, 1, 1, 1, 1], 3),
+}
+
+
+@pytest.mark.parametrize("P", [1, 16])
+@pytest.mark.parametrize("call", list(CALLS))
+def test_attention_over_int8_pages_is_attention_over_their_values(P, call):
+    kv_lens, qo_lens, shared = CALLS[call]
+    pages, _, _, table = fill(kv_lens, P, 8, torch.float64, seed=P, shared=shared * 16 // P)
+    q = torch.randn(sum(qo_lens), H, 8, dtype=torch.float64)
+    got = attend(q, pages, qo_lens, table)
+    want = attend(q, dequantised(pages), qo_lens, table)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_int8_attention_is_close_to_float32_in_under_a_third_of_the_bytes():
+    P, D = 16, 64
+    kv_lens, qo_lens = [200, 77, 130, 16, 300], [1, 1, 20, 1, 1]
+    pages, cache, fills, table = fill(kv_lens, P, D, torch.float32, seed=7)
+    q = torch.randn(sum(qo_lens), H, D)
+    (out, lse), (exact, exact_lse) = attend(q, pages, qo_lens, table), attend(q, cache, qo_lens, table)
+    error = (out - exact).abs().max().item()
+    print(f"int8 vs float32 pages: max |out error| {error:.2e}, max |lse error| {(lse - exact_lse).abs().max():.2e}")
+    assert 0 < error < 2e-2
+    float32 = 2 * G * D * 4
+    assert pages.bytes_per_token == 2 * G * D + 2 * G * D / P + 2 * G
+    assert pages.bytes_per_token / float32 <= 0.3
+    N, partial = pages.num_pages, sum(f < P for f in fills.values())
+    assert pages.nbytes == N * P * G * D * 2 + N * G * D * 2 + N * P * G * 2 + partial * 2 * P * G * D * 4
+
+
+def test_copy_page_of_a_full_and_of_a_partial_page():
+    P, D = 4, 8
+    pages = Int8Pages(4, P, G, D)
+    k, v = torch.randn(P + 2, G, D), torch.randn(P + 2, G, D)
+    pages.write(torch.tensor([0] * P + [1, 1]), torch.tensor([*range(P), 0, 1]), k, v)  # page 0 full, page 1 half
+    pages.copy_page(0, 2)
+    pages.copy_page(1, 3)
+    K, V = pages.take(torch.tensor([0, 1, 2, 3]))
+    assert torch.equal(K[2], K[0]) and torch.equal(V[2], V[0]) and 2 not in pages.residual
+    assert torch.equal(K[3], K[1]) and torch.equal(V[3], V[1]) and torch.equal(K[3, :2], k[P:])
+    # the copy is its own: filling page 3 quantises it and leaves page 1 as it was
+    pages.write(torch.tensor([3, 3]), torch.tensor([2, 3]), torch.randn(2, G, D), torch.randn(2, G, D))
+    assert 3 not in pages.residual and 1 in pages.residual and pages.filled[1] == 2
+    assert torch.equal(pages.range(1, 2)[0][0], K[1])
+    pages.copy_page(1, 2)  # a partial page over a full one
+    assert torch.equal(pages.take(torch.tensor([2]))[0][0], K[1]) and pages.filled[2] == 2
