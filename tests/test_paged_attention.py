@@ -162,3 +162,35 @@ def test_errors_name_the_argument():
         qkv.paged_attention(q, cache, *table, window_left=-2)
     with pytest.raises(ValueError, match="sinks"):
         qkv.paged_attention(q, cache, *table, sinks=torch.zeros(3))
+
+
+def test_the_tuple_form_and_blocks_of_pages_read_as_one_item_equal_the_definition():
+    """(k_cache, v_cache), and requests holding aligned blocks of consecutive pages (read a block at a time)."""
+    from qkv.paged import decode
+
+    P, S = 4, decode.BLOCK_PAGES
+    kv_lens = [3 * S * P + 5, S * P, 2 * P + 1, 9]
+    gen = torch.Generator().manual_seed(8)
+    pages, nxt = [], 0
+    for n in kv_lens:  # each request from its own aligned block on
+        nxt = -(-nxt // S) * S
+        count = -(-n // P)
+        pages.append(list(range(nxt, nxt + count)))
+        nxt += count
+    cache = torch.randn(-(-nxt // S) * S, 2, P, G, D, generator=gen, dtype=torch.float64)
+    table = (torch.arange(len(kv_lens) + 1), torch.tensor([0, *torch.tensor([len(p) for p in pages]).cumsum(0).tolist()]),
+             torch.tensor([p for ps in pages for p in ps]), torch.tensor([n - (-(-n // P) - 1) * P for n in kv_lens]))  # fmt: skip
+    q = torch.randn(len(kv_lens), H, D, generator=gen, dtype=torch.float64)
+    seen = []
+    pick = decode._block_pages
+    decode._block_pages = lambda *a: seen.append(pick(*a)) or seen[-1]
+    try:
+        for case in ("causal", "window", "alibi", "soft cap"):
+            want = literal(q, cache, table, **CASES[case])
+            for form in (cache, (cache[:, 0].contiguous(), cache[:, 1].contiguous())):
+                got = paged(q, form, table, **CASES[case])
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    finally:
+        decode._block_pages = pick
+    assert set(seen) == {S}

@@ -4,7 +4,8 @@ Shape legend: ``R`` requests, ``h = 8`` query heads, ``g = 2`` KV heads, ``d = 6
 ``P = 16``, float32, under ``no_grad``.
 
 * **decode** — one decoding step of 32 requests of random lengths 64 to 2048, their pages
-  handed out as the requests grew together (interleaved in the pool): ``qkv.paged_attention``
+  handed out by ``qkv.PagedKVCache`` as serving does (each prompt prefilled, then every
+  request growing a token a step, side by side): ``qkv.paged_attention``
   against a Python loop of ``F.scaled_dot_product_attention`` over each request's own
   contiguous cache, and against SDPA on the requests padded to the longest with a mask.
   The caches' bytes: paged ``Σ ⌈len / P⌉ · P`` tokens against padded ``R · max``;
@@ -27,7 +28,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..paged import paged_attention
+from ..paged import Int8Pages, PagedKVCache, paged_attention
+from ..paged.decode import BLOCK_PAGES
 from .measure import interleaved
 from .report import Targets, table
 
@@ -56,29 +58,29 @@ class Table:
 
 
 class Pool(Table):
-    """Requests' keys in a page pool, pages handed out round-robin as they grew (one step at a time);
-    the first ``shared`` tokens' pages held by every request once."""
+    """Requests' keys in a ``qkv.PagedKVCache``'s pages, laid out as serving lays them: each prompt (half
+    its length) prefilled, then every request growing one token a step, side by side, until its
+    length; with ``shared``, a first request holds that many tokens and every request forks it."""
 
     def __init__(self, lengths: list[int], seed: int = 0, shared: int = 0, quantized: bool = False):
         gen = torch.Generator().manual_seed(seed)
-        counts = [-(-n // P) for n in lengths]
-        common = shared // P
-        pages: list[list[int]] = [list(range(common)) for _ in lengths]
-        total = common
-        for slot in range(common, max(counts)):
-            for r, c in enumerate(counts):
-                if slot < c:
-                    pages[r].append(total)
-                    total += 1
-        self.data = torch.randn(total, 2, P, G, D, generator=gen)
-        cache = self.data
+        cache = PagedKVCache(sum(-(-n // P) for n in lengths) + 2 * BLOCK_PAGES * len(lengths), P, G, D)
+        if shared:
+            cache.add("prompt")
+            cache.plan({"prompt": shared})
+        for r in range(len(lengths)):
+            cache.fork("prompt", r) if shared else cache.add(r)
+        cache.plan({r: (n - shared) // 2 for r, n in enumerate(lengths)})
+        while any(cache.length(r) < n for r, n in enumerate(lengths)):
+            cache.plan({r: 1 for r, n in enumerate(lengths) if cache.length(r) < n})
+        pages = [cache.pages_of(r) for r in range(len(lengths))]
+        self.data = torch.randn(cache.num_pages, 2, P, G, D, generator=gen)
+        store = (self.data[:, 0].contiguous(), self.data[:, 1].contiguous())  # PagedKVCache's form: pools of their own
         if quantized:
-            from ..paged.quant import Int8Pages
-
-            cache = Int8Pages(total, P, G, D)
-            ids, offsets = torch.arange(total).repeat_interleave(P), torch.arange(P).repeat(total)
-            cache.write(ids, offsets, self.data[:, 0].reshape(-1, G, D), self.data[:, 1].reshape(-1, G, D))
-        super().__init__(cache, pages, lengths)
+            store = Int8Pages(cache.num_pages, P, G, D)
+            ids, offsets = torch.arange(cache.num_pages).repeat_interleave(P), torch.arange(P).repeat(cache.num_pages)
+            store.write(ids, offsets, self.data[:, 0].reshape(-1, G, D), self.data[:, 1].reshape(-1, G, D))
+        super().__init__(store, pages, lengths)
         self.pages, self.lengths = pages, lengths
 
     def part(self, requests: slice) -> Table:
@@ -126,8 +128,6 @@ def _decode(cfg: dict, say) -> tuple[list, Targets, dict]:
     per_token = 2 * G * D * 4
     paged_bytes = sum(-(-n // P) * P for n in lengths) * per_token
     padded_bytes = R * longest * per_token
-    from ..paged.quant import Int8Pages
-
     int8_ratio = Int8Pages(1, P, G, D).bytes_per_token / per_token
     targets = Targets()
     targets.add(f"decode step, {R} requests, paged / loop of SDPA over contiguous caches ≤ 1.0", t["paged"] / t["loop"], 1.0)

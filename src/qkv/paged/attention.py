@@ -54,7 +54,8 @@ def paged_attention(
 
     ``q (T, h, d)``: request ``r``'s queries are rows ``qo_indptr[r] : qo_indptr[r + 1]``,
     the last ``qo_len`` of its ``kv_len`` positions (bottom-right causal). ``kv_cache``:
-    ``(num_pages, 2, P, g, d)`` (keys at ``[:, 0]``, values at ``[:, 1]``), or an
+    ``(num_pages, 2, P, g, d)`` (keys at ``[:, 0]``, values at ``[:, 1]``), a tuple
+    ``(k_cache, v_cache)`` of ``(num_pages, P, g, d)`` (FlashInfer's two NHD forms), or an
     :class:`qkv.paged.Int8Pages`. Request ``r``'s pages are
     ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]`` in order, the last holding
     ``kv_last_page_len[r]`` keys. ``window_left``: keys at most that far before the query
@@ -114,19 +115,9 @@ def _steps(q: Tensor, steps: list[int], table: PageTable, pages, opts: Options) 
                                        torch.tensor([steps[n] for n in members], device=q.device))))  # fmt: skip
         for n in members:
             skip[n] = count
-    page, owner, slot, filled = [], [], [], []
-    for n, r in enumerate(steps):
-        ids = table.pages(r)
-        count = table.page_count[r]
-        page.append(ids[skip[n] :])
-        owner.append(torch.full((count - skip[n],), n, dtype=torch.long))
-        slot.append(torch.arange(skip[n], count))
-        fill = torch.full((count - skip[n],), P, dtype=torch.long)
-        fill[-1:] = table.kv_len[r] - (count - 1) * P
-        filled.append(fill)
     dev = q.device
-    out, lse = decode(q, qpos, torch.cat(page), torch.cat(owner).to(dev), torch.cat(slot).to(dev),
-                      torch.cat(filled).to(dev), pages, opts)  # fmt: skip
+    page, owner, slot, filled = _entries(steps, skip, table, P, dev)
+    out, lse = decode(q, qpos, page, owner, slot, filled, pages, opts)
     for idx, o, s in partials:
         merged_out, merged_lse = merge_all([out.index_select(0, idx), o.to(out.dtype)], [lse.index_select(0, idx), s.to(lse.dtype)])
         out = out.index_copy(0, idx, merged_out)
@@ -134,14 +125,29 @@ def _steps(q: Tensor, steps: list[int], table: PageTable, pages, opts: Options) 
     return out, lse
 
 
+def _entries(steps: list[int], skip: list[int], table: PageTable, P: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each step's pages after its first ``skip``: ``(page, owner, slot, filled)``, one entry per page."""
+    count = torch.tensor([table.page_count[r] - k for r, k in zip(steps, skip)])
+    first = torch.tensor([table.page_start[r] + k for r, k in zip(steps, skip)])
+    owner = torch.repeat_interleave(torch.arange(len(steps)), count)
+    ends = torch.cumsum(count, 0)
+    local = torch.arange(int(ends[-1]) if len(steps) else 0) - torch.repeat_interleave(ends - count, count)
+    slot = local + torch.repeat_interleave(torch.tensor(skip), count)
+    filled = torch.full_like(local, P)
+    last = torch.tensor([table.kv_len[r] - (table.page_count[r] - 1) * P for r in steps])
+    filled[ends[count > 0] - 1] = last[count > 0]
+    page = table.indices.index_select(0, (first.repeat_interleave(count) + local).to(table.indices.device))
+    return page, owner.to(device), slot.to(device), filled.to(device)
+
+
 def _shared_prefixes(steps: list[int], table: PageTable) -> list[tuple[list[int], int]]:
     """Groups of decoding requests (their places in ``steps``) that begin with the same full pages, and how many."""
     first: dict[int, list[int]] = {}
-    lists = {}
+    heads = table.indices[[table.page_start[r] for r in steps]].tolist() if steps else []
     for n, r in enumerate(steps):
         if table.page_count[r] >= 2:
-            lists[n] = table.pages(r).tolist()
-            first.setdefault(lists[n][0], []).append(n)
+            first.setdefault(heads[n], []).append(n)
+    lists = {n: table.pages(steps[n]).tolist() for members in first.values() if len(members) > 1 for n in members}
     groups = []
     for members in first.values():
         if len(members) < 2:

@@ -28,6 +28,9 @@ from .options import Options
 
 #: Pages per tile: about 2 MiB of float32 keys and values per KV head at P = 16, d = 64.
 TILE_PAGES = 256
+#: The largest block of pages read as one item: ``qkv.PagedKVCache`` hands a request pages in
+#: aligned blocks of this many, so a block holds one request's consecutive keys.
+BLOCK_PAGES = 16
 
 
 def decode(q: Tensor, qpos: Tensor, page: Tensor, owner: Tensor, slot: Tensor, filled: Tensor, pages,
@@ -37,6 +40,10 @@ def decode(q: Tensor, qpos: Tensor, page: Tensor, owner: Tensor, slot: Tensor, f
     Entries ``(N,)``: ``page`` id, ``owner`` (0 .. n - 1), ``slot`` (its place among the
     owner's pages: keys ``slot · P ..``), ``filled`` keys. A score_mod is not applied here
     (the front sends such calls one request at a time).
+
+    Where each aligned block of ``S`` pages holds one request's consecutive pages (what
+    :class:`qkv.PagedKVCache` hands out), a block is one item of the batched products: ``S``
+    times fewer, ``S`` times larger matrix products than one per page.
     """
     n, h, d = q.shape
     g, P = pages.kv_heads, pages.page_size
@@ -49,12 +56,15 @@ def decode(q: Tensor, qpos: Tensor, page: Tensor, owner: Tensor, slot: Tensor, f
     qpos_of = torch.cat([qpos, qpos.new_zeros(1)])
     order = torch.argsort(page, stable=True)
     page, owner, slot, filled = page[order], owner[order], slot[order], filled[order]
-    ids = page.tolist()
+    S = _block_pages(page, owner, slot)
+    block, owner, base, fill = _blocks(page, owner, slot, filled, S, P)
+    ids = block.tolist()
+    per_tile = max(1, TILE_PAGES // S)
     start = 0
     while start < len(ids):
-        stop = _tile_end(ids, start)
-        K, V, tile_owner, tile_slot, tile_filled = _tile(pages, ids, start, stop, page, owner, slot, filled, n)
-        _accumulate(q_of, qpos_of, K, V, tile_owner, tile_slot, tile_filled, opts, P, m, den, num)
+        stop = _tile_end(ids, start, per_tile)
+        K, V, tile_owner, tile_base, tile_fill = _tile(pages, ids, start, stop, block, owner, base, fill, n, S)
+        _accumulate(q_of, qpos_of, K, V, tile_owner, tile_base, tile_fill, opts, P, m, den, num)
         start = stop
     m, den, num = m[:n], den[:n], num[:n]
     seen = den > 0
@@ -63,41 +73,73 @@ def decode(q: Tensor, qpos: Tensor, page: Tensor, owner: Tensor, slot: Tensor, f
     return out.reshape(n, h, -1).to(q.dtype), lse.reshape(n, h)
 
 
-def _tile_end(ids: list[int], start: int) -> int:
-    """One past the last entry of the tile starting at ``start``: at most TILE_PAGES entries, spanning at most TILE_PAGES ids."""
-    stop = min(len(ids), start + TILE_PAGES)
-    while stop > start + 1 and ids[stop - 1] - ids[start] >= TILE_PAGES:
+def _block_pages(page: Tensor, owner: Tensor, slot: Tensor) -> int:
+    """The largest ``S`` (a power of two up to :data:`BLOCK_PAGES`) whose aligned blocks each hold one owner's
+    consecutive pages, at least half full; 1 when none does (or a page is named twice)."""
+    if page.numel() < 2 or bool((page[1:] == page[:-1]).any()):
+        return 1
+    S = BLOCK_PAGES
+    while S > 1:
+        same_block = (page[1:] // S) == (page[:-1] // S)
+        start = slot - page % S  # the slot the block's first page would have
+        consistent = (owner[1:] == owner[:-1]) & (start[1:] == start[:-1])
+        blocks = int((page // S).unique_consecutive().numel())
+        if bool((consistent | ~same_block).all()) and 2 * page.numel() >= blocks * S:
+            return S
+        S //= 2
+    return 1
+
+
+def _blocks(page: Tensor, owner: Tensor, slot: Tensor, filled: Tensor, S: int, P: int):
+    """Per block of ``S`` pages (ids sorted): its id, owner, first key's position, and keys filled per page ``(nb, S)``."""
+    if S == 1:  # one block per entry: a page two requests name (a shared page) is read for each
+        return page, owner, slot * P, filled[:, None]
+    block = page // S
+    first = torch.ones_like(block, dtype=torch.bool)
+    first[1:] = block[1:] != block[:-1]
+    index = torch.cumsum(first.long(), 0) - 1
+    fill = torch.zeros(int(first.sum()), S, dtype=torch.long, device=page.device)
+    fill[index, page % S] = filled  # pages no entry names stay empty
+    return block[first], owner[first], ((slot - page % S) * P)[first], fill
+
+
+def _tile_end(ids: list[int], start: int, per_tile: int) -> int:
+    """One past the last block of the tile starting at ``start``: at most ``per_tile`` blocks, spanning as many ids."""
+    stop = min(len(ids), start + per_tile)
+    while stop > start + 1 and ids[stop - 1] - ids[start] >= per_tile:
         stop -= 1
     return stop
 
 
-def _tile(pages, ids, start, stop, page, owner, slot, filled, n):
-    """The tile's keys and values, and per tile page its owner (``n`` for none), slot and filled length."""
+def _tile(pages, ids, start, stop, block, owner, base, fill, n, S):
+    """The tile's keys and values ``(C, S·P, g, d)``, and per tile block its owner (``n`` for none), base and fill."""
     lo, hi = ids[start], ids[stop - 1] + 1
     count = stop - start
-    unique = len(set(ids[start:stop])) == count
-    if unique and 2 * count >= hi - lo:  # most of a range, once each: read the range where it lies
-        K, V = pages.range(lo, hi)
-        where = page[start:stop] - lo
-        tile_owner = torch.full((hi - lo,), n, dtype=torch.long, device=page.device).index_copy_(0, where, owner[start:stop])
-        tile_slot = torch.zeros(hi - lo, dtype=torch.long, device=page.device).index_copy_(0, where, slot[start:stop])
-        tile_filled = torch.zeros(hi - lo, dtype=torch.long, device=page.device).index_copy_(0, where, filled[start:stop])
-        return K, V, tile_owner, tile_slot, tile_filled
-    K, V = pages.take(page[start:stop])
-    return K, V, owner[start:stop], slot[start:stop], filled[start:stop]
+    once = S > 1 or len(set(ids[start:stop])) == count  # a page named twice (shared) cannot be one view row
+    if once and 2 * count >= hi - lo and hi * S <= pages.num_pages:  # most of a range of blocks: read it where it lies
+        K, V = pages.range(lo * S, hi * S)
+        where = block[start:stop] - lo
+        tile_owner = torch.full((hi - lo,), n, dtype=torch.long, device=block.device).index_copy_(0, where, owner[start:stop])
+        tile_base = torch.zeros(hi - lo, dtype=torch.long, device=block.device).index_copy_(0, where, base[start:stop])
+        tile_fill = torch.zeros(hi - lo, S, dtype=torch.long, device=block.device).index_copy_(0, where, fill[start:stop])
+    else:
+        ids_in = (block[start:stop, None] * S + torch.arange(S, device=block.device)).clamp(max=pages.num_pages - 1)
+        K, V = pages.take(ids_in.reshape(-1))  # pages past the pool's end are read twice and stay empty
+        tile_owner, tile_base, tile_fill = owner[start:stop], base[start:stop], fill[start:stop]
+    C = tile_owner.numel()
+    return K.reshape(C, -1, *K.shape[2:]), V.reshape(C, -1, *V.shape[2:]), tile_owner, tile_base, tile_fill
 
 
-def _accumulate(q_of, qpos_of, K, V, owner, slot, filled, opts: Options, P: int, m, den, num) -> None:
-    """Fold one tile's pages into each owner's running ``(m, den, num)``."""
-    C, g = K.shape[0], K.shape[2]
+def _accumulate(q_of, qpos_of, K, V, owner, base, fill, opts: Options, P: int, m, den, num) -> None:
+    """Fold one tile's blocks ``K, V (C, S·P, g, d)`` into each owner's running ``(m, den, num)``."""
+    C, L, g = K.shape[0], K.shape[1], K.shape[2]
     acc = m.dtype
     qt = q_of.index_select(0, owner)  # (C, g, x, d)
-    s = torch.stack([torch.bmm(qt[:, j], K[:, :, j].transpose(1, 2)) for j in range(g)], 1).to(acc)  # (C, g, x, P)
-    offset = torch.arange(P, device=K.device)
-    kpos = (slot[:, None] * P + offset)[:, None, None, :]  # (C, 1, 1, P)
+    s = torch.stack([torch.bmm(qt[:, j], K[:, :, j].transpose(1, 2)) for j in range(g)], 1).to(acc)  # (C, g, x, L)
+    kpos = (base[:, None] + torch.arange(L, device=K.device))[:, None, None, :]  # (C, 1, 1, L)
     qpos = qpos_of.index_select(0, owner)[:, None, None, None]
     s = opts.logits(s, qpos, kpos)
-    seen = (offset < filled[:, None])[:, None, None, :]
+    seen = (torch.arange(P, device=K.device) < fill[:, :, None]).reshape(C, 1, 1, L)
     by_position = opts.seen(qpos, kpos)
     if by_position is not None:
         seen = seen & by_position

@@ -4,7 +4,10 @@ Shape legend: ``T`` new tokens of a step (all requests), ``h`` query heads, ``g`
 ``d`` head size, ``P`` page size, ``L`` layers.
 
 Every layer has a pool of ``num_pages`` pages of ``P`` tokens; a request owns a list of page
-ids, the same in every layer (vLLM's block table). A request's memory is its pages: it is
+ids, the same in every layer (vLLM's block table). A request grows into the page after its
+last one while that page is free and in the same aligned block of ``BLOCK_PAGES``, else into
+a wholly free block: its keys lie in runs of whole blocks, which the attention reads as one
+item each (no memory is reserved: every free page stays available to any request). A request's memory is its pages: it is
 given pages as it grows and gives them back the moment it is freed, so the cache holds
 ``Σ ⌈len / P⌉`` pages, not ``requests × longest``. :meth:`fork` starts a request that shares
 its parent's first tokens: full pages are shared (counted references), never copied; a shared
@@ -31,7 +34,8 @@ from torch import Tensor
 
 from .._args import positive_int
 from .attention import paged_attention
-from .pages import FloatPages
+from .decode import BLOCK_PAGES
+from .pages import FloatPages, empty
 
 
 @dataclass(frozen=True)
@@ -69,12 +73,14 @@ class PagedKVCache:
             from .quant import Int8Pages
 
             self.pools = [Int8Pages(num_pages, page_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
-        else:
-            shape = (num_pages, 2, page_size, kv_heads, head_dim)
-            self.pools = [FloatPages(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(layers)]
+        else:  # keys and values in pools of their own: a block of pages is one contiguous matrix
+            self.pools = [empty(num_pages, page_size, kv_heads, head_dim, dtype, device) for _ in range(layers)]
         self.device = torch.device(device)
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids first
-        self._refs = [0] * num_pages
+        self._refs = [0] * num_pages  # holders of each page; 0 = free
+        self._free = num_pages
+        blocks = -(-num_pages // BLOCK_PAGES)
+        self._block_free = [min(BLOCK_PAGES, num_pages - b * BLOCK_PAGES) for b in range(blocks)]
+        self._whole = set(range(blocks))  # blocks with every page free
         self._pages: dict[Hashable, list[int]] = {}
         self._length: dict[Hashable, int] = {}
 
@@ -105,7 +111,7 @@ class PagedKVCache:
         for p in self._pages.pop(request):
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                self._give_back(p)
         del self._length[request]
 
     def length(self, request: Hashable) -> int:
@@ -120,11 +126,11 @@ class PagedKVCache:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return self._free
 
     @property
     def used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._free
 
     @property
     def nbytes(self) -> int:
@@ -147,9 +153,9 @@ class PagedKVCache:
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"new_tokens[{r!r}]: expected a count >= 0, got {n!r}")
         needed = self.pages_needed(new_tokens)
-        if needed > len(self._free):
+        if needed > self._free:
             raise RuntimeError(
-                f"PagedKVCache: this step needs {needed} more pages but {len(self._free)} are free "
+                f"PagedKVCache: this step needs {needed} more pages but {self._free} are free "
                 f"(of {self.num_pages}); free finished requests or make the cache larger"
             )
         page, offset, positions = [], [], []
@@ -160,7 +166,7 @@ class PagedKVCache:
             for t in range(start, start + n):
                 slot, where = divmod(t, self.page_size)
                 if slot == len(self._pages[r]):
-                    self._pages[r].append(self._take())
+                    self._pages[r].append(self._take(self._pages[r][-1] if self._pages[r] else None))
                 page.append(self._pages[r][slot])
                 offset.append(where)
                 positions.append(t)
@@ -182,9 +188,10 @@ class PagedKVCache:
         return paged_attention(q, self.layer(layer), *step.table, **options)
 
     def layer(self, layer: int):
-        """Layer ``layer``'s pages: a ``(num_pages, 2, P, g, d)`` tensor, or an ``Int8Pages``."""
+        """Layer ``layer``'s pages: FlashInfer's tuple ``(k_cache, v_cache)``, each ``(num_pages, P, g, d)``,
+        or an ``Int8Pages``."""
         pool = self.pools[layer]
-        return pool.cache if isinstance(pool, FloatPages) else pool
+        return (pool.keys, pool.values) if isinstance(pool, FloatPages) else pool
 
     # ------------------------------------------------------------------ inside
 
@@ -202,16 +209,35 @@ class PagedKVCache:
     def _own_last_page(self, request: Hashable) -> None:
         last = self._pages[request][-1]
         if self._refs[last] > 1:  # copy-on-write: the other holders keep the original
-            fresh = self._take()
+            fresh = self._take(self._pages[request][-2] if len(self._pages[request]) > 1 else None)
             for pool in self.pools:
                 pool.copy_page(last, fresh)
             self._refs[last] -= 1
             self._pages[request][-1] = fresh
 
-    def _take(self) -> int:
-        p = self._free.pop()
+    def _take(self, after: int | None) -> int:
+        """A free page: the one after ``after`` in its block if free, else the first page of a wholly free
+        block, else the lowest free page. Requests so keep their keys in runs of whole blocks, which
+        ``paged_attention`` reads as one item each (``qkv.paged.decode``)."""
+        if after is not None and (after + 1) % BLOCK_PAGES and after + 1 < self.num_pages and self._refs[after + 1] == 0:
+            p = after + 1
+        elif self._whole:
+            p = min(self._whole) * BLOCK_PAGES
+        else:
+            p = self._refs.index(0)
         self._refs[p] = 1
+        self._free -= 1
+        b = p // BLOCK_PAGES
+        self._whole.discard(b)
+        self._block_free[b] -= 1
         return p
+
+    def _give_back(self, p: int) -> None:
+        self._free += 1
+        b = p // BLOCK_PAGES
+        self._block_free[b] += 1
+        if self._block_free[b] == min(BLOCK_PAGES, self.num_pages - b * BLOCK_PAGES):
+            self._whole.add(b)
 
     def _step(self, requests, new_tokens, page, offset, positions) -> Step:
         dev = self.device

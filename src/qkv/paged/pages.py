@@ -2,53 +2,71 @@
 
 Shape legend: ``n`` pages read, ``P`` page size, ``g`` KV heads, ``d`` key size, ``e`` value size.
 
-``kv_cache (num_pages, 2, P, g, d)`` is FlashInfer's NHD layout: keys at ``[:, 0]``, values at
-``[:, 1]``. The attention reads it a tile of pages at a time, never a request's whole cache
-as one contiguous copy. :class:`qkv.paged.quant.Int8Pages` reads the same way, dequantising
-only the pages asked for.
+FlashInfer's two NHD layouts: one tensor ``kv_cache (num_pages, 2, P, g, d)`` (keys at
+``[:, 0]``, values at ``[:, 1]``), or a tuple ``(k_cache, v_cache)``, each ``(num_pages, P, g,
+d)``. In the tuple form a run of consecutive pages is one contiguous block of keys, which the
+decoding pass reads as one matrix (``qkv.paged.decode``); ``qkv.PagedKVCache`` keeps its pages
+that way. The attention reads a tile of pages at a time, never a request's whole cache as one
+contiguous copy. :class:`qkv.paged.Int8Pages` reads the same way, dequantising only the pages
+asked for.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
+
+_SHAPE = "(num_pages, 2, page_size, kv_heads, head_dim) or a tuple (k_cache, v_cache) of (num_pages, page_size, kv_heads, head_dim)"
 
 
 class FloatPages:
-    """A float ``kv_cache (num_pages, 2, P, g, d)``."""
+    """A float cache in either of FlashInfer's NHD layouts."""
 
-    def __init__(self, kv_cache: Tensor):
-        if not isinstance(kv_cache, Tensor):
-            raise TypeError(f"kv_cache: expected a tensor (num_pages, 2, page_size, kv_heads, head_dim), got {type(kv_cache).__name__}")
-        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-            raise ValueError(
-                "kv_cache: expected shape (num_pages, 2, page_size, kv_heads, head_dim), keys at [:, 0] and values "
-                f"at [:, 1] (FlashInfer's NHD layout), got {tuple(kv_cache.shape)}"
-            )
-        if not kv_cache.dtype.is_floating_point:
-            raise TypeError(f"kv_cache: expected a floating-point cache (qkv.paged.Int8Pages for int8), got {kv_cache.dtype}")
-        self.cache = kv_cache
-        self.num_pages, _, self.page_size, self.kv_heads, self.head_dim = kv_cache.shape
+    def __init__(self, kv_cache):
+        if isinstance(kv_cache, (tuple, list)):
+            if len(kv_cache) != 2 or not all(isinstance(x, Tensor) for x in kv_cache):
+                raise TypeError(f"kv_cache: expected {_SHAPE}, got a {type(kv_cache).__name__} of {len(kv_cache)}")
+            k, v = kv_cache
+            if k.dim() != 4 or v.shape != k.shape:
+                raise ValueError(f"kv_cache: expected k_cache and v_cache of one shape (num_pages, page_size, kv_heads, "
+                                 f"head_dim), got {tuple(k.shape)} and {tuple(v.shape)}")  # fmt: skip
+        elif isinstance(kv_cache, Tensor):
+            if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+                raise ValueError(f"kv_cache: expected {_SHAPE} (FlashInfer's NHD layouts), got {tuple(kv_cache.shape)}")
+            k, v = kv_cache[:, 0], kv_cache[:, 1]
+        else:
+            raise TypeError(f"kv_cache: expected {_SHAPE}, got {type(kv_cache).__name__}")
+        if not k.dtype.is_floating_point:
+            raise TypeError(f"kv_cache: expected a floating-point cache (qkv.paged.Int8Pages for int8), got {k.dtype}")
+        self.keys, self.values = k, v
+        self.num_pages, self.page_size, self.kv_heads, self.head_dim = k.shape
         self.value_dim = self.head_dim
-        self.dtype, self.device = kv_cache.dtype, kv_cache.device
+        self.dtype, self.device = k.dtype, k.device
 
     def range(self, p0: int, p1: int) -> tuple[Tensor, Tensor]:
         """Pages ``p0 .. p1 - 1``: ``(K (n, P, g, d), V (n, P, g, e))``, views of the cache."""
-        return self.cache[p0:p1, 0], self.cache[p0:p1, 1]
+        return self.keys[p0:p1], self.values[p0:p1]
 
     def take(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Pages ``ids (n,)`` in that order (repeats allowed): ``(K, V)``, one copy of those pages."""
-        both = self.cache.index_select(0, ids)
-        return both[:, 0], both[:, 1]
+        return self.keys.index_select(0, ids), self.values.index_select(0, ids)
 
     def write(self, page: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
         """Token ``n`` of ``k (n, g, d)``, ``v (n, g, e)`` into page ``page[n]`` at ``offset[n]``."""
-        self.cache[page, 0, offset] = k.to(self.dtype)
-        self.cache[page, 1, offset] = v.to(self.dtype)
+        self.keys[page, offset] = k.to(self.dtype)
+        self.values[page, offset] = v.to(self.dtype)
 
     def copy_page(self, src: int, dst: int) -> None:
         """Page ``dst`` becomes a copy of page ``src`` (copy-on-write of a shared page)."""
-        self.cache[dst] = self.cache[src]
+        self.keys[dst] = self.keys[src]
+        self.values[dst] = self.values[src]
 
     @property
     def nbytes(self) -> int:
-        return self.cache.numel() * self.cache.element_size()
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+
+def empty(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, device) -> FloatPages:
+    """Zeroed pages in the tuple form: keys and values in pools of their own."""
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    return FloatPages((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
