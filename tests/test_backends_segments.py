@@ -93,3 +93,26 @@ def test_each_document_takes_its_fastest_path(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     qkv.attention(q, k, v, mask=documents(IDS_Q[:1]) & qkv.masks.causal())
     assert calls == [(None, True)] * 3
+
+
+@pytest.mark.parametrize("name", ["documents&causal", "softcap_sinks", "alibi"])
+def test_without_gradients_each_piece_is_written_in_place_with_the_same_result(name):
+    """Under no_grad the pieces go straight into the output (a lower peak); the values are those of the differentiable path."""
+    kw = cases()[name]
+    q, k, v = ref.random_qkv(B, H, G, 9, 11, D, E)
+    want = qkv.attention(q, k, v, return_lse=True, **kw)
+    with torch.no_grad():
+        got = qkv.attention(q, k, v, return_lse=True, **kw)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b.detach())
+
+
+def test_varlen_without_gradients_equals_varlen_with_them():
+    gen = torch.Generator().manual_seed(4)
+    cu = torch.tensor([0, 5, 5, 12, 13], dtype=torch.int32)  # an empty sequence and a one-token one
+    q, k, v = (torch.randn(13, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    want = qkv.varlen_attention(q, k, v, cu, cu, causal=True, return_lse=True)
+    with torch.no_grad():
+        got = qkv.varlen_attention(q, k, v, cu, cu, causal=True, return_lse=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -109,6 +109,8 @@ def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tu
     """
     from . import choose  # the dispatcher, for each segment's own call
 
+    if not torch.is_grad_enabled():
+        return _run_into(req, parts, packed, choose)
     b, h, i_len = req.q.shape[0], req.heads, req.i
     e = req.v.shape[-1]
     rows: list[list[tuple[int, Tensor, Tensor | None]]] = [[] for _ in range(b)]
@@ -128,6 +130,36 @@ def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tu
         return outs[0], lses[0]
     out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
     lse = None if not req.return_lse else torch.cat(lses, dim=0) if len(lses) > 1 else lses[0]
+    return out, lse
+
+
+def _run_into(req: Request, parts: list[Segment], packed: bool, choose) -> tuple[Tensor, Tensor | None]:
+    """:func:`run_segments` with no gradients recorded: each piece copied into the output as it is made
+    and freed, so the peak holds the output and one piece, not every piece and their ``cat``."""
+    b, h, i_len, e = req.q.shape[0], req.heads, req.i, req.v.shape[-1]
+    acc = torch.promote_types(req.v.dtype, torch.float32)
+    out = req.v.new_zeros((i_len, h, e) if packed else (b, h, i_len, e))
+    lse = None
+    if req.return_lse:  # rows no segment covers: no mass but a sink's
+        lse = torch.full((b, h, i_len), float("-inf"), dtype=acc, device=req.v.device)
+        if req.sinks is not None:
+            lse.copy_(req.sinks.to(acc).reshape(1, h, 1).expand_as(lse))
+    for part in parts:
+        if part.block.it == 0 or part.block.jt == 0:
+            continue
+        sub = _call(req, part)
+        impl, _ = choose(sub)
+        piece, _, piece_lse = impl.run(sub)
+        rows = slice(part.block.r0, part.block.r0 + piece.shape[2])
+        if packed:
+            out[rows].copy_(piece[0].transpose(0, 1))
+        else:
+            out[part.row, :, rows].copy_(piece[0])
+        if lse is not None:
+            lse[part.row, :, rows].copy_(piece_lse[0])
+        del piece, piece_lse
+    if packed:
+        return out, (None if lse is None else lse[0])
     return out, lse
 
 
