@@ -9,12 +9,13 @@ See docs/DESIGN.md for the layers; every name exported here is public and stable
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import approx, backends, blocks, cache, masks, models, paged, positional, score_mods, scores, tasks, variants
+from . import approx, backends, blocks, cache, edits, masks, models, paged, positional, score_mods, scores, tasks, variants
 from .attention import Attention, MultiHeadAttention
 from .blocks import Decoder, Encoder, FeedForward, TransformerDecoderLayer, TransformerEncoderLayer
 from .cache import DecoderCache, KVCache, LatentCache, StreamingCache
 from .flex import flex_attention
 from .functional import attention, attention_weights, explain, merge
+from .integrations.transformers_edits import edit, record  # transformers models run with attn_implementation="qkv"
 from .latent import MultiHeadLatentAttention
 from .paged import PagedKVCache, paged_attention
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
@@ -59,6 +60,8 @@ __all__ = [
     "backends",
     "blocks",
     "cache",
+    "edit",
+    "edits",
     "explain",
     "flex_attention",
     "masks",
@@ -68,6 +71,7 @@ __all__ = [
     "paged",
     "paged_attention",
     "positional",
+    "record",
     "score_mods",
     "scaled_dot_product_attention",
     "scores",

@@ -64,9 +64,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..functional import attention
 from ..masks import Dense, Mask, Tile, Window, causal, window
 from ..score_mods import SoftCap
+from .transformers_edits import runner as edits_runner
 from .transformers_masks import LayerMask, mask_interface
 from .transformers_packing import documents_for, with_documents
 
@@ -124,8 +124,6 @@ def register(name: str = NAME) -> None:
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_interface)
     _refuse_weights_for_elsewhere(AttentionInterface)
-    from .transformers_serving import register as register_serving  # generate_batch: transformers_serving.NAME
-    register_serving()
 
 
 def _refuse_weights_for_elsewhere(interface: type) -> None:
@@ -212,7 +210,8 @@ def attention_forward(
             "weights_for: selects which of the weights output_attentions returns, so it needs "
             "output_attentions=True (in the call or the model's config), got False"
         )
-    result = attention(
+    run = edits_runner(module)  # qkv.attention, or it with the edits and recordings of qkv.edit / qkv.record
+    result = run(
         query, key, value, mask=mask, bias=bias, scale=scaling, dropout=float(dropout),
         return_weights=weights_wanted, weights_for=weights_for,
         sinks=s_aux, score_mod=score_mod,

@@ -93,7 +93,8 @@ def for_continuous_batching(model):
             f"qkv's continuous batching needs transformers >= 5.19 (its admission of flash-like implementations); "
             f"this is {transformers.__version__}"
         )
-    register_qkv()  # also registers NAME
+    register_qkv()
+    register()  # this module's name (transformers.register() does not import this module: no import circle)
     if model.config._attn_implementation != NAME:
         model.set_attn_implementation(QKV_NAME)
         if model.config._attn_implementation != QKV_NAME:

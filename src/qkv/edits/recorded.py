@@ -1,0 +1,107 @@
+"""What one attention call computed, for chosen heads and query rows: scores, pattern and ``z``.
+
+Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
+length, ``j`` key length, ``d`` query/key size, ``e`` value size; ``H`` and ``R`` the number
+of chosen heads and rows.
+
+The three tensors TransformerLens hooks in an attention layer (Nanda & Bloom 2022), each
+built for the chosen heads and rows only:
+
+* :func:`scores`, ``hook_attn_scores (..., H, R, j)``: ``scale · q·k + bias``, the call's
+  ``score_mod``, then ``-inf`` where the mask hides a key (TransformerLens fills with
+  ``-inf`` too); ``H · R · j`` logits, from the rows' queries against every key;
+* :func:`pattern`, ``hook_pattern (..., H, R, j)``: the softmax of those, rebuilt by qkv's
+  engines from each row's log-sum-exp (``qkv.attention_weights(weights_for=...)``), never
+  the ``(h, i, j)`` map; edits that replace weights (a patch) show in it;
+* :func:`z`, ``hook_z (..., R, H, e)``: the per-head output before ``W_O``, after the edits,
+  in TransformerLens' ``[batch, pos, head, d_head]`` order.
+
+Checked against eager attention's logits and weights (tests/test_edits.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _mods
+from ..functional import attention_weights
+from ..masks import Tile, as_mask, causal
+from ..scores import Dot, ScaledDot
+from .base import Call, Edit
+
+#: The keywords of ``qkv.attention`` that decide the weights (the others: values, dropout, what is returned).
+WEIGHT_OPTIONS = ("score", "mask", "bias", "causal", "scale", "sinks", "score_mod", "backend")
+
+
+def pattern(call: Call, heads: Tensor | None, rows: Tensor | None, edits: Sequence[Edit] = ()) -> Tensor:
+    """``(..., H, R, j)``: the weights of ``heads`` at ``rows`` (None: all) of the edited ``call``."""
+    options = {key: call.options[key] for key in WEIGHT_OPTIONS if key in call.options}
+    chosen = {key: value for key, value in (("heads", heads), ("rows", rows)) if value is not None}
+    weights = attention_weights(call.q, call.k, weights_for=chosen or None, **options)
+    for edit in edits:
+        weights = edit.weights(call, weights, heads, rows)
+    return weights
+
+
+def scores(call: Call, heads: Tensor | None, rows: Tensor | None) -> Tensor:
+    """``(..., H, R, j)``: the masked pre-softmax logits of ``heads`` at ``rows`` (None: all); dot-product scores only."""
+    score = call.options.get("score", "scaled_dot")
+    if not (score in ("dot", "scaled_dot") if isinstance(score, str) else isinstance(score, Dot)):
+        raise ValueError(f"attn_scores: recorded for dot-product scores ('dot', 'scaled_dot'), got score={score!r}")
+    q, k = call.q, call.k
+    heads = torch.arange(call.heads) if heads is None else heads
+    rows = torch.arange(call.rows) if rows is None else rows
+    i, j, d = call.rows, k.shape[-2], q.shape[-1]
+    scale = call.options.get("scale")
+    if scale is None:  # the score's own default, as qkv.attention takes it
+        scale = 1 / math.sqrt(d) if score == "scaled_dot" or isinstance(score, ScaledDot) else 1.0
+    group = call.heads // call.kv_heads
+    dev = q.device
+    q = q.index_select(-3, heads.to(dev)).index_select(-2, rows.to(dev))  # (..., H, R, d)
+    k = k.index_select(-3, (heads // group).to(dev))  # (..., H, j, d)
+    dtype = torch.promote_types(q.dtype, torch.float32)  # logits accumulate in float32 at least, as the engines do
+    s = scale * (q.to(dtype) @ k.to(dtype).transpose(-1, -2))
+    bias = call.options.get("bias")
+    if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise ValueError(f"attn_scores: recorded with a tensor bias or none, got a lazy {type(bias).__name__}")
+        s = s + _rows_of(bias.to(dtype), heads, rows)
+    score_mod = call.options.get("score_mod")
+    if score_mod is not None:
+        lead = s.shape[:-3]
+        flat = s.reshape(-1, *s.shape[-3:])  # (b, H, R, j): a score_mod sees one batch index
+        flat = _mods.evaluate(score_mod, flat, torch.arange(flat.shape[0], device=dev), heads.to(dev), rows.to(dev), torch.arange(j, device=dev))
+        s = flat.reshape(*lead, *flat.shape[-3:])
+    mask = as_mask(call.options.get("mask"))
+    if call.options.get("causal"):
+        mask = causal() if mask is None else causal() & mask
+    if mask is not None:
+        tiles = [mask.tile(Tile(int(r), int(r) + 1, 0, j, i, j, dev)) for r in rows]  # (..., h|1, 1, j) each
+        allowed = _heads_of(torch.cat([t.expand(*t.shape[:-2], 1, j) for t in tiles], dim=-2), heads)
+        s = s.masked_fill(~allowed, float("-inf"))
+    return s
+
+
+def z(out: Tensor, heads: Tensor | None, rows: Tensor | None) -> Tensor:
+    """``(..., R, H, e)``: ``out (..., h, i, e)`` at ``heads`` and ``rows`` (None: all), in ``[batch, pos, head, d_head]`` order."""
+    if heads is not None:
+        out = out.index_select(-3, heads.to(out.device))
+    if rows is not None:
+        out = out.index_select(-2, rows.to(out.device))
+    return out.transpose(-3, -2)
+
+
+def _heads_of(x: Tensor, heads: Tensor) -> Tensor:
+    """``x (..., h|1, R, j)`` at ``heads``; a broadcast head dim (or none) stays as it is."""
+    return x.index_select(-3, heads.to(x.device)) if x.dim() >= 3 and x.shape[-3] > 1 else x
+
+
+def _rows_of(bias: Tensor, heads: Tensor, rows: Tensor) -> Tensor:
+    """A bias broadcastable to ``(..., h, i, j)``, at ``heads`` and ``rows`` (broadcast dims stay 1)."""
+    if bias.dim() >= 2 and bias.shape[-2] > 1:
+        bias = bias.index_select(-2, rows.to(bias.device))
+    return _heads_of(bias, heads)

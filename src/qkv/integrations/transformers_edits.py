@@ -1,0 +1,185 @@
+"""Edits and recordings inside transformers models run with ``attn_implementation="qkv"``: ``qkv.edit``, ``qkv.record``.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``e`` value size; ``H`` and ``R`` the number of recorded heads and rows.
+
+    with qkv.edit(model, {3: AblateHeads([0, 5]), 4: [Knockout(edges), ScaleHeads(s)]}):
+        out = model(**batch)
+    with qkv.record(model, layers=[3], heads=[0, 5], rows=[7]) as rec:
+        model(**batch)
+    rec["blocks.3.attn.hook_pattern"]            # (b, 2, 1, j)
+
+transformers calls :func:`~qkv.integrations.transformers.attention_forward` once per layer
+with the layer's module; that function asks :func:`runner` what to run. Outside these
+context managers (or for a model not named in them) it is ``qkv.attention`` itself, a
+context-variable read and no other cost. Inside, it is ``qkv.edits.attention`` with the
+layer's edits (``module.layer_idx`` is the layer), followed by the recording. A context
+variable, not a flag on the model, so threads and ``asyncio`` tasks running the same model
+see only their own edits, and leaving the block (even by an exception) restores the model.
+
+Recordings are keyed with TransformerLens' names (Nanda & Bloom 2022), for the chosen
+heads and rows only (``qkv.edits.recorded``): ``blocks.{l}.attn.hook_attn_scores (b, H,
+R, j)``, ``blocks.{l}.attn.hook_pattern (b, H, R, j)`` and ``blocks.{l}.attn.hook_z (b, R,
+H, e)``, index ``n`` of each axis being ``rec.heads[n]`` / ``rec.rows[n]``. They show the
+edited run: a knocked-out edge is ``-inf`` in the scores and 0 in the pattern, a patched
+row its pattern, an ablated head its new ``z``. A layer run twice in the block (a
+generation step) keeps its last call. Does not import transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from ..edits import recorded
+from ..edits.apply import edited
+from ..edits.base import Edit, as_edits, check_selection, indices
+from ..functional import attention
+
+#: What ``qkv.record`` can build, TransformerLens' hook names.
+HOOKS = ("attn_scores", "pattern", "z")
+
+
+@dataclass
+class _Session:
+    """One ``qkv.edit`` or ``qkv.record`` block: the model's attention modules and what to do in them."""
+
+    layers: dict[int, int]  # id(attention module) -> its layer index
+    edits: dict[int, tuple[Edit, ...]] = field(default_factory=dict)  # layer -> its edits, in order
+    recording: Recording | None = None
+
+
+_ACTIVE: ContextVar[tuple[_Session, ...]] = ContextVar("qkv_transformers_edits", default=())
+
+
+class Recording(Mapping):
+    """The tensors recorded in a ``qkv.record`` block, a read-only dict keyed ``blocks.{l}.attn.hook_{name}``.
+
+    ``heads`` and ``rows`` are the chosen indices (None: all) that the head and row axes of
+    every entry follow.
+    """
+
+    def __init__(self, layers: set[int], heads, rows, hooks: tuple[str, ...]):
+        self.layers, self.heads, self.rows, self.hooks = layers, heads, rows, hooks
+        self._entries: dict[str, Tensor] = {}
+
+    def __getitem__(self, key: str) -> Tensor:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"{key!r}: not recorded; recorded are {sorted(self._entries)}") from None
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self, layer: int, call, edits: tuple[Edit, ...], out: Tensor) -> None:
+        """Record what ``layer``'s edited call computed; ``out (b, h, i, e)`` is its ``z`` after the edits."""
+        heads = None if self.heads is None else indices("record: heads", self.heads, call.heads)
+        rows = None if self.rows is None else indices("record: rows", self.rows, call.rows)
+        with torch.no_grad():  # a recording is a look: no graph is kept alive by it
+            built = {
+                "attn_scores": lambda: recorded.scores(call, heads, rows),
+                "pattern": lambda: recorded.pattern(call, heads, rows, edits),
+                "z": lambda: recorded.z(out, heads, rows),
+            }
+            for name in self.hooks:
+                self._entries[f"blocks.{layer}.attn.hook_{name}"] = built[name]().detach()
+
+    def __repr__(self) -> str:
+        return f"Recording({ {k: tuple(v.shape) for k, v in self._entries.items()} })"
+
+
+def runner(module: torch.nn.Module):
+    """What ``attention_forward`` runs for ``module``: ``qkv.attention``, or it with the active edits and recordings."""
+    sessions = _ACTIVE.get()
+    if not sessions:
+        return attention
+    mine = tuple(s for s in sessions if id(module) in s.layers)
+    return functools.partial(_run, mine[0].layers[id(module)], mine) if mine else attention
+
+
+def _run(layer: int, sessions: tuple[_Session, ...], q: Tensor, k: Tensor, v: Tensor, **options):
+    """``qkv.attention(q, k, v, **options)`` with ``layer``'s edits of every active block, then their recordings."""
+    edits = tuple(e for s in sessions for e in s.edits.get(layer, ()))
+    result, call = edited(q, k, v, edits, **options)
+    out = result[0] if isinstance(result, tuple) else result
+    for session in sessions:
+        if session.recording is not None and layer in session.recording.layers:
+            session.recording.take(layer, call, edits, out)
+    return result
+
+
+@contextlib.contextmanager
+def edit(model: torch.nn.Module, edits: Mapping[int, Edit | Sequence[Edit]]) -> Iterator[None]:
+    """Apply ``edits`` (``{layer: edit or [edits]}``) to ``model``'s attention layers inside the block.
+
+    ``model`` runs ``attn_implementation="qkv"``; the edits are ``qkv.edits`` objects
+    (``AblateHeads``, ``Knockout``, ``ScaleHeads``, ``PatchPattern``). Blocks nest: an inner
+    block's edits of a layer apply after the outer one's.
+    """
+    layers = _attention_layers(model, "edit")
+    if not isinstance(edits, Mapping):
+        raise TypeError(f"edit: expected a dict {{layer index: edit or list of edits}}, got {type(edits).__name__}")
+    known = sorted(set(layers.values()))
+    unknown = [layer for layer in edits if layer not in known]
+    if unknown:
+        raise ValueError(f"edit: layers {unknown} are not attention layers of this model, expected indices in {known}")
+    session = _Session(layers, edits={layer: as_edits(e) for layer, e in edits.items()})
+    token = _ACTIVE.set((*_ACTIVE.get(), session))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def record(model: torch.nn.Module, layers=None, heads=None, rows=None, hooks: Sequence[str] = HOOKS) -> Iterator[Recording]:
+    """Record TransformerLens' ``hook_attn_scores``, ``hook_pattern``, ``hook_z`` of ``model`` inside the block.
+
+    ``layers``, ``heads`` and ``rows`` (query positions) are an int, a list, a range, a
+    slice or None (all); ``hooks`` is a subset of ``("attn_scores", "pattern", "z")``: only
+    those are built, each for the chosen heads and rows. Yields a :class:`Recording`,
+    filled as the model runs.
+    """
+    found = _attention_layers(model, "record")
+    known = sorted(set(found.values()))
+    chosen = set(known) if layers is None else set(indices("record: layers", layers, len(known)).tolist())
+    for name, value in (("record: heads", heads), ("record: rows", rows)):
+        if value is not None:
+            check_selection(name, value)
+    wrong = [h for h in hooks if h not in HOOKS] if not isinstance(hooks, str) else [hooks]
+    if wrong:
+        raise ValueError(f"record: hooks expected a list from {list(HOOKS)}, got {list(hooks) if not isinstance(hooks, str) else hooks!r}")
+    recording = Recording(chosen, heads, rows, tuple(hooks))
+    token = _ACTIVE.set((*_ACTIVE.get(), _Session(found, recording=recording)))
+    try:
+        yield recording
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _attention_layers(model: torch.nn.Module, caller: str) -> dict[int, int]:
+    """``{id(module): layer}`` for every attention module of ``model`` (those with an integer ``layer_idx``)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{caller}: expected a transformers model (a torch.nn.Module), got {type(model).__name__}")
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation != "qkv":
+        raise ValueError(
+            f'{caller}: the model runs attn_implementation={implementation!r}; edits and recordings need qkv\'s, '
+            'so load it with attn_implementation="qkv" after qkv.integrations.transformers.register() '
+            '(or call model.set_attn_implementation("qkv"))'
+        )
+    layers = {id(m): m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+    if not layers:
+        raise ValueError(f"{caller}: found no attention layers (modules with an integer layer_idx) in {type(model).__name__}")
+    return layers

