@@ -241,3 +241,21 @@ def test_a_lazy_knockout_keeps_a_memory_efficient_path_on_a_long_call():
     edit = Knockout(beyond)
     path = qkv.explain(q, k, v, **edit.prepare(Call(q, k, v, {"causal": True})).options)
     assert path.startswith("backend: chunked"), path  # tile by tile: the (i, j) logits are never materialised
+
+
+def test_multi_head_attention_takes_edits_on_its_mechanism():
+    """``mha.attention.edits``: zero-ablating a head equals zeroing that head's columns of W_O."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(dim=24, heads=4).double().eval()
+    x = torch.randn(2, 7, 24, dtype=torch.float64)
+    plain_weight = mha.out_proj.weight.detach().clone()
+    mha.attention.edits = [qkv.edits.AblateHeads([1])]
+    got = mha(x, causal=True)
+    mha.attention.edits = None
+    with torch.no_grad():
+        mha.out_proj.weight[:, 6:12] = 0  # head 1's value columns (dim_value_head = 6)
+    want = mha(x, causal=True)
+    with torch.no_grad():
+        mha.out_proj.weight.copy_(plain_weight)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(mha(x, causal=True), want)

@@ -19,6 +19,7 @@ every score in ``tests/test_attention.py``.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from . import score_mods
 from ._args import positive_int as _positive
 from ._args import probability
+from .edits import attention as edited_attention
 from .functional import attention
 from .masks import Mask
 from .positional import LazyBias, Positional
@@ -68,6 +70,9 @@ class Attention(nn.Module):
         self.score = make(score, query_dim, key_dim, hidden=hidden, max_len=max_len)
         self.dropout, self.backend = probability("dropout", dropout), backend
         self.score_mod = score_mods.check(score_mod)
+        #: ``qkv.edits`` applied to every call (an edit or a list; None: plain attention). For
+        #: interpretability: ``mha.attention.edits = [qkv.edits.AblateHeads([2])]``.
+        self.edits = None
 
     def forward(
         self,
@@ -102,7 +107,8 @@ class Attention(nn.Module):
             for name, x in (("key", key), ("value", value)):
                 if x.shape[0] != query.shape[0]:
                     raise ValueError(f"{name}: expected batch {query.shape[0]} like query, got {x.shape[0]}")
-        result = attention(
+        run = attention if self.edits is None else partial(edited_attention, edits=self.edits)
+        result = run(
             query, key, value, score=self.score, mask=mask, bias=bias, causal=causal,
             dropout=self.dropout if self.training else 0.0, return_weights=return_weights,
             backend=self.backend, score_mod=self.score_mod,

@@ -71,6 +71,7 @@ SUITES: dict[str, str] = {
     "packing": "qkv.bench.packing",
     "decoding": "qkv.bench.decoding",
     "serving": "qkv.bench.serving",
+    "edits": "qkv.bench.edits",
 }
 #: Suites run when ``--suite`` is not given.
 DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")
