@@ -542,3 +542,31 @@ def test_the_lowered_closures_compile_and_agree(config):
         warnings.simplefilter("ignore")
         out, _, _ = flex_gpu.forward(req, compiled)
     torch.testing.assert_close(out, qkv.attention(q, k, v, backend="reference", **kw), rtol=5e-5, atol=5e-5)
+
+
+def test_a_call_inductor_has_no_kernel_for_is_retried_then_declined(monkeypatch):
+    """flex_gpu.run: "no kernel" errors retry with small tiles, then the call runs on chunked and later ones are declined."""
+    from qkv.backends import chunked, flex_gpu
+
+    calls = []
+
+    def failing(req, flex, kernel_options=None):
+        calls.append(kernel_options)
+        raise RuntimeError("NoValidChoicesError: No choices to select.")
+
+    monkeypatch.setattr(flex_gpu, "forward", failing)
+    monkeypatch.setattr(flex_gpu, "compiled", lambda: None)
+    monkeypatch.setattr(flex_gpu, "_small_tiles", set())
+    monkeypatch.setattr(flex_gpu, "_uncompilable", {})
+    monkeypatch.setattr(chunked, "run", lambda req: ("chunked", None, None))
+    q = torch.randn(1, 2, 5, 8)
+    req = qkv.checks.request(q, q, q, score="scaled_dot", mask=None, bias=None, causal=True, scale=None, dropout=0.0,
+                             return_weights=False)  # fmt: skip
+    assert flex_gpu.run(req) == ("chunked", None, None)
+    assert calls == [None, flex_gpu.SMALL_TILES]
+    assert "no flex_attention kernel" in flex_gpu.declined(req)
+    monkeypatch.setattr(flex_gpu, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("something else")))
+    other = qkv.checks.request(q.double(), q.double(), q.double(), score="scaled_dot", mask=None, bias=None, causal=True, scale=None,
+                               dropout=0.0, return_weights=False)  # fmt: skip
+    with pytest.raises(RuntimeError, match="something else"):
+        flex_gpu.run(other)  # any other error is the caller's

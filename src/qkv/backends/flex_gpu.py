@@ -76,7 +76,7 @@ def supports(req: Request) -> str | None:
         return f"flex_attention's kernels are built for float16, bfloat16 and float32, got {req.q.dtype}"
     if req.piece is not None:
         return "a block of a larger softmax runs on the engines (backends.engines.key_blocks)"
-    return flex_lowering.mask_problem(req.mask) or flex_lowering.bias_problem(req.bias)
+    return flex_lowering.mask_problem(req.mask) or flex_lowering.bias_problem(req.bias) or declined(req)
 
 
 def environment(device: torch.device) -> str | None:
@@ -123,20 +123,41 @@ def compiled():
 #: shared memory than the GPU has (seen on an H200 in float32 and with learned captured
 #: tensors: Triton's "out of resource"). 64 divides the block masks' 128-row tiles.
 SMALL_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
-_small_tiles: set = set()  # (dtype, head size, learned) that needed SMALL_TILES
+_small_tiles: set = set()  # call kinds that needed SMALL_TILES
+_uncompilable: dict = {}  # call kinds inductor found no kernel for even then -> its message
+#: Inductor's words for "no kernel fits": the call is retried with SMALL_TILES, then declined.
+_NO_KERNEL = ("out of resource", "No choices", "NoValidChoicesError")
+
+
+def _kind(req: Request) -> tuple:
+    return (req.q.dtype, req.q.shape[-1], req.grad, req.score_mod is not None, req.q.shape[-2] < 128)
+
+
+def declined(req: Request) -> str | None:
+    """Why flex is not used for this kind of call after inductor found no kernel for it, or None."""
+    found = _uncompilable.get(_kind(req))
+    return None if found is None else f"inductor found no flex_attention kernel for this kind of call here ({found})"
 
 
 def run(req: Request) -> tuple[Tensor, None, Tensor | None]:
-    key = (req.q.dtype, req.q.shape[-1], req.grad)
-    if key in _small_tiles:
-        return forward(req, compiled(), SMALL_TILES)
+    kind = _kind(req)
+    if kind not in _small_tiles:
+        try:
+            return forward(req, compiled())
+        except Exception as error:  # InductorError wraps Triton's OutOfResources: only "no kernel" is retried
+            if not any(word in str(error) for word in _NO_KERNEL):
+                raise
+        _small_tiles.add(kind)
     try:
-        return forward(req, compiled())
-    except Exception as error:  # InductorError wraps Triton's OutOfResources: only that one is retried
-        if "out of resource" not in str(error):
+        return forward(req, compiled(), SMALL_TILES)
+    except Exception as error:
+        if not any(word in str(error) for word in _NO_KERNEL):
             raise
-    _small_tiles.add(key)
-    return forward(req, compiled(), SMALL_TILES)
+        # Declined from now on (qkv.explain says why); this call runs on the chunked engines' public ops.
+        _uncompilable[kind] = str(error).strip().splitlines()[0][:120]
+    from . import chunked
+
+    return chunked.run(req)
 
 
 def forward(req: Request, flex, kernel_options: dict | None = None) -> tuple[Tensor, None, Tensor | None]:

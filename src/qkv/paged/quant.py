@@ -48,6 +48,7 @@ class Int8Pages:
         self.keys = torch.zeros(num_pages, P, g, d, dtype=torch.int8, device=self.device)
         self.values = torch.zeros(num_pages, P, g, d, dtype=torch.int8, device=self.device)
         self.key_scale = torch.ones(num_pages, g, d, dtype=torch.float16, device=self.device)  # over the page's tokens
+        self.device = self.keys.device  # as the tensors report it ("cuda:0", not "cuda"): compared with q's
         self.value_scale = torch.ones(num_pages, P, g, dtype=torch.float16, device=self.device)  # over the channels
         self.residual: dict[int, Tensor] = {}  # page -> (2, P, g, d) in dtype, while partially filled
         self.filled = [0] * num_pages  # offsets written since the page was (re)started
