@@ -161,3 +161,18 @@ def test_a_mask_that_is_exactly_the_causal_square_runs_the_causal_kernel(given, 
     assert seen == [(given != "tril but one", given != "tril but one")]
     expected = qkv.attention(q, k, v, mask=allowed, backend="reference")
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_a_reused_mask_keeps_its_dead_rows_answer_until_it_changes_in_place():
+    """A Dense mask reused by many calls (a model's layers) is read once; an in-place edit is seen (no NaN)."""
+    q, k, v = _inputs(i=J)
+    keep = torch.ones(B, 1, J, J, dtype=torch.bool)
+    mask = qkv.masks.Dense(keep)
+    first = qkv.attention(q, k, v, mask=mask, backend="sdpa")
+    again = qkv.attention(q, k, v, mask=mask, backend="sdpa")
+    assert torch.equal(first, again)
+    keep[0, 0, 2] = False  # row 2 of batch 0 now sees no key
+    out = qkv.attention(q, k, v, mask=mask, backend="sdpa")
+    assert torch.equal(out[0, :, 2], torch.zeros_like(out[0, :, 2]))
+    expected = qkv.attention(q, k, v, mask=keep, backend="reference")
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)

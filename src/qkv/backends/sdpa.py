@@ -247,8 +247,18 @@ def _dead_rows(mask, allowed: Tensor, req: Request) -> Tensor | None:
             return None
         rows = torch.arange(req.i, device=allowed.device)[:, None]
         return (rows < first) | (rows >= stop)
+    if not concrete(allowed) or allowed.device.type != "cpu":  # on a GPU the read is a sync
+        return ~allowed.any(dim=-1, keepdim=True)
+    if isinstance(mask, Dense):
+        # One Dense mask reused call after call (a model's layers share a decoding step's mask):
+        # the answer is kept on it, for its tensor's version (an in-place change shows).
+        key = (req.i, req.j, mask.mask._version)
+        kept = getattr(mask, "_dead_rows", None)
+        if kept is not None and kept[0] == key:
+            return kept[1]
     dead = ~allowed.any(dim=-1, keepdim=True)
-    if concrete(dead) and dead.device.type == "cpu" and not bool(dead.any()):  # on a GPU the read is a sync
-        return None
-    return dead
+    found = dead if bool(dead.any()) else None
+    if isinstance(mask, Dense):
+        mask._dead_rows = (key, found)
+    return found
 
