@@ -164,6 +164,13 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
                          "a few spread over a long text)")  # fmt: skip
     inspect.add_argument("--heads", type=_indices, default=None, help="heads to keep, e.g. 0-3,7 (default: all)")
     inspect.add_argument("--out", type=Path, default=Path("qkv-inspect"), help="output folder (default: ./qkv-inspect/)")
+    inspect.add_argument("--attribution", action="store_true",
+                         help="add head importance (each head zeroed in turn with qkv.edits.AblateHeads: one more "
+                         "forward per layer x head; the change in the next-token loss of a decoder, in the "
+                         "mean-pooled embedding of an encoder) and attention rollout (texts up to 512 tokens) "
+                         "to the page; off by default, as it costs layers x heads forwards")  # fmt: skip
+    inspect.add_argument("--attribution-layers", type=_indices, default=None, metavar="LAYERS",
+                         help="with --attribution: the layers whose heads are ablated, e.g. 0-3 (default: all)")
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -338,7 +345,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
     try:
         inspect(args.text, model=args.model, layer=args.layer, head=args.head, rows=args.rows,
-                heads=args.heads, out=args.out)  # fmt: skip
+                heads=args.heads, out=args.out, attribution=args.attribution or args.attribution_layers is not None,
+                attribution_layers=args.attribution_layers)  # fmt: skip
     except InspectError as error:
         print(f"qkv inspect: error: {error}", file=sys.stderr)
         return 2

@@ -13,7 +13,9 @@ One file per job in this package:
   special tokens, to itself;
 * ``figures`` — PNG heatmaps of the chosen head and of its layer (``qkv.viz``);
 * ``page`` — the offline HTML page (head view, model view), with ``page.html``,
-  ``page.css`` and ``page.js``.
+  ``page.css`` and ``page.js``;
+* ``attribution`` — head importance by ablation and attention rollout (``--attribution``),
+  drawn on the page by ``attribution_page`` with ``attribution.js`` and ``attribution.css``.
 
 :func:`inspect` is the Python entry point; the command line calls it.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .attribution import Attribution
 from .capture import Capture, run, tokenize
 from .model import InspectError, Loaded, load, resolve
 from .selection import Selection, SelectionError, choose, parse_indices
@@ -42,6 +45,7 @@ class Report:
     head: int
     files: list[Path]
     lines: list[str]  # the text printed to the terminal
+    attribution: Attribution | None = None  # with attribution=True
 
 
 def _check_range(option: str, value: int | None, size: int, what: str) -> None:
@@ -59,6 +63,8 @@ def inspect(
     heads: tuple[int, ...] | None = None,
     out: str | Path = "qkv-inspect",
     loaded: Loaded | None = None,
+    attribution: bool = False,
+    attribution_layers: tuple[int, ...] | None = None,
     echo=print,
 ) -> Report:
     """Run ``model`` on ``text`` with qkv attention; write the page and PNGs into ``out``.
@@ -66,6 +72,8 @@ def inspect(
     ``layer``/``head`` choose what the page opens on and what the PNGs show (default: the
     first layer and the first chosen head); ``rows``/``heads`` restrict the weights that are
     built. ``loaded`` reuses a model already loaded (``qkv.inspect.model.load(...)``).
+    ``attribution`` adds head importance (one more forward per head of ``attribution_layers``,
+    default all layers) and attention rollout to the page (``qkv.inspect.attribution``).
     Raises :class:`InspectError` with a one-line message for anything the caller can fix.
     """
     if not text.strip():
@@ -81,6 +89,8 @@ def inspect(
         loaded = load(where)
     _check_range("--layer", layer, loaded.layers, "layers")
     _check_range("--head", head, loaded.heads, "heads per layer")
+    for value in attribution_layers or ():
+        _check_range("--attribution-layers", value, loaded.layers, "layers")
     words = tokenize(loaded, text)
     try:
         selection = choose(layers=loaded.layers, heads=loaded.heads, tokens=len(words.ids),
@@ -105,6 +115,17 @@ def inspect(
     over = scope(selection.rows, len(words.ids), causal=loaded.causal)
     lines.append(f"the head of each layer with the largest mean share of weight on ... ({over})")
     lines.append(format_table(summaries, anchor))
+    attributed = None
+    if attribution:
+        from .attribution import attribute, top_heads
+
+        count = len(attribution_layers or range(loaded.layers)) * loaded.heads
+        echo(f"attribution: {count} more forwards, one per ablated head ...")
+        attributed = attribute(loaded, words, capture, layers=attribution_layers)
+        lines.append(top_heads(attributed.importance))
+        for note in (attributed.importance.note, attributed.rollout.note):
+            if note:
+                lines.append(note)
 
     from . import figures, page  # matplotlib only now, after the model ran
 
@@ -113,11 +134,11 @@ def inspect(
     captions = [f"Layer {layer}, head {head}: queries down, keys across.",
                 f"Every head of layer {layer}" + ("." if selection.complete else " that was computed.")]  # fmt: skip
     html = page.render(capture, model=loaded.name, text=text, layer=layer, head=head, summaries=summaries,
-                       anchor=anchor, images=list(zip(pngs, captions)))  # fmt: skip
+                       anchor=anchor, images=list(zip(pngs, captions)), attribution=attributed)  # fmt: skip
     index = out / "index.html"
     index.write_text(html, encoding="utf-8")
     files = [index, *pngs]
     lines.append("wrote " + ", ".join(str(path) for path in files))
     for line in lines:
         echo(line)
-    return Report(capture, summaries, anchor, layer, head, files, lines)
+    return Report(capture, summaries, anchor, layer, head, files, lines, attributed)

@@ -49,6 +49,7 @@ class Loaded:
     kv_heads: int  # key/value heads per layer (fewer than heads with grouped-query attention)
     causal: bool  # a decoder: each token sees only the tokens before it and itself
     max_tokens: int | None  # longest input the model's positions allow
+    where: ModelPath | None = None  # where it was loaded from (the attribution view reloads an untied LM head)
 
 
 def default_model_path() -> Path:
@@ -119,4 +120,5 @@ def load(where: ModelPath) -> Loaded:
         kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         causal=causal,
         max_tokens=getattr(config, "max_position_embeddings", None),
+        where=where,
     )

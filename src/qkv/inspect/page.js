@@ -248,5 +248,6 @@
     if (cell) cell.classList.add("current");
   }
 
+  window.qkvInspect = { show };  // the attribution views open a head with it
   show(state.layer, state.head);
 })();

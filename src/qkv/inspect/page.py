@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import attribution_page
+from .attribution import Attribution
 from .capture import Capture
 from .summary import LayerSummary
 
@@ -101,8 +103,13 @@ def render(
     summaries: list[LayerSummary],
     anchor: str,
     images: list[tuple[Path, str]],
+    attribution: Attribution | None = None,
 ) -> str:
-    """The page as a string; ``images`` are (PNG path, caption) pairs to embed."""
+    """The page as a string; ``images`` are (PNG path, caption) pairs to embed.
+
+    ``attribution`` (``qkv inspect --attribution``) adds the head-importance and rollout
+    sections (``attribution_page``).
+    """
     layers = capture.weights.shape[0]
     payload = {
         "model": model,
@@ -130,7 +137,9 @@ def render(
         "summary": _summary_table(summaries, anchor),
         "images": "\n".join(_image(path, caption) for path, caption in images),
         "model": esc(model),
-        "css": (_HERE / "page.css").read_text(encoding="utf-8"),
+        "css": (_HERE / "page.css").read_text(encoding="utf-8") + ("" if attribution is None else attribution_page.css()),
+        "attribution": "" if attribution is None else
+        attribution_page.section(attribution, list(capture.text.labels), list(capture.selection.heads)),
         "js": (_HERE / "page.js").read_text(encoding="utf-8"),
         "data": _script_json(payload),
     }
