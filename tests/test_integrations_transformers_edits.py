@@ -255,9 +255,16 @@ def test_errors_say_what_to_do(minilm):
         with qkv.edit(model, {6: AblateHeads(0)}):
             pass
     with pytest.raises(ValueError, match=r"record: hooks expected a list from"):
-        with qkv.record(model, hooks=["result"]):
+        with qkv.record(model, hooks=["q"]):
             pass
     with pytest.raises(KeyError, match=r"not recorded"):
         with qkv.record(model, layers=0) as rec:
             pass
         rec["blocks.0.attn.hook_z"]
+
+
+def test_hook_result_needs_an_output_projection_on_the_attention_module(minilm):
+    model, _, tokenizer = minilm
+    with pytest.raises(ValueError, match="hook_result needs the layer's output projection"):
+        with qkv.record(model, layers=LAYER, hooks=("result",)):
+            model(**_batch(tokenizer))

@@ -89,3 +89,16 @@ def test_knockout_equals_eager_with_those_edges_masked(smollm2, monkeypatch):
     assert (got - want).abs().max() <= 2 * gap(smollm2)
     with torch.no_grad():
         assert (got - model(ids()).logits).abs().max() > 1e-3  # the edges mattered
+
+
+def test_hook_result_is_each_heads_z_through_its_columns_of_o_proj(smollm2):
+    model, _ = smollm2
+    with torch.no_grad(), qkv.record(model, layers=LAYER, rows=[3, 12], hooks=("z", "result")) as rec:
+        model(ids())
+    z, result = rec[f"blocks.{LAYER}.attn.hook_z"], rec[f"blocks.{LAYER}.attn.hook_result"]  # (b, R, h, e), (b, R, h, d_model)
+    o_proj = model.model.layers[LAYER].self_attn.o_proj
+    with torch.no_grad():
+        torch.testing.assert_close(result.sum(-2), o_proj(z.flatten(-2)), atol=1e-9, rtol=0)  # heads sum to the output
+    with torch.no_grad(), qkv.record(model, layers=LAYER, heads=[HEAD, 1], rows=[3, 12], hooks=("result",)) as two:
+        model(ids())
+    torch.testing.assert_close(two[f"blocks.{LAYER}.attn.hook_result"], result[..., [HEAD, 1], :], atol=1e-12, rtol=0)

@@ -95,6 +95,22 @@ def z(out: Tensor, heads: Tensor | None, rows: Tensor | None) -> Tensor:
     return out.transpose(-3, -2)
 
 
+def result(z_rows: Tensor, heads: Tensor | None, w_o: Tensor) -> Tensor:
+    """``hook_result (..., R, H, d_model)``: ``z_rows (..., R, h, e)`` of each head through its columns of ``W_O``.
+
+    ``W_O (d_model, h·e)``; head ``n``'s result is ``z_n W_O[:, n·e:(n+1)·e]ᵀ``, so the heads'
+    results sum to the projected output less its bias (TransformerLens' ``hook_result``).
+    """
+    h, e = z_rows.shape[-2], z_rows.shape[-1]
+    if w_o.shape[-1] != h * e:
+        raise ValueError(f"hook_result: W_O has {w_o.shape[-1]} input columns, expected heads x head size = {h * e}")
+    w = w_o.view(w_o.shape[0], h, e)  # (d_model, h, e)
+    if heads is not None:
+        heads = heads.to(z_rows.device)
+        z_rows, w = z_rows.index_select(-2, heads), w.index_select(1, heads)
+    return torch.einsum("...rhe,dhe->...rhd", z_rows, w.to(z_rows.dtype))
+
+
 def _heads_of(x: Tensor, heads: Tensor) -> Tensor:
     """``x (..., h|1, R, j)`` at ``heads``; a broadcast head dim (or none) stays as it is."""
     return x.index_select(-3, heads.to(x.device)) if x.dim() >= 3 and x.shape[-3] > 1 else x

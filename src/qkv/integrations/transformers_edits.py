@@ -45,6 +45,9 @@ from ..functional import attention
 
 #: What ``qkv.record`` can build, TransformerLens' hook names.
 HOOKS = ("attn_scores", "pattern", "z")
+#: Also recordable when asked: ``hook_result (b, R, H, d_model)``, each head's ``z`` through its
+#: columns of the layer's output projection (TransformerLens' per-head result, no bias).
+OPTIONAL = ("result",)
 
 
 @dataclass
@@ -82,7 +85,7 @@ class Recording(Mapping):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, layer: int, call, edits: tuple[Edit, ...], out: Tensor) -> None:
+    def take(self, layer: int, call, edits: tuple[Edit, ...], out: Tensor, module: torch.nn.Module | None = None) -> None:
         """Record what ``layer``'s edited call computed; ``out (b, h, i, e)`` is its ``z`` after the edits."""
         heads = None if self.heads is None else indices("record: heads", self.heads, call.heads)
         rows = None if self.rows is None else indices("record: rows", self.rows, call.rows)
@@ -91,6 +94,7 @@ class Recording(Mapping):
                 "attn_scores": lambda: recorded.scores(call, heads, rows),
                 "pattern": lambda: recorded.pattern(call, heads, rows, edits),
                 "z": lambda: recorded.z(out, heads, rows),
+                "result": lambda: recorded.result(recorded.z(out, None, rows), heads, output_weight(module)),
             }
             for name in self.hooks:
                 self._entries[f"blocks.{layer}.attn.hook_{name}"] = built[name]().detach()
@@ -105,17 +109,29 @@ def runner(module: torch.nn.Module):
     if not sessions:
         return attention
     mine = tuple(s for s in sessions if id(module) in s.layers)
-    return functools.partial(_run, mine[0].layers[id(module)], mine) if mine else attention
+    return functools.partial(_run, mine[0].layers[id(module)], mine, module) if mine else attention
 
 
-def _run(layer: int, sessions: tuple[_Session, ...], q: Tensor, k: Tensor, v: Tensor, **options):
+def output_weight(module: torch.nn.Module | None) -> Tensor:
+    """The layer's output projection ``W_O (d_model, h·e)``, found on its attention module."""
+    for name in ("o_proj", "out_proj", "c_proj"):
+        linear = getattr(module, name, None)
+        if isinstance(getattr(linear, "weight", None), Tensor) and linear.weight.dim() == 2:
+            return linear.weight
+    raise ValueError(
+        f"record: hook_result needs the layer's output projection W_O, and {type(module).__name__} holds none of "
+        "o_proj, out_proj, c_proj (BERT-like models keep it outside the attention module); record 'z' and apply W_O"
+    )
+
+
+def _run(layer: int, sessions: tuple[_Session, ...], module, q: Tensor, k: Tensor, v: Tensor, **options):
     """``qkv.attention(q, k, v, **options)`` with ``layer``'s edits of every active block, then their recordings."""
     edits = tuple(e for s in sessions for e in s.edits.get(layer, ()))
     result, call = edited(q, k, v, edits, **options)
     out = result[0] if isinstance(result, tuple) else result
     for session in sessions:
         if session.recording is not None and layer in session.recording.layers:
-            session.recording.take(layer, call, edits, out)
+            session.recording.take(layer, call, edits, out, module)
     return result
 
 
@@ -147,7 +163,8 @@ def record(model: torch.nn.Module, layers=None, heads=None, rows=None, hooks: Se
     """Record TransformerLens' ``hook_attn_scores``, ``hook_pattern``, ``hook_z`` of ``model`` inside the block.
 
     ``layers``, ``heads`` and ``rows`` (query positions) are an int, a list, a range, a
-    slice or None (all); ``hooks`` is a subset of ``("attn_scores", "pattern", "z")``: only
+    slice or None (all); ``hooks`` is a subset of ``("attn_scores", "pattern", "z")``, to which
+    ``"result"`` (``hook_result (b, R, H, d_model)``, where the attention module holds ``W_O``) may be added: only
     those are built, each for the chosen heads and rows. Yields a :class:`Recording`,
     filled as the model runs.
     """
@@ -157,9 +174,9 @@ def record(model: torch.nn.Module, layers=None, heads=None, rows=None, hooks: Se
     for name, value in (("record: heads", heads), ("record: rows", rows)):
         if value is not None:
             check_selection(name, value)
-    wrong = [h for h in hooks if h not in HOOKS] if not isinstance(hooks, str) else [hooks]
+    wrong = [h for h in hooks if h not in HOOKS + OPTIONAL] if not isinstance(hooks, str) else [hooks]
     if wrong:
-        raise ValueError(f"record: hooks expected a list from {list(HOOKS)}, got {list(hooks) if not isinstance(hooks, str) else hooks!r}")
+        raise ValueError(f"record: hooks expected a list from {list(HOOKS + OPTIONAL)}, got {list(hooks) if not isinstance(hooks, str) else hooks!r}")
     recording = Recording(chosen, heads, rows, tuple(hooks))
     token = _ACTIVE.set((*_ACTIVE.get(), _Session(found, recording=recording)))
     try:
