@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .attribution import ROLLOUT_TOKENS, Attribution
+from .encoding import encode_weights, script_json
 
 __all__ = ["ROLLOUT_ELEMENTS", "css", "rollout_layers", "section"]
 
@@ -42,7 +43,6 @@ def _number(value: float) -> float | None:
 
 def payload(attribution: Attribution, tokens: list[str], heads: list[int]) -> dict:
     """The JSON the script reads; ``heads`` are the page's computed heads (a cell click opens them)."""
-    from .page import encode_weights
 
     importance = attribution.importance
     data = {
@@ -69,7 +69,6 @@ def css() -> str:
 
 def section(attribution: Attribution, tokens: list[str], heads: list[int]) -> str:
     """The two sections, their data and their script, as HTML."""
-    from .page import _script_json
 
     esc = html.escape
     importance = attribution.importance
@@ -112,7 +111,7 @@ def section(attribution: Attribution, tokens: list[str], heads: list[int]) -> st
   through the layers; texts up to {ROLLOUT_TOKENS} tokens.</p>
   {rollout_body}
 </section>
-<script type="application/json" id="qkv-attribution">{_script_json(payload(attribution, tokens, heads))}</script>
+<script type="application/json" id="qkv-attribution">{script_json(payload(attribution, tokens, heads))}</script>
 <script>
 {(_HERE / "attribution.js").read_text(encoding="utf-8")}
 </script>"""

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 
 from . import attribution_page
+from .encoding import encode_weights, script_json
 from .attribution import Attribution
 from .capture import Capture
 from .summary import LayerSummary
@@ -28,18 +28,6 @@ from .summary import LayerSummary
 __all__ = ["encode_weights", "render", "scope_text"]
 
 _HERE = Path(__file__).resolve().parent
-
-
-def encode_weights(weights: np.ndarray) -> str:
-    """``weights (l, h, i, j)`` in 0..1 as base64 of little-endian uint16 ``round(w * 65535)``."""
-    fixed = np.round(np.clip(weights, 0.0, 1.0) * 65535.0).astype("<u2")
-    return base64.b64encode(fixed.tobytes()).decode("ascii")
-
-
-def _script_json(payload: dict) -> str:
-    """JSON that is safe inside a <script> element (no "</script>", no HTML specials)."""
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def _ranges(values: tuple[int, ...]) -> str:
@@ -141,7 +129,7 @@ def render(
         "attribution": "" if attribution is None else
         attribution_page.section(attribution, list(capture.text.labels), list(capture.selection.heads)),
         "js": (_HERE / "page.js").read_text(encoding="utf-8"),
-        "data": _script_json(payload),
+        "data": script_json(payload),
     }
     template = (_HERE / "page.html").read_text(encoding="utf-8")
     # One pass over the template: text put in is never scanned again for placeholders.
