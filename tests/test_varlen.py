@@ -202,3 +202,16 @@ def test_errors_name_the_argument(kw, error, match):
     args.update(kw)
     with pytest.raises(error, match=match):
         qkv.varlen_attention(q, k, v, **args)
+
+
+def test_return_attn_probs_gives_flash_attns_triple():
+    """flash_attn_varlen_func(..., return_attn_probs=True) -> (out, softmax_lse (h, total_q), S_dmask); qkv's S_dmask is None."""
+    gen = torch.Generator().manual_seed(2)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q, k, v = (torch.randn(8, 2, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    out, lse, s_dmask = qkv.varlen_attention(q, k, v, cu, cu, 5, 5, 0.0, None, True, (-1, -1), 0.0, None, False, True)
+    want, want_lse = qkv.varlen_attention(q, k, v, cu, cu, causal=True, return_lse=True)
+    assert s_dmask is None and lse.shape == (2, 8)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    with pytest.raises(TypeError, match="return_attn_probs"):
+        qkv.varlen_attention(q, k, v, cu, cu, return_attn_probs=1)

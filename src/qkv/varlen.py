@@ -52,6 +52,7 @@ def varlen_attention(
     softcap: float = 0.0,
     alibi_slopes: Tensor | None = None,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
     *,
     score_mod: Callable | None = None,
     sinks: Tensor | None = None,
@@ -64,7 +65,9 @@ def varlen_attention(
     when given, must be at least the longest sequence (flash-attn sizes its grid with
     them). ``deterministic`` is always honoured here: a CPU run with a fixed thread count
     gives the same bits every time. ``dropout_p`` drops weights (draw with ``generator``
-    for reproducible runs).
+    for reproducible runs). ``return_attn_probs=True`` returns flash-attn's triple
+    ``(out, softmax_lse (h, total_q), S_dmask)``; flash-attn fills ``S_dmask`` only for
+    testing with dropout, and qkv never builds it: it is None.
     """
     cu_q, cu_k = _offsets("cu_seqlens_q", cu_seqlens_q, q, "q"), _offsets("cu_seqlens_k", cu_seqlens_k, k, "k")
     if len(cu_q) != len(cu_k):
@@ -78,14 +81,16 @@ def varlen_attention(
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{name}: expected packed tokens (total, heads, size), got {got}")
     left, right = _window(window_size, causal)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap: expected a non-negative number (0: no cap), got {softcap!r}")
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, h, t, ·): views
     req = checks.request(
         q4, k4, v4, score="scaled_dot", mask=None, bias=None, causal=False, scale=softmax_scale, dropout=dropout_p,
-        return_weights=False, generator=generator, sinks=sinks, score_mod=score_mod, return_lse=return_lse,
+        return_weights=False, generator=generator, sinks=sinks, score_mod=score_mod,
+        return_lse=return_lse or return_attn_probs,
     )  # fmt: skip
     slopes = _slopes(alibi_slopes, req.heads, len(cu_q) - 1, q.device)
     segments = []
@@ -96,6 +101,8 @@ def varlen_attention(
         bias, mod = _logit_terms(row, float(softcap), score_mod, s, block.jt - block.it)
         segments.append(Segment(0, block, mask, bias, mod))
     out, lse = run_segments(req, segments, packed=True)  # (total_q, h, e), (h, total_q)
+    if return_attn_probs:
+        return out, lse, None
     return (out, lse) if return_lse else out
 
 
