@@ -4,8 +4,9 @@ Shape legend: ``R`` requests, ``h = 8`` query heads, ``g = 2`` KV heads, ``d = 6
 ``P = 16``, float32, under ``no_grad``.
 
 * **decode** — one decoding step of 32 requests of random lengths 64 to 2048, their pages
-  handed out by ``qkv.PagedKVCache`` as serving does (each prompt prefilled, then every
-  request growing a token a step, side by side): ``qkv.paged_attention``
+  handed out by ``qkv.PagedKVCache`` as ``qkv.paged.serve`` has it hand them out (each request
+  admitted with its whole length reserved, its prompt prefilled, then every request growing a
+  token a step, side by side): ``qkv.paged_attention``
   against a Python loop of ``F.scaled_dot_product_attention`` over each request's own
   contiguous cache, and against SDPA on the requests padded to the longest with a mask.
   The caches' bytes: paged ``Σ ⌈len / P⌉ · P`` tokens against padded ``R · max``;
@@ -68,8 +69,9 @@ class Pool(Table):
         if shared:
             cache.add("prompt")
             cache.plan({"prompt": shared})
-        for r in range(len(lengths)):
+        for r, n in enumerate(lengths):
             cache.fork("prompt", r) if shared else cache.add(r)
+            cache.reserve(r, n)  # admitted with its whole length, as qkv.paged.serve admits a request
         cache.plan({r: (n - shared) // 2 for r, n in enumerate(lengths)})
         while any(cache.length(r) < n for r, n in enumerate(lengths)):
             cache.plan({r: 1 for r, n in enumerate(lengths) if cache.length(r) < n})

@@ -203,17 +203,59 @@ class PagedKVCache:
     def _pages_needed(self, request: Hashable, n: int) -> int:
         start, have = self._length[request], len(self._pages[request])
         fresh = max(0, -(-(start + n) // self.page_size) - have)
-        shared_last = n and start % self.page_size and self._refs[self._pages[request][-1]] > 1
+        shared_last = n and start % self.page_size and self._refs[self._pages[request][(start - 1) // self.page_size]] > 1
         return fresh + (1 if shared_last else 0)
 
     def _own_last_page(self, request: Hashable) -> None:
-        last = self._pages[request][-1]
-        if self._refs[last] > 1:  # copy-on-write: the other holders keep the original
-            fresh = self._take(self._pages[request][-2] if len(self._pages[request]) > 1 else None)
+        """Copy-on-write of the page holding the request's last token, when another request holds it too."""
+        pages, at = self._pages[request], (self._length[request] - 1) // self.page_size
+        last = pages[at]
+        if self._refs[last] > 1:  # the other holders keep the original
+            fresh = self._take(pages[at - 1] if at > 0 else None)
             for pool in self.pools:
                 pool.copy_page(last, fresh)
             self._refs[last] -= 1
-            self._pages[request][-1] = fresh
+            pages[at] = fresh
+
+    def reserve(self, request: Hashable, tokens: int) -> None:
+        """Take the pages for ``request`` to reach ``tokens`` tokens now, in one run of consecutive ids where
+        the pool has one (a serving loop that admits a request with its whole length reserves that much anyway).
+
+        The attention then reads the request's keys as a few long runs (``qkv.paged.runs``).
+        Pages beyond the request's length are held, not listed in its step's table.
+        """
+        self._known(request)
+        pages = self._pages[request]
+        need = -(-tokens // self.page_size) - len(pages)
+        if need <= 0:
+            return
+        if need > self._free:
+            raise RuntimeError(f"PagedKVCache: reserving {need} pages but {self._free} are free (of {self.num_pages})")
+        start = self._free_run(need, pages[-1] + 1 if pages else 0)
+        for k in range(need):
+            if start is not None:
+                p = start + k
+                self._refs[p] = 1
+                self._free -= 1
+                self._block_free[p // BLOCK_PAGES] -= 1
+                self._whole.discard(p // BLOCK_PAGES)
+                pages.append(p)
+            else:
+                pages.append(self._take(pages[-1] if pages else None))
+
+    def _free_run(self, need: int, prefer: int) -> int | None:
+        """The first id of ``need`` consecutive free pages, at ``prefer`` if free there, else the lowest; or None."""
+        def free_from(p: int) -> bool:
+            return p + need <= self.num_pages and all(self._refs[q] == 0 for q in range(p, p + need))
+
+        if free_from(prefer):
+            return prefer
+        run = 0
+        for p, refs in enumerate(self._refs):
+            run = run + 1 if refs == 0 else 0
+            if run == need:
+                return p - need + 1
+        return None
 
     def _take(self, after: int | None) -> int:
         """A free page: the one after ``after`` in its block if free, else the first page of a wholly free
@@ -241,7 +283,7 @@ class PagedKVCache:
 
     def _step(self, requests, new_tokens, page, offset, positions) -> Step:
         dev = self.device
-        counts = [len(self._pages[r]) for r in requests]
+        counts = [-(-self._length[r] // self.page_size) for r in requests]  # the pages holding tokens (not reserved ones)
         last = [self._length[r] - (c - 1) * self.page_size if c else 0 for r, c in zip(requests, counts)]
         qo = [0]
         for r in requests:
@@ -249,7 +291,7 @@ class PagedKVCache:
         kv = [0]
         for c in counts:
             kv.append(kv[-1] + c)
-        indices = [p for r in requests for p in self._pages[r]]
+        indices = [p for r, c in zip(requests, counts) for p in self._pages[r][:c]]
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
         return Step(tuple(requests), as_long(qo), as_long(kv), as_long(indices), as_long(last),
                     as_long(page), as_long(offset), as_long(positions))  # fmt: skip

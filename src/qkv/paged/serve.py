@@ -7,8 +7,9 @@ Each step runs the model once on a packed row ``(1, T)``: a newly admitted reque
 whole prompt (a prefill chunk), a running one its last token (a decoding step); each token
 carries its own position, and every attention layer writes its keys and values to the
 request's pages and attends with :func:`qkv.paged_attention` (:class:`PagedStep`). A request
-is admitted when the pool has pages for its prompt, and its pages return to the pool the step
-it finishes, so a long request does not hold the others' memory and a short one leaves early
+is admitted when the pool has pages for its whole length (taken then, as one run of
+consecutive pages where the pool has one: the attention reads it as one matrix), and its
+pages return to the pool the step it finishes, so a long request does not hold the others' memory and a short one leaves early
 (Yu et al. 2022, "Orca"; Kwon et al. 2023, vLLM).
 
     done = qkv.paged.serve(model, [Request("a", prompt_a, 20), Request("b", prompt_b, 5, arrival=3)], cache)
@@ -87,6 +88,7 @@ def serve(model, requests: list[Request], cache: PagedKVCache, *, eos_id: int | 
         while waiting and waiting[0].arrival <= clock and _fits(cache, final, waiting[0]):
             r = waiting.pop(0)
             cache.add(r.name)
+            cache.reserve(r.name, r.prompt.numel() + r.max_new_tokens)  # its whole length, as one run of pages
             running[r.name] = r.prompt.tolist()
             left[r.name], final[r.name] = r.max_new_tokens, r.prompt.numel() + r.max_new_tokens
             new[r.name], tokens[r.name] = len(running[r.name]), running[r.name]
