@@ -107,3 +107,58 @@ def test_running_out_of_pages_says_so_and_changes_nothing():
         cache.add("a")
     with pytest.raises(ValueError, match="length"):
         cache.fork("a", "c", length=9)
+
+
+def test_reserved_pages_form_one_run_and_are_not_listed_until_filled():
+    cache = qkv.PagedKVCache(64, P, G, D, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    keys, values = {}, {}
+    for r in "ab":
+        cache.add(r)
+    cache.reserve("a", 30)  # 8 pages, one run
+    cache.reserve("b", 9)
+    pages_a = cache.pages_of("a")
+    assert pages_a == list(range(pages_a[0], pages_a[0] + 8)) and cache.used_pages == 8 + 3
+    step_and_check(cache, {"a": 6, "b": 2}, keys, values, gen)  # the table lists the filled pages only
+    step = cache.plan({"a": 0, "b": 0})
+    assert step.kv_indices.tolist() == pages_a[:2] + cache.pages_of("b")[:1]
+    for _ in range(5):
+        step_and_check(cache, {"a": 1, "b": 1}, keys, values, gen)
+    assert cache.pages_of("a") == pages_a  # growth used the reserved run
+    cache.fork("a", "c")  # shares the filled pages (11 tokens: 3 pages), not the reserved ones
+    assert cache.pages_of("c") == pages_a[:3]
+    keys["c"], values["c"] = keys["a"].clone(), values["a"].clone()
+    step_and_check(cache, {"a": 1, "c": 1}, keys, values, gen)  # both write into the shared third page: copies
+    assert cache.pages_of("a")[3:] == pages_a[3:]
+    cache.free("a")
+    cache.free("b")
+    cache.free("c")
+    assert cache.used_pages == 0
+
+
+def test_a_decoding_step_over_runs_equals_the_block_pass(monkeypatch):
+    """The fused kernel per run of pages (reserved requests) and the block pass give the same step."""
+    from qkv.paged import attention as paged
+
+    cache = qkv.PagedKVCache(128, P, G, D)
+    gen = torch.Generator().manual_seed(6)
+    lengths = [37, 5, 64, 21]
+    for r, n in enumerate(lengths):
+        cache.add(r)
+        cache.reserve(r, n + 1)
+    cache.plan({r: n for r, n in enumerate(lengths)})
+    k_pool, v_pool = cache.layer(0)
+    k_pool.copy_(torch.randn(k_pool.shape, generator=gen))
+    v_pool.copy_(torch.randn(v_pool.shape, generator=gen))
+    q = torch.randn(len(lengths), H, D, generator=gen)
+    step = cache.plan({r: 0 for r in range(len(lengths))})
+    table = (torch.arange(len(lengths) + 1),) + step.table[1:]
+    used = []
+    run = paged.decode_runs
+    monkeypatch.setattr(paged, "decode_runs", lambda *a: used.append(1) or run(*a))
+    fast = qkv.paged_attention(q, cache.layer(0), *table, return_lse=True)
+    assert used  # the runs path ran
+    monkeypatch.setattr(paged, "runs_usable", lambda *a: False)
+    slow = qkv.paged_attention(q, cache.layer(0), *table, return_lse=True)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -14,8 +14,8 @@ head become ``x`` query rows of that head, so grouped heads need no copy of the 
 and a request's runs merge by their log-sum-exp (``qkv.merge``'s rule). One call per run
 costs about what one call of ``F.scaled_dot_product_attention`` on a contiguous cache costs,
 so a step of requests with few runs each runs at the speed of a loop over contiguous caches.
-Used for plain decoding steps (no soft-cap, ALiBi, window or score_mod) on float pages; the
-block pass (``qkv.paged.decode``) takes the rest.
+Used for plain decoding steps (no soft-cap, ALiBi, window or score_mod); int8 pages are
+dequantised a run at a time. The block pass (``qkv.paged.decode``) takes the rest.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .pages import FloatPages
 def usable(q: Tensor, pages, opts: Options) -> bool:
     """Whether the steps can run here: float pages, the fused kernel usable, nothing but the scale on the logits."""
     plain = opts.soft_cap <= 0 and opts.alibi_slopes is None and opts.score_mod is None and opts.window_left < 0
-    return plain and isinstance(pages, FloatPages) and flash_cpu.unusable(q) is None and pages.dtype == q.dtype
+    return plain and flash_cpu.unusable(q) is None and pages.dtype == q.dtype
 
 
 def runs_of(page: Tensor, owner: Tensor, slot: Tensor, n: int) -> list[list[tuple[int, int, int]]]:
@@ -51,7 +51,7 @@ def runs_of(page: Tensor, owner: Tensor, slot: Tensor, n: int) -> list[list[tupl
     return runs
 
 
-def decode_runs(q: Tensor, runs: list[list[tuple[int, int, int]]], kv_len: list[int], pages: FloatPages,
+def decode_runs(q: Tensor, runs: list[list[tuple[int, int, int]]], kv_len: list[int], pages,
                 opts: Options) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(out (n, h, e), lse (n, h))`` of one query per request against its runs of pages."""
     n, h, d = q.shape
@@ -60,13 +60,20 @@ def decode_runs(q: Tensor, runs: list[list[tuple[int, int, int]]], kv_len: list[
     acc = torch.promote_types(q.dtype, torch.float32)
     out = q.new_empty(n, h, pages.value_dim)
     lse = torch.empty(n, h, dtype=acc, device=q.device)
-    view_k, view_v = _viewer(pages.keys), _viewer(pages.values)
+    if isinstance(pages, FloatPages):
+        view_k, view_v = _viewer(pages.keys), _viewer(pages.values)
+        read = lambda first, count, keys: (view_k(first, keys), view_v(first, keys))  # noqa: E731
+    else:  # quantised pages: the run dequantised (one tile), then viewed
+        read = lambda first, count, keys: tuple(  # noqa: E731
+            t.reshape(count * P, g, -1)[:keys].permute(1, 0, 2)[None] for t in pages.range(first, first + count)
+        )
     for r in range(n):
         q_r = q[r].view(1, g, x, d)
         parts = []
         for first, count, slot in runs[r]:
             keys = min(count * P, kv_len[r] - slot * P)
-            o, l = flash_cpu.forward(q_r, view_k(first, keys), view_v(first, keys), 0.0, False, scale=opts.scale)[:2]
+            k, v = read(first, count, keys)
+            o, l = flash_cpu.forward(q_r, k, v, 0.0, False, scale=opts.scale)[:2]
             parts.append((o.reshape(h, -1), l.reshape(h)))
         if len(parts) == 1:
             out[r], lse[r] = parts[0]
