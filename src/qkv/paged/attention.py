@@ -117,27 +117,17 @@ def _steps(q: Tensor, steps: list[int], table: PageTable, pages, opts: Options) 
                                        torch.tensor([steps[n] for n in members], device=q.device))))  # fmt: skip
         for n in members:
             skip[n] = count
-    runs = _few_runs(q, steps, skip, table, pages, opts)
-    if runs is not None:  # each request's pages in a few runs: one fused call per run, on views
+    page, owner, slot, filled = _entries(steps, skip, table, P, q.device)
+    runs = runs_of(page, owner, slot, len(steps)) if runs_usable(q, pages, opts) else None
+    if runs is not None and sum(len(x) for x in runs) <= 2 * len(steps):  # few runs: one fused call per run, on views
         out, lse = decode_runs(q, runs, [table.kv_len[r] for r in steps], pages, opts)
     else:
-        page, owner, slot, filled = _entries(steps, skip, table, P, q.device)
         out, lse = decode(q, qpos, page, owner, slot, filled, pages, opts)
     for idx, o, s in partials:
         merged_out, merged_lse = merge_all([out.index_select(0, idx), o.to(out.dtype)], [lse.index_select(0, idx), s.to(lse.dtype)])
         out = out.index_copy(0, idx, merged_out)
         lse = lse.index_copy(0, idx, merged_lse)
     return out, lse
-
-
-def _few_runs(q: Tensor, steps: list[int], skip: list[int], table: PageTable, pages, opts: Options):
-    """Each step's pages (after ``skip``) as runs of consecutive ids, when the runs path can take them and
-    they are few (at most two per request on average); else None."""
-    if not runs_usable(q, pages, opts):
-        return None
-    page, owner, slot, _ = _entries(steps, skip, table, pages.page_size, q.device)
-    runs = runs_of(page, owner, slot, len(steps))
-    return runs if sum(len(x) for x in runs) <= 2 * len(steps) else None
 
 
 def _entries(steps: list[int], skip: list[int], table: PageTable, P: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:

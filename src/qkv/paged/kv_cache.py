@@ -233,15 +233,7 @@ class PagedKVCache:
             raise RuntimeError(f"PagedKVCache: reserving {need} pages but {self._free} are free (of {self.num_pages})")
         start = self._free_run(need, pages[-1] + 1 if pages else 0)
         for k in range(need):
-            if start is not None:
-                p = start + k
-                self._refs[p] = 1
-                self._free -= 1
-                self._block_free[p // BLOCK_PAGES] -= 1
-                self._whole.discard(p // BLOCK_PAGES)
-                pages.append(p)
-            else:
-                pages.append(self._take(pages[-1] if pages else None))
+            pages.append(self._claim(start + k) if start is not None else self._take(pages[-1] if pages else None))
 
     def _free_run(self, need: int, prefer: int) -> int | None:
         """The first id of ``need`` consecutive free pages, at ``prefer`` if free there, else the lowest; or None."""
@@ -267,6 +259,10 @@ class PagedKVCache:
             p = min(self._whole) * BLOCK_PAGES
         else:
             p = self._refs.index(0)
+        return self._claim(p)
+
+    def _claim(self, p: int) -> int:
+        """Page ``p``, free until now, held by one request: the counts of free pages and blocks follow."""
         self._refs[p] = 1
         self._free -= 1
         b = p // BLOCK_PAGES
