@@ -111,6 +111,8 @@ def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tu
 
     if not torch.is_grad_enabled():
         return _run_into(req, parts, packed, choose)
+    # With gradients, one cat per row: copying the pieces into one buffer instead (autograd through
+    # the copies) made varlen's forward + backward 1.25-1.3x the per-document loop, against 1.0 here.
     b, h, i_len = req.q.shape[0], req.heads, req.i
     e = req.v.shape[-1]
     rows: list[list[tuple[int, Tensor, Tensor | None]]] = [[] for _ in range(b)]
