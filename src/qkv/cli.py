@@ -51,6 +51,15 @@ NEEDS: dict[str, dict[str, str]] = {
 }  # fmt: skip
 
 
+def _optional_missing(command: str, error: ImportError) -> int:
+    """Exit status 2 with one line when ``error`` is an optional package's absence; re-raise anything else."""
+    missing = _missing(command, error)
+    if missing is None:
+        raise error
+    print(f"qkv {command}: error: {missing}", file=sys.stderr)
+    return 2
+
+
 def _missing(command: str, error: ImportError) -> str | None:
     """One line for an ImportError of an optional package, or None when it is not one (a bug in qkv)."""
     cause: BaseException | None = error
@@ -208,11 +217,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"qkv demo: error: {error}", file=sys.stderr)
         return 2
     except ImportError as error:  # a package the check above did not know of
-        missing = _missing("demo", error)
-        if missing is None:
-            raise
-        print(f"qkv demo: error: {missing}", file=sys.stderr)
-        return 2
+        return _optional_missing("demo", error)
     except KeyboardInterrupt:
         print("qkv demo: interrupted; nothing was written", file=sys.stderr)
         return 130
@@ -326,11 +331,7 @@ def _plot(args: argparse.Namespace) -> int:
         print(f"qkv plot: error: {message}", file=sys.stderr)
         return 2
     except ImportError as error:
-        missing = _missing("plot", error)
-        if missing is None:
-            raise
-        print(f"qkv plot: error: {missing}", file=sys.stderr)
-        return 2
+        return _optional_missing("plot", error)
     print(f"wrote {out}")
     return 0
 
@@ -351,11 +352,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"qkv inspect: error: {error}", file=sys.stderr)
         return 2
     except ImportError as error:
-        missing = _missing("inspect", error)
-        if missing is None:
-            raise
-        print(f"qkv inspect: error: {missing}", file=sys.stderr)
-        return 2
+        return _optional_missing("inspect", error)
     except OSError as error:
         print(f"qkv inspect: error: --out: {error}", file=sys.stderr)
         return 2
