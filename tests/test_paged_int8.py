@@ -17,10 +17,11 @@ from qkv.paged import Int8Pages
 H, G = 4, 2
 
 
-def fill(kv_lens, P, D, dtype, seed, shared=0, spare=3):
+def fill(kv_lens, P, D, dtype, seed, shared=0, spare=3, consecutive=False):
     """Int8Pages and the float cache of the same values, written in interleaved chunks; ``(pages, cache, table)``.
 
-    Pages lie in a random order; request ``r > 0`` begins with request 0's first ``shared``
+    Pages lie in a random order (``consecutive``: each request's pages one run of ids, as
+    ``qkv.PagedKVCache`` hands them out); request ``r > 0`` begins with request 0's first ``shared``
     full pages (a forked prompt; fewer where it is shorter); every request's last page may be partial.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -28,7 +29,7 @@ def fill(kv_lens, P, D, dtype, seed, shared=0, spare=3):
     common = [min(shared, c - 1) if r else 0 for r, c in enumerate(counts)]
     own = [c - s for c, s in zip(counts, common)]
     N = sum(own) + spare
-    free = torch.randperm(N, generator=gen).tolist()
+    free = list(range(N))[::-1] if consecutive else torch.randperm(N, generator=gen).tolist()
     lists, fills = [], {}
     for r, (n, c) in enumerate(zip(kv_lens, counts)):
         mine = lists[0][: common[r]] if r else []
@@ -120,6 +121,28 @@ def test_attention_over_int8_pages_is_attention_over_their_values(P, call):
     want = attend(q, dequantised(pages), qo_lens, table)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shared", [0, 2])
+def test_a_step_over_runs_of_int8_pages_dequantises_each_run_and_equals_their_values(monkeypatch, shared):
+    """Consecutive pages take the fused kernel a run at a time, the partial last pages read from the residual."""
+    from qkv.paged import attention as paged
+
+    kv_lens = [70, 90, 49, 200, 33, 16]
+    pages, _, fills, table = fill(kv_lens, 16, 8, torch.float64, seed=3, shared=shared, consecutive=True)
+    assert pages.residual  # partial last pages live in full precision
+    used = []
+    run = paged.decode_runs
+    monkeypatch.setattr(paged, "decode_runs", lambda *a: used.append(1) or run(*a))
+    q = torch.randn(len(kv_lens), H, 8, dtype=torch.float64)
+    got = attend(q, pages, [1] * len(kv_lens), table)
+    assert used  # the runs path ran
+    want = attend(q, dequantised(pages), [1] * len(kv_lens), table)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    again = attend(q, pages, [1] * len(kv_lens), table)  # the buffers are reused: same answer
+    for a, b in zip(again, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_int8_attention_is_close_to_float32_in_under_a_third_of_the_bytes():

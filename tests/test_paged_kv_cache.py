@@ -162,3 +162,30 @@ def test_a_decoding_step_over_runs_equals_the_block_pass(monkeypatch):
     slow = qkv.paged_attention(q, cache.layer(0), *table, return_lse=True)
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_runs_of_a_table_are_its_maximal_runs_of_consecutive_pages_per_request():
+    """The bisection over breaks gives what a walk over every page entry gives, skipped leading pages included."""
+    from qkv.paged.runs import runs_in
+    from qkv.paged.table import page_table
+
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(20):
+        counts = torch.randint(1, 7, (5,), generator=gen).tolist()
+        ids = []
+        for c in counts:  # runs of consecutive ids with random breaks, sometimes continuing across requests
+            start = int(torch.randint(0, 40, (1,), generator=gen))
+            ids += [start + n + 3 * int(torch.rand(1, generator=gen) < 0.3) * n for n in range(c)]
+        indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+        table = page_table(5, 100, P, torch.arange(6), indptr, torch.tensor(ids), torch.full((5,), P), "cpu")
+        skip = [int(torch.randint(0, c, (1,), generator=gen)) for c in counts]
+        want = []
+        for r, k in enumerate(skip):
+            mine, runs = table.pages(r).tolist(), []
+            for slot in range(k, len(mine)):
+                if runs and mine[slot] == runs[-1][0] + runs[-1][1]:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+                else:
+                    runs.append((mine[slot], 1, slot))
+            want.append(runs)
+        assert runs_in(table, list(range(5)), skip) == want

@@ -30,7 +30,7 @@ from .decode import decode
 from .options import Options, options
 from .pages import FloatPages
 from .requests import request, score_mod as positioned
-from .runs import decode_runs, runs_of
+from .runs import decode_runs, runs_in
 from .runs import usable as runs_usable
 from .table import PageTable, page_table
 
@@ -85,16 +85,20 @@ def paged_attention(
 def _run(q: Tensor, table: PageTable, pages, opts: Options) -> tuple[Tensor, Tensor]:
     T, h, _ = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
+    steps = [r for r in range(table.requests) if table.qo_len[r] == 1] if opts.score_mod is None else []
+    if steps and len(steps) == T:  # every row a decoding step, request after request: q as it is
+        o, s = _steps(q, steps, table, pages, opts)
+        return o.to(q.dtype), s.to(acc)
     out = q.new_zeros(T, h, pages.value_dim)
     lse = torch.full((T, h), float("-inf"), dtype=acc, device=q.device)
-    steps = [r for r in range(table.requests) if table.qo_len[r] == 1] if opts.score_mod is None else []
     if steps:
         rows = torch.tensor([table.qo_start[r] for r in steps], device=q.device)
         o, s = _steps(q.index_select(0, rows), steps, table, pages, opts)
         out.index_copy_(0, rows, o.to(out.dtype))
         lse.index_copy_(0, rows, s.to(acc))
+    stepped = set(steps)
     for r in range(table.requests):
-        if table.qo_len[r] == 0 or (r in set(steps)):
+        if table.qo_len[r] == 0 or r in stepped:
             continue
         rows = slice(table.qo_start[r], table.qo_start[r] + table.qo_len[r])
         o, s = request(q[rows], table.kv_len[r], table.pages(r), pages, opts, r)
@@ -117,12 +121,11 @@ def _steps(q: Tensor, steps: list[int], table: PageTable, pages, opts: Options) 
                                        torch.tensor([steps[n] for n in members], device=q.device))))  # fmt: skip
         for n in members:
             skip[n] = count
-    page, owner, slot, filled = _entries(steps, skip, table, P, q.device)
-    runs = runs_of(page, owner, slot, len(steps)) if runs_usable(q, pages, opts) else None
+    runs = runs_in(table, steps, skip) if runs_usable(q, pages, opts) else None
     if runs is not None and sum(len(x) for x in runs) <= 2 * len(steps):  # few runs: one fused call per run, on views
         out, lse = decode_runs(q, runs, [table.kv_len[r] for r in steps], pages, opts)
     else:
-        out, lse = decode(q, qpos, page, owner, slot, filled, pages, opts)
+        out, lse = decode(q, qpos, *_entries(steps, skip, table, P, q.device), pages, opts)
     for idx, o, s in partials:
         merged_out, merged_lse = merge_all([out.index_select(0, idx), o.to(out.dtype)], [lse.index_select(0, idx), s.to(lse.dtype)])
         out = out.index_copy(0, idx, merged_out)

@@ -23,6 +23,8 @@ Bytes per token of a full page: ``2·g·d`` (int8 K and V) ``+ 2·g·d / P`` (ke
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import torch
 from torch import Tensor
 
@@ -52,6 +54,7 @@ class Int8Pages:
         self.value_scale = torch.ones(num_pages, P, g, dtype=torch.float16, device=self.device)  # over the channels
         self.residual: dict[int, Tensor] = {}  # page -> (2, P, g, d) in dtype, while partially filled
         self.filled = [0] * num_pages  # offsets written since the page was (re)started
+        self._scratch = torch.empty(2, g, 0, P, d, dtype=dtype, device=self.device)  # runs' dequantised K, V
 
     # ------------------------------------------------------------------ reads
 
@@ -78,9 +81,45 @@ class Int8Pages:
 
     def _dequantise(self, pages) -> tuple[Tensor, Tensor]:
         work = torch.promote_types(self.dtype, torch.float32)  # the product in float32 at least, then dtype
-        K = self.keys[pages].to(work) * self.key_scale[pages].to(work)[:, None]
-        V = self.values[pages].to(work) * self.value_scale[pages].to(work)[..., None]
-        return K.to(self.dtype), V.to(self.dtype)
+        K = self.keys[pages].to(self.dtype).mul_(self.key_scale[pages].to(work)[:, None])
+        V = self.values[pages].to(self.dtype).mul_(self.value_scale[pages].to(work)[..., None])
+        return K, V
+
+    def runs(self, ranges: list[tuple[int, int]]):
+        """``read(n) -> (K (g, keys, d), V (g, keys, d))``: range ``n`` of ``ranges`` (``(first page, pages)``), dequantised.
+
+        The attention's view of a run of pages, head by head, as the fused kernel reads it. Every
+        range is dequantised into the same two buffers (sized for the longest range seen; a result
+        is valid until the next read), so the floats stay in cache between the write and the
+        kernel's read, and fresh memory is not faulted in for each run or step. Laid out head-major, so the threads
+        that dequantise a head are the ones the kernel gives that head. The scales of all ranges
+        widen in one operation each.
+        """
+        g, P, d = self.kv_heads, self.page_size, self.head_dim
+        work = torch.promote_types(self.dtype, torch.float32)
+        most = max((c for _, c in ranges), default=0)
+        if self._scratch.shape[1] < most:  # kept between steps: fresh memory would be faulted in at every step
+            self._scratch = torch.empty(2, g, most, P, d, dtype=self.dtype, device=self.device)
+        bufs = self._scratch
+        counts = torch.tensor([c for _, c in ranges], dtype=torch.long)
+        starts = [0, *counts.cumsum(0).tolist()]
+        shift = torch.tensor([p - a for (p, _), a in zip(ranges, starts)], dtype=torch.long)
+        ids = (torch.arange(starts[-1]) + shift.repeat_interleave(counts)).to(self.device)  # every range's pages in turn
+        sK = self.key_scale.index_select(0, ids).to(work).permute(1, 0, 2).contiguous()[:, :, None]  # (g, N, 1, d)
+        sV = self.value_scale.index_select(0, ids).to(work).permute(2, 0, 1).contiguous()[..., None]  # (g, N, P, 1)
+        partial = sorted(self.residual)
+
+        def read(n: int, keys: int) -> tuple[Tensor, Tensor]:
+            (p0, c), a = ranges[n], starts[n]
+            K, V = (b[:, :c] for b in bufs)
+            K.copy_(self.keys[p0 : p0 + c].permute(2, 0, 1, 3)).mul_(sK[:, a : a + c])
+            V.copy_(self.values[p0 : p0 + c].permute(2, 0, 1, 3)).mul_(sV[:, a : a + c])
+            for p in partial[bisect_left(partial, p0) : bisect_left(partial, p0 + c)]:
+                both = self.residual[p].permute(0, 2, 1, 3)  # (2, g, P, d)
+                K[:, p - p0], V[:, p - p0] = both[0], both[1]
+            return K.view(g, c * P, d)[:, :keys], V.view(g, c * P, d)[:, :keys]
+
+        return read
 
     # ------------------------------------------------------------------ writes
 

@@ -15,10 +15,15 @@ and a request's runs merge by their log-sum-exp (``qkv.merge``'s rule). One call
 costs about what one call of ``F.scaled_dot_product_attention`` on a contiguous cache costs,
 so a step of requests with few runs each runs at the speed of a loop over contiguous caches.
 Used for plain decoding steps (no soft-cap, ALiBi, window or score_mod); int8 pages are
-dequantised a run at a time. The block pass (``qkv.paged.decode``) takes the rest.
+dequantised a run at a time into buffers the kernel reads from cache
+(``Int8Pages.runs``). The block pass (``qkv.paged.decode``) takes the rest. The host work of
+a step is a few operations per request: the runs come from one comparison over the page
+list, and the outputs are joined once at the end.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
 
 import torch
 from torch import Tensor
@@ -27,6 +32,7 @@ from ..backends.tiling import flash_cpu
 from ..backends.tiling.lse import merge_all
 from .options import Options
 from .pages import FloatPages
+from .table import PageTable
 
 
 def usable(q: Tensor, pages, opts: Options) -> bool:
@@ -35,19 +41,30 @@ def usable(q: Tensor, pages, opts: Options) -> bool:
     return plain and flash_cpu.unusable(q) is None and pages.dtype == q.dtype
 
 
-def runs_of(page: Tensor, owner: Tensor, slot: Tensor, n: int) -> list[list[tuple[int, int, int]]]:
-    """Per request (``owner`` 0 .. n - 1), its ``(first page, pages, first slot)`` runs of consecutive ids.
+def runs_in(table: PageTable, steps: list[int], skip: list[int]) -> list[list[tuple[int, int, int]]]:
+    """Per step, its ``(first page, pages, first slot)`` runs of consecutive ids, after its first ``skip`` pages.
 
-    ``page``, ``owner``, ``slot`` ``(N,)`` list every request's pages in order, request after
-    request; a run breaks where the owner changes or the next id is not one more.
+    One comparison over the whole page list finds where ids stop being consecutive; each
+    request's runs are then the breaks inside its own entries (a bisection), so the host
+    work grows with requests and runs, not with pages.
     """
-    starts = torch.ones_like(page, dtype=torch.bool)
-    starts[1:] = (page[1:] != page[:-1] + 1) | (owner[1:] != owner[:-1])
-    at = starts.nonzero().flatten()
-    counts = torch.diff(at, append=torch.tensor([page.numel()], device=at.device))
-    runs: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
-    for p, c, s, o in zip(*(x.tolist() for x in (page[at], counts, slot[at], owner[at]))):
-        runs[o].append((p, c, s))
+    indices = table.indices
+    breaks = (indices[1:] != indices[:-1] + 1).nonzero().flatten().add_(1).tolist() if indices.numel() > 1 else []
+    spans: list[tuple[int, int, int]] = []  # (entry, entries, slot) of every run, step after step
+    shape: list[int] = []
+    for r, k in zip(steps, skip):
+        a, b = table.page_start[r] + k, table.page_start[r] + table.page_count[r]
+        if a == b:
+            shape.append(0)
+            continue
+        cuts = [a, *breaks[bisect_right(breaks, a) : bisect_left(breaks, b)], b]
+        shape.append(len(cuts) - 1)
+        spans.extend((u, w - u, k + u - a) for u, w in zip(cuts, cuts[1:]))
+    firsts = indices[[u for u, _, _ in spans]].tolist() if spans else []
+    runs, at = [], 0
+    for count in shape:
+        runs.append([(p, c, s) for p, (_, c, s) in zip(firsts[at : at + count], spans[at : at + count])])
+        at += count
     return runs
 
 
@@ -56,31 +73,36 @@ def decode_runs(q: Tensor, runs: list[list[tuple[int, int, int]]], kv_len: list[
     """``(out (n, h, e), lse (n, h))`` of one query per request against its runs of pages."""
     n, h, d = q.shape
     g, P = pages.kv_heads, pages.page_size
-    x = h // g
     acc = torch.promote_types(q.dtype, torch.float32)
-    out = q.new_empty(n, h, pages.value_dim)
-    lse = torch.empty(n, h, dtype=acc, device=q.device)
-    if isinstance(pages, FloatPages):
-        view_k, view_v = _viewer(pages.keys), _viewer(pages.values)
-        read = lambda first, count, keys: (view_k(first, keys), view_v(first, keys))  # noqa: E731
-    else:  # quantised pages: the run dequantised (one tile), then viewed
-        read = lambda first, count, keys: tuple(  # noqa: E731
-            t.reshape(count * P, g, -1)[:keys].permute(1, 0, 2)[None] for t in pages.range(first, first + count)
-        )
+    read = _reader(pages, [(first, count) for rs in runs for first, count, _ in rs])
+    qs = q.contiguous().view(n, 1, g, h // g, d)  # the x query heads of a KV head are its x query rows
+    forward, scale = flash_cpu.forward, opts.scale
+    outs, lses = [], []
+    at = 0  # the next run, counted over all requests
     for r in range(n):
-        q_r = q[r].view(1, g, x, d)
         parts = []
         for first, count, slot in runs[r]:
-            keys = min(count * P, kv_len[r] - slot * P)
-            k, v = read(first, count, keys)
-            o, l = flash_cpu.forward(q_r, k, v, 0.0, False, scale=opts.scale)[:2]
-            parts.append((o.reshape(h, -1), l.reshape(h)))
+            k, v = read(at, first, min(count * P, kv_len[r] - slot * P))
+            parts.append(forward(qs[r], k, v, 0.0, False, scale=scale)[:2])
+            at += 1
         if len(parts) == 1:
-            out[r], lse[r] = parts[0]
+            o, l = parts[0]
+        elif not parts:  # no key: out = 0, lse = -inf
+            o, l = q.new_zeros(1, g, h // g, pages.value_dim), q.new_full((1, g, h // g), float("-inf"), dtype=acc)
         else:
             o, l = merge_all([p[0] for p in parts], [p[1].to(acc) for p in parts])
-            out[r], lse[r] = o, l
-    return out, lse
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs).view(n, h, -1), torch.cat(lses).view(n, h).to(acc)
+
+
+def _reader(pages, ranges: list[tuple[int, int]]):
+    """``(run, first page, keys) -> (K (1, g, keys, d), V (1, g, keys, e))``: a run where it lies, or dequantised."""
+    if isinstance(pages, FloatPages):
+        view_k, view_v = _viewer(pages.keys), _viewer(pages.values)
+        return lambda n, first, keys: (view_k(first, keys), view_v(first, keys))
+    dequantised = pages.runs(ranges)  # qkv.paged.Int8Pages: each run into reused buffers
+    return lambda n, first, keys: tuple(t[None] for t in dequantised(n, keys))
 
 
 def _viewer(pool: Tensor):
