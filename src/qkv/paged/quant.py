@@ -86,7 +86,9 @@ class Int8Pages:
         return K, V
 
     def runs(self, ranges: list[tuple[int, int]]):
-        """``read(n) -> (K (g, keys, d), V (g, keys, d))``: range ``n`` of ``ranges`` (``(first page, pages)``), dequantised.
+        """``read(n, count) -> (K (g, count, d), V (g, count, d))``: the first ``count`` keys of range ``n``, dequantised.
+
+        ``ranges``: ``(first page, pages)`` each.
 
         The attention's view of a run of pages, head by head, as the fused kernel reads it. Every
         range is dequantised into the same two buffers (sized for the longest range seen; a result
@@ -102,20 +104,20 @@ class Int8Pages:
         most = max((c for _, c in ranges), default=0)
         if self._scratch.shape[1] < most:  # kept between steps: fresh memory would be faulted in at every step
             self._scratch = torch.empty(2, g, most, P, d, dtype=self.dtype, device=self.device)
-        bufs = self._scratch
+        K_all, V_all = self._scratch[0], self._scratch[1]
+        keys, values = self.keys.permute(2, 0, 1, 3), self.values.permute(2, 0, 1, 3)  # (g, N, P, d) views
+        key_scale = self.key_scale.permute(1, 0, 2)[:, :, None]  # (g, N, 1, d)
+        value_scale = self.value_scale.permute(2, 0, 1)[..., None]  # (g, N, P, 1)
         partial = sorted(self.residual)
 
-        def read(n: int, keys: int) -> tuple[Tensor, Tensor]:
+        def read(n: int, count: int) -> tuple[Tensor, Tensor]:
             p0, c = ranges[n]
-            K, V = (b[:, :c] for b in bufs)
-            sK = self.key_scale[p0 : p0 + c].permute(1, 0, 2)[:, :, None]  # (g, c, 1, d)
-            sV = self.value_scale[p0 : p0 + c].permute(2, 0, 1)[..., None]  # (g, c, P, 1)
-            K.copy_(self.keys[p0 : p0 + c].permute(2, 0, 1, 3)).mul_(sK)
-            V.copy_(self.values[p0 : p0 + c].permute(2, 0, 1, 3)).mul_(sV)
+            K = K_all[:, :c].copy_(keys[:, p0 : p0 + c]).mul_(key_scale[:, p0 : p0 + c])
+            V = V_all[:, :c].copy_(values[:, p0 : p0 + c]).mul_(value_scale[:, p0 : p0 + c])
             for p in partial[bisect_left(partial, p0) : bisect_left(partial, p0 + c)]:
                 both = self.residual[p].permute(0, 2, 1, 3)  # (2, g, P, d)
                 K[:, p - p0], V[:, p - p0] = both[0], both[1]
-            return K.view(g, c * P, d)[:, :keys], V.view(g, c * P, d)[:, :keys]
+            return K.view(g, c * P, d)[:, :count], V.view(g, c * P, d)[:, :count]
 
         return read
 
