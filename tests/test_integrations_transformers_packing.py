@@ -134,3 +134,24 @@ def test_a_decoding_step_prepares_its_mask_once_for_every_layer(models, monkeypa
                              pad_token_id=0)  # fmt: skip
     assert out.shape == (2, 7)
     assert made == [(4, 4), (1, 5), (1, 6)]  # one per forward, not one per layer (the model has 2)
+
+
+def test_position_ids_shared_by_layers_are_read_once_and_a_change_is_seen():
+    """Every layer gets the same position_ids tensor: read once; written in place or replaced, read again."""
+    from qkv.integrations import transformers_packing as packing
+
+    q, k = torch.zeros(1, 2, 6, 4), torch.zeros(1, 2, 6, 4)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    reads = []
+    real = packing._restarts
+    packing._restarts = lambda *a: reads.append(1) or real(*a)
+    try:
+        first = [packing.documents_for(q, k, {"position_ids": positions}) for _ in range(3)]
+        assert len(reads) == 1 and all(d is first[0] for d in first)
+        positions[0, 3:] = torch.tensor([3, 4, 5])  # in place: now one sequence
+        assert packing.documents_for(q, k, {"position_ids": positions}) is None and len(reads) == 2
+        other = torch.tensor([[0, 1, 0, 1, 0, 1]])  # another tensor
+        docs = packing.documents_for(q, k, {"position_ids": other})
+        assert len(reads) == 3 and docs is not None
+    finally:
+        packing._restarts = real

@@ -22,11 +22,13 @@ positions, and'ed with the sequence ids), so that mask, too, is built lazily.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from .._trace import concrete
 from ..masks import And, Documents, Mask
 from .transformers_closures import closure
 
@@ -54,10 +56,36 @@ def documents_for(query: Tensor, key: Tensor, kwargs: dict, mask: Mask | None = 
     if not (isinstance(positions, Tensor) and positions.dim() == 2 and positions.shape[-1] == i == j and i > 1):
         return None
     if mask is None or mask.hidden_keys(i, j) is None:  # no padding: restarting positions are packing
-        starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
-        if bool(starts[:, 1:].any()):
-            return Documents(starts.cumsum(-1).expand(b, -1))
+        return _packed_positions(positions, b)
     return None
+
+
+#: The last position_ids read, as ``(weak reference, version, b, documents or None)``: every layer
+#: of a forward gets the same tensor, and reading it (a difference and a read on the host)
+#: cost each layer more than its attention call at prefill lengths.
+_last_positions: tuple | None = None
+
+
+def _packed_positions(positions: Tensor, b: int) -> Documents | None:
+    """The documents that restarting ``positions (b or 1, T)`` mark; None when they run on by one."""
+    global _last_positions
+    if not concrete(positions):  # traced: no host state kept
+        return _restarts(positions, b)
+    last = _last_positions
+    # a live weak reference to this very tensor, unchanged since (its version counts in-place writes)
+    if last is not None and last[0]() is positions and last[1] == positions._version and last[2] == b:
+        return last[3]
+    docs = _restarts(positions, b)
+    try:
+        _last_positions = (weakref.ref(positions), positions._version, b, docs)
+    except (TypeError, RuntimeError):  # a tensor subclass or a traced value without weak references or versions
+        _last_positions = None
+    return docs
+
+
+def _restarts(positions: Tensor, b: int) -> Documents | None:
+    starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
+    return Documents(starts.cumsum(-1).expand(b, -1)) if bool(starts[:, 1:].any()) else None
 
 
 def _ids(name: str, cu: object, b: int, n: int) -> Tensor:
