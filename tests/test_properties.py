@@ -494,6 +494,7 @@ class Taken:
             mp.setattr(module, "run", self._spy(module.run, "backend", name))
         for engine in engines.ENGINES:
             mp.setattr(engine, "forward", self._spy(engine.forward, "engine", engine.name))
+            mp.setattr(engine, "backward", self._spy(engine.backward, "backward", engine.name))
 
     def _spy(self, fn, kind: str, name: str):
         def spy(*args, **kwargs):
@@ -510,8 +511,21 @@ class Taken:
         return f"backend: {backend}" + (f" ({engine})" if backend == "chunked" else "")
 
 
+    def backward(self) -> str | None:
+        """The engine whose backward ran last (an engine's backward may hand over to ``mod_tiles``'), or None."""
+        names = [name for kind, name in self.path if kind == "backward"]
+        self.path = []
+        return names[-1] if names else None
+
+
 def explained(built: Built) -> str:
     return qkv.explain(built.q, built.k, built.v, **built.kwargs()).splitlines()[0]
+
+
+def explained_backward(built: Built) -> str | None:
+    """The engine ``qkv.explain`` names on a ``backward:`` line, else None (the forward's engine runs it)."""
+    lines = qkv.explain(built.q, built.k, built.v, **built.kwargs()).splitlines()
+    return next((line.split()[1] for line in lines if line.startswith("  backward: ")), None)
 
 
 # --------------------------------------------------------------------------- the properties
@@ -571,6 +585,7 @@ def _gradient_property(case: Case) -> None:
         taken = Taken(mp)
         for name in built.runnable():
             said = explained(built) if name == "auto" else None
+            said_backward = explained_backward(built) if name == "auto" else None
             result = qkv.attention(built.q, built.k, built.v, backend=name, **built.kwargs())
             CALLS["gradients"] += 1
             if said is not None:  # qkv.explain names the path the call took, with gradients on
@@ -580,6 +595,9 @@ def _gradient_property(case: Case) -> None:
             out, w = result if case.return_weights else (result, None)
             total = (out.double() * d_out).sum() + ((w.double() * d_w).sum() if d_w is not None else 0.0)
             grads = torch.autograd.grad(total, list(theirs.values()), allow_unused=True)
+            ran_backward = taken.backward()
+            if said_backward is not None:  # a backward explain says another engine runs: it ran
+                assert ran_backward == said_backward, (said_backward, ran_backward, case)
             for (param, x), got in zip(theirs.items(), grads):
                 expected = want[param]
                 expected = torch.zeros_like(params[param]) if expected is None else expected

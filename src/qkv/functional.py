@@ -271,4 +271,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
         engine, engines_passed_over = engines.choose(req)
         head += f" ({engine.name})"
         lines += [f"  not {name} (engine):{why}" for name, _, why in (r.partition(":") for r in engines_passed_over)]
+        other = getattr(engine, "backward_engine", lambda _: None)(req)  # a backward timed faster elsewhere
+        if other is not None:
+            lines.append(f"  backward: {other} (timed faster than {engine.name}'s own with this bias on this CPU)")
     return "\n".join([head, *lines])

@@ -45,7 +45,7 @@ from ..tiling.bias_grad import Rows, add_profile_grad, far_profile_grad, saturat
 from ..tiling.flash_cpu import grouped_backward, mask_dtype, same_head_size
 from ..tiling.offset_profile import DiagonalMask
 from ..tiling.tiles import NEG_INF, BiasSource, as_heads, key_range
-from . import fused_runs
+from . import bias_backward, fused_runs, mod_tiles
 from .contract import Grads, parameters
 
 name = "fused_blocks"
@@ -343,7 +343,20 @@ def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, Learned |
 
 
 def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: Learned | None, dtype: torch.dtype) -> Grads:
-    """The contract's backward: a learned bias's profile gradient reaches its parameters here."""
+    """The contract's backward: the kernel's per block, or ``mod_tiles``' where that was timed faster (``bias_backward``)."""
+    if bias_backward.moves(req, saved):
+        return mod_tiles.backward(req, out, lse, d_out, None, dtype)
+    return fused_backward_of(req, out, lse, d_out, saved, dtype)
+
+
+def backward_engine(req: Request) -> str | None:
+    """The engine whose backward runs this call's gradients when it is not this one (for ``qkv.explain``)."""
+    wants_grad = req.grad and any(x.requires_grad for x in (req.q, req.k, req.v))
+    return mod_tiles.name if wants_grad and bias_backward.moves(req, None) else None
+
+
+def fused_backward_of(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: Learned | None, dtype: torch.dtype) -> Grads:
+    """The kernel's backward per block; a learned bias's profile gradient reaches its parameters here."""
     q, k, v = req.q, req.k, req.v
     d, e = q.shape[-1], v.shape[-1]
     qf, kf, vf = same_head_size(q, k, v)

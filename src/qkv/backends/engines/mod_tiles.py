@@ -253,7 +253,8 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
                     a.add_(hide)
                 p = tile_math.exp_nonpositive_(a, tmp)
             else:
-                s = score_mods.apply(plan.score_mod, s, t)
+                if plan.score_mod is not None:
+                    s = score_mods.apply(plan.score_mod, s, t)
                 if hide is not None:  # out of place: what the modifier returned may not be ours to write
                     s = s + hide
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
@@ -318,6 +319,8 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None,
             if cap is not None:
                 u = tile_math.tanh_(s, tmp, ops.clamp)
                 torch.add(neg_lse, u, alpha=cap, out=p)  # c·tanh(x/c) - lse
+            elif plan.score_mod is None:  # a lazy bias alone: the logits are the tile
+                torch.add(neg_lse, s, out=p)
             else:
                 pre = s.detach().requires_grad_()
                 with torch.enable_grad():
@@ -333,7 +336,7 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None,
             ds.sub_(delta[:, :, rows]).mul_(p)  # dS = P ∘ (dP - D)
             if cap is not None:
                 ds.addcmul_(ds, u.square_(), value=-1.0)  # · (1 - tanh²); the scale goes on the products
-            else:
+            elif plan.score_mod is not None:
                 first, *mod_grads = torch.autograd.grad(modded, [pre, *trainable], ds, allow_unused=True)
                 ds = torch.zeros_like(ds) if first is None else first
                 for n, grad in enumerate(mod_grads):
