@@ -28,7 +28,7 @@ def spy(monkeypatch):
     """Forces the timed choice and records which backward ran."""
     ran = []
     tiles, fused = mod_tiles.backward, fused_blocks.fused_backward_of
-    monkeypatch.setattr(mod_tiles, "backward", lambda *a: ran.append("tiles") or tiles(*a))
+    monkeypatch.setattr(mod_tiles, "backward", lambda *a, **k: ran.append("tiles") or tiles(*a, **k))
     monkeypatch.setattr(fused_blocks, "fused_backward_of", lambda *a: ran.append("fused") or fused(*a))
 
     def force(tiles_faster: bool):

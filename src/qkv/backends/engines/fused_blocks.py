@@ -345,7 +345,7 @@ def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, Learned |
 def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: Learned | None, dtype: torch.dtype) -> Grads:
     """The contract's backward: the kernel's per block, or ``mod_tiles``' where that was timed faster (``bias_backward``)."""
     if bias_backward.moves(req, saved):
-        return mod_tiles.backward(req, out, lse, d_out, None, dtype)
+        return bias_backward.backward(req, out, lse, d_out, dtype)
     return fused_backward_of(req, out, lse, d_out, saved, dtype)
 
 

@@ -40,7 +40,7 @@ backend in ``tests/test_backends_mod_tiles.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -276,7 +276,8 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
     return out, lse
 
 
-def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None, dtype: torch.dtype) -> Grads:
+def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None, dtype: torch.dtype,
+             rows: int | None = None) -> Grads:  # fmt: skip
     """The contract's backward (``engines.contract``): gradients in ``dtype``, from the final ``out`` and ``lse``.
 
     The tensors the modifier reads get theirs, aligned with ``parameters(req)`` (None where
@@ -285,6 +286,7 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None,
     thread, then over threads in a fixed order.
     """
     plan = plan_of(req)
+    plan = plan if rows is None else replace(plan, block_i=rows)  # fewer rows per tile: less scratch per thread
     params = tuple(parameters(req))
     # only the modifier's tile is differentiated here
     ops = _operands(plan, req.q.detach(), req.k.detach(), req.v.detach())
