@@ -32,7 +32,7 @@ def spy(monkeypatch):
     monkeypatch.setattr(fused_blocks, "fused_backward_of", lambda *a: ran.append("fused") or fused(*a))
 
     def force(tiles_faster: bool):
-        monkeypatch.setattr(bias_backward, "tiles_faster", lambda dtype: tiles_faster)
+        monkeypatch.setattr(bias_backward, "tiles_faster", lambda *timed: tiles_faster)
         ran.clear()
         return ran
 
@@ -78,8 +78,9 @@ def test_explain_names_the_backward_engine_only_for_a_call_that_records_gradient
 
 
 def test_the_choice_is_timed_once_per_dtype():
-    bias_backward.tiles_faster.cache_clear()
-    first = bias_backward.tiles_faster(torch.float32)
-    assert isinstance(first, bool)
-    assert bias_backward.tiles_faster(torch.float32) is first
-    assert bias_backward.tiles_faster.cache_info().hits >= 1
+    fused = (fused_blocks.forward, fused_blocks.fused_backward_of)
+    bias_backward.TIMED.pop(torch.float32, None)
+    first = bias_backward.tiles_faster(torch.float32, *fused)
+    assert isinstance(first, bool) and bias_backward.TIMED[torch.float32] is first
+    timed = []
+    assert bias_backward.tiles_faster(torch.float32, lambda *a: timed.append(1), None) is first and not timed

@@ -30,7 +30,7 @@ softmax (``req.piece``), tensors off the CPU or traced.
 
 from __future__ import annotations
 
-import functools
+from typing import Callable
 
 import torch
 
@@ -56,27 +56,37 @@ def backward(req: Request, out, lse, d_out, dtype: torch.dtype):
     return mod_tiles.backward(req, out, lse, d_out, None, dtype, rows=ROWS)
 
 
-def moves(req: Request, saved: object) -> bool:
-    """True when the backward of ``req``, run forward by ``fused_blocks``, runs on ``mod_tiles``."""
+def moves(req: Request, saved: object, fused: tuple[Callable, Callable]) -> bool:
+    """True when the backward of ``req``, run forward by ``fused_blocks``, runs on ``mod_tiles``.
+
+    ``fused``: ``fused_blocks``' ``(forward, backward)``, which the one-time timing runs.
+    """
     if saved is not None or req.bias is None or req.piece is not None or bias_needs_grad(req):
         return False
     if req.score_mod is not None or req.dropout > 0 or flash_cpu.unusable(req.q) is not None:
         return False
-    return tiles_faster(req.q.dtype)
+    return tiles_faster(req.q.dtype, *fused)
 
 
-@functools.cache
-def tiles_faster(dtype: torch.dtype) -> bool:
+#: dtype -> whether the tiles' backward was the faster here (timed once per dtype and process).
+TIMED: dict[torch.dtype, bool] = {}
+
+
+def tiles_faster(dtype: torch.dtype, fused_forward: Callable, fused_backward: Callable) -> bool:
     """True when ``mod_tiles``' backward beat the fused kernel's with a bias on this CPU (timed once per dtype)."""
-    from . import fused_blocks  # (fused_blocks imports this module)
+    if dtype not in TIMED:
+        TIMED[dtype] = _time(dtype, fused_forward, fused_backward)
+    return TIMED[dtype]
 
+
+def _time(dtype: torch.dtype, fused_forward: Callable, fused_backward: Callable) -> bool:
     gen = torch.Generator().manual_seed(0)
     q, k, v, d_out = (torch.randn(1, 8, 1024, 64, generator=gen, dtype=dtype) for _ in range(4))
     with torch.inference_mode(False), torch.no_grad():
         req = Request(q=q, k=k, v=v, score=ScaledDot(), mask=Window(None, 0), bias=ALiBi(8), scale=0.125, dropout=0.0,
                       return_weights=False)  # fmt: skip
-        out, lse, saved = fused_blocks.forward(req, dtype)
-        fused = lambda: fused_blocks.fused_backward_of(req, out, lse, d_out, saved, dtype)  # noqa: E731
+        out, lse, saved = fused_forward(req, dtype)
+        fused = lambda: fused_backward(req, out, lse, d_out, saved, dtype)  # noqa: E731
         tiles = lambda: backward(req, out, lse, d_out, dtype)  # noqa: E731
         t_fused, t_tiles = best_times(fused, tiles)
     return t_tiles < MARGIN * t_fused

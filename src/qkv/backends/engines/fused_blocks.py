@@ -344,7 +344,7 @@ def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, Learned |
 
 def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: Learned | None, dtype: torch.dtype) -> Grads:
     """The contract's backward: the kernel's per block, or ``mod_tiles``' where that was timed faster (``bias_backward``)."""
-    if bias_backward.moves(req, saved):
+    if bias_backward.moves(req, saved, (forward, fused_backward_of)):
         return bias_backward.backward(req, out, lse, d_out, dtype)
     return fused_backward_of(req, out, lse, d_out, saved, dtype)
 
@@ -352,7 +352,7 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: Learn
 def backward_engine(req: Request) -> str | None:
     """The engine whose backward runs this call's gradients when it is not this one (for ``qkv.explain``)."""
     wants_grad = req.grad and any(x.requires_grad for x in (req.q, req.k, req.v))
-    return mod_tiles.name if wants_grad and bias_backward.moves(req, None) else None
+    return mod_tiles.name if wants_grad and bias_backward.moves(req, None, (forward, fused_backward_of)) else None
 
 
 def fused_backward_of(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: Learned | None, dtype: torch.dtype) -> Grads:
