@@ -177,3 +177,23 @@ def test_copy_page_of_a_full_and_of_a_partial_page():
     assert torch.equal(pages.range(1, 2)[0][0], K[1])
     pages.copy_page(1, 2)  # a partial page over a full one
     assert torch.equal(pages.take(torch.tensor([2]))[0][0], K[1]) and pages.filled[2] == 2
+
+
+def test_run_buffers_are_kept_between_steps_and_grow_only_for_a_longer_run():
+    """One page per request (fewer pages than KV heads) works on fresh pages; the buffers are reused, then grown."""
+    P, D = 4, 8
+    pages = Int8Pages(8, P, G, D, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    values = torch.randn(8 * P, 2, G, D, generator=gen, dtype=torch.float64)
+    pages.write(torch.arange(8).repeat_interleave(P), torch.arange(P).repeat(8), values[:, 0], values[:, 1])
+    want_k, want_v = pages.range(0, 8)
+    read = pages.runs([(3, 1)])
+    k, v = read(0, P)  # (g, P, d)
+    torch.testing.assert_close(k, want_k[3].transpose(0, 1), rtol=0, atol=0)
+    torch.testing.assert_close(v, want_v[3].transpose(0, 1), rtol=0, atol=0)
+    buffer = pages._scratch.data_ptr()
+    pages.runs([(0, 1), (5, 1)])(1, P)
+    assert pages._scratch.data_ptr() == buffer  # kept
+    k, _ = pages.runs([(2, 3)])(0, 3 * P - 1)  # a longer run: grown, and only the keys asked for
+    assert k.shape == (G, 3 * P - 1, D)
+    torch.testing.assert_close(k, want_k[2:5].reshape(3 * P, G, D)[: 3 * P - 1].transpose(0, 1), rtol=0, atol=0)

@@ -102,7 +102,7 @@ class Int8Pages:
         """
         g, P, d = self.kv_heads, self.page_size, self.head_dim
         most = max((c for _, c in ranges), default=0)
-        if self._scratch.shape[1] < most:  # kept between steps: fresh memory would be faulted in at every step
+        if self._scratch.shape[2] < most:  # kept between steps: fresh memory would be faulted in at every step
             self._scratch = torch.empty(2, g, most, P, d, dtype=self.dtype, device=self.device)
         K_all, V_all = self._scratch[0], self._scratch[1]
         keys, values = self.keys.permute(2, 0, 1, 3), self.values.permute(2, 0, 1, 3)  # (g, N, P, d) views
