@@ -191,7 +191,11 @@ class Int8Pages:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: every page's int8 data and scales (allocated up front) and the residual pages."""
+        """Bytes of the cache: every page's int8 data and scales (allocated up front) and the residual pages.
+
+        Not counted: the attention's workspace, two buffers of the longest run's keys and values
+        in ``dtype``, kept between decoding steps (:meth:`runs`).
+        """
         stored = (self.keys, self.values, self.key_scale, self.value_scale, *self.residual.values())
         return sum(t.numel() * t.element_size() for t in stored)
 
