@@ -84,3 +84,17 @@ def test_the_choice_is_timed_once_per_dtype():
     assert isinstance(first, bool) and bias_backward.TIMED[torch.float32] is first
     timed = []
     assert bias_backward.tiles_faster(torch.float32, lambda *a: timed.append(1), None) is first and not timed
+
+
+@pytest.mark.parametrize("tiles_faster", [True, False])
+def test_the_log_sum_exp_and_sinks_differentiate_through_either_backward(spy, tiles_faster):
+    """``return_lse`` (its gradient is a second backward, of values all ones) and sinks, ALiBi, causal."""
+    q, k, v = random_qkv(1, H, G, 300, 300, D, D)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(5), dtype=torch.float64).requires_grad_()
+    ran = spy(tiles_faster)
+    kw = dict(bias=qkv.ALiBi(H), causal=True, sinks=sinks, return_lse=True)
+    got = run_with_grads(lambda: qkv.attention(q, k, v, **kw), [q, k, v, sinks])
+    assert set(ran) == {"tiles" if tiles_faster else "fused"}
+    want = run_with_grads(lambda: qkv.attention(q, k, v, backend="reference", **kw), [q, k, v, sinks])
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10)
