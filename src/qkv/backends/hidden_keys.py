@@ -94,7 +94,7 @@ def needs_guard_first(req: Request) -> bool:
     """True when :func:`guard` must run before the engine (gradients recorded, or values unreadable)."""
     if not concrete(req.k, req.v) or req.k.device.type != "cpu":
         return True  # traced, or an accelerator, where reading a value on the host is a sync
-    return req.grad and any(x.requires_grad for x in (req.q, req.k, req.v))
+    return req.differentiated
 
 
 def after(req: Request, run: Callable[[Request], tuple], result: tuple) -> tuple:

@@ -72,6 +72,11 @@ class Request:
         return self.k.shape[-2]
 
     @property
+    def differentiated(self) -> bool:
+        """True when q, k or v will get gradients: recorded (``grad``) and one of them requires them."""
+        return self.grad and any(x.requires_grad for x in (self.q, self.k, self.v))
+
+    @property
     def is_causal_only(self) -> bool:
         """True when the only mask is the plain causal one (so kernels can use their causal flag)."""
         m = self.mask

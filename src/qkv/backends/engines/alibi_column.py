@@ -75,7 +75,7 @@ def refuses(req: Request) -> str | None:
         return "it runs the fused kernel on plain dot products (no other score, dropout or score_mod)"
     if (reason := flash_cpu.unusable(req.q)) is not None:
         return reason
-    grad = req.grad and any(x.requires_grad for x in (req.q, req.k, req.v))
+    grad = req.differentiated
     if not preferred(req.q.dtype, grad):
         return f"the masked kernel was timed faster on this CPU ({'forward + backward' if grad else 'forward'})"
     return None

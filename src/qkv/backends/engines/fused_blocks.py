@@ -351,8 +351,7 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: Learn
 
 def backward_engine(req: Request) -> str | None:
     """The engine whose backward runs this call's gradients when it is not this one (for ``qkv.explain``)."""
-    wants_grad = req.grad and any(x.requires_grad for x in (req.q, req.k, req.v))
-    return mod_tiles.name if wants_grad and bias_backward.moves(req, None, (forward, fused_backward_of)) else None
+    return mod_tiles.name if req.differentiated and bias_backward.moves(req, None, (forward, fused_backward_of)) else None
 
 
 def fused_backward_of(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: Learned | None, dtype: torch.dtype) -> Grads:
