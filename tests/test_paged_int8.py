@@ -191,9 +191,9 @@ def test_run_buffers_are_kept_between_steps_and_grow_only_for_a_longer_run():
     k, v = read(0, P)  # (g, P, d)
     torch.testing.assert_close(k, want_k[3].transpose(0, 1), rtol=0, atol=0)
     torch.testing.assert_close(v, want_v[3].transpose(0, 1), rtol=0, atol=0)
-    buffer = pages._scratch.data_ptr()
+    buffer = pages._scratch.bufs["KV"].data_ptr()
     pages.runs([(0, 1), (5, 1)])(1, P)
-    assert pages._scratch.data_ptr() == buffer  # kept
+    assert pages._scratch.bufs["KV"].data_ptr() == buffer  # kept
     k, _ = pages.runs([(2, 3)])(0, 3 * P - 1)  # a longer run: grown, and only the keys asked for
     assert k.shape == (G, 3 * P - 1, D)
     torch.testing.assert_close(k, want_k[2:5].reshape(3 * P, G, D)[: 3 * P - 1].transpose(0, 1), rtol=0, atol=0)

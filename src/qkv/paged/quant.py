@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .._args import positive_int
+from ..backends.tiling.tile_math import Scratch
 
 #: A float16 scale lies in [tiny, max]: an all-zero channel or token gets ``tiny`` (never 0, never a
 #: division by zero) and a value beyond ``127 · 65504`` is clipped rather than scaled to inf.
@@ -54,7 +55,7 @@ class Int8Pages:
         self.value_scale = torch.ones(num_pages, P, g, dtype=torch.float16, device=self.device)  # over the channels
         self.residual: dict[int, Tensor] = {}  # page -> (2, P, g, d) in dtype, while partially filled
         self.filled = [0] * num_pages  # offsets written since the page was (re)started
-        self._scratch = torch.empty(2, g, 0, P, d, dtype=dtype, device=self.device)  # runs' dequantised K, V
+        self._scratch = Scratch(self.device)  # runs' dequantised K and V, kept between steps
 
     # ------------------------------------------------------------------ reads
 
@@ -90,21 +91,19 @@ class Int8Pages:
 
         ``ranges``: ``(first page, pages)`` each.
 
-        The attention's view of a run of pages, head by head, as the fused kernel reads it. Every
-        range is dequantised into the same two buffers (sized for the longest range seen; a result
-        is valid until the next read), so the floats stay in cache between the write and the
-        kernel's read, and fresh memory is not faulted in for each run or step. Laid out
-        head-major, so the threads that dequantise a head are the ones the kernel gives that
-        head. Each of K and V is two passes: the int8 values widened into the buffer, then
-        scaled in place (the float16 scales widen inside the product; one fused
-        ``int8 × scale`` operation measured slower than the two, PyTorch casting it
+        The attention's view of a run of pages, head by head, as the fused kernel reads it.
+        Every range is dequantised into the same two buffers (``tile_math.Scratch``, grown to
+        the longest range seen; a result is valid until the next read), so the floats stay in
+        cache between the write and the kernel's read, and fresh memory is not faulted in for
+        each run or step. Laid out head-major, so the threads that dequantise a head are the
+        ones the kernel gives that head. Each of K and V is two passes: the int8 values widened
+        into the buffer, then scaled in place (the float16 scales widen inside the product; one
+        fused ``int8 × scale`` operation measured slower than the two, PyTorch casting it
         element by element).
         """
         g, P, d = self.kv_heads, self.page_size, self.head_dim
         most = max((c for _, c in ranges), default=0)
-        if self._scratch.shape[2] < most:  # kept between steps: fresh memory would be faulted in at every step
-            self._scratch = torch.empty(2, g, most, P, d, dtype=self.dtype, device=self.device)
-        K_all, V_all = self._scratch[0], self._scratch[1]
+        K_all, V_all = self._scratch.take("KV", (2, g, most, P, d), self.dtype)  # per head, room for the longest run
         keys, values = self.keys.permute(2, 0, 1, 3), self.values.permute(2, 0, 1, 3)  # (g, N, P, d) views
         key_scale = self.key_scale.permute(1, 0, 2)[:, :, None]  # (g, N, 1, d)
         value_scale = self.value_scale.permute(2, 0, 1)[..., None]  # (g, N, P, 1)
