@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import backends, checks
-from .backends import engines, hidden_keys
+from .backends import engines, hidden_keys, sdpa
 from .backends.tiling.lse import merge_all
 from .masks import Mask
 from .positional import LazyBias
@@ -91,6 +91,14 @@ def attention(
         from a fused engine and its weights rebuilt exactly from the log-sum-exp
         (``qkv.backends.tiling.weights_from_lse``).
     """
+    if (
+        bias is None and sinks is None and score_mod is None and weights_for is None
+        and not unknown and return_weights is False and return_lse is False and backend == "auto"
+        and (dropout == 0.0 and type(dropout) is float or dropout == 0 and type(dropout) is int)
+    ):  # fmt: skip
+        out = sdpa.plain(q, k, v, score, causal, scale, mask)  # a plain call: the kernel, no request built
+        if out is not None:
+            return out
     if unknown:
         _unknown_keywords(unknown)
     req = checks.request(

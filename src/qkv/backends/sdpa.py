@@ -29,12 +29,15 @@ materialised, faster on a GPU than the chunked engines' tile loops (:func:`_mask
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .._trace import concrete, tracing
 from ..masks import Dense, Offsets, Tile
+from ..scores import Dot, ScaledDot
 from .request import Request
 from .tiling import flash_cpu
 from .tiling.tiles import NEG_INF, offset_live_rows
@@ -158,6 +161,94 @@ def run(req: Request) -> tuple[Tensor, None, None]:
     return out, None, None
 
 
+def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: object,
+          mask: object = None) -> Tensor | None:  # fmt: skip
+    """The output of a plain CPU call straight from the kernel, or None when the call is not plain.
+
+    ``qkv.attention``'s first step, before any check is built: a call with ``(b, h, i, d)``
+    tensors of one floating dtype on the CPU, the dot or scaled-dot score, no mask (or
+    ``causal=True`` where it hides nothing, ``i = 1``, or is the kernel's own, ``i = j``),
+    no bias, sinks, score_mod, dropout or weights is exactly what :func:`choose` would send
+    here with no mask tensor and nothing to restore, so the request, its checks and the walk
+    over the backends are skipped (they cost more than the kernel in a one-token decoding
+    step: 25-35 µs against 15-20). Anything else, a malformed call included (its message
+    comes from the full checks), answers None.
+
+    One mask is taken too, in inference with ``i < j``: a ``Dense`` bool ``(b|1, h|1, i|1, j)``
+    CPU mask (a decoding step's padding, one tensor shared by a model's layers) in which every row sees
+    a key (known from the mask's kept answer, read once per tensor version). Its output is
+    checked as the full path checks an inference call's (``hidden_keys.after``): a value
+    that is not finite answers None, and the full path runs the call again on zeroed
+    hidden keys.
+    """
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return None  # Parameters, FakeTensors and other subclasses take the full path
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or tracing() or torch._C._get_tracing_state() is not None:
+        return None  # compile, export and jit.trace take the full path (and may not read a value)
+    dtype = q.dtype
+    if k.dtype != dtype or v.dtype != dtype or q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+        return None
+    b, h, i, d = q.shape
+    kb, g, j, kd = k.shape
+    vb, vg, vj, _ = v.shape
+    if kb != b or vb != b or vg != g or vj != j or kd != d or i == 0 or j == 0 or g == 0 or h % g:
+        return None
+    if not dtype.is_floating_point or not flash_cpu.works(dtype):
+        return None
+    attn_mask = None
+    if mask is not None:
+        attn_mask = _plain_mask(mask, q, k, v, causal)
+        if attn_mask is None:
+            return None
+    if causal is True:
+        is_causal = i == j and i > 1
+        if i != 1 and not is_causal:
+            return None  # a mask tensor, or rows that see no key: the full path
+    elif causal is False:
+        is_causal = False
+    else:
+        return None
+    kind = type(score)
+    if kind is str:
+        kind = _PLAIN_NAMES.get(score)
+    if kind is ScaledDot:
+        default = 1.0 / math.sqrt(d)
+    elif kind is Dot:
+        default = 1.0
+    else:
+        return None
+    if scale is None:
+        scale = default
+    elif type(scale) is not float or not math.isfinite(scale):
+        return None
+    if attn_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=h != g)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=h != g)
+    return out if math.isfinite(float(out.sum())) else None  # NaN or inf: the full path zeroes the hidden keys
+
+
+def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -> Tensor | None:
+    """The tensor of a mask :func:`plain` may take (see there), or None."""
+    if type(mask) is not Dense or causal is not False or q.shape[-2] >= k.shape[-2]:
+        return None  # i < j (a step after a cache): on a square the full path may find the causal mask in it
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None  # a differentiated call guards its hidden keys first: the full path
+    allowed = mask.mask
+    if type(allowed) is not Tensor or allowed.dtype != torch.bool or allowed.device.type != "cpu" or allowed.dim() != 4:
+        return None
+    (b, h, i, _), j = q.shape, k.shape[-2]
+    mb, mh, mi, mj = allowed.shape
+    if mj != j or mi not in (1, i) or mb not in (1, b) or mh not in (1, h):
+        return None
+    if _dense_dead_rows(mask, allowed, i, j) is not None:
+        return None
+    return allowed
+
+
+#: The scores :func:`plain` takes by name.
+_PLAIN_NAMES = {"scaled_dot": ScaledDot, "dot": Dot}
+
+
 def _grouped(req: Request) -> bool:
     """True when the query heads share KV heads (``h > g``): the kernel's ``enable_gqa``, a Python bool.
 
@@ -250,15 +341,23 @@ def _dead_rows(mask, allowed: Tensor, req: Request) -> Tensor | None:
     if not concrete(allowed) or allowed.device.type != "cpu":  # on a GPU the read is a sync
         return ~allowed.any(dim=-1, keepdim=True)
     if isinstance(mask, Dense):
-        # One Dense mask reused call after call (a model's layers share a decoding step's mask):
-        # the answer is kept on it, for its tensor's version (an in-place change shows).
-        key = (req.i, req.j, mask.mask._version)
-        kept = getattr(mask, "_dead_rows", None)
-        if kept is not None and kept[0] == key:
-            return kept[1]
+        return _dense_dead_rows(mask, allowed, req.i, req.j)
+    dead = ~allowed.any(dim=-1, keepdim=True)
+    return dead if bool(dead.any()) else None
+
+
+def _dense_dead_rows(mask: Dense, allowed: Tensor, i: int, j: int) -> Tensor | None:
+    """:func:`_dead_rows` of a Dense CPU mask whose values can be read, ``allowed`` its ``(i, j)`` tile.
+
+    One Dense mask reused call after call (a model's layers share a decoding step's mask):
+    the answer is kept on it, for its tensor's version (an in-place change shows).
+    """
+    key = (i, j, mask.mask._version)
+    kept = getattr(mask, "_dead_rows", None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
     dead = ~allowed.any(dim=-1, keepdim=True)
     found = dead if bool(dead.any()) else None
-    if isinstance(mask, Dense):
-        mask._dead_rows = (key, found)
+    mask._dead_rows = (key, found)
     return found
 

@@ -1,0 +1,177 @@
+"""Tests of ``qkv.attention``'s plain-call lane (``backends.sdpa.plain``): the kernel called with no request built.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size.
+
+The lane must give what the full path gives, bit for bit (same kernel, same arguments), take
+every plain call, and decline everything else, malformed calls included (their messages
+come from the full checks).
+"""
+
+import pytest
+import torch
+
+import qkv
+from qkv import checks
+from qkv.backends import choose, sdpa
+from qkv.scores import Bilinear, Dot, ScaledDot
+
+
+def _inputs(b=2, h=4, g=2, i=3, j=9, d=8, dtype=torch.float32, grad=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((b, h, i, d), (b, g, j, d), (b, g, j, d))
+    return [torch.randn(s, generator=gen, dtype=dtype).requires_grad_(grad) for s in shapes]
+
+
+PLAIN = [
+    dict(),
+    dict(causal=True, i=1),  # a decoding step: the causal mask hides nothing
+    dict(causal=True, i=9),  # i = j: the kernel's own causal flag
+    dict(score="dot"),
+    dict(score=ScaledDot()),
+    dict(score=Dot(), scale=0.3),
+    dict(scale=0.25, g=4),
+    dict(g=1, dtype=torch.float64),
+    dict(dtype=torch.bfloat16),
+    dict(i=1, j=1, causal=True),
+]
+
+
+def _split(case):
+    shape = {k: case[k] for k in ("b", "h", "g", "i", "j", "d", "dtype") if k in case}
+    call = {k: v for k, v in case.items() if k not in shape}
+    return shape, call
+
+
+@pytest.mark.parametrize("case", PLAIN, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_plain_call_takes_the_lane_and_equals_the_full_path_bit_for_bit(case, grad):
+    shape, call = _split(case)
+    q, k, v = _inputs(grad=grad, **shape)
+    causal, scale = call.get("causal", False), call.get("scale")
+    lane = sdpa.plain(q, k, v, call.get("score", "scaled_dot"), causal, scale)
+    assert lane is not None, "a plain call must take the lane"
+    out = qkv.attention(q, k, v, **call)
+    full = qkv.attention(q, k, v, backend="sdpa", **call)  # a named backend: the request and its checks
+    assert torch.equal(out, full) and torch.equal(lane, full)
+    req = checks.request(q, k, v, score=call.get("score", "scaled_dot"), mask=None, bias=None, causal=causal,
+                         scale=scale, dropout=0.0, return_weights=False)  # fmt: skip
+    assert choose(req)[0] is sdpa, "the lane runs what choose would choose"
+    if grad:
+        dout = torch.randn_like(out)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, (q, k, v), dout),
+                                                     torch.autograd.grad(full, (q, k, v), dout)))  # fmt: skip
+
+
+NOT_PLAIN = {
+    "a bool mask": lambda q, k, v: dict(mask=torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool)),
+    "a lazy mask": lambda q, k, v: dict(mask=qkv.masks.window(2)),
+    "causal with 1 < i < j": lambda q, k, v: dict(causal=True),
+    "a bias": lambda q, k, v: dict(bias=torch.zeros(q.shape[-2], k.shape[-2])),
+    "sinks": lambda q, k, v: dict(sinks=torch.zeros(q.shape[1])),
+    "dropout": lambda q, k, v: dict(dropout=0.1),
+    "a score_mod": lambda q, k, v: dict(score_mod=qkv.SoftCap(5.0)),
+    "weights": lambda q, k, v: dict(return_weights=True),
+    "the log-sum-exp": lambda q, k, v: dict(return_lse=True),
+    "a named backend": lambda q, k, v: dict(backend="chunked"),
+    "a learned score": lambda q, k, v: dict(score=Bilinear(q.shape[-1], k.shape[-1])),
+}
+
+
+@pytest.mark.parametrize("what", sorted(NOT_PLAIN))
+def test_other_calls_decline_the_lane(what, monkeypatch):
+    q, k, v = _inputs()
+    taken = []
+    lane = sdpa.plain
+    monkeypatch.setattr(sdpa, "plain", lambda *a: taken.append(lane(*a)) or taken[-1])
+    result = qkv.attention(q, k, v, **NOT_PLAIN[what](q, k, v))
+    assert all(t is None for t in taken)
+    assert result is not None
+
+
+@pytest.mark.parametrize(
+    "inputs, score, causal, scale",
+    [
+        (lambda: [x[0] for x in _inputs()], "scaled_dot", False, None),  # (h, i, d): the full path reshapes
+        (lambda: [x.to("meta") for x in _inputs()], "scaled_dot", False, None),
+        (lambda: [torch.nn.Parameter(x) for x in _inputs()], "scaled_dot", False, None),
+        (lambda: _inputs(i=0), "scaled_dot", False, None),  # empty: the reference's empty answer
+        (lambda: _inputs(i=12), "scaled_dot", True, None),  # rows that see no key
+        (lambda: _inputs(), "scaled_dot", False, 1),  # an int scale: the full checks take it
+        (lambda: _inputs(), "scaled_dot", 1, None),  # not a bool: the full checks' message
+        (lambda: _inputs(), "additive", False, None),
+        (lambda: _inputs(dtype=torch.float64)[:2] + _inputs()[2:], "scaled_dot", False, None),  # mixed dtypes
+        (lambda: _inputs(g=3), "scaled_dot", False, None),  # h % g != 0
+        (lambda: _inputs()[:2] + [_inputs(j=5)[2]], "scaled_dot", False, None),  # v's length differs
+    ],
+    ids=["3-d", "meta", "parameters", "empty", "dead rows", "int scale", "int causal", "additive", "mixed dtypes",
+         "h % g", "v length"],  # fmt: skip
+)
+def test_the_lane_declines_what_the_full_checks_must_see(inputs, score, causal, scale):
+    q, k, v = inputs()
+    assert sdpa.plain(q, k, v, score, causal, scale) is None
+
+
+def test_a_malformed_plain_looking_call_still_gets_the_full_message():
+    q, k, v = _inputs(g=3)
+    with pytest.raises(ValueError, match="must be a multiple of KV heads"):
+        qkv.attention(q, k, v)
+    q, k, v = _inputs()
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        qkv.attention(q, k, v, causal=1)
+
+
+
+def _padding(b, j, hidden):
+    """A Dense ``(b, 1, 1, j)`` decoding-step mask: row ``r`` hides its first ``hidden[r]`` keys (left padding)."""
+    keep = torch.arange(j)[None, :] >= torch.tensor(hidden)[:, None]
+    return qkv.masks.Dense(keep[:, None, None, :])
+
+
+@pytest.mark.parametrize("i", [1, 4])
+def test_a_padded_decoding_step_takes_the_lane_and_equals_the_full_path(i):
+    q, k, v = _inputs(i=i, j=9)
+    mask = _padding(2, 9, [3, 0])
+    with torch.no_grad():
+        lane = sdpa.plain(q, k, v, "scaled_dot", False, 0.125, mask)
+        out = qkv.attention(q, k, v, mask=mask, scale=0.125)
+        full = qkv.attention(q, k, v, mask=mask, scale=0.125, backend="sdpa")
+    assert lane is not None and torch.equal(lane, full) and torch.equal(out, full)
+
+
+def test_a_masked_call_leaves_the_lane_where_the_full_path_does_more():
+    q, k, v = _inputs(i=1, j=9)
+    with torch.no_grad():
+        assert sdpa.plain(q, k, v, "scaled_dot", False, None, _padding(2, 9, [9, 0])) is None  # a row sees no key
+        assert sdpa.plain(q, k, v, "scaled_dot", True, None, _padding(2, 9, [3, 0])) is None  # a mask and causal
+        assert sdpa.plain(q, k, v, "scaled_dot", False, None, torch.ones(2, 1, 1, 9, dtype=torch.bool)) is None
+        assert sdpa.plain(q, k, v, "scaled_dot", False, None, qkv.masks.Dense(torch.ones(2, 1, 2, 9, dtype=torch.bool))) is None
+        sq, sk, sv = _inputs(i=9, j=9)
+        assert sdpa.plain(sq, sk, sv, "scaled_dot", False, None, _padding(2, 9, [3, 0])) is None  # i = j
+    q.requires_grad_()
+    assert sdpa.plain(q, k, v, "scaled_dot", False, None, _padding(2, 9, [3, 0])) is None  # differentiated
+
+
+def test_a_hidden_nan_key_leaves_the_lane_and_never_reaches_the_output():
+    q, k, v = _inputs(i=1, j=9)
+    k[0, :, 1], v[0, :, 2] = float("nan"), float("inf")  # in row 0's padding (its first 3 keys are hidden)
+    mask = _padding(2, 9, [3, 0])
+    with torch.no_grad():
+        assert sdpa.plain(q, k, v, "scaled_dot", False, None, mask) is None
+        out = qkv.attention(q, k, v, mask=mask)
+        k0, v0 = k.clone(), v.clone()
+        k0[0, :, :3], v0[0, :, :3] = 0.0, 0.0
+        expected = qkv.attention(q, k0, v0, mask=mask, backend="reference")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected)
+
+
+def test_an_in_place_change_of_a_shared_mask_is_seen_by_the_lane():
+    q, k, v = _inputs(i=1, j=9)
+    mask = _padding(2, 9, [3, 0])
+    with torch.no_grad():
+        assert sdpa.plain(q, k, v, "scaled_dot", False, None, mask) is not None
+        mask.mask[0] = False  # row 0 now sees no key: its answer is the full path's zero row
+        assert sdpa.plain(q, k, v, "scaled_dot", False, None, mask) is None
+        out = qkv.attention(q, k, v, mask=mask)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
