@@ -128,26 +128,38 @@ def _padding(b, j, hidden):
     return qkv.masks.Dense(keep[:, None, None, :])
 
 
-@pytest.mark.parametrize("i", [1, 4])
-def test_a_padded_decoding_step_takes_the_lane_and_equals_the_full_path(i):
-    q, k, v = _inputs(i=i, j=9)
-    mask = _padding(2, 9, [3, 0])
+MASKED = {
+    "a decoding step": (1, 9, lambda: _padding(2, 9, [3, 0])),
+    "a chunk after a cache": (4, 9, lambda: _padding(2, 9, [3, 0])),
+    "a row that sees no key": (1, 9, lambda: _padding(2, 9, [9, 0])),
+    "a padded prompt": (9, 9, lambda: _padding(2, 9, [3, 0])),
+    "a padded causal prompt, pad rows dead": (9, 9, lambda: qkv.masks.Dense(
+        torch.ones(9, 9, dtype=torch.bool).tril()[None, None] & _padding(2, 9, [3, 0]).mask)),
+}
+
+
+@pytest.mark.parametrize("what", sorted(MASKED))
+def test_a_shared_dense_mask_takes_the_lane_and_equals_the_full_path(what):
+    i, j, make = MASKED[what]
+    q, k, v = _inputs(i=i, j=j)
+    mask = make()
     with torch.no_grad():
         lane = sdpa.plain(q, k, v, "scaled_dot", False, 0.125, mask)
         out = qkv.attention(q, k, v, mask=mask, scale=0.125)
         full = qkv.attention(q, k, v, mask=mask, scale=0.125, backend="sdpa")
-    assert lane is not None and torch.equal(lane, full) and torch.equal(out, full)
+        again = sdpa.plain(q, k, v, "scaled_dot", False, 0.125, mask)  # from what the mask keeps
+    assert lane is not None and torch.equal(lane, full) and torch.equal(out, full) and torch.equal(again, full)
 
 
 def test_a_masked_call_leaves_the_lane_where_the_full_path_does_more():
     q, k, v = _inputs(i=1, j=9)
     with torch.no_grad():
-        assert sdpa.plain(q, k, v, "scaled_dot", False, None, _padding(2, 9, [9, 0])) is None  # a row sees no key
         assert sdpa.plain(q, k, v, "scaled_dot", True, None, _padding(2, 9, [3, 0])) is None  # a mask and causal
         assert sdpa.plain(q, k, v, "scaled_dot", False, None, torch.ones(2, 1, 1, 9, dtype=torch.bool)) is None
         assert sdpa.plain(q, k, v, "scaled_dot", False, None, qkv.masks.Dense(torch.ones(2, 1, 2, 9, dtype=torch.bool))) is None
         sq, sk, sv = _inputs(i=9, j=9)
-        assert sdpa.plain(sq, sk, sv, "scaled_dot", False, None, _padding(2, 9, [3, 0])) is None  # i = j
+        tril = qkv.masks.Dense(torch.ones(1, 1, 9, 9, dtype=torch.bool).tril())  # the full path runs is_causal
+        assert sdpa.plain(sq, sk, sv, "scaled_dot", False, None, tril) is None
     q.requires_grad_()
     assert sdpa.plain(q, k, v, "scaled_dot", False, None, _padding(2, 9, [3, 0])) is None  # differentiated
 
@@ -170,8 +182,9 @@ def test_an_in_place_change_of_a_shared_mask_is_seen_by_the_lane():
     q, k, v = _inputs(i=1, j=9)
     mask = _padding(2, 9, [3, 0])
     with torch.no_grad():
-        assert sdpa.plain(q, k, v, "scaled_dot", False, None, mask) is not None
+        before = sdpa.plain(q, k, v, "scaled_dot", False, None, mask)
         mask.mask[0] = False  # row 0 now sees no key: its answer is the full path's zero row
-        assert sdpa.plain(q, k, v, "scaled_dot", False, None, mask) is None
-        out = qkv.attention(q, k, v, mask=mask)
-    assert torch.equal(out[0], torch.zeros_like(out[0]))
+        after = sdpa.plain(q, k, v, "scaled_dot", False, None, mask)
+        full = qkv.attention(q, k, v, mask=mask, backend="sdpa")
+    assert not torch.equal(before[0], torch.zeros_like(before[0]))
+    assert torch.equal(after, full) and torch.equal(after[0], torch.zeros_like(after[0]))

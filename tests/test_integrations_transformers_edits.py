@@ -89,7 +89,16 @@ def engines(monkeypatch):
         chosen.append(impl.name)
         return impl, passed
 
+    lane = qkv.backends.sdpa.plain
+
+    def lane_spy(*args):  # qkv.attention's plain-call lane: the sdpa kernel, without choose
+        out = lane(*args)
+        if out is not None:
+            chosen.append("sdpa")
+        return out
+
     monkeypatch.setattr(qkv.backends, "choose", spy)
+    monkeypatch.setattr(qkv.backends.sdpa, "plain", lane_spy)
     monkeypatch.setattr(modeling_bert, "eager_attention_forward", _no_eager)
     return chosen
 

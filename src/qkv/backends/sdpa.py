@@ -174,12 +174,13 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     step: 25-35 µs against 15-20). Anything else, a malformed call included (its message
     comes from the full checks), answers None.
 
-    One mask is taken too, in inference with ``i < j``: a ``Dense`` bool ``(b|1, h|1, i|1, j)``
-    CPU mask (a decoding step's padding, one tensor shared by a model's layers) in which every row sees
-    a key (known from the mask's kept answer, read once per tensor version). Its output is
-    checked as the full path checks an inference call's (``hidden_keys.after``): a value
-    that is not finite answers None, and the full path runs the call again on zeroed
-    hidden keys.
+    One mask is taken too, in inference: a ``Dense`` bool ``(b|1, h|1, i|1, j)`` CPU mask
+    (a padded batch's, one tensor shared by a model's layers) that is not the causal
+    square, given to the kernel as the full path gives it, rows that see no key given every
+    key and zeroed after; what it takes is kept on the mask per tensor version (an in-place
+    change shows). Its output is checked as the full path checks an inference call's
+    (``hidden_keys.after``): a value that is not finite answers None, and the full path runs
+    the call again on zeroed hidden keys.
     """
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return None  # Parameters, FakeTensors and other subclasses take the full path
@@ -223,14 +224,17 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
         return None
     if attn_mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=h != g)
+    attn_mask, live_rows = attn_mask
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=h != g)
+    if live_rows is not None:
+        out = out * live_rows
     return out if math.isfinite(float(out.sum())) else None  # NaN or inf: the full path zeroes the hidden keys
 
 
-def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -> Tensor | None:
-    """The tensor of a mask :func:`plain` may take (see there), or None."""
-    if type(mask) is not Dense or causal is not False or q.shape[-2] >= k.shape[-2]:
-        return None  # i < j (a step after a cache): on a square the full path may find the causal mask in it
+def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -> tuple[Tensor, Tensor | None] | None:
+    """``(attn_mask, live_rows)`` of a mask :func:`plain` may take (see there), as :func:`_mask` gives them; else None."""
+    if type(mask) is not Dense or causal is not False:
+        return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None  # a differentiated call guards its hidden keys first: the full path
     allowed = mask.mask
@@ -240,9 +244,16 @@ def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -
     mb, mh, mi, mj = allowed.shape
     if mj != j or mi not in (1, i) or mb not in (1, b) or mh not in (1, h):
         return None
-    if _dense_dead_rows(mask, allowed, i, j) is not None:
-        return None
-    return allowed
+    key = (i, j, allowed._version, q.dtype)
+    kept = getattr(mask, "_plain", None)
+    if kept is not None and kept[0] is allowed and kept[1] == key:
+        return kept[2]
+    if _is_causal(allowed, i, j):
+        return None  # the full path runs the kernel's causal flag instead
+    dead = _dense_dead_rows(mask, allowed, i, j)
+    parts = (allowed, None) if dead is None else (allowed | dead, (~dead).to(q.dtype))  # as _mask makes them
+    mask._plain = (allowed, key, parts)
+    return parts
 
 
 #: The scores :func:`plain` takes by name.
@@ -283,7 +294,7 @@ def _mask(req: Request) -> tuple[Tensor | object | None, bool, Tensor | None]:
         return None, False, None
     tile = Tile.whole(req.i, req.j, req.q.device)
     allowed = None if mask is None else mask.tile(tile)
-    if req.bias is None and _is_causal(allowed, req):
+    if req.bias is None and _is_causal(allowed, req.i, req.j):
         return None, True, None  # a program that computed the causal mask (a packed document's block mask)
     live_rows = None
     if allowed is not None:
@@ -303,23 +314,23 @@ def _mask(req: Request) -> tuple[Tensor | object | None, bool, Tensor | None]:
 _TRIL: dict = {}  # (i, device) -> (i, i) bool: the last causal square compared against
 
 
-def _is_causal(allowed: Tensor, req: Request) -> bool:
+def _is_causal(allowed: Tensor, i: int, j: int) -> bool:
     """True when a materialised mask is exactly the causal square (then ``is_causal`` runs: it skips
     the blocks above the diagonal, where a mask tensor costs about 1.5x on a CPU).
 
     Checked on CPU tensors with values (one comparison, ``i²`` bools) and one mask for every
     batch row and head; a mask tensor is kept otherwise.
     """
-    if req.i != req.j or allowed.device.type != "cpu" or not concrete(allowed):
+    if i != j or allowed.device.type != "cpu" or not concrete(allowed):
         return False
     while allowed.dim() > 2 and (allowed.shape[0] == 1 or allowed.stride(0) == 0):
         allowed = allowed[0]  # a leading dim of one, or broadcast (the same mask for every row)
     if allowed.dim() != 2:
         return False
-    key = (req.i, allowed.device)
+    key = (i, allowed.device)
     if key not in _TRIL:
         _TRIL.clear()
-        _TRIL[key] = torch.ones(req.i, req.i, dtype=torch.bool).tril()
+        _TRIL[key] = torch.ones(i, i, dtype=torch.bool).tril()
     return torch.equal(allowed, _TRIL[key])
 
 

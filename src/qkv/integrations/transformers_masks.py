@@ -53,7 +53,7 @@ from .. import masks
 from ..backends.sdpa import MASK_ELEMENTS
 from ..masks import Dense, Mask
 from .transformers_closures import closure
-from .transformers_packing import packed_parts
+from .transformers_packing import has_documents, packed_parts
 
 
 class LayerMask:
@@ -75,10 +75,11 @@ class LayerMask:
         """The mask one layer call runs with, made once and shared by every layer of the forward.
 
         None when it hides nothing (a decoding step without padding: the fastest path); for
-        a call after a cache (fewer queries than keys) whose mask PyTorch's kernel would be
-        given as a tensor anyway (``qkv.backends.sdpa.MASK_ELEMENTS``: a decoding step over a
-        padded cache), that tensor, built once here rather than by each of a model's layers;
-        else the lazy mask itself.
+        a call whose mask PyTorch's kernel would be given as a tensor anyway
+        (``qkv.backends.sdpa.MASK_ELEMENTS``: a decoding step after a cache, or a padded
+        prompt), that tensor, built once here rather than by each of a model's layers; else
+        (packed documents, causal or windowed masks without padding, long sequences) the
+        lazy mask itself.
         """
         key = (i, j, device)
         if key not in self._calls:
@@ -101,9 +102,11 @@ def _for_call(mask: Mask, i: int, j: int, device: torch.device) -> Mask | None:
     if mask.state(masks.Tile.whole(i, j, device)) == "full":
         return None
     rows = mask.batch_shape()[0] if mask.batch_shape() else 1
-    if i >= j or rows * i * j > MASK_ELEMENTS:  # not a step after a cache: packed documents stay lazy
+    if rows * i * j > MASK_ELEMENTS or has_documents(mask):  # packed documents stay lazy: one call per document
         return mask
-    return Dense(mask.dense(i, j, device))
+    if i >= j and mask.hidden_keys(i, j) is None:  # no padding: causal and windows keep their kernels' flags
+        return mask
+    return Dense(mask.dense(i, j, device))  # a step after a cache, or a padded prompt: the tensor SDPA would build
 
 
 def mask_interface(

@@ -55,8 +55,9 @@ def documents_for(query: Tensor, key: Tensor, kwargs: dict, mask: Mask | None = 
     positions = kwargs.get("position_ids")
     if not (isinstance(positions, Tensor) and positions.dim() == 2 and positions.shape[-1] == i == j and i > 1):
         return None
-    if mask is None or mask.hidden_keys(i, j) is None:  # no padding: restarting positions are packing
-        return _packed_positions(positions, b)
+    docs = _packed_positions(positions, b)  # read once per forward; the padding is asked only when they restart
+    if docs is None or mask is None or mask.hidden_keys(i, j) is None:  # no padding: restarting positions are packing
+        return docs
     return None
 
 
@@ -122,12 +123,13 @@ def with_documents(mask: Mask | None, docs: Documents | None) -> Mask | None:
         return mask
     if mask is None:
         return docs
-    if _has_documents(mask):
+    if has_documents(mask):
         return mask
     return And(docs, mask)
 
 
-def _has_documents(mask: Mask) -> bool:
+def has_documents(mask: Mask) -> bool:
+    """True when ``mask`` is, or and's in, a ``qkv.masks.documents`` mask (a packed batch)."""
     if isinstance(mask, Documents):
         return True
-    return isinstance(mask, And) and (_has_documents(mask.a) or _has_documents(mask.b))
+    return isinstance(mask, And) and (has_documents(mask.a) or has_documents(mask.b))
