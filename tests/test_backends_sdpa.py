@@ -176,3 +176,34 @@ def test_a_reused_mask_keeps_its_dead_rows_answer_until_it_changes_in_place():
     assert torch.equal(out[0, :, 2], torch.zeros_like(out[0, :, 2]))
     expected = qkv.attention(q, k, v, mask=keep, backend="reference")
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("mask", ["none", "padding (b, 1, 1, j)", "per head (b, h, 1, j)"])
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_a_grouped_decoding_step_runs_its_heads_as_query_rows_of_their_kv_head(mask, dropout, monkeypatch):
+    """i = 1 with h > g: ``q (b, h, 1, d)`` goes in as ``(b, g, h/g, d)`` (no repeated keys) where the rows can share the mask."""
+    q, k, v = (x.detach() for x in _inputs(i=1))
+    masks = {
+        "none": None,
+        "padding (b, 1, 1, j)": torch.arange(J)[None, None, None, :] >= torch.tensor([2, 0])[:, None, None, None],
+        "per head (b, h, 1, j)": torch.rand(B, H, 1, J, generator=torch.Generator().manual_seed(3)) > 0.3,
+    }
+    keep = masks[mask]
+    if keep is not None:
+        keep[..., -1] = True  # every row sees a key
+    shapes = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        shapes.append(tuple(query.shape))
+        return kernel(query, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    gen = torch.Generator().manual_seed(0)
+    out = qkv.attention(q, k, v, mask=keep, backend="sdpa", dropout=dropout, generator=None if dropout else gen)
+    monkeypatch.undo()
+    as_rows = mask != "per head (b, h, 1, j)" and dropout == 0
+    assert shapes == [(B, G, H // G, D) if as_rows else (B, H, 1, D)]
+    if dropout == 0:
+        expected = qkv.attention(q, k, v, mask=keep, backend="reference")
+        torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
