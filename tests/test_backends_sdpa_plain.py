@@ -188,3 +188,15 @@ def test_an_in_place_change_of_a_shared_mask_is_seen_by_the_lane():
         full = qkv.attention(q, k, v, mask=mask, backend="sdpa")
     assert not torch.equal(before[0], torch.zeros_like(before[0]))
     assert torch.equal(after, full) and torch.equal(after[0], torch.zeros_like(after[0]))
+
+
+def test_nested_and_sparse_inputs_decline_the_lane():
+    import warnings
+
+    q, k, v = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # strided nested tensors are a prototype
+        nested = torch.nested.nested_tensor([q[0], q[1]])
+    assert sdpa.plain(nested, nested, nested, "scaled_dot", False, None) is None
+    sparse = q.to_sparse()
+    assert sdpa.plain(sparse, k, v, "scaled_dot", False, None) is None

@@ -175,6 +175,8 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     """
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return None  # Parameters, FakeTensors and other subclasses take the full path
+    if q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided or q.is_nested:
+        return None  # sparse or nested: the full path's messages
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or tracing() or torch._C._get_tracing_state() is not None:
         return None  # compile, export and jit.trace take the full path (and may not read a value)
     dtype = q.dtype
