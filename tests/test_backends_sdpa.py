@@ -199,11 +199,13 @@ def test_a_grouped_decoding_step_runs_its_heads_as_query_rows_of_their_kv_head(m
         return kernel(query, *args, **kwargs)
 
     monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
-    gen = torch.Generator().manual_seed(0)
-    out = qkv.attention(q, k, v, mask=keep, backend="sdpa", dropout=dropout, generator=None if dropout else gen)
+    monkeypatch.setattr(sdpa, "ROWS_ELEMENTS", B * H * J * D)  # this call is just large enough
+    out = qkv.attention(q, k, v, mask=keep, backend="sdpa", dropout=dropout)
+    monkeypatch.setattr(sdpa, "ROWS_ELEMENTS", B * H * J * D + 1)  # and now just too small
+    qkv.attention(q, k, v, mask=keep, backend="sdpa", dropout=dropout)
     monkeypatch.undo()
     as_rows = mask != "per head (b, h, 1, j)" and dropout == 0
-    assert shapes == [(B, G, H // G, D) if as_rows else (B, H, 1, D)]
+    assert shapes == [(B, G, H // G, D) if as_rows else (B, H, 1, D), (B, H, 1, D)]
     if dropout == 0:
         expected = qkv.attention(q, k, v, mask=keep, backend="reference")
         torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)

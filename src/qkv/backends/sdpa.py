@@ -52,6 +52,9 @@ MASK_ELEMENTS = 2**20
 #: Triton, a GPU older than Ampere, dropout): 256 MiB of bool (and SDPA's additive copy in the
 #: inputs' dtype), far faster there than the chunked engines' public-op tile loops.
 DEVICE_MASK_ELEMENTS = 2**28
+#: Fewest repeated key elements (``b·h·j·d``) for which a grouped one-query call runs its heads as
+#: query rows (:func:`_kernel`): below, the views cost more than ``enable_gqa``'s copy saves.
+ROWS_ELEMENTS = 2**16
 #: Devices whose SDPA runs ``causal_lower_right`` in a kernel (elsewhere it is materialised).
 LOWER_RIGHT_DEVICES = ("cuda",)
 
@@ -180,7 +183,7 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or tracing() or torch._C._get_tracing_state() is not None:
         return None  # compile, export and jit.trace take the full path (and may not read a value)
     dtype = q.dtype
-    if k.dtype != dtype or v.dtype != dtype or q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+    if k.dtype != dtype or v.dtype != dtype or not (q.is_cpu and k.is_cpu and v.is_cpu):  # (is_cpu: no device object)
         return None
     b, h, i, d = q.shape
     kb, g, j, kd = k.shape
@@ -262,16 +265,18 @@ def _kernel(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout: float, is_causa
     ``n`` with KV head ``n // x``), so the kernel reads each key once for all of them, where
     ``enable_gqa`` repeats the keys and values on the CPU: a decoding step of 8 rows over
     1000 keys, 8 heads on 2, took 0.50 ms against 0.82, SmolLM2's 9 heads on 3 over 300 keys
-    at b = 4 0.09 against 0.14 (equal at 40 keys). Only where the rows can share the mask: none,
+    at b = 4 0.09 against 0.14. The two views cost about 5 µs, which ``enable_gqa``'s copy of
+    the keys costs at :data:`ROWS_ELEMENTS` repeated key elements (SmolLM2, b = 1: equal at
+    128 keys, 4 µs slower at 40). Only where the rows can share the mask: none,
     or one ``(b|1, 1, 1, j)`` for every head; not with dropout (its random draws are laid out
     by the kernel's shapes) or on another device (its kernels take grouped heads natively).
     """
     b, h, i, d = q.shape
-    g = k.shape[1]
+    g, j = k.shape[1], k.shape[2]
     rows_share_mask = attn_mask is None or (
         isinstance(attn_mask, Tensor) and attn_mask.dim() == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1
     )
-    if grouped and i == 1 and not is_causal and dropout == 0 and rows_share_mask and q.device.type == "cpu":
+    if grouped and i == 1 and b * h * j * d >= ROWS_ELEMENTS and not is_causal and dropout == 0 and rows_share_mask and q.is_cpu:
         out = F.scaled_dot_product_attention(q.view(b, g, h // g, d), k, v, attn_mask=attn_mask, scale=scale)
         return out.reshape(b, h, 1, out.shape[-1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal,
