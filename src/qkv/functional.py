@@ -94,7 +94,7 @@ def attention(
     if (
         bias is None and sinks is None and score_mod is None and weights_for is None
         and not unknown and return_weights is False and return_lse is False and backend == "auto"
-        and (dropout == 0.0 and type(dropout) is float or dropout == 0 and type(dropout) is int)
+        and (type(dropout) is float or type(dropout) is int) and dropout == 0
     ):  # fmt: skip
         out = sdpa.plain(q, k, v, score, causal, scale, mask)  # a plain call: the kernel, no request built
         if out is not None:
