@@ -204,3 +204,13 @@ def test_nested_and_sparse_inputs_decline_the_lane():
     assert sdpa.plain(nested, nested, nested, "scaled_dot", False, None) is None
     sparse = q.to_sparse()
     assert sdpa.plain(sparse, k, v, "scaled_dot", False, None) is None
+
+
+@pytest.mark.parametrize("i", [1, 9])
+def test_the_causal_mask_object_takes_the_lane_as_causal_true_does(i):
+    q, k, v = _inputs(i=i, j=9)
+    lane = sdpa.plain(q, k, v, "scaled_dot", False, None, qkv.masks.causal())
+    full = qkv.attention(q, k, v, mask=qkv.masks.causal(), backend="sdpa")
+    assert lane is not None and torch.equal(lane, full)
+    assert torch.equal(lane, sdpa.plain(q, k, v, "scaled_dot", True, None))
+    assert sdpa.plain(q, k, v, "scaled_dot", False, None, qkv.masks.window(2)) is None  # a window: not causal

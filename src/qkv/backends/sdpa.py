@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._trace import concrete, tracing
-from ..masks import Dense, Offsets, Tile
+from ..masks import Dense, Offsets, Tile, Window
 from ..scores import Dot, ScaledDot
 from .request import Request
 from .tiling import flash_cpu
@@ -161,7 +161,8 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
 
     ``qkv.attention``'s first step, before any check is built: a call with ``(b, h, i, d)``
     tensors of one floating dtype on the CPU, the dot or scaled-dot score, no mask (or
-    ``causal=True`` where it hides nothing, ``i = 1``, or is the kernel's own, ``i = j``),
+    ``causal=True``, or the mask ``qkv.masks.causal()``, where it hides nothing, ``i = 1``,
+    or is the kernel's own, ``i = j``),
     no bias, sinks, score_mod, dropout or weights is exactly what :func:`choose` would send
     here with no mask tensor and nothing to restore, so the request, its checks and the walk
     over the backends are skipped (they cost more than the kernel in a one-token decoding
@@ -192,6 +193,8 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
         return None
     if not dtype.is_floating_point or not flash_cpu.works(dtype):
         return None
+    if type(mask) is Window and mask.left is None and mask.right == 0 and causal is False:
+        mask, causal = None, True  # qkv.masks.causal() is causal=True (the same window, folded the same way)
     attn_mask = None
     if mask is not None:
         attn_mask = _plain_mask(mask, q, k, v, causal)

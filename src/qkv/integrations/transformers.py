@@ -64,7 +64,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..functional import attention
 from ..masks import Dense, Mask, Tile, Window, causal, window
 from ..score_mods import SoftCap
 from .transformers_edits import runner as edits_runner
@@ -212,12 +211,11 @@ def attention_forward(
             "output_attentions=True (in the call or the model's config), got False"
         )
     run = edits_runner(module)  # qkv.attention, or it with the edits and recordings of qkv.edit / qkv.record
-    plain_causal = run is attention and type(mask) is Window and mask.left is None and mask.right == 0
     result = run(
-        query, key, value, mask=None if plain_causal else mask, causal=plain_causal, bias=bias, scale=scaling,
-        dropout=float(dropout), return_weights=weights_wanted, weights_for=weights_for,
+        query, key, value, mask=mask, bias=bias, scale=scaling, dropout=float(dropout),
+        return_weights=weights_wanted, weights_for=weights_for,
         sinks=s_aux, score_mod=score_mod,
-    )  # fmt: skip  (the plain causal mask as causal=True: the same call, which qkv.attention's plain lane takes)
+    )  # fmt: skip
     out, weights = result if weights_wanted else (result, None)
     return out.transpose(1, 2).contiguous(), weights
 
