@@ -155,10 +155,10 @@ def test_int8_attention_is_close_to_float32_in_under_a_third_of_the_bytes():
     print(f"int8 vs float32 pages: max |out error| {error:.2e}, max |lse error| {(lse - exact_lse).abs().max():.2e}")
     assert 0 < error < 2e-2
     float32 = 2 * G * D * 4
-    assert pages.bytes_per_token == 2 * G * D + 2 * G * D / P + 2 * G
+    assert pages.bytes_per_token == 2 * G * D + 4 * G * D / P + 4 * G  # float32 scales
     assert pages.bytes_per_token / float32 <= 0.3
     N, partial = pages.num_pages, sum(f < P for f in fills.values())
-    assert pages.nbytes == N * P * G * D * 2 + N * G * D * 2 + N * P * G * 2 + partial * 2 * P * G * D * 4
+    assert pages.nbytes == N * P * G * D * 2 + N * G * D * 4 + N * P * G * 4 + partial * 2 * P * G * D * 4
 
 
 def test_copy_page_of_a_full_and_of_a_partial_page():
@@ -197,3 +197,22 @@ def test_run_buffers_are_kept_between_steps_and_grow_only_for_a_longer_run():
     k, _ = pages.runs([(2, 3)])(0, 3 * P - 1)  # a longer run: grown, and only the keys asked for
     assert k.shape == (G, 3 * P - 1, D)
     torch.testing.assert_close(k, want_k[2:5].reshape(3 * P, G, D)[: 3 * P - 1].transpose(0, 1), rtol=0, atol=0)
+
+
+def test_the_store_is_head_major_and_the_page_major_names_are_views_of_it():
+    """A run of pages is one contiguous block per head (what the decoding step widens in one pass)."""
+    P, D = 4, 8
+    pages = Int8Pages(6, P, G, D)
+    k, v = torch.randn(2 * P, G, D), torch.randn(2 * P, G, D)
+    pages.write(torch.tensor([2] * P + [3] * P), torch.arange(P).repeat(2), k, v)
+    head_major = pages.keys.permute(2, 0, 1, 3)  # (g, N, P, d)
+    assert all(head_major[j, 2:4].is_contiguous() for j in range(G))
+    assert pages.keys.shape == pages.values.shape == (6, P, G, D)
+    assert pages.key_scale.shape == (6, G, D) and pages.value_scale.shape == (6, P, G)
+    assert pages.key_scale.dtype == pages.value_scale.dtype == torch.float32
+    K, V = pages.range(2, 4)  # page-major, as FlashInfer lays pages out
+    assert K.is_contiguous() and K.shape == (2, P, G, D)
+    assert torch.equal(K, pages.keys[2:4].float() * pages.key_scale[2:4, None])
+    assert torch.equal(V, pages.values[2:4].float() * pages.value_scale[2:4, ..., None])
+    pages.copy_page(2, 5)  # writes through the store: the views see them
+    assert torch.equal(pages.keys[5], pages.keys[2]) and torch.equal(pages.value_scale[5], pages.value_scale[2])

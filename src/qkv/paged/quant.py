@@ -5,7 +5,7 @@ heads, ``d`` head size (keys and values alike, FlashInfer's layout).
 
 KIVI (Liu et al. 2024) quantises keys **per channel** and values **per token**: a key channel
 carries outliers that persist across tokens, while a value's error is mixed by the attention
-weights token by token. Per page, symmetric absmax int8 with scales stored as float16::
+weights token by token. Per page, symmetric absmax int8 with scales stored as float32::
 
     sK[c, j, i] = max_p |K[c, p, j, i]| / 127        (N, g, d)     one per page, head, channel
     sV[c, p, j] = max_i |V[c, p, j, i]| / 127        (N, P, g)     one per page, token, head
@@ -16,9 +16,17 @@ A key channel's scale spans the page's ``P`` tokens, so a page is quantised once
 recent tokens): one ``(2, P, g, d)`` tensor per partially filled page, read back as written.
 ``range`` and ``take`` dequantise only the pages asked for, never the whole cache.
 
-Bytes per token of a full page: ``2·g·d`` (int8 K and V) ``+ 2·g·d / P`` (key scales) ``+ 2·g``
-(value scales), i.e. ``(1 + 1/P + 1/d) / 4`` of float32's ``2·g·d·4``: at most 0.3 where
-``1/P + 1/d ≤ 0.2`` (P = 16, d = 64: 0.27; P = 16, d = 8: 0.297).
+Bytes per token of a full page: ``2·g·d`` (int8 K and V) ``+ 4·g·d / P`` (key scales) ``+ 4·g``
+(value scales), i.e. ``(1 + 2/P + 2/d) / 4`` of float32's ``2·g·d·4``: at most 0.3 where
+``1/P + 1/d ≤ 0.1`` (P = 16, d = 64: 0.289; P = 32, d = 32: 0.281). The scales are float32,
+not float16, for speed: the decoding step multiplies by them in place, and PyTorch widens a
+float16 operand element by element inside that product (about 6% of an int8 step on the
+benchmark CPU, for 0.02 of float32's bytes per token).
+
+The store is head-major, ``(g, N, P, d)``: a run of consecutive pages is then one contiguous
+block per head, which the decoding step widens in one pass (reading the run through
+FlashInfer's page-major layout, ``P · g · d`` with ``d``-long pieces, made that step about 13%
+slower). :attr:`Int8Pages.keys` and the other public names are page-major views of it.
 """
 
 from __future__ import annotations
@@ -31,13 +39,13 @@ from torch import Tensor
 from .._args import positive_int
 from ..backends.tiling.tile_math import Scratch
 
-#: A float16 scale lies in [tiny, max]: an all-zero channel or token gets ``tiny`` (never 0, never a
-#: division by zero) and a value beyond ``127 · 65504`` is clipped rather than scaled to inf.
-_TINY, _HUGE = torch.finfo(torch.float16).tiny, torch.finfo(torch.float16).max
+#: A scale lies in [tiny, max] of float32: an all-zero channel or token gets ``tiny`` (never 0, never
+#: a division by zero), and an infinite value is clipped to 127 rather than scaled to nan.
+_TINY, _HUGE = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 
 class Int8Pages:
-    """``num_pages`` pages of int8 keys and values with float16 scales; reads give ``dtype``."""
+    """``num_pages`` pages of int8 keys and values with float32 scales; reads give ``dtype``."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
                  device="cpu"):  # fmt: skip
@@ -48,14 +56,37 @@ class Int8Pages:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype: expected the floating-point dtype the pages dequantise to, got {dtype}")
         self.dtype, self.device = dtype, torch.device(device)
-        self.keys = torch.zeros(num_pages, P, g, d, dtype=torch.int8, device=self.device)
-        self.values = torch.zeros(num_pages, P, g, d, dtype=torch.int8, device=self.device)
-        self.key_scale = torch.ones(num_pages, g, d, dtype=torch.float16, device=self.device)  # over the page's tokens
-        self.device = self.keys.device  # as the tensors report it ("cuda:0", not "cuda"): compared with q's
-        self.value_scale = torch.ones(num_pages, P, g, dtype=torch.float16, device=self.device)  # over the channels
+        # head-major, each head's pages one contiguous block (module docstring)
+        self._keys = torch.zeros(g, num_pages, P, d, dtype=torch.int8, device=self.device)
+        self._values = torch.zeros(g, num_pages, P, d, dtype=torch.int8, device=self.device)
+        self._key_scale = torch.ones(g, num_pages, d, dtype=torch.float32, device=self.device)  # over the page's tokens
+        self._value_scale = torch.ones(g, num_pages, P, dtype=torch.float32, device=self.device)  # over the channels
+        self.device = self._keys.device  # as the tensors report it ("cuda:0", not "cuda"): compared with q's
         self.residual: dict[int, Tensor] = {}  # page -> (2, P, g, d) in dtype, while partially filled
         self.filled = [0] * num_pages  # offsets written since the page was (re)started
         self._scratch = Scratch(self.device)  # runs' dequantised K and V, kept between steps
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def keys(self) -> Tensor:
+        """int8 keys ``(N, P, g, d)``: a view of the head-major store (writes through it land in the cache)."""
+        return self._keys.permute(1, 2, 0, 3)
+
+    @property
+    def values(self) -> Tensor:
+        """int8 values ``(N, P, g, d)``, a view like :attr:`keys`."""
+        return self._values.permute(1, 2, 0, 3)
+
+    @property
+    def key_scale(self) -> Tensor:
+        """Key scales ``(N, g, d)``, one per page, head and channel (a view)."""
+        return self._key_scale.permute(1, 0, 2)
+
+    @property
+    def value_scale(self) -> Tensor:
+        """Value scales ``(N, P, g)``, one per page, token and head (a view)."""
+        return self._value_scale.permute(1, 2, 0)
 
     # ------------------------------------------------------------------ reads
 
@@ -82,8 +113,9 @@ class Int8Pages:
 
     def _dequantise(self, pages) -> tuple[Tensor, Tensor]:
         work = torch.promote_types(self.dtype, torch.float32)  # the product in float32 at least, then dtype
-        K = self.keys[pages].to(self.dtype).mul_(self.key_scale[pages].to(work)[:, None])
-        V = self.values[pages].to(self.dtype).mul_(self.value_scale[pages].to(work)[..., None])
+        page_major = torch.contiguous_format  # (n, P, g, d), as FlashInfer lays pages out
+        K = self.keys[pages].to(self.dtype, memory_format=page_major).mul_(self.key_scale[pages].to(work)[:, None])
+        V = self.values[pages].to(self.dtype, memory_format=page_major).mul_(self.value_scale[pages].to(work)[..., None])
         return K, V
 
     def runs(self, ranges: list[tuple[int, int]]):
@@ -97,16 +129,15 @@ class Int8Pages:
         cache between the write and the kernel's read, and fresh memory is not faulted in for
         each run or step. Laid out head-major, so the threads that dequantise a head are the
         ones the kernel gives that head. Each of K and V is two passes: the int8 values widened
-        into the buffer, then scaled in place (the float16 scales widen inside the product; one
-        fused ``int8 × scale`` operation measured slower than the two, PyTorch casting it
-        element by element).
+        into the buffer, then scaled in place (one fused ``int8 × scale`` operation measured
+        slower than the two, PyTorch casting it element by element).
         """
         g, P, d = self.kv_heads, self.page_size, self.head_dim
         most = max((c for _, c in ranges), default=0)
         K_all, V_all = self._scratch.take("KV", (2, g, most, P, d), self.dtype)  # per head, room for the longest run
-        keys, values = self.keys.permute(2, 0, 1, 3), self.values.permute(2, 0, 1, 3)  # (g, N, P, d) views
-        key_scale = self.key_scale.permute(1, 0, 2)[:, :, None]  # (g, N, 1, d)
-        value_scale = self.value_scale.permute(2, 0, 1)[..., None]  # (g, N, P, 1)
+        keys, values = self._keys, self._values  # (g, N, P, d): a run is one contiguous block per head
+        key_scale = self._key_scale[:, :, None]  # (g, N, 1, d)
+        value_scale = self._value_scale[..., None]  # (g, N, P, 1)
         partial = sorted(self.residual)
 
         def read(n: int, count: int) -> tuple[Tensor, Tensor]:
@@ -171,15 +202,16 @@ class Int8Pages:
         K, V = both[:, 0], both[:, 1]  # (n, P, g, d)
         sK = _scale(K.abs().amax(1))  # (n, g, d)
         sV = _scale(V.abs().amax(-1))  # (n, P, g)
-        self.keys.index_copy_(0, ids, _round(K / sK.to(K.dtype)[:, None]))
-        self.values.index_copy_(0, ids, _round(V / sV.to(V.dtype)[..., None]))
-        self.key_scale.index_copy_(0, ids, sK)
-        self.value_scale.index_copy_(0, ids, sV)
+        head_major = (2, 0, 1, 3)  # (n, P, g, d) -> (g, n, P, d), the store's layout
+        self._keys.index_copy_(1, ids, _round(K / sK.to(K.dtype)[:, None]).permute(head_major))
+        self._values.index_copy_(1, ids, _round(V / sV.to(V.dtype)[..., None]).permute(head_major))
+        self._key_scale.index_copy_(1, ids, sK.transpose(0, 1))
+        self._value_scale.index_copy_(1, ids, sV.permute(2, 0, 1))
 
     def copy_page(self, src: int, dst: int) -> None:
         """Page ``dst`` becomes a copy of page ``src`` (int8 data, scales, residual and filled count)."""
-        for t in (self.keys, self.values, self.key_scale, self.value_scale):
-            t[dst] = t[src]
+        for t in (self._keys, self._values, self._key_scale, self._value_scale):
+            t[:, dst] = t[:, src]
         self.filled[dst] = self.filled[src]
         if src in self.residual:
             self.residual[dst] = self.residual[src].clone()
@@ -195,21 +227,21 @@ class Int8Pages:
         Not counted: the attention's workspace, two buffers of the longest run's keys and values
         in ``dtype``, kept between decoding steps (:meth:`runs`).
         """
-        stored = (self.keys, self.values, self.key_scale, self.value_scale, *self.residual.values())
+        stored = (self._keys, self._values, self._key_scale, self._value_scale, *self.residual.values())
         return sum(t.numel() * t.element_size() for t in stored)
 
     @property
     def bytes_per_token(self) -> float:
-        """Bytes per token of a full page: ``2·g·d + 2·g·d / P + 2·g`` (see the module docstring)."""
+        """Bytes per token of a full page: ``2·g·d + 4·g·d / P + 4·g`` (see the module docstring)."""
         g, d, P = self.kv_heads, self.head_dim, self.page_size
-        return 2 * g * d + 2 * g * d / P + 2 * g
+        return 2 * g * d + 4 * g * d / P + 4 * g
 
 
 def _scale(absmax: Tensor) -> Tensor:
-    """absmax / 127 as float16, kept within float16's normal range (never 0)."""
-    return (absmax / 127).clamp(_TINY, _HUGE).to(torch.float16)
+    """absmax / 127 in float32, kept within its normal range (never 0, never inf)."""
+    return (absmax.float() / 127).clamp(_TINY, _HUGE)
 
 
 def _round(x: Tensor) -> Tensor:
-    # the float16 scale may round below absmax / 127: clamp the few values that land past 127
+    # absmax / 127 may round below its true value: clamp the few values that land past 127
     return x.round().clamp(-127, 127).to(torch.int8)
