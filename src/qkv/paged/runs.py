@@ -102,7 +102,12 @@ def _reader(pages, ranges: list[tuple[int, int]]):
         view_k, view_v = _viewer(pages.keys), _viewer(pages.values)
         return lambda n, first, keys: (view_k(first, keys), view_v(first, keys))
     dequantised = pages.runs(ranges)  # qkv.paged.Int8Pages: each run into reused buffers
-    return lambda n, first, keys: tuple(t[None] for t in dequantised(n, keys))
+
+    def read(n: int, first: int, keys: int) -> tuple[Tensor, Tensor]:
+        k, v = dequantised(n, keys)
+        return k.unsqueeze(0), v.unsqueeze(0)
+
+    return read
 
 
 def _viewer(pool: Tensor):
