@@ -82,7 +82,7 @@ class FeedForward(nn.Module):
             gate, value = a.chunk(2, dim=-1)
             a = F.silu(gate) * value
         else:
-            a = F.relu(a) if self.activation == "relu" else F.gelu(a)
+            a = F.relu(a) if self.activation == "relu" else gelu(a)
         return self.w_out(self.dropout(a) if self.training else a)  # identity in eval: skip the call
 
 
@@ -269,6 +269,27 @@ class Decoder(nn.Module):
                 weights["cross"].append(w_cross)
         x = self.norm(x)
         return (x, weights) if return_weights else x
+
+
+#: At most this many float32 CPU elements go to PyTorch's own GELU kernel rather than oneDNN's.
+SMALL_GELU = 4096
+
+
+def gelu(a: Tensor) -> Tensor:
+    """``F.gelu(a)`` (exact, erf form), small float32 CPU inputs through PyTorch's own kernel.
+
+    On the CPU PyTorch hands a contiguous float32 ``gelu`` to oneDNN, whose set-up costs
+    about 15-20 µs a call: more than the arithmetic of a decoding step's ``4·dim``
+    activations, and it slows the matrix products after it as well (a cached generation step
+    of ``qkv bench --suite generation`` ran 6-10% faster without it). A non-contiguous input
+    takes PyTorch's own vectorised kernel, so a small input is passed as a transposed
+    ``(2, n/2)`` view: the same values (exact GELU either way; equal bit for bit in
+    ``tests/test_blocks.py``), and the output comes back in ``a``'s layout.
+    """
+    n = a.numel()
+    if n > SMALL_GELU or n % 2 or a.dtype != torch.float32 or a.device.type != "cpu" or not a.is_contiguous():
+        return F.gelu(a)
+    return F.gelu(a.view(2, n // 2).t()).t().view(a.shape)
 
 
 def _mha(dim, heads, kv_heads, dropout, positional, attention, name) -> MultiHeadAttention:
