@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends.engines import bias_backward, fused_blocks, mod_tiles
+from qkv.backends.engines import alibi_column, bias_backward, fused_blocks, mod_tiles
 from reference import random_qkv, run_with_grads
 
 H, G, D = 4, 2, 8
@@ -84,6 +84,22 @@ def test_the_choice_is_timed_once_per_dtype():
     assert isinstance(first, bool) and bias_backward.TIMED[torch.float32] is first
     timed = []
     assert bias_backward.tiles_faster(torch.float32, lambda *a: timed.append(1), None) is first and not timed
+
+
+def test_the_choice_is_timed_in_the_forward_of_a_call_that_records_gradients(monkeypatch):
+    """Timed before the call allocates, not in its backward on top of the saved state (peak memory)."""
+    timed = []
+    monkeypatch.setattr(bias_backward, "TIMED", {})
+    monkeypatch.setattr(bias_backward, "_time", lambda dtype, *fused: timed.append(dtype) or True)
+    monkeypatch.setattr(alibi_column, "preferred", lambda dtype, grad: False)  # the fused blocks run it, on any CPU
+    q, k, v = (torch.randn(1, H, 600, D) for _ in range(3))
+    qkv.attention(q, k, v, bias=qkv.ALiBi(H), causal=True)  # nothing to differentiate: not timed
+    assert timed == []
+    q.requires_grad_()
+    out = qkv.attention(q, k, v, bias=qkv.ALiBi(H), causal=True)
+    assert timed == [torch.float32]  # in the forward
+    out.sum().backward()
+    assert timed == [torch.float32]  # once
 
 
 @pytest.mark.parametrize("tiles_faster", [True, False])
