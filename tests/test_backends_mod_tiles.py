@@ -205,3 +205,16 @@ def test_bfloat16_soft_cap_follows_the_flash_rule_with_either_product_dtype(monk
     assert all(x.dtype == torch.bfloat16 for x in got)
     for g, p_, o in zip(got, plain, oracle, strict=True):
         ref.assert_flash_rule(g, p_, o, floor=1e-6)
+
+
+def test_a_shift_invariant_bias_profile_is_converted_once_to_the_tiles_dtype():
+    """Each tile is then one copy of the profile in the tiles' dtype, equal to converting every tile."""
+    from qkv.backends.tiling.tiles import BiasSource
+    from qkv.masks import Tile
+
+    wide = BiasSource(qkv.ALiBi(4), 40, 50, "cpu")
+    narrow = BiasSource(qkv.ALiBi(4), 40, 50, "cpu", dtype=torch.float32)
+    assert wide.profile.dtype == torch.float64 and narrow.profile.dtype == torch.float32
+    for i0, j0 in ((0, 0), (8, 24), (32, 40)):
+        t = Tile(i0, i0 + 8, j0, j0 + 10, 40, 50, torch.device("cpu"))
+        torch.testing.assert_close(narrow.tile(t), wide.tile(t).float(), rtol=0, atol=0)

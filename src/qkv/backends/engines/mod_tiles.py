@@ -144,7 +144,9 @@ def _operands(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> _Operands:
     mm = tile_math.matmul_dtype(q.dtype, q.device)
     factor = plan.scale if plan.cap is None else 2.0 * plan.scale / plan.cap
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    bias = BiasSource(plan.bias, q.shape[-2], k.shape[-2], q.device)
+    # a shift-invariant bias's profile in acc once: each tile is then one copy (the row flip)
+    # of it, not a float64 copy and a conversion
+    bias = BiasSource(plan.bias, q.shape[-2], k.shape[-2], q.device, dtype=acc)
     clamp = plan.cap is not None and _needs_clamp(plan, q, k, factor)
     return _Operands(q, k, v, mm, acc, factor, bias, clamp)
 

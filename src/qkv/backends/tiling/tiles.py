@@ -38,7 +38,9 @@ class BiasSource:
     :attr:`profile_graph` to the bias parameters (one backward through the bias per call).
     """
 
-    def __init__(self, bias: Tensor | LazyBias | None, i_len: int, j_len: int, device, *, grad: bool = False):
+    def __init__(self, bias: Tensor | LazyBias | None, i_len: int, j_len: int, device, *, grad: bool = False,
+                 dtype: torch.dtype | None = None):  # fmt: skip
+        """``dtype``: the profile's, when the caller adds every tile in that dtype anyway (converted once, not per tile)."""
         self.bias, self.i_len, self.j_len = bias, i_len, j_len
         self.profile = self.profile_graph = None
         self.offset0 = 0
@@ -54,7 +56,7 @@ class BiasSource:
                 self.profile_graph = graph
                 self.profile = graph.detach().requires_grad_()
             else:
-                self.profile = graph
+                self.profile = graph if dtype is None else graph.to(dtype)
 
     def tile(self, t: Tile) -> Tensor | None:
         """Bias of one tile, broadcastable to ``(..., h, it, jt)``, or None."""
