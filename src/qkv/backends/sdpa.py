@@ -249,8 +249,7 @@ def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -
         return kept[2]
     if _is_causal(allowed, i, j):
         return None  # the full path runs the kernel's causal flag instead
-    dead = _dense_dead_rows(mask, allowed, i, j)
-    parts = (allowed, None) if dead is None else (allowed | dead, (~dead).to(q.dtype))  # as _mask makes them
+    parts = _give_dead_rows_every_key(allowed, _dense_dead_rows(mask, allowed, i, j), q.dtype)
     mask._plain = (allowed, key, parts)
     return parts
 
@@ -324,10 +323,7 @@ def _mask(req: Request) -> tuple[Tensor | object | None, bool, Tensor | None]:
         return None, True, None  # a program that computed the causal mask (a packed document's block mask)
     live_rows = None
     if allowed is not None:
-        dead = _dead_rows(mask, allowed, req)
-        if dead is not None:
-            live_rows = (~dead).to(req.v.dtype)
-            allowed = allowed | dead  # give dead rows every key, then zero their output
+        allowed, live_rows = _give_dead_rows_every_key(allowed, _dead_rows(mask, allowed, req), req.v.dtype)
     if req.bias is None:
         return allowed, False, live_rows
     bias = req.bias if isinstance(req.bias, Tensor) else req.bias.tile(tile)
@@ -358,6 +354,17 @@ def _is_causal(allowed: Tensor, i: int, j: int) -> bool:
         _TRIL.clear()
         _TRIL[key] = torch.ones(i, i, dtype=torch.bool).tril()
     return torch.equal(allowed, _TRIL[key])
+
+
+def _give_dead_rows_every_key(allowed: Tensor, dead: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """``(attn_mask, live_rows)``: rows that see no key (``dead``) given every key, and ``(..., i, 1)``
+    ones in ``dtype`` that zero their output after the kernel (None when no row is dead).
+
+    A row with no allowed key would be NaN in the kernel; its output is 0 instead.
+    """
+    if dead is None:
+        return allowed, None
+    return allowed | dead, (~dead).to(dtype)
 
 
 def _dead_rows(mask, allowed: Tensor, req: Request) -> Tensor | None:
