@@ -4,8 +4,10 @@ Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length
 length, ``d`` query/key size, ``e`` value size. Distinct odd sizes so a swapped axis fails;
 tiles are shrunk so that these inputs span several, with empty, full and partial ones.
 
-Its soft cap evaluates ``tanh`` as ``expm1(z) / (expm1(z) + 2)`` and every exponential as
-``σ(a) / (1 - σ(a))``; both are checked here, along with its precision in float32
+Its soft cap evaluates ``tanh`` with PyTorch's kernel or as ``expm1(z) / (expm1(z) + 2)``,
+and every exponential with PyTorch's kernel or as ``σ(a) / (1 - σ(a))``, whichever a CPU
+runs faster (``tile_math.forms``); every test here runs with both forms, and the
+rewritten ones are checked against float64 alone, along with the precision in float32
 against plain PyTorch (``c · torch.tanh(x / c)``), the rule that rejects the faster but
 cancelling ``2σ(z) - 1``.
 """
@@ -31,6 +33,17 @@ def small_tiles(monkeypatch, request):
     monkeypatch.setattr(threads, "MIN_WORK", 0)
 
 
+LIBRARY, REWRITTEN = tile_math.Forms(True, True), tile_math.Forms(False, False)
+TIMED_FORMS = tile_math._timed_forms  # before the fixture below replaces it
+
+
+@pytest.fixture(autouse=True, params=[LIBRARY, REWRITTEN], ids=["torch_forms", "rewritten_forms"])
+def forms(monkeypatch, request):
+    """Every test with PyTorch's ``tanh`` and ``exp``, and with the rewritten forms, whichever this CPU would time faster."""
+    monkeypatch.setattr(tile_math, "_timed_forms", lambda: request.param)
+    return request.param
+
+
 def inputs(i=I, j=J, g=G, dtype=torch.float64, seed=0, spread=1.0):
     return ref.random_qkv(B, H, g, i, j, D, E, dtype=dtype, seed=seed, spread=spread)
 
@@ -41,25 +54,39 @@ def run(backend, q, k, v, extra=(), **kw):
     return out, torch.autograd.grad(out, [q, k, v, *extra], d_out)
 
 
-def test_exp_of_non_positive_arguments_is_accurate_to_3_ulp():
-    a = torch.cat([-torch.logspace(-20, 1.94, 100000, dtype=torch.float64), torch.tensor([0.0, -87.0])])
+def test_exp_of_non_positive_arguments_is_accurate_to_3_ulp(forms):
+    """Down to the floor below which PyTorch's form drops a term (the rewritten one flushes at -88.7 by itself)."""
+    a = torch.cat([-torch.logspace(-20, 1.897, 100000, dtype=torch.float64), torch.tensor([0.0, -79.0])])
     exact = torch.exp(a)
     for dtype, ulp in ((torch.float32, 2.0**-23), (torch.float64, 2.0**-52)):
         x = a.to(dtype)
-        got = tile_math.exp_nonpositive_(x.clone(), torch.empty_like(x)).double()
+        got = tile_math.exp_nonpositive_(x.clone(), torch.empty_like(x), forms).double()
         rel = ((got - torch.exp(x.double())) / exact).abs().max().item()
         assert rel < 3 * ulp, f"{dtype}: {rel / ulp:.2f} ulp"
     dead = torch.tensor([float("-inf")])
-    assert tile_math.exp_nonpositive_(dead, torch.empty(1)).item() == 0.0
+    assert tile_math.exp_nonpositive_(dead, torch.empty(1), forms).item() == 0.0
 
 
-def test_tanh_is_accurate_to_a_few_ulp_where_the_sigmoid_form_is_not():
+def test_exp_gives_no_subnormal_number_and_hides_masked_entries(forms):
+    """Subnormal weights make every product that reads them a hundred times slower on x86."""
+    a = torch.linspace(-120.0, 0.0, 100001).view(1, -1)
+    got = tile_math.exp_nonpositive_(a.clone(), torch.empty_like(a), forms)
+    tiny = torch.finfo(torch.float32).tiny
+    if forms.library_exp:  # the rewritten form keeps a band of them above -88.7, as it always did
+        assert not bool(((got > 0) & (got < tiny)).any())
+        assert torch.equal(got == 0, a < tile_math.floor(torch.float32))
+    hide = torch.zeros(1, a.shape[1]).masked_fill_(torch.arange(a.shape[1]) % 3 == 0, float("-inf"))
+    masked = tile_math.exp_nonpositive_(a.clone(), torch.empty_like(a), forms, hide)
+    assert torch.equal(masked, got.masked_fill(hide == float("-inf"), 0.0))
+
+
+def test_tanh_is_accurate_to_a_few_ulp_where_the_sigmoid_form_is_not(forms):
     y = torch.cat([torch.logspace(-30, 1.5, 2000, dtype=torch.float64), torch.tensor([0.0, 19.9, 25.0, 1e4])])
     y = torch.cat([y, -y])
     exact = torch.tanh(y)
     for dtype, ulp in ((torch.float32, 2.0**-23), (torch.float64, 2.0**-52)):
-        z = (2 * y).to(dtype)
-        got = tile_math.tanh_(z, torch.empty_like(z)).double()
+        z = (forms.stretch * y).to(dtype)
+        got = tile_math.tanh_(z, torch.empty_like(z), forms).double()
         rel = ((got - exact).abs() / exact.abs().clamp(min=torch.finfo(dtype).tiny)).max().item()
         assert rel < 4 * ulp, f"{dtype}: relative error {rel:.3g} (ulp {ulp:.3g})"
     small = torch.tensor([1e-4], dtype=torch.float32)
@@ -158,6 +185,28 @@ def test_huge_logits_saturate_without_overflow():
     got, expected = run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw)
     assert bool(torch.isfinite(got[0]).all())
     ref.assert_same_output_and_grads(got, expected)
+
+
+def test_capped_logits_minus_a_base_match_float64_in_either_form(forms):
+    z = torch.cat([torch.linspace(-60.0, 60.0, 4001, dtype=torch.float64), torch.tensor([0.0, 1e-6, -1e-6])])
+    base = torch.tensor([[3.0], [-2.0]], dtype=torch.float64)
+    cap = 7.0
+    exact = cap * torch.tanh(z / forms.stretch) - base
+    got = tile_math.capped_(z.expand(2, -1).clone(), base, cap, torch.empty(2, z.numel(), dtype=torch.float64),
+                            forms, clamp=True)  # fmt: skip
+    assert torch.allclose(got, exact, rtol=0, atol=1e-13)
+
+
+def test_the_forms_are_timed_once_and_near_ties_go_to_pytorch(monkeypatch):
+    """The choice is the faster form by a margin, else PyTorch's kernel; off the CPU and while tracing, PyTorch's."""
+    for tanh_times, exp_times, want in [
+        ((1.0, 2.0), (1.0, 2.0), tile_math.Forms(True, True)),  # the rewritten forms slower
+        ((1.0, 0.5), (1.0, 0.5), tile_math.Forms(False, False)),  # clearly faster
+        ((1.0, 0.95), (1.0, 0.3), tile_math.Forms(True, False)),  # a near-tie keeps torch.tanh
+    ]:
+        monkeypatch.setattr(tile_math, "best_times", lambda *calls, t=tanh_times + exp_times: list(t))
+        assert TIMED_FORMS.__wrapped__() == want  # the cached function's body: timed afresh
+    assert tile_math.forms(torch.device("meta")) == tile_math.Forms(True, True)
 
 
 @pytest.mark.parametrize("mod", ["softcap", "sine"])

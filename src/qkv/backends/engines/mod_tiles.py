@@ -20,14 +20,16 @@ to ``online_softmax``):
 
 **Soft-capping** (Gemma 2, ``qkv.SoftCap(c)``: ``s ← c · tanh(x / c)``, ``x = scale · qᵀk +
 bias``) has a hand-written derivative, ``1 - tanh²``, applied to ``dS`` in place: no
-autograd. ``torch.tanh`` costs 4 to 8 ns per element on the benchmark machine, so
-``tanh(z/2)`` with ``z = 2x/c`` (the ``2/c`` goes on the queries once per call) is
-``E / (E + 2)`` with ``E = expm1(z)``: about half the cost, and accurate to a few ulp
-(``tile_math.tanh_``). The faster ``2σ(z) - 1`` is not used: it cancels as ``z → 0``, an absolute
-error of ``c·2⁻²⁴`` on every logit, tens of times plain float32's for Gemma's ``c = 50``.
-Every exponential is of a non-positive argument (a logit minus the running maximum, or
-minus the log-sum-exp), where ``exp(a) = σ(a) / (1 - σ(a))`` is exact to 3 ulp and, with
-PyTorch's fast ``sigmoid``, twice as fast as ``torch.exp`` here (``tile_math.exp_nonpositive_``).
+autograd. The tile holds ``z = stretch·x/c`` (the factor rides on the tile's product), and
+``tanh(z / stretch)`` is PyTorch's ``tanh`` (stretch 1) or, where ``torch.tanh`` is slow
+(4 to 8 ns per element on the AMD EPYC this loop was tuned on), ``E / (E + 2)`` with
+``E = expm1(z)`` (stretch 2): about half the cost there, and accurate to a few ulp. Every
+exponential is of a non-positive argument (a logit minus the running maximum, or minus the
+log-sum-exp), where ``exp(a) = σ(a) / (1 - σ(a))`` is exact to 3 ulp and twice as fast as
+``torch.exp`` where ``sigmoid`` is fast. The faster forms differ by CPU (on an Intel Xeon,
+``expm1`` costs five times ``exp``), so ``tile_math.forms`` times them once per process.
+The faster ``2σ(z) - 1`` is not used: it cancels as ``z → 0``, an absolute error of
+``c·2⁻²⁴`` on every logit, tens of times plain float32's for Gemma's ``c = 50``.
 
 **Any other modifier** runs on the scaled, biased logits of the tile, then the mask; its backward is autograd through the modifier alone
 on a detached copy of the tile (the tensors it reads, ``closure_tensors``, get their share),
@@ -119,9 +121,10 @@ class _Operands:
     v: Tensor  # (b, g, j, e)
     mm: torch.dtype  # the products' dtype
     acc: torch.dtype  # the dtype of everything elementwise and of every accumulator
-    factor: float  # what multiplies qᵀk in a tile: scale, or 2·scale/c under a soft cap
+    factor: float  # what multiplies qᵀk in a tile: scale, or stretch·scale/c under a soft cap
     bias: BiasSource  # the bias's tiles
-    clamp: bool  # the soft cap's exponent may overflow: clamp it (_needs_clamp)
+    forms: tile_math.Forms  # how tanh and exp are computed
+    clamp: bool  # the soft cap's expm1 may overflow: clamp it (_needs_clamp)
 
     @property
     def heads(self) -> tuple[int, int, int]:
@@ -136,23 +139,24 @@ def _operands(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> _Operands:
     ones on this CPU, else run in float32 (``tile_math.matmul_dtype``, timed once); float16
     runs float32. The operands keep their dtype and each tile's slice is converted to ``mm``
     as it is used, so no float32 copy of a whole input is held (a tile's conversion costs
-    ``1/tile`` of its product). ``factor`` is ``scale``, or ``2·scale/c`` for a soft cap (the
-    tile then holds ``z = 2x/c``); it is applied to each tile's product, so no scaled copy
-    of ``q`` is made.
+    ``1/tile`` of its product). ``factor`` is ``scale``, or ``stretch·scale/c`` for a soft
+    cap (the tile then holds ``z = stretch·x/c``, ``tile_math.Forms.stretch``); it is
+    applied to each tile's product, so no scaled copy of ``q`` is made.
     """
     acc = torch.promote_types(q.dtype, torch.float32)
     mm = tile_math.matmul_dtype(q.dtype, q.device)
-    factor = plan.scale if plan.cap is None else 2.0 * plan.scale / plan.cap
+    forms = tile_math.forms(q.device)
+    factor = plan.scale if plan.cap is None else forms.stretch * plan.scale / plan.cap
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     # a shift-invariant bias's profile in acc once: each tile is then one copy (the row flip)
     # of it, not a float64 copy and a conversion
     bias = BiasSource(plan.bias, q.shape[-2], k.shape[-2], q.device, dtype=acc)
-    clamp = plan.cap is not None and _needs_clamp(plan, q, k, factor)
-    return _Operands(q, k, v, mm, acc, factor, bias, clamp)
+    clamp = plan.cap is not None and not forms.library_tanh and _needs_clamp(plan, q, k, factor)
+    return _Operands(q, k, v, mm, acc, factor, bias, forms, clamp)
 
 
 def _logits(plan: ModPlan, ops: _Operands, q_t: Tensor, k_t: Tensor, t: Tile, scratch: tile_math.Scratch) -> Tensor:
-    """``(b, h, it, jt)``: ``scale·qᵀk + bias``, or for a soft cap ``z = 2(scale·qᵀk + bias)/c``.
+    """``(b, h, it, jt)``: ``scale·qᵀk + bias``, or for a soft cap ``z = stretch·(scale·qᵀk + bias)/c``.
 
     ``q_t (b·g, r·it, d)`` and ``k_t (b·g, jt, d)`` are the tile's operands (``_rows``, ``_cols``).
     """
@@ -165,7 +169,7 @@ def _logits(plan: ModPlan, ops: _Operands, q_t: Tensor, k_t: Tensor, t: Tile, sc
         s = out.copy_(torch.bmm(q_t, k_t.transpose(1, 2))).mul_(ops.factor)
     s = s.view(b, h, it, jt)
     if (tile := ops.bias.tile(t)) is not None:
-        s.add_(tile.to(s.dtype), alpha=1.0 if plan.cap is None else 2.0 / plan.cap)
+        s.add_(tile.to(s.dtype), alpha=1.0 if plan.cap is None else ops.forms.stretch / plan.cap)
     return s
 
 
@@ -244,16 +248,14 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
             if cap is not None:
                 if hide is not None:
                     s.add_(hide)
-                # the row maximum of c·tanh(z/2) is at the row maximum of z: no pass over the capped tile
+                # the row maximum of c·tanh(z/stretch) is at the row maximum of z: no pass over the capped tile
                 z_max = s.amax(-1, keepdim=True)
-                m_new = torch.maximum(m, torch.where(torch.isneginf(z_max), NEG_INF, torch.tanh(z_max * 0.5) * cap))
+                capped_max = torch.tanh(z_max / ops.forms.stretch) * cap
+                m_new = torch.maximum(m, torch.where(torch.isneginf(z_max), NEG_INF, capped_max))
                 base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
-                em1 = tile_math.expm1_(s, ops.clamp)
-                # c·E/(E + 2) - base, in one pass, then its exponential
-                a = torch.addcdiv(-base, em1, torch.add(em1, 2.0, out=tmp), value=cap, out=s)
-                if hide is not None:  # expm1(-inf) = -1: masked entries are finite again
-                    a.add_(hide)
-                p = tile_math.exp_nonpositive_(a, tmp)
+                a = tile_math.capped_(s, base, cap, tmp, ops.forms, ops.clamp)  # c·tanh(z/stretch) - base
+                # tanh(-inf) = -1: masked entries are finite again, and hidden by the exp
+                p = tile_math.exp_nonpositive_(a, tmp, ops.forms, hide)
             else:
                 if plan.score_mod is not None:
                     s = score_mods.apply(plan.score_mod, s, t)
@@ -261,7 +263,8 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
                     s = s + hide
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
                 base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
-                p = tile_math.exp_nonpositive_(torch.sub(s, base, out=scratch.take("p", s.shape, acc)), tmp)
+                a = torch.sub(s, base, out=scratch.take("p", s.shape, acc))  # masked entries stay -inf
+                p = tile_math.exp_nonpositive_(a, tmp, ops.forms)
             rescale = torch.exp(m - base)
             l.mul_(rescale)
             rows.mul_(rescale)
@@ -318,29 +321,32 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None,
                 s = _logits(plan, ops, q_t, k_t, t, scratch)
             hide = _hide(plan, t, state, acc)
             neg_lse = lse[:, :, rows, None].neg()
-            p = scratch.take("p", s.shape, acc)
-            tmp = scratch.take("tmp", s.shape, acc)  # E + 2, then 1 - σ, then dS: one buffer
+            # two tile buffers where the modifier is known (a third only for the rewritten exp):
+            # fewer bytes per thread stay in cache
+            other = scratch.take("p", s.shape, acc)
+            spare = lambda: scratch.take("tmp", s.shape, acc)  # noqa: E731
             if cap is not None:
-                u = tile_math.tanh_(s, tmp, ops.clamp)
-                torch.add(neg_lse, u, alpha=cap, out=p)  # c·tanh(x/c) - lse
+                u = tile_math.tanh_(s, other, ops.forms, ops.clamp)  # other: E + 2
+                p = torch.add(neg_lse, u, alpha=cap, out=other)  # c·tanh(x/c) - lse
             elif plan.score_mod is None:  # a lazy bias alone: the logits are the tile
-                torch.add(neg_lse, s, out=p)
+                p = s.add_(neg_lse)
             else:
                 pre = s.detach().requires_grad_()
                 with torch.enable_grad():
                     modded = score_mods.apply(plan.score_mod, pre, t)
-                torch.add(neg_lse, modded.detach(), out=p)
-            if hide is not None:
-                p.add_(hide)
-            tile_math.exp_nonpositive_(p, tmp)
+                p = torch.add(neg_lse, modded.detach(), out=other)
+            tile_math.exp_nonpositive_(p, other if p is s else (None if ops.forms.library_exp else spare()), ops.forms, hide)
             d_o = _rows(d_out, g, t, mm)  # (b·g, r·it, e)
             p3 = p.view(b * g, -1, jt).to(mm)
             tile_math.add_mm(dv_t, p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
-            ds = tile_math.mm(d_o, v_t.transpose(1, 2), tmp.view(b * g, -1, jt)).view(b, h, it, jt)  # dP = dO Vᵀ
-            ds.sub_(delta[:, :, rows]).mul_(p)  # dS = P ∘ (dP - D)
-            if cap is not None:
-                ds.addcmul_(ds, u.square_(), value=-1.0)  # · (1 - tanh²); the scale goes on the products
-            elif plan.score_mod is not None:
+            if cap is not None:  # P ∘ (1 - tanh²) where the tanh was; then dP where P was
+                p = torch.addcmul(p, p, u.square_(), value=-1.0, out=u)
+                ds_buf = other
+            else:
+                ds_buf = other if p is s else spare()
+            ds = tile_math.mm(d_o, v_t.transpose(1, 2), ds_buf.view(b * g, -1, jt)).view(b, h, it, jt)  # dP = dO Vᵀ
+            ds.sub_(delta[:, :, rows]).mul_(p)  # dS = P ∘ (dP - D), times 1 - tanh² under a cap; the scale goes on the products
+            if cap is None and plan.score_mod is not None:
                 first, *mod_grads = torch.autograd.grad(modded, [pre, *trainable], ds, allow_unused=True)
                 ds = torch.zeros_like(ds) if first is None else first
                 for n, grad in enumerate(mod_grads):

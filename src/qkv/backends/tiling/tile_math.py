@@ -5,21 +5,29 @@ matrices.
 
 The soft-capped tile loop spends most of its time outside the matrix products, in passes
 over tile-sized buffers, so each pass is written in place into a buffer reused by every
-tile, and the two transcendental functions it needs are written in the cheapest form that
-stays accurate to a few ulp (``tests/test_backends_mod_tiles.py`` checks both against
-float64).
+tile, and the two transcendental functions it needs run in the cheaper of two forms that
+both stay accurate to a few ulp (``tests/test_backends_mod_tiles.py`` checks both against
+float64): PyTorch's own ``tanh`` and ``exp``, or rewritten through ``expm1`` and
+``sigmoid``. Which is cheaper depends on the CPU's kernels, not on the code: on the AMD EPYC
+the tile loop was tuned on, ``torch.tanh`` cost 4 to 8 ns per element and ``sigmoid``
+half of ``exp``; on an Intel Xeon (AVX-512, AMX) ``torch.tanh`` costs 0.6 ns, ``exp`` 0.4
+and ``expm1`` 2. So :func:`forms` times both once per process (:class:`Forms`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..._probe import best_times
 from ..._trace import tracing
+
+NEG_INF = float("-inf")
 
 class Scratch:
     """Tile-sized buffers reused by every tile of a call: a fresh 2 MiB tensor per op costs page faults.
@@ -56,36 +64,119 @@ def add_mm(target: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> None:
         target.add_(torch.bmm(a, b), alpha=alpha)
 
 
+@dataclass(frozen=True)
+class Forms:
+    """How a tile's ``tanh`` and ``exp`` are computed: PyTorch's kernels (True) or the rewritten forms (False)."""
+
+    library_tanh: bool
+    library_exp: bool
+
+    @property
+    def stretch(self) -> float:
+        """What the argument of :func:`tanh_` is stretched by: ``tanh(z / stretch)`` is computed.
+
+        2 for the ``expm1`` form (it reads ``z = 2y``, and the 2 rides on the tile's product
+        for free), 1 for ``torch.tanh``.
+        """
+        return 1.0 if self.library_tanh else 2.0
+
+
+#: The rewritten form must beat PyTorch's kernel by this much to be chosen: near-ties go to
+#: the library, and a probe disturbed by other work rarely flips a clear answer.
+FORMS_MARGIN = 1.1
+
+
+def forms(device: torch.device) -> Forms:
+    """The forms for tiles on ``device``: timed once per process on a CPU, PyTorch's kernels elsewhere or while tracing."""
+    if device.type != "cpu" or tracing():
+        return Forms(library_tanh=True, library_exp=True)
+    return _timed_forms()
+
+
+@functools.cache
+def _timed_forms() -> Forms:
+    """Time each function both ways on a 1 MiB tile (the size of the loop's passes) and keep the faster."""
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(8, 128, 256, generator=gen) * 4
+    a = -torch.rand(8, 128, 256, generator=gen) * 20
+    out, den = torch.empty_like(z), torch.empty_like(z)
+
+    def expm1_form():
+        torch.expm1(z, out=out)
+        out.div_(torch.add(out, 2.0, out=den))
+
+    def sigmoid_form():
+        torch.sigmoid(a, out=out)
+        out.div_(torch.sub(1.0, out, out=den))
+
+    with torch.no_grad():
+        tanh_lib, tanh_own, exp_lib, exp_own = best_times(
+            lambda: torch.tanh(z, out=out), expm1_form, lambda: F.threshold(a, -79.0, NEG_INF).exp_(), sigmoid_form
+        )
+    return Forms(library_tanh=tanh_own * FORMS_MARGIN >= tanh_lib, library_exp=exp_own * FORMS_MARGIN >= exp_lib)
+
+
 def expm1_(z: Tensor, clamp: bool) -> Tensor:
     """``E = expm1(z)`` in place; ``z`` clamped at 40 first unless it is known to stay below (``mod_tiles._needs_clamp``)."""
     return torch.expm1_(z.clamp_(max=40.0) if clamp else z)
 
 
-def tanh_(z: Tensor, den: Tensor, clamp: bool = True) -> Tensor:
-    """``tanh(z / 2)`` in place, as ``E / (E + 2)`` with ``E = expm1(z)``.
+def tanh_(z: Tensor, den: Tensor, form: Forms, clamp: bool = True) -> Tensor:
+    """``tanh(z / form.stretch)`` in place; ``den`` a buffer of ``z``'s shape.
 
-    Accurate to a few ulp everywhere (no cancellation: ``E`` keeps its relative precision
-    near 0, and ``E + 2 >= 1``), and about twice as fast as ``torch.tanh`` on the benchmark
-    machine. ``2σ(z) - 1`` would be faster still but loses all relative precision as
-    ``z → 0``: an absolute error of ``c·2⁻²⁴`` on every capped logit. ``z`` is clamped at
-    40, where ``tanh(20)`` is 1 in float64 already, so ``E`` never overflows. ``den`` is a
-    buffer of ``z``'s shape for ``E + 2``.
+    PyTorch's ``tanh``, or ``tanh(z / 2) = E / (E + 2)`` with ``E = expm1(z)``. Both are
+    accurate to a few ulp everywhere (the second has no cancellation: ``E`` keeps its
+    relative precision near 0, and ``E + 2 >= 1``). ``2σ(z) - 1`` would be faster still but
+    loses all relative precision as ``z → 0``: an absolute error of ``c·2⁻²⁴`` on every
+    capped logit. The ``expm1`` form clamps ``z`` at 40 (unless ``clamp`` is False), where
+    ``tanh(20)`` is 1 in float64 already, so ``E`` never overflows.
     """
+    if form.library_tanh:
+        return torch.tanh_(z)
     e = expm1_(z, clamp)
     return e.div_(torch.add(e, 2.0, out=den))
 
 
-def exp_nonpositive_(a: Tensor, tmp: Tensor) -> Tensor:
-    """``exp(a)`` in place for ``a <= 0`` (``-inf`` allowed), as ``σ(a) / (1 - σ(a))``; ``tmp`` a buffer like ``a``.
+def capped_(z: Tensor, base: Tensor, cap: float, den: Tensor, form: Forms, clamp: bool) -> Tensor:
+    """``c · tanh(z / form.stretch) - base`` in place (``base`` broadcasts), in two passes either way."""
+    if form.library_tanh:
+        return torch.add(base.neg(), torch.tanh_(z), alpha=cap, out=z)
+    e = expm1_(z, clamp)
+    return torch.addcdiv(base.neg(), e, torch.add(e, 2.0, out=den), value=cap, out=z)
 
-    ``torch.sigmoid`` ran twice to three times as fast as ``torch.exp`` on the benchmark
-    machine, and for ``a <= 0`` nothing cancels (``1 - σ(a) >= 1/2``): within 3 ulp of the
-    float64 ``exp`` over ``[-87, 0]`` (``tests/test_backends_mod_tiles.py``). Every
-    exponential of an online softmax has such an argument: a logit minus a maximum, or
-    minus the log-sum-exp.
+
+def exp_nonpositive_(a: Tensor, tmp: Tensor | None, form: Forms, hide: Tensor | None = None) -> Tensor:
+    """``exp(a)`` in place for ``a <= 0`` (``-inf`` allowed), and 0 where ``hide`` is ``-inf``; ``tmp`` a buffer like ``a``.
+
+    ``hide`` (``0`` or ``-inf``, broadcasting to ``a``) is the tile's mask, None on a full
+    tile. Two forms, both within 3 ulp of the float64 ``exp`` where it matters
+    (``tests/test_backends_mod_tiles.py``):
+
+    * PyTorch's ``exp``, with arguments below :func:`floor` sent to ``-inf`` first (one
+      ``threshold_`` pass). Without it ``exp`` gives float32 subnormal numbers on
+      ``(-104, -87.3)``, and products read them: on x86 every operation that makes or reads
+      a subnormal takes a microcode assist, about a hundred times an ordinary element.
+      ALiBi's logits fill that band; the tile products of an ALiBi backward ran 20 times
+      slower. What the floor drops is below ``e^floor ≈ 3.6e-35`` per key, where the row's
+      largest term is 1 (``a`` is a logit minus its row's maximum or log-sum-exp).
+    * ``σ(a) / (1 - σ(a))``, which flushes below ``-88.7`` by itself. ``torch.sigmoid`` ran
+      two to three times as fast as ``torch.exp`` on the AMD EPYC, and for ``a <= 0``
+      nothing cancels (``1 - σ(a) >= 1/2``).
     """
+    if hide is not None:
+        a.add_(hide)
+    if form.library_exp:
+        return torch.exp_(F.threshold_(a, floor(a.dtype), NEG_INF))
     sig = torch.sigmoid_(a)
     return sig.div_(torch.sub(1.0, sig, out=tmp))
+
+
+def floor(dtype: torch.dtype) -> float:
+    """The smallest argument whose ``exp`` the tiles keep: ``ln`` of ``dtype``'s smallest normal number, plus 8.
+
+    ``e^8 ≈ 3000``: a kept weight times anything above ``3·10⁻⁴`` is still a normal number.
+    """
+    return math.log(torch.finfo(dtype).tiny) + 8.0
 
 
 def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
