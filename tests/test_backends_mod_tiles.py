@@ -267,3 +267,18 @@ def test_a_shift_invariant_bias_profile_is_converted_once_to_the_tiles_dtype():
     for i0, j0 in ((0, 0), (8, 24), (32, 40)):
         t = Tile(i0, i0 + 8, j0, j0 + 10, 40, 50, torch.device("cpu"))
         torch.testing.assert_close(narrow.tile(t), wide.tile(t).float(), rtol=0, atol=0)
+
+
+def test_the_floor_pass_runs_only_where_no_bound_keeps_arguments_above_it(monkeypatch, forms):
+    """A capped logit minus its row's maximum or lse is at least -c - that: a small cap needs no floor pass."""
+    calls = []
+    real = tile_math.F.threshold_
+    monkeypatch.setattr(tile_math.F, "threshold_", lambda *a: calls.append(1) or real(*a))
+    q, k, v = inputs()
+    run("chunked", q, k, v, score_mod=qkv.SoftCap(2.0), causal=True)
+    assert calls == []
+    sine = lambda x, bb, h, qi, ki: x + 0.1 * torch.sin((qi - ki).to(x.dtype))  # noqa: E731 (no bound known)
+    run("chunked", q, k, v, score_mod=sine, causal=True)
+    assert bool(calls) == forms.library_exp
+    below = torch.tensor([-100.0, -1.0])  # a bound the caller promises is trusted: no pass
+    assert tile_math.exp_nonpositive_(below.clone(), torch.empty(2), LIBRARY, low=-50.0)[0] > 0

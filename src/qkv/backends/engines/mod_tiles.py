@@ -254,8 +254,9 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
                 m_new = torch.maximum(m, torch.where(torch.isneginf(z_max), NEG_INF, capped_max))
                 base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
                 a = tile_math.capped_(s, base, cap, tmp, ops.forms, ops.clamp)  # c·tanh(z/stretch) - base
-                # tanh(-inf) = -1: masked entries are finite again, and hidden by the exp
-                p = tile_math.exp_nonpositive_(a, tmp, ops.forms, hide)
+                # tanh(-inf) = -1: masked entries are finite again, and hidden by the exp;
+                # every other entry is at least -c - base
+                p = tile_math.exp_nonpositive_(a, tmp, ops.forms, hide, low=-cap - float(base.max()))
             else:
                 if plan.score_mod is not None:
                     s = score_mods.apply(plan.score_mod, s, t)
@@ -335,7 +336,10 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None,
                 with torch.enable_grad():
                     modded = score_mods.apply(plan.score_mod, pre, t)
                 p = torch.add(neg_lse, modded.detach(), out=other)
-            tile_math.exp_nonpositive_(p, other if p is s else (None if ops.forms.library_exp else spare()), ops.forms, hide)
+            # a capped logit minus the lse is at least -c - max(lse) (+inf on dead rows: no bound)
+            low = float(neg_lse.min()) - cap if cap is not None else NEG_INF
+            tile_math.exp_nonpositive_(p, other if p is s else (None if ops.forms.library_exp else spare()), ops.forms, hide,
+                                       low=low)  # fmt: skip
             d_o = _rows(d_out, g, t, mm)  # (b·g, r·it, e)
             p3 = p.view(b * g, -1, jt).to(mm)
             tile_math.add_mm(dv_t, p3.transpose(1, 2), d_o)  # dV += Pᵀ dO

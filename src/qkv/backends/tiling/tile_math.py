@@ -145,11 +145,14 @@ def capped_(z: Tensor, base: Tensor, cap: float, den: Tensor, form: Forms, clamp
     return torch.addcdiv(base.neg(), e, torch.add(e, 2.0, out=den), value=cap, out=z)
 
 
-def exp_nonpositive_(a: Tensor, tmp: Tensor | None, form: Forms, hide: Tensor | None = None) -> Tensor:
+def exp_nonpositive_(a: Tensor, tmp: Tensor | None, form: Forms, hide: Tensor | None = None,
+                     low: float = float("-inf")) -> Tensor:  # fmt: skip
     """``exp(a)`` in place for ``a <= 0`` (``-inf`` allowed), and 0 where ``hide`` is ``-inf``; ``tmp`` a buffer like ``a``.
 
     ``hide`` (``0`` or ``-inf``, broadcasting to ``a``) is the tile's mask, None on a full
-    tile. Two forms, both within 3 ulp of the float64 ``exp`` where it matters
+    tile. ``low`` is a lower bound the caller knows for ``a``'s finite entries (a capped
+    logit is at least ``-c`` minus its row's maximum); at or above :func:`floor` the floor's
+    pass is skipped. Two forms, both within 3 ulp of the float64 ``exp`` where it matters
     (``tests/test_backends_mod_tiles.py``):
 
     * PyTorch's ``exp``, with arguments below :func:`floor` sent to ``-inf`` first (one
@@ -166,7 +169,8 @@ def exp_nonpositive_(a: Tensor, tmp: Tensor | None, form: Forms, hide: Tensor | 
     if hide is not None:
         a.add_(hide)
     if form.library_exp:
-        return torch.exp_(F.threshold_(a, floor(a.dtype), NEG_INF))
+        bottom = floor(a.dtype)
+        return torch.exp_(a if low >= bottom else F.threshold_(a, bottom, NEG_INF))
     sig = torch.sigmoid_(a)
     return sig.div_(torch.sub(1.0, sig, out=tmp))
 
