@@ -282,3 +282,44 @@ def test_the_floor_pass_runs_only_where_no_bound_keeps_arguments_above_it(monkey
     assert bool(calls) == forms.library_exp
     below = torch.tensor([-100.0, -1.0])  # a bound the caller promises is trusted: no pass
     assert tile_math.exp_nonpositive_(below.clone(), torch.empty(2), LIBRARY, low=-50.0)[0] > 0
+
+
+def _fixed(cap, q, k, v):
+    req = qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False, scale=None, dropout=0.0,
+                             return_weights=False, score_mod=qkv.SoftCap(cap))  # fmt: skip
+    plan = mod_tiles.plan_of(req)
+    return mod_tiles._fixed_base(plan, mod_tiles._operands(plan, q, k, v))
+
+
+def test_a_soft_capped_forward_drops_the_running_maximum_only_where_its_weights_stay_in_range(forms):
+    """``B = c - H``: weights in ``[e^(H - 2c), e^H]``, normal and above the exp's floor, sums finite."""
+    q, k, v = (x.float() for x in inputs())
+    headroom = mod_tiles.HEADROOM if forms.library_exp else 0.0
+    for cap in (1.0, 30.0, 39.0, 50.0, 59.0, 60.0, 100.0):
+        fixed = _fixed(cap, q, k, v)
+        in_range = 2 * cap - headroom <= -tile_math.floor(torch.float32)
+        assert (fixed is not None) == in_range, cap
+        if fixed is not None:
+            assert float(fixed) == cap - headroom
+    huge = v * 1e36  # e^40 · j · max|v| would overflow float32: the running maximum is kept (1 · j · max|v| would not)
+    assert (_fixed(30.0, q, k, huge) is None) == forms.library_exp
+    got = qkv.attention(q, k, huge, score_mod=qkv.SoftCap(30.0), causal=True, backend="chunked")
+    want = qkv.attention(q.double(), k.double(), huge.double(), score_mod=qkv.SoftCap(30.0), causal=True, backend="reference")
+    assert bool(torch.isfinite(got).all())
+    assert (got.double() - want).abs().max() <= 1e-5 * huge.abs().max()  # float32's error on a mean of such values
+    meta = [x.to("meta") for x in (q, k, v)]
+    assert _fixed(30.0, *meta) is None  # v's size cannot be read: the running maximum
+
+
+def test_a_fixed_base_stays_accurate_with_tiny_and_full_size_weights(forms):
+    """Rows whose logits all sit near -c (largest weight e^(H - 2c)) and near +c (e^H) alike."""
+    q, k, v = (x.detach().float() for x in inputs(16, 24))
+    cap = 50.0 if forms.library_exp else 39.0  # the largest cap each form runs without a maximum
+    for sign in (-1.0, 1.0):
+        k_far = k * 0 + sign * 40.0 / D  # every logit about sign · 40 · scale · Σq: pushed to ±c by q's size
+        qq = q.abs() * 10
+        oracle = qkv.attention(qq.double(), k_far.double(), v.double(), score_mod=qkv.SoftCap(cap), causal=True,
+                               backend="reference")  # fmt: skip
+        got = qkv.attention(qq, k_far, v, score_mod=qkv.SoftCap(cap), causal=True, backend="chunked")
+        assert _fixed(cap, qq, k_far, v) is not None
+        assert torch.allclose(got.double(), oracle, rtol=0, atol=1e-5)

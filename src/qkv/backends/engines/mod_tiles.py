@@ -29,7 +29,9 @@ log-sum-exp), where ``exp(a) = σ(a) / (1 - σ(a))`` is exact to 3 ulp and twice
 ``torch.exp`` where ``sigmoid`` is fast. The faster forms differ by CPU (on an Intel Xeon,
 ``expm1`` costs five times ``exp``), so ``tile_math.forms`` times them once per process.
 The faster ``2σ(z) - 1`` is not used: it cancels as ``z → 0``, an absolute error of
-``c·2⁻²⁴`` on every logit, tens of times plain float32's for Gemma's ``c = 50``.
+``c·2⁻²⁴`` on every logit, tens of times plain float32's for Gemma's ``c = 50``. A capped
+logit lies in ``[-c, c]``, so for caps up to 59 (float32) the forward subtracts a constant
+instead of a running row maximum (``_fixed_base``): one pass and the rescaling saved per tile.
 
 **Any other modifier** runs on the scaled, biased logits of the tile, then the mask; its backward is autograd through the modifier alone
 on a detached copy of the tile (the tensors it reads, ``closure_tensors``, get their share),
@@ -42,6 +44,7 @@ backend in ``tests/test_backends_mod_tiles.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -185,6 +188,40 @@ def _needs_clamp(plan: ModPlan, q: Tensor, k: Tensor, factor: float) -> bool:
     return not bool(bound < 30.0)
 
 
+#: How far above 1 a soft-capped forward's largest weight may be (``e^40``) when it runs without a running maximum.
+HEADROOM = 40.0
+
+
+def _fixed_base(plan: ModPlan, ops: _Operands) -> Tensor | None:
+    """A constant ``B`` to subtract from every capped logit in place of the running row maximum, or None.
+
+    A capped logit lies in ``[-c, c]``, so with ``B = c - H`` every weight ``exp(s - B)``
+    lies in ``[e^(H - 2c), e^H]``: no maximum pass over each tile, no rescaling of the
+    row's sums, and no floor pass (``tile_math.exp_nonpositive_``). Taken when the
+    smallest weight stays a normal number above the exp's floor (``c <= (H - floor) / 2``:
+    59 for float32, ``H = 40``), and the row's sums cannot overflow:
+    ``e^H · j · max|v| < max / e``. ``H`` is 0 (``B = c``) for the ``sigmoid`` form of the
+    exp, which needs non-positive arguments. Where ``v``'s size cannot be read (``meta``
+    tensors, tracing) the running maximum is kept.
+    """
+    cap = plan.cap
+    if cap is None or not concrete(ops.v):
+        return None
+    headroom = HEADROOM if ops.forms.library_exp else 0.0
+    if 2 * cap - headroom > -tile_math.floor(ops.acc):
+        return None
+    v_max = float(ops.v.abs().amax()) if ops.v.numel() else 0.0
+    limit = math.log(torch.finfo(ops.acc).max) - 1.0
+    if not headroom + math.log(max(ops.k.shape[-2], 1)) + math.log(max(v_max, 1.0)) < limit:
+        return None
+    return torch.tensor(cap - headroom, dtype=ops.acc, device=ops.q.device)
+
+
+def _lowest(subtracted: Tensor, cap: float) -> float:
+    """A lower bound of ``c·tanh(·) - subtracted`` over a tile: ``-c - max(subtracted)``; ``-inf`` where unreadable (meta, traced)."""
+    return -cap - float(subtracted.max()) if concrete(subtracted) else NEG_INF
+
+
 def _row_dots(d_out: Tensor, out: Tensor, acc: torch.dtype, rows: int = 1024) -> Tensor:
     """``D = rowsum(dO ∘ O)`` ``(b, h, i, 1)`` in ``acc``, a block of rows at a time (no ``acc`` copies of the whole)."""
     delta = torch.empty((*out.shape[:-1], 1), dtype=acc, device=out.device)
@@ -232,6 +269,7 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
     lse = torch.full((b, h, i_len), NEG_INF, dtype=acc, device=q.device)
     cap = plan.cap
     rows_of = _by(live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, q.device), "i0")
+    fixed = _fixed_base(plan, ops)
 
     def work(i0: int, scratch: tile_math.Scratch) -> None:
         tiles = rows_of[i0]
@@ -245,7 +283,10 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
             s = _logits(plan, ops, q_t, _cols(k, t, mm), t, scratch)
             hide = _hide(plan, t, state, acc)
             tmp = scratch.take("tmp", s.shape, acc)
-            if cap is not None:
+            if fixed is not None:  # no running maximum: the capped logits' range is known
+                a = tile_math.capped_(s, fixed, cap, tmp, ops.forms, ops.clamp)  # c·tanh(z/stretch) - B
+                p = tile_math.exp_nonpositive_(a, tmp, ops.forms, hide, low=-cap - float(fixed))
+            elif cap is not None:
                 if hide is not None:
                     s.add_(hide)
                 # the row maximum of c·tanh(z/stretch) is at the row maximum of z: no pass over the capped tile
@@ -256,7 +297,7 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
                 a = tile_math.capped_(s, base, cap, tmp, ops.forms, ops.clamp)  # c·tanh(z/stretch) - base
                 # tanh(-inf) = -1: masked entries are finite again, and hidden by the exp;
                 # every other entry is at least -c - base
-                p = tile_math.exp_nonpositive_(a, tmp, ops.forms, hide, low=-cap - float(base.max()))
+                p = tile_math.exp_nonpositive_(a, tmp, ops.forms, hide, low=_lowest(base, cap))
             else:
                 if plan.score_mod is not None:
                     s = score_mods.apply(plan.score_mod, s, t)
@@ -266,16 +307,20 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
                 base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
                 a = torch.sub(s, base, out=scratch.take("p", s.shape, acc))  # masked entries stay -inf
                 p = tile_math.exp_nonpositive_(a, tmp, ops.forms)
-            rescale = torch.exp(m - base)
-            l.mul_(rescale)
-            rows.mul_(rescale)
-            m = m_new
+            if fixed is None:
+                rescale = torch.exp(m - base)
+                l.mul_(rescale)
+                rows.mul_(rescale)
+                m = m_new
             l += p.sum(-1, keepdim=True)
             pv = scratch.take("pv", (b * g, (h // g) * it, e), acc)
             rows += tile_math.mm(p.view(b * g, -1, t.j1 - t.j0).to(mm), _cols(v, t, mm), pv).view(b, h, it, e)
+        if fixed is not None:
+            m = fixed
         live = l > 0
-        out[:, :, i0:i1] = torch.where(live, rows / l.clamp(min=1e-30), 0.0)
-        lse[:, :, i0:i1] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), NEG_INF).squeeze(-1)
+        l = torch.where(live, l, 1.0)  # no division by 0 on dead rows (l may be far below 1 with a fixed base)
+        out[:, :, i0:i1] = torch.where(live, rows / l, 0.0)
+        lse[:, :, i0:i1] = torch.where(live, m + torch.log(l), NEG_INF).squeeze(-1)
 
     tasks = sorted(rows_of)
     threads.run(tasks, [_cost(rows_of[i0], b, h) for i0 in tasks], work, lambda: tile_math.Scratch(q.device))
@@ -337,7 +382,7 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None,
                     modded = score_mods.apply(plan.score_mod, pre, t)
                 p = torch.add(neg_lse, modded.detach(), out=other)
             # a capped logit minus the lse is at least -c - max(lse) (+inf on dead rows: no bound)
-            low = float(neg_lse.min()) - cap if cap is not None else NEG_INF
+            low = NEG_INF if cap is None else _lowest(neg_lse.neg(), cap)
             tile_math.exp_nonpositive_(p, other if p is s else (None if ops.forms.library_exp else spare()), ops.forms, hide,
                                        low=low)  # fmt: skip
             d_o = _rows(d_out, g, t, mm)  # (b·g, r·it, e)
