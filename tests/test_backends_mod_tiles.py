@@ -323,3 +323,14 @@ def test_a_fixed_base_stays_accurate_with_tiny_and_full_size_weights(forms):
         got = qkv.attention(qq, k_far, v, score_mod=qkv.SoftCap(cap), causal=True, backend="chunked")
         assert _fixed(cap, qq, k_far, v) is not None
         assert torch.allclose(got.double(), oracle, rtol=0, atol=1e-5)
+
+
+def test_the_floored_exp_of_the_other_tile_loops_drops_only_what_would_be_subnormal():
+    """``tile_math.exp_floored`` (online_softmax, the paged block pass, the T5 bias gradient)."""
+    x = torch.linspace(-120.0, 0.0, 100001, requires_grad=True)
+    got = tile_math.exp_floored(x)
+    kept = x.detach() >= tile_math.floor(torch.float32)
+    assert torch.equal(got.detach()[kept], torch.exp(x.detach()[kept])) and bool((got.detach()[~kept] == 0).all())
+    assert not bool(((got > 0) & (got < torch.finfo(torch.float32).tiny)).any())
+    (grad,) = torch.autograd.grad(got.sum(), x)
+    assert torch.equal(grad, got.detach())  # d exp = exp where kept, 0 where dropped

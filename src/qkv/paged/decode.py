@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..backends.tiling import tile_math
 from .options import Options
 
 #: Pages per tile: about 2 MiB of float32 keys and values per KV head at P = 16, d = 64.
@@ -149,7 +150,7 @@ def _accumulate(q_of, qpos_of, K, V, owner, base, fill, opts: Options, P: int, m
     new_m = torch.maximum(m, tile_max)
     safe = torch.where(torch.isneginf(new_m), 0.0, new_m)
     rescale = torch.exp(m - safe)  # exp(-inf) = 0 for a request with nothing yet
-    e = torch.exp(s - safe.index_select(0, owner)[..., None])  # masked keys: exp(-inf) = 0
+    e = tile_math.exp_floored(s - safe.index_select(0, owner)[..., None])  # masked keys: exp(-inf) = 0; no subnormals
     den.mul_(rescale).index_add_(0, owner, e.sum(-1))
     pv = torch.stack([torch.bmm(e[:, j].to(V.dtype), V[:, :, j]) for j in range(g)], 1).to(acc)  # (C, g, x, e)
     num.mul_(rescale[..., None]).index_add_(0, owner, pv)

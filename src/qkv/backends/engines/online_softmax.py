@@ -47,6 +47,7 @@ from ..request import Request, bias_needs_grad
 from ..tiling import additive_tiles
 from ..tiling import dropout as drop
 from ..tiling import lse as row_lse
+from ..tiling import tile_math
 from ..tiling.additive_tiles import AdditiveTiles
 from ..tiling.tiles import NEG_INF, BiasSource, dense_tile, grouped, live_tiles, sum_to
 from .contract import Grads, parameters
@@ -182,7 +183,7 @@ def tiled_forward(plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor |
         s = _logits(plan, raw, bias, dense_t, t, state)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         base = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing allowed yet
-        p = torch.exp(s - base)
+        p = tile_math.exp_floored(s - base)  # no subnormal weight for the products
         rescale = torch.exp(m - base)
         l = l * rescale + p.sum(-1, keepdim=True)
         if plan.dropout > 0:
@@ -263,7 +264,7 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None,
                 s = _modded(plan, pre_in, t)
         with torch.set_grad_enabled(use_autograd or plan.score_mod is not None):
             s = _masked(plan, s, t, state)
-        p = torch.exp(s.detach() - lse[..., rows, None])
+        p = tile_math.exp_floored(s.detach() - lse[..., rows, None])
         dp = (d_out5[..., rows, :] @ v5[..., cols, :].transpose(-1, -2).to(acc)).flatten(-4, -3)
         p_used = p
         if plan.dropout > 0:
