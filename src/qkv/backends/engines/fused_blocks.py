@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from ..._trace import concrete
 from ...masks import Mask, Tile
 from ...positional import LazyBias, RelativePositionBias
 from ..request import Request, bias_needs_grad
@@ -120,6 +121,26 @@ def _blocks(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool, split: bool 
         yield Tile(i0, i1, jlo, jhi, i_len, j_len, q.device)
 
 
+def _diagonal_mask(plan: FusedPlan, q: Tensor, k: Tensor) -> DiagonalMask | None:
+    """The call's offset profile (``plan.diagonal``), with the terms too small to matter dropped where that is safe.
+
+    A fixed bias's terms far below each row's largest are sent to ``-inf``
+    (``DiagonalMask.without_negligible``, from the Cauchy–Schwarz bound of the logits): they
+    would reach the kernel's products as subnormal weights. Forward and backward build the
+    same profile from the same tensors. A learned bias keeps every term (its gradient reads
+    them), and so does a call whose tensors cannot be read (``meta``, traced).
+    """
+    if not plan.diagonal:
+        return None
+    diagonal = DiagonalMask(plan.mask, plan.bias, q.shape[-2], k.shape[-2], mask_dtype(q), q.device)
+    if plan.learned or plan.bias is None or not concrete(q, k):
+        return diagonal
+    if not (q.numel() and k.numel()):
+        return diagonal
+    norms = [float(x.float().norm(dim=-1).amax()) for x in (q, k)]
+    return diagonal.without_negligible(abs(plan.scale) * norms[0] * norms[1])
+
+
 def far_reach(plan: FusedPlan, diagonal: DiagonalMask | None) -> int | None:
     """``max_distance`` when a learned saturating bias has keys at offsets >= it, else None."""
     reach = saturation(plan.bias)
@@ -181,7 +202,7 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     i_len, j_len = q.shape[-2], k.shape[-2]
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = torch.full(q.shape[:-1], NEG_INF, dtype=mask_dtype(q), device=q.device)
-    diagonal = DiagonalMask(plan.mask, plan.bias, i_len, j_len, mask_dtype(q), q.device) if plan.diagonal else None
+    diagonal = _diagonal_mask(plan, q, k)
     bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
     reach = far_reach(plan, diagonal)
     far_out = far_lse = None
@@ -233,7 +254,7 @@ def fused_backward(
     d_out = d_out.contiguous()
     kernel_lse = torch.where(dead, 0.0, lse)  # the kernel's backward wants a finite lse (dead rows' d_out is 0)
     dq = dk = dv = None  # allocated by the first block that does not cover every row and key
-    diagonal = DiagonalMask(plan.mask, plan.bias, i_len, j_len, mask_dtype(q), q.device) if plan.diagonal else None
+    diagonal = _diagonal_mask(plan, q, k)
     d_profile = None
     if plan.learned:
         acc = mask_dtype(q)
