@@ -98,3 +98,32 @@ def test_a_learned_bias_and_unreadable_tensors_keep_every_term():
     meta = [x.detach().to("meta") for x in (q, k)]
     plan, d = _fused_plan_and_mask(*meta, qkv.ALiBi(4), causal())
     assert d.profile.device.type == "meta"  # built, nothing read from it
+
+
+def test_a_block_mask_drops_only_terms_far_below_its_rows_best_in_that_block():
+    """The path without one offset profile (a padding mask with ALiBi): each block's own rows' best is a safe reference."""
+    q, k, v = ref.random_qkv(2, 8, 8, 300, 300, 16, 16, dtype=torch.float32, seed=2)
+    lengths = qkv.masks.lengths(torch.tensor([300, 170]))
+    kw = dict(causal=True, bias=qkv.ALiBi(8), mask=lengths)
+    req = qkv.checks.request(q, k, v, score="scaled_dot", bias=qkv.ALiBi(8), mask=qkv.masks.causal() & lengths,
+                             causal=False, scale=None, dropout=0.0, return_weights=False, score_mod=None)  # fmt: skip
+    plan = fused_blocks.plan_of(req)
+    assert not plan.diagonal  # each block's mask is built, not read from a profile
+    bound = fused_blocks._logit_bound(plan, q.detach(), k.detach())
+    t = qkv.masks.Tile(256, 300, 0, 300, 300, 300, "cpu")
+    bias = fused_blocks.BiasSource(plan.bias, 300, 300, "cpu")
+    full, _ = fused_blocks._block_mask(plan, t, bias, torch.float32, None)
+    cut, _ = fused_blocks._block_mask(plan, t, bias, torch.float32, bound)
+    dropped = torch.isfinite(full) & ~torch.isfinite(cut)
+    assert bool(dropped.any())
+    best = full.amax(-1, keepdim=True)
+    assert torch.equal(dropped, torch.isfinite(full) & (full < best - 2 * bound - NEGLIGIBLE))
+    out = qkv.attention(q, k, v, backend="chunked", **kw)
+    grads = torch.autograd.grad(out.sum(), [q, k, v])
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out64 = qkv.attention(q64, k64, v64, backend="reference", **kw)
+    grads64 = torch.autograd.grad(out64.sum(), [q64, k64, v64])
+    plain = qkv.attention(q.detach(), k.detach(), v.detach(), backend="reference", **kw)
+    ref.assert_flash_rule(out, plain, out64)
+    for g, g64 in zip(grads, grads64):
+        assert torch.allclose(g.double(), g64, rtol=0, atol=1e-5)

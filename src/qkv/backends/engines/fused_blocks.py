@@ -44,7 +44,7 @@ from ..request import Request, bias_needs_grad
 from ..tiling import flash_cpu, lse as row_lse
 from ..tiling.bias_grad import Rows, add_profile_grad, far_profile_grad, saturating_profile_grad
 from ..tiling.flash_cpu import grouped_backward, mask_dtype, same_head_size
-from ..tiling.offset_profile import DiagonalMask
+from ..tiling.offset_profile import NEGLIGIBLE, DiagonalMask
 from ..tiling.tiles import NEG_INF, BiasSource, as_heads, key_range
 from . import bias_backward, fused_runs, mod_tiles
 from .contract import Grads, parameters
@@ -80,8 +80,15 @@ def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> in
     return min(i_len, rows)
 
 
-def _block_mask(plan: FusedPlan, t: Tile, bias: BiasSource, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
-    """Float ``(b|1, h|1, it, jt)`` additive mask for one block, and bool live rows (None if all live)."""
+def _block_mask(plan: FusedPlan, t: Tile, bias: BiasSource, dtype: torch.dtype,
+                bound: float | None) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
+    """Float ``(b|1, h|1, it, jt)`` additive mask for one block, and bool live rows (None if all live).
+
+    With a logit ``bound`` (:func:`_logit_bound`), a bias term more than ``2·bound + 40``
+    below the best of its row in this block is sent to ``-inf``: the row's largest logit is
+    at least that best term minus ``bound``, so the dropped weight is below ``e^-40`` of it
+    (``DiagonalMask.without_negligible`` does the same for a whole profile).
+    """
     add = None
     if plan.bias is not None:
         add = as_heads(bias.tile(t), 4).to(dtype)
@@ -99,6 +106,9 @@ def _block_mask(plan: FusedPlan, t: Tile, bias: BiasSource, dtype: torch.dtype) 
             add = torch.where(allowed, torch.zeros((), dtype=dtype), fill)
         else:
             add = add.masked_fill(~allowed, NEG_INF)
+    if bound is not None and plan.bias is not None:
+        best = add.amax(-1, keepdim=True)  # -inf on rows with no key here: nothing dropped
+        add = add.masked_fill(add < best - (2.0 * bound + NEGLIGIBLE), NEG_INF)
     return add, live
 
 
@@ -133,12 +143,22 @@ def _diagonal_mask(plan: FusedPlan, q: Tensor, k: Tensor) -> DiagonalMask | None
     if not plan.diagonal:
         return None
     diagonal = DiagonalMask(plan.mask, plan.bias, q.shape[-2], k.shape[-2], mask_dtype(q), q.device)
-    if plan.learned or plan.bias is None or not concrete(q, k):
-        return diagonal
+    bound = _logit_bound(plan, q, k)
+    return diagonal if bound is None else diagonal.without_negligible(bound)
+
+
+def _logit_bound(plan: FusedPlan, q: Tensor, k: Tensor) -> float | None:
+    """``scale · max‖q‖ · max‖k‖ >= |scale · qᵀk|`` (Cauchy–Schwarz), or None where every bias term must stay.
+
+    None for a learned bias (its gradient reads every term), no bias, float64 (no subnormal
+    weights at these sizes) and tensors whose values cannot be read (``meta``, traced).
+    """
+    if plan.learned or plan.bias is None or mask_dtype(q) == torch.float64 or not concrete(q, k):
+        return None
     if not (q.numel() and k.numel()):
-        return diagonal
+        return None
     norms = [float(x.float().norm(dim=-1).amax()) for x in (q, k)]
-    return diagonal.without_negligible(abs(plan.scale) * norms[0] * norms[1])
+    return abs(plan.scale) * norms[0] * norms[1]
 
 
 def far_reach(plan: FusedPlan, diagonal: DiagonalMask | None) -> int | None:
@@ -204,6 +224,7 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     lse = torch.full(q.shape[:-1], NEG_INF, dtype=mask_dtype(q), device=q.device)
     diagonal = _diagonal_mask(plan, q, k)
     bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
+    bound = None if diagonal is not None else _logit_bound(plan, q, k)  # for each block's mask
     reach = far_reach(plan, diagonal)
     far_out = far_lse = None
     if reach is not None:  # learned T5 buckets: keep the far keys' part for the bias gradient
@@ -227,7 +248,7 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
         elif plan.bias is None and plan.mask is not None:  # a mask alone: its full tiles unmasked, its partial ones masked (fused_runs)
             o, m = fused_runs.forward(plan.mask, t, q, k, v, plan.scale)
         else:
-            add, live = _block_mask(plan, t, bias, mask_dtype(q))
+            add, live = _block_mask(plan, t, bias, mask_dtype(q), bound)
             o, m = _forward(q[..., rows, :], kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
         if live is not None:
             o = o * live
@@ -261,6 +282,7 @@ def fused_backward(
         d_profile = torch.zeros(diagonal.profile.shape, dtype=acc, device=q.device)
         delta = torch.einsum("...e,...e->...", d_out.to(acc), out.to(acc))  # D = rowsum(dO ∘ O), via bmm
     bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
+    bound = None if diagonal is not None else _logit_bound(plan, q, k)  # for each block's mask
     reach = saturation(plan.bias)
     if d_profile is not None and learned.far_out is not None:
         far_share = torch.exp(learned.far_lse - row_lse.for_recompute(lse))  # relative to the final lse
@@ -284,7 +306,7 @@ def fused_backward(
             add = diagonal.reversed_block(t)
             args = [x.flip(-1 if n == 5 else -2) if n in (0, 1, 4, 5) else x for n, x in enumerate(args)]
         elif not plan.causal_square:
-            add = _block_mask(plan, t, bias, mask_dtype(q))[0]
+            add = _block_mask(plan, t, bias, mask_dtype(q), bound)[0]
         gq, gk, gv = grouped_backward(*args, 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
         if d_profile is not None and reach is None:
             flipped = Rows(q=args[1], d_out=args[0], lse=args[5], delta=delta[..., rows].flip(-1))  # already reversed
