@@ -21,6 +21,15 @@ from qkv.backends.tiling.offset_profile import NEGLIGIBLE, DiagonalMask
 from qkv.masks import causal, offsets, window
 
 
+DROP_MIN_LOGITS = fused_blocks.DROP_MIN_LOGITS
+
+
+@pytest.fixture(autouse=True)
+def small_calls_drop_too(monkeypatch):
+    """These calls are small; the size gate is tested on its own below."""
+    monkeypatch.setattr(fused_blocks, "DROP_MIN_LOGITS", 0)
+
+
 def brute_row_maxima(d: DiagonalMask, i: int, j: int, mask) -> torch.Tensor:
     want = torch.full((d.profile.shape[0], i), float("-inf"), dtype=d.profile.dtype)
     for r in range(i):
@@ -127,3 +136,15 @@ def test_a_block_mask_drops_only_terms_far_below_its_rows_best_in_that_block():
     ref.assert_flash_rule(out, plain, out64)
     for g, g64 in zip(grads, grads64):
         assert torch.allclose(g.double(), g64, rtol=0, atol=1e-5)
+
+
+def test_calls_under_the_size_gate_keep_every_term(monkeypatch):
+    """Finding the negligible terms costs about 1 ms: a one-query step never pays it, a large call does."""
+    monkeypatch.setattr(fused_blocks, "DROP_MIN_LOGITS", DROP_MIN_LOGITS)
+    q, k, _ = ref.random_qkv(1, 8, 8, 1, 1024, 16, 16, dtype=torch.float32, seed=4)
+    _, d = _fused_plan_and_mask(q, k, qkv.ALiBi(8), causal())
+    assert torch.equal(d.profile, DiagonalMask(causal(), qkv.ALiBi(8), 1, 1024, torch.float32, "cpu").profile)
+    q, k, _ = ref.random_qkv(1, 8, 8, 512, 512, 16, 16, dtype=torch.float32, seed=4)
+    assert 512 * 512 >= DROP_MIN_LOGITS
+    _, d = _fused_plan_and_mask(q, k, qkv.ALiBi(8), causal())
+    assert not torch.equal(d.profile, DiagonalMask(causal(), qkv.ALiBi(8), 512, 512, torch.float32, "cpu").profile)

@@ -37,11 +37,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..._trace import concrete
 from ...masks import Mask, Tile
 from ...positional import LazyBias, RelativePositionBias
 from ..request import Request, bias_needs_grad
-from ..tiling import flash_cpu, lse as row_lse
+from ..tiling import flash_cpu, lse as row_lse, tile_math
 from ..tiling.bias_grad import Rows, add_profile_grad, far_profile_grad, saturating_profile_grad
 from ..tiling.flash_cpu import grouped_backward, mask_dtype, same_head_size
 from ..tiling.offset_profile import NEGLIGIBLE, DiagonalMask
@@ -64,6 +63,11 @@ BLOCK_BYTES = 32 * 2**20
 DIAGONAL_ROWS = 512
 #: Key granularity for skipping keys a whole query block cannot see.
 KEY_STEP = 256
+#: Logits per head (``i · j``) from which a fixed bias's negligible terms are dropped
+#: (:func:`_logit_bound`). Finding them costs about 1 ms of small operations (ALiBi, causal,
+#: fwd+bwd, 8 heads, Intel Xeon: i = 256, 9.9 ms against 9.3 without; i = 512, 25 against 44;
+#: a one-query step over 1024 keys, 2.1 ms against 1.0).
+DROP_MIN_LOGITS = 2**17
 
 
 def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> int:
@@ -151,14 +155,15 @@ def _logit_bound(plan: FusedPlan, q: Tensor, k: Tensor) -> float | None:
     """``scale · max‖q‖ · max‖k‖ >= |scale · qᵀk|`` (Cauchy–Schwarz), or None where every bias term must stay.
 
     None for a learned bias (its gradient reads every term), no bias, float64 (no subnormal
-    weights at these sizes) and tensors whose values cannot be read (``meta``, traced).
+    weights at these sizes), tensors whose values cannot be read (``meta``, traced), and
+    calls under :data:`DROP_MIN_LOGITS` logits per head, where finding the terms costs more
+    than their subnormal weights.
     """
-    if plan.learned or plan.bias is None or mask_dtype(q) == torch.float64 or not concrete(q, k):
+    if plan.learned or plan.bias is None or mask_dtype(q) == torch.float64:
         return None
-    if not (q.numel() and k.numel()):
+    if q.shape[-2] * k.shape[-2] < DROP_MIN_LOGITS:
         return None
-    norms = [float(x.float().norm(dim=-1).amax()) for x in (q, k)]
-    return abs(plan.scale) * norms[0] * norms[1]
+    return tile_math.logit_bound(q, k, plan.scale)
 
 
 def far_reach(plan: FusedPlan, diagonal: DiagonalMask | None) -> int | None:

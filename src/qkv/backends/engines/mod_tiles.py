@@ -182,10 +182,8 @@ def _needs_clamp(plan: ModPlan, q: Tensor, k: Tensor, factor: float) -> bool:
     Only an optimisation: where the norms cannot be read (``meta`` tensors, ``qkv._trace``)
     the clamp is kept, which gives the same result.
     """
-    if plan.bias is not None or not concrete(q, k):
-        return True
-    bound = abs(factor) * q.float().norm(dim=-1).max() * k.float().norm(dim=-1).max()
-    return not bool(bound < 30.0)
+    bound = None if plan.bias is not None else tile_math.logit_bound(q, k, factor)
+    return bound is None or not bound < 30.0
 
 
 #: How far above 1 a soft-capped forward's largest weight may be (``e^40``) when it runs without a running maximum.
@@ -270,6 +268,7 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
     cap = plan.cap
     rows_of = _by(live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, q.device), "i0")
     fixed = _fixed_base(plan, ops)
+    fixed_low = NEG_INF if fixed is None else -cap - float(fixed)  # every capped logit minus B is at least this
 
     def work(i0: int, scratch: tile_math.Scratch) -> None:
         tiles = rows_of[i0]
@@ -285,7 +284,7 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
             tmp = scratch.take("tmp", s.shape, acc)
             if fixed is not None:  # no running maximum: the capped logits' range is known
                 a = tile_math.capped_(s, fixed, cap, tmp, ops.forms, ops.clamp)  # c·tanh(z/stretch) - B
-                p = tile_math.exp_nonpositive_(a, tmp, ops.forms, hide, low=-cap - float(fixed))
+                p = tile_math.exp_nonpositive_(a, tmp, ops.forms, hide, low=fixed_low)
             elif cap is not None:
                 if hide is not None:
                     s.add_(hide)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...masks import Tile
-from .tile_math import NEG_INF, floor
+from .tile_math import exp_floored
 
 #: Query rows per block in :func:`saturating_profile_grad`. Each block recomputes ``dS`` on
 #: ``BAND_ROWS + 2·max_distance`` keys, so smaller blocks waste less; but every block is a
@@ -90,8 +90,7 @@ def add_profile_grad(
         q5 = (q_rev[..., a0:a1, :] * scale if exact else q_rev[..., a0:a1, :]).unflatten(1, (g, h // g))
         s = (q5 @ k.unsqueeze(2).transpose(-1, -2)).flatten(1, 2).to(acc)
         s = s if exact else s.mul_(scale)
-        # in place, and floored: no subnormal weight for the products (tile_math.exp_floored)
-        p = F.threshold_(s.add_(mask_rev[..., a0:a1, :]).sub_(lse_rev[..., a0:a1, None]), floor(s.dtype), NEG_INF).exp_()
+        p = exp_floored(s.add_(mask_rev[..., a0:a1, :]).sub_(lse_rev[..., a0:a1, None]), in_place=True)  # no subnormal weights
         dp = (d_out_rev[..., a0:a1, :].unflatten(1, (g, h // g)) @ v.unsqueeze(2).transpose(-1, -2)).flatten(1, 2)
         ds = dp.to(acc).sub_(delta_rev[..., a0:a1, None]).mul_(p)
         ds = ds[0] if b == 1 else ds.sum(0)  # (h, rows, jt): the bias is shared by the batch

@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..._probe import best_times
-from ..._trace import tracing
-
-NEG_INF = float("-inf")
+from ..._trace import concrete, tracing
+from .tiles import NEG_INF
 
 class Scratch:
     """Tile-sized buffers reused by every tile of a call: a fresh 2 MiB tensor per op costs page faults.
@@ -111,7 +110,7 @@ def _timed_forms() -> Forms:
 
     with torch.no_grad():
         tanh_lib, tanh_own, exp_lib, exp_own = best_times(
-            lambda: torch.tanh(z, out=out), expm1_form, lambda: F.threshold(a, -79.0, NEG_INF).exp_(), sigmoid_form
+            lambda: torch.tanh(z, out=out), expm1_form, lambda: exp_floored(a), sigmoid_form
         )
     return Forms(library_tanh=tanh_own * FORMS_MARGIN >= tanh_lib, library_exp=exp_own * FORMS_MARGIN >= exp_lib)
 
@@ -169,21 +168,35 @@ def exp_nonpositive_(a: Tensor, tmp: Tensor | None, form: Forms, hide: Tensor | 
     if hide is not None:
         a.add_(hide)
     if form.library_exp:
-        bottom = floor(a.dtype)
-        return torch.exp_(a if low >= bottom else F.threshold_(a, bottom, NEG_INF))
+        return torch.exp_(a) if low >= floor(a.dtype) else exp_floored(a, in_place=True)
     sig = torch.sigmoid_(a)
     return sig.div_(torch.sub(1.0, sig, out=tmp))
 
 
-def exp_floored(x: Tensor) -> Tensor:
-    """``exp(x)``, with arguments below :func:`floor` giving 0 (out of place, differentiable).
+def exp_floored(x: Tensor, *, in_place: bool = False) -> Tensor:
+    """``exp(x)``, with arguments below :func:`floor` giving 0 (out of place and differentiable, or in place).
 
     For a tile's weights (a logit minus its row's maximum or log-sum-exp) that products read
     next: a subnormal weight makes every product that reads it take a microcode assist on
     x86 (1.6% subnormal weights made a ``(8, 256, 256) @ (256, 64)`` product 4.5 times
     slower, and their ``exp`` 5 times). ALiBi's logits, far from the diagonal, land there.
     """
+    if in_place:
+        return F.threshold_(x, floor(x.dtype), NEG_INF).exp_()
     return torch.exp(F.threshold(x, floor(x.dtype), NEG_INF))
+
+
+def logit_bound(q: Tensor, k: Tensor, scale: float) -> float | None:
+    """``|scale| · max‖q_i‖ · max‖k_j‖``, at least every ``|scale · q_iᵀk_j|`` (Cauchy–Schwarz); None where unreadable.
+
+    The values cannot be read on ``meta`` tensors or while tracing (``qkv._trace``); an empty
+    input bounds nothing and gives 0.
+    """
+    if not concrete(q, k):
+        return None
+    if not (q.numel() and k.numel()):
+        return 0.0
+    return abs(scale) * float(q.float().norm(dim=-1).amax()) * float(k.float().norm(dim=-1).amax())
 
 
 def floor(dtype: torch.dtype) -> float:
