@@ -19,7 +19,7 @@ import torch
 import qkv
 from qkv.backends import engines
 from qkv.backends.engines import mod_tiles
-from qkv.backends.tiling import threads, tile_math
+from qkv.backends.tiling import cap_range, threads, tile_math
 
 B, H, G, I, J, D, E = 2, 6, 3, 9, 14, 11, 13
 
@@ -176,12 +176,12 @@ def test_huge_logits_saturate_without_overflow():
                                              scale=0.3, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(0.05)))  # fmt: skip
     ops = mod_tiles._operands(plan, q, k, v)
     q_mm, k_mm, factor = ops.q, ops.k, ops.factor
-    assert mod_tiles._needs_clamp(plan, q_mm, k_mm, factor)
+    assert cap_range.needs_clamp(plan.bias is not None, q_mm, k_mm, factor)
     small = mod_tiles.plan_of(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
                                               scale=1e-4, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(50.0)))  # fmt: skip
     ops = mod_tiles._operands(small, q, k, v)
     q_mm, k_mm, factor = ops.q, ops.k, ops.factor
-    assert not mod_tiles._needs_clamp(small, q_mm, k_mm, factor)
+    assert not cap_range.needs_clamp(small.bias is not None, q_mm, k_mm, factor)
     got, expected = run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw)
     assert bool(torch.isfinite(got[0]).all())
     ref.assert_same_output_and_grads(got, expected)
@@ -288,13 +288,14 @@ def _fixed(cap, q, k, v):
     req = qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False, scale=None, dropout=0.0,
                              return_weights=False, score_mod=qkv.SoftCap(cap))  # fmt: skip
     plan = mod_tiles.plan_of(req)
-    return mod_tiles._fixed_base(plan, mod_tiles._operands(plan, q, k, v))
+    ops = mod_tiles._operands(plan, q, k, v)
+    return cap_range.fixed_base(plan.cap, ops.v, ops.forms, ops.acc)
 
 
 def test_a_soft_capped_forward_drops_the_running_maximum_only_where_its_weights_stay_in_range(forms):
     """``B = c - H``: weights in ``[e^(H - 2c), e^H]``, normal and above the exp's floor, sums finite."""
     q, k, v = (x.float() for x in inputs())
-    headroom = mod_tiles.HEADROOM if forms.library_exp else 0.0
+    headroom = cap_range.HEADROOM if forms.library_exp else 0.0
     for cap in (1.0, 30.0, 39.0, 50.0, 59.0, 60.0, 100.0):
         fixed = _fixed(cap, q, k, v)
         in_range = 2 * cap - headroom <= -tile_math.floor(torch.float32)

@@ -16,18 +16,18 @@ import reference as ref
 import torch
 
 import qkv
-from qkv.backends.engines import fused_blocks
+from qkv.backends.engines import fused_blocks, fused_masks
 from qkv.backends.tiling.offset_profile import NEGLIGIBLE, DiagonalMask
 from qkv.masks import causal, offsets, window
 
 
-DROP_MIN_LOGITS = fused_blocks.DROP_MIN_LOGITS
+DROP_MIN_LOGITS = fused_masks.DROP_MIN_LOGITS
 
 
 @pytest.fixture(autouse=True)
 def small_calls_drop_too(monkeypatch):
     """These calls are small; the size gate is tested on its own below."""
-    monkeypatch.setattr(fused_blocks, "DROP_MIN_LOGITS", 0)
+    monkeypatch.setattr(fused_masks, "DROP_MIN_LOGITS", 0)
 
 
 def brute_row_maxima(d: DiagonalMask, i: int, j: int, mask) -> torch.Tensor:
@@ -79,7 +79,7 @@ def _fused_plan_and_mask(q, k, bias, mask):
     req = qkv.checks.request(q, k, k, score="scaled_dot", mask=mask, bias=bias, causal=False, scale=None, dropout=0.0,
                              return_weights=False, score_mod=None)  # fmt: skip
     plan = fused_blocks.plan_of(req)
-    return plan, fused_blocks._diagonal_mask(plan, q.detach(), k.detach())
+    return plan, fused_masks.diagonal_mask(plan, q.detach(), k.detach())
 
 
 def test_the_fused_engine_drops_alibis_far_terms_and_still_matches_float64():
@@ -118,11 +118,11 @@ def test_a_block_mask_drops_only_terms_far_below_its_rows_best_in_that_block():
                              causal=False, scale=None, dropout=0.0, return_weights=False, score_mod=None)  # fmt: skip
     plan = fused_blocks.plan_of(req)
     assert not plan.diagonal  # each block's mask is built, not read from a profile
-    bound = fused_blocks._logit_bound(plan, q.detach(), k.detach())
+    bound = fused_masks.logit_bound(plan, q.detach(), k.detach())
     t = qkv.masks.Tile(256, 300, 0, 300, 300, 300, "cpu")
-    bias = fused_blocks.BiasSource(plan.bias, 300, 300, "cpu")
-    full, _ = fused_blocks._block_mask(plan, t, bias, torch.float32, None)
-    cut, _ = fused_blocks._block_mask(plan, t, bias, torch.float32, bound)
+    bias = fused_masks.BiasSource(plan.bias, 300, 300, "cpu")
+    full, _ = fused_masks.block_mask(plan, t, bias, torch.float32, None)
+    cut, _ = fused_masks.block_mask(plan, t, bias, torch.float32, bound)
     dropped = torch.isfinite(full) & ~torch.isfinite(cut)
     assert bool(dropped.any())
     best = full.amax(-1, keepdim=True)
@@ -140,7 +140,7 @@ def test_a_block_mask_drops_only_terms_far_below_its_rows_best_in_that_block():
 
 def test_calls_under_the_size_gate_keep_every_term(monkeypatch):
     """Finding the negligible terms costs about 1 ms: a one-query step never pays it, a large call does."""
-    monkeypatch.setattr(fused_blocks, "DROP_MIN_LOGITS", DROP_MIN_LOGITS)
+    monkeypatch.setattr(fused_masks, "DROP_MIN_LOGITS", DROP_MIN_LOGITS)
     q, k, _ = ref.random_qkv(1, 8, 8, 1, 1024, 16, 16, dtype=torch.float32, seed=4)
     _, d = _fused_plan_and_mask(q, k, qkv.ALiBi(8), causal())
     assert torch.equal(d.profile, DiagonalMask(causal(), qkv.ALiBi(8), 1, 1024, torch.float32, "cpu").profile)

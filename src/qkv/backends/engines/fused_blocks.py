@@ -40,12 +40,12 @@ from torch import Tensor
 from ...masks import Mask, Tile
 from ...positional import LazyBias, RelativePositionBias
 from ..request import Request, bias_needs_grad
-from ..tiling import flash_cpu, lse as row_lse, tile_math
+from ..tiling import flash_cpu, lse as row_lse
 from ..tiling.bias_grad import Rows, add_profile_grad, far_profile_grad, saturating_profile_grad
 from ..tiling.flash_cpu import grouped_backward, mask_dtype, same_head_size
-from ..tiling.offset_profile import NEGLIGIBLE, DiagonalMask
-from ..tiling.tiles import NEG_INF, BiasSource, as_heads, key_range
-from . import bias_backward, fused_runs, mod_tiles
+from ..tiling.offset_profile import DiagonalMask
+from ..tiling.tiles import NEG_INF, BiasSource, key_range
+from . import bias_backward, fused_masks, fused_runs, mod_tiles
 from .contract import Grads, parameters
 
 name = "fused_blocks"
@@ -63,13 +63,6 @@ BLOCK_BYTES = 32 * 2**20
 DIAGONAL_ROWS = 512
 #: Key granularity for skipping keys a whole query block cannot see.
 KEY_STEP = 256
-#: Logits per head (``i · j``) from which a fixed bias's negligible terms are dropped
-#: (:func:`_logit_bound`). Finding them costs about 1 ms of small operations (ALiBi, causal,
-#: fwd+bwd, 8 heads, Intel Xeon: i = 256, 9.9 ms against 9.3 without; i = 512, 25 against 44;
-#: a one-query step over 1024 keys, 2.1 ms against 1.0).
-DROP_MIN_LOGITS = 2**17
-
-
 def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> int:
     """Query rows per kernel call: all of them when there is nothing to build per block."""
     i_len = q.shape[-2]
@@ -82,38 +75,6 @@ def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> in
     per_row = max(1, q.shape[0] * q.shape[1] * j_len * mask_dtype(q).itemsize)  # worst case: a (b, h, it, jt) mask
     rows = max(32, BLOCK_BYTES // per_row) // 32 * 32
     return min(i_len, rows)
-
-
-def _block_mask(plan: FusedPlan, t: Tile, bias: BiasSource, dtype: torch.dtype,
-                bound: float | None) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
-    """Float ``(b|1, h|1, it, jt)`` additive mask for one block, and bool live rows (None if all live).
-
-    With a logit ``bound`` (:func:`_logit_bound`), a bias term more than ``2·bound + 40``
-    below the best of its row in this block is sent to ``-inf``: the row's largest logit is
-    at least that best term minus ``bound``, so the dropped weight is below ``e^-40`` of it
-    (``DiagonalMask.without_negligible`` does the same for a whole profile).
-    """
-    add = None
-    if plan.bias is not None:
-        add = as_heads(bias.tile(t), 4).to(dtype)
-        if add.shape[-2:] != (t.i1 - t.i0, t.j1 - t.j0):  # a dense bias broadcast along i or j
-            add = add.expand(*add.shape[:-2], t.i1 - t.i0, t.j1 - t.j0).contiguous()
-    live = None
-    state = "full" if plan.mask is None else plan.mask.state(t)
-    if state != "full":
-        allowed = as_heads(plan.mask.tile(t), 4)
-        any_key = allowed.any(-1, keepdim=True)
-        if not bool(any_key.all()):
-            live = any_key
-        fill = torch.zeros((), dtype=dtype).masked_fill(torch.tensor(True), NEG_INF)
-        if add is None:
-            add = torch.where(allowed, torch.zeros((), dtype=dtype), fill)
-        else:
-            add = add.masked_fill(~allowed, NEG_INF)
-    if bound is not None and plan.bias is not None:
-        best = add.amax(-1, keepdim=True)  # -inf on rows with no key here: nothing dropped
-        add = add.masked_fill(add < best - (2.0 * bound + NEGLIGIBLE), NEG_INF)
-    return add, live
 
 
 def saturation(bias) -> int | None:
@@ -133,37 +94,6 @@ def _blocks(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool, split: bool 
             continue
         jlo, jhi = key_range(plan.mask, i0, i1, i_len, j_len, KEY_STEP, q.device)
         yield Tile(i0, i1, jlo, jhi, i_len, j_len, q.device)
-
-
-def _diagonal_mask(plan: FusedPlan, q: Tensor, k: Tensor) -> DiagonalMask | None:
-    """The call's offset profile (``plan.diagonal``), with the terms too small to matter dropped where that is safe.
-
-    A fixed bias's terms far below each row's largest are sent to ``-inf``
-    (``DiagonalMask.without_negligible``, from the Cauchy–Schwarz bound of the logits): they
-    would reach the kernel's products as subnormal weights. Forward and backward build the
-    same profile from the same tensors. A learned bias keeps every term (its gradient reads
-    them), and so does a call whose tensors cannot be read (``meta``, traced).
-    """
-    if not plan.diagonal:
-        return None
-    diagonal = DiagonalMask(plan.mask, plan.bias, q.shape[-2], k.shape[-2], mask_dtype(q), q.device)
-    bound = _logit_bound(plan, q, k)
-    return diagonal if bound is None else diagonal.without_negligible(bound)
-
-
-def _logit_bound(plan: FusedPlan, q: Tensor, k: Tensor) -> float | None:
-    """``scale · max‖q‖ · max‖k‖ >= |scale · qᵀk|`` (Cauchy–Schwarz), or None where every bias term must stay.
-
-    None for a learned bias (its gradient reads every term), no bias, float64 (no subnormal
-    weights at these sizes), tensors whose values cannot be read (``meta``, traced), and
-    calls under :data:`DROP_MIN_LOGITS` logits per head, where finding the terms costs more
-    than their subnormal weights.
-    """
-    if plan.learned or plan.bias is None or mask_dtype(q) == torch.float64:
-        return None
-    if q.shape[-2] * k.shape[-2] < DROP_MIN_LOGITS:
-        return None
-    return tile_math.logit_bound(q, k, plan.scale)
 
 
 def far_reach(plan: FusedPlan, diagonal: DiagonalMask | None) -> int | None:
@@ -227,9 +157,9 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     i_len, j_len = q.shape[-2], k.shape[-2]
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = torch.full(q.shape[:-1], NEG_INF, dtype=mask_dtype(q), device=q.device)
-    diagonal = _diagonal_mask(plan, q, k)
+    diagonal = fused_masks.diagonal_mask(plan, q, k)
     bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
-    bound = None if diagonal is not None else _logit_bound(plan, q, k)  # for each block's mask
+    bound = None if diagonal is not None else fused_masks.logit_bound(plan, q, k)  # for each block's mask
     reach = far_reach(plan, diagonal)
     far_out = far_lse = None
     if reach is not None:  # learned T5 buckets: keep the far keys' part for the bias gradient
@@ -253,7 +183,7 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
         elif plan.bias is None and plan.mask is not None:  # a mask alone: its full tiles unmasked, its partial ones masked (fused_runs)
             o, m = fused_runs.forward(plan.mask, t, q, k, v, plan.scale)
         else:
-            add, live = _block_mask(plan, t, bias, mask_dtype(q), bound)
+            add, live = fused_masks.block_mask(plan, t, bias, mask_dtype(q), bound)
             o, m = _forward(q[..., rows, :], kc, vc, 0.0, False, attn_mask=add, scale=plan.scale)
         if live is not None:
             o = o * live
@@ -280,14 +210,14 @@ def fused_backward(
     d_out = d_out.contiguous()
     kernel_lse = torch.where(dead, 0.0, lse)  # the kernel's backward wants a finite lse (dead rows' d_out is 0)
     dq = dk = dv = None  # allocated by the first block that does not cover every row and key
-    diagonal = _diagonal_mask(plan, q, k)
+    diagonal = fused_masks.diagonal_mask(plan, q, k)
     d_profile = None
     if plan.learned:
         acc = mask_dtype(q)
         d_profile = torch.zeros(diagonal.profile.shape, dtype=acc, device=q.device)
         delta = torch.einsum("...e,...e->...", d_out.to(acc), out.to(acc))  # D = rowsum(dO ∘ O), via bmm
     bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
-    bound = None if diagonal is not None else _logit_bound(plan, q, k)  # for each block's mask
+    bound = None if diagonal is not None else fused_masks.logit_bound(plan, q, k)  # for each block's mask
     reach = saturation(plan.bias)
     if d_profile is not None and learned.far_out is not None:
         far_share = torch.exp(learned.far_lse - row_lse.for_recompute(lse))  # relative to the final lse
@@ -311,7 +241,7 @@ def fused_backward(
             add = diagonal.reversed_block(t)
             args = [x.flip(-1 if n == 5 else -2) if n in (0, 1, 4, 5) else x for n, x in enumerate(args)]
         elif not plan.causal_square:
-            add = _block_mask(plan, t, bias, mask_dtype(q), bound)[0]
+            add = fused_masks.block_mask(plan, t, bias, mask_dtype(q), bound)[0]
         gq, gk, gv = grouped_backward(*args, 0.0, plan.causal_square, attn_mask=add, scale=plan.scale)
         if d_profile is not None and reach is None:
             flipped = Rows(q=args[1], d_out=args[0], lse=args[5], delta=delta[..., rows].flip(-1))  # already reversed

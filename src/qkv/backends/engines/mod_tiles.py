@@ -31,7 +31,7 @@ log-sum-exp), where ``exp(a) = σ(a) / (1 - σ(a))`` is exact to 3 ulp and twice
 The faster ``2σ(z) - 1`` is not used: it cancels as ``z → 0``, an absolute error of
 ``c·2⁻²⁴`` on every logit, tens of times plain float32's for Gemma's ``c = 50``. A capped
 logit lies in ``[-c, c]``, so for caps up to 59 (float32) the forward subtracts a constant
-instead of a running row maximum (``_fixed_base``): one pass and the rescaling saved per tile.
+instead of a running row maximum (``tiling.cap_range.fixed_base``): one pass and the rescaling saved per tile.
 
 **Any other modifier** runs on the scaled, biased logits of the tile, then the mask; its backward is autograd through the modifier alone
 on a detached copy of the tile (the tensors it reads, ``closure_tensors``, get their share),
@@ -44,7 +44,6 @@ backend in ``tests/test_backends_mod_tiles.py``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -52,12 +51,11 @@ import torch
 from torch import Tensor
 
 from ... import score_mods
-from ..._trace import concrete
 from ...masks import Mask, Tile
 from ...score_mods import SoftCap
 from ..request import Request, bias_needs_grad
 from ..tiling import lse as row_lse
-from ..tiling import threads, tile_math
+from ..tiling import cap_range, threads, tile_math
 from ..tiling.tiles import NEG_INF, BiasSource, live_tiles
 from .contract import Grads, parameters
 
@@ -127,7 +125,7 @@ class _Operands:
     factor: float  # what multiplies qᵀk in a tile: scale, or stretch·scale/c under a soft cap
     bias: BiasSource  # the bias's tiles
     forms: tile_math.Forms  # how tanh and exp are computed
-    clamp: bool  # the soft cap's expm1 may overflow: clamp it (_needs_clamp)
+    clamp: bool  # the soft cap's expm1 may overflow: clamp it (cap_range.needs_clamp)
 
     @property
     def heads(self) -> tuple[int, int, int]:
@@ -154,7 +152,7 @@ def _operands(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> _Operands:
     # a shift-invariant bias's profile in acc once: each tile is then one copy (the row flip)
     # of it, not a float64 copy and a conversion
     bias = BiasSource(plan.bias, q.shape[-2], k.shape[-2], q.device, dtype=acc)
-    clamp = plan.cap is not None and not forms.library_tanh and _needs_clamp(plan, q, k, factor)
+    clamp = plan.cap is not None and not forms.library_tanh and cap_range.needs_clamp(plan.bias is not None, q, k, factor)
     return _Operands(q, k, v, mm, acc, factor, bias, forms, clamp)
 
 
@@ -174,50 +172,6 @@ def _logits(plan: ModPlan, ops: _Operands, q_t: Tensor, k_t: Tensor, t: Tile, sc
     if (tile := ops.bias.tile(t)) is not None:
         s.add_(tile.to(s.dtype), alpha=1.0 if plan.cap is None else ops.forms.stretch / plan.cap)
     return s
-
-
-def _needs_clamp(plan: ModPlan, q: Tensor, k: Tensor, factor: float) -> bool:
-    """False when ``|z| <= factor · max‖q_i‖ · max‖k_j‖`` (Cauchy–Schwarz) is far below the clamp: a pass saved per tile.
-
-    Only an optimisation: where the norms cannot be read (``meta`` tensors, ``qkv._trace``)
-    the clamp is kept, which gives the same result.
-    """
-    bound = None if plan.bias is not None else tile_math.logit_bound(q, k, factor)
-    return bound is None or not bound < 30.0
-
-
-#: How far above 1 a soft-capped forward's largest weight may be (``e^40``) when it runs without a running maximum.
-HEADROOM = 40.0
-
-
-def _fixed_base(plan: ModPlan, ops: _Operands) -> Tensor | None:
-    """A constant ``B`` to subtract from every capped logit in place of the running row maximum, or None.
-
-    A capped logit lies in ``[-c, c]``, so with ``B = c - H`` every weight ``exp(s - B)``
-    lies in ``[e^(H - 2c), e^H]``: no maximum pass over each tile, no rescaling of the
-    row's sums, and no floor pass (``tile_math.exp_nonpositive_``). Taken when the
-    smallest weight stays a normal number above the exp's floor (``c <= (H - floor) / 2``:
-    59 for float32, ``H = 40``), and the row's sums cannot overflow:
-    ``e^H · j · max|v| < max / e``. ``H`` is 0 (``B = c``) for the ``sigmoid`` form of the
-    exp, which needs non-positive arguments. Where ``v``'s size cannot be read (``meta``
-    tensors, tracing) the running maximum is kept.
-    """
-    cap = plan.cap
-    if cap is None or not concrete(ops.v):
-        return None
-    headroom = HEADROOM if ops.forms.library_exp else 0.0
-    if 2 * cap - headroom > -tile_math.floor(ops.acc):
-        return None
-    v_max = float(ops.v.abs().amax()) if ops.v.numel() else 0.0
-    limit = math.log(torch.finfo(ops.acc).max) - 1.0
-    if not headroom + math.log(max(ops.k.shape[-2], 1)) + math.log(max(v_max, 1.0)) < limit:
-        return None
-    return torch.tensor(cap - headroom, dtype=ops.acc, device=ops.q.device)
-
-
-def _lowest(subtracted: Tensor, cap: float) -> float:
-    """A lower bound of ``c·tanh(·) - subtracted`` over a tile: ``-c - max(subtracted)``; ``-inf`` where unreadable (meta, traced)."""
-    return -cap - float(subtracted.max()) if concrete(subtracted) else NEG_INF
 
 
 def _row_dots(d_out: Tensor, out: Tensor, acc: torch.dtype, rows: int = 1024) -> Tensor:
@@ -267,7 +221,7 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
     lse = torch.full((b, h, i_len), NEG_INF, dtype=acc, device=q.device)
     cap = plan.cap
     rows_of = _by(live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, q.device), "i0")
-    fixed = _fixed_base(plan, ops)
+    fixed = None if cap is None else cap_range.fixed_base(cap, v, ops.forms, acc)
     fixed_low = NEG_INF if fixed is None else -cap - float(fixed)  # every capped logit minus B is at least this
 
     def work(i0: int, scratch: tile_math.Scratch) -> None:
@@ -296,7 +250,7 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
                 a = tile_math.capped_(s, base, cap, tmp, ops.forms, ops.clamp)  # c·tanh(z/stretch) - base
                 # tanh(-inf) = -1: masked entries are finite again, and hidden by the exp;
                 # every other entry is at least -c - base
-                p = tile_math.exp_nonpositive_(a, tmp, ops.forms, hide, low=_lowest(base, cap))
+                p = tile_math.exp_nonpositive_(a, tmp, ops.forms, hide, low=cap_range.lowest(base, cap))
             else:
                 if plan.score_mod is not None:
                     s = score_mods.apply(plan.score_mod, s, t)
@@ -381,7 +335,7 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None,
                     modded = score_mods.apply(plan.score_mod, pre, t)
                 p = torch.add(neg_lse, modded.detach(), out=other)
             # a capped logit minus the lse is at least -c - max(lse) (+inf on dead rows: no bound)
-            low = NEG_INF if cap is None else _lowest(neg_lse.neg(), cap)
+            low = NEG_INF if cap is None else cap_range.lowest(neg_lse.neg(), cap)
             tile_math.exp_nonpositive_(p, other if p is s else (None if ops.forms.library_exp else spare()), ops.forms, hide,
                                        low=low)  # fmt: skip
             d_o = _rows(d_out, g, t, mm)  # (b·g, r·it, e)
