@@ -32,13 +32,13 @@ log-sum-exp (``_split_block``, the engine's ``saved``). Other learned biases go 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ...masks import Mask, Tile
-from ...positional import LazyBias, RelativePositionBias
+from ...masks import Tile
+from ...positional import RelativePositionBias
 from ..request import Request, bias_needs_grad
 from ..tiling import flash_cpu, lse as row_lse
 from ..tiling.bias_grad import Rows, add_profile_grad, far_profile_grad, saturating_profile_grad
@@ -47,6 +47,7 @@ from ..tiling.offset_profile import DiagonalMask
 from ..tiling.tiles import NEG_INF, BiasSource, key_range
 from . import bias_backward, fused_masks, fused_runs, mod_tiles
 from .contract import Grads, parameters
+from .fused_masks import FusedPlan
 
 name = "fused_blocks"
 
@@ -266,18 +267,6 @@ def fused_backward(
         row_sums = delta * outside
         saturating_profile_grad(d_profile, diagonal, Rows(q, d_out, recompute, delta), k, v, plan.scale, reach, row_sums)
     return dq, dk, dv, d_profile
-
-
-@dataclass(frozen=True)
-class FusedPlan:
-    """What a call adds to the kernel's logits, and how."""
-
-    mask: Mask | None  # True = may attend
-    bias: Tensor | LazyBias | None  # dense (no gradient), or lazy (learned only if shift-invariant)
-    scale: float
-    causal_square: bool  # the mask is exactly causal and i == j: the kernel's own flag is right
-    diagonal: bool  # mask and bias are one offset profile (tiling.offset_profile)
-    learned: bool  # a learned shift-invariant bias: its profile's gradient is rebuilt here
 
 
 def plan_of(req: Request) -> FusedPlan:

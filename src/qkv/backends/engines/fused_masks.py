@@ -13,19 +13,29 @@ float32 subnormal weights, which take a microcode assist on x86.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ...masks import Tile
+from ...masks import Mask, Tile
+from ...positional import LazyBias
 from ..tiling import tile_math
 from ..tiling.flash_cpu import mask_dtype
 from ..tiling.offset_profile import NEGLIGIBLE, DiagonalMask
 from ..tiling.tiles import NEG_INF, BiasSource, as_heads
 
-if TYPE_CHECKING:
-    from .fused_blocks import FusedPlan
+@dataclass(frozen=True)
+class FusedPlan:
+    """What a call adds to the kernel's logits, and how."""
+
+    mask: Mask | None  # True = may attend
+    bias: Tensor | LazyBias | None  # dense (no gradient), or lazy (learned only if shift-invariant)
+    scale: float
+    causal_square: bool  # the mask is exactly causal and i == j: the kernel's own flag is right
+    diagonal: bool  # mask and bias are one offset profile (tiling.offset_profile)
+    learned: bool  # a learned shift-invariant bias: its profile's gradient is rebuilt here
+
 
 #: Logits per head (``i · j``) from which a fixed bias's negligible terms are dropped
 #: (:func:`logit_bound`). Finding them costs about 1 ms of small operations (ALiBi, causal,
