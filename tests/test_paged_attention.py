@@ -166,9 +166,11 @@ def test_errors_name_the_argument():
 
 def test_the_tuple_form_and_blocks_of_pages_read_as_one_item_equal_the_definition():
     """(k_cache, v_cache), and requests holding aligned blocks of consecutive pages (read a block at a time)."""
-    from qkv.paged import decode
+    from qkv.paged import attention as front
+    from qkv.paged import items
 
-    P, S = 4, decode.BLOCK_PAGES
+    P, S = 4, items.BLOCK_PAGES
+    assert items.item_pages(P) == S
     kv_lens = [3 * S * P + 5, S * P, 2 * P + 1, 9]
     gen = torch.Generator().manual_seed(8)
     pages, nxt = [], 0
@@ -182,8 +184,8 @@ def test_the_tuple_form_and_blocks_of_pages_read_as_one_item_equal_the_definitio
              torch.tensor([p for ps in pages for p in ps]), torch.tensor([n - (-(-n // P) - 1) * P for n in kv_lens]))  # fmt: skip
     q = torch.randn(len(kv_lens), H, D, generator=gen, dtype=torch.float64)
     seen = []
-    pick = decode._block_pages
-    decode._block_pages = lambda *a: seen.append(pick(*a)) or seen[-1]
+    plan = front.items
+    front.items = lambda *a: seen.append(plan(*a)) or seen[-1]
     try:
         for case in ("causal", "window", "alibi", "soft cap"):
             want = literal(q, cache, table, **CASES[case])
@@ -192,5 +194,56 @@ def test_the_tuple_form_and_blocks_of_pages_read_as_one_item_equal_the_definitio
                 for a, b in zip(got, want):
                     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     finally:
-        decode._block_pages = pick
-    assert set(seen) == {S}
+        front.items = plan
+    assert seen and all(p.aligned and p.S == S for p in seen)
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "alibi", "soft cap"])
+@pytest.mark.parametrize("P", [4, 16])
+def test_nan_in_unfilled_slots_and_unnamed_pages_never_reaches_an_output(case, P):
+    """A pool from ``torch.empty`` may hold nan anywhere no key was written: past each request's last key, in
+    reserved pages after it, and in blocks between requests read as part of a range. The outputs are
+    those of the same pool with those places zeroed."""
+    from qkv.paged.items import BLOCK_PAGES
+
+    S = BLOCK_PAGES
+    gen = torch.Generator().manual_seed(P)
+    kv_lens = [3 * P + 1, 2 * S * P + 5, 7, S * P]  # decoding steps: partial pages, partial blocks, a full block
+    pages, nxt = [], 0
+    for n in kv_lens:  # aligned blocks, one unnamed block between requests 1 and 2
+        nxt = -(-nxt // S) * S + (S if len(pages) == 2 else 0)
+        pages.append(list(range(nxt, nxt + -(-n // P))))
+        nxt += -(-n // P)
+    total = -(-nxt // S) * S
+    clean = torch.zeros(total, 2, P, G, D, dtype=torch.float64)
+    for ps, n in zip(pages, kv_lens):
+        keys = torch.randn(len(ps) * P, 2, G, D, generator=gen, dtype=torch.float64)
+        keys[n:] = 0
+        clean[ps] = keys.view(len(ps), P, 2, G, D).transpose(1, 2)
+    dirty = clean.clone()
+    for ps, n in zip(pages, kv_lens):
+        flat = dirty[ps].transpose(1, 2).reshape(len(ps) * P, 2, G, D)
+        flat[n:] = float("nan")
+        dirty[ps] = flat.view(len(ps), P, 2, G, D).transpose(1, 2)
+    named = {p for ps in pages for p in ps}
+    for p in range(total):
+        if p not in named:
+            dirty[p] = float("nan")
+    table = (torch.arange(len(kv_lens) + 1), torch.tensor([0, *torch.tensor([len(p) for p in pages]).cumsum(0).tolist()]),
+             torch.tensor([p for ps in pages for p in ps]), torch.tensor([n - (len(ps) - 1) * P for ps, n in zip(pages, kv_lens)]))  # fmt: skip
+    q = torch.randn(len(kv_lens), H, D, generator=gen, dtype=torch.float64)
+    want = literal(q, clean, table, **CASES[case])
+    for form in (dirty, (dirty[:, 0].contiguous(), dirty[:, 1].contiguous())):
+        got = paged(q, form, table, **CASES[case])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_nan_in_a_seen_key_reaches_its_own_request_only():
+    """A nan a request sees makes its own output nan, as in the attention written out, and no other request's."""
+    kv_lens, qo_lens = [40, 70, 33], [1, 1, 1]
+    q, cache, table = build(qo_lens, kv_lens, 16, seed=4)
+    ids = table[2][table[1][1] : table[1][2]].long()
+    cache[ids[0], 1, 3] = float("nan")  # request 1's fourth value
+    out, lse = paged(q, cache, table)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any() and not torch.isnan(lse[[0, 2]]).any()

@@ -136,30 +136,39 @@ def test_reserved_pages_form_one_run_and_are_not_listed_until_filled():
     assert cache.used_pages == 0
 
 
-def test_a_decoding_step_over_runs_equals_the_block_pass(monkeypatch):
-    """The fused kernel per run of pages (reserved requests) and the block pass give the same step."""
+def test_reserved_runs_start_on_a_block_boundary_where_the_pool_has_one():
+    """Each reservation's run begins on a multiple of BLOCK_PAGES, so its items are views of the pool."""
+    from qkv.paged.items import BLOCK_PAGES
+
+    cache = qkv.PagedKVCache(8 * BLOCK_PAGES, P, G, D)
+    for r, n in enumerate([37, 5, 64, 21]):
+        cache.add(r)
+        cache.reserve(r, n)
+        assert cache.pages_of(r)[0] % BLOCK_PAGES == 0
+    cache.add("late")
+    cache.reserve("late", (4 * BLOCK_PAGES + 6) * P)  # no aligned run of that length left: the lowest run
+    assert cache.pages_of("late")[0] == 3 * BLOCK_PAGES + 6  # after request 3's six pages
+
+
+def test_a_decoding_step_over_unaligned_runs_equals_the_item_pass(monkeypatch):
+    """Runs of consecutive pages not on block boundaries: one fused call per run, and the items (copies) agree."""
     from qkv.paged import attention as paged
 
-    cache = qkv.PagedKVCache(128, P, G, D)
     gen = torch.Generator().manual_seed(6)
-    lengths = [37, 5, 64, 21]
-    for r, n in enumerate(lengths):
-        cache.add(r)
-        cache.reserve(r, n + 1)
-    cache.plan({r: n for r, n in enumerate(lengths)})
-    k_pool, v_pool = cache.layer(0)
-    k_pool.copy_(torch.randn(k_pool.shape, generator=gen))
-    v_pool.copy_(torch.randn(v_pool.shape, generator=gen))
+    lengths, first = [37, 5, 64, 21], [3, 21, 27, 50]  # each request's pages one run, none aligned
+    k_pool, v_pool = torch.randn(64, P, G, D, generator=gen), torch.randn(64, P, G, D, generator=gen)
+    counts = [-(-n // P) for n in lengths]
+    indices = torch.tensor([p for f, c in zip(first, counts) for p in range(f, f + c)])
+    table = (torch.arange(len(lengths) + 1), torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()]), indices,
+             torch.tensor([n - (c - 1) * P for n, c in zip(lengths, counts)]))  # fmt: skip
     q = torch.randn(len(lengths), H, D, generator=gen)
-    step = cache.plan({r: 0 for r in range(len(lengths))})
-    table = (torch.arange(len(lengths) + 1),) + step.table[1:]
     used = []
     run = paged.decode_runs
     monkeypatch.setattr(paged, "decode_runs", lambda *a: used.append(1) or run(*a))
-    fast = qkv.paged_attention(q, cache.layer(0), *table, return_lse=True)
+    fast = qkv.paged_attention(q, (k_pool, v_pool), *table, return_lse=True)
     assert used  # the runs path ran
     monkeypatch.setattr(paged, "runs_usable", lambda *a: False)
-    slow = qkv.paged_attention(q, cache.layer(0), *table, return_lse=True)
+    slow = qkv.paged_attention(q, (k_pool, v_pool), *table, return_lse=True)
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..paged import Int8Pages, PagedKVCache, paged_attention
-from ..paged.decode import BLOCK_PAGES
+from ..paged.items import BLOCK_PAGES
 from .measure import interleaved
 from .report import Targets, table
 

@@ -27,6 +27,7 @@ from torch import Tensor
 from ..backends.tiling.lse import merge_all
 from ..functional import attention
 from .decode import decode
+from .items import items
 from .options import Options, options
 from .pages import FloatPages
 from .requests import request, score_mod as positioned
@@ -109,7 +110,6 @@ def _run(q: Tensor, table: PageTable, pages, opts: Options) -> tuple[Tensor, Ten
 
 def _steps(q: Tensor, steps: list[int], table: PageTable, pages, opts: Options) -> tuple[Tensor, Tensor]:
     """Decoding steps: shared leading pages once per group (a cascade), the rest in one pass."""
-    P = pages.page_size
     qpos = torch.tensor([table.kv_len[r] - 1 for r in steps], device=q.device)
     shared = _shared_prefixes(steps, table) if opts.window_left < 0 else []
     skip = [0] * len(steps)  # leading pages attended with their group
@@ -121,31 +121,17 @@ def _steps(q: Tensor, steps: list[int], table: PageTable, pages, opts: Options) 
                                        torch.tensor([steps[n] for n in members], device=q.device))))  # fmt: skip
         for n in members:
             skip[n] = count
-    runs = runs_in(table, steps, skip) if runs_usable(q, pages, opts) else None
-    if runs is not None and sum(len(x) for x in runs) <= 2 * len(steps):  # few runs: one fused call per run, on views
+    plan = items(steps, skip, table, pages.num_pages)
+    runs = runs_in(table, steps, skip) if not plan.aligned and runs_usable(q, pages, opts) else None
+    if runs is not None and sum(len(x) for x in runs) <= 2 * len(steps):  # few runs, not aligned: one call per run, on views
         out, lse = decode_runs(q, runs, [table.kv_len[r] for r in steps], pages, opts)
     else:
-        out, lse = decode(q, qpos, *_entries(steps, skip, table, P, q.device), pages, opts)
+        out, lse = decode(q, qpos, plan, table, pages, opts)
     for idx, o, s in partials:
         merged_out, merged_lse = merge_all([out.index_select(0, idx), o.to(out.dtype)], [lse.index_select(0, idx), s.to(lse.dtype)])
         out = out.index_copy(0, idx, merged_out)
         lse = lse.index_copy(0, idx, merged_lse)
     return out, lse
-
-
-def _entries(steps: list[int], skip: list[int], table: PageTable, P: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Each step's pages after its first ``skip``: ``(page, owner, slot, filled)``, one entry per page."""
-    count = torch.tensor([table.page_count[r] - k for r, k in zip(steps, skip)])
-    first = torch.tensor([table.page_start[r] + k for r, k in zip(steps, skip)])
-    owner = torch.repeat_interleave(torch.arange(len(steps)), count)
-    ends = torch.cumsum(count, 0)
-    local = torch.arange(int(ends[-1]) if len(steps) else 0) - torch.repeat_interleave(ends - count, count)
-    slot = local + torch.repeat_interleave(torch.tensor(skip), count)
-    filled = torch.full_like(local, P)
-    last = torch.tensor([table.kv_len[r] - (table.page_count[r] - 1) * P for r in steps])
-    filled[ends[count > 0] - 1] = last[count > 0]
-    page = table.indices.index_select(0, (first.repeat_interleave(count) + local).to(table.indices.device))
-    return page, owner.to(device), slot.to(device), filled.to(device)
 
 
 def _shared_prefixes(steps: list[int], table: PageTable) -> list[tuple[list[int], int]]:

@@ -1,157 +1,114 @@
 """One query per request, every request in one pass over the pages: the decoding step.
 
 Shape legend: ``n`` requests in the step, ``h`` query heads, ``g`` KV heads, ``x = h / g``,
-``d`` key size, ``e`` value size, ``P`` page size, ``C`` pages in a tile, ``N`` page entries
-(a request's page, with its owner, its place in the request and its filled length).
+``d`` key size, ``e`` value size, ``C`` items in a tile, ``L`` keys of an item, ``I`` items
+of the step.
 
-The pages are read a tile at a time. Where the tile's entries cover most of a range of page
-ids once each (what an allocator hands out), the tile is that range's **views**: the scores
-of every page against its owner's query are one batched product over the page axis, and a
-page no entry names is computed against nothing and dropped. Otherwise (scattered or shared
-pages) the tile is one copy of its entries' pages. Per tile and KV head::
+The step's pages are read as items (runs of one request's pages, ``qkv.paged.items``), a tile
+of items at a time. Each item gets its own ``(out, lse)`` from one of two kernels: PyTorch's
+fused CPU kernel where it can compute the logits (``qkv.paged.decode_fused``), else the
+products written out here::
 
-    s[c, x, p] = q[owner(c), x] · K[c, p]                 (C, x, P)    bmm over pages
-    m_r = max over r's entries and keys;  e = exp(s - m_owner)
-    den_r += Σ e;   num_r += Σ_c e[c] @ V[c]              index_add by owner
+    s[c, x, p] = q[owner(c), x] · K[c, p]        (C, g, x, L)   batched over items
+    lse_c = log Σ_p e^s,   out_c = Σ_p e^(s - lse_c) V[c, p]
 
-with a running maximum rescaling what earlier tiles summed (the online softmax, Milakov &
-Gimelshein 2018). The result is each request's ``(out, lse)``: ``out = num / den``,
-``lse = m + log den``; a request with no visible key gets ``out = 0``, ``lse = -inf``.
+Then every request's items merge by their log-sum-exp, once for the step (FlashInfer's
+cascade merge, ``qkv.merge``'s rule)::
+
+    m_r = max_c lse_c;   w_c = e^(lse_c - m_owner)
+    out_r = Σ_c w_c out_c / Σ_c w_c;   lse_r = m_r + log Σ_c w_c
+
+A request with no visible key gets ``out = 0``, ``lse = -inf``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
 from ..backends.tiling import tile_math
+from . import decode_fused
+from .items import Items, layout
 from .options import Options
-
-#: Pages per tile: about 2 MiB of float32 keys and values per KV head at P = 16, d = 64.
-TILE_PAGES = 256
-#: The largest block of pages read as one item: ``qkv.PagedKVCache`` hands a request pages in
-#: aligned blocks of this many, so a block holds one request's consecutive keys.
-BLOCK_PAGES = 16
+from .table import PageTable
 
 
-def decode(q: Tensor, qpos: Tensor, page: Tensor, owner: Tensor, slot: Tensor, filled: Tensor, pages,
-           opts: Options) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``(out (n, h, e), lse (n, h))`` of queries ``q (n, h, d)`` at positions ``qpos (n,)``.
+def decode(q: Tensor, qpos: Tensor, plan: Items, table: PageTable, pages, opts: Options) -> tuple[Tensor, Tensor]:
+    """``(out (n, h, e), lse (n, h))`` of queries ``q (n, h, d)`` at positions ``qpos (n,)`` over the items ``plan``.
 
-    Entries ``(N,)``: ``page`` id, ``owner`` (0 .. n - 1), ``slot`` (its place among the
-    owner's pages: keys ``slot · P ..``), ``filled`` keys. A score_mod is not applied here
-    (the front sends such calls one request at a time).
-
-    Where each aligned block of ``S`` pages holds one request's consecutive pages (what
-    :class:`qkv.PagedKVCache` hands out), a block is one item of the batched products: ``S``
-    times fewer, ``S`` times larger matrix products than one per page.
+    A score_mod is not applied here (the front sends such calls one request at a time).
     """
     n, h, d = q.shape
-    g, P = pages.kv_heads, pages.page_size
-    x = h // g
+    g = pages.kv_heads
     acc = torch.promote_types(q.dtype, torch.float32)
-    m = torch.full((n + 1, g, x), float("-inf"), dtype=acc, device=q.device)  # row n: pages no entry names
-    den = torch.zeros((n + 1, g, x), dtype=acc, device=q.device)
-    num = torch.zeros((n + 1, g, x, pages.value_dim), dtype=acc, device=q.device)
-    q_of = torch.cat([q, q.new_zeros(1, h, d)]).view(n + 1, g, x, d)
-    qpos_of = torch.cat([qpos, qpos.new_zeros(1)])
-    order = torch.argsort(page, stable=True)
-    page, owner, slot, filled = page[order], owner[order], slot[order], filled[order]
-    S = _block_pages(page, owner, slot)
-    block, owner, base, fill = _blocks(page, owner, slot, filled, S, P)
-    ids = block.tolist()
-    per_tile = max(1, TILE_PAGES // S)
-    start = 0
-    while start < len(ids):
-        stop = _tile_end(ids, start, per_tile)
-        K, V, tile_owner, tile_base, tile_fill = _tile(pages, ids, start, stop, block, owner, base, fill, n, S)
-        _accumulate(q_of, qpos_of, K, V, tile_owner, tile_base, tile_fill, opts, P, m, den, num)
-        start = stop
-    m, den, num = m[:n], den[:n], num[:n]
-    seen = den > 0
-    out = torch.where(seen[..., None], num / torch.where(seen, den, 1.0)[..., None], 0.0)
-    lse = torch.where(seen, m + torch.log(torch.where(seen, den, 1.0)), float("-inf"))
+    where = layout(plan, table, pages, n)
+    if not where.tiles:
+        return q.new_zeros(n, h, pages.value_dim), torch.full((n, h), float("-inf"), dtype=acc, device=q.device)
+    row = where.owner.clamp(max=n - 1)  # a filler block (owner n) gets some query: its result is dropped
+    q_at, qpos_at = q.view(n, g, h // g, d).index_select(0, row), qpos.index_select(0, row)
+    if decode_fused.usable(q, pages, opts):
+        out, lse = decode_fused.attend(q_at, qpos_at, where, opts)
+    else:
+        parts = [attend(q_at[a:b], qpos_at[a:b], *read(), where.base[a:b], where.keys[a:b], opts) for a, b, read in where.tiles]
+        out, lse = torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
+    out, lse = merge_by_owner(out, lse.to(acc), where.owner, n)
     return out.reshape(n, h, -1).to(q.dtype), lse.reshape(n, h)
 
 
-def _block_pages(page: Tensor, owner: Tensor, slot: Tensor) -> int:
-    """The largest ``S`` (a power of two up to :data:`BLOCK_PAGES`) whose aligned blocks each hold one owner's
-    consecutive pages, at least half full; 1 when none does (or a page is named twice)."""
-    if page.numel() < 2 or bool((page[1:] == page[:-1]).any()):
-        return 1
-    S = BLOCK_PAGES
-    while S > 1:
-        same_block = (page[1:] // S) == (page[:-1] // S)
-        start = slot - page % S  # the slot the block's first page would have
-        consistent = (owner[1:] == owner[:-1]) & (start[1:] == start[:-1])
-        blocks = int((page // S).unique_consecutive().numel())
-        if bool((consistent | ~same_block).all()) and 2 * page.numel() >= blocks * S:
-            return S
-        S //= 2
-    return 1
+def merge_by_owner(out: Tensor, lse: Tensor, owner: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """``(out (n, g, x, e), lse (n, g, x))``: items' ``out (I, g, x, e)``, ``lse (I, g, x)`` merged per owner
+    ``(I,)`` (owner ``n``: dropped); an owner with no finite ``lse`` gets 0 and -inf.
 
-
-def _blocks(page: Tensor, owner: Tensor, slot: Tensor, filled: Tensor, S: int, P: int):
-    """Per block of ``S`` pages (ids sorted): its id, owner, first key's position, and keys filled per page ``(nb, S)``."""
-    if S == 1:  # one block per entry: a page two requests name (a shared page) is read for each
-        return page, owner, slot * P, filled[:, None]
-    block = page // S
-    first = torch.ones_like(block, dtype=torch.bool)
-    first[1:] = block[1:] != block[:-1]
-    index = torch.cumsum(first.long(), 0) - 1
-    fill = torch.zeros(int(first.sum()), S, dtype=torch.long, device=page.device)
-    fill[index, page % S] = filled  # pages no entry names stay empty
-    return block[first], owner[first], ((slot - page % S) * P)[first], fill
-
-
-def _tile_end(ids: list[int], start: int, per_tile: int) -> int:
-    """One past the last block of the tile starting at ``start``: at most ``per_tile`` blocks, spanning as many ids."""
-    stop = min(len(ids), start + per_tile)
-    while stop > start + 1 and ids[stop - 1] - ids[start] >= per_tile:
-        stop -= 1
-    return stop
-
-
-def _tile(pages, ids, start, stop, block, owner, base, fill, n, S):
-    """The tile's keys and values ``(C, S·P, g, d)``, and per tile block its owner (``n`` for none), base and fill."""
-    lo, hi = ids[start], ids[stop - 1] + 1
-    count = stop - start
-    once = S > 1 or len(set(ids[start:stop])) == count  # a page named twice (shared) cannot be one view row
-    if once and 2 * count >= hi - lo and hi * S <= pages.num_pages:  # most of a range of blocks: read it where it lies
-        K, V = pages.range(lo * S, hi * S)
-        where = block[start:stop] - lo
-        tile_owner = torch.full((hi - lo,), n, dtype=torch.long, device=block.device).index_copy_(0, where, owner[start:stop])
-        tile_base = torch.zeros(hi - lo, dtype=torch.long, device=block.device).index_copy_(0, where, base[start:stop])
-        tile_fill = torch.zeros(hi - lo, S, dtype=torch.long, device=block.device).index_copy_(0, where, fill[start:stop])
+    Few operations: a step's merge ran as long as a third of its kernel call once caches were
+    cold. Where every output is finite, the sums over an owner's items are one batched product
+    with the owners' one-hot rows (``index_add_`` on the CPU adds index by index, 1 µs each);
+    a product would carry ``0 · nan`` into every owner, so a nan or inf (from a key the
+    request sees) is summed per owner instead. The largest ``lse`` is clamped to the dtype's
+    lowest (not -inf), so an owner without a seen key gets weights ``e^-inf = 0``,
+    ``out = 0 / tiny = 0`` and ``lse = lowest + log 0 = -inf`` without a test.
+    """
+    if not bool((owner < n).all()):  # blocks no item names, read as part of a range
+        owned = (owner < n).nonzero().flatten()
+        out, lse, owner = out.index_select(0, owned), lse.index_select(0, owned), owner.index_select(0, owned)
+    I, g, x, e = out.shape
+    info = torch.finfo(lse.dtype)
+    top = torch.full((n, g, x), float("-inf"), dtype=lse.dtype, device=lse.device)
+    top = top.scatter_reduce_(0, owner.view(-1, 1, 1).expand_as(lse), lse, "amax").clamp_(min=info.min)
+    w = torch.exp(lse - top.index_select(0, owner))  # (I, g, x)
+    if math.isfinite(float(out.sum())):
+        mine = owner[None, :] == torch.arange(n, device=owner.device)[:, None]  # (n, I)
+        weights = mine.to(lse.dtype) * w.reshape(I, g * x).t()[:, None, :]  # (g·x, n, I)
+        num = torch.bmm(weights, out.reshape(I, g * x, e).transpose(0, 1).to(lse.dtype)).transpose(0, 1)  # (n, g·x, e)
+        den = weights.sum(-1).t().reshape(n, g, x)
     else:
-        ids_in = (block[start:stop, None] * S + torch.arange(S, device=block.device)).clamp(max=pages.num_pages - 1)
-        K, V = pages.take(ids_in.reshape(-1))  # pages past the pool's end are read twice and stay empty
-        tile_owner, tile_base, tile_fill = owner[start:stop], base[start:stop], fill[start:stop]
-    C = tile_owner.numel()
-    return K.reshape(C, -1, *K.shape[2:]), V.reshape(C, -1, *V.shape[2:]), tile_owner, tile_base, tile_fill
+        num = torch.zeros((n, g * x, e), dtype=lse.dtype, device=out.device).index_add_(0, owner, (w[..., None] * out).reshape(I, g * x, e))
+        den = torch.zeros_like(top).index_add_(0, owner, w)
+    return (num / den.reshape(n, g * x, 1).clamp(min=info.tiny)).reshape(n, g, x, e), top + torch.log(den)
 
 
-def _accumulate(q_of, qpos_of, K, V, owner, base, fill, opts: Options, P: int, m, den, num) -> None:
-    """Fold one tile's blocks ``K, V (C, S·P, g, d)`` into each owner's running ``(m, den, num)``."""
-    C, L, g = K.shape[0], K.shape[1], K.shape[2]
-    acc = m.dtype
-    qt = q_of.index_select(0, owner)  # (C, g, x, d)
-    s = torch.stack([torch.bmm(qt[:, j], K[:, :, j].transpose(1, 2)) for j in range(g)], 1).to(acc)  # (C, g, x, L)
-    kpos = (base[:, None] + torch.arange(L, device=K.device))[:, None, None, :]  # (C, 1, 1, L)
-    qpos = qpos_of.index_select(0, owner)[:, None, None, None]
+def attend(q: Tensor, qpos: Tensor, K: Tensor, V: Tensor, base: Tensor, keys: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
+    """Per item ``(out (C, g, x, e), lse (C, g, x))``: queries ``q (C, g, x, d)`` at ``qpos (C,)`` against
+    ``K, V (C, g, L, d)`` from position ``base (C,)``, the first ``keys (C,)`` filled; the products written out."""
+    C, g, L = K.shape[0], K.shape[1], K.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q, K.transpose(-1, -2)).to(acc)  # (C, g, x, L)
+    kpos = (base[:, None] + torch.arange(L, device=K.device)).view(C, 1, 1, L)
+    qpos = qpos.view(C, 1, 1, 1)
     s = opts.logits(s, qpos, kpos)
-    seen = (torch.arange(P, device=K.device) < fill[:, :, None]).reshape(C, 1, 1, L)
+    seen = (torch.arange(L, device=K.device) < keys[:, None]).view(C, 1, 1, L)
     by_position = opts.seen(qpos, kpos)
     if by_position is not None:
         seen = seen & by_position
     s = s.masked_fill(~seen, float("-inf"))
-    page_max = s.amax(-1)  # (C, g, x)
-    tile_max = torch.full_like(m, float("-inf")).scatter_reduce_(0, owner[:, None, None].expand_as(page_max), page_max, "amax")
-    new_m = torch.maximum(m, tile_max)
-    safe = torch.where(torch.isneginf(new_m), 0.0, new_m)
-    rescale = torch.exp(m - safe)  # exp(-inf) = 0 for a request with nothing yet
-    e = tile_math.exp_floored(s - safe.index_select(0, owner)[..., None])  # masked keys: exp(-inf) = 0; no subnormals
-    den.mul_(rescale).index_add_(0, owner, e.sum(-1))
-    pv = torch.stack([torch.bmm(e[:, j].to(V.dtype), V[:, :, j]) for j in range(g)], 1).to(acc)  # (C, g, x, e)
-    num.mul_(rescale[..., None]).index_add_(0, owner, pv)
-    m.copy_(new_m)
+    top = s.amax(-1, keepdim=True)
+    top = torch.where(torch.isneginf(top), 0.0, top)
+    e = tile_math.exp_floored(s - top)  # masked keys: exp(-inf) = 0; no subnormals
+    den = e.sum(-1)
+    # unfilled slots hold whatever the pool held (torch.empty: maybe nan); 0 · nan would reach the sum
+    V = V if bool(seen.all()) else torch.where(seen.view(C, 1, L, 1), V, 0)
+    num = torch.matmul(e.to(V.dtype), V).to(acc)  # (C, g, x, e)
+    live = den > 0
+    den = torch.where(live, den, 1.0)
+    return num / den[..., None], torch.where(live, top[..., 0] + torch.log(den), float("-inf"))

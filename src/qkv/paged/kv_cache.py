@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .._args import positive_int
 from .attention import paged_attention
-from .decode import BLOCK_PAGES
+from .items import BLOCK_PAGES
 from .pages import FloatPages, empty
 
 
@@ -236,18 +236,23 @@ class PagedKVCache:
             pages.append(self._claim(start + k) if start is not None else self._take(pages[-1] if pages else None))
 
     def _free_run(self, need: int, prefer: int) -> int | None:
-        """The first id of ``need`` consecutive free pages, at ``prefer`` if free there, else the lowest; or None."""
+        """The first id of ``need`` consecutive free pages: at ``prefer`` if free there, else the lowest such
+        run starting on a block boundary (the attention reads aligned blocks as views, ``qkv.paged.decode``),
+        else the lowest; or None."""
         def free_from(p: int) -> bool:
             return p + need <= self.num_pages and all(self._refs[q] == 0 for q in range(p, p + need))
 
         if free_from(prefer):
             return prefer
-        run = 0
+        lowest, run = None, 0
         for p, refs in enumerate(self._refs):
             run = run + 1 if refs == 0 else 0
-            if run == need:
-                return p - need + 1
-        return None
+            if run >= need:  # pages p - need + 1 .. p are free
+                start = p - need + 1
+                if start % BLOCK_PAGES == 0:
+                    return start
+                lowest = start if lowest is None else lowest
+        return lowest
 
     def _take(self, after: int | None) -> int:
         """A free page: the one after ``after`` in its block if free, else the first page of a wholly free

@@ -42,10 +42,23 @@ class FloatPages:
         self.num_pages, self.page_size, self.kv_heads, self.head_dim = k.shape
         self.value_dim = self.head_dim
         self.dtype, self.device = k.dtype, k.device
+        #: whether :meth:`blocks` gives views (each pool's pages one after the other) rather than copies
+        self.views = k.is_contiguous() and v.is_contiguous()
 
     def range(self, p0: int, p1: int) -> tuple[Tensor, Tensor]:
         """Pages ``p0 .. p1 - 1``: ``(K (n, P, g, d), V (n, P, g, e))``, views of the cache."""
         return self.keys[p0:p1], self.values[p0:p1]
+
+    def blocks(self, p0: int, p1: int, S: int) -> tuple[Tensor, Tensor]:
+        """Pages ``p0 .. p1 - 1`` as ``(p1 - p0) / S`` items of ``S`` pages: ``(K, V (items, g, S·P, d))``.
+
+        Views in the tuple form (each pool's pages one after the other); a copy of these pages in
+        the single-tensor form, whose keys and values alternate page by page."""
+        def items(pool: Tensor) -> Tensor:
+            x = pool[p0:p1]
+            return x.reshape(-1, S * x.shape[1], *x.shape[2:]).transpose(1, 2)
+
+        return items(self.keys), items(self.values)
 
     def take(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Pages ``ids (n,)`` in that order (repeats allowed): ``(K, V)``, one copy of those pages."""

@@ -31,8 +31,6 @@ slower). :attr:`Int8Pages.keys` and the other public names are page-major views 
 
 from __future__ import annotations
 
-from bisect import bisect_left
-
 import torch
 from torch import Tensor
 
@@ -65,6 +63,7 @@ class Int8Pages:
         self.residual: dict[int, Tensor] = {}  # page -> (2, P, g, d) in dtype, while partially filled
         self.filled = [0] * num_pages  # offsets written since the page was (re)started
         self._scratch = Scratch(self.device)  # runs' dequantised K and V, kept between steps
+        self.views = False  # reads are dequantised copies
 
     # ------------------------------------------------------------------ layout
 
@@ -121,37 +120,46 @@ class Int8Pages:
     def runs(self, ranges: list[tuple[int, int]]):
         """``read(n, count) -> (K (g, count, d), V (g, count, d))``: the first ``count`` keys of range ``n``, dequantised.
 
-        ``ranges``: ``(first page, pages)`` each.
-
-        The attention's view of a run of pages, head by head, as the fused kernel reads it.
-        Every range is dequantised into the same two buffers (``tile_math.Scratch``, grown to
-        the longest range seen; a result is valid until the next read), so the floats stay in
-        cache between the write and the kernel's read, and fresh memory is not faulted in for
-        each run or step. Laid out head-major, so the threads that dequantise a head are the
-        ones the kernel gives that head. Each of K and V is two passes: the int8 values widened
-        into the buffer, then scaled in place (one fused ``int8 × scale`` operation measured
-        slower than the two, PyTorch casting it element by element).
+        ``ranges``: ``(first page, pages)`` each. The attention's view of a run of pages, head by
+        head, as the fused kernel reads it; a result is valid until the next read (:meth:`_widen`).
         """
         g, P, d = self.kv_heads, self.page_size, self.head_dim
-        most = max((c for _, c in ranges), default=0)
-        K_all, V_all = self._scratch.take("KV", (2, g, most, P, d), self.dtype)  # per head, room for the longest run
-        keys, values = self._keys, self._values  # (g, N, P, d): a run is one contiguous block per head
-        key_scale = self._key_scale[:, :, None]  # (g, N, 1, d)
-        value_scale = self._value_scale[..., None]  # (g, N, P, 1)
-        partial = sorted(self.residual)
 
         def read(n: int, count: int) -> tuple[Tensor, Tensor]:
-            # narrow, not indexing: a step reads 32 runs or more, and tuple indexing costs a few µs a view
             p0, c = ranges[n]
-            K = K_all.narrow(1, 0, c).copy_(keys.narrow(1, p0, c)).mul_(key_scale.narrow(1, p0, c))
-            V = V_all.narrow(1, 0, c).copy_(values.narrow(1, p0, c)).mul_(value_scale.narrow(1, p0, c))
-            if partial:
-                for p in partial[bisect_left(partial, p0) : bisect_left(partial, p0 + c)]:
-                    both = self.residual[p].permute(0, 2, 1, 3)  # (2, g, P, d)
-                    K[:, p - p0], V[:, p - p0] = both[0], both[1]
+            K, V = self._widen(p0, c)
             return K.view(g, c * P, d).narrow(1, 0, count), V.view(g, c * P, d).narrow(1, 0, count)
 
         return read
+
+    def blocks(self, p0: int, p1: int, S: int) -> tuple[Tensor, Tensor]:
+        """Pages ``p0 .. p1 - 1`` as ``(p1 - p0) / S`` items of ``S`` pages: ``(K, V (items, g, S·P, d))``, dequantised.
+
+        Views of the buffers of :meth:`_widen`, valid until the next read."""
+        g, P, d = self.kv_heads, self.page_size, self.head_dim
+        K, V = self._widen(p0, p1 - p0)
+        return K.view(g, -1, S * P, d).transpose(0, 1), V.view(g, -1, S * P, d).transpose(0, 1)
+
+    def _widen(self, p0: int, c: int) -> tuple[Tensor, Tensor]:
+        """Pages ``p0 .. p0 + c - 1`` dequantised, head-major: ``(K, V (g, c, P, d))``, in two reused buffers.
+
+        Every read lands in the same two buffers (``tile_math.Scratch``, grown to the largest
+        read), so the floats stay in cache between the write and the kernel's read, and fresh
+        memory is not faulted in for each read or step; a result is valid until the next read.
+        Laid out head-major, so the threads that dequantise a head are the ones the kernel
+        gives that head in a run. Each of K and V is two passes: the int8 values widened into
+        the buffer, then scaled in place (one fused ``int8 × scale`` operation measured slower
+        than the two, PyTorch casting it element by element).
+        """
+        g, P, d = self.kv_heads, self.page_size, self.head_dim
+        K_all, V_all = self._scratch.take("KV", (2, g, c, P, d), self.dtype)
+        K = K_all.copy_(self._keys.narrow(1, p0, c)).mul_(self._key_scale[:, :, None].narrow(1, p0, c))
+        V = V_all.copy_(self._values.narrow(1, p0, c)).mul_(self._value_scale[..., None].narrow(1, p0, c))
+        for p in self.residual:  # partially filled pages: as written
+            if p0 <= p < p0 + c:
+                both = self.residual[p].permute(0, 2, 1, 3)  # (2, g, P, d)
+                K[:, p - p0], V[:, p - p0] = both[0], both[1]
+        return K, V
 
     # ------------------------------------------------------------------ writes
 

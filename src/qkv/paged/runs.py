@@ -3,8 +3,9 @@
 Shape legend: ``n`` requests in the step, ``h`` query heads, ``g`` KV heads, ``x = h / g``,
 ``d`` key size, ``e`` value size, ``P`` page size, ``L`` keys of a run.
 
-``qkv.PagedKVCache`` hands a request the page after its last one while it can, so a request's
-pages are a few runs of consecutive ids. In the tuple form (keys and values in pools of their
+A page table whose requests hold a few runs of consecutive ids each, not starting on block
+boundaries (``qkv.PagedKVCache`` starts them there, and its steps go to the items of
+``qkv.paged.decode``: one kernel call for all requests). In the tuple form (keys and values in pools of their
 own) a run is one strided matrix ``(L, g, d)``, and PyTorch's fused CPU kernel
 (``backends.tiling.flash_cpu``) reads it where it lies: the ``x`` query heads that share a KV
 head become ``x`` query rows of that head, so grouped heads need no copy of the keys::
@@ -16,7 +17,7 @@ costs about what one call of ``F.scaled_dot_product_attention`` on a contiguous 
 so a step of requests with few runs each runs at the speed of a loop over contiguous caches.
 Used for plain decoding steps (no soft-cap, ALiBi, window or score_mod); int8 pages are
 dequantised a run at a time into buffers the kernel reads from cache
-(``Int8Pages.runs``). The block pass (``qkv.paged.decode``) takes the rest. The host work of
+(``Int8Pages.runs``). The item pass (``qkv.paged.decode``) takes the rest. The host work of
 a step is a few operations per request: the runs come from one comparison over the page
 list, and the outputs are joined once at the end.
 """
@@ -48,8 +49,7 @@ def runs_in(table: PageTable, steps: list[int], skip: list[int]) -> list[list[tu
     request's runs are then the breaks inside its own entries (a bisection), so the host
     work grows with requests and runs, not with pages.
     """
-    indices = table.indices
-    breaks = (indices[1:] != indices[:-1] + 1).nonzero().flatten().add_(1).tolist() if indices.numel() > 1 else []
+    indices, breaks = table.indices, table.breaks
     spans: list[tuple[int, int, int]] = []  # (entry, entries, slot) of every run, step after step
     shape: list[int] = []
     for r, k in zip(steps, skip):

@@ -14,6 +14,7 @@ cache).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -34,6 +35,12 @@ class PageTable:
     @property
     def requests(self) -> int:
         return len(self.qo_len)
+
+    @cached_property
+    def breaks(self) -> list[int]:
+        """Where page ids stop being consecutive: each ``b`` with ``indices[b] != indices[b - 1] + 1``, ascending."""
+        ids = self.indices
+        return (ids[1:] != ids[:-1] + 1).nonzero().flatten().add_(1).tolist() if ids.numel() > 1 else []
 
     def pages(self, r: int) -> Tensor:
         """Request ``r``'s page ids, in order: ``(pages,)``."""

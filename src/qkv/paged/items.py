@@ -1,0 +1,169 @@
+"""A decoding step's pages as items, the batch entries of its products, and the tiles that read them.
+
+Shape legend: ``n`` requests in the step, ``I`` items, ``C`` items in a tile, ``S`` pages in
+an item, ``P`` page size, ``L = S·P`` keys of an item, ``g`` KV heads, ``d`` key size.
+
+Each request's pages (after the leading ones a shared prompt's cascade took) are cut into
+items of ``S`` consecutive entries of its page list, so an item holds up to ``L`` of the
+request's consecutive keys from position ``base``, its first ``keys`` of them filled (every
+page but a request's last is full). Items are read in tiles:
+
+* **views** — where every item is ``S`` consecutive pages starting on a multiple of ``S``
+  (what :class:`qkv.PagedKVCache` hands out) and no two share a block: a range of aligned
+  blocks is one strided tensor ``(C, g, L, d)``; a block inside the range that no item names
+  is computed against nothing (its owner is ``n``, a row that is dropped). A range ends at a
+  gap of more than :data:`GAP_BLOCKS` unnamed blocks. Float pages' views are not limited in
+  size; other pages (int8, dequantised by their ``blocks``) :data:`TILE_KEYS` keys at a time;
+* **copies** — otherwise (scattered pages, or one page named by two requests): a tile of
+  items is one copy of their pages (``take``), an item's pages past its owner's last read as
+  page 0 and never seen.
+
+The host work is a few list operations per item: whether the items are aligned comes from
+one comparison over the whole page list (where ids stop being consecutive).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .table import PageTable
+
+#: Keys per item: measured on the Intel Xeon, PyTorch's fused kernel over 38K keys in items of
+#: 256 ran 2.6x faster than in items of 16 (it pays per item), and items of 512 no faster.
+ITEM_KEYS = 256
+#: The largest block of pages read as one item: ``qkv.PagedKVCache`` hands a request pages in
+#: aligned blocks of this many, so a block holds one request's consecutive keys.
+BLOCK_PAGES = 16
+#: Keys of a tile read as a copy or dequantised (views of float pages are not limited): about
+#: 4 MiB of float32 keys and values at g = 2, d = 64, read back by the kernel while cached.
+TILE_KEYS = 4096
+#: A view tile spans at most this many unnamed blocks between two named ones: reading one such
+#: block (256 keys) costs about what one more call of the kernel costs.
+GAP_BLOCKS = 1
+
+
+@dataclass(frozen=True)
+class Items:
+    """The step's items, one entry per item in each list (host ints)."""
+
+    S: int  # pages per item
+    entry: list[int]  # its first page's place in the table's page list
+    owner: list[int]  # its request's place in the step (0 .. n - 1)
+    base: list[int]  # the position of its first key in the request
+    keys: list[int]  # keys filled, from its first
+    block: list[int] | None  # its aligned block's id (first page // S), or None: not read as views
+
+    @property
+    def aligned(self) -> bool:
+        return self.block is not None
+
+
+def item_pages(P: int) -> int:
+    """Pages per item: a power of two, at most :data:`BLOCK_PAGES`, at most :data:`ITEM_KEYS` keys (one page if larger)."""
+    S = 1
+    while 2 * S <= BLOCK_PAGES and 2 * S * P <= ITEM_KEYS:
+        S *= 2
+    return S
+
+
+def items(steps: list[int], skip: list[int], table: PageTable, num_pages: int) -> Items:
+    """Each step's pages after its first ``skip`` (a shared prompt's), as items of :func:`item_pages` pages."""
+    P = table.page_size
+    S = item_pages(P)
+    L = S * P
+    entry, owner, base, keys, spans = [], [], [], [], []
+    for n, (r, k) in enumerate(zip(steps, skip)):
+        first, pages, kv_len = table.page_start[r] + k, table.page_count[r] - k, table.kv_len[r]
+        if pages <= 0:
+            continue
+        count = -(-pages // S)
+        spans.append((first, pages))
+        entry.extend(range(first, first + pages, S))
+        owner.extend([n] * count)
+        base.extend(range(k * P, (k + pages) * P, L))
+        keys.extend([L] * (count - 1))
+        keys.append(kv_len - (k + (count - 1) * S) * P)  # the last item: up to the request's last key
+    return Items(S, entry, owner, base, keys, _aligned(table, entry, spans, S, num_pages))
+
+
+def _aligned(table: PageTable, entry: list[int], spans: list[tuple[int, int]], S: int, num_pages: int) -> list[int] | None:
+    """Each item's block id when every item is consecutive pages from a multiple of ``S`` and no two share
+    a block (and the last block lies inside the pool); else None. ``spans``: each request's ``(first entry, entries)``."""
+    if not entry:
+        return None
+    heads = table.indices[entry].tolist()
+    if any(p % S for p in heads) or S * (max(heads) // S + 1) > num_pages:
+        return None
+    breaks = table.breaks  # b: ids b - 1 and b are not consecutive; allowed only where an item starts
+    for a, pages in spans:
+        inside = breaks[bisect_right(breaks, a) : bisect_left(breaks, a + pages)]
+        if any((b - a) % S for b in inside):
+            return None
+    block = [p // S for p in heads]
+    return block if len(set(block)) == len(block) else None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The step's items in the order its tiles read them, filler blocks of view tiles included (owner ``n``)."""
+
+    item_keys: int  # L, keys of an item
+    owner: torch.Tensor  # (M,) the slot's request, n for none
+    base: torch.Tensor  # (M,) its first key's position
+    keys: torch.Tensor  # (M,) keys filled, from its first (0 for a filler)
+    tiles: list[tuple[int, int, Callable[[], tuple[torch.Tensor, torch.Tensor]]]]  # slots a .. b - 1, and their (K, V)
+
+
+def layout(plan: Items, table: PageTable, pages, n: int) -> Layout:
+    """Where each item is read: ``tiles`` give ``(a, b, read)``, ``read() -> K, V (b - a, g, L, d)`` for slots ``a .. b - 1``."""
+    return _views(plan, pages, n) if plan.aligned else _copies(plan, table, pages)
+
+
+def _views(plan: Items, pages, n: int) -> Layout:
+    S, P = plan.S, pages.page_size
+    order = sorted(range(len(plan.block)), key=plan.block.__getitem__)
+    block = [plan.block[i] for i in order]
+    most = None if pages.views else max(1, TILE_KEYS // (S * P))  # blocks of a copied or dequantised tile
+    owner, base, keys, tiles = [], [], [], []
+    start = 0
+    while start < len(block):
+        stop = start + 1
+        while stop < len(block) and block[stop] - block[stop - 1] <= GAP_BLOCKS + 1 and (
+                most is None or block[stop] - block[start] < most):  # fmt: skip
+            stop += 1
+        lo, hi = block[start], block[stop - 1] + 1
+        at = len(owner)
+        owner += [n] * (hi - lo)
+        base += [0] * (hi - lo)
+        keys += [0] * (hi - lo)
+        for i in order[start:stop]:
+            slot = at + plan.block[i] - lo
+            owner[slot], base[slot], keys[slot] = plan.owner[i], plan.base[i], plan.keys[i]
+        tiles.append((at, len(owner), (lambda p0, p1: lambda: pages.blocks(p0, p1, S))(lo * S, hi * S)))
+        start = stop
+    return Layout(S * P, *_longs(owner, base, keys, device=pages.device), tiles)
+
+
+def _copies(plan: Items, table: PageTable, pages) -> Layout:
+    S, P = plan.S, pages.page_size
+    per_tile = max(1, TILE_KEYS // (S * P))
+    entry, owner, base, keys = _longs(plan.entry, plan.owner, plan.base, plan.keys, device=table.indices.device)
+    at = entry[:, None] + torch.arange(S, device=entry.device)  # (I, S) places in the page list
+    named = torch.arange(S, device=entry.device) * P < keys[:, None]  # the owner's pages, not the next request's
+    ids = torch.where(named, table.indices[at.clamp(max=table.indices.numel() - 1)], 0)  # unnamed: page 0, never seen
+
+    def read(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        K, V = pages.take(ids[a:b].reshape(-1))  # (C·S, P, g, d)
+        return K.reshape(b - a, S * P, *K.shape[2:]).transpose(1, 2), V.reshape(b - a, S * P, *V.shape[2:]).transpose(1, 2)
+
+    I = len(plan.entry)
+    tiles = [(a, min(I, a + per_tile), (lambda a, b: lambda: read(a, b))(a, min(I, a + per_tile))) for a in range(0, I, per_tile)]
+    return Layout(S * P, owner.to(pages.device), base.to(pages.device), keys.to(pages.device), tiles)
+
+
+def _longs(*lists: list[int], device) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.tensor(xs, dtype=torch.long, device=device) for xs in lists)
