@@ -166,7 +166,7 @@ def test_errors_name_the_argument():
 
 def test_the_tuple_form_and_blocks_of_pages_read_as_one_item_equal_the_definition():
     """(k_cache, v_cache), and requests holding aligned blocks of consecutive pages (read a block at a time)."""
-    from qkv.paged import attention as front
+    from qkv.paged import route as front
     from qkv.paged import items
 
     P, S = 4, items.BLOCK_PAGES
@@ -247,3 +247,37 @@ def test_nan_in_a_seen_key_reaches_its_own_request_only():
     cache[ids[0], 1, 3] = float("nan")  # request 1's fourth value
     out, lse = paged(q, cache, table)
     assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any() and not torch.isnan(lse[[0, 2]]).any()
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "alibi", "soft cap", "score_mod"])
+def test_a_plan_run_for_several_layers_equals_a_call_per_layer(case, monkeypatch):
+    """FlashInfer's plan and run: the table laid out once (items computed once), each layer's cache attended."""
+    from qkv.paged import route
+
+    kv_lens, qo_lens = [70, 90, 49, 200, 33], [1, 1, 5, 1, 1]
+    q, cache, table = build(qo_lens, kv_lens, 16, seed=5)
+    layers = [cache, cache.flip(-1).contiguous(), (2 * cache[:, 0].contiguous(), cache[:, 1].contiguous())]
+    plan = qkv.paged.PagedPlan(*table, num_pages=cache.shape[0], page_size=16)
+    laid_out = []
+    original = route.items
+    monkeypatch.setattr(route, "items", lambda *a: laid_out.append(1) or original(*a))
+    opts = {k: v for k, v in CASES[case].items()}
+    kw = dict(causal=opts.get("causal", True), window_left=opts.get("window_left", -1), logits_soft_cap=opts.get("cap", 0.0),
+              alibi_slopes=opts.get("alibi"), score_mod=opts.get("score_mod"), return_lse=True)  # fmt: skip
+    for layer in layers:
+        got = plan.run(q, layer, **kw)
+        want = literal(q, layer if isinstance(layer, torch.Tensor) else torch.stack(layer, 1), table, **opts)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert len(laid_out) <= 1  # decoding steps' items: once for the three layers (none with a score_mod)
+
+
+def test_a_plan_refuses_a_call_it_was_not_made_for():
+    q, cache, table = build([1, 1], [20, 9], 4, seed=6)
+    plan = qkv.paged.PagedPlan(*table, num_pages=cache.shape[0], page_size=4)
+    with pytest.raises(ValueError, match="query rows"):
+        plan.run(q[:1], cache)
+    with pytest.raises(ValueError, match="pages of"):
+        plan.run(q, cache[:-1])
+    with pytest.raises(ValueError, match="kv_indices"):
+        qkv.paged.PagedPlan(*table, num_pages=2, page_size=4)

@@ -126,7 +126,7 @@ def test_attention_over_int8_pages_is_attention_over_their_values(P, call):
 @pytest.mark.parametrize("shared", [0, 2])
 def test_a_step_over_runs_of_int8_pages_dequantises_each_run_and_equals_their_values(monkeypatch, shared):
     """Consecutive pages take the fused kernel a run at a time, the partial last pages read from the residual."""
-    from qkv.paged import attention as paged
+    from qkv.paged import route as paged
 
     kv_lens = [70, 90, 49, 200, 33, 16]
     pages, _, fills, table = fill(kv_lens, 16, 8, torch.float64, seed=3, shared=shared, consecutive=True)

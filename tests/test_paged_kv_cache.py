@@ -152,7 +152,7 @@ def test_reserved_runs_start_on_a_block_boundary_where_the_pool_has_one():
 
 def test_a_decoding_step_over_unaligned_runs_equals_the_item_pass(monkeypatch):
     """Runs of consecutive pages not on block boundaries: one fused call per run, and the items (copies) agree."""
-    from qkv.paged import attention as paged
+    from qkv.paged import route as paged
 
     gen = torch.Generator().manual_seed(6)
     lengths, first = [37, 5, 64, 21], [3, 21, 27, 50]  # each request's pages one run, none aligned

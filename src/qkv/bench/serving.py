@@ -8,8 +8,9 @@ Shape legend: ``R`` requests, ``h = 8`` query heads, ``g = 2`` KV heads, ``d = 6
   admitted with its whole length reserved, its prompt prefilled, then every request growing a
   token a step, side by side): ``qkv.paged_attention``
   against a Python loop of ``F.scaled_dot_product_attention`` over each request's own
-  contiguous cache, and against SDPA on the requests padded to the longest with a mask.
-  The caches' bytes: paged ``Σ ⌈len / P⌉ · P`` tokens against padded ``R · max``;
+  contiguous cache, and against SDPA on the requests padded to the longest with a mask
+  (built once, as the padded cache is); also the step as a serving loop's later layers run
+  it, a ``qkv.paged.PagedPlan`` whose table was laid out by an earlier run. The caches' bytes: paged ``Σ ⌈len / P⌉ · P`` tokens against padded ``R · max``;
 * **mixed** — 4 prefill chunks of 512 queries (after 512 cached keys) and 28 decoding steps
   in one call, against the same work as separate calls (one per chunk, one for the steps);
 * **shared prefix** — 32 requests sharing a 1024-token prompt, each with its own 16 to 256
@@ -29,7 +30,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..paged import Int8Pages, PagedKVCache, paged_attention
+from ..paged import Int8Pages, PagedKVCache, PagedPlan, paged_attention
+from ..paged.pages import FloatPages
 from ..paged.items import BLOCK_PAGES
 from .measure import interleaved
 from .report import Targets, table
@@ -54,8 +56,17 @@ class Table:
         self.last = longs([n - (c - 1) * P for n, c in zip(lengths, counts)])
 
     def attend(self, q, qo_lens: list[int]):
-        qo = torch.tensor([0, *torch.tensor(qo_lens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.long)
-        return paged_attention(q, self.cache, qo, self.indptr, self.indices, self.last)
+        return paged_attention(q, self.cache, self._qo(qo_lens), self.indptr, self.indices, self.last)
+
+    def plan(self, qo_lens: list[int]) -> PagedPlan:
+        """The table as a serving loop's step keeps it for all its layers (laid out by the first run)."""
+        store = self.cache if hasattr(self.cache, "blocks") else FloatPages(self.cache)
+        return PagedPlan(self._qo(qo_lens), self.indptr, self.indices, self.last, num_pages=store.num_pages,
+                         page_size=store.page_size)  # fmt: skip
+
+    @staticmethod
+    def _qo(qo_lens: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *torch.tensor(qo_lens, dtype=torch.long).cumsum(0).tolist()], dtype=torch.long)
 
 
 class Pool(Table):
@@ -118,8 +129,10 @@ def _decode(cfg: dict, say) -> tuple[list, Targets, dict]:
         return torch.cat([F.scaled_dot_product_attention(q[r][None, :, None], k, v, enable_gqa=True)[0, :, 0][None]
                           for r, (k, v) in enumerate(kv)])  # fmt: skip
 
+    plan = pool.plan([1] * R)
     fns = {
         "paged": lambda: pool.attend(q, [1] * R),
+        "paged, planned": lambda: plan.run(q, pool.cache),
         "loop": loop,
         "padded": lambda: F.scaled_dot_product_attention(q[:, :, None], kp, vp, attn_mask=keep, enable_gqa=True),
         "int8 paged": (lambda p: lambda: p.attend(q, [1] * R))(Pool(lengths, quantized=True)),
@@ -136,7 +149,8 @@ def _decode(cfg: dict, say) -> tuple[list, Targets, dict]:
     targets.add(f"decode step, {R} requests, paged / SDPA padded to the longest ≤ 0.6", t["paged"] / t["padded"], 0.6)
     targets.add("int8 cache: bytes per token / float32's ≤ 0.3", int8_ratio, 0.3)
     targets.add("int8 cache: decode step / float32 paged step ≤ 1.5", t["int8 paged"] / t["paged"], 1.5)
-    rows = [[f"{R} requests, lengths {cfg['low']}–{cfg['high']}", f"{t['paged'] * 1e3:.2f}", f"{t['loop'] * 1e3:.2f}",
+    rows = [[f"{R} requests, lengths {cfg['low']}–{cfg['high']}", f"{t['paged'] * 1e3:.2f}",
+             f"{t['paged, planned'] * 1e3:.2f}", f"{t['loop'] * 1e3:.2f}",
              f"{t['padded'] * 1e3:.2f}", f"{t['int8 paged'] * 1e3:.2f}", f"{paged_bytes / 2**20:.1f} MiB",
              f"{padded_bytes / 2**20:.1f} MiB"]]  # fmt: skip
     return rows, targets, {"int8 ratio": int8_ratio}
@@ -189,7 +203,8 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     lines = ["## Serving: paged attention (`qkv bench --suite serving`)", "",
              f"h = {H}, KV heads = {G}, d = {D}, page size {P}, float32, no_grad; times are medians in ms, side by side.", "",
              "### A decoding step", ""]  # fmt: skip
-    lines += table(["requests", "paged", "loop of SDPA", "SDPA padded", "int8 paged", "paged cache", "padded cache"],
+    lines += table(["requests", "paged", "paged, planned", "loop of SDPA", "SDPA padded", "int8 paged", "paged cache",
+                    "padded cache"],
                    decode_rows) + [""]  # fmt: skip
     lines += ["### A ragged batch: prefill chunks and decoding steps in one call", ""]
     lines += table(["batch", "one call", "separate calls", "ratio"], mixed_rows) + [""]

@@ -23,8 +23,6 @@ A request with no visible key gets ``out = 0``, ``lse = -inf``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -35,23 +33,32 @@ from .options import Options
 from .table import PageTable
 
 
-def decode(q: Tensor, qpos: Tensor, plan: Items, table: PageTable, pages, opts: Options) -> tuple[Tensor, Tensor]:
+def decode(q: Tensor, qpos: Tensor, plan: Items, table: PageTable, pages, opts: Options,
+           memo: dict | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(out (n, h, e), lse (n, h))`` of queries ``q (n, h, d)`` at positions ``qpos (n,)`` over the items ``plan``.
 
-    A score_mod is not applied here (the front sends such calls one request at a time).
+    ``memo`` keeps what the table alone decides (the layout, the masks of unfilled slots) for
+    the next layer of the same step. A score_mod is not applied here (the front sends such
+    calls one request at a time).
     """
     n, h, d = q.shape
     g = pages.kv_heads
     acc = torch.promote_types(q.dtype, torch.float32)
-    where = layout(plan, table, pages, n)
+    memo = {} if memo is None else memo
+    key = ("layout", pages.page_size, pages.views, str(q.device))
+    if key not in memo:
+        where = layout(plan, table, pages.page_size, pages.views, n, q.device)
+        row = where.owner.clamp(max=n - 1)  # a filler block (owner n) gets some query: its result is dropped
+        memo[key] = where, row, qpos.index_select(0, row), {}
+    where, row, qpos_at, masks = memo[key]
     if not where.tiles:
         return q.new_zeros(n, h, pages.value_dim), torch.full((n, h), float("-inf"), dtype=acc, device=q.device)
-    row = where.owner.clamp(max=n - 1)  # a filler block (owner n) gets some query: its result is dropped
-    q_at, qpos_at = q.view(n, g, h // g, d).index_select(0, row), qpos.index_select(0, row)
+    q_at = q.view(n, g, h // g, d).index_select(0, row)
     if decode_fused.usable(q, pages, opts):
-        out, lse = decode_fused.attend(q_at, qpos_at, where, opts)
+        out, lse = decode_fused.attend(q_at, qpos_at, where, pages, opts, masks)
     else:
-        parts = [attend(q_at[a:b], qpos_at[a:b], *read(), where.base[a:b], where.keys[a:b], opts) for a, b, read in where.tiles]
+        parts = [attend(q_at[a:b], qpos_at[a:b], *where.read((a, b, src), pages), where.base[a:b], where.keys[a:b], opts)
+                 for a, b, src in where.tiles]  # fmt: skip
         out, lse = torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
     out, lse = merge_by_owner(out, lse.to(acc), where.owner, n)
     return out.reshape(n, h, -1).to(q.dtype), lse.reshape(n, h)
@@ -61,31 +68,21 @@ def merge_by_owner(out: Tensor, lse: Tensor, owner: Tensor, n: int) -> tuple[Ten
     """``(out (n, g, x, e), lse (n, g, x))``: items' ``out (I, g, x, e)``, ``lse (I, g, x)`` merged per owner
     ``(I,)`` (owner ``n``: dropped); an owner with no finite ``lse`` gets 0 and -inf.
 
-    Few operations: a step's merge ran as long as a third of its kernel call once caches were
-    cold. Where every output is finite, the sums over an owner's items are one batched product
-    with the owners' one-hot rows (``index_add_`` on the CPU adds index by index, 1 µs each);
-    a product would carry ``0 · nan`` into every owner, so a nan or inf (from a key the
-    request sees) is summed per owner instead. The largest ``lse`` is clamped to the dtype's
-    lowest (not -inf), so an owner without a seen key gets weights ``e^-inf = 0``,
-    ``out = 0 / tiny = 0`` and ``lse = lowest + log 0 = -inf`` without a test.
+    Few operations: a step's merge ran as long as a fifth of its kernel call once caches were
+    cold. Sums go by ``index_add_``, row by row, so a nan in one request's items stays in its
+    own row (a batched product with one-hot rows would carry ``0 · nan`` into every row, and
+    measured 3x slower besides). The largest ``lse`` is clamped to the dtype's lowest (not
+    -inf), so an owner without a seen key gets weights ``e^-inf = 0``, ``out = 0 / tiny = 0``
+    and ``lse = lowest + log 0 = -inf`` without a test.
     """
-    if not bool((owner < n).all()):  # blocks no item names, read as part of a range
-        owned = (owner < n).nonzero().flatten()
-        out, lse, owner = out.index_select(0, owned), lse.index_select(0, owned), owner.index_select(0, owned)
-    I, g, x, e = out.shape
     info = torch.finfo(lse.dtype)
-    top = torch.full((n, g, x), float("-inf"), dtype=lse.dtype, device=lse.device)
+    top = torch.full((n + 1, *lse.shape[1:]), float("-inf"), dtype=lse.dtype, device=lse.device)
     top = top.scatter_reduce_(0, owner.view(-1, 1, 1).expand_as(lse), lse, "amax").clamp_(min=info.min)
     w = torch.exp(lse - top.index_select(0, owner))  # (I, g, x)
-    if math.isfinite(float(out.sum())):
-        mine = owner[None, :] == torch.arange(n, device=owner.device)[:, None]  # (n, I)
-        weights = mine.to(lse.dtype) * w.reshape(I, g * x).t()[:, None, :]  # (g·x, n, I)
-        num = torch.bmm(weights, out.reshape(I, g * x, e).transpose(0, 1).to(lse.dtype)).transpose(0, 1)  # (n, g·x, e)
-        den = weights.sum(-1).t().reshape(n, g, x)
-    else:
-        num = torch.zeros((n, g * x, e), dtype=lse.dtype, device=out.device).index_add_(0, owner, (w[..., None] * out).reshape(I, g * x, e))
-        den = torch.zeros_like(top).index_add_(0, owner, w)
-    return (num / den.reshape(n, g * x, 1).clamp(min=info.tiny)).reshape(n, g, x, e), top + torch.log(den)
+    den = torch.zeros_like(top).index_add_(0, owner, w)[:n]
+    num = torch.zeros((n + 1, *out.shape[1:]), dtype=lse.dtype, device=out.device)
+    num = num.index_add_(0, owner, w[..., None] * out)[:n]
+    return num / den.clamp(min=info.tiny)[..., None], top[:n] + torch.log(den)
 
 
 def attend(q: Tensor, qpos: Tensor, K: Tensor, V: Tensor, base: Tensor, keys: Tensor, opts: Options) -> tuple[Tensor, Tensor]:

@@ -42,19 +42,26 @@ def usable(q: Tensor, pages, opts: Options) -> bool:
             and flash_cpu.unusable(q) is None)  # fmt: skip
 
 
-def attend(q: Tensor, qpos: Tensor, where: Layout, opts: Options) -> tuple[Tensor, Tensor]:
+def attend(q: Tensor, qpos: Tensor, where: Layout, pages, opts: Options, masks: dict) -> tuple[Tensor, Tensor]:
     """Per slot of ``where`` ``(out (M, g, x, e), lse (M, g, x))``: queries ``q (M, g, x, d)`` at ``qpos (M,)``
-    against the slot's keys and values, one kernel call per tile."""
-    mask, any_seen = _masks(q, qpos, where, opts)
+    against the slot's keys and values in ``pages``, one kernel call per tile. ``masks`` keeps the plain
+    masks (no window, no ALiBi) for the next layer of the same step."""
+    plain = opts.window_left < 0 and opts.alibi_slopes is None
+    if not plain:
+        mask, any_seen = _masks(q, qpos, where, opts)
+    else:  # the table alone decides them
+        if q.dtype not in masks:
+            masks[q.dtype] = _masks(q, qpos, where, opts)
+        mask, any_seen = masks[q.dtype]
     outs, lses = [], []
-    for a, b, read in where.tiles:
-        K, V = read()
+    for a, b, src in where.tiles:
+        K, V = where.read((a, b, src), pages)
         out, lse = flash_cpu.forward(q[a:b], K, V, 0.0, False, attn_mask=mask[a:b], scale=opts.scale)[:2]
         outs.append(out)
         lses.append(lse)
     out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
     if not math.isfinite(float(out.sum())):  # one pass to ask; then which items, and only those again
-        out, lse = _without_unseen(q, where, mask, opts, out, lse)
+        out, lse = _without_unseen(q, where, pages, mask, opts, out, lse)
     return out, torch.where(any_seen, lse, float("-inf"))  # the kernel's lse is 0 for a row with no key
 
 
@@ -77,15 +84,15 @@ def _masks(q: Tensor, qpos: Tensor, where: Layout, opts: Options) -> tuple[Tenso
     return torch.where(seen, mask, float("-inf")), seen.any(-1)
 
 
-def _without_unseen(q, where: Layout, mask, opts: Options, out, lse) -> tuple[Tensor, Tensor]:
+def _without_unseen(q, where: Layout, pages, mask, opts: Options, out, lse) -> tuple[Tensor, Tensor]:
     """Items whose output is not finite, again with their unseen keys and values zeroed (masked slots held nan or inf)."""
     bad = ~torch.isfinite(out.sum((1, 2, 3)))
     out, lse = out.clone(), lse.clone()
-    for a, b, read in where.tiles:
+    for a, b, src in where.tiles:
         at = bad[a:b].nonzero().flatten()
         if at.numel() == 0:
             continue
-        K, V = read()
+        K, V = where.read((a, b, src), pages)
         keep = (mask[a:b].index_select(0, at) > float("-inf")).any(1).any(1).unsqueeze(1).unsqueeze(-1)  # (c, 1, L, 1)
         Kz = torch.where(keep, K.index_select(0, at), 0)
         Vz = torch.where(keep, V.index_select(0, at), 0)

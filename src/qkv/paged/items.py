@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -109,25 +108,39 @@ def _aligned(table: PageTable, entry: list[int], spans: list[tuple[int, int]], S
 
 @dataclass(frozen=True)
 class Layout:
-    """The step's items in the order its tiles read them, filler blocks of view tiles included (owner ``n``)."""
+    """The step's items in the order its tiles read them, filler blocks of view tiles included (owner ``n``).
+
+    A tile is ``(a, b, source)``: slots ``a .. b - 1``, read by :meth:`read` from any layer's pages
+    (a plan's layout serves every layer)."""
 
     item_keys: int  # L, keys of an item
     owner: torch.Tensor  # (M,) the slot's request, n for none
     base: torch.Tensor  # (M,) its first key's position
     keys: torch.Tensor  # (M,) keys filled, from its first (0 for a filler)
-    tiles: list[tuple[int, int, Callable[[], tuple[torch.Tensor, torch.Tensor]]]]  # slots a .. b - 1, and their (K, V)
+    tiles: list[tuple[int, int, tuple[int, int]]]  # slots a .. b - 1 and their pages: a range, or rows of ``ids``
+    ids: torch.Tensor | None  # (M, S) page ids of copied items (unnamed: page 0), None for views
+
+    def read(self, tile: tuple[int, int, tuple[int, int]], pages) -> tuple[torch.Tensor, torch.Tensor]:
+        """``K, V (b - a, g, L, d)`` of a tile: views of a range of aligned blocks, or a copy of its items' pages."""
+        a, b, (p0, p1) = tile
+        S = self.item_keys // pages.page_size
+        if self.ids is None:
+            return pages.blocks(p0, p1, S)
+        K, V = pages.take(self.ids[a:b].reshape(-1))  # (C·S, P, g, d)
+        return tuple(x.reshape(b - a, self.item_keys, *x.shape[2:]).transpose(1, 2) for x in (K, V))
 
 
-def layout(plan: Items, table: PageTable, pages, n: int) -> Layout:
-    """Where each item is read: ``tiles`` give ``(a, b, read)``, ``read() -> K, V (b - a, g, L, d)`` for slots ``a .. b - 1``."""
-    return _views(plan, pages, n) if plan.aligned else _copies(plan, table, pages)
+def layout(plan: Items, table: PageTable, page_size: int, views: bool, n: int, device) -> Layout:
+    """Where each item is read: views of the pool where ``plan`` is aligned (unbounded tiles where ``views``:
+    the pages' ``blocks`` are views, not copies), else copies of :data:`TILE_KEYS` keys a tile."""
+    return _views(plan, page_size, views, n, device) if plan.aligned else _copies(plan, table, page_size, device)
 
 
-def _views(plan: Items, pages, n: int) -> Layout:
-    S, P = plan.S, pages.page_size
+def _views(plan: Items, P: int, views: bool, n: int, device) -> Layout:
+    S = plan.S
     order = sorted(range(len(plan.block)), key=plan.block.__getitem__)
     block = [plan.block[i] for i in order]
-    most = None if pages.views else max(1, TILE_KEYS // (S * P))  # blocks of a copied or dequantised tile
+    most = None if views else max(1, TILE_KEYS // (S * P))  # blocks of a copied or dequantised tile
     owner, base, keys, tiles = [], [], [], []
     start = 0
     while start < len(block):
@@ -143,26 +156,21 @@ def _views(plan: Items, pages, n: int) -> Layout:
         for i in order[start:stop]:
             slot = at + plan.block[i] - lo
             owner[slot], base[slot], keys[slot] = plan.owner[i], plan.base[i], plan.keys[i]
-        tiles.append((at, len(owner), (lambda p0, p1: lambda: pages.blocks(p0, p1, S))(lo * S, hi * S)))
+        tiles.append((at, len(owner), (lo * S, hi * S)))
         start = stop
-    return Layout(S * P, *_longs(owner, base, keys, device=pages.device), tiles)
+    return Layout(S * P, *_longs(owner, base, keys, device=device), tiles, None)
 
 
-def _copies(plan: Items, table: PageTable, pages) -> Layout:
-    S, P = plan.S, pages.page_size
+def _copies(plan: Items, table: PageTable, P: int, device) -> Layout:
+    S = plan.S
     per_tile = max(1, TILE_KEYS // (S * P))
     entry, owner, base, keys = _longs(plan.entry, plan.owner, plan.base, plan.keys, device=table.indices.device)
     at = entry[:, None] + torch.arange(S, device=entry.device)  # (I, S) places in the page list
     named = torch.arange(S, device=entry.device) * P < keys[:, None]  # the owner's pages, not the next request's
     ids = torch.where(named, table.indices[at.clamp(max=table.indices.numel() - 1)], 0)  # unnamed: page 0, never seen
-
-    def read(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        K, V = pages.take(ids[a:b].reshape(-1))  # (C·S, P, g, d)
-        return K.reshape(b - a, S * P, *K.shape[2:]).transpose(1, 2), V.reshape(b - a, S * P, *V.shape[2:]).transpose(1, 2)
-
     I = len(plan.entry)
-    tiles = [(a, min(I, a + per_tile), (lambda a, b: lambda: read(a, b))(a, min(I, a + per_tile))) for a in range(0, I, per_tile)]
-    return Layout(S * P, owner.to(pages.device), base.to(pages.device), keys.to(pages.device), tiles)
+    tiles = [(a, min(I, a + per_tile), (0, 0)) for a in range(0, I, per_tile)]
+    return Layout(S * P, owner.to(device), base.to(device), keys.to(device), tiles, ids)
 
 
 def _longs(*lists: list[int], device) -> tuple[torch.Tensor, ...]:

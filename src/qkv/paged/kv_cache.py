@@ -36,6 +36,7 @@ from .._args import positive_int
 from .attention import paged_attention
 from .items import BLOCK_PAGES
 from .pages import FloatPages, empty
+from .plan import PagedPlan
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Step:
     page: Tensor  # (T,) the page of each new token
     offset: Tensor  # (T,) its place in that page
     positions: Tensor  # (T,) its position in its sequence
+    plan: PagedPlan | None = None  # the table laid out once, run by every layer (made by PagedKVCache.plan)
 
     @property
     def table(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -184,8 +186,11 @@ class PagedKVCache:
         self.pools[layer].write(step.page, step.offset, k, v)
 
     def attend(self, layer: int, step: Step, q: Tensor, **options):
-        """``qkv.paged_attention`` of the step's queries ``q (T, h, d)`` over layer ``layer``'s pages."""
-        return paged_attention(q, self.layer(layer), *step.table, **options)
+        """``qkv.paged_attention`` of the step's queries ``q (T, h, d)`` over layer ``layer``'s pages (the step's
+        plan, laid out by the first layer that runs it)."""
+        if step.plan is None:
+            return paged_attention(q, self.layer(layer), *step.table, **options)
+        return step.plan.run(q, self.layer(layer), **options)
 
     def layer(self, layer: int):
         """Layer ``layer``'s pages: FlashInfer's tuple ``(k_cache, v_cache)``, each ``(num_pages, P, g, d)``,
@@ -294,5 +299,6 @@ class PagedKVCache:
             kv.append(kv[-1] + c)
         indices = [p for r, c in zip(requests, counts) for p in self._pages[r][:c]]
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-        return Step(tuple(requests), as_long(qo), as_long(kv), as_long(indices), as_long(last),
-                    as_long(page), as_long(offset), as_long(positions))  # fmt: skip
+        table = (as_long(qo), as_long(kv), as_long(indices), as_long(last))
+        plan = PagedPlan(*table, num_pages=self.num_pages, page_size=self.page_size, device=dev, total_q=qo[-1])
+        return Step(tuple(requests), *table, as_long(page), as_long(offset), as_long(positions), plan)

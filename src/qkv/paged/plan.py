@@ -1,0 +1,87 @@
+"""``qkv.paged.PagedPlan``: a page table checked and laid out once, run for every layer of a step.
+
+Shape legend: ``T`` query rows of all requests, ``h`` query heads, ``g`` KV heads, ``d`` key
+size, ``e`` value size, ``P`` page size.
+
+FlashInfer splits a batch's attention into ``plan`` (the page table, on the host, once per
+step) and ``run`` (per layer, on that layer's cache). A model's layers share one step's
+table, so what it alone decides (the checks, which rows are decoding steps, shared prefixes,
+the items and where they are read, the masks of unfilled slots) is worked out at the first
+run and kept: the later layers pay only for their own keys and values.
+``qkv.paged_attention`` is one plan run once; ``qkv.PagedKVCache``'s steps keep theirs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .options import options
+from .pages import FloatPages
+from .route import run as route
+from .table import page_table
+
+
+class PagedPlan:
+    """FlashInfer's page table for one step: ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``
+    over a pool of ``num_pages`` pages of ``page_size`` (see :func:`qkv.paged_attention`)."""
+
+    def __init__(self, qo_indptr: Tensor, kv_indptr: Tensor, kv_indices: Tensor, kv_last_page_len: Tensor, *,
+                 num_pages: int, page_size: int, device="cpu", total_q: int | None = None):  # fmt: skip
+        if total_q is None:
+            last = qo_indptr[-1:].tolist() if isinstance(qo_indptr, Tensor) else []
+            total_q = int(last[0]) if last else 0
+        self.table = page_table(total_q, num_pages, page_size, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                torch.device(device))  # fmt: skip
+        self.total_q, self.num_pages, self.page_size = total_q, num_pages, page_size
+        self.memo: dict = {}  # what the table alone decides, filled by the first run that needs it
+
+    def run(self, q: Tensor, kv_cache, *, causal: bool = True, window_left: int = -1, logits_soft_cap: float = 0.0,
+            sm_scale: float | None = None, sinks: Tensor | None = None, score_mod: Callable | None = None,
+            alibi_slopes: Tensor | None = None, return_lse: bool = False):  # fmt: skip
+        """``out (T, h, e)``, or ``(out, lse (T, h))``: the attention of each request over its pages in ``kv_cache``
+        (the arguments of :func:`qkv.paged_attention`)."""
+        pages = kv_cache if hasattr(kv_cache, "take") and hasattr(kv_cache, "blocks") else FloatPages(kv_cache)
+        check_q(q, pages)
+        if q.shape[0] != self.total_q:
+            raise ValueError(f"q: {q.shape[0]} query rows but the plan's qo_indptr ends at {self.total_q}")
+        if (pages.num_pages, pages.page_size) != (self.num_pages, self.page_size):
+            raise ValueError(f"kv_cache: {pages.num_pages} pages of {pages.page_size} but the plan was made for "
+                             f"{self.num_pages} pages of {self.page_size}")  # fmt: skip
+        if pages.device != self.table.indices.device:
+            raise ValueError(f"kv_cache is on {pages.device} but the plan was made for {self.table.indices.device}")
+        opts = options(q, causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                       alibi_slopes=alibi_slopes, score_mod=score_mod)  # fmt: skip
+        sinks = _check_sinks(sinks, q.shape[1])
+        out, lse = route(q, self.table, self.memo, pages, opts)
+        if sinks is not None:
+            sink = sinks.to(lse.dtype)[None, :]
+            total = torch.logaddexp(lse, sink)
+            out = (out.to(lse.dtype) * torch.exp(lse - total)[..., None]).to(out.dtype)
+            lse = total
+        return (out, lse) if return_lse else out
+
+
+def check_q(q: Tensor, pages) -> None:
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        got = tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__
+        raise ValueError(f"q: expected (total_q, num_heads, head_dim), got {got}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"q: expected a floating-point tensor, got {q.dtype}")
+    if q.shape[2] != pages.head_dim:
+        raise ValueError(f"q: head_dim {q.shape[2]} differs from the cache's {pages.head_dim}")
+    if q.shape[1] % pages.kv_heads:
+        raise ValueError(f"q: {q.shape[1]} query heads are not a multiple of the cache's {pages.kv_heads} KV heads")
+    if q.device != pages.device:
+        raise ValueError(f"q is on {q.device} but the cache is on {pages.device}")
+
+
+def _check_sinks(sinks, h: int) -> Tensor | None:
+    if sinks is None:
+        return None
+    if not isinstance(sinks, Tensor) or tuple(sinks.shape) != (h,):
+        got = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks: expected a tensor of shape ({h},), one logit per query head, got {got}")
+    return sinks

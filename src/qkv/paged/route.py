@@ -1,0 +1,127 @@
+"""Where each request of a paged call runs: decoding steps together, prefill chunks one request at a time.
+
+Shape legend: ``T`` query rows of all requests, ``h`` query heads, ``g`` KV heads, ``d`` key
+size, ``e`` value size, ``P`` page size.
+
+* **decoding steps** (one query) of every request together, one pass over their pages
+  (``qkv.paged.decode``); requests that begin with the same pages (a shared prompt) attend
+  to those pages **once**, all their queries together, and the two parts are merged by their
+  log-sum-exp (FlashInfer's cascade; ``qkv.merge``'s rule);
+* **prefill chunks** (several queries), and any call with a score_mod, one request at a
+  time, a tile of its pages at a time, through ``qkv.attention`` (``qkv.paged.requests``).
+
+What depends only on the page table (which rows are steps, the shared prefixes, the items
+and where they are read) is kept in the plan's ``memo`` and computed once for all the layers
+that run the same plan.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..backends.tiling.lse import merge_all
+from ..functional import attention
+from .decode import decode
+from .items import items
+from .options import Options
+from .requests import request, score_mod as positioned
+from .runs import decode_runs, runs_in
+from .runs import usable as runs_usable
+from .table import PageTable
+
+
+def run(q: Tensor, table: PageTable, memo: dict, pages, opts: Options) -> tuple[Tensor, Tensor]:
+    """``(out (T, h, e), lse (T, h))`` of every request of ``table``; ``memo`` keeps what the table alone decides."""
+    T, h, _ = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    steps = _memo(memo, ("steps", opts.score_mod is None), lambda: [r for r in range(table.requests) if table.qo_len[r] == 1]
+                  if opts.score_mod is None else [])  # fmt: skip
+    if steps and len(steps) == T:  # every row a decoding step, request after request: q as it is
+        o, s = _steps(q, steps, table, memo, pages, opts)
+        return o.to(q.dtype), s.to(acc)
+    out = q.new_zeros(T, h, pages.value_dim)
+    lse = torch.full((T, h), float("-inf"), dtype=acc, device=q.device)
+    if steps:
+        rows = torch.tensor([table.qo_start[r] for r in steps], device=q.device)
+        o, s = _steps(q.index_select(0, rows), steps, table, memo, pages, opts)
+        out.index_copy_(0, rows, o.to(out.dtype))
+        lse.index_copy_(0, rows, s.to(acc))
+    stepped = set(steps)
+    for r in range(table.requests):
+        if table.qo_len[r] == 0 or r in stepped:
+            continue
+        rows = slice(table.qo_start[r], table.qo_start[r] + table.qo_len[r])
+        o, s = request(q[rows], table.kv_len[r], table.pages(r), pages, opts, r)
+        out[rows] = o.to(out.dtype)
+        lse[rows] = s.to(acc)
+    return out, lse
+
+
+def _memo(memo: dict, key, make):
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _steps(q: Tensor, steps: list[int], table: PageTable, memo: dict, pages, opts: Options) -> tuple[Tensor, Tensor]:
+    """Decoding steps: shared leading pages once per group (a cascade), the rest in one pass."""
+    qpos = _memo(memo, ("qpos", str(q.device)), lambda: torch.tensor([table.kv_len[r] - 1 for r in steps], device=q.device))
+    cascade = opts.window_left < 0
+    shared = _memo(memo, ("shared", cascade), lambda: _shared_prefixes(steps, table) if cascade else [])
+    skip = [0] * len(steps)  # leading pages attended with their group
+    partials = []
+    for members, count in shared:
+        ids = table.pages(steps[members[0]])[:count]
+        idx = torch.tensor(members, device=q.device)
+        partials.append((idx, *_prefix(q.index_select(0, idx), qpos.index_select(0, idx), ids, pages, opts,
+                                       torch.tensor([steps[n] for n in members], device=q.device))))  # fmt: skip
+        for n in members:
+            skip[n] = count
+    plan = _memo(memo, ("items", cascade, pages.num_pages), lambda: items(steps, skip, table, pages.num_pages))
+    runs = None
+    if not plan.aligned and runs_usable(q, pages, opts):
+        runs = _memo(memo, ("runs", cascade), lambda: runs_in(table, steps, skip))
+    if runs is not None and sum(len(x) for x in runs) <= 2 * len(steps):  # few runs, not aligned: one call per run, on views
+        out, lse = decode_runs(q, runs, [table.kv_len[r] for r in steps], pages, opts)
+    else:
+        out, lse = decode(q, qpos, plan, table, pages, opts, _memo(memo, ("decode", cascade), dict))
+    for idx, o, s in partials:
+        merged_out, merged_lse = merge_all([out.index_select(0, idx), o.to(out.dtype)], [lse.index_select(0, idx), s.to(lse.dtype)])
+        out = out.index_copy(0, idx, merged_out)
+        lse = lse.index_copy(0, idx, merged_lse)
+    return out, lse
+
+
+def _shared_prefixes(steps: list[int], table: PageTable) -> list[tuple[list[int], int]]:
+    """Groups of decoding requests (their places in ``steps``) that begin with the same full pages, and how many."""
+    first: dict[int, list[int]] = {}
+    heads = table.indices[[table.page_start[r] for r in steps]].tolist() if steps else []
+    for n, r in enumerate(steps):
+        if table.page_count[r] >= 2:
+            first.setdefault(heads[n], []).append(n)
+    lists = {n: table.pages(steps[n]).tolist() for members in first.values() if len(members) > 1 for n in members}
+    groups = []
+    for members in first.values():
+        if len(members) < 2:
+            continue
+        count = min(table.page_count[steps[n]] - 1 for n in members)  # a request's last page is its own
+        head = lists[members[0]]
+        for n in members[1:]:
+            same = 0
+            while same < count and lists[n][same] == head[same]:
+                same += 1
+            count = same
+        if count >= 1:
+            groups.append((members, count))
+    return groups
+
+
+def _prefix(q: Tensor, qpos: Tensor, ids: Tensor, pages, opts: Options, requests: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out (n, h, e), lse (n, h))`` of ``n`` queries, each after the whole prefix, against the prefix's pages once."""
+    K, V = pages.take(ids)  # (c, P, g, d): every key of these full pages is seen by every query (causal holds)
+    K = K.reshape(-1, *K.shape[2:]).permute(1, 0, 2)[None]  # (1, g, c·P, d)
+    V = V.reshape(-1, *V.shape[2:]).permute(1, 0, 2)[None]
+    out, lse = attention(q.permute(1, 0, 2)[None], K, V, scale=opts.scale, score_mod=positioned(opts, qpos, 0, requests),
+                         return_lse=True)  # fmt: skip
+    return out[0].permute(1, 0, 2), lse[0].permute(1, 0)
