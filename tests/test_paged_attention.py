@@ -281,3 +281,26 @@ def test_a_plan_refuses_a_call_it_was_not_made_for():
         plan.run(q, cache[:-1])
     with pytest.raises(ValueError, match="kv_indices"):
         qkv.paged.PagedPlan(*table, num_pages=2, page_size=4)
+
+
+def test_items_are_views_only_where_each_is_consecutive_pages_from_a_block_boundary():
+    """A break in the page ids inside an item, an item off a block boundary or a block two items name: copies."""
+    from qkv.paged.items import items
+    from qkv.paged.table import page_table
+
+    P, S = 16, 16  # items of 16 pages
+
+    def plan(*request_pages):
+        ids = [p for ps in request_pages for p in ps]
+        indptr = torch.tensor([0, *torch.tensor([len(ps) for ps in request_pages]).cumsum(0).tolist()])
+        table = page_table(len(request_pages), 256, P, torch.arange(len(request_pages) + 1), indptr, torch.tensor(ids),
+                           torch.full((len(request_pages),), P), "cpu")  # fmt: skip
+        return items(list(range(len(request_pages))), [0] * len(request_pages), table, 256)
+
+    whole = list(range(0, 20))  # blocks 0 and 1 (the second item: pages 16..19)
+    assert plan(whole, list(range(32, 40))).block == [0, 1, 2]
+    assert plan(list(range(0, 16)) + list(range(64, 70)), list(range(32, 40))).block == [0, 4, 2]  # a break between items
+    assert not plan(list(range(0, 10)) + list(range(64, 70)), list(range(32, 40))).aligned  # a break inside an item
+    assert not plan(list(range(1, 17)), list(range(32, 40))).aligned  # off a block boundary
+    assert not plan(list(range(0, 5)), list(range(5, 9))).aligned  # the second off a block boundary
+    assert not plan([0, 1, 2], [0, 1]).aligned  # one block, two items (a shared prefix's pages)

@@ -23,6 +23,8 @@ A request with no visible key gets ``out = 0``, ``lse = -inf``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -103,9 +105,11 @@ def attend(q: Tensor, qpos: Tensor, K: Tensor, V: Tensor, base: Tensor, keys: Te
     top = torch.where(torch.isneginf(top), 0.0, top)
     e = tile_math.exp_floored(s - top)  # masked keys: exp(-inf) = 0; no subnormals
     den = e.sum(-1)
-    # unfilled slots hold whatever the pool held (torch.empty: maybe nan); 0 · nan would reach the sum
-    V = V if bool(seen.all()) else torch.where(seen.view(C, 1, L, 1), V, 0)
     num = torch.matmul(e.to(V.dtype), V).to(acc)  # (C, g, x, e)
+    if not math.isfinite(float(num.sum())):  # an unseen slot held nan or inf (torch.empty): 0 · nan reached the sum
+        at = (~torch.isfinite(num.sum((1, 2, 3)))).nonzero().flatten()
+        Vz = torch.where(seen.index_select(0, at).view(-1, 1, L, 1), V.index_select(0, at), 0)
+        num = num.index_copy(0, at, torch.matmul(e.index_select(0, at).to(V.dtype), Vz).to(acc))
     live = den > 0
     den = torch.where(live, den, 1.0)
     return num / den[..., None], torch.where(live, top[..., 0] + torch.log(den), float("-inf"))

@@ -24,12 +24,12 @@ one comparison over the whole page list (where ids stop being consecutive).
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import torch
 
-from .table import PageTable
+from .table import PageTable, longs
 
 #: Keys per item: measured on the Intel Xeon, PyTorch's fused kernel over 38K keys in items of
 #: 256 ran 2.6x faster than in items of 16 (it pays per item), and items of 512 no faster.
@@ -94,13 +94,13 @@ def _aligned(table: PageTable, entry: list[int], spans: list[tuple[int, int]], S
     a block (and the last block lies inside the pool); else None. ``spans``: each request's ``(first entry, entries)``."""
     if not entry:
         return None
-    heads = table.indices[entry].tolist()
+    heads = table.indices.index_select(0, longs(entry, table.indices.device)).tolist()
     if any(p % S for p in heads) or S * (max(heads) // S + 1) > num_pages:
         return None
-    breaks = table.breaks  # b: ids b - 1 and b are not consecutive; allowed only where an item starts
-    for a, pages in spans:
-        inside = breaks[bisect_right(breaks, a) : bisect_left(breaks, a + pages)]
-        if any((b - a) % S for b in inside):
+    starts = [a for a, _ in spans]  # ascending: the table lists requests in order
+    for b in table.breaks:  # ids b - 1 and b are not consecutive: allowed only where an item starts
+        i = bisect_right(starts, b) - 1
+        if i >= 0 and spans[i][0] < b < spans[i][0] + spans[i][1] and (b - spans[i][0]) % S:
             return None
     block = [p // S for p in heads]
     return block if len(set(block)) == len(block) else None
@@ -141,23 +141,26 @@ def _views(plan: Items, P: int, views: bool, n: int, device) -> Layout:
     order = sorted(range(len(plan.block)), key=plan.block.__getitem__)
     block = [plan.block[i] for i in order]
     most = None if views else max(1, TILE_KEYS // (S * P))  # blocks of a copied or dequantised tile
+    cuts = [j for j in range(1, len(block)) if block[j] - block[j - 1] > GAP_BLOCKS + 1]
+    if most is None and block[-1] - block[0] + 1 == len(block):  # one tile, every block named: the items in order
+        owner, base, keys = ([xs[i] for i in order] for xs in (plan.owner, plan.base, plan.keys))
+        tiles = [(0, len(block), (block[0] * S, (block[-1] + 1) * S))]
+        return Layout(S * P, *_longs(owner, base, keys, device=device), tiles, None)
     owner, base, keys, tiles = [], [], [], []
-    start = 0
-    while start < len(block):
-        stop = start + 1
-        while stop < len(block) and block[stop] - block[stop - 1] <= GAP_BLOCKS + 1 and (
-                most is None or block[stop] - block[start] < most):  # fmt: skip
-            stop += 1
-        lo, hi = block[start], block[stop - 1] + 1
-        at = len(owner)
-        owner += [n] * (hi - lo)
-        base += [0] * (hi - lo)
-        keys += [0] * (hi - lo)
-        for i in order[start:stop]:
-            slot = at + plan.block[i] - lo
-            owner[slot], base[slot], keys[slot] = plan.owner[i], plan.base[i], plan.keys[i]
-        tiles.append((at, len(owner), (lo * S, hi * S)))
-        start = stop
+    for start, stop in zip([0, *cuts], [*cuts, len(block)]):
+        while start < stop:  # a gap of named blocks' range, cut where a dequantised tile would grow too large
+            end = stop if most is None else start + next((j for j in range(stop - start) if block[start + j] - block[start] >= most),
+                                                         stop - start)  # fmt: skip
+            lo, hi = block[start], block[end - 1] + 1
+            at = len(owner)
+            owner += [n] * (hi - lo)
+            base += [0] * (hi - lo)
+            keys += [0] * (hi - lo)
+            for i in order[start:end]:
+                slot = at + plan.block[i] - lo
+                owner[slot], base[slot], keys[slot] = plan.owner[i], plan.base[i], plan.keys[i]
+            tiles.append((at, len(owner), (lo * S, hi * S)))
+            start = end
     return Layout(S * P, *_longs(owner, base, keys, device=device), tiles, None)
 
 
@@ -174,4 +177,4 @@ def _copies(plan: Items, table: PageTable, P: int, device) -> Layout:
 
 
 def _longs(*lists: list[int], device) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.tensor(xs, dtype=torch.long, device=device) for xs in lists)
+    return tuple(longs(xs, device) for xs in lists)

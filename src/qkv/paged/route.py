@@ -28,7 +28,7 @@ from .options import Options
 from .requests import request, score_mod as positioned
 from .runs import decode_runs, runs_in
 from .runs import usable as runs_usable
-from .table import PageTable
+from .table import PageTable, longs
 
 
 def run(q: Tensor, table: PageTable, memo: dict, pages, opts: Options) -> tuple[Tensor, Tensor]:
@@ -66,7 +66,7 @@ def _memo(memo: dict, key, make):
 
 def _steps(q: Tensor, steps: list[int], table: PageTable, memo: dict, pages, opts: Options) -> tuple[Tensor, Tensor]:
     """Decoding steps: shared leading pages once per group (a cascade), the rest in one pass."""
-    qpos = _memo(memo, ("qpos", str(q.device)), lambda: torch.tensor([table.kv_len[r] - 1 for r in steps], device=q.device))
+    qpos = _memo(memo, ("qpos", str(q.device)), lambda: longs([table.kv_len[r] - 1 for r in steps], q.device))
     cascade = opts.window_left < 0
     shared = _memo(memo, ("shared", cascade), lambda: _shared_prefixes(steps, table) if cascade else [])
     skip = [0] * len(steps)  # leading pages attended with their group
@@ -96,7 +96,7 @@ def _steps(q: Tensor, steps: list[int], table: PageTable, memo: dict, pages, opt
 def _shared_prefixes(steps: list[int], table: PageTable) -> list[tuple[list[int], int]]:
     """Groups of decoding requests (their places in ``steps``) that begin with the same full pages, and how many."""
     first: dict[int, list[int]] = {}
-    heads = table.indices[[table.page_start[r] for r in steps]].tolist() if steps else []
+    heads = table.indices.index_select(0, longs([table.page_start[r] for r in steps], table.indices.device)).tolist()
     for n, r in enumerate(steps):
         if table.page_count[r] >= 2:
             first.setdefault(heads[n], []).append(n)
