@@ -1,4 +1,4 @@
-"""Tests of ``qkv.attention``'s plain-call lane (``backends.sdpa.plain``): the kernel called with no request built.
+"""Tests of ``qkv.attention``'s plain-call lane (``backends.sdpa_plain.plain``): the kernel called with no request built.
 
 Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
 length, ``d`` query/key size.
@@ -13,7 +13,7 @@ import torch
 
 import qkv
 from qkv import checks
-from qkv.backends import choose, sdpa
+from qkv.backends import choose, sdpa, sdpa_plain
 from qkv.backends.tiling import flash_cpu
 from qkv.scores import Bilinear, Dot, ScaledDot
 
@@ -50,7 +50,7 @@ def test_a_plain_call_takes_the_lane_and_equals_the_full_path_bit_for_bit(case, 
     shape, call = _split(case)
     q, k, v = _inputs(grad=grad, **shape)
     causal, scale = call.get("causal", False), call.get("scale")
-    lane = sdpa.plain(q, k, v, call.get("score", "scaled_dot"), causal, scale)
+    lane = sdpa_plain.plain(q, k, v, call.get("score", "scaled_dot"), causal, scale)
     if not flash_cpu.works(q.dtype):  # (bfloat16 with ATEN_CPU_CAPABILITY below the CPU's own): not sdpa's call
         assert lane is None
         return
@@ -86,8 +86,8 @@ NOT_PLAIN = {
 def test_other_calls_decline_the_lane(what, monkeypatch):
     q, k, v = _inputs()
     taken = []
-    lane = sdpa.plain
-    monkeypatch.setattr(sdpa, "plain", lambda *a: taken.append(lane(*a)) or taken[-1])
+    lane = sdpa_plain.plain
+    monkeypatch.setattr(sdpa_plain, "plain", lambda *a: taken.append(lane(*a)) or taken[-1])
     result = qkv.attention(q, k, v, **NOT_PLAIN[what](q, k, v))
     assert all(t is None for t in taken)
     assert result is not None
@@ -113,7 +113,7 @@ def test_other_calls_decline_the_lane(what, monkeypatch):
 )
 def test_the_lane_declines_what_the_full_checks_must_see(inputs, score, causal, scale):
     q, k, v = inputs()
-    assert sdpa.plain(q, k, v, score, causal, scale) is None
+    assert sdpa_plain.plain(q, k, v, score, causal, scale) is None
 
 
 def test_a_malformed_plain_looking_call_still_gets_the_full_message():
@@ -148,24 +148,24 @@ def test_a_shared_dense_mask_takes_the_lane_and_equals_the_full_path(what):
     q, k, v = _inputs(i=i, j=j)
     mask = make()
     with torch.no_grad():
-        lane = sdpa.plain(q, k, v, "scaled_dot", False, 0.125, mask)
+        lane = sdpa_plain.plain(q, k, v, "scaled_dot", False, 0.125, mask)
         out = qkv.attention(q, k, v, mask=mask, scale=0.125)
         full = qkv.attention(q, k, v, mask=mask, scale=0.125, backend="sdpa")
-        again = sdpa.plain(q, k, v, "scaled_dot", False, 0.125, mask)  # from what the mask keeps
+        again = sdpa_plain.plain(q, k, v, "scaled_dot", False, 0.125, mask)  # from what the mask keeps
     assert lane is not None and torch.equal(lane, full) and torch.equal(out, full) and torch.equal(again, full)
 
 
 def test_a_masked_call_leaves_the_lane_where_the_full_path_does_more():
     q, k, v = _inputs(i=1, j=9)
     with torch.no_grad():
-        assert sdpa.plain(q, k, v, "scaled_dot", True, None, _padding(2, 9, [3, 0])) is None  # a mask and causal
-        assert sdpa.plain(q, k, v, "scaled_dot", False, None, torch.ones(2, 1, 1, 9, dtype=torch.bool)) is None
-        assert sdpa.plain(q, k, v, "scaled_dot", False, None, qkv.masks.Dense(torch.ones(2, 1, 2, 9, dtype=torch.bool))) is None
+        assert sdpa_plain.plain(q, k, v, "scaled_dot", True, None, _padding(2, 9, [3, 0])) is None  # a mask and causal
+        assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None, torch.ones(2, 1, 1, 9, dtype=torch.bool)) is None
+        assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None, qkv.masks.Dense(torch.ones(2, 1, 2, 9, dtype=torch.bool))) is None
         sq, sk, sv = _inputs(i=9, j=9)
         tril = qkv.masks.Dense(torch.ones(1, 1, 9, 9, dtype=torch.bool).tril())  # the full path runs is_causal
-        assert sdpa.plain(sq, sk, sv, "scaled_dot", False, None, tril) is None
+        assert sdpa_plain.plain(sq, sk, sv, "scaled_dot", False, None, tril) is None
     q.requires_grad_()
-    assert sdpa.plain(q, k, v, "scaled_dot", False, None, _padding(2, 9, [3, 0])) is None  # differentiated
+    assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None, _padding(2, 9, [3, 0])) is None  # differentiated
 
 
 def test_a_hidden_nan_key_leaves_the_lane_and_never_reaches_the_output():
@@ -173,7 +173,7 @@ def test_a_hidden_nan_key_leaves_the_lane_and_never_reaches_the_output():
     k[0, :, 1], v[0, :, 2] = float("nan"), float("inf")  # in row 0's padding (its first 3 keys are hidden)
     mask = _padding(2, 9, [3, 0])
     with torch.no_grad():
-        assert sdpa.plain(q, k, v, "scaled_dot", False, None, mask) is None
+        assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None, mask) is None
         out = qkv.attention(q, k, v, mask=mask)
         k0, v0 = k.clone(), v.clone()
         k0[0, :, :3], v0[0, :, :3] = 0.0, 0.0
@@ -186,9 +186,9 @@ def test_an_in_place_change_of_a_shared_mask_is_seen_by_the_lane():
     q, k, v = _inputs(i=1, j=9)
     mask = _padding(2, 9, [3, 0])
     with torch.no_grad():
-        before = sdpa.plain(q, k, v, "scaled_dot", False, None, mask)
+        before = sdpa_plain.plain(q, k, v, "scaled_dot", False, None, mask)
         mask.mask[0] = False  # row 0 now sees no key: its answer is the full path's zero row
-        after = sdpa.plain(q, k, v, "scaled_dot", False, None, mask)
+        after = sdpa_plain.plain(q, k, v, "scaled_dot", False, None, mask)
         full = qkv.attention(q, k, v, mask=mask, backend="sdpa")
     assert not torch.equal(before[0], torch.zeros_like(before[0]))
     assert torch.equal(after, full) and torch.equal(after[0], torch.zeros_like(after[0]))
@@ -201,16 +201,16 @@ def test_nested_and_sparse_inputs_decline_the_lane():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # strided nested tensors are a prototype
         nested = torch.nested.nested_tensor([q[0], q[1]])
-    assert sdpa.plain(nested, nested, nested, "scaled_dot", False, None) is None
+    assert sdpa_plain.plain(nested, nested, nested, "scaled_dot", False, None) is None
     sparse = q.to_sparse()
-    assert sdpa.plain(sparse, k, v, "scaled_dot", False, None) is None
+    assert sdpa_plain.plain(sparse, k, v, "scaled_dot", False, None) is None
 
 
 @pytest.mark.parametrize("i", [1, 9])
 def test_the_causal_mask_object_takes_the_lane_as_causal_true_does(i):
     q, k, v = _inputs(i=i, j=9)
-    lane = sdpa.plain(q, k, v, "scaled_dot", False, None, qkv.masks.causal())
+    lane = sdpa_plain.plain(q, k, v, "scaled_dot", False, None, qkv.masks.causal())
     full = qkv.attention(q, k, v, mask=qkv.masks.causal(), backend="sdpa")
     assert lane is not None and torch.equal(lane, full)
-    assert torch.equal(lane, sdpa.plain(q, k, v, "scaled_dot", True, None))
-    assert sdpa.plain(q, k, v, "scaled_dot", False, None, qkv.masks.window(2)) is None  # a window: not causal
+    assert torch.equal(lane, sdpa_plain.plain(q, k, v, "scaled_dot", True, None))
+    assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None, qkv.masks.window(2)) is None  # a window: not causal

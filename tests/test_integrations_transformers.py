@@ -458,14 +458,14 @@ def test_decoder_family_matches_eager_in_logits_and_greedy_generation(family):
 @needs_transformers
 def test_padded_and_unpadded_generation_take_the_plain_lane_in_every_layer(monkeypatch):
     """A padded prompt, its decoding steps and an unpadded prompt reach the kernel without a request
-    (``qkv.backends.sdpa.plain``): the padding mask is one Dense tensor per forward, the causal mask ``causal=True``."""
-    from qkv.backends import sdpa
+    (``qkv.backends.sdpa_plain.plain``): the padding mask is one Dense tensor per forward, the causal mask ``causal=True``."""
+    from qkv.backends import sdpa_plain
 
     model, ids, padding = _tiny("llama")
     model.set_attn_implementation("qkv")
     taken = []
-    lane = sdpa.plain
-    monkeypatch.setattr(sdpa, "plain", lambda *args: taken.append(lane(*args) is not None) or lane(*args))
+    lane = sdpa_plain.plain
+    monkeypatch.setattr(sdpa_plain, "plain", lambda *args: taken.append(lane(*args) is not None) or lane(*args))
     settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=padding, **settings)  # prefill + 2 steps, 2 layers each

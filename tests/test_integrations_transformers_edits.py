@@ -89,7 +89,7 @@ def engines(monkeypatch):
         chosen.append(impl.name)
         return impl, passed
 
-    lane = qkv.backends.sdpa.plain
+    lane = qkv.backends.sdpa_plain.plain
 
     def lane_spy(*args):  # qkv.attention's plain-call lane: the sdpa kernel, without choose
         out = lane(*args)
@@ -98,7 +98,7 @@ def engines(monkeypatch):
         return out
 
     monkeypatch.setattr(qkv.backends, "choose", spy)
-    monkeypatch.setattr(qkv.backends.sdpa, "plain", lane_spy)
+    monkeypatch.setattr(qkv.backends.sdpa_plain, "plain", lane_spy)
     monkeypatch.setattr(modeling_bert, "eager_attention_forward", _no_eager)
     return chosen
 

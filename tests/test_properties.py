@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import backends, checks
-from qkv.backends import engines, local, sdpa
+from qkv.backends import engines, local, sdpa, sdpa_plain
 from qkv.backends.engines import fused_blocks, online_softmax
 from qkv.backends.tiling import additive_tiles, bias_grad
 from qkv.backends.tiling import weights_from_lse as weights_module
@@ -492,7 +492,7 @@ class Taken:
         self.path: list[tuple[str, str]] = []
         for name, module in backends.REGISTRY.items():
             mp.setattr(module, "run", self._spy(module.run, "backend", name))
-        mp.setattr(sdpa, "plain", self._lane(sdpa.plain))
+        mp.setattr(sdpa_plain, "plain", self._lane(sdpa_plain.plain))
         for engine in engines.ENGINES:
             mp.setattr(engine, "forward", self._spy(engine.forward, "engine", engine.name))
             mp.setattr(engine, "backward", self._spy(engine.backward, "backward", engine.name))

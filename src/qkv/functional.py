@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import backends, checks
-from .backends import engines, hidden_keys, sdpa
+from .backends import engines, hidden_keys, sdpa_plain
 from .backends.tiling.lse import merge_all
 from .masks import Mask
 from .positional import LazyBias
@@ -96,7 +96,7 @@ def attention(
         and not unknown and return_weights is False and return_lse is False and backend == "auto"
         and (type(dropout) is float or type(dropout) is int) and dropout == 0
     ):  # fmt: skip
-        out = sdpa.plain(q, k, v, score, causal, scale, mask)  # a plain call: the kernel, no request built
+        out = sdpa_plain.plain(q, k, v, score, causal, scale, mask)  # a plain call: the kernel, no request built
         if out is not None:
             return out
     if unknown:

@@ -1,0 +1,127 @@
+"""``qkv.attention``'s plain-call lane: a plain CPU call straight to PyTorch's fused kernel, no request built.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size.
+
+A one-token decoding step spends more in building and checking a request and walking the
+backends (25-35 µs) than in the kernel (15-20 µs). :func:`plain` recognises, before any of
+that, the calls the ``sdpa`` backend would run with nothing to adapt, and runs them with the
+backend's own kernel call and mask rules (``backends.sdpa``); anything else answers None and
+takes the full path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .._trace import tracing
+from ..masks import Dense, Window
+from ..scores import Dot, ScaledDot
+from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel
+from .tiling import flash_cpu
+
+
+def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: object,
+          mask: object = None) -> Tensor | None:  # fmt: skip
+    """The output of a plain CPU call straight from the kernel, or None when the call is not plain.
+
+    ``qkv.attention``'s first step, before any check is built: a call with ``(b, h, i, d)``
+    tensors of one floating dtype on the CPU, the dot or scaled-dot score, no mask (or
+    ``causal=True``, or the mask ``qkv.masks.causal()``, where it hides nothing, ``i = 1``,
+    or is the kernel's own, ``i = j``),
+    no bias, sinks, score_mod, dropout or weights is exactly what :func:`choose` would send
+    here with no mask tensor and nothing to restore, so the request, its checks and the walk
+    over the backends are skipped (they cost more than the kernel in a one-token decoding
+    step: 25-35 µs against 15-20). Anything else, a malformed call included (its message
+    comes from the full checks), answers None.
+
+    One mask is taken too, in inference: a ``Dense`` bool ``(b|1, h|1, i|1, j)`` CPU mask
+    (a padded batch's, one tensor shared by a model's layers) that is not the causal
+    square, given to the kernel as the full path gives it, rows that see no key given every
+    key and zeroed after; what it takes is kept on the mask per tensor version (an in-place
+    change shows). Its output is checked as the full path checks an inference call's
+    (``hidden_keys.after``): a value that is not finite answers None, and the full path runs
+    the call again on zeroed hidden keys.
+    """
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return None  # Parameters, FakeTensors and other subclasses take the full path
+    if q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided or q.is_nested:
+        return None  # sparse or nested: the full path's messages
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or tracing() or torch._C._get_tracing_state() is not None:
+        return None  # compile, export and jit.trace take the full path (and may not read a value)
+    dtype = q.dtype
+    if k.dtype != dtype or v.dtype != dtype or not (q.is_cpu and k.is_cpu and v.is_cpu):  # (is_cpu: no device object)
+        return None
+    b, h, i, d = q.shape
+    kb, g, j, kd = k.shape
+    vb, vg, vj, _ = v.shape
+    if kb != b or vb != b or vg != g or vj != j or kd != d or i == 0 or j == 0 or g == 0 or h % g:
+        return None
+    if not dtype.is_floating_point or not flash_cpu.works(dtype):
+        return None
+    if type(mask) is Window and mask.left is None and mask.right == 0 and causal is False:
+        mask, causal = None, True  # qkv.masks.causal() is causal=True (the same window, folded the same way)
+    attn_mask = None
+    if mask is not None:
+        attn_mask = _plain_mask(mask, q, k, v, causal)
+        if attn_mask is None:
+            return None
+    if causal is True:
+        is_causal = i == j and i > 1
+        if i != 1 and not is_causal:
+            return None  # a mask tensor, or rows that see no key: the full path
+    elif causal is False:
+        is_causal = False
+    else:
+        return None
+    kind = type(score)
+    if kind is str:
+        kind = _PLAIN_NAMES.get(score)
+    if kind is ScaledDot:
+        default = 1.0 / math.sqrt(d)
+    elif kind is Dot:
+        default = 1.0
+    else:
+        return None
+    if scale is None:
+        scale = default
+    elif type(scale) is not float or not math.isfinite(scale):
+        return None
+    if attn_mask is None:
+        return _kernel(q, k, v, None, 0.0, is_causal, scale, h != g)
+    attn_mask, live_rows = attn_mask
+    out = _kernel(q, k, v, attn_mask, 0.0, False, scale, h != g)
+    if live_rows is not None:
+        out = out * live_rows
+    return out if math.isfinite(float(out.sum())) else None  # NaN or inf: the full path zeroes the hidden keys
+
+
+def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -> tuple[Tensor, Tensor | None] | None:
+    """``(attn_mask, live_rows)`` of a mask :func:`plain` may take (see there), as :func:`_mask` gives them; else None."""
+    if type(mask) is not Dense or causal is not False:
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None  # a differentiated call guards its hidden keys first: the full path
+    allowed = mask.mask
+    if type(allowed) is not Tensor or allowed.dtype != torch.bool or allowed.device.type != "cpu" or allowed.dim() != 4:
+        return None
+    (b, h, i, _), j = q.shape, k.shape[-2]
+    mb, mh, mi, mj = allowed.shape
+    if mj != j or mi not in (1, i) or mb not in (1, b) or mh not in (1, h):
+        return None
+    key = (i, j, allowed._version, q.dtype)
+    kept = getattr(mask, "_plain", None)
+    if kept is not None and kept[0] is allowed and kept[1] == key:
+        return kept[2]
+    if _is_causal(allowed, i, j):
+        return None  # the full path runs the kernel's causal flag instead
+    parts = _give_dead_rows_every_key(allowed, _dense_dead_rows(mask, allowed, i, j), q.dtype)
+    mask._plain = (allowed, key, parts)
+    return parts
+
+
+#: The scores :func:`plain` takes by name.
+_PLAIN_NAMES = {"scaled_dot": ScaledDot, "dot": Dot}
