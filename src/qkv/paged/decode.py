@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..backends.tiling import tile_math
 from . import decode_fused
-from .items import Items, layout
+from .items import Items, layout, tile_keys
 from .options import Options
 from .table import PageTable
 
@@ -47,9 +47,9 @@ def decode(q: Tensor, qpos: Tensor, plan: Items, table: PageTable, pages, opts: 
     g = pages.kv_heads
     acc = torch.promote_types(q.dtype, torch.float32)
     memo = {} if memo is None else memo
-    key = ("layout", pages.page_size, pages.views, str(q.device))
+    key = ("layout", pages.page_size, tile_keys(pages), str(q.device))
     if key not in memo:
-        where = layout(plan, table, pages.page_size, pages.views, n, q.device)
+        where = layout(plan, table, pages.page_size, tile_keys(pages), n, q.device)
         row = where.owner.clamp(max=n - 1)  # a filler block (owner n) gets some query: its result is dropped
         memo[key] = where, row, qpos.index_select(0, row), {}
     where, row, qpos_at, masks = memo[key]

@@ -13,7 +13,7 @@ page but a request's last is full). Items are read in tiles:
   blocks is one strided tensor ``(C, g, L, d)``; a block inside the range that no item names
   is computed against nothing (its owner is ``n``, a row that is dropped). A range ends at a
   gap of more than :data:`GAP_BLOCKS` unnamed blocks. Float pages' views are not limited in
-  size; other pages (int8, dequantised by their ``blocks``) :data:`TILE_KEYS` keys at a time;
+  size; pages whose ``blocks`` copy or dequantise are read their ``tile_keys`` at a time;
 * **copies** — otherwise (scattered pages, or one page named by two requests): a tile of
   items is one copy of their pages (``take``), an item's pages past its owner's last read as
   page 0 and never seen.
@@ -130,17 +130,23 @@ class Layout:
         return tuple(x.reshape(b - a, self.item_keys, *x.shape[2:]).transpose(1, 2) for x in (K, V))
 
 
-def layout(plan: Items, table: PageTable, page_size: int, views: bool, n: int, device) -> Layout:
-    """Where each item is read: views of the pool where ``plan`` is aligned (unbounded tiles where ``views``:
-    the pages' ``blocks`` are views, not copies), else copies of :data:`TILE_KEYS` keys a tile."""
-    return _views(plan, page_size, views, n, device) if plan.aligned else _copies(plan, table, page_size, device)
+def layout(plan: Items, table: PageTable, page_size: int, tile_keys: int | None, n: int, device) -> Layout:
+    """Where each item is read: ranges of the pool where ``plan`` is aligned, at most ``tile_keys`` keys a
+    range (None: unbounded, the pages' ``blocks`` are views), else copies of :data:`TILE_KEYS` keys a tile."""
+    return _views(plan, page_size, tile_keys, n, device) if plan.aligned else _copies(plan, table, page_size, device)
 
 
-def _views(plan: Items, P: int, views: bool, n: int, device) -> Layout:
+def tile_keys(pages) -> int | None:
+    """Keys a range of ``pages`` may span: None where its ``blocks`` are views, else its own ``tile_keys``
+    (``Int8Pages``: measured) or :data:`TILE_KEYS`."""
+    return None if pages.views else getattr(pages, "tile_keys", TILE_KEYS)
+
+
+def _views(plan: Items, P: int, keys: int | None, n: int, device) -> Layout:
     S = plan.S
     order = sorted(range(len(plan.block)), key=plan.block.__getitem__)
     block = [plan.block[i] for i in order]
-    most = None if views else max(1, TILE_KEYS // (S * P))  # blocks of a copied or dequantised tile
+    most = None if keys is None else max(1, keys // (S * P))  # blocks of a copied or dequantised tile
     cuts = [j for j in range(1, len(block)) if block[j] - block[j - 1] > GAP_BLOCKS + 1]
     if most is None and block[-1] - block[0] + 1 == len(block):  # one tile, every block named: the items in order
         owner, base, keys = ([xs[i] for i in order] for xs in (plan.owner, plan.base, plan.keys))
