@@ -10,7 +10,8 @@ Shape legend: ``R`` requests, ``h = 8`` query heads, ``g = 2`` KV heads, ``d = 6
   against a Python loop of ``F.scaled_dot_product_attention`` over each request's own
   contiguous cache, and against SDPA on the requests padded to the longest with a mask
   (built once, as the padded cache is); also the step as a serving loop's later layers run
-  it, a ``qkv.paged.PagedPlan`` whose table was laid out by an earlier run. The caches' bytes: paged ``Σ ⌈len / P⌉ · P`` tokens against padded ``R · max``;
+  it, a ``qkv.paged.PagedPlan`` whose table was laid out by an earlier run. The caches'
+  bytes: paged ``Σ ⌈len / P⌉ · P`` tokens against padded ``R · max``;
 * **mixed** — 4 prefill chunks of 512 queries (after 512 cached keys) and 28 decoding steps
   in one call, against the same work as separate calls (one per chunk, one for the steps);
 * **shared prefix** — 32 requests sharing a 1024-token prompt, each with its own 16 to 256

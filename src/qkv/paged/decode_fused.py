@@ -46,8 +46,7 @@ def attend(q: Tensor, qpos: Tensor, where: Layout, pages, opts: Options, masks: 
     """Per slot of ``where`` ``(out (M, g, x, e), lse (M, g, x))``: queries ``q (M, g, x, d)`` at ``qpos (M,)``
     against the slot's keys and values in ``pages``, one kernel call per tile. ``masks`` keeps the plain
     masks (no window, no ALiBi) for the next layer of the same step."""
-    plain = opts.window_left < 0 and opts.alibi_slopes is None
-    if not plain:
+    if not _plain(opts):
         mask, any_seen = _masks(q, qpos, where, opts)
     else:  # the table alone decides them
         if q.dtype not in masks:
@@ -70,7 +69,7 @@ def _masks(q: Tensor, qpos: Tensor, where: Layout, opts: Options) -> tuple[Tenso
     -inf on an unfilled slot or a key outside the window, ALiBi's ``slope · (kp - qp)`` on a seen key."""
     M, L = where.keys.shape[0], where.item_keys
     dtype, device = flash_cpu.mask_dtype(q), q.device
-    if opts.window_left < 0 and opts.alibi_slopes is None:  # causal hides nothing from a decoding step
+    if _plain(opts):
         return _first_keys(L, dtype, device).index_select(0, where.keys).view(M, 1, 1, L), (where.keys > 0).view(M, 1, 1)
     kpos = (where.base[:, None] + torch.arange(L, device=device)).view(M, 1, 1, L)
     qpos = qpos.view(M, 1, 1, 1)
@@ -82,6 +81,11 @@ def _masks(q: Tensor, qpos: Tensor, where: Layout, opts: Options) -> tuple[Tenso
         g, x = q.shape[1], q.shape[2]
         mask = opts.alibi_slopes.to(dtype).view(g, x, 1) * (kpos - qpos).to(dtype)  # (M, g, x, L)
     return torch.where(seen, mask, float("-inf")), seen.any(-1)
+
+
+def _plain(opts: Options) -> bool:
+    """No window and no ALiBi: the mask is the unfilled slots alone (causal hides nothing from a decoding step)."""
+    return opts.window_left < 0 and opts.alibi_slopes is None
 
 
 def _without_unseen(q, where: Layout, pages, mask, opts: Options, out, lse) -> tuple[Tensor, Tensor]:

@@ -147,26 +147,23 @@ def _views(plan: Items, P: int, keys: int | None, n: int, device) -> Layout:
     order = sorted(range(len(plan.block)), key=plan.block.__getitem__)
     block = [plan.block[i] for i in order]
     most = None if keys is None else max(1, keys // (S * P))  # blocks of a copied or dequantised tile
-    cuts = [j for j in range(1, len(block)) if block[j] - block[j - 1] > GAP_BLOCKS + 1]
-    if most is None and block[-1] - block[0] + 1 == len(block):  # one tile, every block named: the items in order
-        owner, base, keys = ([xs[i] for i in order] for xs in (plan.owner, plan.base, plan.keys))
-        tiles = [(0, len(block), (block[0] * S, (block[-1] + 1) * S))]
-        return Layout(S * P, *_longs(owner, base, keys, device=device), tiles, None)
     owner, base, keys, tiles = [], [], [], []
-    for start, stop in zip([0, *cuts], [*cuts, len(block)]):
-        while start < stop:  # a gap of named blocks' range, cut where a dequantised tile would grow too large
-            end = stop if most is None else start + next((j for j in range(stop - start) if block[start + j] - block[start] >= most),
-                                                         stop - start)  # fmt: skip
-            lo, hi = block[start], block[end - 1] + 1
-            at = len(owner)
-            owner += [n] * (hi - lo)
-            base += [0] * (hi - lo)
-            keys += [0] * (hi - lo)
-            for i in order[start:end]:
-                slot = at + plan.block[i] - lo
-                owner[slot], base[slot], keys[slot] = plan.owner[i], plan.base[i], plan.keys[i]
-            tiles.append((at, len(owner), (lo * S, hi * S)))
-            start = end
+    start = 0
+    while start < len(block):  # a range of named blocks with small gaps, no longer than a dequantised tile may be
+        stop = start + 1
+        while stop < len(block) and block[stop] - block[stop - 1] <= GAP_BLOCKS + 1 and (
+                most is None or block[stop] - block[start] < most):  # fmt: skip
+            stop += 1
+        lo, hi = block[start], block[stop - 1] + 1
+        at = len(owner)
+        owner += [n] * (hi - lo)
+        base += [0] * (hi - lo)
+        keys += [0] * (hi - lo)
+        for i in order[start:stop]:
+            slot = at + plan.block[i] - lo
+            owner[slot], base[slot], keys[slot] = plan.owner[i], plan.base[i], plan.keys[i]
+        tiles.append((at, len(owner), (lo * S, hi * S)))
+        start = stop
     return Layout(S * P, *_longs(owner, base, keys, device=device), tiles, None)
 
 

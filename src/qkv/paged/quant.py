@@ -31,6 +31,8 @@ slower). :attr:`Int8Pages.keys` and the other public names are page-major views 
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import torch
 from torch import Tensor
 
@@ -129,10 +131,11 @@ class Int8Pages:
         head, as the fused kernel reads it; a result is valid until the next read (:meth:`_widen`).
         """
         g, P, d = self.kv_heads, self.page_size, self.head_dim
+        partial = sorted(self.residual)  # once for the step's many runs
 
         def read(n: int, count: int) -> tuple[Tensor, Tensor]:
             p0, c = ranges[n]
-            K, V = self._widen(p0, c)
+            K, V = self._widen(p0, c, partial)
             return K.view(g, c * P, d).narrow(1, 0, count), V.view(g, c * P, d).narrow(1, 0, count)
 
         return read
@@ -142,11 +145,12 @@ class Int8Pages:
 
         Views of the buffers of :meth:`_widen`, valid until the next read."""
         g, P, d = self.kv_heads, self.page_size, self.head_dim
-        K, V = self._widen(p0, p1 - p0)
+        K, V = self._widen(p0, p1 - p0, sorted(self.residual))
         return K.view(g, -1, S * P, d).transpose(0, 1), V.view(g, -1, S * P, d).transpose(0, 1)
 
-    def _widen(self, p0: int, c: int) -> tuple[Tensor, Tensor]:
-        """Pages ``p0 .. p0 + c - 1`` dequantised, head-major: ``(K, V (g, c, P, d))``, in two reused buffers.
+    def _widen(self, p0: int, c: int, partial: list[int]) -> tuple[Tensor, Tensor]:
+        """Pages ``p0 .. p0 + c - 1`` dequantised, head-major: ``(K, V (g, c, P, d))``, in two reused buffers;
+        the partially filled pages among them (``partial``: the residual's pages, sorted) as written.
 
         Every read lands in the same two buffers (``tile_math.Scratch``, grown to the largest
         read), so the floats stay in cache between the write and the kernel's read, and fresh
@@ -160,10 +164,9 @@ class Int8Pages:
         K_all, V_all = self._scratch.take("KV", (2, g, c, P, d), self.dtype)
         K = K_all.copy_(self._keys.narrow(1, p0, c)).mul_(self._key_scale[:, :, None].narrow(1, p0, c))
         V = V_all.copy_(self._values.narrow(1, p0, c)).mul_(self._value_scale[..., None].narrow(1, p0, c))
-        for p in self.residual:  # partially filled pages: as written
-            if p0 <= p < p0 + c:
-                both = self.residual[p].permute(0, 2, 1, 3)  # (2, g, P, d)
-                K[:, p - p0], V[:, p - p0] = both[0], both[1]
+        for p in partial[bisect_left(partial, p0) : bisect_left(partial, p0 + c)]:
+            both = self.residual[p].permute(0, 2, 1, 3)  # (2, g, P, d)
+            K[:, p - p0], V[:, p - p0] = both[0], both[1]
         return K, V
 
     # ------------------------------------------------------------------ writes

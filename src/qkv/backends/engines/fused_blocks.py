@@ -64,6 +64,8 @@ BLOCK_BYTES = 32 * 2**20
 DIAGONAL_ROWS = 512
 #: Key granularity for skipping keys a whole query block cannot see.
 KEY_STEP = 256
+
+
 def rows_per_block(plan: FusedPlan, q: Tensor, j_len: int, diagonal: bool) -> int:
     """Query rows per kernel call: all of them when there is nothing to build per block."""
     i_len = q.shape[-2]

@@ -25,6 +25,7 @@ from ..tiling.flash_cpu import mask_dtype
 from ..tiling.offset_profile import NEGLIGIBLE, DiagonalMask
 from ..tiling.tiles import NEG_INF, BiasSource, as_heads
 
+
 @dataclass(frozen=True)
 class FusedPlan:
     """What a call adds to the kernel's logits, and how."""

@@ -28,6 +28,7 @@ from ..._probe import best_times
 from ..._trace import concrete, tracing
 from .tiles import NEG_INF
 
+
 class Scratch:
     """Tile-sized buffers reused by every tile of a call: a fresh 2 MiB tensor per op costs page faults.
 
