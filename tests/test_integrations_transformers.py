@@ -475,6 +475,67 @@ def test_padded_and_unpadded_generation_take_the_plain_lane_in_every_layer(monke
         assert taken == [True] * 6, taken
 
 
+def _decoding_step_inputs(seed=0):
+    """A padded batch's decoding step as generate() hands it to a layer: one query row, a LayerMask."""
+    from qkv import masks
+
+    q, k, v = _qkv_inputs(b=3, h=6, g=2, i=1, j=9, d=8, e=8, seed=seed)
+    starts = torch.tensor([0, 3, 7])  # left padding: rows of 9, 6 and 2 keys
+    return q, k, v, LayerMask(masks.starts(starts), (3, 1, 1, 9))
+
+
+@needs_transformers
+def test_a_decoding_step_goes_straight_to_the_plain_lane_and_equals_the_full_path(monkeypatch):
+    """A one-token step with the model's own mask skips the keyword checks and dispatch of the full path
+    (asserted: they are not reached) and gives what the full path gives."""
+    from qkv.integrations import transformers as integration
+
+    q, k, v, mask = _decoding_step_inputs()
+    layer = _Layer(is_causal=True, groups=3)
+    full, _ = integration.attention_forward(layer, q, k, v, mask, scaling=0.3, output_attentions=False,
+                                            position_ids=torch.zeros(3, 1, dtype=torch.long))  # fmt: skip
+    monkeypatch.setattr(integration, "_check_keywords", lambda kwargs: pytest.fail("the full path ran"))
+    fast, weights = integration.attention_forward(layer, q, k, v, mask, scaling=0.3, output_attentions=False,
+                                                  position_ids=torch.zeros(3, 1, dtype=torch.long))  # fmt: skip
+    assert weights is None and fast.shape == (3, 1, 6, 8)
+    keep = mask.mask.dense(1, 9, q.device)  # (3, 1, 1, 9)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                            attn_mask=keep, scale=0.3).transpose(1, 2)  # fmt: skip
+    torch.testing.assert_close(fast, want, atol=1e-6, rtol=0)
+    assert torch.equal(fast, full)
+
+
+@needs_transformers
+@pytest.mark.parametrize(
+    "extra",
+    [{"softcap": 2.0}, {"s_aux": torch.zeros(6)}, {"dropout": 0.5}, {"output_attentions": True},
+     {"weights_for": {"heads": [1]}, "output_attentions": True}, {"cu_seq_lens_q": torch.tensor([0, 1, 2, 3]), "cu_seq_lens_k": torch.tensor([0, 9, 18, 27])},
+     {"position_bias": torch.zeros(1, 6, 1, 9)}],
+    ids=["softcap", "s_aux", "dropout", "output_attentions", "weights_for", "cu_seq_lens", "position_bias"],
+)
+def test_a_decoding_step_asking_for_more_takes_the_full_path(extra, monkeypatch):
+    from qkv.integrations import transformers as integration
+
+    q, k, v, mask = _decoding_step_inputs()
+    checked = []
+    real = integration._check_keywords
+    monkeypatch.setattr(integration, "_check_keywords", lambda kwargs: checked.append(1) or real(kwargs))
+    integration.attention_forward(_Layer(is_causal=True, groups=3), q, k, v, mask, **extra)
+    assert checked == [1]
+
+
+@needs_transformers
+def test_a_decoding_step_with_an_unknown_keyword_or_weights_in_the_config_is_not_shortened():
+    from qkv.integrations import transformers as integration
+
+    q, k, v, mask = _decoding_step_inputs()
+    with pytest.raises(TypeError, match=r"cannot honour the keyword argument\(s\) \['head_mask'\]"):
+        integration.attention_forward(_Layer(is_causal=True, groups=3), q, k, v, mask, head_mask=torch.ones(6))
+    out, weights = integration.attention_forward(_Layer(is_causal=True, groups=3, output_attentions=True), q, k, v, mask)
+    assert weights is not None and weights.shape == (3, 6, 1, 9)
+    torch.testing.assert_close(weights[1, :, 0, :3], torch.zeros(6, 3))  # the padding gets no weight
+
+
 @needs_transformers
 def test_static_cache_generation_matches_eager():
     """A static cache's keys run past the tokens seen: the masks shift (δ < 0) and still agree.

@@ -64,6 +64,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..backends import sdpa_plain
+from ..functional import attention
 from ..masks import Dense, Mask, Tile, Window, causal, window
 from ..score_mods import SoftCap
 from .transformers_edits import runner as edits_runner
@@ -189,6 +191,11 @@ def attention_forward(
     the logits), or None. With ``weights_for`` (which needs ``output_attentions``) the
     weights are only the chosen ``(b, len(heads), len(rows), j)``.
     """
+    if query.shape[-2] == 1 and type(attention_mask) is LayerMask:  # a decoding step of generate()
+        out = _decoding_step(module, query, key, value, attention_mask, dropout, scaling,
+                             (softcap, s_aux, position_bias, weights_for), kwargs)  # fmt: skip
+        if out is not None:
+            return out, None
     _check_keywords(kwargs)
     mask, bias = _mask_and_bias(module, attention_mask, query.shape[-2], key.shape[-2], is_causal, sliding_window,
                                 query.device)  # fmt: skip
@@ -218,6 +225,34 @@ def attention_forward(
     )  # fmt: skip
     out, weights = result if weights_wanted else (result, None)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _decoding_step(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: LayerMask,
+                   dropout: float, scaling: float | None, extras: tuple, kwargs: dict) -> Tensor | None:  # fmt: skip
+    """``out (b, 1, h, e)`` of a one-token step that asks for nothing but the model's own mask; else None.
+
+    ``generate()`` calls each layer once per new token, and such a call ends in
+    ``qkv.attention``'s plain-call lane (``qkv.backends.sdpa_plain.plain``) anyway: this goes
+    there straight, without the keyword checks, mask dispatch, packing and edit lookups of the
+    full path. Measured on SmolLM2-135M (30 layers, a left-padded batch of 4, Intel Xeon): a
+    decoding step 1.5% faster. Anything the full path would treat otherwise (a keyword to honour
+    or to refuse, weights, ``softcap``, ``s_aux``, ``position_bias``, ``weights_for``, dropout,
+    packed offsets, an active ``qkv.edit`` / ``qkv.record`` block, a call ``plain`` declines)
+    answers None and takes the full path.
+    """
+    if dropout or any(x is not None for x in extras) or edits_runner(module) is not attention:
+        return None
+    for name, given in kwargs.items():
+        if given is not None and (name not in IGNORED or name in _PACKED) and name != "output_attentions":
+            return None  # a keyword to refuse, or packed offsets
+    if _weights_wanted(module, kwargs.get("output_attentions")):
+        return None
+    out = sdpa_plain.plain(query, key, value, "scaled_dot", False, scaling, mask.for_call(1, key.shape[-2], query.device))
+    return None if out is None else out.transpose(1, 2).contiguous()
+
+
+#: Keywords of a packed batch: its documents come from them (``transformers_packing``).
+_PACKED = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"})
 
 
 def _check_keywords(kwargs: dict) -> None:
