@@ -17,7 +17,7 @@ from .flex import flex_attention
 from .functional import attention, attention_weights, explain, merge
 from .integrations.transformers_edits import edit, record  # transformers models run with attn_implementation="qkv"
 from .latent import MultiHeadLatentAttention
-from .paged import PagedKVCache, paged_attention
+from .paged import PagedKVCache, paged_attention, paged_latent_attention
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
 from .score_mods import SoftCap
 from .torch_sdpa import scaled_dot_product_attention
@@ -70,6 +70,7 @@ __all__ = [
     "pad_input",
     "paged",
     "paged_attention",
+    "paged_latent_attention",
     "positional",
     "record",
     "score_mods",
