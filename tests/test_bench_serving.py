@@ -8,11 +8,13 @@ from qkv.bench import serving
 def test_quick_section_has_every_table_and_target():
     said = []
     text = serving.section(True, said.append)
-    for heading in ("A decoding step", "A ragged batch", "A shared prompt", "Targets"):
+    for heading in ("A decoding step", "A ragged batch", "A shared prompt", "Multi-head latent attention", "Targets"):
         assert heading in text
     for target in ("paged / loop of SDPA", "paged / SDPA padded", "int8 cache: bytes per token", "in one call / separate calls"):
         assert target in text
     assert any(line.startswith("  decode:") for line in said)
+    latent = next(line for line in said if line.startswith("  latent:"))
+    assert float(latent.rsplit("largest difference ", 1)[1].rstrip(")")) < 1e-4  # paged MLA agrees with the loop
 
 
 def test_the_pools_hold_each_request_s_keys_where_its_table_says():

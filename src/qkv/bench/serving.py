@@ -36,6 +36,7 @@ from ..paged.pages import FloatPages
 from ..paged.items import BLOCK_PAGES
 from .measure import interleaved
 from .report import Targets, table
+from .serving_latent import latent_lines
 
 NAME = "serving"
 DESCRIPTION = "paged attention: a decoding step of 32 requests, a ragged batch, a shared prompt, an int8 cache"
@@ -201,6 +202,7 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     decode_rows, targets, _ = _decode(cfg, say)
     mixed_rows = _mixed(cfg, say, targets)
     shared_rows = _shared(cfg, say)
+    latent = latent_lines(cfg, _lengths(cfg, cfg["requests"], 0), say)
     lines = ["## Serving: paged attention (`qkv bench --suite serving`)", "",
              f"h = {H}, KV heads = {G}, d = {D}, page size {P}, float32, no_grad; times are medians in ms, side by side.", "",
              "### A decoding step", ""]  # fmt: skip
@@ -212,6 +214,7 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     lines += ["### A shared prompt: pages stored once, attended once", ""]
     lines += table(["requests", "pages (shared)", "pages (not shared)", "step shared", "step not shared", "ratio"],
                    shared_rows) + [""]  # fmt: skip
+    lines += latent + [""]
     if cfg["accuracy"]:
         from .serving_accuracy import accuracy_lines
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..backends.tiling.tile_math import Scratch
 from .attention import paged_attention
 
 _SHAPES = "ckv_cache (num_pages, page_size, head_dim_ckv) and kpe_cache (num_pages, page_size, head_dim_kpe)"
@@ -57,14 +58,26 @@ class LatentPages:
         self.pool = _one_buffer(ckv_cache, kpe_cache)  # (N, P, c + r) where the two are halves of one buffer
         #: whether reads are views of the pool (see the module docstring) rather than joined copies
         self.views = self.pool is not None
+        self._scratch = Scratch(self.device)
 
-    def _joined(self, pages: slice | Tensor) -> Tensor:
-        """Pages ``(n, P, c + r)``: a view of the pool where there is one, else the two parts joined."""
+    def _joined(self, pages: slice | Tensor, reuse: bool = False) -> Tensor:
+        """Pages ``(n, P, c + r)``: a view of the pool where there is one, else the two parts joined.
+
+        ``reuse``: the join lands in one buffer kept between reads (valid until the next such
+        read), so a step's tiles do not each fault in fresh memory: with pools of their own, a
+        32-request step ran 2.4x a loop of SDPA joining into new tensors, 1.5x with the buffer (one
+        buffer: 0.9x; tiles of 2048 to 8192 keys alike).
+        """
         if self.pool is not None:
             return self.pool[pages] if isinstance(pages, slice) else self.pool.index_select(0, pages)
         if isinstance(pages, slice):
-            return torch.cat((self.ckv[pages], self.kpe[pages]), -1)
-        return torch.cat((self.ckv.index_select(0, pages), self.kpe.index_select(0, pages)), -1)
+            ckv, kpe = self.ckv[pages], self.kpe[pages]
+        else:
+            ckv, kpe = self.ckv.index_select(0, pages), self.kpe.index_select(0, pages)
+        if not reuse:
+            return torch.cat((ckv, kpe), -1)
+        out = self._scratch.take("joined", (ckv.shape[0], self.page_size, self.head_dim), self.dtype)
+        return torch.cat((ckv, kpe), -1, out=out)
 
     def range(self, p0: int, p1: int) -> tuple[Tensor, Tensor]:
         """Pages ``p0 .. p1 - 1``: ``(K, V (n, P, 1, c + r))``, the same tensor."""
@@ -77,8 +90,9 @@ class LatentPages:
         return kv, kv
 
     def blocks(self, p0: int, p1: int, S: int) -> tuple[Tensor, Tensor]:
-        """Pages ``p0 .. p1 - 1`` as ``(p1 - p0) / S`` items of ``S`` pages: ``(K, V (items, 1, S·P, c + r))``."""
-        x = self._joined(slice(p0, p1))
+        """Pages ``p0 .. p1 - 1`` as ``(p1 - p0) / S`` items of ``S`` pages: ``(K, V (items, 1, S·P, c + r))``
+        (with pools of their own, valid until the next read)."""
+        x = self._joined(slice(p0, p1), reuse=True)
         kv = x.reshape(-1, S * self.page_size, 1, self.head_dim).transpose(1, 2)
         return kv, kv
 
@@ -87,7 +101,7 @@ class LatentPages:
 
         def read(n: int, count: int) -> tuple[Tensor, Tensor]:
             p0, c = ranges[n]
-            kv = self._joined(slice(p0, p0 + c)).reshape(1, c * self.page_size, self.head_dim)[:, :count]
+            kv = self._joined(slice(p0, p0 + c), reuse=True).reshape(1, c * self.page_size, self.head_dim)[:, :count]
             return kv, kv
 
         return read
