@@ -161,3 +161,43 @@ def test_sm_scale_has_no_default_and_shapes_are_checked():
         qkv.paged_latent_attention(q_nope, q_pe, ckv, kpe[:-1], *table, sm_scale=0.1)
     with pytest.raises(ValueError, match=r"ckv_cache: expected ckv_cache \(num_pages, page_size, head_dim_ckv\)"):
         qkv.paged_latent_attention(q_nope, q_pe, ckv[..., None], kpe, *table, sm_scale=0.1)
+
+
+def test_a_latent_attention_layer_serves_requests_from_paged_latents():
+    """``qkv.PagedKVCache(..., latent_dim=c)`` holds one latent per token; a ``MultiHeadLatentAttention`` layer run on
+    packed steps of two requests (a prefill of both, then decoding steps) equals each request alone on its
+    ``LatentCache``."""
+    from qkv.paged.serve import PagedStep
+
+    torch.manual_seed(1)
+    mla = qkv.MultiHeadLatentAttention(32, 4, dim_head=8, rope_dim=4, kv_rank=12).double().eval()
+    tokens = {"a": torch.randn(1, 9, 32, dtype=torch.float64), "b": torch.randn(1, 5, 32, dtype=torch.float64)}
+    prompt = {"a": 6, "b": 3}
+    cache = qkv.PagedKVCache(16, 4, 1, 12 + 4, latent_dim=12, dtype=torch.float64)
+    assert cache.nbytes == 16 * 4 * 16 * 8  # one latent per slot: keys and values are not held twice
+    got = {r: [] for r in tokens}
+    with torch.no_grad():
+        for r in tokens:
+            cache.add(r)
+        done = dict.fromkeys(tokens, 0)
+        for new in (prompt, {"a": 1, "b": 1}, {"a": 2, "b": 1}):  # a prefill, a decoding step, a chunk of 2 and a step
+            step = cache.plan(new)
+            x = torch.cat([tokens[r][:, done[r] : done[r] + n] for r, n in new.items()], 1)
+            y = mla(x, cache=PagedStep(cache, step).self_attn[0])
+            at = 0
+            for r, n in new.items():
+                got[r].append(y[:, at : at + n])
+                at, done[r] = at + n, done[r] + n
+        for r, x in tokens.items():
+            alone = mla(x[:, : done[r]], causal=True)  # the whole sequence at once, no cache
+            torch.testing.assert_close(torch.cat(got[r], 1), alone, atol=1e-12, rtol=0)
+
+
+def test_latent_pages_refuse_what_they_cannot_hold():
+    with pytest.raises(ValueError, match=r"latent_dim: MLA pages hold one latent .* got kv_heads=2"):
+        qkv.PagedKVCache(8, 4, 2, 16, latent_dim=12)
+    with pytest.raises(ValueError, match=r"latent_dim: .* quantized=True"):
+        qkv.PagedKVCache(8, 4, 1, 16, latent_dim=12, quantized=True)
+    pages = qkv.PagedKVCache(8, 4, 1, 16, latent_dim=12).layer(0)
+    with pytest.raises(ValueError, match=r"k, v: expected the latents \(n, 1, 16\) as both"):
+        pages.write(torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, 16), torch.zeros(1, 1, 12))

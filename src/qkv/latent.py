@@ -142,6 +142,10 @@ class MultiHeadLatentAttention(nn.Module):
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x: expected shape (b, length, {self.dim}) (batch first), got {got}")
+        if cache is not None and hasattr(cache, "attend"):  # a serving step over pages (qkv.paged.serve)
+            if return_weights:
+                raise ValueError("return_weights: a paged serving step does not build weights")
+            return self._paged(x, cache)
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache: expected a qkv.cache.LatentCache (or KVCache), got {type(cache).__name__}")
         q_c, q_r = self.queries(x)
@@ -197,6 +201,19 @@ class MultiHeadLatentAttention(nn.Module):
             weights = None if weights is None else rearrange(weights, "b 1 h j -> b h 1 j")
         out = torch.einsum("bhic,hec->bhie", out, w_uv)  # W^UV per head
         return (out, weights) if common["return_weights"] else out
+
+    def _paged(self, x: Tensor, layer) -> Tensor:
+        """``x (1, T, dim)``: a packed step of many requests; ``layer`` writes each token's latent to its pages and
+        attends (absorbed: the pages hold ``[c^KV; k^R]``, ``qkv.PagedKVCache(..., latent_dim=c)``)."""
+        q_c, q_r = self.queries(x)
+        c_kv, k_r = self.latent(x)
+        q_r, k_r = self.rotary.rotate(q_r, k_r, positions=(layer.positions, layer.positions))
+        w_uk = rearrange(self.k_up.weight, "(h d) c -> h d c", h=self.heads)
+        q = torch.cat((torch.einsum("bhid,hdc->bhic", q_c, w_uk), q_r), dim=-1)  # (1, h, T, c + r)
+        latent = torch.cat((c_kv, k_r), dim=-1)  # (1, 1, T, c + r): the key, and the value to slice
+        out = layer.attend(q, latent, latent, sm_scale=self.scale)[..., : self.kv_rank]  # (1, h, T, c)
+        w_uv = rearrange(self.v_up.weight, "(h e) c -> h e c", h=self.heads)
+        return self.out_proj(rearrange(torch.einsum("bhic,hec->bhie", out, w_uv), "b h i e -> b i (h e)"))
 
     def new_cache(self, max_len: int | None = None) -> LatentCache:
         """An empty :class:`qkv.cache.LatentCache` (``max_len`` preallocates)."""

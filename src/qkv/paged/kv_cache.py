@@ -22,6 +22,11 @@ A step::
         cache.write(layer, step, k, v)
         out = cache.attend(layer, step, q)            # qkv.paged_attention over the step's table
     cache.free("b")                                   # b's pages return to the pool now
+
+With ``latent_dim=c`` (and ``kv_heads=1``, ``head_dim = c + r``) each layer's pool holds one
+latent ``[c^KV; k^R]`` per token, as multi-head latent attention caches it
+(``qkv.paged.LatentPages``): ``write`` takes the latents as ``k`` (and ``v``), ``attend`` returns
+``(T, h, c + r)``, whose first ``c`` columns are the attention over the latents.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, *, layers: int = 1,
                  value_dim: int | None = None, dtype: torch.dtype = torch.float32, device="cpu",
-                 quantized: bool = False):  # fmt: skip
+                 quantized: bool = False, latent_dim: int | None = None):  # fmt: skip
         self.num_pages = positive_int("num_pages", num_pages)
         self.page_size = positive_int("page_size", page_size)
         self.layers = positive_int("layers", layers)
@@ -71,7 +76,18 @@ class PagedKVCache:
         positive_int("head_dim", head_dim)
         if value_dim not in (None, head_dim):
             raise ValueError(f"value_dim: FlashInfer's layout holds keys and values of one size ({head_dim}), got {value_dim}")
-        if quantized:
+        if latent_dim is not None:  # MLA: one latent [c^KV; k^R] per token, its first latent_dim the value
+            positive_int("latent_dim", latent_dim)
+            if kv_heads != 1 or latent_dim > head_dim or quantized:
+                raise ValueError(
+                    f"latent_dim: MLA pages hold one latent of head_dim = latent_dim + rope_dim per token (kv_heads=1, "
+                    f"not quantized), got kv_heads={kv_heads}, head_dim={head_dim}, latent_dim={latent_dim}, quantized={quantized}"
+                )
+            from .latent import empty as empty_latent
+
+            self.pools = [empty_latent(num_pages, page_size, latent_dim, head_dim - latent_dim, dtype, device)
+                          for _ in range(layers)]  # fmt: skip
+        elif quantized:
             from .quant import Int8Pages
 
             self.pools = [Int8Pages(num_pages, page_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
@@ -194,7 +210,7 @@ class PagedKVCache:
 
     def layer(self, layer: int):
         """Layer ``layer``'s pages: FlashInfer's tuple ``(k_cache, v_cache)``, each ``(num_pages, P, g, d)``,
-        or an ``Int8Pages``."""
+        an ``Int8Pages``, or (``latent_dim``) ``LatentPages``."""
         pool = self.pools[layer]
         return (pool.keys, pool.values) if isinstance(pool, FloatPages) else pool
 

@@ -107,6 +107,33 @@ class LatentPages:
         return read
 
 
+    def write(self, page: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
+        """Token ``n``'s latent ``k (n, 1, c + r)`` (``[c^KV; k^R]``) into page ``page[n]`` at ``offset[n]``.
+
+        The value is the key itself (the engine reads ``[ckv; kpe]`` as both), so ``v`` is not
+        stored; it must be the same latent."""
+        if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (1, self.head_dim):
+            raise ValueError(f"k, v: expected the latents (n, 1, {self.head_dim}) as both, got {tuple(k.shape)} and {tuple(v.shape)}")
+        k = k[:, 0].to(self.dtype)
+        self.ckv[page, offset] = k[:, : self.latent_dim]
+        self.kpe[page, offset] = k[:, self.latent_dim :]
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page ``dst`` becomes a copy of page ``src`` (copy-on-write of a shared page)."""
+        self.ckv[dst] = self.ckv[src]
+        self.kpe[dst] = self.kpe[src]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.ckv.numel() + self.kpe.numel()) * self.ckv.element_size()
+
+
+def empty(num_pages: int, page_size: int, latent_dim: int, rope_dim: int, dtype, device) -> LatentPages:
+    """Zeroed MLA pages, ``ckv`` and ``kpe`` the two halves of one buffer (read where they lie)."""
+    buf = torch.zeros(num_pages, page_size, latent_dim + rope_dim, dtype=dtype, device=device)
+    return LatentPages(buf[..., :latent_dim], buf[..., latent_dim:])
+
+
 def _one_buffer(ckv: Tensor, kpe: Tensor) -> Tensor | None:
     """``(N, P, c + r)`` when ``ckv`` and ``kpe`` are the two halves of one contiguous buffer, else None."""
     N, P, c = ckv.shape

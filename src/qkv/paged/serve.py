@@ -45,10 +45,11 @@ class PagedLayer:
         self.cache, self.layer, self.step = cache, layer, step
         self.positions = step.positions
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """``q (1, h, T, d)``, the step's new ``k, v (1, g, T, d)`` -> ``(1, h, T, e)``."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
+        """``q (1, h, T, d)``, the step's new ``k, v (1, g, T, d)`` -> ``(1, h, T, e)``; ``options`` go to
+        ``qkv.paged_attention`` (``sm_scale``, ...)."""
         self.cache.write(self.layer, self.step, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        out = self.cache.attend(self.layer, self.step, q[0].transpose(0, 1))  # (T, h, e)
+        out = self.cache.attend(self.layer, self.step, q[0].transpose(0, 1), **options)  # (T, h, e)
         return out.transpose(0, 1)[None]
 
 
