@@ -201,3 +201,25 @@ def test_latent_pages_refuse_what_they_cannot_hold():
     pages = qkv.PagedKVCache(8, 4, 1, 16, latent_dim=12).layer(0)
     with pytest.raises(ValueError, match=r"k, v: expected the latents \(n, 1, 16\) as both"):
         pages.write(torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, 16), torch.zeros(1, 1, 12))
+
+
+def test_a_forked_request_copies_a_shared_latent_page_before_writing_to_it():
+    """Fork mid-page, then both requests take a token: the shared partial page is copied first (copy-on-write);
+    each request's step equals its sequence alone."""
+    from qkv.paged.serve import PagedStep
+
+    torch.manual_seed(2)
+    mla = qkv.MultiHeadLatentAttention(32, 4, dim_head=8, rope_dim=4, kv_rank=12).double().eval()
+    shared = torch.randn(1, 6, 32, dtype=torch.float64)
+    nxt = {"a": torch.randn(1, 1, 32, dtype=torch.float64), "b": torch.randn(1, 1, 32, dtype=torch.float64)}
+    cache = qkv.PagedKVCache(16, 4, 1, 16, latent_dim=12, dtype=torch.float64)
+    with torch.no_grad():
+        cache.add("a")
+        mla(shared, cache=PagedStep(cache, cache.plan({"a": 6})).self_attn[0])
+        cache.fork("a", "b")
+        assert cache.pages_of("a") == cache.pages_of("b")  # 6 tokens: a full page and a shared partial one
+        y = mla(torch.cat((nxt["a"], nxt["b"]), 1), cache=PagedStep(cache, cache.plan({"a": 1, "b": 1})).self_attn[0])
+        assert cache.pages_of("a")[-1] != cache.pages_of("b")[-1]
+        for n, r in enumerate("ab"):
+            alone = mla(torch.cat((shared, nxt[r]), 1), causal=True)[:, -1:]
+            torch.testing.assert_close(y[:, n : n + 1], alone, atol=1e-12, rtol=0)
