@@ -223,3 +223,12 @@ def test_a_forked_request_copies_a_shared_latent_page_before_writing_to_it():
         for n, r in enumerate("ab"):
             alone = mla(torch.cat((shared, nxt[r]), 1), causal=True)[:, -1:]
             torch.testing.assert_close(y[:, n : n + 1], alone, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_lower_precisions_stay_near_the_float64_answer(dtype, tol):
+    q_nope, q_pe, ckv, kpe, table = build([1, 1, 4], [30, 7, 20], 4, one_buffer=True)
+    want = literal(q_nope, q_pe, ckv, kpe, table, 0.2)[0]
+    got = qkv.paged_latent_attention(q_nope.to(dtype), q_pe.to(dtype), ckv.to(dtype), kpe.to(dtype), *table, sm_scale=0.2)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
