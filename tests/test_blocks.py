@@ -265,3 +265,13 @@ def test_feed_forward_on_the_onednn_route_matches_float64():
     expected = copy.deepcopy(ff).double()(x.double())
     torch.testing.assert_close(ff(x).double(), expected, atol=1e-5, rtol=1e-4)
     assert set(ff.state_dict()) == {"w_in.weight", "w_in.bias", "w_out.weight", "w_out.bias"}
+
+
+def test_an_encoder_layer_takes_a_whole_self_attention_module_and_refuses_mha_settings_with_it():
+    mla = qkv.MultiHeadLatentAttention(16, 2)
+    layer = TransformerEncoderLayer(16, 2, self_attention=mla)
+    assert layer.self_attn is mla and layer(torch.randn(2, 5, 16), causal=True).shape == (2, 5, 16)
+    with pytest.raises(ValueError, match="self_attention: expected an nn.Module that replaces MultiHeadAttention whole"):
+        TransformerEncoderLayer(16, 2, self_attention=mla, kv_heads=1)
+    with pytest.raises(ValueError, match="self_attention: expected an nn.Module"):
+        TransformerEncoderLayer(16, 2, self_attention=lambda x: x)

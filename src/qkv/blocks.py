@@ -100,14 +100,26 @@ class TransformerEncoderLayer(nn.Module):
         kv_heads: grouped K/V heads (default ``heads``).
         positional: a ``qkv.positional.Positional`` for the self-attention (RoPE, ALiBi, ...).
         attention: the mechanism, or a zero-argument factory of one (default exact attention).
+        self_attention: a whole self-attention module in place of ``MultiHeadAttention``, called
+            as ``self_attention(x, mask=, causal=, cache=, return_weights=)`` (e.g.
+            ``qkv.MultiHeadLatentAttention``, which carries its own positions).
     """
 
     def __init__(self, dim: int, heads: int, *, hidden: int | None = None, activation: str = "relu",
                  dropout: float = 0.0, norm_first: bool = False, kv_heads: int | None = None,
-                 positional: Positional | None = None, attention: MechanismArg = None):  # fmt: skip
+                 positional: Positional | None = None, attention: MechanismArg = None,
+                 self_attention: nn.Module | None = None):  # fmt: skip
         super().__init__()
         p = probability("dropout", dropout)
-        self.self_attn = _mha(dim, heads, kv_heads, p, positional, attention, "attention")
+        if self_attention is None:
+            self.self_attn = _mha(dim, heads, kv_heads, p, positional, attention, "attention")
+        elif not isinstance(self_attention, nn.Module) or any(x is not None for x in (kv_heads, positional, attention)):
+            raise ValueError(
+                "self_attention: expected an nn.Module that replaces MultiHeadAttention whole, without kv_heads, "
+                f"positional or attention (those configure MultiHeadAttention), got {type(self_attention).__name__}"
+            )
+        else:
+            self.self_attn = self_attention
         self.ff = FeedForward(dim, hidden, activation=activation, dropout=p)
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.dropout = nn.Dropout(p)
@@ -187,18 +199,21 @@ class Encoder(nn.Module):
 
     The layer arguments are those of :class:`TransformerEncoderLayer`. A ``positional``
     module is shared by every layer (one T5 bias table, as in T5); an ``attention`` module
-    is copied per layer, a factory is called per layer.
+    is copied per layer, a factory is called per layer; ``self_attention`` is a zero-argument
+    factory of a whole self-attention module, called per layer.
     """
 
     def __init__(self, depth: int, dim: int, heads: int, *, hidden: int | None = None, activation: str = "relu",
                  dropout: float = 0.0, norm_first: bool = False, kv_heads: int | None = None,
-                 positional: Positional | None = None, attention: MechanismArg = None):  # fmt: skip
+                 positional: Positional | None = None, attention: MechanismArg = None,
+                 self_attention: Callable[[], nn.Module] | None = None):  # fmt: skip
         super().__init__()
         positive_int("depth", depth)
         self.layers = nn.ModuleList(
             TransformerEncoderLayer(dim, heads, hidden=hidden, activation=activation, dropout=dropout,
                                     norm_first=norm_first, kv_heads=kv_heads, positional=positional,
-                                    attention=_per_layer(attention))  # fmt: skip
+                                    attention=_per_layer(attention),
+                                    self_attention=None if self_attention is None else self_attention())  # fmt: skip
             for _ in range(depth)
         )
         self.norm = nn.LayerNorm(dim) if norm_first else nn.Identity()

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from .._args import positive_int
 from ..blocks import Encoder
-from ..cache import DecoderCache
+from ..cache import DecoderCache, LatentCache
+from ..latent import MultiHeadLatentAttention
 from .checks import check_batch
 from .sampling import sample_next
 from .transformer import TokenEmbedding, attention_positional, check_common, inference, key_padding, lengths_for
@@ -47,11 +48,30 @@ class LMConfig:
     positional: str = "learned"  # sinusoidal, learned (GPT-2), rotary, alibi, relative or none
     max_len: int = 256  # context length (enforced for learned positions)
     tie_embeddings: bool = True  # output layer shares the input embedding matrix (Press & Wolf 2017)
+    attention: str = "multi_head"  # or "latent": DeepSeek-V2's multi-head latent attention (its own rotary part)
+    kv_rank: int | None = None  # latent: the KV latent size c (None = 4 · dim / heads)
+    rope_dim: int | None = None  # latent: the rotary size r (None = half the head size, even)
 
     def __post_init__(self):
         check_common(self)
         positive_int("vocab", self.vocab)
         positive_int("layers", self.layers)
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {self.attention!r}")
+        if self.attention == "latent":
+            if self.positional not in ("none", "learned", "sinusoidal"):
+                raise ValueError(
+                    f"positional: latent attention rotates its own rotary part; expected none, learned or sinusoidal "
+                    f"positions added to the embeddings, got {self.positional!r}"
+                )
+            if self.kv_heads is not None:
+                raise ValueError(f"kv_heads: latent attention shares one latent across its heads, got kv_heads={self.kv_heads}")
+        elif self.kv_rank is not None or self.rope_dim is not None:
+            raise ValueError('kv_rank, rope_dim: they size latent attention; set attention="latent"')
+
+
+#: The self-attention of each layer: ``MultiHeadAttention``, or ``MultiHeadLatentAttention``.
+ATTENTIONS = ("multi_head", "latent")
 
 
 class CausalLM(nn.Module):
@@ -63,15 +83,23 @@ class CausalLM(nn.Module):
             raise TypeError(f"config: expected an LMConfig, got {type(config).__name__}")
         self.config = c = config
         self.embed = TokenEmbedding(c.vocab, c.dim, positional=c.positional, max_len=c.max_len, dropout=c.dropout)
-        positional = attention_positional(c.positional, c.heads, c.dim // c.heads, causal=True)
-        self.blocks = Encoder(c.layers, c.dim, c.heads, hidden=c.hidden, activation=c.activation, dropout=c.dropout,
-                              norm_first=c.norm_first, kv_heads=c.kv_heads, positional=positional)  # fmt: skip
+        if c.attention == "latent":  # positions: MLA's own rotary part (and any absolute ones of the embedding)
+            latent = lambda: MultiHeadLatentAttention(c.dim, c.heads, kv_rank=c.kv_rank, rope_dim=c.rope_dim,  # noqa: E731
+                                                      dropout=c.dropout)  # fmt: skip
+            self.blocks = Encoder(c.layers, c.dim, c.heads, hidden=c.hidden, activation=c.activation, dropout=c.dropout,
+                                  norm_first=c.norm_first, self_attention=latent)  # fmt: skip
+        else:
+            positional = attention_positional(c.positional, c.heads, c.dim // c.heads, causal=True)
+            self.blocks = Encoder(c.layers, c.dim, c.heads, hidden=c.hidden, activation=c.activation, dropout=c.dropout,
+                                  norm_first=c.norm_first, kv_heads=c.kv_heads, positional=positional)  # fmt: skip
         self.out = nn.Linear(c.dim, c.vocab, bias=False)
         if c.tie_embeddings:
             self.out.weight = self.embed.embedding.weight
 
     def new_cache(self, max_len: int | None = None) -> DecoderCache:
-        """An empty cache for :meth:`forward` (``max_len`` preallocates; None grows)."""
+        """An empty cache for :meth:`forward` (``max_len`` preallocates; None grows); latent attention's holds its latents."""
+        if self.config.attention == "latent":
+            return DecoderCache(self.config.layers, layer_cache=lambda: LatentCache(max_len))
         return DecoderCache(self.config.layers, max_len=max_len)
 
     def forward(self, ids: Tensor, *, lengths: Tensor | None = None, cache: DecoderCache | None = None,

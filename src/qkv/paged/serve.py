@@ -67,7 +67,8 @@ class PagedStep:
 def serve(model, requests: list[Request], cache: PagedKVCache, *, eos_id: int | None = None) -> dict:
     """``{name: prompt followed by its greedy tokens (i + n,)}`` for every request, run with continuous batching.
 
-    ``model`` is a :class:`qkv.models.CausalLM` (rotary, learned, sinusoidal or no positions);
+    ``model`` is a :class:`qkv.models.CausalLM` (rotary, learned, sinusoidal or no positions;
+    or ``attention="latent"``, whose latents fit ``qkv.PagedKVCache(..., latent_dim=c)``);
     ``cache`` a :class:`qkv.PagedKVCache` with one layer per model layer. A request stops
     after ``max_new_tokens`` or at ``eos_id``. Requests wait (in arrival order) while the
     pool lacks the pages for their prompt.
