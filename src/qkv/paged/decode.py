@@ -78,6 +78,10 @@ def merge_by_owner(out: Tensor, lse: Tensor, owner: Tensor, n: int) -> tuple[Ten
     and ``lse = lowest + log 0 = -inf`` without a test.
     """
     info = torch.finfo(lse.dtype)
+    # the kernel's lse comes transposed ((I, g, x) with strides (g·x, 1, g)); PyTorch's scatter and
+    # index_add ran this merge 2.5x slower on that layout than on a contiguous copy (0.36 ms
+    # against 0.15 for a 32-request step)
+    lse = lse.contiguous()
     top = torch.full((n + 1, *lse.shape[1:]), float("-inf"), dtype=lse.dtype, device=lse.device)
     top = top.scatter_reduce_(0, owner.view(-1, 1, 1).expand_as(lse), lse, "amax").clamp_(min=info.min)
     w = torch.exp(lse - top.index_select(0, owner))  # (I, g, x)
