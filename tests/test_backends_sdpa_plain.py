@@ -214,3 +214,18 @@ def test_the_causal_mask_object_takes_the_lane_as_causal_true_does(i):
     assert lane is not None and torch.equal(lane, full)
     assert torch.equal(lane, sdpa_plain.plain(q, k, v, "scaled_dot", True, None))
     assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None, qkv.masks.window(2)) is None  # a window: not causal
+
+
+def test_a_mask_made_under_inference_mode_takes_the_lane_and_is_read_every_call():
+    """Tensors of ``torch.inference_mode`` keep no version counter (reading it raised): nothing is kept on such a
+    mask, so an in-place change made under inference mode is still seen."""
+    q, k, v = _inputs(i=1, j=9)
+    with torch.inference_mode():
+        mask = _padding(2, 9, [3, 0])
+        before = sdpa_plain.plain(q, k, v, "scaled_dot", False, None, mask)
+        full = qkv.attention(q, k, v, mask=mask, backend="sdpa")
+        mask.mask[0] = False  # row 0 now sees no key
+        after = sdpa_plain.plain(q, k, v, "scaled_dot", False, None, mask)
+        zero_row = qkv.attention(q, k, v, mask=mask, backend="sdpa")
+    assert before is not None and torch.equal(before, full)
+    assert torch.equal(after, zero_row) and torch.equal(after[0], torch.zeros_like(after[0]))

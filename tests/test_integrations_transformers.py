@@ -537,6 +537,20 @@ def test_a_decoding_step_with_an_unknown_keyword_or_weights_in_the_config_is_not
 
 
 @needs_transformers
+def test_padded_generation_under_inference_mode_equals_no_grad():
+    """The padding mask a step builds under ``torch.inference_mode`` keeps no version counter: it is read, not
+    cached (reading the counter raised a RuntimeError in every padded decoding step)."""
+    model, ids, padding = _tiny("llama")
+    model.set_attn_implementation("qkv")
+    settings = dict(input_ids=ids, attention_mask=padding, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        fast = model.generate(**settings)
+    with torch.no_grad():
+        slow = model.generate(**settings)
+    assert torch.equal(fast, slow)
+
+
+@needs_transformers
 def test_static_cache_generation_matches_eager():
     """A static cache's keys run past the tokens seen: the masks shift (δ < 0) and still agree.
 

@@ -155,3 +155,22 @@ def test_meta_forward_of_a_language_model_with_padding(positional):
     lm = qkv.models.CausalLM(qkv.models.LMConfig(vocab=50, positional=positional)).to("meta")
     ids, lengths = torch.zeros(2, 7, dtype=torch.long, device="meta"), torch.tensor([7, 3], device="meta")
     assert lm(ids, lengths=lengths).shape == (2, 7, 50)
+
+
+def test_a_version_is_none_where_a_tensor_keeps_none():
+    x = torch.zeros(3)
+    before = _trace.version(x)
+    x.add_(1)
+    assert _trace.version(x) == before + 1
+    with torch.inference_mode():
+        assert _trace.version(torch.zeros(3)) is None
+
+
+def test_a_mask_program_reading_an_inference_tensor_has_no_fingerprint():
+    from qkv.masks.reads import fingerprint
+
+    ids = torch.tensor([0, 0, 1])
+    assert fingerprint(lambda b, h, q, kv: ids[q] == ids[kv]) is not None
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 0, 1])
+    assert fingerprint(lambda b, h, q, kv: frozen[q] == frozen[kv]) is None  # its in-place changes cannot be seen

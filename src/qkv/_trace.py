@@ -22,6 +22,18 @@ def tracing() -> bool:
     return bool(compiler.is_compiling() or (hasattr(compiler, "is_exporting") and compiler.is_exporting()))
 
 
+def version(x: Tensor) -> int | None:
+    """``x._version`` (every in-place change bumps it), or None where ``x`` keeps no such counter.
+
+    Tensors made under ``torch.inference_mode`` keep none (reading it raises): a cache keyed on
+    the version must then not keep its answer, since an in-place change would go unseen.
+    """
+    try:
+        return x._version
+    except RuntimeError:
+        return None
+
+
 def concrete(*tensors: Tensor) -> bool:
     """True when every tensor holds real data that may be read on the host (eager, not meta, not fake)."""
     if tracing():

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._trace import concrete, tracing
+from .._trace import concrete, tracing, version
 from ..masks import Dense, Offsets, Tile
 from .request import Request
 from .tiling import flash_cpu
@@ -288,14 +288,17 @@ def _dense_dead_rows(mask: Dense, allowed: Tensor, i: int, j: int) -> Tensor | N
     """:func:`_dead_rows` of a Dense CPU mask whose values can be read, ``allowed`` its ``(i, j)`` tile.
 
     One Dense mask reused call after call (a model's layers share a decoding step's mask):
-    the answer is kept on it, for its tensor's version (an in-place change shows).
+    the answer is kept on it, for its tensor's version (an in-place change shows; a tensor
+    without a version, made under ``torch.inference_mode``, is read every call).
     """
-    key = (i, j, mask.mask._version)
+    changes = version(mask.mask)
+    key = (i, j, changes)
     kept = getattr(mask, "_dead_rows", None)
-    if kept is not None and kept[0] == key:
+    if changes is not None and kept is not None and kept[0] == key:
         return kept[1]
     dead = ~allowed.any(dim=-1, keepdim=True)
     found = dead if bool(dead.any()) else None
-    mask._dead_rows = (key, found)
+    if changes is not None:
+        mask._dead_rows = (key, found)
     return found
 

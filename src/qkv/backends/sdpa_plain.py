@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-from .._trace import tracing
+from .._trace import tracing, version
 from ..masks import Dense, Window
 from ..scores import Dot, ScaledDot
 from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel
@@ -112,14 +112,16 @@ def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -
     mb, mh, mi, mj = allowed.shape
     if mj != j or mi not in (1, i) or mb not in (1, b) or mh not in (1, h):
         return None
-    key = (i, j, allowed._version, q.dtype)
+    changes = version(allowed)  # None under torch.inference_mode: nothing kept, read every call
+    key = (i, j, changes, q.dtype)
     kept = getattr(mask, "_plain", None)
-    if kept is not None and kept[0] is allowed and kept[1] == key:
+    if changes is not None and kept is not None and kept[0] is allowed and kept[1] == key:
         return kept[2]
     if _is_causal(allowed, i, j):
         return None  # the full path runs the kernel's causal flag instead
     parts = _give_dead_rows_every_key(allowed, _dense_dead_rows(mask, allowed, i, j), q.dtype)
-    mask._plain = (allowed, key, parts)
+    if changes is not None:
+        mask._plain = (allowed, key, parts)
     return parts
 
 

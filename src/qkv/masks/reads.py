@@ -16,6 +16,8 @@ import types
 
 from torch import Tensor
 
+from .._trace import version
+
 _PLAIN = (int, float, bool, complex, str, bytes, type(None))
 _STATIC = (types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType)
 
@@ -31,7 +33,10 @@ def fingerprint(fn: object) -> tuple | None:
             continue
         seen.add(id(x))
         if isinstance(x, Tensor):
-            found.append(("tensor", id(x), x._version))
+            changes = version(x)
+            if changes is None:
+                return None  # a tensor of torch.inference_mode: its in-place changes cannot be seen
+            found.append(("tensor", id(x), changes))
         elif isinstance(x, _PLAIN):
             found.append(("value", x))
         elif isinstance(x, tuple):

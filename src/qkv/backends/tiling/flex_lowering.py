@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..._trace import version
 from ...masks import And, Dense, Documents, FlexBlocks, Lengths, Mask, MaskMod, Offsets, Or, Starts, Tile, Window
 from ...positional import ALiBi, LazyBias
 from ..request import Request
@@ -276,7 +277,7 @@ def _describe(mask: Mask) -> tuple | None:
     if kind not in (Lengths, Starts, Documents, Dense):
         return None
     tensors = _signature_tensors(mask)
-    versions = [_version(x) for x in tensors]
+    versions = [version(x) for x in tensors]
     if any(v is None for v in versions):
         return None
     return (kind.__name__, *((id(x), x.device.type, v) for x, v in zip(tensors, versions)))
@@ -295,13 +296,6 @@ def _signature_tensors(mask: Mask) -> list[Tensor]:
     if kind is Dense:
         return [mask.mask]
     return []
-
-
-def _version(x: Tensor) -> int | None:
-    try:
-        return x._version  # an in-place change bumps it: the cached lists are then stale
-    except RuntimeError:  # inference tensors have no version counter: not cached
-        return None
 
 
 def _same(kept: list[Tensor], tensors: list[Tensor]) -> bool:
