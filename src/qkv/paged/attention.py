@@ -18,7 +18,7 @@ from typing import Callable
 
 from torch import Tensor
 
-from .pages import FloatPages
+from .pages import as_pages
 from .plan import PagedPlan, check_q
 
 
@@ -56,7 +56,7 @@ def paged_attention(
     One call is one :class:`qkv.paged.PagedPlan` run once; a model whose layers share a step's
     table makes the plan once and runs it per layer.
     """
-    pages = kv_cache if hasattr(kv_cache, "take") and hasattr(kv_cache, "blocks") else FloatPages(kv_cache)
+    pages = as_pages(kv_cache)
     check_q(q, pages)
     plan = PagedPlan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=pages.num_pages,
                      page_size=pages.page_size, device=pages.device, total_q=q.shape[0])  # fmt: skip

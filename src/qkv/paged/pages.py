@@ -79,6 +79,12 @@ class FloatPages:
         return 2 * self.keys.numel() * self.keys.element_size()
 
 
+def as_pages(kv_cache):
+    """A store the paged engine reads (``take``, ``blocks``: ``Int8Pages``, ``LatentPages``, ``FloatPages``) as it is;
+    a FlashInfer tensor or tuple as :class:`FloatPages`."""
+    return kv_cache if hasattr(kv_cache, "take") and hasattr(kv_cache, "blocks") else FloatPages(kv_cache)
+
+
 def empty(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, device) -> FloatPages:
     """Zeroed pages in the tuple form: keys and values in pools of their own."""
     shape = (num_pages, page_size, kv_heads, head_dim)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .options import options
-from .pages import FloatPages
+from .pages import as_pages
 from .route import run as route
 from .table import page_table
 
@@ -43,7 +43,7 @@ class PagedPlan:
             alibi_slopes: Tensor | None = None, return_lse: bool = False):  # fmt: skip
         """``out (T, h, e)``, or ``(out, lse (T, h))``: the attention of each request over its pages in ``kv_cache``
         (the arguments of :func:`qkv.paged_attention`)."""
-        pages = kv_cache if hasattr(kv_cache, "take") and hasattr(kv_cache, "blocks") else FloatPages(kv_cache)
+        pages = as_pages(kv_cache)
         check_q(q, pages)
         if q.shape[0] != self.total_q:
             raise ValueError(f"q: {q.shape[0]} query rows but the plan's qo_indptr ends at {self.total_q}")
