@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..paged import Int8Pages, PagedKVCache, PagedPlan, paged_attention
-from ..paged.pages import FloatPages
+from ..paged.pages import as_pages
 from ..paged.items import BLOCK_PAGES
 from .measure import interleaved
 from .report import Targets, table
@@ -62,7 +62,7 @@ class Table:
 
     def plan(self, qo_lens: list[int]) -> PagedPlan:
         """The table as a serving loop's step keeps it for all its layers (laid out by the first run)."""
-        store = self.cache if hasattr(self.cache, "blocks") else FloatPages(self.cache)
+        store = as_pages(self.cache)
         return PagedPlan(self._qo(qo_lens), self.indptr, self.indices, self.last, num_pages=store.num_pages,
                          page_size=store.page_size)  # fmt: skip
 
