@@ -183,9 +183,7 @@ class MultiHeadLatentAttention(nn.Module):
     def _absorbed(self, q_c: Tensor, q_r: Tensor, c_kv: Tensor, k_r: Tensor, combined: Tensor | None,
                   common: dict):  # fmt: skip
         """Attend over the latent: query ``[W^UKᵀ q^C; q^R]``, keys ``[c; k^R]``, values ``c``; then ``W^UV``."""
-        w_uk = rearrange(self.k_up.weight, "(h d) c -> h d c", h=self.heads)
-        w_uv = rearrange(self.v_up.weight, "(h e) c -> h e c", h=self.heads)
-        q = torch.cat((torch.einsum("bhid,hdc->bhic", q_c, w_uk), q_r), dim=-1)  # (b, h, i, c + r)
+        q = self._absorbed_query(q_c, q_r)  # (b, h, i, c + r)
         keys = torch.cat((c_kv, k_r), dim=-1) if combined is None else combined  # (b, 1, j, c + r)
         # One query per head over one shared KV head: with nothing masked, the h heads are h
         # query rows of a single head (no key is repeated per head; PyTorch's grouped-query
@@ -199,8 +197,18 @@ class MultiHeadLatentAttention(nn.Module):
         if fold:
             out = rearrange(out, "b 1 h c -> b h 1 c")
             weights = None if weights is None else rearrange(weights, "b 1 h j -> b h 1 j")
-        out = torch.einsum("bhic,hec->bhie", out, w_uv)  # W^UV per head
+        out = self._values(out)
         return (out, weights) if common["return_weights"] else out
+
+    def _absorbed_query(self, q_c: Tensor, q_r: Tensor) -> Tensor:
+        """``[W^UKᵀ q^C; q^R] (b, h, i, c + r)``: the query that attends to the latents themselves."""
+        w_uk = rearrange(self.k_up.weight, "(h d) c -> h d c", h=self.heads)
+        return torch.cat((torch.einsum("bhid,hdc->bhic", q_c, w_uk), q_r), dim=-1)
+
+    def _values(self, out: Tensor) -> Tensor:
+        """``W^UV`` per head on an attention over the latents: ``(b, h, i, c) -> (b, h, i, e)``."""
+        w_uv = rearrange(self.v_up.weight, "(h e) c -> h e c", h=self.heads)
+        return torch.einsum("bhic,hec->bhie", out, w_uv)
 
     def _paged(self, x: Tensor, layer) -> Tensor:
         """``x (1, T, dim)``: a packed step of many requests; ``layer`` writes each token's latent to its pages and
@@ -208,12 +216,10 @@ class MultiHeadLatentAttention(nn.Module):
         q_c, q_r = self.queries(x)
         c_kv, k_r = self.latent(x)
         q_r, k_r = self.rotary.rotate(q_r, k_r, positions=(layer.positions, layer.positions))
-        w_uk = rearrange(self.k_up.weight, "(h d) c -> h d c", h=self.heads)
-        q = torch.cat((torch.einsum("bhid,hdc->bhic", q_c, w_uk), q_r), dim=-1)  # (1, h, T, c + r)
         latent = torch.cat((c_kv, k_r), dim=-1)  # (1, 1, T, c + r): the key, and the value to slice
+        q = self._absorbed_query(q_c, q_r)
         out = layer.attend(q, latent, latent, sm_scale=self.scale)[..., : self.kv_rank]  # (1, h, T, c)
-        w_uv = rearrange(self.v_up.weight, "(h e) c -> h e c", h=self.heads)
-        return self.out_proj(rearrange(torch.einsum("bhic,hec->bhie", out, w_uv), "b h i e -> b i (h e)"))
+        return self.out_proj(rearrange(self._values(out), "b h i e -> b i (h e)"))
 
     def new_cache(self, max_len: int | None = None) -> LatentCache:
         """An empty :class:`qkv.cache.LatentCache` (``max_len`` preallocates)."""
