@@ -154,3 +154,50 @@ def test_a_padded_causal_batch_never_builds_its_i_by_j_mask(monkeypatch):
         assert built and max(built) < n * n, f"backend {name} built a {max(built)}-element mask tile"
         assert torch.isfinite(out).all()
     assert "sdpa" not in qkv.explain(q, q, q, mask=qkv.masks.lengths(lengths), causal=True).splitlines()[0]
+
+
+# Masks of positions with fewer queries than keys hide keys from every row too.
+OFFSET_CASES = {
+    "top-left causal, i < j (is_causal)": (6, 20, lambda i, j: qkv.masks.offsets(None, i - j)),
+    "window of 3, one query": (1, 20, lambda i, j: qkv.masks.window(3)),
+    "strictly the past, two back": (5, 12, lambda i, j: qkv.masks.offsets(None, -2)),
+    "the next two only": (5, 12, lambda i, j: qkv.masks.offsets(1, 2)),
+}
+
+
+@pytest.mark.parametrize("i, j", [(1, 9), (4, 9), (9, 4), (6, 6)])
+@pytest.mark.parametrize("lo, hi", [(None, 0), (None, -2), (-3, 0), (1, 2), (-2, None), (None, None), (-1, 4)])
+def test_offsets_name_the_keys_no_row_sees(i, j, lo, hi):
+    mask = qkv.masks.offsets(lo, hi)
+    seen = mask.tile(mask_base.Tile.whole(i, j)).any(dim=0)  # (j,): some row sees the key
+    hidden = mask.hidden_keys(i, j)
+    if hidden is None:
+        assert seen.all()
+    else:
+        assert hidden.shape == (1, 1, 1, j)
+        assert torch.equal(hidden.flatten(), ~seen)
+
+
+@pytest.mark.parametrize("case", sorted(OFFSET_CASES))
+def test_keys_outside_every_rows_offsets_never_reach_an_output(case):
+    i, j, make = OFFSET_CASES[case]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, i, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, G, j, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, G, j, D, generator=g, dtype=torch.float64)
+    mask = make(i, j)
+    hidden = mask.hidden_keys(i, j).view(1, 1, j, 1)
+    assert hidden.any()
+    bad_k, bad_v = k.masked_fill(hidden, float("nan")), v.masked_fill(hidden, float("inf"))
+    expected = qkv.attention(q, k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0), mask=mask, backend="reference")
+    req = checks.request(q, k, v, score="scaled_dot", mask=mask, bias=None, causal=False, scale=None, dropout=0.0,
+                         return_weights=False)  # fmt: skip
+    names = ["auto", *(name for name, impl in backends.REGISTRY.items() if impl.supports(req) is None)]
+    for name in names:
+        with torch.no_grad():
+            out = qkv.attention(q, bad_k, bad_v, mask=mask, backend=name)
+        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{case}, backend {name}, no_grad")
+        q1, k1, v1 = (x.clone().requires_grad_() for x in (q, bad_k, bad_v))
+        qkv.attention(q1, k1, v1, mask=mask, backend=name).square().sum().backward()
+        for label, grad in (("q", q1.grad), ("k", k1.grad), ("v", v1.grad)):
+            assert torch.isfinite(grad).all(), f"{case}, backend {name}: non-finite gradient of {label}"

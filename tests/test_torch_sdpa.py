@@ -56,6 +56,19 @@ def test_is_causal_is_top_left(L, S):
         assert not torch.allclose(qkv.attention(q, k, v, causal=True), want)
 
 
+@pytest.mark.parametrize("L, S", [(1000, 2000), (2000, 1000), (1, 4096)])
+def test_is_causal_runs_the_kernels_own_flag_at_any_lengths(L, S, monkeypatch):
+    """Top-left causal is the kernel's ``is_causal``: no mask tensor, not a tile loop, even where ``L·S`` is large."""
+    q, k, v = (torch.zeros(1, 1, n, 8) for n in (L, S, S))
+    assert qkv.explain(q, k, v, mask=qkv.masks.offsets(None, L - S)).splitlines()[0] == "backend: sdpa"
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    q, k, v = inputs(7, 5) if L > S else inputs(5, 7)
+    qkv.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert calls and calls[-1]["is_causal"] is True and calls[-1]["attn_mask"] is None
+
+
 def test_grouped_heads_broadcast_batches_and_leading_dims():
     q, k, v = inputs(5, 7, kv_heads=H)
     want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)

@@ -10,7 +10,9 @@ SDPA would build the mask). PyTorch's semantics are kept where they differ from
 
 * ``is_causal`` is aligned **top-left** (query ``r`` sees keys ``c <= r``), as
   ``torch.ones(L, S).tril()``; qkv's own ``causal=True`` is bottom-right (a query at the end
-  of a cache sees every key). Both agree when ``L == S``.
+  of a cache sees every key). Both agree when ``L == S``. With ``L < S`` no query sees the
+  keys from ``L`` on: the call runs on the first ``L`` keys (their gradients are 0), the
+  kernel's causal square.
 * ``attn_mask`` is a bool mask (True = take part) or a float mask added to the scores;
   ``attn_mask`` with ``is_causal=True`` is an error, as in PyTorch.
 * ``key`` and ``value`` broadcast along the leading dims of ``query``; grouped heads need
@@ -67,5 +69,7 @@ def scaled_dot_product_attention(
             raise TypeError(f"attn_mask: expected a bool or float tensor, got {attn_mask.dtype}")
     if is_causal:
         i, j = query.shape[-2], key.shape[-2]
+        if 0 < i < j:  # top-left: no query sees the keys from i on; the kernel's causal square, those never read
+            key, value, j = key[..., :i, :], value[..., :i, :], i
         mask = causal() if i == j else offsets(None, i - j)  # top-left: key c <= query r
     return attention(query, key, value, mask=mask, bias=bias, scale=scale, dropout=dropout_p)

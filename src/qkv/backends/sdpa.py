@@ -7,7 +7,10 @@ A dot-form score (dot, scaled dot, bilinear) is ``scale · qp kpᵀ`` after its 
 step, which is exactly what the kernel computes. Three things are adapted to qkv's contract:
 
 * PyTorch's ``is_causal`` is aligned top-left; qkv's causal mask is bottom-right. The flag
-  is used only when ``i == j`` (where the two agree); otherwise the mask is built.
+  runs qkv's causal mask where ``i == j`` (where the two agree), and the top-left offset
+  range ``offsets(None, i - j)`` (query ``r`` sees keys ``c <= r``, what
+  ``qkv.scaled_dot_product_attention`` makes of ``is_causal``) at any ``i, j``; otherwise the
+  mask is built.
 * Lazy biases are left to the chunked backend, which builds them one query block at a
   time (here they would be one ``(…, h, i, j)`` tensor). Lazy masks other than the plain
   causal one are materialised as an ``(i, j)`` bool mask (or ``(b, 1, i, j)`` for lengths),
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._bools import any_along
 from .._trace import concrete, tracing, version
 from ..masks import Dense, Offsets, Tile
 from .request import Request
@@ -100,13 +104,27 @@ def _mask_limit(req: Request) -> tuple[int, str]:
 
 
 def _by_flag(req: Request) -> bool:
-    """True when the kernel needs no mask tensor: an offset range that hides nothing, causal on a square, or lower-right."""
+    """True when the kernel needs no mask tensor: an offset range that hides nothing, causal top-left
+    (causal on a square among them), or lower-right."""
     mask = req.mask
     if not isinstance(mask, Offsets):
         return False
     if mask.state(Tile.whole(req.i, req.j, req.q.device)) == "full":
         return True
-    return (req.bias is None and req.is_causal_only and req.i == req.j) or _lower_right(req)
+    return _top_left(req) or _lower_right(req)
+
+
+def _top_left(req: Request) -> bool:
+    """True when the mask is PyTorch's ``is_causal``: query ``r`` sees keys ``c <= r``, and nothing else hides or adds.
+
+    That is the offset range ``offsets(None, i - j)`` (an offset is ``c - r - (j - i)``), and
+    qkv's bottom-right ``causal()`` where ``i == j``. Every query sees key 0, so no row is
+    dead. With ``i != j`` the chunked engines would otherwise run it (the mask tensor is
+    ``i·j`` elements): measured on the Intel Xeon, ``i = 1024, j = 2048``, 1.23-1.28x the
+    flag's time.
+    """
+    mask = req.mask
+    return req.bias is None and isinstance(mask, Offsets) and mask.lo is None and mask.hi == req.i - req.j
 
 
 def _lower_right(req: Request) -> bool:
@@ -203,7 +221,7 @@ def _mask(req: Request) -> tuple[Tensor | object | None, bool, Tensor | None]:
         whole = Tile.whole(req.i, req.j, req.q.device)
         if mask.state(whole) == "full":
             mask = None
-        elif req.bias is None and req.is_causal_only and req.i == req.j:
+        elif _top_left(req):
             return None, True, None
         elif _lower_right(req):
             from torch.nn.attention.bias import causal_lower_right
@@ -277,10 +295,10 @@ def _dead_rows(mask, allowed: Tensor, req: Request) -> Tensor | None:
         rows = torch.arange(req.i, device=allowed.device)[:, None]
         return (rows < first) | (rows >= stop)
     if not concrete(allowed) or allowed.device.type != "cpu":  # on a GPU the read is a sync
-        return ~allowed.any(dim=-1, keepdim=True)
+        return ~any_along(allowed, -1, keepdim=True)
     if isinstance(mask, Dense):
         return _dense_dead_rows(mask, allowed, req.i, req.j)
-    dead = ~allowed.any(dim=-1, keepdim=True)
+    dead = ~any_along(allowed, -1, keepdim=True)
     return dead if bool(dead.any()) else None
 
 
@@ -296,7 +314,7 @@ def _dense_dead_rows(mask: Dense, allowed: Tensor, i: int, j: int) -> Tensor | N
     kept = getattr(mask, "_dead_rows", None)
     if changes is not None and kept is not None and kept[0] == key:
         return kept[1]
-    dead = ~allowed.any(dim=-1, keepdim=True)
+    dead = ~any_along(allowed, -1, keepdim=True)
     found = dead if bool(dead.any()) else None
     if changes is not None:
         mask._dead_rows = (key, found)

@@ -72,6 +72,7 @@ SUITES: dict[str, str] = {
     "decoding": "qkv.bench.decoding",
     "serving": "qkv.bench.serving",
     "edits": "qkv.bench.edits",
+    "sdpa": "qkv.bench.sdpa_dialect",
 }
 #: Suites run when ``--suite`` is not given.
 DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")

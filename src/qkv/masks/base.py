@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .._layout import merge_lead
+from .._bools import any_along
 from .._trace import concrete
 
 State = Literal["full", "empty", "partial"]
@@ -117,7 +118,8 @@ class Mask:
         What such a key holds (cache padding from ``torch.empty``: NaN, inf) must not reach
         an output, and ``0 · NaN`` in ``weights @ v`` would let it: ``qkv.backends.
         hidden_keys`` zeroes these keys when they hold a non-finite value. None is always
-        safe (nothing is zeroed); masks of positions, whose every key some row sees, say None.
+        safe (nothing is zeroed); masks of positions say None where some row sees every key
+        (a square call), and name the keys beyond every row's range otherwise.
         """
         return None
 
@@ -190,7 +192,7 @@ class Dense(Mask):
         m = self.mask
         m = m.reshape(*((1,) * (4 - m.dim())), *m.shape) if m.dim() < 4 else m
         # (b|1, h|1, i|1, j|1): any over the rows; leading dims beyond b were merged already
-        return (~m.any(dim=-2, keepdim=True)).expand(*m.shape[:-2], 1, j_len) if m.dim() == 4 else None
+        return (~any_along(m, -2, keepdim=True)).expand(*m.shape[:-2], 1, j_len) if m.dim() == 4 else None
 
     def batch_shape(self) -> tuple[int, ...]:
         return tuple(self.mask.shape[:-2])

@@ -55,6 +55,25 @@ class Offsets(Mask):
             return "empty"
         return "full" if first >= lo and last <= hi else "partial"
 
+    def hidden_keys(self, i_len: int, j_len: int) -> Tensor | None:
+        """Keys outside every row's range: rows ``0 .. i-1`` together see ``j - i + lo .. j - 1 + hi``.
+
+        None where that covers every key (a square causal call, windows, a decoding step);
+        PyTorch's top-left ``is_causal`` with fewer queries than keys, ``offsets(None, i - j)``,
+        hides the keys from ``i`` on.
+        """
+        first = None if self.lo is None else j_len - i_len + self.lo
+        last = None if self.hi is None else j_len - 1 + self.hi
+        if (first is None or first <= 0) and (last is None or last >= j_len - 1):
+            return None
+        c = torch.arange(j_len)
+        hidden = torch.zeros(j_len, dtype=torch.bool)
+        if first is not None:
+            hidden |= c < first
+        if last is not None:
+            hidden |= c > last
+        return hidden.view(1, 1, 1, j_len)
+
     def key_bounds(self, t: Tile) -> tuple[int, int] | None:
         # row r sees keys r + (j - i) + lo .. r + (j - i) + hi
         shift = t.j_len - t.i_len

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..._bools import any_along
 from ...masks import Mask, Tile
 from ...positional import LazyBias
 from ..tiling import tile_math
@@ -63,7 +64,7 @@ def block_mask(plan: FusedPlan, t: Tile, bias: BiasSource, dtype: torch.dtype,
     state = "full" if plan.mask is None else plan.mask.state(t)
     if state != "full":
         allowed = as_heads(plan.mask.tile(t), 4)
-        any_key = allowed.any(-1, keepdim=True)
+        any_key = any_along(allowed, -1, keepdim=True)
         if not bool(any_key.all()):
             live = any_key
         fill = torch.zeros((), dtype=dtype).masked_fill(torch.tensor(True), NEG_INF)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..._bools import any_along
 from ...masks import Mask, Tile
 from ..tiling import flash_cpu
 from ..tiling import lse as row_lse
@@ -149,7 +150,7 @@ def _mask(mask: Mask, t: Tile, run: Run, q: Tensor) -> tuple[Tensor | None, Tens
         return None, None
     dtype = mask_dtype(q)
     allowed = as_heads(mask.tile(Tile(t.i0, t.i1, run.j0, run.j1, t.i_len, t.j_len, t.device)), 4)
-    any_key = allowed.any(-1, keepdim=True)
+    any_key = any_along(allowed, -1, keepdim=True)
     live = None if bool(any_key.all()) else any_key
     add = torch.zeros((), dtype=dtype, device=allowed.device).expand(allowed.shape).masked_fill(~allowed, NEG_INF)
     return add, live

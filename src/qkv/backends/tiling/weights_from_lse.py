@@ -26,6 +26,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..._bools import any_along
 from ... import score_mods
 from ...masks import Tile
 from ...positional import LazyBias
@@ -93,7 +94,7 @@ def rebuild(
         elif differentiable:
             w = torch.softmax(s.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0), dim=-1)
             if allowed is not None:
-                w = w * allowed * allowed.any(-1, keepdim=True)
+                w = w * allowed * any_along(allowed, -1, keepdim=True)
         else:
             w = torch.exp(s - lse_sel[..., start:stop, None])
         parts.append(w)
