@@ -32,7 +32,7 @@ from .report import Targets, table
 NAME = "sdpa"
 DESCRIPTION = "qkv.scaled_dot_product_attention against F.scaled_dot_product_attention: the same calls side by side"
 
-FULL = dict(b=2, h=8, g=2, L=1024, d=64, repeats=9)
+FULL = dict(b=2, h=8, g=2, L=1024, d=64, repeats=15)
 QUICK = dict(b=1, h=2, g=1, L=64, d=16, repeats=1)
 #: How much slower than the call it replaces the drop-in may measure: the noise of the medians.
 TOLERANCE = 1.05

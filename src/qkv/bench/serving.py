@@ -18,7 +18,8 @@ Shape legend: ``R`` requests, ``h = 8`` query heads, ``g = 2`` KV heads, ``d = 6
   further tokens: pages stored, and the step with the prompt's pages shared (attended once,
   merged by LSE) against each request holding its own copy;
 * **int8** — the same decoding step over ``qkv.paged.Int8Pages`` (KIVI: keys per channel,
-  values per token, a full-precision partial last page): bytes per token against float32,
+  values per token; each request's tokens written, so its partial last page is in full
+  precision, as in serving): bytes per token against float32,
   and the step's time against the float32 paged step; its accuracy (next-token KL divergence
   and perplexity against float32) on the demo's word-stream language model, and on the
   packaged SmolLM2-135M where installed.
@@ -91,10 +92,15 @@ class Pool(Table):
         pages = [cache.pages_of(r) for r in range(len(lengths))]
         self.data = torch.randn(cache.num_pages, 2, P, G, D, generator=gen)
         store = (self.data[:, 0].contiguous(), self.data[:, 1].contiguous())  # PagedKVCache's form: pools of their own
-        if quantized:
+        if quantized:  # each request's tokens written, as serving writes them: its last page partial, in full precision
             store = Int8Pages(cache.num_pages, P, G, D)
-            ids, offsets = torch.arange(cache.num_pages).repeat_interleave(P), torch.arange(P).repeat(cache.num_pages)
-            store.write(ids, offsets, self.data[:, 0].reshape(-1, G, D), self.data[:, 1].reshape(-1, G, D))
+            filled: dict[int, int] = {}
+            for ids, n in zip(pages, lengths):
+                for t, page in enumerate(ids):
+                    filled[page] = max(filled.get(page, 0), min(P, n - t * P))
+            ids = torch.tensor([page for page, count in filled.items() for _ in range(count)], dtype=torch.long)
+            offsets = torch.tensor([o for count in filled.values() for o in range(count)], dtype=torch.long)
+            store.write(ids, offsets, self.data[ids, 0, offsets], self.data[ids, 1, offsets])
         super().__init__(store, pages, lengths)
         self.pages, self.lengths = pages, lengths
 

@@ -161,12 +161,14 @@ class Int8Pages:
         than the two, PyTorch casting it element by element).
         """
         g, P, d = self.kv_heads, self.page_size, self.head_dim
-        K_all, V_all = self._scratch.take("KV", (2, g, c, P, d), self.dtype)
-        K = K_all.copy_(self._keys.narrow(1, p0, c)).mul_(self._key_scale[:, :, None].narrow(1, p0, c))
-        V = V_all.copy_(self._values.narrow(1, p0, c)).mul_(self._value_scale[..., None].narrow(1, p0, c))
-        for p in partial[bisect_left(partial, p0) : bisect_left(partial, p0 + c)]:
-            both = self.residual[p].permute(0, 2, 1, 3)  # (2, g, P, d)
-            K[:, p - p0], V[:, p - p0] = both[0], both[1]
+        KV = self._scratch.take("KV", (2, g, c, P, d), self.dtype)
+        K = KV[0].copy_(self._keys.narrow(1, p0, c)).mul_(self._key_scale[:, :, None].narrow(1, p0, c))
+        V = KV[1].copy_(self._values.narrow(1, p0, c)).mul_(self._value_scale[..., None].narrow(1, p0, c))
+        inside = partial[bisect_left(partial, p0) : bisect_left(partial, p0 + c)]
+        if inside:  # every request's last page, as written: one copy for all (two per page cost 0.6 ms a step)
+            at = torch.tensor([p - p0 for p in inside], device=self.device)
+            both = torch.stack([self.residual[p] for p in inside])  # (m, 2, P, g, d)
+            KV.index_copy_(2, at, both.permute(1, 3, 0, 2, 4))  # into (2, g, c, P, d)
         return K, V
 
     # ------------------------------------------------------------------ writes
