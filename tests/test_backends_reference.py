@@ -128,3 +128,30 @@ def test_return_weights_are_before_dropout():
     torch.testing.assert_close(w, qkv.attention_weights(q, k))
     keep_draw = torch.rand(w.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float32) >= 0.3
     torch.testing.assert_close(out, (w * keep_draw / 0.7) @ v.repeat_interleave(2, dim=1))
+
+
+@pytest.mark.parametrize("d, j", [(4, 16), (16, 4)])
+def test_the_scale_on_the_query_or_on_the_logits_gives_the_literal_weights(d, j):
+    """Where ``d <= j`` the scale multiplies the queries (i·d products), else the logits: both the equations' weights."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, n, d, generator=gen, dtype=torch.float64) for n in (5, j, j))
+    keep = torch.rand(2, 1, 5, j, generator=gen) > 0.3
+    keep[0, 0, 2] = False  # a row with no key: zeros
+    out, w = qkv.attention(q, k, v, mask=keep, scale=0.37, return_weights=True, backend="reference")
+    s = (q @ k.transpose(-1, -2) * 0.37).masked_fill(~keep, float("-inf"))
+    want_w = torch.softmax(s, -1).nan_to_num(0.0)
+    torch.testing.assert_close(w, want_w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, want_w @ v, rtol=1e-12, atol=1e-12)
+
+
+def test_the_log_sum_exp_is_computed_only_when_asked(monkeypatch):
+    q, k, v = _inputs()
+    calls = []
+    real = torch.logsumexp
+    monkeypatch.setattr(torch, "logsumexp", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    qkv.attention(q, k, v, return_weights=True, backend="reference")
+    assert not calls
+    out, lse = qkv.attention(q, k, v, return_lse=True, backend="reference")
+    assert calls
+    s = q @ k.repeat_interleave(H // G, 1).transpose(-1, -2) / math.sqrt(D)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-12, atol=1e-12)

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 
 from .. import score_mods
+from .._bools import all_along, any_along
+from .._trace import concrete
 from ..masks import Tile
 from .request import Request, repeat_kv
 
@@ -38,7 +40,11 @@ def logits(req: Request) -> tuple[Tensor, Tensor | None]:
         qp, kp = qp.float(), kp.float()
     kp = repeat_kv(kp, req.group)
     tile = Tile.whole(req.i, req.j, req.q.device)
-    e = req.scale * req.score.pairwise(qp, kp, tile)
+    if req.score.dot_form and qp.shape[-1] <= req.j:
+        # scale · (qp kpᵀ) = (scale · qp) kpᵀ: i·d products instead of a pass over the i·j logits
+        e = req.score.pairwise(qp * req.scale, kp, tile)
+    else:
+        e = req.scale * req.score.pairwise(qp, kp, tile)
     if req.bias is not None:
         bias = req.bias if isinstance(req.bias, Tensor) else req.bias.dense(req.i, req.j, e.device)
         e = e + bias.to(e.dtype)
@@ -57,26 +63,29 @@ def weights(req: Request) -> Tensor:
     With sinks, each row's softmax runs over one more logit, ``sinks_h``, whose weight is
     then dropped (a sink has no value): the row's weights sum to less than 1.
     """
-    return weights_and_lse(req)[0]
+    return weights_and_lse(req, lse=False)[0]
 
 
-def weights_and_lse(req: Request) -> tuple[Tensor, Tensor]:
-    """:func:`weights`, and each row's ``lse = log Σ exp(e)`` over its allowed keys (and its sink): ``(b, h, i)``.
+def weights_and_lse(req: Request, lse: bool = True) -> tuple[Tensor, Tensor | None]:
+    """:func:`weights`, and each row's ``lse = log Σ exp(e)`` over its allowed keys (and its sink): ``(b, h, i)``
+    (None with ``lse=False``: its own pass over the logits, as long as the softmax's).
 
     A row with no allowed key and no sink has ``lse = -inf``.
     """
+    want_lse = lse
     e, allowed = logits(req)
     if req.sinks is not None:
         column = req.sinks.to(e.dtype).reshape(-1, 1, 1)
         e = torch.cat((e, column.expand(*e.shape[:-1], 1)), dim=-1)
     w = torch.softmax(e, dim=-1)
-    lse = torch.logsumexp(e, dim=-1)
+    lse = torch.logsumexp(e, dim=-1) if want_lse else None
     if req.sinks is not None:
         w = w[..., :-1]
     if allowed is not None:
-        live = allowed.any(dim=-1, keepdim=True)
-        w = w * live
-        if req.sinks is None:  # finfo.min logits are not "no key": the row has no mass
+        live = any_along(allowed, -1, keepdim=True)
+        if not (concrete(live) and live.device.type == "cpu" and bool(all_along(live.flatten(), 0))):
+            w = w * live  # rows with no key: zero weights (a pass over them, skipped where every row has a key)
+        if req.sinks is None and lse is not None:  # finfo.min logits are not "no key": the row has no mass
             lse = lse.masked_fill(~live.squeeze(-1).expand(lse.shape), float("-inf"))
     return w, lse
 
@@ -90,7 +99,7 @@ def dropout_weights(w: Tensor, p: float, generator: torch.Generator | None) -> T
 
 
 def run(req: Request) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    w, lse = weights_and_lse(req)
+    w, lse = weights_and_lse(req, lse=req.return_lse)
     v = repeat_kv(req.v, req.group)
     out = dropout_weights(w, req.dropout, req.generator).to(v.dtype) @ v
     return out, (w.to(req.q.dtype) if req.return_weights else None), (lse if req.return_lse else None)
