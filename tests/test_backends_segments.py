@@ -116,3 +116,99 @@ def test_varlen_without_gradients_equals_varlen_with_them():
         got = qkv.varlen_attention(q, k, v, cu, cu, causal=True, return_lse=True)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+# Padded batches: one call per batch row over its real keys.
+PAD_B, PAD_I = 3, 12
+
+
+def padded_cases():
+    gen = torch.Generator().manual_seed(5)
+    lengths, starts = torch.tensor([5, 12, 1]), torch.tensor([7, 0, 11])
+    return {
+        "lengths & causal": dict(mask=qkv.masks.lengths(lengths), causal=True),
+        "starts & causal": dict(mask=qkv.masks.starts(starts) & qkv.masks.causal()),
+        "lengths (bidirectional)": dict(mask=qkv.masks.lengths(lengths)),
+        "causal & starts, window": dict(mask=qkv.masks.window(3) & qkv.masks.starts(starts)),
+        "lengths & causal, alibi": dict(mask=qkv.masks.lengths(lengths), causal=True, bias=qkv.ALiBi(H).double()),
+        "lengths & causal, dense bias": dict(mask=qkv.masks.lengths(lengths), causal=True,
+                                             bias=torch.randn(PAD_B, H, PAD_I, PAD_I, generator=gen, dtype=torch.float64)),
+        "starts & causal, score_mod": dict(mask=qkv.masks.starts(starts), causal=True, score_mod=sine_mod),
+        "lengths & causal, sinks": dict(mask=qkv.masks.lengths(lengths), causal=True,
+                                        sinks=torch.randn(H, generator=gen, dtype=torch.float64)),
+    }  # fmt: skip
+
+
+@pytest.fixture
+def any_size(monkeypatch):
+    """Small calls split too (the size thresholds are for speed, not for what is computed)."""
+    monkeypatch.setattr(segments, "PADDING_ELEMENTS", 0)
+    monkeypatch.setattr(segments, "ROW_ELEMENTS", 0)
+
+
+@pytest.mark.parametrize("name", list(padded_cases()))
+def test_a_padded_batch_row_by_row_equals_the_reference(name, any_size):
+    kw = padded_cases()[name]
+    q, k, v = ref.random_qkv(PAD_B, H, G, PAD_I, PAD_I, D, E)
+    assert qkv.explain(q, k, v, **kw).splitlines()[0] == "backend: segments"
+    got = ref.run_with_grads(lambda: qkv.attention(q, k, v, return_lse=True, **kw), [q, k, v])
+    want = ref.run_with_grads(lambda: qkv.attention(q, k, v, return_lse=True, backend="reference", **kw), [q, k, v])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    with torch.no_grad():
+        torch.testing.assert_close(qkv.attention(q, k, v, **kw), want[0], rtol=1e-10, atol=1e-10)
+
+
+def test_a_padded_causal_batch_is_one_is_causal_call_per_row(monkeypatch, any_size):
+    """Right padding: the row's keys cut to its length, top-left causal; left padding: the rows that see a key, a square."""
+    q, k, v = (x.detach().float() for x in ref.random_qkv(2, H, G, 10, 10, D, E))
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append((q.shape[-2], k.shape[-2], kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    qkv.attention(q, k, v, mask=qkv.masks.lengths(torch.tensor([4, 10])), causal=True)
+    assert calls == [(10, 4, None, True), (10, 10, None, True)]
+    calls.clear()
+    out = qkv.attention(q, k, v, mask=qkv.masks.starts(torch.tensor([3, 0])), causal=True)
+    assert calls == [(7, 7, None, True), (10, 10, None, True)]
+    assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))  # rows before the first real key see none
+
+
+def test_padding_keys_holding_nan_are_never_read(any_size):
+    q, k, v = ref.random_qkv(2, H, G, 10, 10, D, E)
+    k, v = k.detach().clone(), v.detach().clone()
+    k[0, :, 6:], v[0, :, 6:] = float("nan"), float("inf")
+    mask = qkv.masks.lengths(torch.tensor([6, 10]))
+    want = qkv.attention(q, k.nan_to_num(0.0, 0.0, 0.0), v.nan_to_num(0.0, 0.0, 0.0), mask=mask, causal=True, backend="reference")
+    torch.testing.assert_close(qkv.attention(q, k, v, mask=mask, causal=True), want, rtol=1e-10, atol=1e-10)
+
+
+def test_small_padded_batches_stay_one_call():
+    q, k, v = ref.random_qkv(2, H, G, 10, 10, D, E)
+    text = qkv.explain(q, k, v, mask=qkv.masks.lengths(torch.tensor([4, 10])), causal=True)
+    assert "not segments: a padded batch's mask is small here" in text
+    q, k, v = (torch.zeros(2, 1, n, 4) for n in (1024, 1024, 1024))
+    assert qkv.explain(q, k, v, mask=qkv.masks.lengths(torch.tensor([4, 10])), causal=True).startswith("backend: segments")
+
+
+def test_a_dense_key_padding_mask_counts_as_padding(any_size):
+    """SDPA's dialect gives padding as a bool ``(b, 1, 1, j)``: a prefix per row is ``lengths``, a suffix ``starts``."""
+    q, k, v = ref.random_qkv(2, H, G, 10, 10, D, E)
+    cols = torch.arange(10)
+    right = (cols < torch.tensor([[4], [10]]))[:, None, None, :]
+    left = (cols >= torch.tensor([[3], [0]]))[:, None, None, :]
+    holes = right.clone()
+    holes[1, ..., 5] = False
+    for keep, split in ((right, True), (left, True), (holes, False)):
+        text = qkv.explain(q, k, v, mask=keep)
+        assert (text.splitlines()[0] == "backend: segments") is split, text
+        if not split:
+            assert "not segments: the dense mask keeps neither a prefix nor a suffix of each row's keys" in text
+        got = ref.run_with_grads(lambda: qkv.attention(q, k, v, mask=keep, return_lse=True), [q, k, v])
+        want = ref.run_with_grads(lambda: qkv.attention(q, k, v, mask=keep, return_lse=True, backend="reference"), [q, k, v])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

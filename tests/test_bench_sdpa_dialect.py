@@ -11,7 +11,7 @@ def test_quick_section_times_every_call_both_ways():
     lines = []
     text = sdpa_dialect.section(True, lines.append)
     names = list(sdpa_dialect.cases(sdpa_dialect.QUICK))
-    assert len(names) == 7 and len(lines) == 2 * len(names)
+    assert len(names) == 8 and len(lines) == 2 * len(names)
     for name in names:
         for mode in ("fwd", "fwd+bwd"):
             assert f"| {name} | {mode} | " in text

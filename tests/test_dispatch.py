@@ -84,7 +84,7 @@ def test_explain_names_the_backend_and_each_reason():
     assert text.splitlines()[0] == "backend: reference"
     assert "chunked: every weight is returned and the logits fit in" in text
     assert qkv.explain(q, k, v) == (
-        "backend: sdpa\n  not segments: the mask has no lazy documents (qkv.masks.documents)\n"
+        "backend: sdpa\n  not segments: the mask has no lazy documents (qkv.masks.documents) or padding (lengths, starts)\n"
         "  not local: the mask has no bounded sliding window"
     )
 
@@ -122,7 +122,7 @@ def test_weights_with_auto_come_from_the_fast_path_and_match_reference():
 def test_an_empty_call_goes_to_the_reference_even_when_a_backend_is_named():
     q, k, v = inputs(i=0)
     assert qkv.explain(q, k, v) == (
-        "backend: reference\n  not segments: the mask has no lazy documents (qkv.masks.documents)\n"
+        "backend: reference\n  not segments: the mask has no lazy documents (qkv.masks.documents) or padding (lengths, starts)\n"
         "  not local: the mask has no bounded sliding window\n"
         "  not sdpa: an empty call (i = 0, j = 7) has nothing to compute\n"
         "  not chunked: an empty call (i = 0, j = 7) has nothing to compute"

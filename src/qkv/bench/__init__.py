@@ -73,6 +73,7 @@ SUITES: dict[str, str] = {
     "serving": "qkv.bench.serving",
     "edits": "qkv.bench.edits",
     "sdpa": "qkv.bench.sdpa_dialect",
+    "padded": "qkv.bench.padded",
 }
 #: Suites run when ``--suite`` is not given.
 DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")

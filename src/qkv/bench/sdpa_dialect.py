@@ -10,8 +10,9 @@ is one such call made both ways with the same tensors, timed interleaved
 
 * no mask; ``is_causal`` on a square; ``is_causal`` with grouped heads (``enable_gqa``);
   ``is_causal`` with fewer queries than keys (PyTorch aligns it top-left);
-* a bool key-padding mask ``(b, 1, 1, S)``, a dense bool mask ``(b, 1, L, S)`` and a float
-  mask ``(b, 1, L, S)`` added to the scores.
+* a bool key-padding mask ``(b, 1, 1, S)`` (right padding: the rows keep 70% to all of
+  the keys), the same shape with scattered keys, a dense bool mask ``(b, 1, L, S)`` and a
+  float mask ``(b, 1, L, S)`` added to the scores.
 
 The outputs are compared before timing (float32: within 1e-5). Target per row: the drop-in
 no slower than the call it replaces, read as ``≤ 1.05``: medians of interleaved rounds on a
@@ -42,8 +43,10 @@ def cases(cfg: dict) -> dict[str, tuple[dict, dict]]:
     """``{name: (shapes, keywords)}``: the keys' length and KV heads of each call, and its SDPA keywords."""
     b, L = cfg["b"], cfg["L"]
     gen = torch.Generator().manual_seed(0)
-    padding = torch.rand(b, 1, 1, L, generator=gen) > 0.25
-    padding[..., 0] = True
+    lengths = torch.linspace(0.7 * L, L, b).long()  # right padding: each row's keys a prefix, 70% to all
+    padding = (torch.arange(L)[None, :] < lengths[:, None])[:, None, None, :]
+    scattered = torch.rand(b, 1, 1, L, generator=gen) > 0.25
+    scattered[..., 0] = True
     dense = torch.rand(b, 1, L, L, generator=gen) > 0.3
     additive = torch.randn(b, 1, L, L, generator=gen) * 0.5
     return {
@@ -52,6 +55,7 @@ def cases(cfg: dict) -> dict[str, tuple[dict, dict]]:
         "is_causal, grouped heads": ({"g": cfg["g"]}, {"is_causal": True, "enable_gqa": True}),
         "is_causal, S = 2L (top-left)": ({"S": 2 * L}, {"is_causal": True}),
         "bool padding (b, 1, 1, S)": ({}, {"attn_mask": padding}),
+        "bool (b, 1, 1, S), scattered": ({}, {"attn_mask": scattered}),
         "bool (b, 1, L, S)": ({}, {"attn_mask": dense}),
         "float (b, 1, L, S)": ({}, {"attn_mask": additive}),
     }

@@ -1,0 +1,22 @@
+"""The padded suite's machinery on tiny sizes: both sides run the same batch, and a wrong answer stops it."""
+
+import pytest
+import torch
+
+from qkv.bench import SUITES, padded
+
+
+def test_quick_section_times_right_and_left_padding_both_ways():
+    lines = []
+    text = padded.section(True, lines.append)
+    for side in ("right", "left"):
+        for mode in ("fwd", "fwd+bwd"):
+            assert f"| float32 | {side} | {mode} | " in text
+            assert f"padded causal batch, {side} padding, float32, {mode}: qkv / SDPA with the dense mask ≤ 1.0 |" in text
+    assert len(lines) == 4 and SUITES["padded"] == "qkv.bench.padded"
+
+
+def test_an_answer_that_differs_is_refused(monkeypatch):
+    monkeypatch.setattr(padded, "attention", lambda q, k, v, **kw: torch.zeros_like(q))
+    with pytest.raises(AssertionError, match="qkv and SDPA differ"):
+        padded.contenders(padded.QUICK, "right", torch.float32, grad=False)
