@@ -74,7 +74,25 @@ def test_sdpa_with_biases_equals_reference(kind, causal):
     _assert_same(_both(q, k, v, params, bias=bias, mask=mask, causal=causal))
 
 
-def test_sdpa_dead_rows_with_bias_are_zero():
+@pytest.fixture(params=["kernel zeroes them", "mended"])
+def dead_rows(request, monkeypatch):
+    """Both ways a row with no key is made 0: by the kernel itself (PyTorch's CPU kernels), or mended
+    around it (given every key, its output multiplied by 0: CUDA, or a torch whose kernel gives NaN)."""
+    if request.param == "mended":
+        monkeypatch.setattr(sdpa, "zeroes_dead_rows", lambda q: False)
+    return request.param
+
+
+def test_the_probe_answers_what_the_kernel_does():
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        q = torch.randn(1, 1, 3, 4, dtype=dtype)
+        keep = torch.tensor([[True, False, False], [False, False, False], [True, True, True]])
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=keep)
+        assert sdpa.zeroes_dead_rows(q) == bool((out[..., 1, :] == 0).all() and out.isfinite().all())
+    assert not sdpa.zeroes_dead_rows(torch.zeros(1, device="meta"))
+
+
+def test_sdpa_dead_rows_with_bias_are_zero(dead_rows):
     q, k, v = _inputs()
     mask = torch.ones(B, 1, I, J, dtype=torch.bool)
     mask[1, 0, 2] = False
@@ -163,7 +181,7 @@ def test_a_mask_that_is_exactly_the_causal_square_runs_the_causal_kernel(given, 
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
 
 
-def test_a_reused_mask_keeps_its_dead_rows_answer_until_it_changes_in_place():
+def test_a_reused_mask_keeps_its_dead_rows_answer_until_it_changes_in_place(dead_rows):
     """A Dense mask reused by many calls (a model's layers) is read once; an in-place edit is seen (no NaN)."""
     q, k, v = _inputs(i=J)
     keep = torch.ones(B, 1, J, J, dtype=torch.bool)

@@ -146,17 +146,32 @@ def any_size(monkeypatch):
     monkeypatch.setattr(segments, "ROW_ELEMENTS", 0)
 
 
+@pytest.mark.parametrize("split_as", ["rows", "groups"])
 @pytest.mark.parametrize("name", list(padded_cases()))
-def test_a_padded_batch_row_by_row_equals_the_reference(name, any_size):
+def test_a_padded_batch_row_by_row_equals_the_reference(name, split_as, monkeypatch):
+    """Long rows: a call per row over its real keys; short rows: groups of rows, each group's mask built small."""
     kw = padded_cases()[name]
+    if split_as == "groups" and "score_mod" in kw:
+        pytest.skip("a score_mod reads the batch row: short rows with one go to the engines")
+    # rows: every call splits by rows; groups: rows are "short" and two rows' mask is the most a group may build
+    monkeypatch.setattr(segments, "PADDING_ELEMENTS", 0 if split_as == "rows" else 2 * PAD_I * PAD_I)
+    monkeypatch.setattr(segments, "ROW_ELEMENTS", 0 if split_as == "rows" else 10**9)
+    if split_as == "groups":
+        monkeypatch.setattr(qkv.backends.sdpa, "MASK_ELEMENTS", 2 * PAD_I * PAD_I)
     q, k, v = ref.random_qkv(PAD_B, H, G, PAD_I, PAD_I, D, E)
     assert qkv.explain(q, k, v, **kw).splitlines()[0] == "backend: segments"
+    if split_as == "groups":  # each group's call is SDPA's (or the engines', for what SDPA does not take)
+        calls = []
+        real = segments._run_row_groups
+        monkeypatch.setattr(segments, "_run_row_groups", lambda req: calls.append(req.q.shape[0]) or real(req))
     got = ref.run_with_grads(lambda: qkv.attention(q, k, v, return_lse=True, **kw), [q, k, v])
     want = ref.run_with_grads(lambda: qkv.attention(q, k, v, return_lse=True, backend="reference", **kw), [q, k, v])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     with torch.no_grad():
         torch.testing.assert_close(qkv.attention(q, k, v, **kw), want[0], rtol=1e-10, atol=1e-10)
+    if split_as == "groups":
+        assert calls and set(calls) == {PAD_B}
 
 
 def test_a_padded_causal_batch_is_one_is_causal_call_per_row(monkeypatch, any_size):

@@ -11,12 +11,12 @@ def test_quick_section_times_right_and_left_padding_both_ways():
     text = padded.section(True, lines.append)
     for side in ("right", "left"):
         for mode in ("fwd", "fwd+bwd"):
-            assert f"| float32 | {side} | {mode} | " in text
-            assert f"padded causal batch, {side} padding, float32, {mode}: qkv / SDPA with the dense mask ≤ 1.0 |" in text
+            assert f"| 2 rows of 64 | float32 | {side} | {mode} | " in text
+            assert f"padded causal batch, 2 rows of 64, {side} padding, float32, {mode}: qkv / SDPA with the dense mask ≤ 1.0 |" in text
     assert len(lines) == 4 and SUITES["padded"] == "qkv.bench.padded"
 
 
 def test_an_answer_that_differs_is_refused(monkeypatch):
     monkeypatch.setattr(padded, "attention", lambda q, k, v, **kw: torch.zeros_like(q))
     with pytest.raises(AssertionError, match="qkv and SDPA differ"):
-        padded.contenders(padded.QUICK, "right", torch.float32, grad=False)
+        padded.contenders(padded.QUICK, (64, 40), "right", torch.float32, grad=False)

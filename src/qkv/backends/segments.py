@@ -15,15 +15,16 @@ with ``is_causal``, the fastest path there is). The outputs (and log-sum-exps) a
 in place; rows whose document has no key get zeros (and ``-inf``).
 
 A **padded batch**, ``lengths(n) & rest`` or ``starts(n) & rest`` (right or left padding,
-``qkv.masks``), is one call per batch row over its real keys alone (and, when ``rest`` is
+``qkv.masks``; or a dense key-padding prefix or suffix per row), whose mask is too large
+for SDPA to be given it built, is one call per batch row over its real keys alone (and, when ``rest`` is
 an offset range such as ``causal()``, only the rows that see one of them): a padded causal
 batch becomes one ``is_causal`` kernel call per row, the right-padded one top-left aligned
 on its shorter keys, where the engines would cut every row's keys into full and partial
 runs merged by their log-sum-exp (on the Intel Xeon, b = 2, h = 8, 1024 tokens, one row
 70% padding: 0.64x the engines' time forward and 0.83-0.89x forward + backward, float32
-and bfloat16). Taken on the CPU where the mask would not be materialised for SDPA
-(:data:`PADDING_ELEMENTS`) and each row's call is large enough to pay its dispatch
-(:data:`ROW_ELEMENTS`).
+and bfloat16). Short rows (:data:`ROW_ELEMENTS`), whose calls would each pay the kernel's
+fixed cost, go in groups of rows instead, each group's mask small enough for SDPA
+(:data:`PADDING_ELEMENTS`). CPU only.
 
 ``qkv.varlen_attention`` (``flash_attn_varlen_func``'s semantics, where each sequence's
 causal mask, window and ALiBi are its own) builds its segments with those local masks and
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from .._trace import concrete, tracing
 from ..masks import And, Dense, Documents, Lengths, Mask, Offsets, Starts
+from . import sdpa
 from .request import Request
 from .tiling.framing import Block, frame_bias, frame_mask, frame_row, frame_score_mod, row_slice
 from .tiling.tiles import offset_live_rows
@@ -51,11 +53,13 @@ name = "segments"
 selects_weights = False
 
 #: A padded batch is split by rows only where its ``(b, i, j)`` mask is more than this many
-#: elements (below, SDPA takes it materialised, one call: ``sdpa.MASK_ELEMENTS``).
-PADDING_ELEMENTS = 2**20
-#: ... and where a row's call has at least this many logits per head (its dispatch, some tens
-#: of microseconds, is then small beside it).
-ROW_ELEMENTS = 2**16
+#: elements (below, SDPA takes it materialised, one call).
+PADDING_ELEMENTS = sdpa.MASK_ELEMENTS
+#: ... and where a row's call has at least this many logits per head: the fused kernel pays
+#: a fixed cost per call, which one call for the batch spreads over its rows. On the Intel
+#: Xeon, against the engines: rows of 512 (262144) took 0.5-0.6x their time, rows of 256
+#: (65536) in bfloat16 1.1x.
+ROW_ELEMENTS = 2**17
 
 
 @dataclass(frozen=True)
@@ -129,8 +133,8 @@ def _padded(req: Request) -> str | None:
         return "a padded batch is split by rows on the CPU only"
     if req.q.shape[0] * req.i * req.j <= PADDING_ELEMENTS:
         return f"a padded batch's mask is small here (at most {PADDING_ELEMENTS} elements): SDPA takes it whole"
-    if req.i * req.j < ROW_ELEMENTS:
-        return f"a row's call would be small (fewer than {ROW_ELEMENTS} logits a head): one call for the batch"
+    if req.i * req.j < ROW_ELEMENTS and req.score_mod is not None:
+        return "short rows go in groups, whose calls renumber the batch rows a score_mod reads"
     pad, rest = padding(req.mask)
     if pad is None:
         return "the dense mask keeps neither a prefix nor a suffix of each row's keys"
@@ -208,8 +212,39 @@ def segments(req: Request) -> list[Segment]:
 
 
 def run(req: Request) -> tuple[Tensor, None, Tensor | None]:
-    out, lse = run_segments(req, segments(req))
+    if split(req.mask)[0] is None and req.i * req.j < ROW_ELEMENTS:
+        out, lse = _run_row_groups(req)
+    else:
+        out, lse = run_segments(req, segments(req))
     return out, None, lse
+
+
+def _run_row_groups(req: Request) -> tuple[Tensor, Tensor | None]:
+    """A padded batch of short rows: groups of rows whose mask is small enough for SDPA to take built, a call each.
+
+    A row's own call would cost the fused kernel's fixed price per call, and the engines'
+    tiles cost 1.3-1.9x SDPA with the whole mask (32 rows of 256 on the Intel Xeon); a group's
+    mask is at most :data:`PADDING_ELEMENTS`, so the whole ``(b, i, j)`` mask is never built.
+    The inputs are split once (one ``cat`` in the backward, not a full-size fill per group).
+    """
+    from . import choose  # the dispatcher, for each group's own call
+
+    b = req.q.shape[0]
+    per = max(1, PADDING_ELEMENTS // (req.i * req.j))
+    groups = [(a, min(a + per, b)) for a in range(0, b, per)]
+    parts = [x.split(per) if x.shape[0] == b else (x,) * len(groups) for x in (req.q, req.k, req.v)]
+    outs, lses = [], []
+    for (a, z), q, k, v in zip(groups, *parts):
+        bias = row_slice(req.bias, a, z) if isinstance(req.bias, Tensor) else req.bias
+        sub = replace(req, q=q, k=k, v=v, mask=frame_row(req.mask, a, z), bias=bias, layout=None, weights_for=None)
+        impl, _ = choose(sub)
+        out, _, lse = impl.run(sub)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    if not req.return_lse:
+        return out, None
+    return out, torch.cat(lses) if len(lses) > 1 else lses[0]
 
 
 def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -229,10 +264,11 @@ def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tu
     b, h, i_len = req.q.shape[0], req.heads, req.i
     e = req.v.shape[-1]
     rows: list[list[tuple[int, Tensor, Tensor | None]]] = [[] for _ in range(b)]
+    by_row = _by_row(req)
     for part in parts:
         if part.block.it == 0 or part.block.jt == 0:  # no rows, or rows that see no key: left as gaps
             continue
-        sub = _call(req, part)
+        sub = _call(req, part, by_row)
         impl, _ = choose(sub)
         out, _, lse = impl.run(sub)
         rows[part.row].append((part.block.r0, out, lse))
@@ -253,7 +289,10 @@ def _run_into(req: Request, parts: list[Segment], packed: bool, choose) -> tuple
     and freed, so the peak holds the output and one piece, not every piece and their ``cat``."""
     b, h, i_len, e = req.q.shape[0], req.heads, req.i, req.v.shape[-1]
     acc = torch.promote_types(req.v.dtype, torch.float32)
-    out = req.v.new_zeros((i_len, h, e) if packed else (b, h, i_len, e))
+    # left uninitialised and each row's gaps zeroed at the end: zeroing the whole output first
+    # faulted in every page once more (11 ms of a 105 ms call of 64 padded rows of 256)
+    out = req.v.new_empty((i_len, h, e) if packed else (b, h, i_len, e))
+    covered: list[list[tuple[int, int]]] = [[] for _ in range(b)]
     lse = None
     if req.return_lse:  # rows no segment covers: no mass but a sink's
         lse = torch.full((b, h, i_len), float("-inf"), dtype=acc, device=req.v.device)
@@ -266,6 +305,7 @@ def _run_into(req: Request, parts: list[Segment], packed: bool, choose) -> tuple
         impl, _ = choose(sub)
         piece, _, piece_lse = impl.run(sub)
         rows = slice(part.block.r0, part.block.r0 + piece.shape[2])
+        covered[part.row].append((rows.start, rows.stop))
         if packed:
             out[rows].copy_(piece[0].transpose(0, 1))
         else:
@@ -273,17 +313,37 @@ def _run_into(req: Request, parts: list[Segment], packed: bool, choose) -> tuple
         if lse is not None:
             lse[part.row, :, rows].copy_(piece_lse[0])
         del piece, piece_lse
+    for n, spans in enumerate(covered):  # rows no segment covers: zeros
+        at = 0
+        for r0, r1 in sorted(spans) + [(i_len, i_len)]:
+            if r0 > at:
+                (out[at:r0] if packed else out[n, :, at:r0]).zero_()
+            at = max(at, r1)
     if packed:
         return out, (None if lse is None else lse[0])
     return out, lse
 
 
-def _call(req: Request, part: Segment) -> Request:
+def _by_row(req: Request) -> tuple[tuple[Tensor, ...], ...] | None:
+    """``(q, k, v)`` split into their batch rows once, where gradients are recorded and there are several rows.
+
+    Each segment's views then come from its row: a slice's backward fills a zero tensor of
+    its source's shape, so slicing every segment out of the whole batch cost ``b`` full-size
+    fills per input (64 padded rows of 256 tokens: 10x SDPA's step); one split's backward
+    is one ``cat``.
+    """
+    if req.q.shape[0] < 2:
+        return None
+    return tuple(x.split(1) if x.shape[0] == req.q.shape[0] else (x,) * req.q.shape[0] for x in (req.q, req.k, req.v))
+
+
+def _call(req: Request, part: Segment, by_row: tuple[tuple[Tensor, ...], ...] | None = None) -> Request:
     """The segment as a call of its own: views of its batch row's rows, keys and values."""
     blk, n = part.block, part.row
     rows, cols = slice(blk.r0, blk.r0 + blk.it), slice(blk.c0, blk.c0 + blk.jt)
+    q, k, v = (req.q[n : n + 1], req.k[n : n + 1], req.v[n : n + 1]) if by_row is None else (x[n] for x in by_row)
     return replace(
-        req, q=req.q[n : n + 1, :, rows], k=req.k[n : n + 1, :, cols], v=req.v[n : n + 1, :, cols],
+        req, q=q[:, :, rows], k=k[:, :, cols], v=v[:, :, cols],
         mask=part.mask, bias=part.bias, score_mod=part.score_mod, layout=None, weights_for=None,
     )  # fmt: skip
 

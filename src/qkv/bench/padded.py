@@ -2,13 +2,15 @@
 
 Shape legend: ``b`` batch rows, ``h`` heads, ``L`` tokens a row (padded), ``d`` head size.
 
-A language-model batch of sequences of different lengths, padded to the longest: ``b = 4``
-rows of ``L = 1024`` positions holding 1024, 800, 600 and 300 real tokens, ``h = 8``,
-``d = 64``, causal. What a user of PyTorch writes: ``F.scaled_dot_product_attention`` with the
-``(b, 1, L, L)`` bool mask ``keep & tril`` (SDPA takes no ``is_causal`` with a mask). With
+A language-model batch of sequences of different lengths, padded to the longest, ``h = 8``,
+``d = 64``, causal: ``b = 4`` rows of ``L = 1024`` positions holding 1024, 800, 600 and 300
+real tokens, and ``b = 32`` short rows of ``L = 256`` holding 256 down to 128. What a user of PyTorch writes: ``F.scaled_dot_product_attention`` with the
+``(b, 1, L, L)`` bool mask ``keep & tril`` (SDPA takes no ``is_causal`` with a mask), built in
+the timed call from the batch's lengths as a training step builds it for each batch. With
 qkv: ``qkv.attention(q, k, v, mask=qkv.masks.lengths(n), causal=True)`` (right padding) or
 ``mask=qkv.masks.starts(L - n)`` (left padding, what ``generate`` pads), no ``(L, L)``
-tensor, each row one call over its own real keys (``backends.segments``). Forward under
+tensor, each long row one call over its own real keys (``backends.segments``), short rows
+in the engines' tiles. Forward under
 ``no_grad`` and forward + backward, float32 and bfloat16, timed interleaved; the outputs
 are compared first (the padding rows' outputs included: each side's is defined the same).
 Target per row: ``≤ 1.0`` (no slower than the mask it replaces).
@@ -29,23 +31,28 @@ from .report import Targets, table
 NAME = "padded"
 DESCRIPTION = "a padded causal batch: qkv's lazy lengths/starts masks vs SDPA with the dense (b, 1, L, L) mask"
 
-FULL = dict(lengths=(1024, 800, 600, 300), L=1024, h=8, d=64, repeats=7, dtypes=("float32", "bfloat16"))
-QUICK = dict(lengths=(64, 40), L=64, h=2, d=16, repeats=1, dtypes=("float32",))
+FULL = dict(batches=(("4 rows of 1024", (1024, 800, 600, 300)), ("32 rows of 256", tuple(range(256, 128, -4)))),
+            h=8, d=64, repeats=7, dtypes=("float32", "bfloat16"))
+QUICK = dict(batches=(("2 rows of 64", (64, 40)),), h=2, d=16, repeats=1, dtypes=("float32",))
 
 
-def contenders(cfg: dict, side: str, dtype: torch.dtype, grad: bool) -> dict[str, Callable[[], object]]:
-    """``{"qkv": ..., "SDPA": ...}``: one call each (a step with ``grad``), padding on ``side`` ("right" or "left")."""
-    L, n = cfg["L"], torch.tensor(cfg["lengths"])
+def contenders(cfg: dict, real: tuple[int, ...], side: str, dtype: torch.dtype, grad: bool) -> dict[str, Callable[[], object]]:
+    """``{"qkv": ..., "SDPA": ...}``: one call each (a step with ``grad``) over rows holding ``real`` tokens,
+    padded to the longest on ``side`` ("right" or "left")."""
+    L, n = max(real), torch.tensor(real)
     gen = torch.Generator().manual_seed(0)
     q, k, v, cot = (torch.randn(len(n), cfg["h"], L, cfg["d"], generator=gen).to(dtype) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_(grad)
-    cols = torch.arange(L)
-    keep = cols[None, :] < n[:, None] if side == "right" else cols[None, :] >= (L - n)[:, None]
-    dense = keep[:, None, None, :] & torch.ones(L, L, dtype=torch.bool).tril()
-    lazy = lengths(n) if side == "right" else starts(L - n)
-    ours = lambda: attention(q, k, v, mask=lazy, causal=True)  # noqa: E731
-    theirs = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)  # noqa: E731
+    cols, tril = torch.arange(L), torch.ones(L, L, dtype=torch.bool).tril()
+
+    def theirs():  # the mask built from the batch's lengths, as a training step does for each batch
+        keep = cols[None, :] < n[:, None] if side == "right" else cols[None, :] >= (L - n)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :] & tril)
+
+    def ours():
+        return attention(q, k, v, mask=lengths(n) if side == "right" else starts(L - n), causal=True)
+
     with torch.no_grad():
         a, b = ours(), theirs()
     # a left-padded row's first queries see no key: qkv gives 0 there, SDPA's CPU kernel too
@@ -58,24 +65,26 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     cfg = QUICK if quick else FULL
     targets = Targets()
     rows = []
-    for name in cfg["dtypes"]:
-        for side in ("right", "left"):
-            for mode in ("fwd", "fwd+bwd"):
-                t = interleaved(contenders(cfg, side, getattr(torch, name), mode == "fwd+bwd"), cfg["repeats"], warmup=2)
-                ratio = t["qkv"] / t["SDPA"]
-                say(f"  {name} {side} padding {mode}: SDPA {t['SDPA'] * 1e3:.1f} ms, qkv / SDPA {ratio:.3f}")
-                rows.append([name, side, mode, f"{t['SDPA'] * 1e3:.1f}", f"{t['qkv'] * 1e3:.1f}", f"{ratio:.3f}"])
-                targets.add(f"padded causal batch, {side} padding, {name}, {mode}: qkv / SDPA with the dense mask ≤ 1.0",
-                            ratio, 1.0)  # fmt: skip
+    for batch, real in cfg["batches"]:
+        for name in cfg["dtypes"]:
+            for side in ("right", "left"):
+                for mode in ("fwd", "fwd+bwd"):
+                    fns = contenders(cfg, real, side, getattr(torch, name), mode == "fwd+bwd")
+                    t = interleaved(fns, cfg["repeats"], warmup=2)
+                    ratio = t["qkv"] / t["SDPA"]
+                    say(f"  {batch}, {name}, {side} padding, {mode}: SDPA {t['SDPA'] * 1e3:.1f} ms, qkv / SDPA {ratio:.3f}")
+                    rows.append([batch, name, side, mode, f"{t['SDPA'] * 1e3:.1f}", f"{t['qkv'] * 1e3:.1f}", f"{ratio:.3f}"])
+                    targets.add(f"padded causal batch, {batch}, {side} padding, {name}, {mode}: qkv / SDPA with the "
+                                "dense mask ≤ 1.0", ratio, 1.0)  # fmt: skip
     lines = [
         "## Padded batches: lazy padding masks against SDPA with the mask built (`qkv bench --suite padded`)",
         "",
-        f"b = {len(cfg['lengths'])} rows of L = {cfg['L']} positions holding {', '.join(map(str, cfg['lengths']))} real "
-        f"tokens, h = {cfg['h']}, d = {cfg['d']}, causal. SDPA gets the `(b, 1, L, L)` bool mask `keep & tril`; qkv "
+        "; ".join(f"{batch}: {real[0]} down to {real[-1]} real tokens" for batch, real in cfg["batches"])
+        + f"; h = {cfg['h']}, d = {cfg['d']}, causal. SDPA gets the `(b, 1, L, L)` bool mask `keep & tril`, built from the lengths in each call; qkv "
         "gets `lengths(n)` (right padding) or `starts(L - n)` (left) and `causal=True`. Medians of "
         f"{cfg['repeats']} interleaved rounds.",
         "",
     ]
-    lines += table(["dtype", "padding", "mode", "SDPA ms", "qkv ms", "qkv / SDPA"], rows)
+    lines += table(["batch", "dtype", "padding", "mode", "SDPA ms", "qkv ms", "qkv / SDPA"], rows)
     lines += ["", "### Targets", ""] + targets.lines()
     return "\n".join(lines)

@@ -247,45 +247,47 @@ def _moved(fn, origin: tuple[int, int, int, int], score: Tensor, b: Tensor, h: T
     return fn(score, b + row, h + h0, q_idx + r0, kv_idx + c0)
 
 
-def frame_row(mask: Mask | None, n: int) -> Mask | None:
-    """The mask of batch row ``n`` alone, as a mask of a one-row call."""
+def frame_row(mask: Mask | None, n: int, stop: int | None = None) -> Mask | None:
+    """The mask of batch row ``n`` alone (rows ``n .. stop - 1`` with ``stop``), as a mask of a call of those rows."""
+    stop = n + 1 if stop is None else stop
     kind = type(mask)
     if mask is None or kind in (Offsets, Window):
         return mask
     if kind is Lengths:
-        return mask if mask.key_lengths.shape[0] == 1 else Lengths(mask.key_lengths[n : n + 1])
+        return mask if mask.key_lengths.shape[0] == 1 else Lengths(mask.key_lengths[n:stop])
     if kind is Starts:
-        return mask if mask.key_starts.shape[0] == 1 else Starts(mask.key_starts[n : n + 1])
+        return mask if mask.key_starts.shape[0] == 1 else Starts(mask.key_starts[n:stop])
     if kind is Dense:
-        return Dense(row_slice(mask.mask, n))
-    if kind is Documents:
+        return Dense(row_slice(mask.mask, n, stop))
+    if kind is Documents and stop == n + 1:
         return mask.row(n)
     if kind is And:
-        return And(frame_row(mask.a, n), frame_row(mask.b, n))
+        return And(frame_row(mask.a, n, stop), frame_row(mask.b, n, stop))
     if kind is Or:
-        return Or(frame_row(mask.a, n), frame_row(mask.b, n))
-    return RowOf(mask, n)
+        return Or(frame_row(mask.a, n, stop), frame_row(mask.b, n, stop))
+    return RowOf(mask, n, stop)
 
 
-def row_slice(x: Tensor, n: int) -> Tensor:
-    """Batch row ``n`` of a tensor broadcastable to ``(b, h, i, j)`` (kept as it is when it has no batch dim)."""
-    return x[n : n + 1] if x.dim() >= 4 and x.shape[0] > 1 else x
+def row_slice(x: Tensor, n: int, stop: int | None = None) -> Tensor:
+    """Batch row ``n`` (rows ``n .. stop - 1``) of a tensor broadcastable to ``(b, h, i, j)`` (kept as it is when
+    it has no batch dim)."""
+    return x[n : n + 1 if stop is None else stop] if x.dim() >= 4 and x.shape[0] > 1 else x
 
 
 class RowOf(Mask):
-    """Any mask, kept to batch row ``n`` (its tiles' batch dim sliced)."""
+    """Any mask, kept to batch row ``n`` (rows ``n .. stop - 1``: its tiles' batch dim sliced)."""
 
-    def __init__(self, mask: Mask, n: int):
-        self.mask, self.n = mask, n
+    def __init__(self, mask: Mask, n: int, stop: int | None = None):
+        self.mask, self.n, self.stop = mask, n, n + 1 if stop is None else stop
 
     def tile(self, t: Tile) -> Tensor:
-        return row_slice(self.mask.tile(t), self.n)
+        return row_slice(self.mask.tile(t), self.n, self.stop)
 
     def state(self, t: Tile) -> str:
-        return self.mask.state(t)  # of every row: "empty" and "full" hold for row n too
+        return self.mask.state(t)  # of every row: "empty" and "full" hold for these rows too
 
     def __repr__(self) -> str:
-        return f"RowOf({self.mask!r}, {self.n})"
+        return f"RowOf({self.mask!r}, {self.n}, {self.stop})"
 
 
 __all__ = ["Block", "frame_bias", "frame_mask", "frame_row", "frame_score_mod", "heads_only", "mask_state", "row_slice"]
