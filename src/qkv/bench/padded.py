@@ -4,16 +4,17 @@ Shape legend: ``b`` batch rows, ``h`` heads, ``L`` tokens a row (padded), ``d`` 
 
 A language-model batch of sequences of different lengths, padded to the longest, ``h = 8``,
 ``d = 64``, causal: ``b = 4`` rows of ``L = 1024`` positions holding 1024, 800, 600 and 300
-real tokens, and ``b = 32`` short rows of ``L = 256`` holding 256 down to 128. What a user of PyTorch writes: ``F.scaled_dot_product_attention`` with the
-``(b, 1, L, L)`` bool mask ``keep & tril`` (SDPA takes no ``is_causal`` with a mask), built in
-the timed call from the batch's lengths as a training step builds it for each batch. With
-qkv: ``qkv.attention(q, k, v, mask=qkv.masks.lengths(n), causal=True)`` (right padding) or
+real tokens, and ``b = 32`` short rows of ``L = 256`` holding 256 down to 132. What a user of
+PyTorch writes: ``F.scaled_dot_product_attention`` with the ``(b, 1, L, L)`` bool mask
+``keep & tril`` (SDPA takes no ``is_causal`` with a mask), built in the timed call from the
+batch's lengths, as a training step builds it for each batch. With qkv:
+``qkv.attention(q, k, v, mask=qkv.masks.lengths(n), causal=True)`` (right padding) or
 ``mask=qkv.masks.starts(L - n)`` (left padding, what ``generate`` pads), no ``(L, L)``
-tensor, each long row one call over its own real keys (``backends.segments``), short rows
-in the engines' tiles. Forward under
-``no_grad`` and forward + backward, float32 and bfloat16, timed interleaved; the outputs
-are compared first (the padding rows' outputs included: each side's is defined the same).
-Target per row: ``≤ 1.0`` (no slower than the mask it replaces).
+tensor: each long row one call over its own real keys, short rows in groups whose mask SDPA
+takes built (``backends.segments``). Forward under ``no_grad`` and forward + backward,
+float32 and bfloat16, timed interleaved; the outputs are compared first (the padding rows'
+outputs included: each side's is defined the same). Target per row: ``≤ 1.0`` (no slower
+than the mask it replaces).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ FULL = dict(batches=(("4 rows of 1024", (1024, 800, 600, 300)), ("32 rows of 256
 QUICK = dict(batches=(("2 rows of 64", (64, 40)),), h=2, d=16, repeats=1, dtypes=("float32",))
 
 
-def contenders(cfg: dict, real: tuple[int, ...], side: str, dtype: torch.dtype, grad: bool) -> dict[str, Callable[[], object]]:
+def contenders(cfg: dict, real: tuple[int, ...], side: str, dtype: torch.dtype,
+               grad: bool) -> dict[str, Callable[[], object]]:  # fmt: skip
     """``{"qkv": ..., "SDPA": ...}``: one call each (a step with ``grad``) over rows holding ``real`` tokens,
     padded to the longest on ``side`` ("right" or "left")."""
     L, n = max(real), torch.tensor(real)
@@ -80,9 +82,9 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
         "## Padded batches: lazy padding masks against SDPA with the mask built (`qkv bench --suite padded`)",
         "",
         "; ".join(f"{batch}: {real[0]} down to {real[-1]} real tokens" for batch, real in cfg["batches"])
-        + f"; h = {cfg['h']}, d = {cfg['d']}, causal. SDPA gets the `(b, 1, L, L)` bool mask `keep & tril`, built from the lengths in each call; qkv "
-        "gets `lengths(n)` (right padding) or `starts(L - n)` (left) and `causal=True`. Medians of "
-        f"{cfg['repeats']} interleaved rounds.",
+        + f"; h = {cfg['h']}, d = {cfg['d']}, causal. SDPA gets the `(b, 1, L, L)` bool mask `keep & tril`, "
+        "built from the lengths in each call; qkv gets `lengths(n)` (right padding) or `starts(L - n)` (left) "
+        f"and `causal=True`. Medians of {cfg['repeats']} interleaved rounds.",
         "",
     ]
     lines += table(["batch", "dtype", "padding", "mode", "SDPA ms", "qkv ms", "qkv / SDPA"], rows)
