@@ -76,8 +76,11 @@ def rebuild(
     for start, stop in runs:
         t = Tile(start, stop, 0, j_len, i_len, j_len, qp.device)
         qt = q_sel[..., start:stop, :]
-        s = qt @ k_sel.transpose(-1, -2) if req.score.dot_form else req.score.pairwise(qt, k_sel, t)
-        s = s.to(torch.promote_types(s.dtype, torch.float32)) * req.scale
+        if req.score.dot_form and qt.dtype in (torch.float32, torch.float64) and qt.shape[-1] <= j_len:
+            s = (qt * req.scale) @ k_sel.transpose(-1, -2)  # the scale on i·d products, not on the i·j logits
+        else:
+            s = qt @ k_sel.transpose(-1, -2) if req.score.dot_form else req.score.pairwise(qt, k_sel, t)
+            s = s.to(torch.promote_types(s.dtype, torch.float32)) * req.scale
         if bias is not None:
             s = s + _pick_heads(bias.tile(t), heads, h).to(s.dtype)
         elif isinstance(req.bias, Tensor):
@@ -95,10 +98,10 @@ def rebuild(
             w = torch.softmax(s.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0), dim=-1)
             if allowed is not None:
                 w = w * allowed * any_along(allowed, -1, keepdim=True)
-        else:
-            w = torch.exp(s - lse_sel[..., start:stop, None])
+        else:  # s is this chunk's own tensor: the exponential in place
+            w = torch.exp(s.sub_(lse_sel[..., start:stop, None]), out=s)
         parts.append(w)
-    return torch.cat(parts, dim=-2).to(qp.dtype)
+    return (torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]).to(qp.dtype)
 
 
 def _runs(rows: list[int], chunk: int):
