@@ -77,8 +77,10 @@ def weights_and_lse(req: Request, lse: bool = True) -> tuple[Tensor, Tensor | No
     if req.sinks is not None:
         column = req.sinks.to(e.dtype).reshape(-1, 1, 1)
         e = torch.cat((e, column.expand(*e.shape[:-1], 1)), dim=-1)
-    w = torch.softmax(e, dim=-1)
-    lse = torch.logsumexp(e, dim=-1) if want_lse else None
+    lse = torch.logsumexp(e, dim=-1) if want_lse else None  # before the weights may overwrite e
+    # e is this call's own tensor: without gradients the weights overwrite it (a second (b, h, i, j)
+    # tensor would be fresh memory, faulted in page by page at every call)
+    w = torch.softmax(e, dim=-1) if torch.is_grad_enabled() and e.requires_grad else torch.softmax(e, -1, out=e)
     if req.sinks is not None:
         w = w[..., :-1]
     if allowed is not None:
