@@ -83,12 +83,15 @@ def dead_rows(request, monkeypatch):
     return request.param
 
 
-def test_the_probe_answers_what_the_kernel_does():
+def test_where_the_probe_trusts_the_kernel_it_gives_zeros():
+    """One way only: the probe may also say no where the kernel refuses a shape (bfloat16's packed
+    path under a lowered ATEN_CPU_CAPABILITY), and then the rows are mended."""
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         q = torch.randn(1, 1, 3, 4, dtype=dtype)
         keep = torch.tensor([[True, False, False], [False, False, False], [True, True, True]])
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=keep)
-        assert sdpa.zeroes_dead_rows(q) == bool((out[..., 1, :] == 0).all() and out.isfinite().all())
+        if sdpa.zeroes_dead_rows(q):
+            assert bool((out[..., 1, :] == 0).all() and out.isfinite().all())
     assert not sdpa.zeroes_dead_rows(torch.zeros(1, device="meta"))
 
 
