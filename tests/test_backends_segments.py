@@ -218,7 +218,7 @@ def test_a_dense_key_padding_mask_counts_as_padding(any_size):
     left = (cols >= torch.tensor([[3], [0]]))[:, None, None, :]
     holes = right.clone()
     holes[1, ..., 5] = False
-    for keep, split in ((right, True), (left, True), (holes, False)):
+    for keep, split in ((right, True), (left, True), (holes, False), (qkv.masks.as_mask(right) & qkv.masks.causal(), True)):
         text = qkv.explain(q, k, v, mask=keep)
         assert (text.splitlines()[0] == "backend: segments") is split, text
         if not split:

@@ -63,21 +63,20 @@ def weights(req: Request) -> Tensor:
     With sinks, each row's softmax runs over one more logit, ``sinks_h``, whose weight is
     then dropped (a sink has no value): the row's weights sum to less than 1.
     """
-    return weights_and_lse(req, lse=False)[0]
+    return weights_and_lse(req, with_lse=False)[0]
 
 
-def weights_and_lse(req: Request, lse: bool = True) -> tuple[Tensor, Tensor | None]:
+def weights_and_lse(req: Request, with_lse: bool = True) -> tuple[Tensor, Tensor | None]:
     """:func:`weights`, and each row's ``lse = log Σ exp(e)`` over its allowed keys (and its sink): ``(b, h, i)``
-    (None with ``lse=False``: its own pass over the logits, as long as the softmax's).
+    (None with ``with_lse=False``: its own pass over the logits, as long as the softmax's).
 
     A row with no allowed key and no sink has ``lse = -inf``.
     """
-    want_lse = lse
     e, allowed = logits(req)
     if req.sinks is not None:
         column = req.sinks.to(e.dtype).reshape(-1, 1, 1)
         e = torch.cat((e, column.expand(*e.shape[:-1], 1)), dim=-1)
-    lse = torch.logsumexp(e, dim=-1) if want_lse else None  # before the weights may overwrite e
+    lse = torch.logsumexp(e, dim=-1) if with_lse else None  # before the weights may overwrite e
     # e is this call's own tensor: without gradients the weights overwrite it (a second (b, h, i, j)
     # tensor would be fresh memory, faulted in page by page at every call)
     w = torch.softmax(e, dim=-1) if torch.is_grad_enabled() and e.requires_grad else torch.softmax(e, -1, out=e)
@@ -101,7 +100,7 @@ def dropout_weights(w: Tensor, p: float, generator: torch.Generator | None) -> T
 
 
 def run(req: Request) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    w, lse = weights_and_lse(req, lse=req.return_lse)
+    w, lse = weights_and_lse(req, with_lse=req.return_lse)
     v = repeat_kv(req.v, req.group)
     out = dropout_weights(w, req.dropout, req.generator).to(v.dtype) @ v
     return out, (w.to(req.q.dtype) if req.return_weights else None), (lse if req.return_lse else None)

@@ -87,26 +87,33 @@ def split(mask: Mask | None) -> tuple[Documents | None, Mask | None]:
     return None, mask
 
 
-def padding(mask: Mask | None, dense: bool = True) -> tuple[Lengths | Starts | None, Mask | None]:
+def padding(mask: Mask | None) -> tuple[Lengths | Starts | None, Mask | None]:
     """``(padding, rest)`` of a mask ``lengths(n) & rest`` or ``starts(n) & rest`` (a top-level ``&``), else ``(None, mask)``.
 
     A dense key-padding mask ``(b|1, 1, 1, j)`` whose every row keeps a prefix (or every row a
-    suffix) of the keys counts as ``lengths`` (``starts``): SDPA's dialect passes padding so
-    (``dense=False``: lazy padding only, nothing read).
+    suffix) of the keys counts as ``lengths`` (``starts``): SDPA's dialect passes padding so.
+    Its values are read: ask :func:`_may_be_padded` first, which reads none.
     """
     if isinstance(mask, (Lengths, Starts)):
         return mask, None
-    if dense and _key_padding_shaped(mask):
+    if _key_padding_shaped(mask):
         found = _dense_padding(mask.mask)
         return (None, mask) if found is None else (found, None)
     if isinstance(mask, And):
-        pad, rest = padding(mask.a, dense)
+        pad, rest = padding(mask.a)
         if pad is not None:
             return pad, (mask.b if rest is None else And(rest, mask.b))
-        pad, rest = padding(mask.b, dense)
+        pad, rest = padding(mask.b)
         if pad is not None:
             return pad, (mask.a if rest is None else And(mask.a, rest))
     return None, mask
+
+
+def _may_be_padded(mask: Mask | None) -> bool:
+    """Whether :func:`padding` could find padding in ``mask`` (its structure alone: no value read)."""
+    if isinstance(mask, (Lengths, Starts)) or _key_padding_shaped(mask):
+        return True
+    return isinstance(mask, And) and (_may_be_padded(mask.a) or _may_be_padded(mask.b))
 
 
 def supports(req: Request) -> str | None:
@@ -126,24 +133,25 @@ def supports(req: Request) -> str | None:
 
 def _padded(req: Request) -> str | None:
     """Why a padded batch is not split into its rows here (None: it is)."""
-    none = "the mask has no lazy documents (qkv.masks.documents) or padding (lengths, starts)"
-    if padding(req.mask, dense=False)[0] is None and not _key_padding_shaped(req.mask):
-        return none
+    if not _may_be_padded(req.mask):
+        return "the mask has no lazy documents (qkv.masks.documents) or padding (lengths, starts)"
     if req.q.device.type != "cpu":
         return "a padded batch is split by rows on the CPU only"
     if req.q.shape[0] * req.i * req.j <= PADDING_ELEMENTS:
         return f"a padded batch's mask is small here (at most {PADDING_ELEMENTS} elements): SDPA takes it whole"
     if req.i * req.j < ROW_ELEMENTS and req.score_mod is not None:
         return "short rows go in groups, whose calls renumber the batch rows a score_mod reads"
-    pad, rest = padding(req.mask)
-    if pad is None:
-        return "the dense mask keeps neither a prefix nor a suffix of each row's keys"
     if req.return_weights:
         return "it does not return weights (the chunked backend builds them lazily)"
     if getattr(req.score, "reads_positions", False):
         return f"the {req.score.name} score reads key positions, which a row's own call renumbers"
-    if tracing() or not concrete(_ends(pad)):
+    if tracing():
         return "the rows' lengths are read on the host, which a traced call cannot do"
+    pad, rest = padding(req.mask)  # the cheap refusals first: a dense mask's values are read here
+    if pad is None:
+        return "the dense mask keeps neither a prefix nor a suffix of each row's keys"
+    if not concrete(_ends(pad)):
+        return "the rows' lengths are read on the host, which a call on meta tensors cannot do"
     if split(rest)[0] is not None:
         return "documents and padding together go to the engines"
     return None
