@@ -75,16 +75,7 @@ class Segment:
 
 def split(mask: Mask | None) -> tuple[Documents | None, Mask | None]:
     """``(documents, rest)`` of a mask ``documents & rest`` (either side of a top-level ``&``), else ``(None, mask)``."""
-    if isinstance(mask, Documents):
-        return mask, None
-    if isinstance(mask, And):
-        docs, rest = split(mask.a)
-        if docs is not None:
-            return docs, (mask.b if rest is None else And(rest, mask.b))
-        docs, rest = split(mask.b)
-        if docs is not None:
-            return docs, (mask.a if rest is None else And(mask.a, rest))
-    return None, mask
+    return _pull(mask, lambda m: m if isinstance(m, Documents) else None)
 
 
 def padding(mask: Mask | None) -> tuple[Lengths | Starts | None, Mask | None]:
@@ -94,18 +85,30 @@ def padding(mask: Mask | None) -> tuple[Lengths | Starts | None, Mask | None]:
     suffix) of the keys counts as ``lengths`` (``starts``): SDPA's dialect passes padding so.
     Its values are read: ask :func:`_may_be_padded` first, which reads none.
     """
-    if isinstance(mask, (Lengths, Starts)):
-        return mask, None
-    if _key_padding_shaped(mask):
-        found = _dense_padding(mask.mask)
-        return (None, mask) if found is None else (found, None)
+
+    def found(m: Mask) -> Lengths | Starts | None:
+        if isinstance(m, (Lengths, Starts)):
+            return m
+        return _dense_padding(m.mask) if _key_padding_shaped(m) else None
+
+    return _pull(mask, found)
+
+
+def _pull(mask: Mask | None, found: Callable[[Mask], Mask | None]):
+    """``(part, rest)``: the first operand of a top-level ``&`` (searched depth first) that ``found`` turns
+    into a part, and the mask without it; ``(None, mask)`` when there is none."""
+    if mask is None:
+        return None, None
+    part = found(mask)
+    if part is not None:
+        return part, None
     if isinstance(mask, And):
-        pad, rest = padding(mask.a)
-        if pad is not None:
-            return pad, (mask.b if rest is None else And(rest, mask.b))
-        pad, rest = padding(mask.b)
-        if pad is not None:
-            return pad, (mask.a if rest is None else And(mask.a, rest))
+        part, rest = _pull(mask.a, found)
+        if part is not None:
+            return part, (mask.b if rest is None else And(rest, mask.b))
+        part, rest = _pull(mask.b, found)
+        if part is not None:
+            return part, (mask.a if rest is None else And(mask.a, rest))
     return None, mask
 
 
@@ -120,14 +123,22 @@ def supports(req: Request) -> str | None:
     docs, _ = split(req.mask)
     if docs is None:
         return _padded(req)
+    why = _refused(req, "a document's own call", "the documents' boundaries")
+    if why is not None:
+        return why
+    if docs.runs() is None:
+        return "a document's tokens are not contiguous (or the ids cannot be read here)"
+    return None
+
+
+def _refused(req: Request, call: str, read: str) -> str | None:
+    """What no call of its own can take: weights, a score reading key positions, a traced call."""
     if req.return_weights:
         return "it does not return weights (the chunked backend builds them lazily)"
     if getattr(req.score, "reads_positions", False):
-        return f"the {req.score.name} score reads key positions, which a document's own call renumbers"
+        return f"the {req.score.name} score reads key positions, which {call} renumbers"
     if tracing():
-        return "the documents' boundaries are read on the host, which a traced call cannot do"
-    if docs.runs() is None:
-        return "a document's tokens are not contiguous (or the ids cannot be read here)"
+        return f"{read} are read on the host, which a traced call cannot do"
     return None
 
 
@@ -141,12 +152,9 @@ def _padded(req: Request) -> str | None:
         return f"a padded batch's mask is small here (at most {PADDING_ELEMENTS} elements): SDPA takes it whole"
     if req.i * req.j < ROW_ELEMENTS and req.score_mod is not None:
         return "short rows go in groups, whose calls renumber the batch rows a score_mod reads"
-    if req.return_weights:
-        return "it does not return weights (the chunked backend builds them lazily)"
-    if getattr(req.score, "reads_positions", False):
-        return f"the {req.score.name} score reads key positions, which a row's own call renumbers"
-    if tracing():
-        return "the rows' lengths are read on the host, which a traced call cannot do"
+    why = _refused(req, "a row's own call", "the rows' lengths")
+    if why is not None:
+        return why
     pad, rest = padding(req.mask)  # the cheap refusals first: a dense mask's values are read here
     if pad is None:
         return "the dense mask keeps neither a prefix nor a suffix of each row's keys"
