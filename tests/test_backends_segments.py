@@ -193,6 +193,32 @@ def test_a_padded_causal_batch_is_one_is_causal_call_per_row(monkeypatch, any_si
     assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))  # rows before the first real key see none
 
 
+@pytest.mark.parametrize("mask", ["lengths", "documents"])
+def test_a_batch_whose_rows_see_no_key_still_gives_gradients(mask, any_size):
+    """No segment to run (every row's keys padded away, or no document shared): zeros, and zero gradients."""
+    q, k, v = ref.random_qkv(2, H, G, 10, 10, D, E)
+    if mask == "lengths":
+        m = qkv.masks.lengths(torch.tensor([0, 0]))
+    else:  # queries in document 1, keys in document 2
+        m = documents(torch.ones(2, 10, dtype=torch.long), torch.full((2, 10), 2, dtype=torch.long))
+    assert qkv.explain(q, k, v, mask=m).splitlines()[0] == "backend: segments"
+    out = qkv.attention(q, k, v, mask=m)
+    assert out.requires_grad and torch.equal(out, torch.zeros_like(out))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_short_rows_whose_own_mask_is_over_the_group_size_go_one_by_one(monkeypatch):
+    """A group holds at most PADDING_ELEMENTS of the mask: a row over it is its own call (never grouped again and again)."""
+    monkeypatch.setattr(segments, "PADDING_ELEMENTS", 50)  # below one row's 10 x 10 mask
+    monkeypatch.setattr(segments, "ROW_ELEMENTS", 10**9)  # every row "short"
+    monkeypatch.setattr(segments, "_run_row_groups", lambda req: pytest.fail("grouped a row larger than a group"))
+    q, k, v = ref.random_qkv(2, H, G, 10, 10, D, E)
+    mask = qkv.masks.lengths(torch.tensor([4, 10]))
+    want = qkv.attention(q, k, v, mask=mask, causal=True, backend="reference")
+    torch.testing.assert_close(qkv.attention(q, k, v, mask=mask, causal=True), want, rtol=1e-10, atol=1e-10)
+
+
 def test_padding_keys_holding_nan_are_never_read(any_size):
     q, k, v = ref.random_qkv(2, H, G, 10, 10, D, E)
     k, v = k.detach().clone(), v.detach().clone()

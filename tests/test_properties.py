@@ -7,7 +7,7 @@ score lets it differ), ``e`` value size, ``n`` the additive score's hidden size.
 hypothesis draws whole calls: the layout (``(i, d)``, ``(h, i, d)``, ``(b, h, i, d)``,
 ``(a, b, h, i, d)``), grouped KV heads, ``i ≠ j``, ``d ≠ e``; a score (dot, scaled dot,
 general, additive, location); a mask built from every lazy kind (causal, window, offsets,
-lengths, documents) and dense tensors, combined with ``&`` and ``|``, plus ``causal=True``; a dense
+lengths, starts, documents) and dense tensors, combined with ``&`` and ``|``, plus ``causal=True``; a dense
 bias (sometimes learned) or a lazy one (ALiBi, T5 buckets); a scale; attention sinks and a
 ``score_mod`` (soft-capping, a learned per-head relative slope read from a closure, one that
 reads the batch index); ``return_weights`` and ``weights_for``; float64 or float32; and the backends' tile, block and chunk sizes,
@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import backends, checks
-from qkv.backends import engines, local, sdpa, sdpa_plain
+from qkv.backends import engines, local, sdpa, sdpa_plain, segments
 from qkv.backends.engines import fused_blocks, online_softmax
 from qkv.backends.tiling import additive_tiles, bias_grad
 from qkv.backends.tiling import weights_from_lse as weights_module
@@ -69,7 +69,7 @@ def _settings(examples: int):
 
 @dataclass(frozen=True)
 class MaskLeaf:
-    kind: str  # "causal", "window", "offsets", "lengths", "documents", "dense"
+    kind: str  # "causal", "window", "offsets", "lengths", "starts", "documents", "dense"
     args: tuple = ()  # window (left, right); offsets (lo, hi); lengths per batch row; ids_q, ids_k; dense shape + seed
 
 
@@ -119,7 +119,7 @@ def _offset_bound(draw, low: int, high: int):
 
 @st.composite
 def mask_leaf(draw, rank: int, lead: tuple[int, ...], h: int, i: int, j: int) -> MaskLeaf:
-    kinds = ["causal", "window", "window", "offsets", "dense"] + (["lengths", "documents"] if rank >= 4 else [])
+    kinds = ["causal", "window", "window", "offsets", "dense"] + (["lengths", "starts", "documents"] if rank >= 4 else [])
     kind = draw(st.sampled_from(kinds))
     if kind == "window":  # mostly narrow, so the local backend (2 · (block + left + right) <= j) runs too
         return MaskLeaf(kind, (draw(st.sampled_from([0, 0, 1, 1, 2, 4])), draw(st.sampled_from([0, 0, 1, 2, 4]))))
@@ -128,7 +128,7 @@ def mask_leaf(draw, rank: int, lead: tuple[int, ...], h: int, i: int, j: int) ->
         if lo is not None and hi is not None and lo > hi:
             lo, hi = hi, lo
         return MaskLeaf(kind, (lo, hi))
-    if kind == "lengths":
+    if kind in ("lengths", "starts"):  # right padding (keys below n) or left (keys from n on), per batch row
         return MaskLeaf(kind, tuple(draw(st.integers(0, j)) for _ in range(lead[-1])))
     if kind == "documents":  # sorted ids per batch row: packed documents, some with no query or no key
         ids = lambda n: tuple(sorted(draw(st.integers(0, 3)) for _ in range(n)))  # noqa: E731
@@ -207,6 +207,9 @@ def cases(draw, *, grad: bool = False) -> Case:
         "additive_sub": draw(st.sampled_from([1, 6, 30, 2**19])),
         "band_rows": draw(st.integers(1, 4)),
         "grad_block": draw(st.sampled_from([1, 16, 2**21])),
+        # a padded batch split by rows (segments): always, or never; its short rows in groups or one by one
+        "padding_elements": draw(st.sampled_from([0, 24, 64, segments.PADDING_ELEMENTS])),
+        "row_elements": draw(st.sampled_from([1, 48, segments.ROW_ELEMENTS])),
     }
     sinks = None if windowed or not draw(st.integers(0, 3)) == 0 else (grad and draw(st.booleans()),)
     score_mod = None
@@ -275,7 +278,7 @@ class Built:
 
             self.score_mod = relative
         elif c.score_mod is not None:
-            self.score_mod = lambda score, b, h, q_idx, kv_idx: score - 0.3 * b  # the flat batch index
+            self.score_mod = lambda score, b, h, q_idx, kv_idx: score - 0.25 * b  # flat batch index; 0.25 is exact in float32
         self.weights_for = None
         if c.weights_for is not None:
             heads, rows = c.weights_for
@@ -309,6 +312,9 @@ class Built:
         if node.kind == "lengths":
             lengths = torch.tensor(node.args)
             return qkv.masks.lengths(lengths), (torch.arange(c.j)[None, :] < lengths[:, None])[:, None, None, :]
+        if node.kind == "starts":
+            starts = torch.tensor(node.args)
+            return qkv.masks.starts(starts), (torch.arange(c.j)[None, :] >= starts[:, None])[:, None, None, :]
         if node.kind == "documents":
             ids_q, ids_k = torch.tensor(node.args[0]), torch.tensor(node.args[1])
             return qkv.masks.documents(ids_q, ids_k), (ids_q[:, :, None] == ids_k[:, None, :])[:, None]
@@ -377,6 +383,8 @@ def small_blocks(case: Case, mp: pytest.MonkeyPatch) -> None:
     mp.setattr(additive_tiles, "SUB_ELEMENTS_THREADED", b["additive_sub"])
     mp.setattr(bias_grad, "BAND_ROWS", b["band_rows"])
     mp.setattr(bias_grad, "BLOCK_ELEMENTS", b["grad_block"])
+    mp.setattr(segments, "PADDING_ELEMENTS", b["padding_elements"])
+    mp.setattr(segments, "ROW_ELEMENTS", b["row_elements"])
 
 
 # --------------------------------------------------------------------------- the oracle
@@ -425,7 +433,7 @@ def oracle(built: Built, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
             s = s + (w[0] if c.rank == 2 else w[:, None, None]) * (q_idx - kv_idx)
         else:
             flat = torch.arange(math.prod(c.lead), dtype=torch.float64).view(*c.lead, 1, 1, 1) if c.lead else 0.0
-            s = s - 0.3 * flat
+            s = s - 0.25 * flat
     allowed = built.allowed
     if c.causal:
         allowed = (offset <= 0) if allowed is None else allowed & (offset <= 0)

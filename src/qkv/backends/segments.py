@@ -150,7 +150,7 @@ def _padded(req: Request) -> str | None:
         return "a padded batch is split by rows on the CPU only"
     if req.q.shape[0] * req.i * req.j <= PADDING_ELEMENTS:
         return f"a padded batch's mask is small here (at most {PADDING_ELEMENTS} elements): SDPA takes it whole"
-    if req.i * req.j < ROW_ELEMENTS and req.score_mod is not None:
+    if _in_groups(req) and req.score_mod is not None:
         return "short rows go in groups, whose calls renumber the batch rows a score_mod reads"
     why = _refused(req, "a row's own call", "the rows' lengths")
     if why is not None:
@@ -229,8 +229,17 @@ def segments(req: Request) -> list[Segment]:
     return found
 
 
+def _in_groups(req: Request) -> bool:
+    """Whether a padded batch's rows go in groups (short rows, each row's mask small enough for SDPA) or one by one.
+
+    A group holds at most :data:`PADDING_ELEMENTS` of the mask, so its own call is never
+    split again here (where one row's mask were larger, a group of one would be).
+    """
+    return req.i * req.j < ROW_ELEMENTS and req.i * req.j <= PADDING_ELEMENTS
+
+
 def run(req: Request) -> tuple[Tensor, None, Tensor | None]:
-    if split(req.mask)[0] is None and req.i * req.j < ROW_ELEMENTS:
+    if split(req.mask)[0] is None and _in_groups(req):
         out, lse = _run_row_groups(req)
     else:
         out, lse = run_segments(req, segments(req))
@@ -296,10 +305,25 @@ def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tu
         outs.append(row_out)
         lses.append(row_lse)
     if packed:
-        return outs[0], lses[0]
+        return _joined(outs[0], req), lses[0]
     out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
     lse = None if not req.return_lse else torch.cat(lses, dim=0) if len(lses) > 1 else lses[0]
-    return out, lse
+    return _joined(out, req), lse
+
+
+def _joined(out: Tensor, req: Request) -> Tensor:
+    """``out`` in the graph of the differentiated inputs even where no segment ran (no row sees a key).
+
+    Its rows are zeros made here then, which autograd knows nothing of: a loss of them would
+    not reach ``q``, ``k``, ``v`` (``backward`` fails on an output that needs no gradient),
+    where every other engine gives zero gradients. Joined through ``where`` with a sum of the
+    inputs, never a product: a nan in a hidden key cannot reach the output or the gradients.
+    """
+    inputs = [x for x in (req.q, req.k, req.v) if x.requires_grad]
+    if out.requires_grad or not inputs or not torch.is_grad_enabled():
+        return out
+    anchor = sum(x.sum() for x in inputs).to(out.dtype)
+    return torch.where(torch.zeros((), dtype=torch.bool, device=out.device), anchor, out)
 
 
 def _run_into(req: Request, parts: list[Segment], packed: bool, choose) -> tuple[Tensor, Tensor | None]:
