@@ -14,6 +14,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import qkv
 
@@ -215,3 +217,59 @@ def test_return_attn_probs_gives_flash_attns_triple():
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     with pytest.raises(TypeError, match="return_attn_probs"):
         qkv.varlen_attention(q, k, v, cu, cu, return_attn_probs=1)
+
+
+@st.composite
+def varlen_calls(draw):
+    """A random flash-attn varlen call: 1-4 sequences of 0-6 queries and keys each, and any options together."""
+    b = draw(st.integers(1, 4))
+    lengths_q = [draw(st.integers(0, 6)) for _ in range(b)]
+    lengths_k = [draw(st.integers(0, 6)) for _ in range(b)]
+    kw = {}
+    if draw(st.booleans()):
+        kw["causal"] = True
+    if draw(st.booleans()):
+        kw["window_size"] = (draw(st.integers(-1, 3)), draw(st.integers(-1, 3)))
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.sampled_from([1.5, 4.0]))
+    kw["alibi_slopes"] = draw(st.sampled_from([None, "h", "bh"]))
+    if draw(st.booleans()):
+        kw["sinks"] = True
+    if draw(st.booleans()):
+        kw["softmax_scale"] = draw(st.sampled_from([0.2, 1.3]))
+    return lengths_q, lengths_k, {name: x for name, x in kw.items() if x is not None}, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=varlen_calls())
+def test_random_calls_equal_the_per_sequence_formula(call):
+    """Empty sequences, no keys, queries beyond the keys and every option at once, forward and gradients."""
+    lengths_q, lengths_k, case, seed = call
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, seed=seed)
+    kw, theirs = _args(case, len(lengths_q))
+    out, lse = qkv.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=True, **kw)
+    want, want_lse = oracle(q, k, v, cu_q, cu_k, **theirs)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)
+    if not q.shape[0]:
+        return
+    leaves = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+    gen = torch.Generator().manual_seed(seed + 1)
+    d_out, d_lse = torch.randn(out.shape, generator=gen, dtype=out.dtype), torch.randn(lse.shape, generator=gen, dtype=lse.dtype)
+    finite = torch.isfinite(want_lse)
+    got = torch.autograd.grad((out * d_out).sum() + (torch.where(finite, lse, 0.0) * d_lse).sum(), leaves, allow_unused=True)
+    expected = torch.autograd.grad((want * d_out).sum() + (torch.where(finite, want_lse, 0.0) * d_lse).sum(), leaves,
+                                   allow_unused=True)  # fmt: skip
+    for x, a, e in zip(leaves, got, expected):
+        a = torch.zeros_like(x) if a is None else a
+        e = torch.zeros_like(x) if e is None else e
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_no_query_at_all_gives_an_empty_output(grad):
+    """Every sequence empty (``total_q = 0``): flash-attn answers an empty ``(0, h, e)`` and lse ``(h, 0)``."""
+    q, k, v, cu_q, cu_k = packed([0, 0], [0, 3])
+    with torch.set_grad_enabled(grad):
+        out, lse = qkv.varlen_attention(q, k, v, cu_q, cu_k, 0, 3, return_lse=True)
+    assert out.shape == (0, H, E) and lse.shape == (H, 0)

@@ -413,7 +413,7 @@ def _assemble(pieces: list, req: Request, h: int, i_len: int, e: int, packed: bo
         outs.append(out)
         lses.append(lse)
         at = r0 + out.shape[2]
-    if at < i_len:
+    if at < i_len or not outs:  # (no query rows at all: an empty row)
         for xs, x in zip((outs, lses), gap(i_len - at)):
             xs.append(x)
     if packed:
