@@ -10,10 +10,13 @@ definition, materialised: the logits, ``score_mod`` and ``mask_mod`` evaluated p
 with ``torch.vmap`` (flex's semantics), a softmax, ``@ v``.
 """
 
+import re
 import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import qkv
 
@@ -251,3 +254,73 @@ def test_a_mask_mod_reading_a_list_is_evaluated_at_every_call():
         warnings.simplefilter("ignore")
         want = flex.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- random calls
+
+
+def _mask_mod(kind: str, n: int, ids: torch.Tensor):
+    """A mask_mod of one family, with its parameter ``n`` (and document ids for ``documents``)."""
+    return {
+        "causal": lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+        "window": lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= n,
+        "prefix": lambda b, h, q_idx, kv_idx: (kv_idx < n) | (q_idx >= kv_idx),
+        "documents": lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx],
+        "per_row": lambda b, h, q_idx, kv_idx: (kv_idx + b + h) % (n + 2) != 0,
+        "late_keys": lambda b, h, q_idx, kv_idx: kv_idx >= n,  # rows may see no key at all
+    }[kind]
+
+
+def _score_mod(kind: str):
+    return {
+        None: None,
+        "alibi": lambda score, b, h, q_idx, kv_idx: score - (h + 1) * 0.25 * (q_idx - kv_idx).abs(),
+        "soft_cap": lambda score, b, h, q_idx, kv_idx: 3 * torch.tanh(score / 3),
+        "batch": lambda score, b, h, q_idx, kv_idx: score + 0.5 * b - 0.25 * h,
+    }[kind]
+
+
+@st.composite
+def flex_calls(draw):
+    """Flex calls of every size against every block size: lengths 1 to 40, blocks of 8 to 128, any mask and score."""
+    hkv = draw(st.integers(1, 2))
+    return dict(
+        B=draw(st.integers(1, 2)), hkv=hkv, hq=hkv * draw(st.integers(1, 2)), L=draw(st.integers(1, 40)),
+        S=draw(st.integers(1, 40)), block=draw(st.sampled_from([8, 16, (8, 16), 128])),
+        mask=draw(st.sampled_from([None, "causal", "window", "prefix", "documents", "per_row", "late_keys"])),
+        n=draw(st.integers(0, 12)), per_batch_head=draw(st.booleans()), score=draw(st.sampled_from([None, "alibi", "soft_cap", "batch"])),
+        scale=draw(st.sampled_from([None, 0.3])), kv_batch_one=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+    )  # fmt: skip
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(c=flex_calls())
+def test_random_calls_equal_flex_itself(c):
+    """Ragged last blocks, rows with no key, broadcast block masks and K/V batches: out and lse as flex's own forward."""
+    gen = torch.Generator().manual_seed(c["seed"])
+    kv_b = 1 if c["kv_batch_one"] else c["B"]
+    q = torch.randn(c["B"], c["hq"], c["L"], 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(kv_b, c["hkv"], c["S"], 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(kv_b, c["hkv"], c["S"], 4, generator=gen, dtype=torch.float64)
+    ids = torch.sort(torch.randint(0, 3, (max(c["L"], c["S"]),), generator=gen)).values
+    bm = None
+    if c["mask"] is not None:
+        # a mask_mod reading b or h needs a block mask made per batch row and head: one made for b = h = 0
+        # and broadcast would list blocks by that row alone, which the compiled kernel (and qkv) honour and
+        # flex's eager forward, which evaluates the mask_mod everywhere, does not
+        per = c["per_batch_head"] or c["mask"] == "per_row"
+        B, H = (c["B"], c["hq"]) if per else (None, None)
+        bm = flex.create_block_mask(_mask_mod(c["mask"], c["n"], ids), B, H, c["L"], c["S"], device="cpu",
+                                    BLOCK_SIZE=c["block"])  # fmt: skip
+    kw = dict(score_mod=_score_mod(c["score"]), block_mask=bm, scale=c["scale"], enable_gqa=c["hq"] != c["hkv"], return_lse=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            want, want_lse = flex.flex_attention(q, k, v, **kw)
+        except ValueError as refused:  # a call flex refuses (K/V batch 1 without a block mask of the query's): refused alike
+            with pytest.raises(ValueError, match=re.escape(str(refused))):
+                qkv.flex_attention(q, k, v, **kw)
+            return
+    got, got_lse = qkv.flex_attention(q, k, v, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got_lse, want_lse.to(got_lse.dtype), rtol=1e-10, atol=1e-10)

@@ -72,7 +72,18 @@ def flex_attention(
     want_lse = bool(return_lse) or bool(getattr(return_aux, "lse", False))
     if getattr(return_aux, "max_scores", False):
         raise ValueError("return_aux: qkv computes the log-sum-exp (AuxRequest(lse=True)), not max_scores")
-    if query.shape[0] != key.shape[0]:
+    if query.shape[0] != key.shape[0]:  # flex's rule: K/V batches differ only under a block mask of the query's
+        bq, bkv = query.shape[0], key.shape[0]
+        if block_mask is None:
+            raise ValueError(
+                "Expect query and key/value to have the same batch size, or non-none block_mask, but got "
+                f"block_mask=None, Bq={bq}, and Bkv={bkv}."
+            )
+        if getattr(block_mask, "kv_num_blocks", None) is not None and block_mask.kv_num_blocks.shape[0] != bq:
+            raise ValueError(
+                "Expect query and key/value to have the same batch size, or block_mask and query to have the same "
+                f"batch size, but got Bq={bq}, Bkv={bkv}, B_block_mask={block_mask.kv_num_blocks.shape[0]}."
+            )
         if key.shape[0] != 1:
             raise ValueError(f"key: expected batch {query.shape[0]} like query, or 1 (shared), got {key.shape[0]}")
         key, value = key.expand(query.shape[0], *key.shape[1:]), value.expand(query.shape[0], *value.shape[1:])
