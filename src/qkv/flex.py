@@ -15,7 +15,14 @@ call per run (``FlexBlocks.diagonal_groups``, the segments backend); and ``score
 evaluated as flex evaluates it (0-d indices; ``qkv._mods``). ``return_lse`` /
 ``return_aux=AuxRequest(lse=True)`` give the natural-log log-sum-exp ``(B, Hq, L)``,
 differentiable. ``kernel_options`` tune flex's Triton kernels and are accepted and
-ignored. Checked against flex's own CPU forward in ``tests/test_flex.py``.
+ignored. Key and value may have batch 1 under a larger query batch only with a block mask
+of the query's batch, as in flex (its messages otherwise). Checked against flex's own CPU
+forward in ``tests/test_flex.py``, random calls included.
+
+One difference from flex's *eager* forward, which evaluates the ``mask_mod`` at every
+element: a block the block mask leaves out is never computed, as in flex's compiled kernel.
+They differ only for a block mask that is wrong for some heads or batch rows (made with
+``B=None`` or ``H=None`` for a ``mask_mod`` that reads ``b`` or ``h``).
 
 Under ``torch.compile(fullgraph=True)``, ``torch.export`` and on ``meta`` tensors a call
 with a ``score_mod`` works as :func:`qkv.attention`'s does (``qkv.score_mods`` says which
