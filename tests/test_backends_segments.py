@@ -219,6 +219,14 @@ def test_short_rows_whose_own_mask_is_over_the_group_size_go_one_by_one(monkeypa
     torch.testing.assert_close(qkv.attention(q, k, v, mask=mask, causal=True), want, rtol=1e-10, atol=1e-10)
 
 
+def test_a_one_key_wide_dense_mask_is_broadcast_not_one_key_of_padding(any_size):
+    """``(b, 1, 1, 1)`` keeps or hides every key of its row (broadcast), where ``(b, 1, 1, j)`` would be padding."""
+    q, k, v = ref.random_qkv(2, H, G, 6, 8, D, E)
+    keep = torch.tensor([True, False]).view(2, 1, 1, 1)
+    want = qkv.attention(q, k, v, mask=keep, backend="reference")
+    torch.testing.assert_close(qkv.attention(q, k, v, mask=keep), want, rtol=1e-10, atol=1e-10)
+
+
 def test_padding_keys_holding_nan_are_never_read(any_size):
     q, k, v = ref.random_qkv(2, H, G, 10, 10, D, E)
     k, v = k.detach().clone(), v.detach().clone()

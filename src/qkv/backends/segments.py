@@ -166,11 +166,14 @@ def _padded(req: Request) -> str | None:
 
 
 def _key_padding_shaped(mask: Mask | None) -> bool:
-    """A dense bool CPU mask ``(b|1, 1, 1, j)``: one keep-row per batch row, which may be padding."""
+    """A dense bool CPU mask ``(b|1, 1, 1, j)``: one keep-row per batch row, which may be padding.
+
+    Not ``(b|1, 1, 1, 1)``: that one value is broadcast over every key, not a row of one key.
+    """
     keep = mask.mask if isinstance(mask, Dense) else None
     if keep is None or keep.dtype != torch.bool or keep.device.type != "cpu":
         return False
-    return keep.dim() == 4 and keep.shape[1:3] == (1, 1)
+    return keep.dim() == 4 and keep.shape[1:3] == (1, 1) and keep.shape[-1] > 1
 
 
 def _dense_padding(keep: Tensor) -> Lengths | Starts | None:
