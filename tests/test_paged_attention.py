@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import qkv
 
@@ -304,3 +306,41 @@ def test_items_are_views_only_where_each_is_consecutive_pages_from_a_block_bound
     assert not plan(list(range(1, 17)), list(range(32, 40))).aligned  # off a block boundary
     assert not plan(list(range(0, 5)), list(range(5, 9))).aligned  # the second off a block boundary
     assert not plan([0, 1, 2], [0, 1]).aligned  # one block, two items (a shared prefix's pages)
+
+
+@st.composite
+def paged_calls(draw):
+    """Random tables: 1-6 requests of 0-70 keys (none, one, page boundaries, ragged last pages) and 0-8 queries each,
+    decoding steps and prefill chunks together, page sizes 1 to 16, a shared prefix, every option at once."""
+    R = draw(st.integers(1, 6))
+    kv_lens = [draw(st.sampled_from([0, 1, draw(st.integers(2, 70))])) for _ in range(R)]
+    qo_lens = [min(n, draw(st.sampled_from([0, 1, 1, draw(st.integers(2, 8))]))) for n in kv_lens]
+    opts = {}
+    if draw(st.booleans()):
+        opts["causal"] = False
+    if draw(st.booleans()):
+        opts["window_left"] = draw(st.integers(0, 20))
+    if draw(st.booleans()):
+        opts["cap"] = 2.0
+    if draw(st.booleans()):
+        opts["sinks"] = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+    if draw(st.booleans()):
+        opts["alibi"] = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    if draw(st.integers(0, 3)) == 0:
+        opts["score_mod"] = CASES["score_mod"]["score_mod"]
+    if draw(st.booleans()):
+        opts["scale"] = 0.3
+    P = draw(st.sampled_from([1, 2, 3, 16]))
+    shared = draw(st.sampled_from([0, 0, 1, 2]))
+    return qo_lens, kv_lens, P, shared, opts, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=paged_calls())
+def test_random_tables_equal_each_request_alone(call):
+    qo_lens, kv_lens, P, shared, opts, seed = call
+    q, cache, table = build(qo_lens, kv_lens, P, seed=seed, shared=shared if min(kv_lens) > shared * P else 0)
+    got = paged(q, cache, table, **opts)
+    want = literal(q, cache, table, **opts)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
