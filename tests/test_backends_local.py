@@ -132,3 +132,20 @@ def test_dense_bias_with_blocks_that_see_no_key():
     (o_ref, _), (o, _) = both(q, k, v, mask=qkv.masks.window(2) & qkv.masks.causal(), bias=bias)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     assert torch.equal(o[:, :, :20], torch.zeros_like(o[:, :, :20]))
+
+
+@pytest.mark.parametrize("i, j", [(40, 40), (30, 50), (50, 30)])
+def test_masks_that_read_positions_are_asked_only_about_real_rows_and_keys(i, j):
+    """Blocks overhang the rows and their windows the keys; a documents mask or a mask_mod indexing a table must
+    not be asked about those positions (it would index past its ids)."""
+    q, k, v = make_inputs(i, j)
+    ids_q = torch.repeat_interleave(torch.arange(3), torch.tensor([i // 3, i // 3, i - 2 * (i // 3)]))[None]
+    ids_k = torch.repeat_interleave(torch.arange(3), torch.tensor([j // 3, j // 3, j - 2 * (j // 3)]))[None]
+    table_q, table_k = ids_q[0], ids_k[0]
+    for mask in (qkv.masks.documents(ids_q, ids_k),
+                 qkv.masks.from_mask_mod(lambda b, h, q_idx, kv_idx: table_q[q_idx] == table_k[kv_idx])):  # fmt: skip
+        full = qkv.masks.window(3, 1) & qkv.masks.causal() & mask
+        (want, want_grads), (got, got_grads) = both(q, k, v, mask=full)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

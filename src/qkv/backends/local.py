@@ -115,12 +115,17 @@ def _block_masks(req: Request, window: Window, size: int, n: int, first: int, wi
     for m in range(n):
         i0 = m * size
         c0 = first + i0  # first key column of this block's window (may be < 0 or run past j)
-        t = Tile(i0, i0 + size, c0, c0 + width, req.i, req.j, req.q.device)
-        allowed = as_heads(req.mask.tile(t), 4) & ((t.cols >= 0) & (t.cols < req.j))
-        add = torch.zeros(allowed.shape, dtype=mask_dtype(req.q), device=req.q.device).masked_fill(~allowed, NEG_INF)
         lo, hi = max(c0, 0), min(c0 + width, req.j)
+        rows = min(i0 + size, req.i)
+        # the mask is asked only about real rows and keys (a mask reading ids or tables by position
+        # could not answer for the block's rows past i or its window's keys outside 0 .. j - 1): False there
+        allowed = torch.zeros(1, 1, size, width, dtype=torch.bool, device=req.q.device)
+        if lo < hi:
+            seen = as_heads(req.mask.tile(Tile(i0, rows, lo, hi, req.i, req.j, req.q.device)), 4)
+            seen = seen.expand(*seen.shape[:-2], rows - i0, hi - lo)
+            allowed = F.pad(seen, (lo - c0, c0 + width - hi, 0, i0 + size - rows), value=False)
+        add = torch.zeros(allowed.shape, dtype=mask_dtype(req.q), device=req.q.device).masked_fill(~allowed, NEG_INF)
         if bias is not None and lo < hi:  # (lo >= hi: the block's window holds no key, all masked above)
-            rows = min(i0 + size, req.i)
             part = as_heads(bias.tile(Tile(i0, rows, lo, hi, req.i, req.j, req.q.device)), 4).to(add.dtype)
             part = part.expand(*part.shape[:-2], rows - i0, hi - lo)  # a dense bias may broadcast along i or j
             part = F.pad(part, (lo - c0, c0 + width - hi, 0, i0 + size - rows))
