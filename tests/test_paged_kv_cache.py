@@ -5,6 +5,9 @@ Shape legend: ``T`` new tokens of a step, ``h`` query heads, ``g`` KV heads, ``d
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, multiple, rule
 
 import qkv
 
@@ -198,3 +201,115 @@ def test_runs_of_a_table_are_its_maximal_runs_of_consecutive_pages_per_request()
                     runs.append((mine[slot], 1, slot))
             want.append(runs)
         assert runs_in(table, list(range(5)), skip) == want
+
+
+class Serving(RuleBasedStateMachine):
+    """Requests added, forked at any length, reserved, stepped with 0-6 new tokens each, freed, in any order.
+
+    After every rule: each request's attention over its pages equals the same attention over its
+    own keys written out (a page one request writes never changes another's keys, so copy-on-write
+    holds), the pool's count equals the distinct pages held, and a step too large for the pool is
+    refused with nothing changed.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.cache = qkv.PagedKVCache(24, P, G, D, layers=2, dtype=torch.float64)
+        self.gen = torch.Generator().manual_seed(0)
+        self.keys: list[dict] = [{}, {}]  # per layer
+        self.values: list[dict] = [{}, {}]
+        self.names = 0
+
+    requests = Bundle("requests")
+
+    @rule(target=requests)
+    def add(self):
+        self.names += 1
+        self.cache.add(self.names)
+        for layer in (0, 1):
+            self.keys[layer][self.names] = torch.zeros(0, G, D, dtype=torch.float64)
+            self.values[layer][self.names] = torch.zeros(0, G, D, dtype=torch.float64)
+        return self.names
+
+    @rule(target=requests, parent=requests, cut=st.integers(0, 40))
+    def fork(self, parent, cut):
+        if parent not in self.cache.requests:
+            return multiple()
+        self.names += 1
+        n = min(cut, self.cache.length(parent))
+        self.cache.fork(parent, self.names, length=n)
+        for layer in (0, 1):
+            self.keys[layer][self.names] = self.keys[layer][parent][:n].clone()
+            self.values[layer][self.names] = self.values[layer][parent][:n].clone()
+        return self.names
+
+    @rule(request=requests, tokens=st.integers(1, 12))
+    def reserve(self, request, tokens):
+        if request in self.cache.requests and self.cache.length(request) == 0 and not self.cache.pages_of(request):
+            try:
+                self.cache.reserve(request, tokens)
+            except RuntimeError:
+                pass
+
+    @rule(request=requests)
+    def free(self, request):
+        if request in self.cache.requests:
+            self.cache.free(request)
+
+    @rule(data=st.data())
+    def step(self, data):
+        live = self.cache.requests
+        if not live:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, unique=True))
+        new = {r: data.draw(st.integers(0, 6)) for r in chosen}
+        before = ({r: self.cache.pages_of(r) for r in live}, {r: self.cache.length(r) for r in live}, self.cache.free_pages)
+        try:
+            step = self.cache.plan(new)
+        except RuntimeError:
+            assert before == ({r: self.cache.pages_of(r) for r in live}, {r: self.cache.length(r) for r in live},
+                              self.cache.free_pages)  # fmt: skip
+            return
+        T = step.page.numel()
+        for layer in (0, 1):
+            k = torch.randn(T, G, D, generator=self.gen, dtype=torch.float64)
+            v = torch.randn(T, G, D, generator=self.gen, dtype=torch.float64)
+            q = torch.randn(T, H, D, generator=self.gen, dtype=torch.float64)
+            self.cache.write(layer, step, k, v)
+            out = self.cache.attend(layer, step, q)
+            row = 0
+            for r in step.requests:
+                n = new[r]
+                self.keys[layer][r] = torch.cat([self.keys[layer][r], k[row : row + n]])
+                self.values[layer][r] = torch.cat([self.values[layer][r], v[row : row + n]])
+                if n and len(self.keys[layer][r]):
+                    qr = q[row : row + n].transpose(0, 1)[None]
+                    want = qkv.attention(qr, self.keys[layer][r].transpose(0, 1)[None],
+                                         self.values[layer][r].transpose(0, 1)[None], causal=True, backend="reference")  # fmt: skip
+                    torch.testing.assert_close(out[row : row + n], want[0].transpose(0, 1), rtol=1e-12, atol=1e-12)
+                row += n
+
+    @invariant()
+    def every_request_reads_its_own_keys_and_the_pool_counts_what_is_held(self):
+        cache = self.cache
+        held = {p for r in cache.requests for p in cache.pages_of(r)}
+        assert cache.used_pages == len(held) and cache.free_pages == cache.num_pages - len(held)
+        live = [r for r in cache.requests if cache.length(r)]
+        if not live:
+            return
+        step = cache.plan({r: 0 for r in live})  # attend without appending: every request's whole cache
+        q = torch.randn(len(live), H, D, generator=self.gen, dtype=torch.float64)
+        qo = torch.arange(len(live) + 1)  # one query each, at its last position
+        for layer in (0, 1):
+            out = qkv.paged_attention(q, cache.pools[layer], qo, *step.table[1:])
+            for n, r in enumerate(live):
+                keys, values = self.keys[layer][r], self.values[layer][r]
+                assert len(keys) == cache.length(r)
+                want = qkv.attention(q[n][:, None][None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                     backend="reference")  # fmt: skip
+                torch.testing.assert_close(out[n], want[0, :, 0], rtol=1e-12, atol=1e-12)
+
+
+Serving.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None, derandomize=True,
+                                     database=None, suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+test_random_serving_keeps_every_request_its_own_keys = Serving.TestCase
