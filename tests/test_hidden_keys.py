@@ -202,3 +202,57 @@ def test_keys_outside_every_rows_offsets_never_reach_an_output(case):
         qkv.attention(q1, k1, v1, mask=mask, backend=name).square().sum().backward()
         for label, grad in (("q", q1.grad), ("k", k1.grad), ("v", v1.grad)):
             assert torch.isfinite(grad).all(), f"{case}, backend {name}: non-finite gradient of {label}"
+
+
+def _cross_documents():
+    ids_q = torch.tensor([[1, 1, 1, 0, 0, 0]])
+    ids_k = torch.tensor([[0, 0, 0, 0, 1, 1]])  # keys 4, 5: document 1's rows all come before them
+    return qkv.masks.documents(ids_q, ids_k) & qkv.masks.causal()
+
+
+def _row_dense(i: int):
+    keep = torch.ones(1, 1, i, 1, dtype=torch.bool)
+    keep[..., -1, :] = False  # the last row, the only one causal lets reach the last key, sees nothing
+    return qkv.masks.as_mask(keep) & qkv.masks.causal()
+
+
+# Keys no row sees, though each part of the mask alone lets some row see them: (i, j, mask, hidden keys)
+JOINT_CASES = {
+    "diagonal & strictly the past": (6, 6, lambda: qkv.masks.window(0, 0) & qkv.masks.offsets(None, -1), range(6)),
+    "per-row dense & causal": (5, 5, lambda: _row_dense(5), [4]),
+    "documents & causal, crossed": (6, 6, _cross_documents, [4, 5]),
+}
+
+
+@pytest.mark.parametrize("mod", [None, "relative"])
+@pytest.mark.parametrize("case", sorted(JOINT_CASES))
+def test_keys_hidden_only_by_the_parts_together_never_reach_an_output(case, mod):
+    """Found by evaluating the whole mask (``exact_hidden_keys``), on every engine, with a score_mod too
+    (its engine adds the mask to the modified logits, where a nan key's logit must not empty its row)."""
+    i, j, make, where = JOINT_CASES[case]
+    score_mod = None if mod is None else (lambda s, b, h, q_idx, kv_idx: s - 0.125 * (q_idx - kv_idx))
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, H, i, D, generator=g, dtype=torch.float64)
+    k = torch.randn(1, G, j, D, generator=g, dtype=torch.float64)
+    v = torch.randn(1, G, j, D, generator=g, dtype=torch.float64)
+    hidden = torch.zeros(1, 1, j, 1, dtype=torch.bool)
+    hidden[..., list(where), :] = True
+    req = checks.request(q, k, v, score="scaled_dot", mask=make(), bias=None, causal=False, scale=None, dropout=0.0,
+                         return_weights=False)  # fmt: skip
+    assert torch.equal(hidden_keys.exact_hidden_keys(req)[0, 0, :, 0], hidden[0, 0, :, 0])
+    bad_k, bad_v = k.masked_fill(hidden, float("nan")), v.masked_fill(hidden, float("inf"))
+    expected = qkv.attention(q, k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0), mask=make(),
+                             score_mod=score_mod, backend="reference")  # fmt: skip
+    req = checks.request(q, k, v, score="scaled_dot", mask=make(), bias=None, causal=False, scale=None, dropout=0.0,
+                         return_weights=False, score_mod=score_mod)  # fmt: skip
+    names = ["auto", *(name for name, impl in backends.REGISTRY.items() if impl.supports(req) is None)]
+    for name in names:
+        with torch.no_grad():
+            out = qkv.attention(q, bad_k, bad_v, mask=make(), score_mod=score_mod, backend=name)
+        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{case}, backend {name}, no_grad")
+        q1, k1, v1 = (x.clone().requires_grad_() for x in (q, bad_k, bad_v))
+        out = qkv.attention(q1, k1, v1, mask=make(), score_mod=score_mod, backend=name)
+        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{case}, backend {name}")
+        out.square().sum().backward()
+        for label, grad in (("q", q1.grad), ("k", k1.grad), ("v", v1.grad)):
+            assert torch.isfinite(grad).all(), f"{case}, backend {name}: non-finite gradient of {label}"

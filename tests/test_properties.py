@@ -107,6 +107,7 @@ class Case:
     score_mod: tuple | None = None  # ("softcap", c) | ("relative", learned) | ("batch",)
     blocks: dict = field(default_factory=dict)  # patched sizes of the backends
     seed: int = 0
+    poison: bool = False  # nan keys and inf values where no query of their KV head may look (forward calls)
 
     @property
     def h(self) -> int:
@@ -222,6 +223,7 @@ def cases(draw, *, grad: bool = False) -> Case:
         hidden=draw(st.integers(1, 4)), mask=mask, causal=draw(st.booleans()), bias=bias,
         scale=draw(st.one_of(st.none(), st.sampled_from([0.3, 1.0, 1.7]))), return_weights=return_weights,
         weights_for=weights_for, sinks=sinks, score_mod=score_mod, blocks=blocks, seed=draw(st.integers(0, 2**16)),
+        poison=not grad and draw(st.booleans()),
     )  # fmt: skip
 
 
@@ -454,6 +456,28 @@ def oracle(built: Built, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     return w @ v, w
 
 
+def poisoned(built: Built) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k, v`` with nan keys and inf values at the keys no query of their KV head may look at (issue: masked-out
+    keys and values never reach an output). Cache padding from ``torch.empty`` holds such values."""
+    c = built.case
+    allowed = built.allowed
+    if c.causal:
+        offset = torch.arange(c.j)[None, :] - torch.arange(c.i)[:, None] - (c.j - c.i)
+        allowed = (offset <= 0) if allowed is None else allowed & (offset <= 0)
+    if allowed is None:
+        return built.k, built.v
+    if c.rank == 2:
+        hidden = ~allowed.expand(c.i, c.j).any(-2)  # (j,)
+    else:
+        full = allowed.expand(*c.lead, c.h, c.i, c.j)
+        hidden = ~full.reshape(*c.lead, c.g, c.r * c.i, c.j).any(-2)  # (..., g, j): no row of any head of the group
+    k, v = built.k.detach().clone(), built.v.detach().clone()
+    if c.score != "location":  # Luong's location score never reads the keys
+        k[hidden] = float("nan")
+    v[hidden] = float("inf")
+    return k, v
+
+
 def inputs(built: Built) -> dict[str, torch.Tensor]:
     """Every tensor a gradient may reach: q, k, v, the dense bias, the score's and the T5 table's parameters."""
     params = {"q": built.q, "k": built.k, "v": built.v}
@@ -559,13 +583,14 @@ def _forward_property(case: Case) -> None:
     built = Built(case)
     want_out, want_w = oracle(built, oracle_params(built))
     want_w = select(want_w, built)
+    k, v = poisoned(built) if case.poison else (built.k, built.v)
     with pytest.MonkeyPatch.context() as mp:
         small_blocks(case, mp)
         taken = Taken(mp)
         with torch.no_grad():
             for name in built.runnable():
                 said = explained(built) if name == "auto" else None
-                result = qkv.attention(built.q, built.k, built.v, backend=name, **built.kwargs())
+                result = qkv.attention(built.q, k, v, backend=name, **built.kwargs())
                 CALLS["forward"] += 1
                 if said is not None:  # qkv.explain names the path the call took
                     assert taken.line() == said, (said, case)
@@ -581,7 +606,7 @@ def _forward_property(case: Case) -> None:
             if case.return_weights:
                 kw = {key: val for key, val in built.kwargs().items() if key != "return_weights"}
                 for name in ("auto", "chunked"):
-                    w = qkv.attention_weights(built.q, built.k, backend=name, **kw)
+                    w = qkv.attention_weights(built.q, k, backend=name, **kw)
                     CALLS["forward"] += 1
                     torch.testing.assert_close(w.double(), want_w, **tolerance(case.dtype), msg=lambda m: f"attention_weights {name}: {m}")
 

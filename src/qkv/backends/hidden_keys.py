@@ -8,21 +8,26 @@ slots, often made with ``torch.empty``) gets weight 0, but ``0 · NaN = NaN`` in
 ``weights @ v`` and ``NaN + (-inf) = NaN`` in an additive mask, so on any engine, PyTorch's
 SDPA included, one non-finite value there would turn every row of the batch into NaN, and
 a non-finite hidden key turns the gradient of the queries into NaN (``dS @ K`` with
-``dS = 0`` there). The hidden keys are found once per call: ``Mask.hidden_keys`` (lazy
-padding masks know them without a tensor; a dense mask is reduced over its rows) and the
-columns a dense float bias sets to ``-inf`` for every row. Then, by what the call is:
+``dS = 0`` there). Which keys are hidden: ``Mask.hidden_keys`` names those one part of the
+mask hides (lazy padding masks know them without a tensor; a dense mask is reduced over its
+rows) or its offset ranges hide together, and a dense float bias's ``-inf`` columns
+(:func:`hidden_keys`, no value read); :func:`exact_hidden_keys` evaluates the whole mask a
+block of rows at a time and also finds a key hidden only by parts together (a per-row dense
+mask and ``causal()``). Then, by what the call is:
 
 * **recording gradients**, **traced** (``torch.compile``, ``torch.export``, meta
   tensors) or **on an accelerator**: :func:`guard`, before any engine. A traced call, or
-  one on a GPU (where reading a value on the host would stall the stream), zeroes the
-  hidden keys in copies of ``k`` and ``v`` unconditionally (the same result, branch-free);
-  an eager CPU one reads the hidden keys alone (one gather and a sum of the
-  padding, small beside a differentiated attention) and copies only when one is not finite;
+  one on a GPU (where reading a value on the host would stall the stream), zeroes the keys
+  :func:`hidden_keys` names in copies of ``k`` and ``v`` unconditionally (the same result,
+  branch-free); an eager CPU one sums ``k`` and ``v`` (small beside a differentiated
+  attention) and, only when that is not finite, zeroes the exact hidden keys;
 * **inference** (no gradient): :func:`after`, once the engine ran. A non-finite hidden
-  value shows in the output (``0 · NaN``; a non-finite hidden key alone leaves the forward
-  finite, since every engine masks by selection), so a finite output is the answer, for the
-  cost of one sum over it; otherwise the call runs again on zeroed copies. A one-token
-  decoding step over a long padded cache thus pays nothing for reading its padding.
+  value or key shows in the output (``0 · NaN`` in ``weights @ v``; an engine that adds
+  the mask to the logits keeps a NaN logit's row NaN, ``qkv.backends.engines.mod_tiles``
+  selecting the masked logits away before it counts a row as empty), so a finite output is
+  the answer, for the cost of one sum over it; otherwise the call runs again with the exact
+  hidden keys zeroed. A one-token decoding step over a long padded cache thus pays nothing
+  for reading its padding.
 
 Either way a hidden key's gradient is 0 (no output depends on it).
 
@@ -43,8 +48,13 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .._bools import any_along
 from .._trace import concrete
+from ..masks.base import Tile
 from .request import Request
+
+#: Mask elements each step of :func:`exact_hidden_keys` evaluates (rows at a time, every key).
+EXACT_ELEMENTS = 2**20
 
 
 def hidden_keys(req: Request) -> Tensor | None:
@@ -59,8 +69,46 @@ def hidden_keys(req: Request) -> Tensor | None:
         else:
             neg_inf = torch.isneginf(bias).all(dim=-2, keepdim=True)
         found = neg_inf if found is None else found | neg_inf
-    if found is None:
+    return None if found is None else _per_kv_head(found, req)
+
+
+def exact_hidden_keys(req: Request) -> Tensor | None:
+    """:func:`hidden_keys` exactly: the mask (and a dense bias's ``-inf``) evaluated over every row, a block of rows at a time.
+
+    :meth:`Mask.hidden_keys` names the keys one part of a mask hides, or its offset ranges
+    together; a key hidden only by parts together (a per-row dense mask and ``causal()``: the
+    only row that reaches key 0 is masked) is found here, in ``O(i·j)`` work and
+    ``O(b·h·j)`` memory. For an inference call whose output came out not finite (rare), and
+    for a differentiated one whose keys or values hold a nan or inf.
+    """
+    mask, bias = req.mask, req.bias if isinstance(req.bias, Tensor) and req.bias.dim() == 4 else None
+    if mask is None and bias is None:
         return None
+    i, j, device = req.i, req.j, req.k.device
+    step = max(1, EXACT_ELEMENTS // max(j, 1))
+    seen = None
+    for r0 in range(0, i, step):
+        t = Tile(r0, min(r0 + step, i), 0, j, i, j, device)
+        if mask is not None and mask.state(t) == "empty":
+            continue
+        allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device) if mask is None else _as4(mask.tile(t)).to(device)
+        if bias is not None:
+            rows = bias[..., t.i0 : t.i1, :] if bias.shape[-2] != 1 else bias
+            allowed = allowed & (rows.detach() != float("-inf"))
+        part = any_along(allowed.expand(*allowed.shape[:-1], j), -2, keepdim=True)  # (b|1, h|1, 1, j)
+        seen = part if seen is None else seen | part
+    if seen is None:  # every row block empty: every key hidden
+        return torch.ones(1, 1, j, 1, dtype=torch.bool, device=device)
+    hidden = ~seen
+    return _per_kv_head(hidden, req) if bool(hidden.any()) else None
+
+
+def _as4(x: Tensor) -> Tensor:
+    return x.reshape(*((1,) * (4 - x.dim())), *x.shape) if x.dim() < 4 else x
+
+
+def _per_kv_head(found: Tensor, req: Request) -> Tensor:
+    """``(b|1, h|1, 1, j)`` keys hidden from rows of query heads -> ``(b|1, g|1, j, 1)``: hidden from every head of a group."""
     found = found.to(req.k.device)  # a mask may live elsewhere (copied per tile by the engines)
     if found.shape[1] not in (1, req.kv_heads):  # (b, h, ...) query heads -> hidden from each head of a group
         found = found.unflatten(1, (req.kv_heads, -1)).all(dim=2)
@@ -73,26 +121,25 @@ def zeroed(req: Request, hidden: Tensor) -> Request:
 
 
 def guard(req: Request) -> Request:
-    """Before the engine: ``req``, or :func:`zeroed` when a hidden key or value is not finite (or values cannot be read)."""
-    hidden = hidden_keys(req)
-    if hidden is None:
+    """Before the engine: ``req``, or :func:`zeroed` when a hidden key or value is not finite (or values cannot be read).
+
+    On the CPU, eagerly: one sum over ``k`` and ``v`` (small beside a differentiated attention);
+    only when it is not finite are the hidden keys found, exactly (:func:`exact_hidden_keys`),
+    and zeroed. Traced or on an accelerator, where no value may be read on the host: the keys
+    :meth:`Mask.hidden_keys` names (one part's, or the offset ranges' together) are zeroed
+    unconditionally.
+    """
+    if req.mask is None and not isinstance(req.bias, Tensor):  # nothing can hide a key
         return req
     k, v = req.k, req.v
-    if concrete(k, v, hidden) and k.device.type == "cpu":
-        at = hidden.expand(k.shape[0], -1, -1, -1)[..., 0]  # (b, g|1, j)
-        if at.shape[1] == 1:  # the same keys hidden in every head (padding): index (b, j) only
-            rows = at[:, 0].nonzero(as_tuple=True)
-            k_at, v_at = k.transpose(1, 2)[rows], v.transpose(1, 2)[rows]  # (n, g, d): the hidden keys alone
-        else:
-            rows = at.nonzero(as_tuple=True)
-            k_at, v_at = k[rows], v[rows]
-        if rows[0].numel() == 0:
+    if concrete(k, v) and k.device.type == "cpu":
+        # a sum is nan or inf when one term is (or when it overflows: zeroing is then harmless)
+        if math.isfinite(float(k.detach().sum() + v.detach().sum())):  # (Tensor.isfinite costs ~40 µs on a 0-d tensor)
             return req
-        # A sum is NaN or inf when one term is (or when it overflows: zeroing is then harmless);
-        # one pass over the padding, no bool tensor, one read on the host.
-        if math.isfinite(float(k_at.detach().sum() + v_at.detach().sum())):  # (Tensor.isfinite costs ~40 µs on a 0-d tensor)
-            return req
-    return zeroed(req, hidden)
+        hidden = exact_hidden_keys(req)
+    else:
+        hidden = hidden_keys(req)
+    return req if hidden is None else zeroed(req, hidden)
 
 
 def needs_guard_first(req: Request) -> bool:
@@ -108,5 +155,5 @@ def after(req: Request, run: Callable[[Request], tuple], result: tuple) -> tuple
         return result
     if math.isfinite(float(result[0].detach().sum())):
         return result
-    hidden = hidden_keys(req)
+    hidden = exact_hidden_keys(req)
     return result if hidden is None else run(zeroed(req, hidden))

@@ -104,6 +104,10 @@ class Mask:
     def reset(self) -> None:
         """Forget what was computed for an earlier call (a program's cached tile): a call starts afresh."""
 
+    def offset_bounds(self) -> tuple[int | None, int | None] | None:
+        """``(lo, hi)`` when the mask keeps exactly the keys at offsets ``lo .. hi`` (None: unbounded); else None."""
+        return None
+
     def key_bounds(self, t: Tile) -> tuple[int, int] | None:
         """``(j0, j1)``: keys outside it are masked for every row of ``t``'s rows (its columns ignored); None if unknown.
 
@@ -241,13 +245,59 @@ class _Pair(Mask):
         return _combine(self.a.key_bounds(t), self.b.key_bounds(t), self.op)
 
     def hidden_keys(self, i_len: int, j_len: int) -> Tensor | None:
+        if self.op == "&":  # hidden by any part, and by the offset ranges together
+            return _hidden_by_all(_conjuncts(self), i_len, j_len)
         a, b = self.a.hidden_keys(i_len, j_len), self.b.hidden_keys(i_len, j_len)
-        if self.op == "&":  # hidden by either
-            return a if b is None else b if a is None else a | b
         return None if a is None or b is None else a & b  # hidden by both
 
     def __repr__(self) -> str:
         return f"({self.a!r} {self.op} {self.b!r})"
+
+
+def _conjuncts(mask: Mask) -> list[Mask]:
+    """The parts of ``a & b & ...`` (nested ``&`` flattened)."""
+    return _conjuncts(mask.a) + _conjuncts(mask.b) if isinstance(mask, And) else [mask]
+
+
+def _hidden_by_all(parts: list[Mask], i_len: int, j_len: int) -> Tensor | None:
+    """Keys masked for every row by ``parts[0] & parts[1] & ...``: by one of them, or by their offset ranges together.
+
+    Two ranges may each reach every key and still share none on any row (``window(0, 0) &
+    offsets(None, -1)``: the diagonal and strictly the past), so ranges are intersected first.
+    """
+    bounds = [p.offset_bounds() for p in parts]
+    ranges = [r for r in bounds if r is not None]
+    found = None
+    if len(ranges) > 1:
+        los = [lo for lo, _ in ranges if lo is not None]
+        his = [hi for _, hi in ranges if hi is not None]
+        found = keys_outside(max(los) if los else None, min(his) if his else None, i_len, j_len)
+        parts = [p for p, r in zip(parts, bounds) if r is None]
+    for part in parts:
+        hidden = part.hidden_keys(i_len, j_len)
+        if hidden is not None:
+            found = hidden if found is None else found | hidden
+    return found
+
+
+def keys_outside(lo: int | None, hi: int | None, i_len: int, j_len: int) -> Tensor | None:
+    """Bool ``(1, 1, 1, j)``: keys no row's offsets ``lo .. hi`` reach; None where the rows together see every key.
+
+    Rows ``0 .. i-1`` together see keys ``j - i + lo .. j - 1 + hi``; an empty range (``lo > hi``) none.
+    """
+    c = torch.arange(j_len)
+    if lo is not None and hi is not None and lo > hi:
+        return torch.ones(1, 1, 1, j_len, dtype=torch.bool)
+    first = None if lo is None else j_len - i_len + lo
+    last = None if hi is None else j_len - 1 + hi
+    if (first is None or first <= 0) and (last is None or last >= j_len - 1):
+        return None
+    hidden = torch.zeros(j_len, dtype=torch.bool)
+    if first is not None:
+        hidden |= c < first
+    if last is not None:
+        hidden |= c > last
+    return hidden.view(1, 1, 1, j_len)
 
 
 class And(_Pair):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Mask, State, Tile
+from .base import Mask, State, Tile, keys_outside
 
 
 class Offsets(Mask):
@@ -62,17 +62,10 @@ class Offsets(Mask):
         PyTorch's top-left ``is_causal`` with fewer queries than keys, ``offsets(None, i - j)``,
         hides the keys from ``i`` on.
         """
-        first = None if self.lo is None else j_len - i_len + self.lo
-        last = None if self.hi is None else j_len - 1 + self.hi
-        if (first is None or first <= 0) and (last is None or last >= j_len - 1):
-            return None
-        c = torch.arange(j_len)
-        hidden = torch.zeros(j_len, dtype=torch.bool)
-        if first is not None:
-            hidden |= c < first
-        if last is not None:
-            hidden |= c > last
-        return hidden.view(1, 1, 1, j_len)
+        return keys_outside(self.lo, self.hi, i_len, j_len)
+
+    def offset_bounds(self) -> tuple[int | None, int | None]:
+        return self.lo, self.hi
 
     def key_bounds(self, t: Tile) -> tuple[int, int] | None:
         # row r sees keys r + (j - i) + lo .. r + (j - i) + hi

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from ... import score_mods
+from ..._trace import concrete
 from ...masks import Mask, Tile
 from ...score_mods import SoftCap
 from ..request import Request, bias_needs_grad
@@ -224,10 +225,10 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
     fixed = None if cap is None else cap_range.fixed_base(cap, v, ops.forms, acc)
     fixed_low = NEG_INF if fixed is None else -cap - float(fixed)  # every capped logit minus B is at least this
 
-    def work(i0: int, scratch: tile_math.Scratch) -> None:
+    def block(i0: int, scratch: tile_math.Scratch, select: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``(m, l, rows)`` of the rows from ``i0``; ``select``: masked logits set to -inf before anything reads them."""
         tiles = rows_of[i0]
-        i1 = tiles[0][0].i1
-        it = i1 - i0
+        it = tiles[0][0].i1 - i0
         m = torch.full((b, h, it, 1), NEG_INF, dtype=acc, device=q.device)
         l = torch.zeros(b, h, it, 1, dtype=acc, device=q.device)
         rows = torch.zeros(b, h, it, e, dtype=acc, device=q.device)
@@ -235,6 +236,8 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
         for t, state in tiles:
             s = _logits(plan, ops, q_t, _cols(k, t, mm), t, scratch)
             hide = _hide(plan, t, state, acc)
+            if select and hide is not None and plan.score_mod is None:  # (a score_mod's output: selected below)
+                s = s.masked_fill_(hide == NEG_INF, NEG_INF)
             tmp = scratch.take("tmp", s.shape, acc)
             if fixed is not None:  # no running maximum: the capped logits' range is known
                 a = tile_math.capped_(s, fixed, cap, tmp, ops.forms, ops.clamp)  # c·tanh(z/stretch) - B
@@ -254,6 +257,8 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
             else:
                 if plan.score_mod is not None:
                     s = score_mods.apply(plan.score_mod, s, t)
+                    if select and hide is not None:  # what the modifier returned may not be ours to write
+                        s = s.masked_fill(hide == NEG_INF, NEG_INF)
                 if hide is not None:  # out of place: what the modifier returned may not be ours to write
                     s = s + hide
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
@@ -268,9 +273,18 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
             l += p.sum(-1, keepdim=True)
             pv = scratch.take("pv", (b * g, (h // g) * it, e), acc)
             rows += tile_math.mm(p.view(b * g, -1, t.j1 - t.j0).to(mm), _cols(v, t, mm), pv).view(b, h, it, e)
-        if fixed is not None:
-            m = fixed
-        live = l > 0
+        return (fixed if fixed is not None else m), l, rows
+
+    def work(i0: int, scratch: tile_math.Scratch) -> None:
+        m, l, rows = block(i0, scratch, select=False)
+        # The mask is added to the logits (a tenth of the cost of selecting by it), so a nan or inf logit at a
+        # masked key (a hidden key holding one, or what a score_mod made of it) reaches its row's sum: those
+        # rows' block runs again with the masked logits selected away first (a nan at a seen key stays).
+        # Traced or on meta tensors no value is read: such calls had their hidden keys zeroed first.
+        if concrete(l) and bool(torch.isnan(l).any()):
+            m, l, rows = block(i0, scratch, select=True)
+        i1 = i0 + l.shape[-2]
+        live = l != 0  # a dead row has no key (l = 0); a nan row (a nan at a key it sees) stays nan
         l = torch.where(live, l, 1.0)  # no division by 0 on dead rows (l may be far below 1 with a fixed base)
         out[:, :, i0:i1] = torch.where(live, rows / l, 0.0)
         lse[:, :, i0:i1] = torch.where(live, m + torch.log(l), NEG_INF).squeeze(-1)

@@ -162,7 +162,7 @@ def tiled_forward(plan: Plan, qp: Tensor, kp: Tensor, v: Tensor, dense: Tensor |
 
     def finish():
         rows = slice(current.i0, current.i1)
-        live = l > 0
+        live = l != 0  # a nan row (a masked key's nan logit) stays nan, for hidden_keys.after to see
         out[..., rows, :] = torch.where(live, acc / l.clamp(min=1e-30), 0.0)
         lse[..., rows] = torch.where(live, m + torch.log(l.clamp(min=1e-30)), NEG_INF).squeeze(-1)
 
