@@ -16,6 +16,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import qkv
 from qkv.integrations import packaged
@@ -592,3 +594,42 @@ def test_weights_for_on_a_long_input_never_builds_a_layer_of_weights():
     layer_of_weights = 6 * i * i * 4  # h x i x j float32: 54 MiB
     assert largest.nbytes < layer_of_weights / 16, (largest.nbytes, layer_of_weights)
     assert [tuple(w.shape) for w in out.attentions] == [(1, 6, 3, i)] * 2
+
+
+@st.composite
+def padded_batches(draw):
+    """A decoder family, a batch of 1-3 rows of 1-10 positions, each row's mask left- or right-padded or with holes."""
+    family = draw(st.sampled_from(["llama", "gemma2", "gpt_oss", "deepseek_v2"]))
+    b, n = draw(st.integers(1, 3)), draw(st.integers(1, 10))
+    rows = []
+    for _ in range(b):
+        real = draw(st.integers(1, n))
+        kind = draw(st.sampled_from(["left", "right", "holes"]))
+        if kind == "left":
+            rows.append([0] * (n - real) + [1] * real)
+        elif kind == "right":
+            rows.append([1] * real + [0] * (n - real))
+        else:  # any pattern with at least one real token
+            row = [draw(st.integers(0, 1)) for _ in range(n)]
+            row[draw(st.integers(0, n - 1))] = 1
+            rows.append(row)
+    return family, torch.tensor(rows), draw(st.integers(0, 2**16))
+
+
+@needs_transformers
+@settings(max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=padded_batches())
+def test_random_padded_batches_give_eager_logits(call):
+    """Any padding pattern transformers accepts, on every family qkv serves: the logits of the real positions."""
+    from transformers import AutoModelForCausalLM
+
+    family, padding, seed = call
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager").eval()
+    ids = torch.randint(3, 64, padding.shape, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=padding).logits
+        model.set_attn_implementation("qkv")
+        got = model(input_ids=ids, attention_mask=padding).logits
+    real = padding.bool()
+    torch.testing.assert_close(got[real], eager[real], atol=1e-4, rtol=0)
