@@ -256,3 +256,20 @@ def test_keys_hidden_only_by_the_parts_together_never_reach_an_output(case, mod)
         out.square().sum().backward()
         for label, grad in (("q", q1.grad), ("k", k1.grad), ("v", v1.grad)):
             assert torch.isfinite(grad).all(), f"{case}, backend {name}: non-finite gradient of {label}"
+
+
+def test_padding_and_offset_ranges_name_their_hidden_keys_exactly():
+    """A differentiated call reads the named hidden keys alone where the names are exact, else sums k and v."""
+    q = torch.zeros(B, H, N, D)
+
+    def named(mask):
+        req = checks.request(q, q[:, :G], q[:, :G], score="scaled_dot", mask=mask, bias=None, causal=False,
+                             scale=None, dropout=0.0, return_weights=False)  # fmt: skip
+        return hidden_keys.named_exactly(req)
+
+    assert named(qkv.masks.lengths(LENGTHS) & qkv.masks.causal())
+    assert named(qkv.masks.starts(STARTS) & qkv.masks.window(3) & qkv.masks.offsets(None, -1))
+    assert named(qkv.masks.as_mask(_keep("right")[:, None, None, :]) & qkv.masks.causal())
+    assert not named(qkv.masks.as_mask(torch.ones(1, 1, N, 1, dtype=torch.bool)) & qkv.masks.causal())
+    ids = torch.zeros(1, N, dtype=torch.long)
+    assert not named(qkv.masks.documents(ids, ids) & qkv.masks.causal())

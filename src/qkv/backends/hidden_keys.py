@@ -19,8 +19,9 @@ mask and ``causal()``). Then, by what the call is:
   tensors) or **on an accelerator**: :func:`guard`, before any engine. A traced call, or
   one on a GPU (where reading a value on the host would stall the stream), zeroes the keys
   :func:`hidden_keys` names in copies of ``k`` and ``v`` unconditionally (the same result,
-  branch-free); an eager CPU one sums ``k`` and ``v`` (small beside a differentiated
-  attention) and, only when that is not finite, zeroes the exact hidden keys;
+  branch-free); an eager CPU one reads the hidden keys alone where those names are exact
+  (padding, offset ranges), else sums ``k`` and ``v`` (small beside a differentiated
+  attention), and zeroes the exact hidden keys only when what it read is not finite;
 * **inference** (no gradient): :func:`after`, once the engine ran. A non-finite hidden
   value or key shows in the output (``0 · NaN`` in ``weights @ v``; an engine that adds
   the mask to the logits keeps a NaN logit's row NaN, ``qkv.backends.engines.mod_tiles``
@@ -50,7 +51,7 @@ from torch import Tensor
 
 from .._bools import any_along
 from .._trace import concrete
-from ..masks.base import Tile
+from ..masks.base import Tile, conjuncts
 from .request import Request
 
 #: Mask elements each step of :func:`exact_hidden_keys` evaluates (rows at a time, every key).
@@ -123,23 +124,58 @@ def zeroed(req: Request, hidden: Tensor) -> Request:
 def guard(req: Request) -> Request:
     """Before the engine: ``req``, or :func:`zeroed` when a hidden key or value is not finite (or values cannot be read).
 
-    On the CPU, eagerly: one sum over ``k`` and ``v`` (small beside a differentiated attention);
-    only when it is not finite are the hidden keys found, exactly (:func:`exact_hidden_keys`),
-    and zeroed. Traced or on an accelerator, where no value may be read on the host: the keys
-    :meth:`Mask.hidden_keys` names (one part's, or the offset ranges' together) are zeroed
-    unconditionally.
+    On the CPU, eagerly: where :func:`hidden_keys` names every hidden key (:func:`named_exactly`:
+    padding and offset ranges), one gather and sum of those keys alone; otherwise one sum over
+    ``k`` and ``v`` (small beside a differentiated attention) and, only when it is not finite,
+    the exact hidden keys (:func:`exact_hidden_keys`). Traced or on an accelerator, where no
+    value may be read on the host: the keys :meth:`Mask.hidden_keys` names (one part's, or the
+    offset ranges' together) are zeroed unconditionally.
     """
     if req.mask is None and not isinstance(req.bias, Tensor):  # nothing can hide a key
         return req
     k, v = req.k, req.v
-    if concrete(k, v) and k.device.type == "cpu":
-        # a sum is nan or inf when one term is (or when it overflows: zeroing is then harmless)
-        if math.isfinite(float(k.detach().sum() + v.detach().sum())):  # (Tensor.isfinite costs ~40 µs on a 0-d tensor)
-            return req
-        hidden = exact_hidden_keys(req)
-    else:
+    if not (concrete(k, v) and k.device.type == "cpu"):
         hidden = hidden_keys(req)
+        return req if hidden is None else zeroed(req, hidden)
+    if named_exactly(req):  # padding and offset ranges: read the hidden keys alone
+        hidden = hidden_keys(req)
+        if hidden is None or _finite(*_gather(k, v, hidden)):
+            return req
+        return zeroed(req, hidden)
+    if _finite(k, v):
+        return req
+    hidden = exact_hidden_keys(req)
     return req if hidden is None else zeroed(req, hidden)
+
+
+def named_exactly(req: Request) -> bool:
+    """Whether :func:`hidden_keys` names every hidden key: each part of the mask's ``&`` keeps the same keys for
+    every row (padding) or is an offset range, and a dense bias (if any) is one row for all.
+
+    A key is then hidden exactly when one padding part hides it or the offset ranges together
+    reach it from no row; otherwise parts may hide a key only together (a per-row mask and
+    ``causal()``), which only :func:`exact_hidden_keys` finds.
+    """
+    bias = req.bias
+    if isinstance(bias, Tensor) and bias.dim() >= 2 and bias.shape[-2] != 1:
+        return False
+    return req.mask is None or all(p.offset_bounds() is not None or p.same_for_every_row() for p in conjuncts(req.mask))
+
+
+def _gather(k: Tensor, v: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """The hidden keys and values alone: ``(n, ·)`` rows gathered by ``hidden (b|1, g|1, j, 1)``."""
+    at = hidden.expand(k.shape[0], -1, -1, -1)[..., 0]  # (b, g|1, j)
+    if at.shape[1] == 1:  # the same keys hidden in every head (padding): index (b, j) only
+        rows = at[:, 0].nonzero(as_tuple=True)
+        return k.transpose(1, 2)[rows], v.transpose(1, 2)[rows]  # (n, g, d)
+    rows = at.nonzero(as_tuple=True)
+    return k[rows], v[rows]
+
+
+def _finite(*xs: Tensor) -> bool:
+    """Whether every value is finite: one sum, read once on the host (a sum is nan or inf when a term is,
+    or when it overflows, where zeroing is harmless). ``Tensor.isfinite`` costs ~40 µs on a 0-d tensor."""
+    return math.isfinite(float(sum(x.detach().sum() for x in xs)))
 
 
 def needs_guard_first(req: Request) -> bool:

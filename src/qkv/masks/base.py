@@ -108,6 +108,10 @@ class Mask:
         """``(lo, hi)`` when the mask keeps exactly the keys at offsets ``lo .. hi`` (None: unbounded); else None."""
         return None
 
+    def same_for_every_row(self) -> bool:
+        """True when every query row keeps the same keys (key padding): its hidden keys are its masked keys."""
+        return False
+
     def key_bounds(self, t: Tile) -> tuple[int, int] | None:
         """``(j0, j1)``: keys outside it are masked for every row of ``t``'s rows (its columns ignored); None if unknown.
 
@@ -201,6 +205,9 @@ class Dense(Mask):
     def batch_shape(self) -> tuple[int, ...]:
         return tuple(self.mask.shape[:-2])
 
+    def same_for_every_row(self) -> bool:
+        return self.mask.dim() < 2 or self.mask.shape[-2] == 1
+
     def tensors(self) -> list[tuple[str, Tensor]]:
         return [("a tensor", self.mask)]
 
@@ -246,7 +253,7 @@ class _Pair(Mask):
 
     def hidden_keys(self, i_len: int, j_len: int) -> Tensor | None:
         if self.op == "&":  # hidden by any part, and by the offset ranges together
-            return _hidden_by_all(_conjuncts(self), i_len, j_len)
+            return _hidden_by_all(conjuncts(self), i_len, j_len)
         a, b = self.a.hidden_keys(i_len, j_len), self.b.hidden_keys(i_len, j_len)
         return None if a is None or b is None else a & b  # hidden by both
 
@@ -254,9 +261,9 @@ class _Pair(Mask):
         return f"({self.a!r} {self.op} {self.b!r})"
 
 
-def _conjuncts(mask: Mask) -> list[Mask]:
+def conjuncts(mask: Mask) -> list[Mask]:
     """The parts of ``a & b & ...`` (nested ``&`` flattened)."""
-    return _conjuncts(mask.a) + _conjuncts(mask.b) if isinstance(mask, And) else [mask]
+    return conjuncts(mask.a) + conjuncts(mask.b) if isinstance(mask, And) else [mask]
 
 
 def _hidden_by_all(parts: list[Mask], i_len: int, j_len: int) -> Tensor | None:
@@ -351,6 +358,9 @@ class _MergedLead(Mask):
     def hidden_keys(self, i_len: int, j_len: int) -> Tensor | None:
         hidden = self.mask.hidden_keys(i_len, j_len)
         return None if hidden is None else merge_lead(hidden, self.lead)
+
+    def same_for_every_row(self) -> bool:
+        return self.mask.same_for_every_row()
 
     def batch_shape(self) -> tuple[int, ...]:
         *own, heads = self.mask.batch_shape()

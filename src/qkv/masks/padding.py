@@ -54,6 +54,9 @@ class Lengths(Mask):
         lengths = self.key_lengths.to(t.device)
         return (t.cols[None, :] < lengths[:, None])[:, None, None, :]  # (b, 1, 1, jt)
 
+    def same_for_every_row(self) -> bool:
+        return True
+
     def state(self, t: Tile) -> State:
         if self._longest < self._shortest:  # values unread (tracing, meta): keep every tile
             return "partial"
@@ -113,6 +116,9 @@ class Starts(Mask):
     def tile(self, t: Tile) -> Tensor:
         starts = self.key_starts.to(t.device)
         return (t.cols[None, :] >= starts[:, None])[:, None, None, :]  # (b, 1, 1, jt)
+
+    def same_for_every_row(self) -> bool:
+        return True
 
     def state(self, t: Tile) -> State:
         if self._last < self._first:  # values unread (tracing, meta): keep every tile
