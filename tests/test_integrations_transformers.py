@@ -633,3 +633,30 @@ def test_random_padded_batches_give_eager_logits(call):
         got = model(input_ids=ids, attention_mask=padding).logits
     real = padding.bool()
     torch.testing.assert_close(got[real], eager[real], atol=1e-4, rtol=0)
+
+
+@needs_transformers
+@settings(max_examples=12, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=padded_batches())
+def test_random_padded_batches_decode_like_eager(call):
+    """Greedy decoding steps over the same padding (each step a one-token call with the padded cache):
+    every step's logits as eager's, up to the first step where a near-tie could pick another token. The
+    prompt's last position is made real, as generate expects (a padding position's logits mean nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    family, padding, seed = call
+    padding = padding.clone()
+    padding[:, -1] = 1
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager").eval()
+    ids = torch.randint(3, 64, padding.shape, generator=torch.Generator().manual_seed(seed))
+    settings_ = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        eager = model.generate(input_ids=ids, attention_mask=padding, **settings_)
+        model.set_attn_implementation("qkv")
+        got = model.generate(input_ids=ids, attention_mask=padding, **settings_)
+    n = padding.shape[1]
+    for step, (a, w) in enumerate(zip(got.logits, eager.logits)):
+        torch.testing.assert_close(a, w, atol=1e-4, rtol=0, msg=lambda m: f"step {step}: {m}")
+        if not torch.equal(got.sequences[:, n + step], eager.sequences[:, n + step]):
+            break  # the same logits chose differently (a tie): later steps read different tokens
