@@ -6,6 +6,8 @@ Shape legend: ``b`` batch, ``i`` length, ``h`` heads, ``V`` vocabulary size.
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from qkv.cache import DecoderCache
 from qkv.models import CausalLM, LMConfig, sample_next
@@ -152,3 +154,34 @@ def test_generated_ids_are_ordinary_tensors_usable_in_training():
     lm.train()
     lm.loss(ids).backward()
     assert lm.embed.embedding.weight.grad is not None
+
+
+@st.composite
+def lm_runs(draw):
+    """A random language model and a random split of its input into cache chunks (prefill pieces and single steps)."""
+    attention = draw(st.sampled_from(["multi_head", "multi_head", "latent"]))
+    positional = draw(st.sampled_from(["none", "learned", "sinusoidal"] if attention == "latent"
+                                      else ["none", "learned", "sinusoidal", "rotary", "alibi", "relative"]))  # fmt: skip
+    heads = draw(st.sampled_from([1, 2, 4]))
+    kv_heads = None if attention == "latent" else draw(st.sampled_from(sorted({1, heads})))
+    n = draw(st.integers(1, 12))
+    cuts = sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=4)))) if n > 1 else []
+    config = dict(positional=positional, heads=heads, kv_heads=kv_heads, attention=attention, norm_first=draw(st.booleans()),
+                  activation=draw(st.sampled_from(["gelu", "swiglu"])), layers=draw(st.integers(1, 2)))  # fmt: skip
+    return config, draw(st.integers(1, 3)), n, cuts, draw(st.sampled_from([None, 12])), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(run=lm_runs())
+def test_random_models_decode_in_random_chunks_like_the_full_pass(run):
+    """Every positional scheme, grouped or latent attention, pre- or post-norm: the cache fed in chunks of any size."""
+    config, b, n, cuts, max_len, seed = run
+    torch.manual_seed(seed)
+    lm = CausalLM(LMConfig(vocab=V, dim=16, max_len=16, **config)).double().eval()
+    ids = torch.randint(0, V, (b, n), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        full = lm(ids)
+        cache = lm.new_cache(max_len)
+        bounds = [0, *cuts, n]
+        steps = [lm(ids[:, a:z], cache=cache) for a, z in zip(bounds, bounds[1:])]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
