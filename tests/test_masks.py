@@ -7,8 +7,11 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from reference import band, bottom_right_causal
 
+import qkv
 from qkv import masks
 from qkv.masks import Dense, Tile
 
@@ -230,3 +233,59 @@ def test_offsets_rows_with_no_key_give_zeros_on_every_backend():
 def test_offsets_errors(lo, hi, error, message):
     with pytest.raises(error, match=message):
         masks.offsets(lo, hi)
+
+
+@st.composite
+def mask_trees(draw, i: int, j: int, depth: int = 2):
+    """A random mask of every lazy kind (and dense ones), combined with & and |, for (2, 1, i, j) calls."""
+    if depth == 0 or draw(st.booleans()):
+        kind = draw(st.sampled_from(["causal", "window", "offsets", "lengths", "starts", "documents", "dense", "rows"]))
+        if kind == "causal":
+            return qkv.masks.causal()
+        if kind == "window":
+            return qkv.masks.window(draw(st.integers(0, 4)), draw(st.integers(0, 3)))
+        if kind == "offsets":
+            lo = draw(st.one_of(st.none(), st.integers(-6, 3)))
+            hi = draw(st.one_of(st.none(), st.integers(-3, 6)))
+            return qkv.masks.offsets(*sorted((lo, hi))) if lo is not None and hi is not None else qkv.masks.offsets(lo, hi)
+        if kind in ("lengths", "starts"):
+            n = torch.tensor([draw(st.integers(0, j)) for _ in range(2)])
+            return qkv.masks.lengths(n) if kind == "lengths" else qkv.masks.starts(n)
+        if kind == "documents":
+            ids = lambda n: torch.tensor([sorted(draw(st.integers(0, 2)) for _ in range(n)) for _ in range(2)])  # noqa: E731
+            return qkv.masks.documents(ids(i), ids(j))
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+        shape = (2, 1, i, j) if kind == "dense" else (2, 1, i, 1)  # per element, or per row alike for every key
+        return qkv.masks.as_mask(torch.rand(shape, generator=gen) < draw(st.sampled_from([0.2, 0.7])))
+    a, b = draw(mask_trees(i, j, depth - 1)), draw(mask_trees(i, j, depth - 1))
+    return a & b if draw(st.booleans()) else a | b
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_what_engines_skip_on_is_what_the_mask_holds(data):
+    """The promises the engines skip work on, against the whole mask: an "empty" tile holds nothing, a "full" one
+    everything; no row of a tile sees a key outside its key_bounds; hidden_keys names only keys no row sees."""
+    i, j = data.draw(st.integers(1, 10)), data.draw(st.integers(1, 10))
+    mask = data.draw(mask_trees(i, j))
+    whole = mask.tile(Tile.whole(i, j)).expand(2, 1, i, j)
+    seen = whole.any(-2, keepdim=True)  # (2, 1, 1, j)
+    hidden = mask.hidden_keys(i, j)
+    if hidden is not None:
+        assert not (hidden.expand(2, 1, 1, j) & seen).any(), mask
+    for _ in range(4):
+        i0 = data.draw(st.integers(0, i - 1))
+        i1 = data.draw(st.integers(i0 + 1, i))
+        j0 = data.draw(st.integers(0, j - 1))
+        j1 = data.draw(st.integers(j0 + 1, j))
+        t = Tile(i0, i1, j0, j1, i, j)
+        part = whole[..., i0:i1, j0:j1]
+        assert torch.equal(mask.tile(t).expand_as(part), part), mask
+        state = mask.state(t)
+        assert state != "empty" or not part.any(), (mask, t)
+        assert state != "full" or part.all(), (mask, t)
+        bounds = mask.key_bounds(t)
+        if bounds is not None:
+            outside = torch.ones(j, dtype=torch.bool)
+            outside[max(bounds[0], 0) : max(bounds[1], 0)] = False
+            assert not (whole[..., i0:i1, :] & outside).any(), (mask, t, bounds)
