@@ -63,6 +63,21 @@ def _engines(mask, bias) -> list[str]:
     return names
 
 
+def _never_reached(q, bad, expected, names, label: str, kwargs) -> None:
+    """On each backend of ``names``, with ``bad = (k, v)`` holding nan or inf where no row looks: an inference and a
+    differentiated call equal ``expected``, and every gradient is finite. ``kwargs()`` gives each call its options."""
+    for name in names:
+        with torch.no_grad():  # inference: the output is checked after the engine ran
+            out = qkv.attention(q, *bad, backend=name, **kwargs())
+        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{label}, backend {name}, no_grad")
+        q1, k1, v1 = (x.clone().requires_grad_() for x in (q, *bad))  # recording gradients: the keys are read before
+        out = qkv.attention(q1, k1, v1, backend=name, **kwargs())
+        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{label}, backend {name}")
+        out.square().sum().backward()
+        for which, grad in (("q", q1.grad), ("k", k1.grad), ("v", v1.grad)):
+            assert torch.isfinite(grad).all(), f"{label}, backend {name}: non-finite gradient of {which}"
+
+
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), 3e38], ids=["nan", "inf", "huge"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_padding_holding_nan_or_inf_never_reaches_an_output_or_a_gradient(case, poison):
@@ -71,17 +86,7 @@ def test_padding_holding_nan_or_inf_never_reaches_an_output_or_a_gradient(case, 
     q, bad, clean = _inputs(poison, side)
     expected = qkv.attention(q, *clean, mask=mask, bias=bias, backend="reference")
     assert torch.isfinite(expected).all()
-    for name in _engines(mask, bias):
-        with torch.no_grad():  # inference: the output is checked after the engine ran
-            out = qkv.attention(q, *bad, mask=make_mask(), bias=bias, backend=name)
-        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{case}, backend {name}, no_grad")
-        q1 = q.clone().requires_grad_()  # recording gradients: the hidden keys are read before
-        k1, v1 = (x.clone().requires_grad_() for x in bad)
-        out = qkv.attention(q1, k1, v1, mask=make_mask(), bias=bias, backend=name)
-        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{case}, backend {name}")
-        out.square().sum().backward()
-        for label, grad in (("q", q1.grad), ("k", k1.grad), ("v", v1.grad)):
-            assert torch.isfinite(grad).all(), f"{case}, backend {name}: non-finite gradient of {label}"
+    _never_reached(q, bad, expected, _engines(mask, bias), case, lambda: dict(mask=make_mask(), bias=bias))
 
 
 def test_padding_through_the_sdpa_dialect_and_return_lse_and_weights():
@@ -194,14 +199,7 @@ def test_keys_outside_every_rows_offsets_never_reach_an_output(case):
     req = checks.request(q, k, v, score="scaled_dot", mask=mask, bias=None, causal=False, scale=None, dropout=0.0,
                          return_weights=False)  # fmt: skip
     names = ["auto", *(name for name, impl in backends.REGISTRY.items() if impl.supports(req) is None)]
-    for name in names:
-        with torch.no_grad():
-            out = qkv.attention(q, bad_k, bad_v, mask=mask, backend=name)
-        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{case}, backend {name}, no_grad")
-        q1, k1, v1 = (x.clone().requires_grad_() for x in (q, bad_k, bad_v))
-        qkv.attention(q1, k1, v1, mask=mask, backend=name).square().sum().backward()
-        for label, grad in (("q", q1.grad), ("k", k1.grad), ("v", v1.grad)):
-            assert torch.isfinite(grad).all(), f"{case}, backend {name}: non-finite gradient of {label}"
+    _never_reached(q, (bad_k, bad_v), expected, names, case, lambda: dict(mask=mask))
 
 
 def _cross_documents():
@@ -246,16 +244,7 @@ def test_keys_hidden_only_by_the_parts_together_never_reach_an_output(case, mod)
     req = checks.request(q, k, v, score="scaled_dot", mask=make(), bias=None, causal=False, scale=None, dropout=0.0,
                          return_weights=False, score_mod=score_mod)  # fmt: skip
     names = ["auto", *(name for name, impl in backends.REGISTRY.items() if impl.supports(req) is None)]
-    for name in names:
-        with torch.no_grad():
-            out = qkv.attention(q, bad_k, bad_v, mask=make(), score_mod=score_mod, backend=name)
-        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{case}, backend {name}, no_grad")
-        q1, k1, v1 = (x.clone().requires_grad_() for x in (q, bad_k, bad_v))
-        out = qkv.attention(q1, k1, v1, mask=make(), score_mod=score_mod, backend=name)
-        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10, msg=f"{case}, backend {name}")
-        out.square().sum().backward()
-        for label, grad in (("q", q1.grad), ("k", k1.grad), ("v", v1.grad)):
-            assert torch.isfinite(grad).all(), f"{case}, backend {name}: non-finite gradient of {label}"
+    _never_reached(q, (bad_k, bad_v), expected, names, case, lambda: dict(mask=make(), score_mod=score_mod))
 
 
 def test_padding_and_offset_ranges_name_their_hidden_keys_exactly():
