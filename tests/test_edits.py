@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from reference import bottom_right_causal, literal_attention, random_qkv
 
 import qkv
@@ -259,3 +261,69 @@ def test_multi_head_attention_takes_edits_on_its_mechanism():
         mha.out_proj.weight.copy_(plain_weight)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(mha(x, causal=True), want)
+
+
+# ---------------------------------------------------------------- random compositions
+
+
+@st.composite
+def edit_lists(draw):
+    """1-4 edits of every kind in any order, on calls with or without causal, grouped heads, float64."""
+    heads_of = lambda: sorted(set(draw(st.lists(st.integers(0, H - 1), min_size=1, max_size=3))))  # noqa: E731
+    kinds = draw(st.lists(st.sampled_from(["ablate", "mean", "knockout", "scale", "patch"]), min_size=1, max_size=4))
+    specs = []
+    for kind in kinds:
+        if kind in ("ablate", "mean", "scale"):
+            specs.append((kind, heads_of()))
+        elif kind == "knockout":
+            specs.append((kind, draw(st.integers(0, 2**16))))
+        else:
+            specs.append((kind, heads_of(), sorted(set(draw(st.lists(st.integers(0, I - 1), min_size=1, max_size=3))))))
+    return specs, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+def _oracle(q, k, v, specs, causal, gen):
+    """The definitions, in float64: logits tempered and masked, a softmax, then each output edit in list order."""
+    r = H // G
+    kr, vr = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    logits = q @ kr.transpose(-1, -2) / math.sqrt(D)
+    allowed = torch.ones(B, H, I, J, dtype=torch.bool)
+    if causal:
+        allowed &= bottom_right_causal(I, J)
+    edits = []
+    for spec in specs:
+        if spec[0] == "knockout":
+            edges = torch.rand(B, H, I, J, generator=torch.Generator().manual_seed(spec[1])) < 0.4
+            allowed &= ~edges
+            edits.append(Knockout(edges))
+        elif spec[0] == "scale":
+            scale = torch.ones(H, dtype=torch.float64)
+            scale[spec[1]] = torch.rand(len(spec[1]), generator=gen, dtype=torch.float64) * 3
+            logits = logits * scale[:, None, None]
+            edits.append(ScaleHeads(scale))
+        elif spec[0] in ("ablate", "mean"):
+            edits.append(AblateHeads(spec[1], how="zero" if spec[0] == "ablate" else "mean"))
+        else:
+            pattern = torch.rand(B, len(spec[1]), len(spec[2]), J, generator=gen, dtype=torch.float64)
+            edits.append(PatchPattern(spec[1], spec[2], pattern / pattern.sum(-1, keepdim=True)))
+    live = allowed.any(-1, keepdim=True)
+    w = torch.where(allowed, logits, -math.inf).masked_fill(~live, 0.0).softmax(-1) * live
+    z = w @ vr
+    for spec, edit in zip(specs, edits):  # the output edits, in list order
+        if spec[0] == "ablate":
+            z[:, spec[1]] = 0.0
+        elif spec[0] == "mean":
+            z[:, spec[1]] = z[:, spec[1]].mean((0, 2), keepdim=True).expand_as(z[:, spec[1]])
+        elif spec[0] == "patch":
+            for a, n in enumerate(spec[1]):
+                z[:, n, spec[2]] = edit.pattern[:, a] @ vr[:, n]
+    return z, edits
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=edit_lists())
+def test_random_compositions_of_edits_equal_their_definitions(case):
+    specs, causal, seed = case
+    q, k, v = _inputs(seed)
+    want, edits = _oracle(q, k, v, specs, causal, torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(qkv.edits.attention(q, k, v, edits, causal=causal), want, **TOL)
