@@ -10,8 +10,9 @@ general, additive, location); a mask built from every lazy kind (causal, window,
 lengths, starts, documents) and dense tensors, combined with ``&`` and ``|``, plus ``causal=True``; a dense
 bias (sometimes learned) or a lazy one (ALiBi, T5 buckets); a scale; attention sinks and a
 ``score_mod`` (soft-capping, a learned per-head relative slope read from a closure, one that
-reads the batch index); ``return_weights`` and ``weights_for``; float64 or float32; and the backends' tile, block and chunk sizes,
-patched small for the call so that a 9-position sequence crosses every edge. Every backend
+reads the batch index); ``return_weights``, ``weights_for`` and ``return_lse``; float64 or float32; nan keys
+and inf values at the keys no query may see (forward calls); and the backends' tile, block and chunk sizes
+(and the padded split's thresholds), patched small for the call so that a 9-position sequence crosses every edge. Every backend
 that ``qkv.backends.choose`` accepts for the call, and ``"auto"``, must agree with
 :func:`oracle`, which computes the definition in float64 with plain tensor ops (its own
 score formulas, ALiBi slopes and T5 buckets, bottom-right offsets and masks): outputs,
@@ -108,6 +109,7 @@ class Case:
     blocks: dict = field(default_factory=dict)  # patched sizes of the backends
     seed: int = 0
     poison: bool = False  # nan keys and inf values where no query of their KV head may look (forward calls)
+    return_lse: bool = False  # the log-sum-exp too (forward calls)
 
     @property
     def h(self) -> int:
@@ -223,7 +225,7 @@ def cases(draw, *, grad: bool = False) -> Case:
         hidden=draw(st.integers(1, 4)), mask=mask, causal=draw(st.booleans()), bias=bias,
         scale=draw(st.one_of(st.none(), st.sampled_from([0.3, 1.0, 1.7]))), return_weights=return_weights,
         weights_for=weights_for, sinks=sinks, score_mod=score_mod, blocks=blocks, seed=draw(st.integers(0, 2**16)),
-        poison=not grad and draw(st.booleans()),
+        poison=not grad and draw(st.booleans()), return_lse=not grad and draw(st.booleans()),
     )  # fmt: skip
 
 
@@ -346,6 +348,8 @@ class Built:
                   return_weights=c.return_weights, sinks=self.sinks, score_mod=self.score_mod)  # fmt: skip
         if self.weights_for is not None:
             kw["weights_for"] = self.weights_for
+        if c.return_lse:
+            kw["return_lse"] = True
         return kw
 
     def runnable(self) -> list[str]:
@@ -353,7 +357,7 @@ class Built:
         req = checks.request(
             self.q, self.k, self.v, score=self.score, mask=self.mask, bias=self.bias, causal=self.case.causal,
             scale=self.case.scale, dropout=0.0, return_weights=self.case.return_weights, sinks=self.sinks,
-            score_mod=self.score_mod,
+            score_mod=self.score_mod, return_lse=self.case.return_lse,
         )  # fmt: skip
         names = []
         for name in BACKENDS:
@@ -444,14 +448,18 @@ def oracle(built: Built, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
         sink = (sink[:, None, None] if c.rank > 2 else sink).expand(*s.shape[:-1], 1)
         if allowed is not None:
             s = s.masked_fill(~allowed.expand(s.shape), -math.inf)  # a dead row keeps its sink
+        built.want_lse = torch.cat([s, sink], -1).logsumexp(-1).detach()
         return_w = torch.cat([s, sink], -1).softmax(-1)[..., :-1]
         return return_w @ v, return_w
     if allowed is None:
+        built.want_lse = s.logsumexp(-1).detach()
         w = s.softmax(-1)
     else:
         allowed = allowed.expand(s.shape)
         live = allowed.any(-1, keepdim=True)
-        s = s.masked_fill(~allowed, -math.inf).masked_fill(~live, 0.0)
+        s = s.masked_fill(~allowed, -math.inf)
+        built.want_lse = s.logsumexp(-1).detach()  # -inf on a row that sees nothing
+        s = s.masked_fill(~live, 0.0)
         w = s.softmax(-1) * live  # a row that sees nothing: zero weights, zero output
     return w @ v, w
 
@@ -596,15 +604,19 @@ def _forward_property(case: Case) -> None:
                     assert taken.line() == said, (said, case)
                     CALLS["explained"] += 1
                 taken.path = []
-                out, w = result if case.return_weights else (result, None)
+                result = list(result) if isinstance(result, tuple) else [result]
+                lse = result.pop() if case.return_lse else None
+                out, w = result if case.return_weights else (result[0], None)
                 assert out.dtype == case.dtype and out.shape == want_out.shape, name
+                if lse is not None:  # natural log, -inf where a row sees nothing (and has no sink)
+                    torch.testing.assert_close(lse.double(), built.want_lse, **tolerance(case.dtype), msg=lambda m: f"{name} lse: {m}")
                 torch.testing.assert_close(out.double(), want_out, **tolerance(case.dtype), msg=lambda m: f"{name} out: {m}")
                 if w is not None:
                     assert w.dtype == case.dtype, name
                     torch.testing.assert_close(w.double(), want_w, **tolerance(case.dtype), msg=lambda m: f"{name} weights: {m}")
             # the weights alone, through the reference and the fast path
             if case.return_weights:
-                kw = {key: val for key, val in built.kwargs().items() if key != "return_weights"}
+                kw = {key: val for key, val in built.kwargs().items() if key not in ("return_weights", "return_lse")}
                 for name in ("auto", "chunked"):
                     w = qkv.attention_weights(built.q, k, backend=name, **kw)
                     CALLS["forward"] += 1
