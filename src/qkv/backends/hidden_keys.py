@@ -53,6 +53,7 @@ from .._bools import any_along
 from .._trace import concrete
 from ..masks.base import Tile, conjuncts
 from .request import Request
+from .tiling.tiles import as_heads
 
 #: Mask elements each step of :func:`exact_hidden_keys` evaluates (rows at a time, every key).
 EXACT_ELEMENTS = 2**20
@@ -92,7 +93,7 @@ def exact_hidden_keys(req: Request) -> Tensor | None:
         t = Tile(r0, min(r0 + step, i), 0, j, i, j, device)
         if mask is not None and mask.state(t) == "empty":
             continue
-        allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device) if mask is None else _as4(mask.tile(t)).to(device)
+        allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device) if mask is None else as_heads(mask.tile(t), 4).to(device)
         if bias is not None:
             rows = bias[..., t.i0 : t.i1, :] if bias.shape[-2] != 1 else bias
             allowed = allowed & (rows.detach() != float("-inf"))
@@ -102,10 +103,6 @@ def exact_hidden_keys(req: Request) -> Tensor | None:
         return torch.ones(1, 1, j, 1, dtype=torch.bool, device=device)
     hidden = ~seen
     return _per_kv_head(hidden, req) if bool(hidden.any()) else None
-
-
-def _as4(x: Tensor) -> Tensor:
-    return x.reshape(*((1,) * (4 - x.dim())), *x.shape) if x.dim() < 4 else x
 
 
 def _per_kv_head(found: Tensor, req: Request) -> Tensor:
@@ -146,6 +143,12 @@ def guard(req: Request) -> Request:
         return req
     hidden = exact_hidden_keys(req)
     return req if hidden is None else zeroed(req, hidden)
+
+
+def every_hidden_key(req: Request) -> Tensor | None:
+    """The exact hidden keys: :func:`hidden_keys` where it names them all (:func:`named_exactly`, no tile
+    evaluated), else :func:`exact_hidden_keys`."""
+    return hidden_keys(req) if named_exactly(req) else exact_hidden_keys(req)
 
 
 def named_exactly(req: Request) -> bool:
@@ -191,5 +194,5 @@ def after(req: Request, run: Callable[[Request], tuple], result: tuple) -> tuple
         return result
     if math.isfinite(float(result[0].detach().sum())):
         return result
-    hidden = exact_hidden_keys(req)
+    hidden = every_hidden_key(req)
     return result if hidden is None else run(zeroed(req, hidden))
