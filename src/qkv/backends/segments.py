@@ -43,7 +43,9 @@ import torch
 from torch import Tensor
 
 from .._trace import concrete, tracing
-from ..masks import And, Dense, Documents, Lengths, Mask, Offsets, Starts
+from ..masks import Lengths, Mask, Offsets
+from ..masks.documents import documents_of
+from ..masks.padding import may_be_padded, padding_ends, padding_of
 from . import sdpa
 from .request import Request
 from .tiling.framing import Block, frame_bias, frame_mask, frame_row, frame_score_mod, row_slice
@@ -73,54 +75,8 @@ class Segment:
     score_mod: Callable | None  # reading the caller's indices (batch row, global positions)
 
 
-def split(mask: Mask | None) -> tuple[Documents | None, Mask | None]:
-    """``(documents, rest)`` of a mask ``documents & rest`` (either side of a top-level ``&``), else ``(None, mask)``."""
-    return _pull(mask, lambda m: m if isinstance(m, Documents) else None)
-
-
-def padding(mask: Mask | None) -> tuple[Lengths | Starts | None, Mask | None]:
-    """``(padding, rest)`` of a mask ``lengths(n) & rest`` or ``starts(n) & rest`` (a top-level ``&``), else ``(None, mask)``.
-
-    A dense key-padding mask ``(b|1, 1, 1, j)`` whose every row keeps a prefix (or every row a
-    suffix) of the keys counts as ``lengths`` (``starts``): SDPA's dialect passes padding so.
-    Its values are read: ask :func:`_may_be_padded` first, which reads none.
-    """
-
-    def found(m: Mask) -> Lengths | Starts | None:
-        if isinstance(m, (Lengths, Starts)):
-            return m
-        return _dense_padding(m.mask) if _key_padding_shaped(m) else None
-
-    return _pull(mask, found)
-
-
-def _pull(mask: Mask | None, found: Callable[[Mask], Mask | None]):
-    """``(part, rest)``: the first operand of a top-level ``&`` (searched depth first) that ``found`` turns
-    into a part, and the mask without it; ``(None, mask)`` when there is none."""
-    if mask is None:
-        return None, None
-    part = found(mask)
-    if part is not None:
-        return part, None
-    if isinstance(mask, And):
-        part, rest = _pull(mask.a, found)
-        if part is not None:
-            return part, (mask.b if rest is None else And(rest, mask.b))
-        part, rest = _pull(mask.b, found)
-        if part is not None:
-            return part, (mask.a if rest is None else And(mask.a, rest))
-    return None, mask
-
-
-def _may_be_padded(mask: Mask | None) -> bool:
-    """Whether :func:`padding` could find padding in ``mask`` (its structure alone: no value read)."""
-    if isinstance(mask, (Lengths, Starts)) or _key_padding_shaped(mask):
-        return True
-    return isinstance(mask, And) and (_may_be_padded(mask.a) or _may_be_padded(mask.b))
-
-
 def supports(req: Request) -> str | None:
-    docs, _ = split(req.mask)
+    docs, _ = documents_of(req.mask)
     if docs is None:
         return _padded(req)
     why = _refused(req, "a document's own call", "the documents' boundaries")
@@ -144,7 +100,7 @@ def _refused(req: Request, call: str, read: str) -> str | None:
 
 def _padded(req: Request) -> str | None:
     """Why a padded batch is not split into its rows here (None: it is)."""
-    if not _may_be_padded(req.mask):
+    if not may_be_padded(req.mask):
         return "the mask has no lazy documents (qkv.masks.documents) or padding (lengths, starts)"
     if req.q.device.type != "cpu":
         return "a padded batch is split by rows on the CPU only"
@@ -155,50 +111,20 @@ def _padded(req: Request) -> str | None:
     why = _refused(req, "a row's own call", "the rows' lengths")
     if why is not None:
         return why
-    pad, rest = padding(req.mask)  # the cheap refusals first: a dense mask's values are read here
+    pad, rest = padding_of(req.mask)  # the cheap refusals first: a dense mask's values are read here
     if pad is None:
         return "the dense mask keeps neither a prefix nor a suffix of each row's keys"
-    if not concrete(_ends(pad)):
+    if not concrete(padding_ends(pad)):
         return "the rows' lengths are read on the host, which a call on meta tensors cannot do"
-    if split(rest)[0] is not None:
+    if documents_of(rest)[0] is not None:
         return "documents and padding together go to the engines"
     return None
 
 
-def _key_padding_shaped(mask: Mask | None) -> bool:
-    """A dense bool CPU mask ``(b|1, 1, 1, j)``: one keep-row per batch row, which may be padding.
-
-    Not ``(b|1, 1, 1, 1)``: that one value is broadcast over every key, not a row of one key.
-    """
-    keep = mask.mask if isinstance(mask, Dense) else None
-    if keep is None or keep.dtype != torch.bool or keep.device.type != "cpu":
-        return False
-    return keep.dim() == 4 and keep.shape[1:3] == (1, 1) and keep.shape[-1] > 1
-
-
-def _dense_padding(keep: Tensor) -> Lengths | Starts | None:
-    """``keep (b|1, 1, 1, j)`` as right or left padding, where it is one (its values readable); else None."""
-    if not concrete(keep):
-        return None
-    rows = keep.reshape(keep.shape[0], keep.shape[-1])
-    counts = rows.sum(-1)
-    cols = torch.arange(rows.shape[-1])
-    if torch.equal(rows, cols[None, :] < counts[:, None]):
-        return Lengths(counts)
-    if torch.equal(rows, cols[None, :] >= (rows.shape[-1] - counts)[:, None]):
-        return Starts(rows.shape[-1] - counts)
-    return None
-
-
-def _ends(pad: Lengths | Starts) -> Tensor:
-    """Each row's ``(b,)`` key count (right padding) or first real key (left padding)."""
-    return pad.key_lengths if isinstance(pad, Lengths) else pad.key_starts
-
-
 def _padded_segments(req: Request) -> list[Segment]:
     """One segment per batch row: its real keys, and the rows that see one of them (all, unless ``rest`` is an offset range)."""
-    pad, rest = padding(req.mask)
-    ends = _ends(pad).tolist()
+    pad, rest = padding_of(req.mask)
+    ends = padding_ends(pad).tolist()
     found = []
     for n in range(req.q.shape[0]):
         end = ends[n if len(ends) > 1 else 0]
@@ -217,7 +143,7 @@ def _padded_segments(req: Request) -> list[Segment]:
 
 def segments(req: Request) -> list[Segment]:
     """The documents of ``req`` as segments: the rest of the mask, the bias and the score_mod framed at each."""
-    docs, rest = split(req.mask)
+    docs, rest = documents_of(req.mask)
     if docs is None:
         return _padded_segments(req)
     runs = docs.runs()
@@ -242,7 +168,7 @@ def _in_groups(req: Request) -> bool:
 
 
 def run(req: Request) -> tuple[Tensor, None, Tensor | None]:
-    if split(req.mask)[0] is None and _in_groups(req):
+    if documents_of(req.mask)[0] is None and _in_groups(req):
         out, lse = _run_row_groups(req)
     else:
         out, lse = run_segments(req, segments(req))

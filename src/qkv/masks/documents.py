@@ -30,6 +30,7 @@ from torch import Tensor
 from .._layout import merge_lead
 from .._trace import concrete
 from .base import Mask, State, Tile
+from .padding import pull
 
 
 class Documents(Mask):
@@ -140,6 +141,11 @@ def documents(ids_q: Tensor, ids_k: Tensor | None = None) -> Documents:
     1-d ids are one batch row. Combine with ``causal()`` for packed causal language models.
     """
     return Documents(ids_q, ids_k)
+
+
+def documents_of(mask: Mask | None) -> tuple[Documents | None, Mask | None]:
+    """``(documents, rest)`` of a mask ``documents & rest`` (either side of a top-level ``&``), else ``(None, mask)``."""
+    return pull(mask, lambda m: m if isinstance(m, Documents) else None)
 
 
 def _ids(name: str, ids: object) -> Tensor:

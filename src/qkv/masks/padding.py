@@ -5,15 +5,22 @@ Shape legend: ``b`` batch, ``j`` key length; a tile is ``(b, 1, 1, jt)``.
 The per-row tensors are read once, when the mask is made, so that ``state`` (called once
 per tile) reads no tensor; where values cannot be read (tracing, meta tensors) every tile
 is "partial": the same result, with no tile skipped.
+
+Below them, padding found in any mask (:func:`padding_of`): a ``lengths`` or ``starts`` part
+of a top-level ``&``, or a dense ``(b|1, 1, 1, j)`` bool mask keeping a prefix or a suffix of
+each row's keys (SDPA's dialect passes padding so), which the segments backend runs row by
+row; :func:`pull` takes such a part out of a conjunction (``documents_of`` uses it too).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from .._trace import concrete
-from .base import Mask, State, Tile
+from .base import And, Dense, Mask, State, Tile
 
 
 def _per_row(name: str, values: object, what: str) -> tuple[int, int]:
@@ -156,3 +163,77 @@ class Starts(Mask):
 def starts(key_starts: Tensor) -> Starts:
     """Left-padding mask from the index of the first real key per batch row, ``(b,)``."""
     return Starts(key_starts)
+
+
+# --------------------------------------------------------------- padding found in any mask
+
+
+def pull(mask: Mask | None, found: Callable[[Mask], Mask | None]):
+    """``(part, rest)``: the first operand of a top-level ``&`` (searched depth first) that ``found`` turns
+    into a part, and the mask without it; ``(None, mask)`` when there is none."""
+    if mask is None:
+        return None, None
+    part = found(mask)
+    if part is not None:
+        return part, None
+    if isinstance(mask, And):
+        part, rest = pull(mask.a, found)
+        if part is not None:
+            return part, (mask.b if rest is None else And(rest, mask.b))
+        part, rest = pull(mask.b, found)
+        if part is not None:
+            return part, (mask.a if rest is None else And(mask.a, rest))
+    return None, mask
+
+
+def padding_of(mask: Mask | None) -> tuple[Lengths | Starts | None, Mask | None]:
+    """``(padding, rest)`` of a mask ``lengths(n) & rest`` or ``starts(n) & rest`` (a top-level ``&``), else ``(None, mask)``.
+
+    A dense key-padding mask ``(b|1, 1, 1, j)`` whose every row keeps a prefix (or every row a
+    suffix) of the keys counts as ``lengths`` (``starts``): SDPA's dialect passes padding so.
+    Its values are read: ask :func:`may_be_padded` first, which reads none.
+    """
+
+    def found(m: Mask) -> Lengths | Starts | None:
+        if isinstance(m, (Lengths, Starts)):
+            return m
+        return _dense_padding(m.mask) if _key_padding_shaped(m) else None
+
+    return pull(mask, found)
+
+
+def may_be_padded(mask: Mask | None) -> bool:
+    """Whether :func:`padding_of` could find padding in ``mask`` (its structure alone: no value read)."""
+    if isinstance(mask, (Lengths, Starts)) or _key_padding_shaped(mask):
+        return True
+    return isinstance(mask, And) and (may_be_padded(mask.a) or may_be_padded(mask.b))
+
+
+def _key_padding_shaped(mask: Mask | None) -> bool:
+    """A dense bool CPU mask ``(b|1, 1, 1, j)``: one keep-row per batch row, which may be padding.
+
+    Not ``(b|1, 1, 1, 1)``: that one value is broadcast over every key, not a row of one key.
+    """
+    keep = mask.mask if isinstance(mask, Dense) else None
+    if keep is None or keep.dtype != torch.bool or keep.device.type != "cpu":
+        return False
+    return keep.dim() == 4 and keep.shape[1:3] == (1, 1) and keep.shape[-1] > 1
+
+
+def _dense_padding(keep: Tensor) -> Lengths | Starts | None:
+    """``keep (b|1, 1, 1, j)`` as right or left padding, where it is one (its values readable); else None."""
+    if not concrete(keep):
+        return None
+    rows = keep.reshape(keep.shape[0], keep.shape[-1])
+    counts = rows.sum(-1)
+    cols = torch.arange(rows.shape[-1])
+    if torch.equal(rows, cols[None, :] < counts[:, None]):
+        return Lengths(counts)
+    if torch.equal(rows, cols[None, :] >= (rows.shape[-1] - counts)[:, None]):
+        return Starts(rows.shape[-1] - counts)
+    return None
+
+
+def padding_ends(pad: Lengths | Starts) -> Tensor:
+    """Each row's ``(b,)`` key count (right padding) or first real key (left padding)."""
+    return pad.key_lengths if isinstance(pad, Lengths) else pad.key_starts
