@@ -37,7 +37,7 @@ instead of a running row maximum (``tiling.cap_range.fixed_base``): one pass and
 on a detached copy of the tile (the tensors it reads, ``closure_tensors``, get their share),
 then the same explicit ``dQ``, ``dK``.
 
-A row with no allowed key has ``l = 0``: output 0, ``lse = +inf``, zero gradients.
+A row with no allowed key has ``l = 0``: output 0, ``lse = -inf``, zero gradients.
 Half-precision inputs are computed in float32. Checked against the float64 reference
 backend in ``tests/test_backends_mod_tiles.py``.
 """
