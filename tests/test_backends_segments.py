@@ -11,7 +11,7 @@ import torch
 
 import qkv
 from qkv import checks
-from qkv.backends import segments
+from qkv.backends import padded_rows, segments
 from qkv.masks import documents
 
 B, H, G, D, E = 2, 6, 3, 11, 13
@@ -142,8 +142,8 @@ def padded_cases():
 @pytest.fixture
 def any_size(monkeypatch):
     """Small calls split too (the size thresholds are for speed, not for what is computed)."""
-    monkeypatch.setattr(segments, "PADDING_ELEMENTS", 0)
-    monkeypatch.setattr(segments, "ROW_ELEMENTS", 0)
+    monkeypatch.setattr(padded_rows, "PADDING_ELEMENTS", 0)
+    monkeypatch.setattr(padded_rows, "ROW_ELEMENTS", 0)
 
 
 @pytest.mark.parametrize("split_as", ["rows", "groups"])
@@ -154,16 +154,17 @@ def test_a_padded_batch_row_by_row_equals_the_reference(name, split_as, monkeypa
     if split_as == "groups" and "score_mod" in kw:
         pytest.skip("a score_mod reads the batch row: short rows with one go to the engines")
     # rows: every call splits by rows; groups: rows are "short" and two rows' mask is the most a group may build
-    monkeypatch.setattr(segments, "PADDING_ELEMENTS", 0 if split_as == "rows" else 2 * PAD_I * PAD_I)
-    monkeypatch.setattr(segments, "ROW_ELEMENTS", 0 if split_as == "rows" else 10**9)
+    monkeypatch.setattr(padded_rows, "PADDING_ELEMENTS", 0 if split_as == "rows" else 2 * PAD_I * PAD_I)
+    monkeypatch.setattr(padded_rows, "ROW_ELEMENTS", 0 if split_as == "rows" else 10**9)
+    monkeypatch.setattr(padded_rows, "groups_faster", lambda *args: True)  # short rows: what the timing may choose
     if split_as == "groups":
         monkeypatch.setattr(qkv.backends.sdpa, "MASK_ELEMENTS", 2 * PAD_I * PAD_I)
     q, k, v = ref.random_qkv(PAD_B, H, G, PAD_I, PAD_I, D, E)
     assert qkv.explain(q, k, v, **kw).splitlines()[0] == "backend: segments"
     if split_as == "groups":  # each group's call is SDPA's (or the engines', for what SDPA does not take)
         calls = []
-        real = segments._run_row_groups
-        monkeypatch.setattr(segments, "_run_row_groups", lambda req: calls.append(req.q.shape[0]) or real(req))
+        real = padded_rows.run_row_groups
+        monkeypatch.setattr(padded_rows, "run_row_groups", lambda req: calls.append(req.q.shape[0]) or real(req))
     got = ref.run_with_grads(lambda: qkv.attention(q, k, v, return_lse=True, **kw), [q, k, v])
     want = ref.run_with_grads(lambda: qkv.attention(q, k, v, return_lse=True, backend="reference", **kw), [q, k, v])
     for a, b in zip(got, want):
@@ -210,9 +211,10 @@ def test_a_batch_whose_rows_see_no_key_still_gives_gradients(mask, any_size):
 
 def test_short_rows_whose_own_mask_is_over_the_group_size_go_one_by_one(monkeypatch):
     """A group holds at most PADDING_ELEMENTS of the mask: a row over it is its own call (never grouped again and again)."""
-    monkeypatch.setattr(segments, "PADDING_ELEMENTS", 50)  # below one row's 10 x 10 mask
-    monkeypatch.setattr(segments, "ROW_ELEMENTS", 10**9)  # every row "short"
-    monkeypatch.setattr(segments, "_run_row_groups", lambda req: pytest.fail("grouped a row larger than a group"))
+    monkeypatch.setattr(padded_rows, "PADDING_ELEMENTS", 50)  # below one row's 10 x 10 mask
+    monkeypatch.setattr(padded_rows, "ROW_ELEMENTS", 10**9)  # every row "short"
+    monkeypatch.setattr(padded_rows, "groups_faster", lambda *args: True)
+    monkeypatch.setattr(padded_rows, "run_row_groups", lambda req: pytest.fail("grouped a row larger than a group"))
     q, k, v = ref.random_qkv(2, H, G, 10, 10, D, E)
     mask = qkv.masks.lengths(torch.tensor([4, 10]))
     want = qkv.attention(q, k, v, mask=mask, causal=True, backend="reference")
@@ -261,3 +263,48 @@ def test_a_dense_key_padding_mask_counts_as_padding(any_size):
         want = ref.run_with_grads(lambda: qkv.attention(q, k, v, mask=keep, return_lse=True, backend="reference"), [q, k, v])
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def _graph_nodes(out: torch.Tensor) -> list[str]:
+    """The names of the autograd nodes behind ``out``."""
+    seen, stack, names = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack += [nxt for nxt, _ in node.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("batch", ["varlen", "padded"])
+def test_segments_are_cut_from_their_inputs_once_never_sliced_one_by_one(batch, any_size):
+    """A slice's backward fills a zero tensor of its whole input per segment: each input is split once instead."""
+    if batch == "varlen":
+        q, k, v = (torch.randn(40, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        cu = torch.tensor([0, 10, 25, 40], dtype=torch.int32)
+        out = qkv.varlen_attention(q, k, v, cu, cu, causal=True)
+        want = [qkv.attention(q[a:z].transpose(0, 1), k[a:z].transpose(0, 1), v[a:z].transpose(0, 1), causal=True,
+                              backend="reference").transpose(0, 1) for a, z in ((0, 10), (10, 25), (25, 40))]  # fmt: skip
+        want = torch.cat(want)
+    else:
+        q, k, v = ref.random_qkv(3, H, H, 12, 12, D, D)
+        mask = qkv.masks.lengths(torch.tensor([12, 7, 4]))
+        out = qkv.attention(q, k, v, mask=mask, causal=True)
+        want = qkv.attention(q, k, v, mask=mask, causal=True, backend="reference")
+    nodes = _graph_nodes(out)
+    assert "SliceBackward0" not in nodes and ("SplitWithSizesBackward0" in nodes or "SplitBackward0" in nodes)
+    got = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    expected = torch.autograd.grad(want, (q, k, v), torch.ones_like(want))
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_pieces_cover_gaps_and_refuse_overlapping_ranges():
+    x = torch.arange(10.0).view(1, 1, 10, 1)
+    pieces = segments._pieces(x, [(2, 4), (4, 7)])
+    assert sorted(pieces) == [(2, 4), (4, 7)] and pieces[(4, 7)].flatten().tolist() == [4.0, 5.0, 6.0]
+    assert segments._pieces(x, [(0, 10)])[(0, 10)] is x
+    assert segments._pieces(x, [(0, 5), (3, 8)]) == {}  # overlapping: each segment is sliced instead

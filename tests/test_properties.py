@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import backends, checks
-from qkv.backends import engines, local, sdpa, sdpa_plain, segments
+from qkv.backends import engines, local, padded_rows, sdpa, sdpa_plain
 from qkv.backends.engines import fused_blocks, online_softmax
 from qkv.backends.tiling import additive_tiles, bias_grad
 from qkv.backends.tiling import weights_from_lse as weights_module
@@ -211,8 +211,9 @@ def cases(draw, *, grad: bool = False) -> Case:
         "band_rows": draw(st.integers(1, 4)),
         "grad_block": draw(st.sampled_from([1, 16, 2**21])),
         # a padded batch split by rows (segments): always, or never; its short rows in groups or one by one
-        "padding_elements": draw(st.sampled_from([0, 24, 64, segments.PADDING_ELEMENTS])),
-        "row_elements": draw(st.sampled_from([1, 48, segments.ROW_ELEMENTS])),
+        "padding_elements": draw(st.sampled_from([0, 24, 64, padded_rows.PADDING_ELEMENTS])),
+        "row_elements": draw(st.sampled_from([1, 48, padded_rows.ROW_ELEMENTS])),
+        "groups": draw(st.booleans()),  # what the timing of groups against a call per row chose
     }
     sinks = None if windowed or not draw(st.integers(0, 3)) == 0 else (grad and draw(st.booleans()),)
     score_mod = None
@@ -389,8 +390,9 @@ def small_blocks(case: Case, mp: pytest.MonkeyPatch) -> None:
     mp.setattr(additive_tiles, "SUB_ELEMENTS_THREADED", b["additive_sub"])
     mp.setattr(bias_grad, "BAND_ROWS", b["band_rows"])
     mp.setattr(bias_grad, "BLOCK_ELEMENTS", b["grad_block"])
-    mp.setattr(segments, "PADDING_ELEMENTS", b["padding_elements"])
-    mp.setattr(segments, "ROW_ELEMENTS", b["row_elements"])
+    mp.setattr(padded_rows, "PADDING_ELEMENTS", b["padding_elements"])
+    mp.setattr(padded_rows, "ROW_ELEMENTS", b["row_elements"])
+    mp.setattr(padded_rows, "groups_faster", lambda *args: b["groups"])
 
 
 # --------------------------------------------------------------------------- the oracle

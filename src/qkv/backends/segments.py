@@ -22,9 +22,9 @@ them): a padded causal batch becomes one ``is_causal`` kernel call per row, the
 right-padded one top-left aligned on its shorter keys, where the engines would cut every
 row's keys into full and partial runs merged by their log-sum-exp (on the Intel Xeon, 4
 rows of 1024 holding 1024 to 300 tokens, h = 8: 0.40-0.69x the engines' time, forward and
-forward + backward, float32 and bfloat16). Short rows (:data:`ROW_ELEMENTS`), whose calls
-would each pay the kernel's fixed cost, go in groups of rows instead, each group's mask
-small enough for SDPA (:data:`PADDING_ELEMENTS`). CPU only.
+forward + backward, float32 and bfloat16). Short rows, whose calls each pay the kernel's
+fixed cost, may go in groups of rows instead, each group's mask small enough for SDPA:
+which is faster is timed once per size class (``backends.padded_rows``). CPU only.
 
 ``qkv.varlen_attention`` (``flash_attn_varlen_func``'s semantics, where each sequence's
 causal mask, window and ALiBi are its own) builds its segments with those local masks and
@@ -46,23 +46,13 @@ from .._trace import concrete, tracing
 from ..masks import Lengths, Mask, Offsets
 from ..masks.documents import documents_of
 from ..masks.padding import may_be_padded, padding_ends, padding_of
-from . import sdpa
+from . import padded_rows
 from .request import Request
 from .tiling.framing import Block, frame_bias, frame_mask, frame_row, frame_score_mod, row_slice
 from .tiling.tiles import offset_live_rows
 
 name = "segments"
 selects_weights = False
-
-#: A padded batch is split by rows only where its ``(b, i, j)`` mask is more than this many
-#: elements (below, SDPA takes it materialised, one call).
-PADDING_ELEMENTS = sdpa.MASK_ELEMENTS
-#: ... and where a row's call has at least this many logits per head: the fused kernel pays
-#: a fixed cost per call, which one call for the batch spreads over its rows. On the Intel
-#: Xeon, against the engines: rows of 512 (262144) took 0.5-0.6x their time, rows of 256
-#: (65536) in bfloat16 1.1x.
-ROW_ELEMENTS = 2**17
-
 
 @dataclass(frozen=True)
 class Segment:
@@ -104,10 +94,9 @@ def _padded(req: Request) -> str | None:
         return "the mask has no lazy documents (qkv.masks.documents) or padding (lengths, starts)"
     if req.q.device.type != "cpu":
         return "a padded batch is split by rows on the CPU only"
-    if req.q.shape[0] * req.i * req.j <= PADDING_ELEMENTS:
-        return f"a padded batch's mask is small here (at most {PADDING_ELEMENTS} elements): SDPA takes it whole"
-    if _in_groups(req) and req.score_mod is not None:
-        return "short rows go in groups, whose calls renumber the batch rows a score_mod reads"
+    if req.q.shape[0] * req.i * req.j <= padded_rows.PADDING_ELEMENTS:
+        limit = padded_rows.PADDING_ELEMENTS
+        return f"a padded batch's mask is small here (at most {limit} elements): SDPA takes it whole"
     why = _refused(req, "a row's own call", "the rows' lengths")
     if why is not None:
         return why
@@ -118,6 +107,8 @@ def _padded(req: Request) -> str | None:
         return "the rows' lengths are read on the host, which a call on meta tensors cannot do"
     if documents_of(rest)[0] is not None:
         return "documents and padding together go to the engines"
+    if req.score_mod is not None and _in_groups(req):
+        return "short rows go in groups, whose calls renumber the batch rows a score_mod reads"
     return None
 
 
@@ -159,48 +150,22 @@ def segments(req: Request) -> list[Segment]:
 
 
 def _in_groups(req: Request) -> bool:
-    """Whether a padded batch's rows go in groups (short rows, each row's mask small enough for SDPA) or one by one.
+    """Whether a padded batch's short rows go in groups (``backends.padded_rows``: timed once per size class)."""
+    pad, rest = padding_of(req.mask)
+    return padded_rows.in_groups(req, pad, rest, _one_by_one)
 
-    A group holds at most :data:`PADDING_ELEMENTS` of the mask, so its own call is never
-    split again here (where one row's mask were larger, a group of one would be).
-    """
-    return req.i * req.j < ROW_ELEMENTS and req.i * req.j <= PADDING_ELEMENTS
+
+def _one_by_one(req: Request) -> tuple[Tensor, Tensor | None]:
+    """A padded batch as one call per row over its real keys."""
+    return run_segments(req, _padded_segments(req))
 
 
 def run(req: Request) -> tuple[Tensor, None, Tensor | None]:
     if documents_of(req.mask)[0] is None and _in_groups(req):
-        out, lse = _run_row_groups(req)
+        out, lse = padded_rows.run_row_groups(req)
     else:
         out, lse = run_segments(req, segments(req))
     return out, None, lse
-
-
-def _run_row_groups(req: Request) -> tuple[Tensor, Tensor | None]:
-    """A padded batch of short rows: groups of rows whose mask is small enough for SDPA to take built, a call each.
-
-    A row's own call would cost the fused kernel's fixed price per call, and the engines'
-    tiles cost 1.3-1.9x SDPA with the whole mask (32 rows of 256 on the Intel Xeon); a group's
-    mask is at most :data:`PADDING_ELEMENTS`, so the whole ``(b, i, j)`` mask is never built.
-    The inputs are split once (one ``cat`` in the backward, not a full-size fill per group).
-    """
-    from . import choose  # the dispatcher, for each group's own call
-
-    b = req.q.shape[0]
-    per = max(1, PADDING_ELEMENTS // (req.i * req.j))
-    groups = [(a, min(a + per, b)) for a in range(0, b, per)]
-    parts = [x.split(per) if x.shape[0] == b else (x,) * len(groups) for x in (req.q, req.k, req.v)]
-    outs, lses = [], []
-    for (a, z), q, k, v in zip(groups, *parts):
-        bias = row_slice(req.bias, a, z) if isinstance(req.bias, Tensor) else req.bias
-        sub = replace(req, q=q, k=k, v=v, mask=frame_row(req.mask, a, z), bias=bias, layout=None, weights_for=None)
-        impl, _ = choose(sub)
-        out, _, lse = impl.run(sub)
-        outs.append(out)
-        lses.append(lse)
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    if not req.return_lse:
-        return out, None
-    return out, torch.cat(lses) if len(lses) > 1 else lses[0]
 
 
 def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -220,11 +185,11 @@ def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tu
     b, h, i_len = req.q.shape[0], req.heads, req.i
     e = req.v.shape[-1]
     rows: list[list[tuple[int, Tensor, Tensor | None]]] = [[] for _ in range(b)]
-    by_row = _by_row(req)
-    for part in parts:
+    views = _cut(req, parts)
+    for part, part_views in zip(parts, views):
         if part.block.it == 0 or part.block.jt == 0:  # no rows, or rows that see no key: left as gaps
             continue
-        sub = _call(req, part, by_row)
+        sub = _call(req, part, part_views)
         impl, _ = choose(sub)
         out, _, lse = impl.run(sub)
         rows[part.row].append((part.block.r0, out, lse))
@@ -295,26 +260,67 @@ def _run_into(req: Request, parts: list[Segment], packed: bool, choose) -> tuple
     return out, lse
 
 
-def _by_row(req: Request) -> tuple[tuple[Tensor, ...], ...] | None:
-    """``(q, k, v)`` split into their batch rows once, where gradients are recorded and there are several rows.
+def _cut(req: Request, parts: list[Segment]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Each segment's ``(q, k, v)`` as pieces of one split per input and batch row, where gradients are recorded.
 
-    Each segment's views then come from its row: a slice's backward fills a zero tensor of
-    its source's shape, so slicing every segment out of the whole batch cost ``b`` full-size
-    fills per input (64 padded rows of 256 tokens: 10x SDPA's step); one split's backward
-    is one ``cat``.
+    A slice's backward fills a zero tensor of its source's shape and adds the slice's gradient
+    into it, so slicing every segment out of its inputs cost one full-size fill and add per
+    segment and input (64 padded rows of 256 tokens: 10x SDPA's step; 16 packed documents
+    of 512, forward + backward: 1.34x the per-document loop on an AMD EPYC). Cut once (the
+    batch into its rows, each row's positions at every segment's edges, gaps included), the
+    backward of each cut is one ``cat``. Where two segments' rows (or keys) overlap, that
+    input is sliced per segment as before.
     """
-    if req.q.shape[0] < 2:
-        return None
-    return tuple(x.split(1) if x.shape[0] == req.q.shape[0] else (x,) * req.q.shape[0] for x in (req.q, req.k, req.v))
+    b = req.q.shape[0]
+    inputs = (req.q, req.k, req.v)
+    rows = [x.split(1) if b > 1 and x.shape[0] == b else (x,) * b for x in inputs]
+    spans: list[list[dict[tuple[int, int], Tensor]]] = [[{} for _ in range(b)] for _ in inputs]
+    for which, along in enumerate(("rows", "keys", "keys")):
+        ranges: list[set[tuple[int, int]]] = [set() for _ in range(b)]
+        for part in parts:
+            if part.block.it and part.block.jt:
+                blk = part.block
+                ranges[part.row].add((blk.r0, blk.r0 + blk.it) if along == "rows" else (blk.c0, blk.c0 + blk.jt))
+        for n in range(b):
+            spans[which][n] = _pieces(rows[which][n], sorted(ranges[n]))
+    found = []
+    for part in parts:
+        blk, n = part.block, part.row
+        keys = (blk.r0, blk.r0 + blk.it), (blk.c0, blk.c0 + blk.jt), (blk.c0, blk.c0 + blk.jt)
+        found.append(tuple(spans[w][n][span] if span in spans[w][n] else rows[w][n][:, :, span[0] : span[1]]
+                           for w, span in enumerate(keys)))  # fmt: skip
+    return found
 
 
-def _call(req: Request, part: Segment, by_row: tuple[tuple[Tensor, ...], ...] | None = None) -> Request:
-    """The segment as a call of its own: views of its batch row's rows, keys and values."""
+def _pieces(x: Tensor, ranges: list[tuple[int, int]]) -> dict[tuple[int, int], Tensor]:
+    """``x`` split along its positions (dim 2) at the edges of ``ranges`` (sorted): ``{range: piece}``; ``{}`` on overlap."""
+    sizes, names, at = [], [], 0
+    for a, z in ranges:
+        if a < at:
+            return {}
+        if a > at:
+            sizes.append(a - at)
+            names.append(None)
+        sizes.append(z - a)
+        names.append((a, z))
+        at = z
+    if at < x.shape[2]:
+        sizes.append(x.shape[2] - at)
+        names.append(None)
+    if len(sizes) == 1:
+        return {names[0]: x} if names[0] is not None else {}
+    return {name: piece for name, piece in zip(names, x.split(sizes, dim=2)) if name is not None}
+
+
+def _call(req: Request, part: Segment, views: tuple[Tensor, Tensor, Tensor] | None = None) -> Request:
+    """The segment as a call of its own: views of its batch row's rows, keys and values (``views``: cut already)."""
     blk, n = part.block, part.row
-    rows, cols = slice(blk.r0, blk.r0 + blk.it), slice(blk.c0, blk.c0 + blk.jt)
-    q, k, v = (req.q[n : n + 1], req.k[n : n + 1], req.v[n : n + 1]) if by_row is None else (x[n] for x in by_row)
+    if views is None:
+        rows, cols = slice(blk.r0, blk.r0 + blk.it), slice(blk.c0, blk.c0 + blk.jt)
+        views = req.q[n : n + 1, :, rows], req.k[n : n + 1, :, cols], req.v[n : n + 1, :, cols]
+    q, k, v = views
     return replace(
-        req, q=q[:, :, rows], k=k[:, :, cols], v=v[:, :, cols],
+        req, q=q, k=k, v=v,
         mask=part.mask, bias=part.bias, score_mod=part.score_mod, layout=None, weights_for=None,
     )  # fmt: skip
 
