@@ -63,10 +63,21 @@ def test_an_emulated_cpu_is_filed_apart_from_the_real_one(tmp_path, monkeypatch)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     info = measure.machine()
     assert info["kernels set by"] == "ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2"
-    assert results.cpu_name(info) == f"{info['cpu']}, {info['cpu capability']} (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2)"
+    named = info["cpu"] + (" (family {}, model {})".format(*info["cpu family, model"].split(", "))
+                           if "cpu family, model" in info else "")  # fmt: skip
+    assert results.cpu_name(info) == f"{named}, {info['cpu capability']} (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2)"
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
-    assert results.cpu_name(measure.machine()) == f"{info['cpu']}, {info['cpu capability']}"
+    assert results.cpu_name(measure.machine()) == f"{named}, {info['cpu capability']}"
+
+
+def test_a_generic_model_string_is_told_apart_by_its_family_and_model():
+    """A virtual machine's "AMD EPYC" is a Zen 3, 4 or 5: each gets its own section; a record without them keeps its name."""
+    zen4 = {"cpu": "AMD EPYC", "cpu family, model": "25, 17", "cpu capability": "AVX512"}
+    zen5 = {**zen4, "cpu family, model": "26, 2"}
+    assert results.cpu_name(zen4) == "AMD EPYC (family 25, model 17), AVX512"
+    assert results.cpu_name(zen4) != results.cpu_name(zen5)
+    assert results.cpu_name({"cpu": "AMD EPYC", "cpu capability": "AVX512"}) == "AMD EPYC, AVX512"
 
 
 def test_machine_names_the_kernels_and_the_blas():

@@ -183,14 +183,19 @@ def libraries() -> dict[str, str]:
 def machine() -> dict[str, str]:
     """What the figures were measured on (see :mod:`qkv.bench.results` for how runs are filed by CPU)."""
     cpu = platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
+                if not line.strip():  # the first processor's block is enough
                     break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
+    cpu = fields.get("model name", cpu)
+    generation = ({"cpu family, model": f"{fields['cpu family']}, {fields['model']}"}
+                  if "cpu family" in fields and "model" in fields else {})  # fmt: skip
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -202,6 +207,7 @@ def machine() -> dict[str, str]:
     caps = ", ".join(f"{name}={os.environ[name]}" for name in KERNEL_SETTINGS if os.environ.get(name))
     return {
         "cpu": cpu,
+        **generation,
         **({"kernels set by": caps} if caps else {}),
         **libraries(),
         "cores": str(cores),

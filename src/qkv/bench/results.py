@@ -14,7 +14,8 @@ section, the suites it ran and keeps everything else, including every other CPU'
     <!-- cpu: Intel(R) Xeon(R) Platinum 8480+ -->
     ...
 
-A CPU is named by its model string and torch's CPU capability (``AMD EPYC, AVX512``); a run under environment variables that change the
+A CPU is named by its model string, family and model numbers and torch's CPU capability
+(``AMD EPYC (family 25, model 17), AVX512``); a run under environment variables that change the
 kernels (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``,
 ``LD_PRELOAD``, ``QKV_ROUTE``: :data:`qkv.bench.measure.KERNEL_SETTINGS`, as used to emulate
 another CPU) gets its own section named with them. A file in the layout of
@@ -33,6 +34,7 @@ from pathlib import Path
 CPU_KEY = "cpu"
 EMULATION_KEY = "kernels set by"
 CAPABILITY_KEY = "cpu capability"
+GENERATION_KEY = "cpu family, model"
 
 _CPU = re.compile(r"<!-- cpu: (.+?) -->\n(.*?)<!-- end cpu: \1 -->\n?", re.S)
 _SUITE = re.compile(r"<!-- suite: (\S+) -->\n(.*?)<!-- end: \1 -->", re.S)
@@ -57,11 +59,16 @@ HEADER = [
 def cpu_name(info: dict[str, str]) -> str:
     """The section a run belongs to: the CPU model and the kernels torch picked, plus any caps.
 
-    The capability is part of the name because a virtual machine's model string can hide the
-    generation: "AMD EPYC" is reported by Zen 3 hosts (AVX2) and by newer ones (AVX-512),
-    whose figures differ as much as an Intel's.
+    The family and model numbers and the capability are part of the name because a virtual
+    machine's model string can hide the generation: "AMD EPYC" is reported by Zen 3 hosts
+    (AVX2), Zen 4 (family 25, model 17: AVX-512 on 256-bit units) and Zen 5 (family 26:
+    512-bit units), whose figures differ as much as an Intel's. (Sections written before
+    runs recorded the family are named without it.)
     """
     name = info.get(CPU_KEY, "unknown CPU").strip() or "unknown CPU"
+    if generation := info.get(GENERATION_KEY):
+        family, _, model = generation.partition(", ")
+        name = f"{name} (family {family}, model {model})"
     if capability := info.get(CAPABILITY_KEY):
         name = f"{name}, {capability}"
     capped = info.get(EMULATION_KEY)
