@@ -15,7 +15,8 @@ one, forward and forward + backward, float32 and bfloat16; on the Intel Xeon bfl
 of 256 one by one lost (its kernel is slow at key lengths that are not a multiple of its
 block). So it is timed, once per size class (:func:`groups_faster`): the dtype, whether
 gradients flow, the padding side, whether ``rest`` is an offset range (causal), the heads
-and head sizes, and the row length rounded down to a power of two.
+and head sizes, the row length rounded down to a power of two, the score and the kind of
+bias (a lazy one is timed with the call's own; a dense tensor is left out).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def groups_faster(req: Request, pad: Mask, rest: Mask | None, one_by_one: Callab
     causal = isinstance(rest, Offsets)
     L = bucket(max(req.i, req.j), cap=1 << 16)
     key = (req.q.dtype, req.differentiated, isinstance(pad, Lengths), causal, req.heads, req.kv_heads,
-           req.q.shape[-1], req.v.shape[-1], L, req.q.device.type)  # fmt: skip
+           req.q.shape[-1], req.v.shape[-1], L, req.q.device.type, type(req.score).__name__,
+           type(req.bias).__name__)  # fmt: skip
     if key not in _answers:
         _answers[key] = _time(req, rest if causal else None, isinstance(pad, Lengths), L, one_by_one)
     return _answers[key]
@@ -79,7 +81,8 @@ def _time(req: Request, rest: Mask | None, right: bool, L: int, one_by_one) -> b
                    for heads, size in ((req.heads, req.q.shape[-1]), (req.kv_heads, req.q.shape[-1]),
                                        (req.kv_heads, req.v.shape[-1])))  # fmt: skip
         inputs = [x.requires_grad_() for x in (q, k, v)] if grad else []
-        probe = replace(req, q=q, k=k, v=v, mask=pad if rest is None else pad & rest, bias=None, score_mod=None,
+        bias = None if isinstance(req.bias, Tensor) else req.bias  # a lazy bias costs the same at any length
+        probe = replace(req, q=q, k=k, v=v, mask=pad if rest is None else pad & rest, bias=bias, score_mod=None,
                         return_weights=False, return_lse=False, dropout=0.0, weights_for=None, layout=None,
                         grad=grad, piece=None)  # fmt: skip
 
