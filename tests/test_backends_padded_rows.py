@@ -140,3 +140,17 @@ def test_the_real_probe_times_both_ways_once_and_keeps_an_answer(short_rows):
     assert isinstance(answer, bool)
     want = qkv.attention(q, k, v, mask=qkv.masks.lengths(REAL), causal=True, backend="reference")
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_probe_times_the_calls_own_query_and_key_lengths_not_a_square(short_rows, monkeypatch):
+    """A few queries over many keys (rows of a decoding step) are timed at that shape: never a (j, j) square."""
+    shapes = []
+    real_rows = padded_rows.run_row_groups
+    monkeypatch.setattr(padded_rows, "run_row_groups", lambda req: shapes.append((req.i, req.j)) or real_rows(req))
+    timed(monkeypatch, groups=1.0, rows=2.0)
+    q, k, v = ref.random_qkv(B, H, G, 5, 80, D, D)
+    with torch.no_grad():
+        qkv.attention(q, k, v, mask=qkv.masks.lengths(torch.tensor([80, 70, 50, 41])))
+    (key,) = padded_rows._answers
+    assert (4, 64) == key[8:10] and shapes[0] == (4, 64)  # the probe's call, then the real one
+    assert shapes[1] == (5, 80)

@@ -15,7 +15,7 @@ one, forward and forward + backward, float32 and bfloat16; on the Intel Xeon bfl
 of 256 one by one lost (its kernel is slow at key lengths that are not a multiple of its
 block). So it is timed, once per size class (:func:`groups_faster`): the dtype, whether
 gradients flow, the padding side, whether ``rest`` is an offset range (causal), the heads
-and head sizes, the row length rounded down to a power of two, the score and the kind of
+and head sizes, the query and key lengths rounded down to powers of two, the score and the kind of
 bias (a lazy one is timed with the call's own; a dense tensor is left out).
 """
 
@@ -61,25 +61,25 @@ def in_groups(req: Request, pad: Mask, rest: Mask | None, one_by_one: Callable[[
 def groups_faster(req: Request, pad: Mask, rest: Mask | None, one_by_one: Callable[[Request], object]) -> bool:
     """True where groups of rows beat a call per row for this call's size class (timed at its first call)."""
     causal = isinstance(rest, Offsets)
-    L = bucket(max(req.i, req.j), cap=1 << 16)
+    rows, keys = bucket(req.i, cap=ROW_ELEMENTS), bucket(req.j, cap=ROW_ELEMENTS)  # i·j < ROW_ELEMENTS: so is theirs
     key = (req.q.dtype, req.differentiated, isinstance(pad, Lengths), causal, req.heads, req.kv_heads,
-           req.q.shape[-1], req.v.shape[-1], L, req.q.device.type, type(req.score).__name__,
+           req.q.shape[-1], req.v.shape[-1], rows, keys, req.q.device.type, type(req.score).__name__,
            type(req.bias).__name__)  # fmt: skip
     if key not in _answers:
-        _answers[key] = _time(req, rest if causal else None, isinstance(pad, Lengths), L, one_by_one)
+        _answers[key] = _time(req, rest if causal else None, isinstance(pad, Lengths), rows, keys, one_by_one)
     return _answers[key]
 
 
-def _time(req: Request, rest: Mask | None, right: bool, L: int, one_by_one) -> bool:
-    """Both ways over :data:`PROBE_ROWS` fresh rows of ``L`` positions holding ``L`` down to ``L/2`` tokens."""
+def _time(req: Request, rest: Mask | None, right: bool, rows: int, keys: int, one_by_one) -> bool:
+    """Both ways over :data:`PROBE_ROWS` fresh rows of ``rows`` queries and ``keys`` keys, ``keys`` down to ``keys/2`` real."""
     grad = req.differentiated
-    real = torch.tensor([L - (L // 2) * r // PROBE_ROWS for r in range(PROBE_ROWS)])
-    pad = lengths(real) if right else starts(L - real)
+    real = torch.tensor([keys - (keys // 2) * r // PROBE_ROWS for r in range(PROBE_ROWS)])
+    pad = lengths(real) if right else starts(keys - real)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode(False), torch.enable_grad() if grad else torch.no_grad():
-        q, k, v = (torch.randn(PROBE_ROWS, heads, L, size, generator=gen).to(device=req.q.device, dtype=req.q.dtype)
-                   for heads, size in ((req.heads, req.q.shape[-1]), (req.kv_heads, req.q.shape[-1]),
-                                       (req.kv_heads, req.v.shape[-1])))  # fmt: skip
+        q, k, v = (torch.randn(PROBE_ROWS, heads, n, size, generator=gen).to(device=req.q.device, dtype=req.q.dtype)
+                   for heads, n, size in ((req.heads, rows, req.q.shape[-1]), (req.kv_heads, keys, req.q.shape[-1]),
+                                          (req.kv_heads, keys, req.v.shape[-1])))  # fmt: skip
         inputs = [x.requires_grad_() for x in (q, k, v)] if grad else []
         bias = None if isinstance(req.bias, Tensor) else req.bias  # a lazy bias costs the same at any length
         probe = replace(req, q=q, k=k, v=v, mask=pad if rest is None else pad & rest, bias=bias, score_mod=None,
