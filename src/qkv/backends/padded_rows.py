@@ -16,7 +16,9 @@ of 256 one by one lost (its kernel is slow at key lengths that are not a multipl
 block). So it is timed, once per size class (:func:`groups_faster`): the dtype, whether
 gradients flow, the padding side, whether ``rest`` is an offset range (causal), the heads
 and head sizes, the query and key lengths rounded down to powers of two, the score and the kind of
-bias (a lazy one is timed with the call's own; a dense tensor is left out).
+bias (a lazy one is timed with the call's own; a dense tensor is left out). A probe costs
+its class's first call about 0.1 s without gradients and 0.6 s with them (rows of 256,
+h = 8, d = 64, on the AMD EPYC), once per process.
 """
 
 from __future__ import annotations
