@@ -107,14 +107,16 @@ def _padded(req: Request) -> str | None:
         return "the rows' lengths are read on the host, which a call on meta tensors cannot do"
     if documents_of(rest)[0] is not None:
         return "documents and padding together go to the engines"
-    if req.score_mod is not None and _in_groups(req):
+    if req.score_mod is not None and padded_rows.in_groups(req, pad, rest, _one_by_one):
         return "short rows go in groups, whose calls renumber the batch rows a score_mod reads"
     return None
 
 
-def _padded_segments(req: Request) -> list[Segment]:
-    """One segment per batch row: its real keys, and the rows that see one of them (all, unless ``rest`` is an offset range)."""
-    pad, rest = padding_of(req.mask)
+def _padded_segments(req: Request, pad: Mask, rest: Mask | None) -> list[Segment]:
+    """One segment per batch row: its real keys, and the rows that see one of them (all, unless ``rest`` is an offset range).
+
+    ``pad, rest``: ``padding_of(req.mask)``.
+    """
     ends = padding_ends(pad).tolist()
     found = []
     for n in range(req.q.shape[0]):
@@ -136,7 +138,7 @@ def segments(req: Request) -> list[Segment]:
     """The documents of ``req`` as segments: the rest of the mask, the bias and the score_mod framed at each."""
     docs, rest = documents_of(req.mask)
     if docs is None:
-        return _padded_segments(req)
+        return _padded_segments(req, *padding_of(req.mask))
     runs = docs.runs()
     found = []
     for n in range(req.q.shape[0]):
@@ -149,22 +151,20 @@ def segments(req: Request) -> list[Segment]:
     return found
 
 
-def _in_groups(req: Request) -> bool:
-    """Whether a padded batch's short rows go in groups (``backends.padded_rows``: timed once per size class)."""
-    pad, rest = padding_of(req.mask)
-    return padded_rows.in_groups(req, pad, rest, _one_by_one)
-
-
 def _one_by_one(req: Request) -> tuple[Tensor, Tensor | None]:
     """A padded batch as one call per row over its real keys."""
-    return run_segments(req, _padded_segments(req))
+    return run_segments(req, _padded_segments(req, *padding_of(req.mask)))
 
 
 def run(req: Request) -> tuple[Tensor, None, Tensor | None]:
-    if documents_of(req.mask)[0] is None and _in_groups(req):
-        out, lse = padded_rows.run_row_groups(req)
-    else:
+    if documents_of(req.mask)[0] is not None:
         out, lse = run_segments(req, segments(req))
+    else:  # a padded batch: short rows in groups (``backends.padded_rows``: timed once per size class) or a call per row
+        pad, rest = padding_of(req.mask)
+        if padded_rows.in_groups(req, pad, rest, _one_by_one):
+            out, lse = padded_rows.run_row_groups(req)
+        else:
+            out, lse = run_segments(req, _padded_segments(req, pad, rest))
     return out, None, lse
 
 
@@ -272,23 +272,19 @@ def _cut(req: Request, parts: list[Segment]) -> list[tuple[Tensor, Tensor, Tenso
     input is sliced per segment as before.
     """
     b = req.q.shape[0]
-    inputs = (req.q, req.k, req.v)
-    rows = [x.split(1) if b > 1 and x.shape[0] == b else (x,) * b for x in inputs]
-    spans: list[list[dict[tuple[int, int], Tensor]]] = [[{} for _ in range(b)] for _ in inputs]
-    for which, along in enumerate(("rows", "keys", "keys")):
-        ranges: list[set[tuple[int, int]]] = [set() for _ in range(b)]
-        for part in parts:
-            if part.block.it and part.block.jt:
-                blk = part.block
-                ranges[part.row].add((blk.r0, blk.r0 + blk.it) if along == "rows" else (blk.c0, blk.c0 + blk.jt))
-        for n in range(b):
-            spans[which][n] = _pieces(rows[which][n], sorted(ranges[n]))
+    rows = [x.split(1) if b > 1 and x.shape[0] == b else (x,) * b for x in (req.q, req.k, req.v)]
+    live = [p for p in parts if p.block.it and p.block.jt]
+    queries, keys = [set() for _ in range(b)], [set() for _ in range(b)]
+    for p in live:
+        queries[p.row].add((p.block.r0, p.block.r0 + p.block.it))
+        keys[p.row].add((p.block.c0, p.block.c0 + p.block.jt))
+    cut = [[_pieces(rows[w][n], sorted((queries if w == 0 else keys)[n])) for n in range(b)] for w in range(3)]
     found = []
-    for part in parts:
-        blk, n = part.block, part.row
-        keys = (blk.r0, blk.r0 + blk.it), (blk.c0, blk.c0 + blk.jt), (blk.c0, blk.c0 + blk.jt)
-        found.append(tuple(spans[w][n][span] if span in spans[w][n] else rows[w][n][:, :, span[0] : span[1]]
-                           for w, span in enumerate(keys)))  # fmt: skip
+    for p in parts:
+        blk, n = p.block, p.row
+        spans = (blk.r0, blk.r0 + blk.it), (blk.c0, blk.c0 + blk.jt), (blk.c0, blk.c0 + blk.jt)
+        found.append(tuple(cut[w][n][span] if span in cut[w][n] else rows[w][n][:, :, span[0] : span[1]]
+                           for w, span in enumerate(spans)))  # fmt: skip
     return found
 
 
