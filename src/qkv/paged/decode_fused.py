@@ -13,11 +13,14 @@ query rows of that head, so grouped heads need no copy of the keys::
 outside the window, plus ALiBi's ``slope · (kp - qp)``; the scale goes to the kernel.
 ``qkv.paged.decode`` merges the items by their log-sum-exp.
 
-Two things of the kernel are set right here. A row whose every key is masked comes back with
-``lse = 0``: it is set to ``-inf``. And an unfilled slot is read, weighted 0: where it holds
-nan or inf (a pool from ``torch.empty``) the product ``0 · nan`` reaches the output, so an
-item whose output is not finite runs again with its unseen keys and values zeroed (a nan in
-a seen key stays a nan, as it would in the attention written out).
+Two things of the kernel are set right. A row whose every key is masked comes back with
+``lse = 0``: it is set to ``-inf`` (only where a window or ALiBi's mask can hide a whole
+item; with the unfilled slots alone, an item with no key is a filler block, dropped by the
+merge). And an unfilled slot is read, weighted 0: where it holds nan or inf (a pool from
+``torch.empty``) the product ``0 · nan`` reaches the output, so ``qkv.paged.decode`` checks
+the merged step and, where it is not finite, :func:`repair` runs the items whose output is
+not finite again with their unseen keys and values zeroed (a nan in a seen key stays a nan,
+as it would in the attention written out).
 
 One kernel call per tile instead of one per request: measured on the Intel Xeon, 32 requests
 of 64 to 2048 keys took 2.2 ms in one call of 256-key items against 3.2 ms in 32 calls of
@@ -25,8 +28,6 @@ SDPA's kernel over each request's contiguous keys.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -45,7 +46,8 @@ def usable(q: Tensor, pages, opts: Options) -> bool:
 def attend(q: Tensor, qpos: Tensor, where: Layout, pages, opts: Options, masks: dict) -> tuple[Tensor, Tensor]:
     """Per slot of ``where`` ``(out (M, g, x, e), lse (M, g, x))``: queries ``q (M, g, x, d)`` at ``qpos (M,)``
     against the slot's keys and values in ``pages``, one kernel call per tile. ``masks`` keeps the plain
-    masks (no window, no ALiBi) for the next layer of the same step."""
+    masks (no window, no ALiBi) for the next layer of the same step. An output that is not finite is
+    left as the kernel gave it: see :func:`repair`."""
     if not _plain(opts):
         mask, any_seen = _masks(q, qpos, where, opts)
     else:  # the table alone decides them
@@ -59,9 +61,17 @@ def attend(q: Tensor, qpos: Tensor, where: Layout, pages, opts: Options, masks: 
         outs.append(out)
         lses.append(lse)
     out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
-    if not math.isfinite(float(out.sum())):  # one pass to ask; then which items, and only those again
-        out, lse = _without_unseen(q, where, pages, mask, opts, out, lse)
+    if _plain(opts):  # an item without a key is a filler, whose owner the merge drops
+        return out, lse
     return out, torch.where(any_seen, lse, float("-inf"))  # the kernel's lse is 0 for a row with no key
+
+
+def repair(q: Tensor, qpos: Tensor, where: Layout, pages, opts: Options, masks: dict, out: Tensor,
+           lse: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """:func:`attend`'s ``(out, lse)`` with the items whose output is not finite run again, their unseen keys and
+    values zeroed (masked slots that held nan or inf); a nan at a seen key stays."""
+    mask = masks[q.dtype][0] if _plain(opts) else _masks(q, qpos, where, opts)[0]
+    return _without_unseen(q, where, pages, mask, opts, out, lse)
 
 
 def _masks(q: Tensor, qpos: Tensor, where: Layout, opts: Options) -> tuple[Tensor, Tensor]:

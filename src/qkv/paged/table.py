@@ -41,7 +41,7 @@ class PageTable:
     def breaks(self) -> list[int]:
         """Where page ids stop being consecutive: each ``b`` with ``indices[b] != indices[b - 1] + 1``, ascending."""
         ids = self.indices
-        return (ids[1:] != ids[:-1] + 1).nonzero().flatten().add_(1).tolist() if ids.numel() > 1 else []
+        return [b + 1 for b in torch.diff(ids).ne_(1).nonzero().view(-1).tolist()] if ids.numel() > 1 else []
 
     def pages(self, r: int) -> Tensor:
         """Request ``r``'s page ids, in order: ``(pages,)``."""
@@ -55,6 +55,8 @@ def _ints(name: str, x, device) -> Tensor:
         raise TypeError(f"{name}: expected an integer tensor (int32 or int64), got {x.dtype}")
     if x.dim() != 1:
         raise ValueError(f"{name}: expected a 1-d tensor, got shape {tuple(x.shape)}")
+    if x.dtype == torch.long and x.device == torch.device(device):
+        return x  # (a step's planning runs from cold caches: each skipped operation counts)
     return x.to(device=device, dtype=torch.long)
 
 
