@@ -229,3 +229,40 @@ def test_a_mask_made_under_inference_mode_takes_the_lane_and_is_read_every_call(
         zero_row = qkv.attention(q, k, v, mask=mask, backend="sdpa")
     assert before is not None and torch.equal(before, full)
     assert torch.equal(after, zero_row) and torch.equal(after[0], torch.zeros_like(after[0]))
+
+
+def test_a_plan_reused_for_new_tensors_equals_the_full_path_bit_for_bit():
+    """``again``: a model's next layer in the same forward (new q, k, v of the planned shapes) runs the plan."""
+    mask = _padding(2, 9, [3, 0])
+    q, k, v = _inputs(i=1, j=9)
+    with torch.no_grad():
+        decided = sdpa_plain.plan(q, k, v, "scaled_dot", False, 0.125, mask)
+        assert decided is not None
+        for seed in (1, 2):
+            q2, k2, v2 = _inputs(i=1, j=9, seed=seed)
+            out = sdpa_plain.again(decided, q2, k2, v2)
+            full = qkv.attention(q2, k2, v2, mask=mask, scale=0.125, backend="sdpa")
+            assert out is not None and torch.equal(out, full)
+
+
+def test_a_reused_plan_declines_what_its_checks_see():
+    """``again`` answers None (the caller takes the full path) for other shapes or dtypes, tensor subclasses,
+    another device's or layout's tensors, a gradient into a masked call, a mask changed in place since,
+    and a value that is not finite; the plan is never silently applied to a call it was not made for."""
+    mask = _padding(2, 9, [3, 0])
+    q, k, v = _inputs(i=1, j=9)
+    with torch.no_grad():
+        decided = sdpa_plain.plan(q, k, v, "scaled_dot", False, 0.125, mask)
+        assert sdpa_plain.again(decided, *_inputs(i=2, j=9)) is None  # other shapes
+        assert sdpa_plain.again(decided, *_inputs(i=1, j=9, dtype=torch.float64)) is None  # other dtype
+        assert sdpa_plain.again(decided, torch.nn.Parameter(q), k, v) is None  # a subclass
+        assert sdpa_plain.again(decided, q.to("meta"), k.to("meta"), v.to("meta")) is None  # not on the CPU
+        bad = v.clone()
+        bad[0, :, 1] = float("nan")  # in row 0's hidden keys: the full path zeroes them
+        assert sdpa_plain.again(decided, q, k, bad) is None
+    grad = [x.clone().requires_grad_() for x in (q, k, v)]
+    assert sdpa_plain.again(decided, *grad) is None  # a differentiated masked call guards its hidden keys first
+    with torch.no_grad():
+        assert sdpa_plain.again(decided, q, k, v) is not None
+        mask.mask[0] = False  # changed in place since the plan: its attn_mask is stale
+        assert sdpa_plain.again(decided, q, k, v) is None

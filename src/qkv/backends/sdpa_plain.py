@@ -13,6 +13,7 @@ takes the full path.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -22,6 +23,21 @@ from ..masks import Dense, Window
 from ..scores import Dot, ScaledDot
 from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel
 from .tiling import flash_cpu
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`plan` decided for a plain call: the kernel's arguments, and what a call of the same shapes must match."""
+
+    shapes: tuple  # (q.shape, k.shape, v.shape)
+    dtype: torch.dtype
+    attn_mask: Tensor | None
+    live_rows: Tensor | None  # (..., i, 1) ones and zeros: rows that see no key are zeroed after the kernel
+    is_causal: bool
+    scale: float
+    grouped: bool
+    mask_tensor: Tensor | None  # the Dense mask's tensor, and its version when planned (None: not kept)
+    mask_version: int | None
 
 
 def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: object,
@@ -46,6 +62,13 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     (``hidden_keys.after``): a value that is not finite answers None, and the full path runs
     the call again on zeroed hidden keys.
     """
+    decided = plan(q, k, v, score, causal, scale, mask)
+    return None if decided is None else run(decided, q, k, v)
+
+
+def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: object,
+         mask: object = None) -> Plan | None:  # fmt: skip
+    """:func:`plain`'s checks and choices for this call, or None when it is not plain."""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return None  # Parameters, FakeTensors and other subclasses take the full path
     if q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided or q.is_nested:
@@ -90,13 +113,47 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
         scale = default
     elif type(scale) is not float or not math.isfinite(scale):
         return None
-    if attn_mask is None:
-        return _kernel(q, k, v, None, 0.0, is_causal, scale, h != g)
-    attn_mask, live_rows = attn_mask
-    out = _kernel(q, k, v, attn_mask, 0.0, False, scale, h != g)
-    if live_rows is not None:
-        out = out * live_rows
-    return out if math.isfinite(float(out.sum())) else None  # NaN or inf: the full path zeroes the hidden keys
+    tensor = mask.mask if attn_mask is not None else None
+    attn_mask, live_rows = attn_mask if attn_mask is not None else (None, None)
+    return Plan((q.shape, k.shape, v.shape), dtype, attn_mask, live_rows, is_causal, scale, h != g, tensor,
+                None if tensor is None else version(tensor))  # fmt: skip
+
+
+def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+    """The kernel's output for the call :func:`plan` decided, or None where it is not finite (the full path then
+    zeroes the hidden keys)."""
+    if decided.attn_mask is None:
+        return _kernel(q, k, v, None, 0.0, decided.is_causal, decided.scale, decided.grouped)
+    out = _kernel(q, k, v, decided.attn_mask, 0.0, False, decided.scale, decided.grouped)
+    if decided.live_rows is not None:
+        out = out * decided.live_rows
+    return out if math.isfinite(float(out.sum())) else None
+
+
+def again(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+    """:func:`run` for another call with the arguments the plan was made for but new tensors (a model's next
+    layer in the same forward), after the checks that can differ between such calls; else None.
+
+    The score, scale and mask are the plan's, so what is checked is the tensors: plain CPU
+    strided ``Tensor``s of the planned shapes and dtype, no gradient into a masked call, and
+    the mask's tensor not changed in place since. Whether a trace is running is not asked
+    again: within one eager forward it does not start (a traced forward's first layer made
+    no plan).
+    """
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return None
+    if (q.shape, k.shape, v.shape) != decided.shapes or q.dtype != decided.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
+        return None
+    if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.is_nested:
+        return None
+    if q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided:
+        return None
+    if decided.mask_tensor is not None:
+        if decided.mask_version is None or version(decided.mask_tensor) != decided.mask_version:
+            return None  # kept under inference_mode (no version), or changed in place since
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return None
+    return run(decided, q, k, v)
 
 
 def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -> tuple[Tensor, Tensor | None] | None:
