@@ -25,7 +25,7 @@ from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kern
 from .tiling import flash_cpu
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
     """What :func:`plan` decided for a plain call: the kernel's arguments, and what a call of the same shapes must match."""
 
