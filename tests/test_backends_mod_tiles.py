@@ -18,7 +18,7 @@ import torch
 
 import qkv
 from qkv.backends import engines
-from qkv.backends.engines import mod_tiles
+from qkv.backends.engines import mod_tiles, mod_tiles_parts
 from qkv.backends.tiling import cap_range, threads, tile_math
 
 B, H, G, I, J, D, E = 2, 6, 3, 9, 14, 11, 13
@@ -174,12 +174,12 @@ def test_huge_logits_saturate_without_overflow():
     kw = dict(score_mod=qkv.SoftCap(0.05), causal=True)
     plan = mod_tiles.plan_of(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
                                              scale=0.3, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(0.05)))  # fmt: skip
-    ops = mod_tiles._operands(plan, q, k, v)
+    ops = mod_tiles_parts.operands(plan, q, k, v)
     q_mm, k_mm, factor = ops.q, ops.k, ops.factor
     assert cap_range.needs_clamp(plan.bias is not None, q_mm, k_mm, factor)
     small = mod_tiles.plan_of(qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False,
                                               scale=1e-4, dropout=0.0, return_weights=False, score_mod=qkv.SoftCap(50.0)))  # fmt: skip
-    ops = mod_tiles._operands(small, q, k, v)
+    ops = mod_tiles_parts.operands(small, q, k, v)
     q_mm, k_mm, factor = ops.q, ops.k, ops.factor
     assert not cap_range.needs_clamp(small.bias is not None, q_mm, k_mm, factor)
     got, expected = run("chunked", q, k, v, **kw), run("reference", q, k, v, **kw)
@@ -288,7 +288,7 @@ def _fixed(cap, q, k, v):
     req = qkv.checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False, scale=None, dropout=0.0,
                              return_weights=False, score_mod=qkv.SoftCap(cap))  # fmt: skip
     plan = mod_tiles.plan_of(req)
-    ops = mod_tiles._operands(plan, q, k, v)
+    ops = mod_tiles_parts.operands(plan, q, k, v)
     return cap_range.fixed_base(plan.cap, ops.v, ops.forms, ops.acc)
 
 

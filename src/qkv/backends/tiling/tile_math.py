@@ -117,7 +117,7 @@ def _timed_forms() -> Forms:
 
 
 def expm1_(z: Tensor, clamp: bool) -> Tensor:
-    """``E = expm1(z)`` in place; ``z`` clamped at 40 first unless it is known to stay below (``mod_tiles._needs_clamp``)."""
+    """``E = expm1(z)`` in place; ``z`` clamped at 40 first unless it is known to stay below (``cap_range.needs_clamp``)."""
     return torch.expm1_(z.clamp_(max=40.0) if clamp else z)
 
 
