@@ -80,6 +80,25 @@ def test_every_backend_agrees_with_the_literal_oracle_and_the_reference(name, ca
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
+
+@pytest.mark.parametrize("scale", [-0.5, 0.0], ids=["negative", "zero"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", sorted(backends.REGISTRY))
+def test_a_scale_that_is_not_positive_gives_the_softmax_on_every_backend(name, causal, scale):
+    """PyTorch's fused CPU kernel with its causal flag gives nan rows for a scale <= 0 (torch 2.13): qkv must not."""
+    q, k, v = _inputs(torch.float64, 3, J)  # i == j: the kernel's own causal square
+    lazy, allowed = ref.mask_case("none", B, J, J, causal=causal)
+    reason = backends.REGISTRY[name].supports(checks.request(q, k, v, **{**_PLAIN, "causal": causal, "scale": scale}))
+    if reason is not None:
+        pytest.skip(reason)
+    expected, _ = ref.literal_attention(q.detach(), k.detach(), v.detach(), scale=scale, mask=allowed)
+    out = qkv.attention(q, k, v, causal=causal, scale=scale, backend=name)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+    g_ref = _grads(qkv.attention(q, k, v, causal=causal, scale=scale, backend="reference"), (q, k, v))
+    for a, b in zip(_grads(out, (q, k, v)), g_ref, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
 def _dead_rows_case(case):
     """``(q, k, v, kwargs, dead)``: float64 b=2, h=6, g=3, j=7 inputs and a mask under which the
     query rows ``dead`` of batch 0 see no key (batch 1 keeps every row alive)."""

@@ -108,19 +108,86 @@ def test_gradients_equal_torch():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def _same_as_torch(q, k, v, **kw):
+    want = F.scaled_dot_product_attention(q, k, v, **kw)
+    got = qkv.scaled_dot_product_attention(q, k, v, **kw)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_query_and_value_broadcast_too_and_ranks_may_differ():
+    """PyTorch's products broadcast every batch dim of q, k and v (the heads too without enable_gqa)."""
+    q, k, v = inputs(5, 7)
+    _same_as_torch(q[:1], k, v)  # the query shared by the batch
+    _same_as_torch(q, k, v[:1])  # values shared, keys not
+    _same_as_torch(q, k[0], v[0])  # keys and values without the batch dim
+    _same_as_torch(q, k[0, 0], v[0, 0])  # ... nor the heads'
+    _same_as_torch(q[0], k, v)  # a query of lower rank
+    _same_as_torch(q, k[:, :1], v[:, :1])  # one KV head broadcast to every query head, no flag
+    q, k, v = inputs(5, 7, kv_heads=H)
+    _same_as_torch(q, k[:1], v, enable_gqa=True)  # grouped heads, batch dims broadcast before them
+
+
+def test_no_features_give_every_key_the_logit_zero():
+    q, k, v = inputs(5, 7)
+    q, k = q[..., :0], k[..., :0]
+    _same_as_torch(q, k, v)
+    _same_as_torch(q, k, v, is_causal=True, scale=2.0)
+
+
+def test_dropout_of_one_drops_every_weight():
+    q, k, v = (x.requires_grad_() for x in inputs(5, 7))
+    out = qkv.scaled_dot_product_attention(q, k, v, dropout_p=1.0)
+    assert out.shape == (N, HQ, 5, EV) and not out.any()
+    assert not any(g.any() for g in torch.autograd.grad(out.sum(), (q, k, v)))
+
+
+def test_a_tensor_scale_is_its_number():
+    q, k, v = inputs(5, 7)
+    _same_as_torch(q, k, v, scale=torch.tensor(0.5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
+def test_a_scale_that_is_not_positive_is_the_softmax(scale):
+    """PyTorch's mask path gives the softmax; its kernel's ``is_causal`` gives nan rows there (torch 2.13), qkv doesn't."""
+    q, k, v = inputs(6, 6)
+    tril = torch.ones(6, 6, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=tril, scale=scale)
+    for got in (qkv.scaled_dot_product_attention(q, k, v, attn_mask=tril, scale=scale),
+                qkv.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)):  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_errors_are_torchs():
     q, k, v = inputs(5, 7, kv_heads=H)
     with pytest.raises(RuntimeError, match="Explicit attn_mask should not be set when is_causal=True"):
         qkv.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.bool), is_causal=True)
     with pytest.raises(RuntimeError, match=r"The size of tensor a \(6\) must match the size of tensor b \(3\)"):
         qkv.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(RuntimeError, match="Expected attn_mask dtype to be bool or float or to match query dtype"):
+        qkv.scaled_dot_product_attention(*(x.float() for x in inputs(5, 7)), attn_mask=torch.zeros(5, 7, dtype=torch.float64))
+    for name in ("is_causal", "enable_gqa"):
+        with pytest.raises(TypeError, match=f"argument '{name}' must be bool, not NoneType"):
+            qkv.scaled_dot_product_attention(q, k, v, **{name: None})
+    with pytest.raises(ValueError, match="value: 6 heads but key has 3"):  # PyTorch repeats each; qkv needs one count
+        qkv.scaled_dot_product_attention(q, k, inputs(5, 7)[2], enable_gqa=True)
 
 
-@pytest.mark.parametrize("name, hint", [("attn_mask", "mask="), ("is_causal", "causal="), ("dropout_p", "dropout="),
-                                        ("enable_gqa", "understood without a flag")])  # fmt: skip
-def test_qkv_attention_answers_sdpa_keywords_with_its_own_names(name, hint):
+@pytest.mark.parametrize("name, origin, hint", [
+    ("attn_mask", "F.scaled_dot_product_attention", "mask="), ("is_causal", "F.scaled_dot_product_attention", "causal="),
+    ("dropout_p", "F.scaled_dot_product_attention", "dropout="),
+    ("enable_gqa", "F.scaled_dot_product_attention", "understood without a flag"),
+    ("softmax_scale", "flash_attn_func", "scale="), ("window_size", "flash_attn_func", r"qkv.masks.window\(left, right\)"),
+    ("softcap", "flash_attn_func", r"qkv.SoftCap\(cap\)"), ("alibi_slopes", "flash_attn_func", r"qkv.ALiBi"),
+    ("return_attn_probs", "flash_attn_func", "return_weights=True"),
+    ("cu_seqlens_q", "flash_attn_varlen_func", "qkv.varlen_attention"),
+    ("block_mask", "flex_attention", r"qkv.masks.from_mask_mod\(mask_mod\)"),
+    ("key_padding_mask", "nn.MultiheadAttention.forward", "~key_padding_mask"),
+    ("need_weights", "nn.MultiheadAttention.forward", "return_weights="),
+])  # fmt: skip
+def test_qkv_attention_answers_other_libraries_keywords_with_its_own_names(name, origin, hint):
     q, k, v = inputs(5, 7)
-    with pytest.raises(TypeError, match=f"attention: {name}= is F.scaled_dot_product_attention's keyword; qkv.attention takes .*{hint}"):
+    with pytest.raises(TypeError, match=f"attention: {name}= is {origin}'s keyword; qkv.attention takes .*{hint}"):
         qkv.attention(q, k, v, **{name: None})
     with pytest.raises(TypeError, match="attention\\(\\) got an unexpected keyword argument 'colour'"):
         qkv.attention(q, k, v, colour=1)

@@ -79,6 +79,11 @@ def request(
         mask.reset()
     bias = _bias(bias, target, q)
     scale = _scale(scale, score, q.shape[-1])
+    if scale <= 0 and score.dot_form:
+        # PyTorch's fused CPU kernel drops its own causal mask when the scale is not positive (its
+        # hidden logits turn to nan: torch 2.13, also F.scaled_dot_product_attention's is_causal).
+        # scale·q·k = (-scale)·(-q)·k exactly, and a scale of 0 is the logit 0·q·k on every engine.
+        q, scale = (q.neg(), -scale) if scale < 0 else (q * 0.0, 1.0)
     dropout = probability("dropout", dropout)
     sinks = _sinks(sinks, q)
     score_mod = score_mods.check(score_mod)

@@ -125,20 +125,31 @@ def attention(
     return results[0] if len(results) == 1 else tuple(results)
 
 
-#: ``F.scaled_dot_product_attention``'s keywords, and what ``qkv.attention`` calls them.
-SDPA_NAMES = {
-    "attn_mask": "mask= (bool, True = may attend) or bias= (float, added to the logits)",
-    "is_causal": "causal= (aligned bottom-right; qkv.scaled_dot_product_attention keeps SDPA's top-left)",
-    "dropout_p": "dropout=",
-    "enable_gqa": "nothing: grouped KV heads (h % g == 0) are understood without a flag",
+_SDPA, _FLASH, _FLEX, _MHA = "F.scaled_dot_product_attention", "flash_attn_func", "flex_attention", "nn.MultiheadAttention.forward"
+#: Other libraries' keywords for what ``qkv.attention`` takes, and what it calls them.
+FOREIGN_NAMES = {
+    "attn_mask": (_SDPA, "mask= (bool, True = may attend) or bias= (float, added to the logits)"),
+    "is_causal": (_SDPA, "causal= (aligned bottom-right; qkv.scaled_dot_product_attention keeps SDPA's top-left)"),
+    "dropout_p": (_SDPA, "dropout="),
+    "enable_gqa": (_SDPA, "nothing: grouped KV heads (h % g == 0) are understood without a flag"),
+    "softmax_scale": (_FLASH, "scale="),
+    "window_size": (_FLASH, "mask=qkv.masks.window(left, right) (None for flash-attn's -1)"),
+    "softcap": (_FLASH, "score_mod=qkv.SoftCap(cap)"),
+    "alibi_slopes": (_FLASH, "bias=qkv.ALiBi(h, slopes=alibi_slopes)"),
+    "return_attn_probs": (_FLASH, "return_weights=True (and return_lse=True)"),
+    "cu_seqlens_q": ("flash_attn_varlen_func", "nothing: qkv.varlen_attention takes flash_attn_varlen_func's arguments as they are"),
+    "block_mask": (_FLEX, "mask=qkv.masks.from_mask_mod(mask_mod) (qkv.flex_attention takes a BlockMask as it is)"),
+    "key_padding_mask": (_MHA, "mask= (bool, True = may attend: ~key_padding_mask[:, None, None, :])"),
+    "need_weights": (_MHA, "return_weights="),
 }
 
 
 def _unknown_keywords(unknown: dict) -> None:
-    """A ``TypeError`` naming each keyword qkv does not take, with qkv's name for SDPA's."""
+    """A ``TypeError`` naming each keyword qkv does not take, with qkv's name for another library's."""
     name = sorted(unknown)[0]
-    if name in SDPA_NAMES:
-        raise TypeError(f"attention: {name}= is F.scaled_dot_product_attention's keyword; qkv.attention takes {SDPA_NAMES[name]}")
+    if name in FOREIGN_NAMES:
+        origin, hint = FOREIGN_NAMES[name]
+        raise TypeError(f"attention: {name}= is {origin}'s keyword; qkv.attention takes {hint}")
     raise TypeError(f"attention() got an unexpected keyword argument {name!r}")
 
 

@@ -13,11 +13,17 @@ SDPA would build the mask). PyTorch's semantics are kept where they differ from
   of a cache sees every key). Both agree when ``L == S``. With ``L < S`` no query sees the
   keys from ``L`` on: the call runs on the first ``L`` keys (their gradients are 0), the
   kernel's causal square.
-* ``attn_mask`` is a bool mask (True = take part) or a float mask added to the scores;
-  ``attn_mask`` with ``is_causal=True`` is an error, as in PyTorch.
-* ``key`` and ``value`` broadcast along the leading dims of ``query``; grouped heads need
-  ``enable_gqa=True``.
+* ``attn_mask`` is a bool mask (True = take part) or a float mask added to the scores, in
+  float32 or the query's dtype; ``attn_mask`` with ``is_causal=True`` is an error, as
+  PyTorch documents it (torch 2.13's CPU path joins the two instead).
+* ``query``, ``key`` and ``value`` broadcast along every batch dim, as PyTorch's products
+  do: a dim of 1 or a missing one (a lower rank), the heads too; with ``enable_gqa=True``
+  and fewer KV heads the heads are grouped instead (``key`` and ``value`` with one count).
 * A query whose keys are all masked gets zeros, as PyTorch's CPU kernels give.
+* Head size 0: every logit is 0, whatever the scale; ``dropout_p=1``: zeros; a one-element
+  tensor ``scale`` is read as its number.
+* A scale ``<= 0`` with ``is_causal`` gives the softmax; PyTorch's CPU kernel gives nan
+  rows there (its flag's hidden logits turn to nan; its mask path is right).
 
 Checked against ``F.scaled_dot_product_attention`` over masks, causal, scales, GQA,
 broadcasting and dtypes in ``tests/test_torch_sdpa.py``.
@@ -43,33 +49,77 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
 ) -> Tensor:
     """``F.scaled_dot_product_attention``'s call, on qkv: ``(N…, Hq, L, Ev)``."""
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be bool, not {type(flag).__name__}")
     if attn_mask is not None and is_causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3] and not enable_gqa:
-        raise RuntimeError(
-            f"The size of tensor a ({query.shape[-3]}) must match the size of tensor b ({key.shape[-3]}) at "
-            f"non-singleton dimension {query.dim() - 3}; set enable_gqa=True for grouped-query attention"
-        )
-    lead = query.shape[:-3] if query.dim() >= 3 else ()
-    if key.dim() == query.dim() and key.shape[:-3] != lead:  # PyTorch broadcasts K/V over the batch dims
-        key = key.expand(*lead, *key.shape[-3:])
-        value = value.expand(*lead, *value.shape[-3:])
+    if isinstance(scale, Tensor):  # PyTorch reads a one-element tensor as its number
+        scale = float(scale)
+    query, key, value = _broadcast(query, key, value, enable_gqa)
     mask, bias = None, None
     if attn_mask is not None:
         if not isinstance(attn_mask, Tensor):
             raise TypeError(f"attn_mask: expected a bool or float tensor, got {type(attn_mask).__name__}")
         if attn_mask.dtype == torch.bool:
             mask = attn_mask
-        elif attn_mask.dtype.is_floating_point:
+        elif attn_mask.dtype in (torch.float32, query.dtype):
             bias = attn_mask
         else:
-            raise TypeError(f"attn_mask: expected a bool or float tensor, got {attn_mask.dtype}")
+            raise RuntimeError(f"Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+                               f"attn_mask.dtype: {attn_mask.dtype} and query.dtype: {query.dtype} instead.")  # fmt: skip
+    if query.shape[-1] == 0:  # no features: every logit is 0 (the sum of no products), whatever the scale
+        query, key, scale = _one_zero_feature(query), _one_zero_feature(key), 1.0
     if is_causal:
         i, j = query.shape[-2], key.shape[-2]
         if 0 < i < j:  # top-left: no query sees the keys from i on; the kernel's causal square, those never read
             key, value, j = key[..., :i, :], value[..., :i, :], i
         mask = causal() if i == j else offsets(None, i - j)  # top-left: key c <= query r
+    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p == 1:
+        # every weight dropped: zeros, and zero gradients (PyTorch's dropout at p = 1)
+        out = attention(query, key, value, mask=mask, bias=bias, scale=scale)
+        return torch.where(torch.zeros((), dtype=torch.bool, device=out.device), out, 0.0)
     return attention(query, key, value, mask=mask, bias=bias, scale=scale, dropout=dropout_p)
+
+
+def _broadcast(query: Tensor, key: Tensor, value: Tensor, grouped: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``query``, ``key``, ``value`` expanded (views) to one batch shape, as PyTorch's products broadcast them.
+
+    Every dim but the last two broadcasts, the heads included; with ``enable_gqa`` and head
+    counts that differ, the heads (dim -3) are grouped instead, and only the dims before
+    them broadcast.
+    """
+    heads = [x.shape[-3] if x.dim() >= 3 else None for x in (query, key, value)]
+    grouped = grouped and query.dim() >= 3 and key.dim() >= 3 and heads[0] != heads[1]
+    keep = 3 if grouped else 2  # trailing dims that are each tensor's own
+    if grouped and (value.dim() < 3 or heads[2] != heads[1]):
+        raise ValueError(f"value: {heads[2]} heads but key has {heads[1]}; grouped-query attention needs one count")
+    leads = [x.shape[: max(x.dim() - keep, 0)] for x in (query, key, value)]
+    try:
+        lead = torch.broadcast_shapes(*leads)
+    except RuntimeError:
+        raise RuntimeError(_mismatch(leads, ("query", "key", "value"), grouped)) from None
+    return tuple(x.expand(*lead, *x.shape[-keep:]) if x.dim() >= keep and x.shape[:-keep] != lead else x
+                 for x in (query, key, value))  # fmt: skip
+
+
+def _one_zero_feature(x: Tensor) -> Tensor:
+    """``x (…, 0)`` with one zero feature appended: ``(…, 1)``, still in ``x``'s graph."""
+    return torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
+
+
+def _mismatch(leads: list, names: tuple[str, ...], grouped: bool) -> str:
+    """PyTorch's message for batch dims that do not broadcast, with the tensors named."""
+    rank = max(len(x) for x in leads)
+    for dim in range(rank):
+        sizes = [(n, x[dim - rank + len(x)]) for n, x in zip(names, leads) if dim - rank + len(x) >= 0]
+        (a_name, a), *rest = [(n, size) for n, size in sizes if size != 1] or [(None, 1)]
+        for b_name, b in rest:
+            if b != a:
+                hint = "; set enable_gqa=True for grouped-query attention" if dim == rank - 1 and not grouped else ""
+                return (f"The size of tensor a ({a}) must match the size of tensor b ({b}) at non-singleton dimension "
+                        f"{dim}: {a_name} and {b_name} do not broadcast{hint}")  # fmt: skip
+    return "query, key and value: their batch dims do not broadcast"

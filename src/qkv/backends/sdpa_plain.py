@@ -114,8 +114,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
         return None
     if scale is None:
         scale = default
-    elif type(scale) is not float or not math.isfinite(scale):
-        return None
+    elif type(scale) is not float or not math.isfinite(scale) or scale <= 0:
+        return None  # (a scale that is not positive: the full path, see checks.request)
     tensor = mask.mask if attn_mask is not None else None
     attn_mask, live_rows = attn_mask if attn_mask is not None else (None, None)
     return Plan((q.shape, k.shape, v.shape), dtype, attn_mask, live_rows, is_causal, scale, h != g, tensor,
