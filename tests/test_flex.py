@@ -256,6 +256,86 @@ def test_a_mask_mod_reading_a_list_is_evaluated_at_every_call():
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+
+def _flex(*args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return flex.flex_attention(*args, **kw)
+
+
+def test_a_block_mask_made_for_one_batch_row_and_head_evaluates_each_rows_and_heads_own():
+    """``B=None, H=None``: inside partial blocks flex's mask_mod sees the call's ``b`` and ``h``; so must qkv's."""
+    q, k, v = (torch.randn(2, 3, 64, 8, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in range(3))
+
+    def alternate(b, h, q_idx, kv_idx):
+        return (kv_idx + h + b) % 2 == 0
+
+    bm = flex.create_block_mask(alternate, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)  # every block partial
+    torch.testing.assert_close(qkv.flex_attention(q, k, v, block_mask=bm), _flex(q, k, v, block_mask=bm),
+                               rtol=1e-10, atol=1e-10)  # fmt: skip
+    # the same block mask at another batch and head count: nothing kept from the first call is reused
+    q2, k2, v2 = (x[:1, :2] for x in (q, k, v))
+    torch.testing.assert_close(qkv.flex_attention(q2, k2, v2, block_mask=bm), _flex(q2, k2, v2, block_mask=bm),
+                               rtol=1e-10, atol=1e-10)  # fmt: skip
+
+
+def test_a_mask_mod_reading_a_module_attribute_or_a_keyword_default_is_read_afresh():
+    import types
+
+    n = 256
+    q, k, v = (x.detach()[:1, :2, :n] for x in inputs())
+    k, v = k[:, :, :n], v[:, :, :n]
+    cfg = types.ModuleType("cfg")
+    cfg.ids = torch.arange(n) // 100
+    globals()["cfg"] = cfg  # the mask_mod names it as a global, as code reading a config module does
+    try:
+        by_module = flex.create_block_mask(lambda b, h, q_idx, kv_idx: cfg.ids[q_idx] == cfg.ids[kv_idx], None, None, n, n,
+                                           device="cpu")  # fmt: skip
+        ids = torch.arange(n) // 100
+
+        def by_default(b, h, q_idx, kv_idx, *, ids=ids):
+            return ids[q_idx] == ids[kv_idx]
+
+        by_keyword = flex.create_block_mask(by_default, None, None, n, n, device="cpu")
+        for bm in (by_module, by_keyword):
+            qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+        cfg.ids[150:] = 0
+        ids[150:] = 0
+        for bm in (by_module, by_keyword):
+            torch.testing.assert_close(qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True),
+                                       _flex(q, k, v, block_mask=bm, enable_gqa=True), rtol=1e-10, atol=1e-10)  # fmt: skip
+        cfg.ids = torch.zeros(n, dtype=torch.long)  # rebound
+        torch.testing.assert_close(qkv.flex_attention(q, k, v, block_mask=by_module, enable_gqa=True),
+                                   _flex(q, k, v, block_mask=by_module, enable_gqa=True), rtol=1e-10, atol=1e-10)  # fmt: skip
+    finally:
+        del globals()["cfg"]
+
+
+def test_any_aux_request_is_answered_with_an_aux_output():
+    q, k, v = (x.detach() for x in inputs())
+    out, aux = qkv.flex_attention(q, k, v, enable_gqa=True, return_aux=flex.AuxRequest())
+    want, want_aux = _flex(q, k, v, enable_gqa=True, return_aux=flex.AuxRequest())
+    assert isinstance(aux, flex.AuxOutput) and aux.lse is None and want_aux.lse is None
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+
+
+def test_key_and_value_of_another_dtype_compute_in_the_querys():
+    q, k, v = (x.detach() for x in inputs())
+    got = qkv.flex_attention(q.float(), k.bfloat16(), v.bfloat16(), enable_gqa=True)
+    want = _flex(q.float(), k.bfloat16(), v.bfloat16(), enable_gqa=True)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_score_mod_that_ignores_the_score_is_broadcast_to_it():
+    q, k, v = (x.detach() for x in inputs())
+
+    def distance(score, b, h, q_idx, kv_idx):
+        return -0.5 * (q_idx - kv_idx).abs().double()
+
+    torch.testing.assert_close(qkv.flex_attention(q, k, v, score_mod=distance, enable_gqa=True),
+                               _flex(q, k, v, score_mod=distance, enable_gqa=True), rtol=1e-10, atol=1e-10)  # fmt: skip
+
 # --------------------------------------------------------------------------- random calls
 
 

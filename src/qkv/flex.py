@@ -19,10 +19,15 @@ ignored. Key and value may have batch 1 under a larger query batch only with a b
 of the query's batch, as in flex (its messages otherwise). Checked against flex's own CPU
 forward in ``tests/test_flex.py``, random calls included.
 
-One difference from flex's *eager* forward, which evaluates the ``mask_mod`` at every
+A block mask made with ``B=None`` or ``H=None`` serves every batch row and head: inside its
+partial blocks the ``mask_mod`` sees each row's and query head's own ``b`` and ``h``, as in
+flex. One difference from flex's *eager* forward, which evaluates the ``mask_mod`` at every
 element: a block the block mask leaves out is never computed, as in flex's compiled kernel.
-They differ only for a block mask that is wrong for some heads or batch rows (made with
-``B=None`` or ``H=None`` for a ``mask_mod`` that reads ``b`` or ``h``).
+They differ only for a block mask whose lists are wrong for some heads or batch rows (made
+with ``B=None`` or ``H=None`` for a ``mask_mod`` that hides whole blocks from ``b = 0`` or
+``h = 0`` only), or lists written by hand (``BlockMask.from_kv_blocks``), which qkv follows.
+Key and value in another dtype than the query's are computed in the query's, as flex does;
+any ``AuxRequest`` is answered with ``(out, AuxOutput(...))``.
 
 Under ``torch.compile(fullgraph=True)``, ``torch.export`` and on ``meta`` tensors a call
 with a ``score_mod`` works as :func:`qkv.attention`'s does (``qkv.score_mods`` says which
@@ -94,11 +99,13 @@ def flex_attention(
         if key.shape[0] != 1:
             raise ValueError(f"key: expected batch {query.shape[0]} like query, or 1 (shared), got {key.shape[0]}")
         key, value = key.expand(query.shape[0], *key.shape[1:]), value.expand(query.shape[0], *value.shape[1:])
+    if key.dtype != query.dtype or value.dtype != query.dtype:  # flex computes in the query's dtype and answers in it
+        key, value = key.to(query.dtype), value.to(query.dtype)
     mask = None
     if block_mask is not None:
         if not hasattr(block_mask, "kv_num_blocks") or not hasattr(block_mask, "mask_mod"):
             raise TypeError(f"block_mask: expected torch's BlockMask (create_block_mask), got {type(block_mask).__name__}")
-        mask = FlexBlocks(block_mask)
+        mask = FlexBlocks(block_mask, batch=query.shape[0], heads=query.shape[1])
         groups = mask.diagonal_groups()
         if groups is not None:  # block-diagonal (packed documents): one ordinary call per group
             mask = documents(groups.to(query.device)) & mask
@@ -106,14 +113,14 @@ def flex_attention(
         scale = 1.0 / math.sqrt(query.shape[-1])
     result = attention(query, key, value, mask=mask, scale=scale, score_mod=score_mod, return_lse=want_lse)
     if not want_lse:
-        return result
+        return result if return_aux is None else (result, _aux(None))  # flex answers (out, AuxOutput()) to any AuxRequest
     out, lse = result
     if return_aux is not None:
         return out, _aux(lse)
     return out, lse
 
 
-def _aux(lse: Tensor):
+def _aux(lse: Tensor | None):
     """flex's ``AuxOutput(lse=...)`` (torch's own named tuple)."""
     from torch.nn.attention.flex_attention import AuxOutput
 

@@ -158,10 +158,20 @@ def apply(fn: ScoreMod, s: Tensor, t: Tile, heads: Tensor | None = None) -> Tens
     h = torch.arange(s.shape[1], device=device) if heads is None else heads.to(device)
     q_idx, kv_idx = torch.arange(t.i0, t.i1, device=device), torch.arange(t.j0, t.j1, device=device)
     out = _mods.evaluate(fn, s, b, h, q_idx, kv_idx)
+    if isinstance(out, Tensor) and out.shape != s.shape and _broadcasts_to(out.shape, s.shape):
+        # a modifier that ignores the score (a bias of the indices alone): flex expands it to the score's shape
+        out = out.expand(s.shape).contiguous()
     if not isinstance(out, Tensor) or out.shape != s.shape:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"score_mod: expected a tensor of the score's shape {tuple(s.shape)}, got {got}")
     return out if out.dtype == s.dtype else out.to(s.dtype)
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def modules(fn: object) -> list[nn.Module]:

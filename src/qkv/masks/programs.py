@@ -54,7 +54,11 @@ class MaskMod(Mask):
         if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
             got = allowed.dtype if isinstance(allowed, Tensor) else type(allowed).__name__
             raise TypeError(f"mask_mod: expected a bool tensor (True = may attend), got {got}")
-        allowed = torch.broadcast_to(allowed, (len(b), len(h), t.i1 - t.i0, t.j1 - t.j0))
+        if allowed.dim() < 4:
+            allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+        # a batch or head dim the program does not read stays 1: the tile is (b|1, h|1, it, jt)
+        lead = tuple(1 if size == 1 else n for n, size in zip((len(b), len(h)), allowed.shape[:2]))
+        allowed = torch.broadcast_to(allowed, (*lead, t.i1 - t.i0, t.j1 - t.j0))
         self._last.value = (_key(t), allowed)
         return allowed
 
@@ -91,11 +95,15 @@ class FlexBlocks(Mask):
     #: Up to this many partial blocks in a tile, the mask_mod runs on each alone (else on the whole tile).
     FEW_PARTIAL = 16
 
-    def __init__(self, block_mask):
+    def __init__(self, block_mask, batch: int | None = None, heads: int | None = None):
+        """``batch``, ``heads``: the call's, where the block mask was made for one (``B=None``, ``H=None``): its
+        partial blocks then evaluate the ``mask_mod`` at each batch row's and query head's own ``b`` and ``h``,
+        as flex does (None: at 0)."""
         self.block_mask = block_mask
         self.q_block, self.kv_block = block_mask.BLOCK_SIZE
         self.q_len, self.kv_len = block_mask.seq_lengths
-        self._mod = MaskMod(block_mask.mask_mod, *block_mask.kv_num_blocks.shape[:2])
+        B, H = block_mask.kv_num_blocks.shape[:2]
+        self._mod = MaskMod(block_mask.mask_mod, batch if B == 1 and batch else B, heads if H == 1 and heads else H)
         self._kept = _kept_for(block_mask)
         self.states, self._host = self._kept.states, self._kept.host  # (B, H, nq, nk) int8: 0 not listed, 1 partial, 2 full
 
@@ -105,7 +113,7 @@ class FlexBlocks(Mask):
         return self._host[:, :, qb, kb]
 
     def tile(self, t: Tile) -> Tensor:
-        key = _key(t)
+        key = (_key(t), self._mod.B, self._mod.H)  # (a block mask serves calls of other batches and heads)
         kept = self._kept.tiles.get(key)
         if kept is None:
             kept = self._evaluate(t)
@@ -127,15 +135,19 @@ class FlexBlocks(Mask):
         if len(spots) > self.FEW_PARTIAL or 2 * len(spots) > partial.numel():
             return torch.where(self._spread(blocks == 1, t), self._mod.tile(t), self._spread(blocks == 2, t))
         # Few partial blocks (a causal diagonal): the program runs on those blocks alone, as flex runs it.
-        allowed = self._spread(blocks == 2, t).clone()
         qb0, kb0 = t.i0 // self.q_block, t.j0 // self.kv_block
+        parts = []
         for qb, kb in spots:
             i0, i1 = max(t.i0, (qb0 + qb) * self.q_block), min(t.i1, (qb0 + qb + 1) * self.q_block)
             j0, j1 = max(t.j0, (kb0 + kb) * self.kv_block), min(t.j1, (kb0 + kb + 1) * self.kv_block)
             part = self._mod.tile(Tile(i0, i1, j0, j1, t.i_len, t.j_len, t.device))
             states = blocks[:, :, qb : qb + 1, kb : kb + 1].to(t.device)  # (B, H, 1, 1): partial, full or not listed
-            rows, cols = slice(i0 - t.i0, i1 - t.i0), slice(j0 - t.j0, j1 - t.j0)
-            allowed[:, :, rows, cols] = torch.where(states == 1, part, states == 2)
+            parts.append(((slice(i0 - t.i0, i1 - t.i0), slice(j0 - t.j0, j1 - t.j0)), torch.where(states == 1, part, states == 2)))
+        full = self._spread(blocks == 2, t)
+        lead = torch.broadcast_shapes(full.shape[:2], *(x.shape[:2] for _, x in parts))  # b, h: the program's, if it reads them
+        allowed = full.expand(*lead, *full.shape[2:]).clone()
+        for (rows, cols), x in parts:
+            allowed[:, :, rows, cols] = x
         return allowed
 
     def _spread(self, blocks: Tensor, t: Tile) -> Tensor:

@@ -7,6 +7,9 @@ version counter (``Tensor._version``), and rebinding a name changes the object f
 fingerprint lists, for every tensor reached, its identity and version, and for every plain
 value its value; it is None when the program reaches anything whose changes cannot be seen
 that way (a list, a dict, a module of weights): then nothing may be remembered between calls.
+A module's attributes that the program's code names (``cfg.ids``) are read like globals.
+Writes that bypass the version counter (through ``.data``, or a NumPy view of the tensor)
+cannot be seen: after such a write, make a new block mask.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ from __future__ import annotations
 import functools
 import types
 
+import torch
 from torch import Tensor
 
 from .._trace import version
 
-_PLAIN = (int, float, bool, complex, str, bytes, type(None))
+_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device)
 _STATIC = (types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType)
 
 
@@ -54,11 +58,28 @@ def fingerprint(fn: object) -> tuple | None:
 
 
 def _free_values(fn: types.FunctionType) -> list:
-    """The values ``fn`` reaches beyond its arguments: closure cells, and the globals its code names."""
+    """The values ``fn`` reaches beyond its arguments: closure cells, the globals its code names, its
+    defaults (keyword-only too), and the attributes its code names on a module it reaches (``cfg.ids``)."""
     values = [cell.cell_contents for cell in fn.__closure__ or () if _filled(cell)]
     # co_names also holds attribute names (x.shape); only those bound in the globals are variables
-    values += [fn.__globals__[name] for name in _names(fn.__code__) if name in fn.__globals__]
+    names = _names(fn.__code__)
+    values += [fn.__globals__[name] for name in names if name in fn.__globals__]
     values.extend(fn.__defaults__ or ())
+    values.extend((fn.__kwdefaults__ or {}).values())
+    # a module is static, but what its attributes hold may not be: those the code names are read
+    # (``torch.where`` is a builtin, static; ``cfg.ids`` a tensor, fingerprinted; ``a.b.ids`` reached too)
+    modules = [x for x in values if isinstance(x, types.ModuleType)]
+    seen = {id(m) for m in modules}
+    while modules:
+        module = modules.pop()
+        for name in names:
+            attribute = getattr(module, name, None)
+            if attribute is None:
+                continue
+            values.append(attribute)
+            if isinstance(attribute, types.ModuleType) and id(attribute) not in seen:
+                seen.add(id(attribute))
+                modules.append(attribute)
     return values
 
 
