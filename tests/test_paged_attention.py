@@ -164,6 +164,26 @@ def test_errors_name_the_argument():
         qkv.paged_attention(q, cache, *table, window_left=-2)
     with pytest.raises(ValueError, match="sinks"):
         qkv.paged_attention(q, cache, *table, sinks=torch.zeros(3))
+    with pytest.raises(TypeError, match=r"q: dtype torch.float32 but kv_cache computes in torch.float64"):
+        qkv.paged_attention(q.float(), cache, *table)
+    with pytest.raises(TypeError, match=r"kv_cache: keys and values in one dtype"):
+        qkv.paged_attention(q, (cache[:, 0], cache[:, 1].float()), *table)
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        qkv.paged_attention(q, cache, *table, causal="no")
+    for name in ("sm_scale", "logits_soft_cap"):
+        with pytest.raises(TypeError, match=f"{name}: expected a number, got str"):
+            qkv.paged_attention(q, cache, *table, **{name: "a"})
+
+
+@pytest.mark.parametrize("pages", ["float", "int8"])
+def test_a_write_outside_the_pages_is_refused(pages):
+    store = qkv.paged.Int8Pages(2, 4, 1, 8) if pages == "int8" else qkv.paged.pages.empty(2, 4, 1, 8, torch.float32, "cpu")
+    k = torch.randn(1, 1, 8)
+    for page, offset, error, word in ((0, 4, IndexError, "offset"), (0, -1, IndexError, "offset"), (2, 0, IndexError, "page")):
+        with pytest.raises(error, match=word):
+            store.write(torch.tensor([page]), torch.tensor([offset]), k, k)
+    with pytest.raises(ValueError, match=r"k: expected \(1, 1, 8\)"):
+        store.write(torch.tensor([0]), torch.tensor([0]), torch.randn(1, 1, 7), k)
 
 
 def test_the_tuple_form_and_blocks_of_pages_read_as_one_item_equal_the_definition():

@@ -195,7 +195,11 @@ def test_padded_and_packed_agree():
         (dict(max_seqlen_q=4), ValueError, r"max_seqlen_q: expected an int at least the longest sequence, 5, got 4"),
         (dict(window_size=(-2, 0)), ValueError, r"window_size: expected \(left, right\), ints >= -1"),
         (dict(alibi_slopes=torch.ones(4)), ValueError, r"alibi_slopes: expected shape \(6,\) or \(2, 6\), got \(4,\)"),
-        (dict(softcap=-1.0), ValueError, r"softcap: expected a non-negative number"),
+        (dict(softcap=-1.0), ValueError, r"softcap: expected a finite number >= 0"),
+        (dict(softcap=float("nan")), ValueError, r"softcap: expected a finite number >= 0"),
+        (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale: expected a finite number or None"),
+        (dict(dropout_p=1.5), ValueError, r"dropout_p: expected a probability in \[0, 1\)"),
+        (dict(alibi_slopes=torch.ones(6, dtype=torch.long)), TypeError, r"alibi_slopes: expected a float tensor .*got torch.int64"),
     ],
 )
 def test_errors_name_the_argument(kw, error, match):

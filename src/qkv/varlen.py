@@ -24,6 +24,8 @@ Each sequence runs as an ordinary call of its own (``backends.segments``): the w
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable
 
 import torch
@@ -84,8 +86,14 @@ def varlen_attention(
     for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap < 0:
-        raise ValueError(f"softcap: expected a non-negative number (0: no cap), got {softcap!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 or math.isinf(softcap):
+        raise ValueError(f"softcap: expected a finite number >= 0 (0: no cap), got {softcap!r}")
+    # flash-attn's names in the messages (checks.request would say scale= and dropout=)
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale)):  # fmt: skip
+        raise ValueError(f"softmax_scale: expected a finite number or None, got {softmax_scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, h, t, ·): views
     req = checks.request(
         q4, k4, v4, score="scaled_dot", mask=None, bias=None, causal=False, scale=softmax_scale, dropout=dropout_p,
@@ -136,7 +144,8 @@ def _slopes(alibi_slopes: Tensor | None, heads: int, sequences: int, device) -> 
     if alibi_slopes is None:
         return None
     if not isinstance(alibi_slopes, Tensor) or not alibi_slopes.dtype.is_floating_point:
-        raise TypeError(f"alibi_slopes: expected a float tensor (h,) or (b, h), got {type(alibi_slopes).__name__}")
+        got = alibi_slopes.dtype if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__
+        raise TypeError(f"alibi_slopes: expected a float tensor (h,) or (b, h), got {got}")
     slopes = alibi_slopes.detach().to(device=device, dtype=torch.float64)
     if tuple(slopes.shape) not in ((heads,), (sequences, heads)):
         raise ValueError(f"alibi_slopes: expected shape ({heads},) or ({sequences}, {heads}), got {tuple(slopes.shape)}")

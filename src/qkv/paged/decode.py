@@ -100,7 +100,7 @@ def merge_by_owner(out: Tensor, lse: Tensor, owner: Tensor, n: int) -> tuple[Ten
 def attend(q: Tensor, qpos: Tensor, K: Tensor, V: Tensor, base: Tensor, keys: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
     """Per item ``(out (C, g, x, e), lse (C, g, x))``: queries ``q (C, g, x, d)`` at ``qpos (C,)`` against
     ``K, V (C, g, L, d)`` from position ``base (C,)``, the first ``keys (C,)`` filled; the products written out."""
-    C, g, L = K.shape[0], K.shape[1], K.shape[2]
+    C, L = K.shape[0], K.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
     s = torch.matmul(q, K.transpose(-1, -2)).to(acc)  # (C, g, x, L)
     kpos = (base[:, None] + torch.arange(L, device=K.device)).view(C, 1, 1, L)

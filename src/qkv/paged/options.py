@@ -3,7 +3,7 @@
 Shape legend: ``h`` query heads, ``g`` KV heads, ``x = h / g`` query heads per KV head.
 
 The logit of a query at position ``qp`` and a key at position ``kp`` of the same request is,
-in this order (FlashInfer's, with qkv's ``score_mod`` last)::
+in this order (qkv's ``score_mod`` last)::
 
     s = sm_scale · q·k
     s = cap · tanh(s / cap)                      logits_soft_cap = cap > 0 (Gemma 2)
@@ -11,12 +11,16 @@ in this order (FlashInfer's, with qkv's ``score_mod`` last)::
     s = score_mod(s, r, h, qp, kp)               qkv's score_mod: request r, positions in its sequence
 
 and the key is seen when ``kp <= qp`` (``causal``) and ``kp >= qp - window_left``
-(``window_left >= 0``).
+(``window_left >= 0``). Each option alone is FlashInfer's; with both a soft cap and ALiBi,
+FlashInfer's kernels add the ALiBi term inside the ``tanh`` (to ``sm_scale · q·k / cap``),
+qkv adds it to the capped logit, as a model that caps its attention logits and then biases
+them computes.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable
 
@@ -61,11 +65,18 @@ class Options:
 def options(q: Tensor, *, causal, window_left, logits_soft_cap, sm_scale, alibi_slopes, score_mod) -> Options:
     """Checked options for ``q (T, h, d)``."""
     h, d = q.shape[1], q.shape[2]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
         raise ValueError(f"window_left: expected -1 (no window) or a number of keys >= 0, got {window_left!r}")
+    for name, x in (("logits_soft_cap", logits_soft_cap), ("sm_scale", sm_scale)):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Real)):
+            raise TypeError(f"{name}: expected a number, got {type(x).__name__}")
     cap = float(logits_soft_cap or 0.0)
     if not math.isfinite(cap) or cap < 0:
         raise ValueError(f"logits_soft_cap: expected 0 (none) or a positive number, got {logits_soft_cap!r}")
+    if sm_scale is not None and not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale: expected a finite number or None, got {sm_scale!r}")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, Tensor) or tuple(alibi_slopes.shape) != (h,):

@@ -38,6 +38,9 @@ class FloatPages:
             raise TypeError(f"kv_cache: expected {_SHAPE}, got {type(kv_cache).__name__}")
         if not k.dtype.is_floating_point:
             raise TypeError(f"kv_cache: expected a floating-point cache (qkv.paged.Int8Pages for int8), got {k.dtype}")
+        if v.dtype != k.dtype or v.device != k.device:
+            raise TypeError(f"kv_cache: keys and values in one dtype and device, got {k.dtype} on {k.device} and "
+                            f"{v.dtype} on {v.device}")  # fmt: skip
         self.keys, self.values = k, v
         self.num_pages, self.page_size, self.kv_heads, self.head_dim = k.shape
         self.value_dim = self.head_dim
@@ -66,6 +69,7 @@ class FloatPages:
 
     def write(self, page: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
         """Token ``n`` of ``k (n, g, d)``, ``v (n, g, e)`` into page ``page[n]`` at ``offset[n]``."""
+        check_write(self, page.tolist(), offset.tolist(), k, v)
         self.keys[page, offset] = k.to(self.dtype)
         self.values[page, offset] = v.to(self.dtype)
 
@@ -77,6 +81,21 @@ class FloatPages:
     @property
     def nbytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
+
+
+def check_write(pages, page: list[int], offset: list[int], k: Tensor, v: Tensor) -> None:
+    """Clear errors for a write of ``k (n, g, d)``, ``v (n, g, e)`` at pages ``page`` and offsets ``offset`` (host ints)."""
+    n = len(page)
+    if len(offset) != n:
+        raise ValueError(f"offset: expected one per token of page ({n}), got {len(offset)}")
+    for name, x, size in (("k", k, pages.head_dim), ("v", v, pages.value_dim)):
+        if not isinstance(x, Tensor) or tuple(x.shape) != (n, pages.kv_heads, size):
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{name}: expected ({n}, {pages.kv_heads}, {size}) (tokens, kv_heads, size), got {got}")
+    if n and not (0 <= min(page) and max(page) < pages.num_pages):
+        raise IndexError(f"page: ids must lie in 0 .. {pages.num_pages - 1}, got {min(page)} .. {max(page)}")
+    if n and not (0 <= min(offset) and max(offset) < pages.page_size):
+        raise IndexError(f"offset: must lie in 0 .. {pages.page_size - 1} (the page size), got {min(offset)} .. {max(offset)}")
 
 
 def as_pages(kv_cache):

@@ -76,6 +76,8 @@ def check_q(q: Tensor, pages) -> None:
         raise ValueError(f"q: {q.shape[1]} query heads are not a multiple of the cache's {pages.kv_heads} KV heads")
     if q.device != pages.device:
         raise ValueError(f"q is on {q.device} but the cache is on {pages.device}")
+    if q.dtype != pages.dtype:
+        raise TypeError(f"q: dtype {q.dtype} but kv_cache computes in {pages.dtype}; give q the cache's dtype")
 
 
 def _check_sinks(sinks, h: int) -> Tensor | None:

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from .._args import positive_int
 from ..backends.tiling.tile_math import Scratch
+from .pages import check_write
 
 #: A scale lies in [tiny, max] of float32: an all-zero channel or token gets ``tiny`` (never 0, never
 #: a division by zero), and an infinite value is clipped to 127 rather than scaled to nan.
@@ -180,6 +181,7 @@ class Int8Pages:
         page handed out again), and a page's filled count is one past the last offset written.
         """
         pages, offsets = page.tolist(), offset.tolist()
+        check_write(self, pages, offsets, k, v)
         if not pages:
             return
         order = sorted(range(len(pages)), key=lambda n: (pages[n], offsets[n]))
