@@ -37,6 +37,7 @@ from .backends.tiling.framing import Block, frame_score_mod
 from .masks import Window
 from .positional import ALiBi
 from .score_mods import SoftCap
+from .varlen_paged import paged_varlen
 
 
 def varlen_attention(
@@ -55,6 +56,7 @@ def varlen_attention(
     alibi_slopes: Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    block_table: Tensor | None = None,
     *,
     score_mod: Callable | None = None,
     sinks: Tensor | None = None,
@@ -69,7 +71,9 @@ def varlen_attention(
     gives the same bits every time. ``dropout_p`` drops weights (draw with ``generator``
     for reproducible runs). ``return_attn_probs=True`` returns flash-attn's triple
     ``(out, softmax_lse (h, total_q), S_dmask)``; flash-attn fills ``S_dmask`` only for
-    testing with dropout, and qkv never builds it: it is None.
+    testing with dropout, and qkv never builds it: it is None. ``block_table (b, n)``: ``k`` and
+    ``v`` are pools of pages ``(num_blocks, page_block_size, g, ·)`` and sequence ``s``'s keys
+    lie in the pages its row names, read where they lie (``qkv.varlen_paged``), forward only.
     """
     cu_q, cu_k = _offsets("cu_seqlens_q", cu_seqlens_q, q, "q"), _offsets("cu_seqlens_k", cu_seqlens_k, k, "k")
     if len(cu_q) != len(cu_k):
@@ -78,7 +82,7 @@ def varlen_attention(
         longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < longest):
             raise ValueError(f"{name}: expected an int at least the longest sequence, {longest}, got {given!r}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in (("q", q), ("k", k), ("v", v)) if block_table is None else (("q", q),):  # (pages: varlen_paged)
         if not isinstance(x, Tensor) or x.dim() != 3:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{name}: expected packed tokens (total, heads, size), got {got}")
@@ -94,6 +98,23 @@ def varlen_attention(
         raise ValueError(f"softmax_scale: expected a finite number or None, got {softmax_scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+    if block_table is not None:
+        if dropout_p:
+            raise ValueError(f"dropout_p: with block_table, 0 here (the paged engine drops no weights), got {dropout_p}")
+        if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in (q, k, v, sinks)):
+            raise ValueError("block_table: forward only here (the paged engine has no backward); call it under "
+                             "torch.no_grad(), as serving does, or pass the keys packed, without block_table")  # fmt: skip
+        if score_mod is not None:
+            raise ValueError("score_mod: not with block_table here (qkv.paged_attention takes one, with positions in "
+                             "each request's sequence)")  # fmt: skip
+        if alibi_slopes is not None and (not isinstance(alibi_slopes, Tensor) or not alibi_slopes.dtype.is_floating_point):
+            got = alibi_slopes.dtype if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__
+            raise TypeError(f"alibi_slopes: expected a float tensor (h,), got {got}")
+        out, lse = paged_varlen(q, k, v, cu_q, cu_k, block_table, causal=causal, window=(left, right),
+                                softcap=float(softcap), scale=softmax_scale, alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
+        if return_attn_probs:
+            return out, lse, None
+        return (out, lse) if return_lse else out
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, h, t, ·): views
     req = checks.request(
         q4, k4, v4, score="scaled_dot", mask=None, bias=None, causal=False, scale=softmax_scale, dropout=dropout_p,
