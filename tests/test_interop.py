@@ -113,6 +113,32 @@ def test_fully_padded_query_is_nan_in_pytorch_and_zero_in_qkv():
     # qkv's row is the output projection of a zero context: just the output bias.
     torch.testing.assert_close(y_q[:, 2], ours.out_proj.bias.expand(B, DIM))
     torch.testing.assert_close(y_q[:, [0, 1, 3, 4]], y_t[:, [0, 1, 3, 4]])
+    # PyTorch's need_weights=False call gives the output bias there too
+    torch.testing.assert_close(theirs(x, key, value, attn_mask=blocked, need_weights=False)[0], y_q)
+
+
+def test_top_left_is_causal_with_fewer_queries_is_a_mask_here():
+    """PyTorch's is_causal is top-left, qkv's causal=True bottom-right: with i != j, PyTorch's is mask=~attn_mask."""
+    theirs, ours = _pair()
+    x, key, value = (t.detach() for t in _inputs())
+    future = torch.ones(I, J, dtype=torch.bool).triu(1)
+    y_t, _ = theirs(x, key, value, attn_mask=future, is_causal=True)
+    torch.testing.assert_close(ours(x, key, value, mask=~future), y_t)
+    assert not torch.allclose(ours(x, key, value, causal=True), y_t)
+
+
+@pytest.mark.parametrize("name, hint", [("attn_mask", "~attn_mask"), ("key_padding_mask", "~key_padding_mask"),
+                                        ("need_weights", "return_weights="), ("average_attn_weights", "mean"),
+                                        ("is_causal", "causal=")])  # fmt: skip
+def test_the_modules_answer_pytorchs_keywords_with_qkvs(name, hint):
+    _, ours = _pair()
+    x = _inputs(self_attention=True)[0].detach()
+    with pytest.raises(TypeError, match=f"MultiHeadAttention: {name}= is nn.MultiheadAttention's keyword; .*{hint}"):
+        ours(x, **{name: None})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        ours(x, colour=1)
+    with pytest.raises(TypeError, match=r"a float mask .* qkv.attention\(q, k, v, bias=...\)"):
+        ours(x, mask=torch.zeros(I, I, dtype=torch.float64))
 
 
 def test_sequence_first_module_keeps_its_layout():

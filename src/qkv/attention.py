@@ -246,6 +246,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         cache=None,
         return_weights: bool = False,
+        **foreign,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """``query (b, i, dim)``, ``key (b, j, kdim)`` (default query), ``value (b, j, vdim)`` (default key).
 
@@ -256,6 +257,12 @@ class MultiHeadAttention(nn.Module):
         ``(b, h, i, j)`` with ``return_weights=True``. With ``batch_first=False`` the inputs
         and the output are ``(length, b, dim)`` instead (the weights stay ``(b, h, i, j)``).
         """
+        if foreign:
+            _torch_keywords(foreign)
+        if isinstance(mask, Tensor) and mask.dtype.is_floating_point:
+            raise TypeError("mask: expected a bool mask (True = may attend) or a qkv.masks object; a float mask "
+                            "(PyTorch's float attn_mask) is added to the logits: qkv.attention(q, k, v, bias=...) on "
+                            "the projected heads, or a positional bias (positional=)")  # fmt: skip
         key = query if key is None else key
         value = key if value is None else value
         if not self.batch_first:  # (length, b, dim) -> (b, length, dim): views, one per distinct input
@@ -328,6 +335,23 @@ class MultiHeadAttention(nn.Module):
             f"dim_head={self.dim_head}, dim_value_head={self.dim_value_head}"
             + ("" if self.batch_first else ", batch_first=False")
         )
+
+
+#: ``nn.MultiheadAttention.forward``'s keywords, and what :class:`MultiHeadAttention` takes instead.
+TORCH_NAMES = {
+    "attn_mask": "mask= (bool, True = may attend: ~attn_mask; a float attn_mask is qkv.attention's bias=)",
+    "key_padding_mask": "mask=~key_padding_mask[:, None, None, :] (True = may attend)",
+    "need_weights": "return_weights= (per-head weights (b, h, i, j); weights.mean(1) is PyTorch's average)",
+    "average_attn_weights": "nothing: the weights are per head (b, h, i, j); weights.mean(1) averages them",
+    "is_causal": "causal= (aligned bottom-right; for PyTorch's top-left with i != j, mask=~attn_mask)",
+}
+
+
+def _torch_keywords(foreign: dict) -> None:
+    name = sorted(foreign)[0]
+    if name in TORCH_NAMES:
+        raise TypeError(f"MultiHeadAttention: {name}= is nn.MultiheadAttention's keyword; qkv's module takes {TORCH_NAMES[name]}")
+    raise TypeError(f"MultiHeadAttention.forward() got an unexpected keyword argument {name!r}")
 
 
 def _batch_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -13,12 +13,21 @@ Where the two differ, and how to call qkv for the same result:
   ``mask`` is **True = may attend**. ``qkv_mask = ~attn_mask`` and, for padding,
   ``~key_padding_mask[:, None, None, :]``; a float ``attn_mask`` is added to the logits
   in both (qkv takes it as ``bias``, not supported by the module call: use the functional API).
+* ``is_causal``: PyTorch's causal mask is aligned top-left, qkv's ``causal=True``
+  bottom-right (a query at the end of a cache sees every key); they agree when query and
+  key lengths are equal. For PyTorch's with ``i != j``, pass ``mask=~attn_mask``.
 * PyTorch returns weights averaged over heads by default; qkv returns ``(b, h, i, j)``
-  per head (``weights.mean(1)`` is PyTorch's).
-* PyTorch gives NaN for a query whose keys are all masked; qkv gives zeros.
+  per head (``weights.mean(1)`` is PyTorch's). In training with dropout PyTorch's weights
+  are the dropped ones; qkv's are before dropout (its output is the same in expectation).
+* A query whose keys are all masked: PyTorch's default call (``need_weights=True``) gives
+  NaN; its ``need_weights=False`` call and qkv give the output projection's bias (the
+  attention is zeros).
 * ``batch_first=False`` modules (PyTorch's default) take ``(i, b, dim)``; so does the qkv
   module :func:`from_torch` makes from one (``batch_first=False``). Its weights stay
-  ``(b, h, i, j)``.
+  ``(b, h, i, j)``. Unbatched ``(i, dim)`` inputs, which PyTorch takes, need a batch dim
+  here (``x[None]``).
+* PyTorch's keywords (``attn_mask``, ``key_padding_mask``, ``need_weights``, ...) are
+  answered with qkv's names (``MultiHeadAttention.forward``'s error).
 """
 
 from __future__ import annotations
