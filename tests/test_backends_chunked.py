@@ -274,6 +274,26 @@ def test_learned_t5_split_forward_and_bias_gradient(i, j, mask):
     _assert_chunked_matches_reference(q, k, v, params, **kw)
 
 
+
+@pytest.mark.parametrize("mask", ["none", "causal", "far_ahead"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_learned_t5_bias_gradient_through_the_lse(mask, sinks):
+    """The lse's own gradient reaches the buckets as on the reference (rows of its dS sum to d_lse·mass, not 0)."""
+    q, k, v = (x.detach() for x in make_inputs(21, 45))
+    torch.manual_seed(6)
+    t5 = qkv.RelativePositionBias(H, 8, 6).double()
+    masks = {"none": None, "causal": qkv.masks.causal(), "far_ahead": qkv.masks.offsets(2, 9)}
+    sink = torch.linspace(-1.0, 1.0, H, dtype=torch.float64) if sinks else None
+    kw = dict(bias=t5, mask=masks[mask], sinks=sink, return_lse=True)
+    assert "fused_blocks" in qkv.explain(q, k, v, **{n: x for n, x in kw.items() if n != "return_lse"})
+    grads = []
+    for backend in ("chunked", "reference"):
+        out, lse = qkv.attention(q, k, v, backend=backend, **kw)
+        loss = (torch.where(torch.isfinite(lse), lse, 0.0) * torch.linspace(0.5, 2.0, lse.shape[-1], dtype=lse.dtype)).sum()
+        grads.append(torch.autograd.grad(loss + out.sum(), list(t5.parameters())))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
 def test_split_block_keeps_the_far_keys_part():
     """``far_out`` and ``far_lse`` are the own output and log-sum-exp of the keys at offset >= reach."""
     i, j, reach = 11, 13, 4

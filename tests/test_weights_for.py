@@ -108,3 +108,29 @@ def test_bad_weights_for(kw, error, message):
     q, k, v = inputs()
     with pytest.raises(error, match=message):
         qkv.attention(q, k, v, **kw)
+
+
+
+def test_weights_rebuilt_when_only_the_values_record_gradients():
+    """The weights do not depend on v: a call whose v alone requires grad returns them (it raised in the rebuild)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 8, 16, generator=gen), torch.randn(1, 2, 8, 16, generator=gen)
+    v = torch.randn(1, 2, 8, 16, generator=gen, requires_grad=True)
+    for kw in (dict(backend="chunked"), dict(weights_for={"rows": [0]})):
+        out, w = qkv.attention(q, k, v, return_weights=True, **kw)
+        want = qkv.attention(q, k, v, return_weights=True, backend="reference")[1]
+        torch.testing.assert_close(w, want if "weights_for" not in kw else want[:, :, :1], rtol=1e-5, atol=1e-6)
+        torch.autograd.grad(out.sum(), v)
+
+
+def test_bfloat16_weights_are_the_softmax_of_the_logits_the_lse_summed():
+    """bf16 weights from the lse: logits in float32 as the lse's (rounded bf16 logits put rows 5% off 1)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 31, 4, generator=gen).mul(3).bfloat16() for _ in range(3))
+    exact = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 2, -1)
+    plain = torch.softmax((q @ k.transpose(-1, -2)) / 2, -1)
+    for mask in (None, qkv.masks.causal()):
+        _, w = qkv.attention(q, k, v, mask=mask, backend="chunked", return_weights=True)
+        want = exact if mask is None else qkv.attention(q.double(), k.double(), v.double(), mask=mask, return_weights=True)[1]
+        assert (w.double() - want).abs().max() <= 2 * (plain.double() - exact).abs().max() + 1e-3
+        assert (w.float().sum(-1) - 1).abs().max() < 0.01

@@ -32,7 +32,7 @@ log-sum-exp (``_split_block``, the engine's ``saved``). Other learned biases go 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -117,12 +117,14 @@ class Learned:
     log-sum-exp ``L`` (with sinks), everything outside them holds ``1 - exp(own_lse - L)`` of
     its mass. For a saturating bias with keys beyond its reach, ``far_out (b, h, i, e)`` is
     the far-future keys' own softmax-normalised output and ``far_lse (b, h, i)`` their
-    log-sum-exp: they hold ``exp(far_lse - L)`` of the row's mass.
+    log-sum-exp: they hold ``exp(far_lse - L)`` of the row's mass. ``lse_pass``: the backward
+    is ``engines.call``'s pass for the lse's gradient (values of ones, an output of zeros).
     """
 
     own_lse: Tensor
     far_out: Tensor | None = None
     far_lse: Tensor | None = None
+    lse_pass: bool = False
 
 
 def _split_block(near: DiagonalMask, far: DiagonalMask, t: Tile, q: Tensor, k: Tensor, v: Tensor, scale: float, reach: int):
@@ -266,7 +268,10 @@ def fused_backward(
         recompute = row_lse.for_recompute(lse)
         # the mass a row holds outside this call's keys (sinks): its dS sums to D times that mass
         outside = torch.where(torch.isinf(recompute), 0.0, -torch.expm1(learned.own_lse - recompute))
-        row_sums = delta * outside
+        # a row of dS sums to Σ_c P dP - D·mass = dO·(the values' true output) - D·mass: D·outside for the
+        # output's own gradient; in the lse's pass (values of ones, whose true output is the mass, an output of
+        # zeros so D = 0) it is d_lse·mass
+        row_sums = delta * outside if not learned.lse_pass else d_out[..., 0].to(delta.dtype) * (1.0 - outside)
         saturating_profile_grad(d_profile, diagonal, Rows(q, d_out, recompute, delta), k, v, plan.scale, reach, row_sums)
     return dq, dk, dv, d_profile
 
@@ -298,10 +303,12 @@ def saved_for_lse(saved: Learned | None) -> Learned | None:
 
     The far keys' own output is then 1 on every row that sees one, and 0 elsewhere.
     """
-    if saved is None or saved.far_out is None:
+    if saved is None:
         return saved
+    if saved.far_out is None:
+        return replace(saved, lse_pass=True)
     ones = torch.isfinite(saved.far_lse)[..., None].to(saved.far_out.dtype)
-    return Learned(saved.own_lse, ones, saved.far_lse)
+    return Learned(saved.own_lse, ones, saved.far_lse, lse_pass=True)
 
 
 def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, Learned | None]:

@@ -78,8 +78,11 @@ def rebuild(
         qt = q_sel[..., start:stop, :]
         if req.score.dot_form and qt.dtype in (torch.float32, torch.float64) and qt.shape[-1] <= j_len:
             s = (qt * req.scale) @ k_sel.transpose(-1, -2)  # the scale on i·d products, not on the i·j logits
+        elif req.score.dot_form:  # half precision: the logits in float32, as the lse was summed (not rounded first)
+            acc = torch.promote_types(qt.dtype, torch.float32)
+            s = (qt.to(acc) * req.scale) @ k_sel.to(acc).transpose(-1, -2)
         else:
-            s = qt @ k_sel.transpose(-1, -2) if req.score.dot_form else req.score.pairwise(qt, k_sel, t)
+            s = req.score.pairwise(qt, k_sel, t)
             s = s.to(torch.promote_types(s.dtype, torch.float32)) * req.scale
         if bias is not None:
             s = s + _pick_heads(bias.tile(t), heads, h).to(s.dtype)
@@ -98,8 +101,9 @@ def rebuild(
             w = torch.softmax(s.masked_fill(torch.isneginf(s).all(-1, keepdim=True), 0.0), dim=-1)
             if allowed is not None:
                 w = w * allowed * any_along(allowed, -1, keepdim=True)
-        else:  # s is this chunk's own tensor: the exponential in place
-            w = torch.exp(s.sub_(lse_sel[..., start:stop, None]), out=s)
+        else:  # s is this chunk's own tensor: the exponential in place (the weights do not depend on v, whose
+            # gradient the lse may carry)
+            w = torch.exp(s.sub_(lse_sel[..., start:stop, None].detach()), out=s)
         parts.append(w)
     return (torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]).to(qp.dtype)
 
