@@ -156,7 +156,7 @@ def test_sequence_first_module_keeps_its_layout():
     kv = torch.randn(J, B, DIM, dtype=torch.float64)  # cross-attention, keys longer than queries
     torch.testing.assert_close(ours(x, kv, kv), theirs(x, kv, kv, need_weights=False)[0])
     with pytest.raises(ValueError, match=r"query: expected shape \(length, b, dim\) \(batch_first=False\)"):
-        ours(x[0])
+        ours(x[0, 0])  # 1-d: neither batched nor unbatched
 
 
 def test_conversion_keeps_sizes_mode_and_dropout():
@@ -261,3 +261,16 @@ def _with_bias(forward, bias):
         return forward(q, k, v, **{**kwargs, "bias": bias})
 
     return call
+
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_unbatched_inputs_as_pytorch_takes_them(batch_first):
+    theirs, ours = _pair(batch_first=batch_first)
+    x, key, value = (t.detach()[0] for t in _inputs())  # (i, dim), (j, dim)
+    y_t, w_t = theirs(x, key, value, average_attn_weights=False)
+    y_q, w_q = ours(x, key, value, return_weights=True)
+    assert y_q.shape == y_t.shape == (I, DIM) and w_q.shape == w_t.shape == (HEADS, I, J)
+    torch.testing.assert_close(y_q, y_t)
+    torch.testing.assert_close(w_q, w_t)
+    torch.testing.assert_close(ours(x), theirs(x, x, x)[0])  # self-attention

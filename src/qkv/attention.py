@@ -256,6 +256,8 @@ class MultiHeadAttention(nn.Module):
         queries attend to all of it. Returns ``(b, i, dim)``, and per-head weights
         ``(b, h, i, j)`` with ``return_weights=True``. With ``batch_first=False`` the inputs
         and the output are ``(length, b, dim)`` instead (the weights stay ``(b, h, i, j)``).
+        Unbatched ``(length, dim)`` inputs give ``(i, dim)`` and ``(h, i, j)``, as in
+        ``nn.MultiheadAttention`` (not with ``cache``).
         """
         if foreign:
             _torch_keywords(foreign)
@@ -265,6 +267,14 @@ class MultiHeadAttention(nn.Module):
                             "the projected heads, or a positional bias (positional=)")  # fmt: skip
         key = query if key is None else key
         value = key if value is None else value
+        if cache is None and all(isinstance(x, Tensor) and x.dim() == 2 for x in (query, key, value)):
+            # unbatched (length, dim), as nn.MultiheadAttention takes it: a batch of one, given back without it
+            one = (query[None], key[None], value[None]) if self.batch_first else (query[:, None], key[:, None], value[:, None])
+            result = self.forward(*(one[0], one[1] if key is not query else None, one[2] if value is not key else None),
+                                  mask=mask, causal=causal, return_weights=return_weights)  # fmt: skip
+            y, weights = result if return_weights else (result, None)
+            y = y[0] if self.batch_first else y[:, 0]
+            return (y, weights[0]) if return_weights else y
         if not self.batch_first:  # (length, b, dim) -> (b, length, dim): views, one per distinct input
             query, key, value = _batch_first(query, key, value)
         _input("query", query, self.q_proj.in_features)

@@ -24,8 +24,7 @@ Where the two differ, and how to call qkv for the same result:
   attention is zeros).
 * ``batch_first=False`` modules (PyTorch's default) take ``(i, b, dim)``; so does the qkv
   module :func:`from_torch` makes from one (``batch_first=False``). Its weights stay
-  ``(b, h, i, j)``. Unbatched ``(i, dim)`` inputs, which PyTorch takes, need a batch dim
-  here (``x[None]``).
+  ``(b, h, i, j)``; unbatched ``(i, dim)`` inputs give ``(i, dim)`` and per-head ``(h, i, j)``.
 * PyTorch's keywords (``attn_mask``, ``key_padding_mask``, ``need_weights``, ...) are
   answered with qkv's names (``MultiHeadAttention.forward``'s error).
 """
