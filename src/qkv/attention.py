@@ -29,7 +29,7 @@ from . import score_mods
 from ._args import positive_int as _positive
 from ._args import probability
 from .edits import attention as edited_attention
-from .functional import attention
+from .functional import attention, foreign_keywords
 from .masks import Mask
 from .positional import LazyBias, Positional
 from .projection import Linear
@@ -260,7 +260,7 @@ class MultiHeadAttention(nn.Module):
         ``nn.MultiheadAttention`` (not with ``cache``).
         """
         if foreign:
-            _torch_keywords(foreign)
+            foreign_keywords(foreign, TORCH_NAMES, "MultiHeadAttention", "qkv's module")
         if isinstance(mask, Tensor) and mask.dtype.is_floating_point:
             raise TypeError("mask: expected a bool mask (True = may attend) or a qkv.masks object; a float mask "
                             "(PyTorch's float attn_mask) is added to the logits: qkv.attention(q, k, v, bias=...) on "
@@ -348,20 +348,13 @@ class MultiHeadAttention(nn.Module):
 
 
 #: ``nn.MultiheadAttention.forward``'s keywords, and what :class:`MultiHeadAttention` takes instead.
-TORCH_NAMES = {
+TORCH_NAMES = {name: ("nn.MultiheadAttention", hint) for name, hint in {
     "attn_mask": "mask= (bool, True = may attend: ~attn_mask; a float attn_mask is qkv.attention's bias=)",
     "key_padding_mask": "mask=~key_padding_mask[:, None, None, :] (True = may attend)",
     "need_weights": "return_weights= (per-head weights (b, h, i, j); weights.mean(1) is PyTorch's average)",
     "average_attn_weights": "nothing: the weights are per head (b, h, i, j); weights.mean(1) averages them",
     "is_causal": "causal= (aligned bottom-right; for PyTorch's top-left with i != j, mask=~attn_mask)",
-}
-
-
-def _torch_keywords(foreign: dict) -> None:
-    name = sorted(foreign)[0]
-    if name in TORCH_NAMES:
-        raise TypeError(f"MultiHeadAttention: {name}= is nn.MultiheadAttention's keyword; qkv's module takes {TORCH_NAMES[name]}")
-    raise TypeError(f"MultiHeadAttention.forward() got an unexpected keyword argument {name!r}")
+}.items()}
 
 
 def _batch_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -145,12 +145,17 @@ FOREIGN_NAMES = {
 
 
 def _unknown_keywords(unknown: dict) -> None:
-    """A ``TypeError`` naming each keyword qkv does not take, with qkv's name for another library's."""
+    foreign_keywords(unknown, FOREIGN_NAMES, "attention", "qkv.attention")
+
+
+def foreign_keywords(unknown: dict, names: dict[str, tuple[str, str]], callee: str, ours: str) -> None:
+    """A ``TypeError`` for the first keyword of ``unknown`` that ``callee`` does not take: with qkv's name for it
+    where ``names`` (keyword -> (its library, what ``ours`` takes)) has one."""
     name = sorted(unknown)[0]
-    if name in FOREIGN_NAMES:
-        origin, hint = FOREIGN_NAMES[name]
-        raise TypeError(f"attention: {name}= is {origin}'s keyword; qkv.attention takes {hint}")
-    raise TypeError(f"attention() got an unexpected keyword argument {name!r}")
+    if name in names:
+        origin, hint = names[name]
+        raise TypeError(f"{callee}: {name}= is {origin}'s keyword; {ours} takes {hint}")
+    raise TypeError(f"{callee}() got an unexpected keyword argument {name!r}")
 
 
 def _weights_for(spec: object, req: backends.Request) -> tuple[Tensor | None, Tensor | None]:

@@ -101,7 +101,13 @@ def _broadcast(query: Tensor, key: Tensor, value: Tensor, grouped: bool) -> tupl
     try:
         lead = torch.broadcast_shapes(*leads)
     except RuntimeError:
-        raise RuntimeError(_mismatch(leads, ("query", "key", "value"), grouped)) from None
+        try:  # PyTorch's own message (its products broadcast these dims): an add of stride-0 views of the shapes
+            torch.empty(()).expand(leads[0]) + torch.empty(()).expand(leads[1]) + torch.empty(()).expand(leads[2])
+        except RuntimeError as e:
+            hint = "" if grouped or key.dim() < 3 else "; set enable_gqa=True for grouped-query attention"
+            raise RuntimeError(f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}: "
+                               f"{e}{hint}") from None  # fmt: skip
+        raise
     return tuple(x.expand(*lead, *x.shape[-keep:]) if x.dim() >= keep and x.shape[:-keep] != lead else x
                  for x in (query, key, value))  # fmt: skip
 
@@ -110,16 +116,3 @@ def _one_zero_feature(x: Tensor) -> Tensor:
     """``x (…, 0)`` with one zero feature appended: ``(…, 1)``, still in ``x``'s graph."""
     return torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
 
-
-def _mismatch(leads: list, names: tuple[str, ...], grouped: bool) -> str:
-    """PyTorch's message for batch dims that do not broadcast, with the tensors named."""
-    rank = max(len(x) for x in leads)
-    for dim in range(rank):
-        sizes = [(n, x[dim - rank + len(x)]) for n, x in zip(names, leads) if dim - rank + len(x) >= 0]
-        (a_name, a), *rest = [(n, size) for n, size in sizes if size != 1] or [(None, 1)]
-        for b_name, b in rest:
-            if b != a:
-                hint = "; set enable_gqa=True for grouped-query attention" if dim == rank - 1 and not grouped else ""
-                return (f"The size of tensor a ({a}) must match the size of tensor b ({b}) at non-singleton dimension "
-                        f"{dim}: {a_name} and {b_name} do not broadcast{hint}")  # fmt: skip
-    return "query, key and value: their batch dims do not broadcast"

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import checks
+from ._args import probability
 from .backends.segments import Segment, run_segments
 from .backends.tiling.framing import Block, frame_score_mod
 from .masks import Window
@@ -96,8 +97,7 @@ def varlen_attention(
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
                                       or not math.isfinite(softmax_scale)):  # fmt: skip
         raise ValueError(f"softmax_scale: expected a finite number or None, got {softmax_scale!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
-        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+    probability("dropout_p", dropout_p)
     if block_table is not None:
         if dropout_p:
             raise ValueError(f"dropout_p: with block_table, 0 here (the paged engine drops no weights), got {dropout_p}")
