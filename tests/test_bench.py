@@ -57,6 +57,16 @@ def test_targets_met_and_not_met():
     assert table(["a", "b"], [[1, 2]]) == ["| a | b |", "|---|---|", "| 1 | 2 |"]
 
 
+def test_a_figure_just_past_its_bound_shows_the_digits_that_miss_it():
+    t = Targets()
+    t.add("slower", 1.0042, 1.0)
+    t.add("not faster", 9.9996, 10.0, higher=True)
+    t.add("exactly", 1.0, 1.0)
+    t.add("far", 1.23456, 1.0)
+    measured = [line.split(" | ")[1] for line in t.lines()[2:]]
+    assert measured == ["1.004", "9.9996", "1", "1.23"]
+
+
 def test_quick_modules_suite_writes_a_results_file(tmp_path, monkeypatch):
     monkeypatch.setattr(modules, "QUICK", dict(lengths=(16,), tokens=32, repeats=1))
     parser = argparse.ArgumentParser()

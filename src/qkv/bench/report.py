@@ -16,14 +16,26 @@ class Targets:
     """Targets of a suite, each with its measured figure and whether it was met."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[str, float, float, bool, str]] = []
+        self.rows: list[tuple[str, float, float, bool, bool, str]] = []
 
     def add(self, what: str, figure: float, bound: float, *, higher: bool = False, unit: str = "") -> bool:
         """Record ``figure`` against ``bound`` (``figure <= bound``, or ``>=`` with ``higher``)."""
         met = (figure >= bound if higher else figure <= bound) if math.isfinite(figure) else False
-        self.rows.append((what, figure, bound, met, unit))
+        self.rows.append((what, figure, bound, met, higher, unit))
         return met
 
     def lines(self) -> list[str]:
-        rows = [[what, f"{figure:.3g}{unit}", "met" if met else "**not met**"] for what, figure, _, met, unit in self.rows]
+        rows = [[what, f"{figure_text(figure, bound, met, higher)}{unit}", "met" if met else "**not met**"]
+                for what, figure, bound, met, higher, unit in self.rows]  # fmt: skip
         return table(["target", "measured", "status"], rows)
+
+
+def figure_text(figure: float, bound: float, met: bool, higher: bool = False) -> str:
+    """``figure`` to three significant digits, or as many more as it takes for the text to fall on the side of
+    ``bound`` that ``met`` says (1.004 against a bound of 1.0 reads 1.004, not 1, beside "not met")."""
+    for digits in range(3, 10):
+        text = f"{figure:.{digits}g}"
+        shown = float(text)
+        if not math.isfinite(figure) or (shown >= bound if higher else shown <= bound) == met:
+            return text
+    return repr(figure)
