@@ -336,6 +336,27 @@ def test_a_score_mod_that_ignores_the_score_is_broadcast_to_it():
     torch.testing.assert_close(qkv.flex_attention(q, k, v, score_mod=distance, enable_gqa=True),
                                _flex(q, k, v, score_mod=distance, enable_gqa=True), rtol=1e-10, atol=1e-10)  # fmt: skip
 
+
+@pytest.mark.parametrize("i, j", [(3, 0), (0, 5)])
+def test_an_empty_call_with_a_mask_mod_gives_the_empty_result_and_learns_nothing_of_the_program(i, j):
+    """vmap cannot run a program like ``(q + kv) % 2`` over a size-0 dim: the empty grid is not evaluated,
+    and the probe that decides whether the program broadcasts waits for a grid with values."""
+    from qkv import _mods
+
+    def every_other(b, h, q_idx, kv_idx):
+        return (q_idx + kv_idx) % 2 == 0
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 2, i, 4, generator=gen), torch.randn(1, 2, j, 4, generator=gen), torch.randn(1, 2, j, 4, generator=gen)
+    for backend in ("auto", "reference"):
+        out = qkv.attention(q, k, v, mask=qkv.masks.from_mask_mod(every_other), backend=backend)
+        assert out.shape == (1, 2, i, 4) and not out.any()
+    assert id(every_other) not in _mods._modes
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=gen) for _ in range(3))
+    qkv.attention(q, k, v, mask=qkv.masks.from_mask_mod(every_other))
+    assert _mods._modes[id(every_other)][1]  # it broadcasts, as learned from a grid with values
+
+
 # --------------------------------------------------------------------------- random calls
 
 

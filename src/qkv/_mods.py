@@ -44,8 +44,12 @@ def evaluate(fn: Callable, score: Tensor | None, b: Tensor, h: Tensor, q: Tensor
     """``fn`` over the grid ``b × h × q × kv`` (1-d index vectors), as FlexAttention evaluates it.
 
     ``score (b, h, it, jt)`` for a ``score_mod`` (the result has its shape), None for a
-    ``mask_mod`` (the result is bool, broadcastable to ``(b, h, it, jt)``).
+    ``mask_mod`` (the result is bool, broadcastable to ``(b, h, it, jt)``). An empty grid is
+    answered without calling ``fn`` (vmap cannot run a function over a size-0 dim, and a
+    probe there would learn nothing).
     """
+    if min(len(b), len(h), len(q), len(kv)) == 0:
+        return score if score is not None else torch.zeros(len(b), len(h), len(q), len(kv), dtype=torch.bool, device=q.device)
     if _broadcasts(fn, score, b, h, q, kv):
         return _broadcast_call(fn, score, b, h, q, kv)
     if not tracing():

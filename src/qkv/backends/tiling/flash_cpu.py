@@ -30,10 +30,27 @@ from ..._trace import tracing
 
 _op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _op_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``x`` with its last dim dense: the kernel reads q, k, v, out and d_out as if ``stride(-1) == 1`` (a
+    ``[..., ::2]`` slice, a transposed or an expanded last dim gave wrong numbers or memory read as data;
+    the public SDPA copies such inputs before calling it). Other strides it follows."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> tuple[Tensor, ...]:
+    return _op.default(_rows(q), _rows(k), _rows(v), *args, **kwargs)
+
+
+def _backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, *args, **kwargs) -> tuple[Tensor, ...]:
+    return _op_backward.default(_rows(d_out), _rows(q), _rows(k), _rows(v), _rows(out), *args, **kwargs)
+
+
 #: ``(q, k, v, dropout_p, is_causal, *, attn_mask=None, scale=None) -> (out, lse)``, or None.
-forward = None if _op is None else _op.default
+forward = None if _op is None else _forward
 #: ``(d_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask, scale) -> (dq, dk, dv)``, or None.
-backward = None if _op_backward is None else _op_backward.default
+backward = None if _op_backward is None else _backward
 
 _probed: dict[torch.dtype, bool] = {}
 
