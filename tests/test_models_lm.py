@@ -126,8 +126,11 @@ def test_bad_inputs_raise_clear_errors():
         lm(torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="ids: expected at most max_len=16 positions with learned position embeddings, got 17"):
         lm(torch.zeros(1, 17, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"max_new_tokens: prompt length 10 \+ 7 new tokens exceeds max_len=16"):
-        lm.generate(torch.zeros(1, 10, dtype=torch.long), 7)
+    with pytest.raises(ValueError, match=r"max_new_tokens: prompt length 10 \+ 8 new tokens feeds the model 17 positions "
+                                         r"\(every token but the last\), more than max_len=16"):  # fmt: skip
+        lm.generate(torch.zeros(1, 10, dtype=torch.long), 8)
+    with pytest.raises(ValueError, match=r"prompt: expected at least one token per row .* got shape \(1, 0\)"):
+        lm.generate(torch.zeros(1, 0, dtype=torch.long), 2)
     with pytest.raises(ValueError, match=r"lengths: expected shape \(2,\) \(one length per batch row\)"):
         lm(torch.zeros(2, 4, dtype=torch.long), lengths=torch.tensor([4, 4, 4]))
     with pytest.raises(ValueError, match=r"lengths: expected lengths in \[1, 4\] \(the padded length\), got \[4, 5\]"):
@@ -185,3 +188,16 @@ def test_random_models_decode_in_random_chunks_like_the_full_pass(run):
         bounds = [0, *cuts, n]
         steps = [lm(ids[:, a:z], cache=cache) for a, z in zip(bounds, bounds[1:])]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
+
+
+def test_learned_positions_suffice_for_every_token_but_the_last_generated():
+    """The last generated token is never fed: a prompt of 10 and 7 new tokens reads 16 positions, max_len."""
+    lm = _lm(positional="learned")  # max_len 16
+    prompt = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(3))
+    out = lm.generate(prompt, 7)
+    assert out.shape == (2, 17)
+    torch.testing.assert_close(out, lm.generate(prompt, 7, use_cache=False))
+    by_hand = prompt
+    for _ in range(7):
+        by_hand = torch.cat((by_hand, lm(by_hand)[:, -1].argmax(-1, keepdim=True)), 1)
+    torch.testing.assert_close(out, by_hand)

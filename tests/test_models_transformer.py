@@ -118,8 +118,8 @@ def test_bad_inputs_raise_clear_errors():
         model([[1, 2]], tgt)
     with pytest.raises(ValueError, match=r"bos_id: expected a token id in \[0, 9\), got 9"):
         model.generate(src, bos_id=9, max_new_tokens=3)
-    with pytest.raises(ValueError, match=r"max_new_tokens: BOS \+ 12 new tokens exceeds max_len=12"):
-        model.generate(src, bos_id=0, max_new_tokens=12)
+    with pytest.raises(ValueError, match=r"max_new_tokens: BOS \+ 13 new tokens feeds the decoder 13 positions"):
+        model.generate(src, bos_id=0, max_new_tokens=13)
     with pytest.raises(ValueError, match=r"tgt: expected at most max_len=12 positions .* got 13 \(length 1 after 12 cached\)"):
         model.decode(tgt[:, :1], model.encode(src), cache=_filled_cache(model, src, 12))
     with pytest.raises(ValueError, match="tgt_lengths: target padding is not supported with a cache"):
@@ -128,3 +128,11 @@ def test_bad_inputs_raise_clear_errors():
         TransformerConfig(src_vocab=3, tgt_vocab=3, encoder_layers=0)
     with pytest.raises(ValueError, match="activation: expected one of"):
         TransformerConfig(src_vocab=3, tgt_vocab=3, activation="tanh")
+
+
+def test_learned_positions_suffice_for_bos_and_every_token_but_the_last_generated():
+    model = _model(positional="learned")
+    src = torch.randint(1, 9, (2, 5), generator=torch.Generator().manual_seed(4))
+    n = model.config.max_len  # BOS and n - 1 generated tokens are fed: n positions
+    out = model.generate(src, bos_id=0, max_new_tokens=n)
+    torch.testing.assert_close(out, model.generate(src, bos_id=0, max_new_tokens=n, use_cache=False))

@@ -69,3 +69,38 @@ def test_latent_attention_config_is_checked():
         LMConfig(vocab=10, kv_rank=8)
     with pytest.raises(ValueError, match=r"attention: expected one of \('multi_head', 'latent'\)"):
         LMConfig(vocab=10, attention="linear")
+
+
+def test_bad_requests_raise_before_anything_runs():
+    prompt = torch.tensor([3, 4])
+    with pytest.raises(ValueError, match=r"request 'a': prompt: expected shape \(i,\) with at least one token"):
+        Request("a", torch.zeros(0, dtype=torch.long), 1)
+    with pytest.raises(TypeError, match="request 'a': prompt: expected an integer tensor of token ids, got torch.float32"):
+        Request("a", torch.tensor([]), 1)
+    with pytest.raises(ValueError, match=r"request 'a': prompt: expected shape \(i,\)"):
+        Request("a", prompt[None], 1)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="request 'a': max_new_tokens: expected an int >= 1"):
+            Request("a", prompt, bad)
+    with pytest.raises(ValueError, match="request 'a': arrival: expected an int >= 0, got -1"):
+        Request("a", prompt, 1, arrival=-1)
+
+
+def test_an_error_mid_run_leaves_no_request_holding_pages_and_a_pool_held_by_others_is_an_error_not_a_wait():
+    torch.manual_seed(0)
+    model = CausalLM(LMConfig(vocab=20, dim=8, heads=2, layers=1, positional="rotary")).double().eval()
+    cache = qkv.PagedKVCache(4, 4, 2, 4, layers=1, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"ids: expected token ids in \[0, 20\)"):
+        serve(model, [Request("ok", torch.tensor([1, 2]), 2), Request("x", torch.tensor([1, 2, 99]), 5)], cache)
+    assert cache.requests == [] and cache.used_pages == 0
+    cache.add("elsewhere")
+    cache.reserve("elsewhere", 8)  # two of the four pages, held by a request serve does not run
+    with pytest.raises(RuntimeError, match="request 'y' needs 3 pages but only 2 of 4 are free, and no request of this "
+                                           r"call is running to free more; the cache's other requests \(\['elsewhere'\]\)"):  # fmt: skip
+        serve(model, [Request("y", torch.tensor([1, 2, 3]), 9, arrival=5)], cache)
+    assert cache.requests == ["elsewhere"]
+    with pytest.raises(ValueError, match=r"requests: \['elsewhere'\] are already in the cache"):
+        serve(model, [Request("elsewhere", torch.tensor([1]), 1)], cache)
+    cache.free("elsewhere")
+    got = serve(model, [Request("y", torch.tensor([1, 2, 3]), 9, arrival=5)], cache)
+    assert torch.equal(got["y"], model.generate(torch.tensor([[1, 2, 3]]), 9)[0])

@@ -138,11 +138,16 @@ class CausalLM(nn.Module):
         ``use_cache=False`` every step reruns the whole sequence (the slow, obvious twin).
         """
         positive_int("max_new_tokens", max_new_tokens)
+        if isinstance(prompt, Tensor) and prompt.dim() == 2 and prompt.shape[-1] == 0:
+            raise ValueError(f"prompt: expected at least one token per row (the first step's logits come from it), "
+                             f"got shape {tuple(prompt.shape)}")  # fmt: skip
         total = prompt.shape[-1] + max_new_tokens if isinstance(prompt, Tensor) else 0
-        if self.config.positional == "learned" and total > self.config.max_len:
+        # the model reads every token but the last one generated: total - 1 positions
+        if self.config.positional == "learned" and total - 1 > self.config.max_len:
             raise ValueError(
-                f"max_new_tokens: prompt length {prompt.shape[-1]} + {max_new_tokens} new tokens exceeds "
-                f"max_len={self.config.max_len} of the learned positions"
+                f"max_new_tokens: prompt length {prompt.shape[-1]} + {max_new_tokens} new tokens feeds the model "
+                f"{total - 1} positions (every token but the last), more than max_len={self.config.max_len} "
+                "of the learned positions"
             )
         cache = self.new_cache(total) if use_cache else None
         out, new = prompt, prompt

@@ -246,10 +246,11 @@ class Transformer(nn.Module):
         if eos_id is not None:
             _token("eos_id", eos_id, self.config.tgt_vocab)
         positive_int("max_new_tokens", max_new_tokens)
-        if self.config.positional == "learned" and 1 + max_new_tokens > self.config.max_len:
+        # the decoder reads BOS and every generated token but the last: max_new_tokens positions
+        if self.config.positional == "learned" and max_new_tokens > self.config.max_len:
             raise ValueError(
-                f"max_new_tokens: BOS + {max_new_tokens} new tokens exceeds max_len={self.config.max_len} "
-                "of the learned positions"
+                f"max_new_tokens: BOS + {max_new_tokens} new tokens feeds the decoder {max_new_tokens} positions "
+                f"(every token but the last), more than max_len={self.config.max_len} of the learned positions"
             )
         memory = self.encode(src, src_lengths=src_lengths)
         out = torch.full((src.shape[0], 1), bos_id, dtype=torch.long, device=src.device)

@@ -37,6 +37,18 @@ class Request:
     max_new_tokens: int
     arrival: int = 0
 
+    def __post_init__(self):
+        p = self.prompt
+        if not isinstance(p, Tensor) or p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+            got = p.dtype if isinstance(p, Tensor) else type(p).__name__
+            raise TypeError(f"request {self.name!r}: prompt: expected an integer tensor of token ids, got {got}")
+        if p.dim() != 1 or p.numel() == 0:
+            raise ValueError(f"request {self.name!r}: prompt: expected shape (i,) with at least one token (the first "
+                             f"step's logits come from it), got {tuple(p.shape)}")  # fmt: skip
+        for what, value, low in (("max_new_tokens", self.max_new_tokens, 1), ("arrival", self.arrival, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"request {self.name!r}: {what}: expected an int >= {low}, got {value!r}")
+
 
 class PagedLayer:
     """What one attention layer sees of a step: the tokens' positions, and its pages to write and read."""
@@ -78,8 +90,20 @@ def serve(model, requests: list[Request], cache: PagedKVCache, *, eos_id: int | 
     names = [r.name for r in requests]
     if len(set(names)) != len(names):
         raise ValueError("requests: names must be distinct")
+    held = [name for name in names if name in cache.requests]
+    if held:
+        raise ValueError(f"requests: {held[:4]} are already in the cache; serve adds each request itself")
     waiting = sorted(requests, key=lambda r: r.arrival)
     running: dict[Hashable, list[int]] = {}  # name -> its tokens so far
+    try:
+        return _serve(model, waiting, running, cache, eos_id)
+    finally:  # an error (a bad token id, a full pool) leaves no request of this call holding pages
+        for name in running:
+            if name in cache.requests:
+                cache.free(name)
+
+
+def _serve(model, waiting: list[Request], running: dict, cache: PagedKVCache, eos_id: int | None) -> dict:
     left: dict[Hashable, int] = {}  # name -> tokens still to generate
     final: dict[Hashable, int] = {}  # name -> its length when done: pages reserved up to it
     done: dict[Hashable, Tensor] = {}
@@ -89,13 +113,21 @@ def serve(model, requests: list[Request], cache: PagedKVCache, *, eos_id: int | 
         tokens: dict[Hashable, list[int]] = {name: seq[-1:] for name, seq in running.items()}
         while waiting and waiting[0].arrival <= clock and _fits(cache, final, waiting[0]):
             r = waiting.pop(0)
+            running[r.name] = r.prompt.tolist()
             cache.add(r.name)
             cache.reserve(r.name, r.prompt.numel() + r.max_new_tokens)  # its whole length, as one run of pages
-            running[r.name] = r.prompt.tolist()
             left[r.name], final[r.name] = r.max_new_tokens, r.prompt.numel() + r.max_new_tokens
             new[r.name], tokens[r.name] = len(running[r.name]), running[r.name]
         if not new:
-            clock += 1  # nothing has arrived yet
+            r = waiting[0]
+            if r.arrival <= clock:  # it has arrived, nothing runs, and the pool still lacks its pages
+                need = -(-(r.prompt.numel() + r.max_new_tokens) // cache.page_size)
+                raise RuntimeError(
+                    f"request {r.name!r} needs {need} pages but only {cache.free_pages} of {cache.num_pages} are free, "
+                    f"and no request of this call is running to free more; the cache's other requests "
+                    f"({list(cache.requests)[:4]}) hold the rest: free them first"
+                )
+            clock = r.arrival  # nothing has arrived yet
             continue
         step = cache.plan(new)
         ids = torch.tensor([t for name in step.requests for t in tokens[name]], device=cache.device)[None]
