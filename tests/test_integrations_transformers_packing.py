@@ -155,3 +155,42 @@ def test_position_ids_shared_by_layers_are_read_once_and_a_change_is_seen():
         assert len(reads) == 3 and docs is not None
     finally:
         packing._restarts = real
+
+
+@pytest.mark.parametrize(
+    "positions, use_cache, attention_mask, packed",
+    [
+        ([[0, 1, 2, 10, 11, 12]], True, False, False),  # positions that jump: one sequence (flash_attention_2's reading)
+        ([[0, 1, 2, 10, 11, 12]], False, False, True),  # no cache, no mask: transformers' own packing splits at the jump
+        ([[0, 1, 2, 0, 1, 2]] * 2, True, False, False),  # a batch of two rows: not packing
+        ([[0, 1, 2, 0, 1, 2]], False, False, True),  # a training forward: transformers' sdpa packs too
+        ([[0, 1, 2, 0, 1, 2]], True, True, True),  # with a cache or an all-ones mask: packed, as flash_attention_2 reads it
+        ([[3, 4, 0, 1, 2, 3]], False, True, False),  # the first token is not at the smallest position: not packing
+    ],
+    ids=["jump", "jump-no-cache", "two-rows", "restart-no-cache", "restart-cache-mask", "first-not-smallest"],
+)
+def test_position_ids_are_read_as_packing_where_transformers_reads_them_so(models, positions, use_cache, attention_mask, packed):
+    """Where transformers' sdpa packs (no cache, no mask), qkv keeps its sequences; elsewhere qkv reads one row's
+    positions as flash_attention_2 does: sequences start at the smallest position, a jump is not a start."""
+    import copy
+
+    llama = models["llama"]
+    sdpa = copy.deepcopy(llama)
+    sdpa.set_attn_implementation("sdpa")
+    positions = torch.tensor(positions)
+    ids = torch.randint(1, 48, positions.shape, generator=torch.Generator().manual_seed(5))
+    kw = dict(input_ids=ids, position_ids=positions, use_cache=use_cache)
+    if attention_mask:
+        kw["attention_mask"] = torch.ones_like(ids)
+    with torch.no_grad():
+        got = llama(**kw).logits
+        if packed:  # each sequence alone
+            starts = [t for t in range(1, ids.shape[1]) if positions[0, t] != positions[0, t - 1] + 1]
+            if kw.get("attention_mask") is not None or use_cache:
+                starts = [t for t in range(1, ids.shape[1]) if positions[0, t] == positions[0].min()]
+            bounds = [0, *starts, ids.shape[1]]
+            want = torch.cat([llama(input_ids=ids[:, a:b], position_ids=positions[:, a:b] - positions[0, a:b].min(),
+                                    use_cache=False).logits for a, b in zip(bounds, bounds[1:])], 1)  # fmt: skip
+        else:
+            want = sdpa(**kw).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

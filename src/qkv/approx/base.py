@@ -16,7 +16,10 @@ order decides which error a call with several faults gets, so it is fixed here):
 
 A subclass declares its name in errors (``method``), why it cannot be causal
 (``why_not_causal``, None when it can) and what runs a mask it cannot honour
-(``mask_hint``), then calls ``dims, keep = self.check_call(...)``.
+(``mask_hint``), then calls ``dims, keep = self.check_call(...)``, answers an empty call with
+:meth:`ApproxAttention.empty_result`, and zeroes the keys and values no query sees with
+:func:`unseen_zeroed` (a padded slot holding nan or inf, as a cache from ``torch.empty`` may,
+would reach every output through its weight of 0: ``0 · nan = nan``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,16 @@ class ApproxAttention(nn.Module):
         self.check_sizes(dims, k)
         return dims, self.honoured_mask(dense_mask(mask, dims, q.device), dims)
 
+    def empty_result(self, q: Tensor, k: Tensor, v: Tensor, dims: Dims, return_weights: bool):
+        """Exact attention's answer to a call with no batch row, query or key (``out = 0 (b, h, i, e)``, weights
+        ``0 (b, h, i, j)``: a row without keys attends to nothing), or None for a call with all three. The
+        methods' block and landmark arithmetic divides by these sizes."""
+        if min(dims.b, dims.i, dims.j) > 0:
+            return None
+        tie = (q.sum() + k.sum() + v.sum()) * 0  # (connects the result to the inputs' graph: their gradients are 0)
+        out = q.new_zeros(dims.b, dims.h, dims.i, dims.e) + tie
+        return (out, q.new_zeros(dims.b, dims.h, dims.i, dims.j) + tie) if return_weights else out
+
     def check_sizes(self, dims: Dims, k: Tensor) -> None:
         """Sizes the method's own settings fix (``d``, ``j``, ``h``); raise ``ValueError`` when
         they do not fit. ``k`` is passed for its shape in messages. Nothing by default."""
@@ -73,3 +86,17 @@ class ApproxAttention(nn.Module):
         """The dense mask ``(b|1, h|1, i|1, j)`` reduced to what the method can run: by default
         a key padding ``keep (b|1, h|1, j)``, refusing masks that vary with the query."""
         return key_padding(mask, dims, self.method, self.mask_hint)
+
+
+def unseen_zeroed(x: Tensor, seen: Tensor | None) -> Tensor:
+    """``x (b, g, j, c)`` (keys or values) with the rows no query sees set to 0; ``seen (b|1, h|1, j)``.
+
+    With ``h`` query heads over ``g`` KV heads, a row is zeroed where no head of its group sees
+    it (a row one head sees and another does not is left: the seeing head needs it).
+    """
+    if seen is None:
+        return x
+    heads, g = seen.shape[1], x.shape[1]
+    if heads not in (1, g):
+        seen = seen.unflatten(1, (g, heads // g)).any(2)
+    return x.masked_fill(~seen[..., None], 0)

@@ -62,7 +62,7 @@ from ._common import (
     repeat_kv,
     safe_divide,
 )
-from .base import CAUSAL_INSTEAD, ApproxAttention
+from .base import CAUSAL_INSTEAD, ApproxAttention, unseen_zeroed
 
 
 def elu_feature_map(x: Tensor) -> Tensor:
@@ -381,7 +381,10 @@ class LinearAttention(ApproxAttention):
         causal: bool = False,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        _, keep = self.check_call(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
+        dims, keep = self.check_call(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
+        if (empty := self.empty_result(q, k, v, dims, return_weights)) is not None:
+            return empty
+        k, v = unseen_zeroed(k, keep), unseen_zeroed(v, keep)
         return linear_attention(
             q, k, v, keep=keep, causal=causal, chunk_size=self.chunk_size, return_weights=return_weights
         )

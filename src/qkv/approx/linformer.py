@@ -207,6 +207,8 @@ class Linformer(ApproxAttention):
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         dims, keep = self.check_call(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
+        if (empty := self.empty_result(q, k, v, dims, return_weights)) is not None:
+            return empty
         f_full = self.e_proj if self.f_proj is None else self.f_proj
         e_proj, f_proj = self.e_proj[..., : dims.j], f_full[..., : dims.j]
         return linformer_attention(

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from .._args import positive_int
 from ._common import check_scale, masked_softmax, repeat_kv
-from .base import ApproxAttention
+from .base import ApproxAttention, unseen_zeroed
 
 
 def segment_ids(n: int, m: int, device: torch.device | None = None) -> Tensor:
@@ -247,6 +247,9 @@ class NystromAttention(ApproxAttention):
                 raise ValueError(
                     f"k: the value convolution adds v to the output, so it needs j == i={dims.i}, got j={dims.j}"
                 )
+        if (empty := self.empty_result(q, k, v, dims, return_weights)) is not None:
+            return empty
+        k, v = unseen_zeroed(k, keep), unseen_zeroed(v, keep)
         result = nystrom_attention(
             q,
             k,

@@ -65,7 +65,7 @@ from torch import Tensor
 
 from .._args import positive_int
 from ._common import Dims, Scratch, check_interval, check_scale, make_generator, needs_grad, project_into, repeat_kv
-from .base import CAUSAL_INSTEAD, ApproxAttention
+from .base import CAUSAL_INSTEAD, ApproxAttention, unseen_zeroed
 from .linear import grouped_keep, kernel_attention, kernel_attention_weights, streamed_kernel_attention
 
 
@@ -266,7 +266,10 @@ class Performer(ApproxAttention):
         causal: bool = False,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        _, keep = self.check_call(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
+        dims, keep = self.check_call(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
+        if (empty := self.empty_result(q, k, v, dims, return_weights)) is not None:
+            return empty
+        k, v = unseen_zeroed(k, keep), unseen_zeroed(v, keep)
         if self.training and self.redraw_interval is not None:
             self._steps += 1
             if self._steps % self.redraw_interval == 0:

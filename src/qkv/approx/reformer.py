@@ -44,7 +44,12 @@ codes, windows, the kernel and its plain twin, round combination) are in
 :mod:`qkv.approx._lsh`; one round's masks and kernel calls in :mod:`qkv.approx._lsh_round`.
 
 Causal (``causal=True``) also drops keys after the query; any bool mask ``(b, h, i, j)`` is
-honoured by reading its entries for the pairs inside the chunks. A length that is not a
+honoured by reading its entries for the pairs inside the chunks. Causal here means no query
+attends to a later key, not that a prefix's outputs are those of the prefix alone: which keys
+share a query's chunks depends on the buckets and sorted positions of every token, so a later
+token changes the chunks and, with ``n_buckets > 1``, the earlier outputs (the Reformer's own
+chunking; a causal LM trained with it reads its whole sequence at once and cannot be run token
+by token with a cache). A length that is not a
 multiple of ``chunk_size`` is padded with tokens that sort last, in a bucket of their own.
 
 Randomness: the rotations are a buffer drawn from the module's generator (``seed`` or
@@ -75,7 +80,7 @@ from .._args import positive_int
 from ._common import Dims, Scratch, check_interval, check_scale, make_generator, needs_grad, repeat_kv
 from ._lsh import combine_rounds, dense_weights, hash_buckets, interval_bounds, sort_buckets, window_codes
 from ._lsh_round import RoundSetup, attend_round
-from .base import ApproxAttention
+from .base import ApproxAttention, unseen_zeroed
 
 BLOCK_ROWS = 1 << 14  # sorted positions per block of (b, h) rows: a block's buffers stay ~50 MB at d = e = 64
 SLAB = 1 << 21  # logits per slab of chunks: one mask of 8 MB (float32), one attention call
@@ -303,6 +308,9 @@ class LSHAttention(ApproxAttention):
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         dims, mask = self.check_call(q, k, v, mask=mask, causal=causal, return_weights=return_weights)
+        if (empty := self.empty_result(q, k, v, dims, return_weights)) is not None:
+            return empty
+        v = unseen_zeroed(v, None if mask is None else mask.any(-2))  # (b|1, h|1, j): keys some query sees
         if self.training and self.redraw_interval is not None:
             self._steps += 1
             if self._steps % self.redraw_interval == 0:

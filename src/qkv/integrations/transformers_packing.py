@@ -9,9 +9,15 @@ transformers says that a batch row holds several sequences end to end in three w
   sequences' offsets in the flattened tokens, flash-attn's ``cu_seqlens`` (the collator's
   ``return_flash_attn_kwargs=True``); the maximum lengths only size flash's grid;
 * ``seq_idx``: a sequence index per token ``(b, T)``;
-* packed ``position_ids``: a position that does not follow its predecessor (``p[t] !=
-  p[t - 1] + 1``) starts a sequence, the rule of transformers' own
-  ``find_packed_sequence_indices``.
+* packed ``position_ids`` of one row, read as transformers' ``flash_attention_2`` reads them
+  (``prepare_fa_kwargs_from_position_ids``): a sequence starts at each token holding the
+  row's smallest position, the first token included; positions that only jump (``0, 1, 2,
+  10, 11``) are one sequence. Where transformers' ``sdpa`` and ``eager`` see packing (no
+  cache and no ``attention_mask``: a training forward) the mask function they compose
+  already holds their sequences (a position that does not follow its predecessor starts
+  one, ``find_packed_sequence_indices``), and that mask is kept; with a cache (an eval
+  forward's default) or an all-ones ``attention_mask`` they read restarting positions as one
+  sequence, where qkv, like ``flash_attention_2``, reads documents.
 
 :func:`documents_for` turns whichever the layer was given into ``qkv.masks.documents``,
 combined with the layer's own mask by the integration, so the ``segments`` backend runs
@@ -38,7 +44,8 @@ def documents_for(query: Tensor, key: Tensor, kwargs: dict, mask: Mask | None = 
 
     ``mask`` is the layer's own mask: where it pads some keys (a padded batch, whose
     ``generate`` gives the padding one repeated position id), ``position_ids`` say nothing of
-    packing, as in transformers, which looks for packed positions only without a padding mask.
+    packing, as in transformers, which looks for packed positions only without a padding mask;
+    nor do they in a batch of several rows (``flash_attention_2``'s rule, see the module).
     """
     b, i, j = query.shape[0], query.shape[-2], key.shape[-2]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -85,8 +92,14 @@ def _packed_positions(positions: Tensor, b: int) -> Documents | None:
 
 
 def _restarts(positions: Tensor, b: int) -> Documents | None:
-    starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
-    return Documents(starts.cumsum(-1).expand(b, -1)) if bool(starts[:, 1:].any()) else None
+    """The sequences of one row's positions: one starts at each token holding the row's smallest position (the first
+    must); None when only the first does, or for a batch of several rows."""
+    if b != 1 or positions.shape[0] != 1:
+        return None
+    starts = positions == positions.min()
+    if not bool(starts[0, 0]) or not bool(starts[0, 1:].any()):
+        return None
+    return Documents(starts.cumsum(-1) - 1)
 
 
 def _ids(name: str, cu: object, b: int, n: int) -> Tensor:
