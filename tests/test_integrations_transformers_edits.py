@@ -273,3 +273,68 @@ def test_hook_result_needs_an_output_projection_on_the_attention_module(minilm):
     with pytest.raises(ValueError, match="hook_result needs the layer's output projection"):
         with qkv.record(model, layers=LAYER, hooks=("result",)):
             model(**_batch(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    """A tiny GPT-2 (its projections are transformers' Conv1D, ``x @ W + b`` with W stored (in, out)), eager and qkv."""
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=50, n_embd=48, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    model = GPT2Model(config).double().eval()
+    model.set_attn_implementation("qkv")
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    return model, eager
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_gpt2_hook_result_is_each_heads_share_of_its_conv1d_output_projection(gpt2):
+    model, _ = gpt2
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+    with qkv.record(model, layers=[1], hooks=("z", "result")) as rec:
+        model(input_ids=ids)
+    z, result = rec["blocks.1.attn.hook_z"], rec["blocks.1.attn.hook_result"]  # (b, i, h, e), (b, i, h, d_model)
+    c_proj = model.h[1].attn.c_proj
+    torch.testing.assert_close(result.sum(2), c_proj(z.flatten(2)) - c_proj.bias, **TOL)
+    W = c_proj.weight.view(4, 12, 48)  # (h, e, d_model): rows of head n are its inputs to c_proj
+    torch.testing.assert_close(result[:, :, 2], z[:, :, 2] @ W[2], **TOL)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_gpt2_returns_its_attention_weights_although_its_layers_keep_output_attentions_to_themselves(gpt2):
+    model, eager = gpt2
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(2))
+    got = model(input_ids=ids, output_attentions=True).attentions
+    want = eager(input_ids=ids, output_attentions=True).attentions
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+    assert model(input_ids=ids).attentions is None
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_an_encoder_decoder_whose_layers_share_indices_is_refused_and_its_encoder_can_be_edited():
+    from transformers import BartConfig, BartModel
+
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=50, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64)  # fmt: skip
+    model = BartModel(config).double().eval()
+    model.set_attn_implementation("qkv")
+    src, tgt = torch.randint(2, 50, (1, 6)), torch.randint(2, 50, (1, 3))
+    with pytest.raises(ValueError, match=r"edit: 'encoder.layers.0.self_attn' and 'decoder.layers.0.self_attn' are both "
+                                         r"attention layer 0 of BartModel"):  # fmt: skip
+        with qkv.edit(model, {0: AblateHeads([0])}):
+            pass
+    with pytest.raises(ValueError, match=r"record: .* are both attention layer 0 of BartDecoder"):
+        with qkv.record(model.get_decoder()):
+            pass
+    encoder = model.get_encoder()
+    with torch.no_grad(), qkv.record(encoder, layers=[0], hooks=("pattern",)) as rec:
+        clean = model(input_ids=src, decoder_input_ids=tgt)
+    assert rec["blocks.0.attn.hook_pattern"].shape == (1, 4, 6, 6)
+    with torch.no_grad(), qkv.edit(encoder, {0: AblateHeads([0])}):
+        edited = model(input_ids=src, decoder_input_ids=tgt)
+    assert not torch.equal(edited.encoder_last_hidden_state, clean.encoder_last_hidden_state)

@@ -61,6 +61,8 @@ those before dropout.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
@@ -334,7 +336,25 @@ def _mask_and_bias(
 
 
 def _weights_wanted(module: torch.nn.Module, output_attentions: bool | None) -> bool:
-    """The call's ``output_attentions``, else the model config's (transformers records either)."""
+    """The call's ``output_attentions``, else whether the model's output collector gathers attentions, else the
+    model config's.
+
+    A module whose ``forward`` takes ``output_attentions`` as a parameter of its own (GPT-2's)
+    does not pass it on; transformers then gathers the weights its layers return through the
+    collector its ``capture_outputs`` sets for the forward, read here.
+    """
+    if output_attentions is None:
+        output_attentions = _collecting_attentions()
     if output_attentions is None:
         output_attentions = getattr(getattr(module, "config", None), "output_attentions", False)
     return bool(output_attentions)
+
+
+def _collecting_attentions() -> bool | None:
+    """Whether transformers' active output collector gathers attention weights; None where it has none."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    collected = None if collector is None else collector.get()
+    if not isinstance(collected, dict):
+        return None
+    return "attentions" in collected or "cross_attentions" in collected

@@ -117,7 +117,8 @@ def output_weight(module: torch.nn.Module | None) -> Tensor:
     for name in ("o_proj", "out_proj", "c_proj"):
         linear = getattr(module, name, None)
         if isinstance(getattr(linear, "weight", None), Tensor) and linear.weight.dim() == 2:
-            return linear.weight
+            # GPT-2's c_proj is transformers' Conv1D, ``x @ weight + bias``: its weight is stored (in, out)
+            return linear.weight.t() if type(linear).__name__ == "Conv1D" else linear.weight
     raise ValueError(
         f"record: hook_result needs the layer's output projection W_O, and {type(module).__name__} holds none of "
         "o_proj, out_proj, c_proj (BERT-like models keep it outside the attention module); record 'z' and apply W_O"
@@ -196,7 +197,17 @@ def _attention_layers(model: torch.nn.Module, caller: str) -> dict[int, int]:
             'so load it with attn_implementation="qkv" after qkv.integrations.transformers.register() '
             '(or call model.set_attn_implementation("qkv"))'
         )
-    layers = {id(m): m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
-    if not layers:
+    named = [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)]
+    if not named:
         raise ValueError(f"{caller}: found no attention layers (modules with an integer layer_idx) in {type(model).__name__}")
-    return layers
+    seen: dict[int, str] = {}
+    for name, m in named:
+        if m.layer_idx in seen:  # an encoder-decoder: its encoder, decoder and cross-attention share indices
+            raise ValueError(
+                f"{caller}: {seen[m.layer_idx]!r} and {name!r} are both attention layer {m.layer_idx} of "
+                f"{type(model).__name__}, so an index cannot name one of them; give a stack whose attention "
+                "layers have indices of their own, such as an encoder-decoder's encoder (model.get_encoder()); its "
+                "decoder, whose self- and cross-attention share an index, is not supported"
+            )
+        seen[m.layer_idx] = name
+    return {id(m): m.layer_idx for _, m in named}
