@@ -65,3 +65,30 @@ def test_minilm_loads_with_qkv_attention():
     assert not loaded.model.training
     assert (loaded.layers, loaded.heads, loaded.kv_heads, loaded.causal, loaded.max_tokens) == (6, 12, 12, False, 512)
     assert type(loaded.model).__name__ == "BertModel"  # the base model: no head to run
+
+
+@needs_minilm
+def test_an_encoder_decoder_and_a_tokenizer_of_another_vocabulary_are_one_line_errors(tmp_path):
+    import torch
+    from inspect_models import minilm_folder
+    from transformers import AutoTokenizer, BartConfig, BartModel, LlamaConfig, LlamaModel
+
+    from qkv.inspect.capture import run, tokenize
+    from qkv.inspect.selection import Selection
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    torch.manual_seed(0)
+    BartModel(BartConfig(vocab_size=tokenizer.vocab_size, d_model=16, encoder_layers=1, decoder_layers=1,
+                         encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16,
+                         max_position_embeddings=32)).save_pretrained(tmp_path / "bart")  # fmt: skip
+    tokenizer.save_pretrained(tmp_path / "bart")
+    with pytest.raises(InspectError, match=r"^--model: bart is an encoder-decoder \(BartModel\); qkv inspect draws"):
+        load(resolve(tmp_path / "bart"))
+    LlamaModel(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "small")  # fmt: skip
+    tokenizer.save_pretrained(tmp_path / "small")
+    loaded = load(resolve(tmp_path / "small"))
+    text = tokenize(loaded, "The cat sat.")
+    with pytest.raises(InspectError, match=r"^--model: the tokenizer gives token id \d+ but the model's vocabulary has "
+                                           r"100 entries: the folder's tokenizer does not belong to its model$"):  # fmt: skip
+        run(loaded, text, Selection(heads=(0, 1), rows=(0,), total_heads=2, total_rows=len(text.ids), automatic=False))

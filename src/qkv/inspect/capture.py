@@ -77,6 +77,13 @@ def run(loaded: Loaded, text: Text, selection: Selection) -> Capture:
     # function (as it does position_ids).
     selected = {} if selection.weights_for() is None else {"weights_for": selection.weights_for()}
     input_ids = torch.tensor([text.ids], dtype=torch.long)
+    embeddings = loaded.model.get_input_embeddings()
+    vocabulary = getattr(embeddings, "num_embeddings", None)
+    if vocabulary is not None and text.ids and max(text.ids) >= vocabulary:
+        raise InspectError(
+            f"--model: the tokenizer gives token id {max(text.ids)} but the model's vocabulary has {vocabulary} "
+            "entries: the folder's tokenizer does not belong to its model"
+        )
     with torch.inference_mode():
         outputs = loaded.model(input_ids=input_ids, output_attentions=True, **selected)
     layers = outputs.attentions

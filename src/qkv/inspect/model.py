@@ -108,6 +108,11 @@ def load(where: ModelPath) -> Loaded:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InspectError(f"--model: could not load {where.name}: {first}") from None
     model.eval()
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise InspectError(
+            f"--model: {where.name} is an encoder-decoder ({type(model).__name__}); qkv inspect draws the "
+            "self-attention of one stack of layers, an encoder-only or decoder-only model"
+        )
     config = model.config.get_text_config()
     heads = int(config.num_attention_heads)
     causal = any(getattr(module, "is_causal", False) for module in model.modules())
