@@ -232,3 +232,25 @@ def test_latent_cache_stores_both_parts_in_one_buffer():
         cache.update(torch.randn(2, 1, 1, 6), torch.randn(2, 1, 1, 1))
     with pytest.raises(ValueError, match=r"k_rope: expected \(b, 1, n, ·\), got \(2, 3, 1, 2\)"):
         cache.update(torch.randn(2, 1, 1, 5), torch.randn(2, 3, 1, 2))
+
+
+@pytest.mark.parametrize("max_len", [None, 8], ids=["growing", "preallocated"])
+def test_an_update_of_another_dtype_or_device_is_refused_not_cast(max_len):
+    """A preallocated buffer cast float64 keys to float32 silently, where a growing cache promoted them."""
+    cache = qkv.KVCache(max_len)
+    cache.update(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    x = torch.ones(1, 1, 1, 2, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"k: dtype torch.float64 but the cache holds torch.float32; reset\(\) it"):
+        cache.update(x, x)
+    meta = torch.ones(1, 1, 1, 2, device="meta")
+    with pytest.raises(ValueError, match=r"k: on meta but the cache is on cpu; reset\(\) it to move"):
+        cache.update(meta, meta)
+    cache.reset()
+    assert cache.update(x, x)[0].dtype == torch.float64
+
+
+def test_a_decoder_cache_given_to_one_layer_names_what_to_pass():
+    mha = qkv.MultiHeadAttention(8, 2)
+    with pytest.raises(TypeError, match=r"cache: expected one layer's cache .* got DecoderCache; a DecoderCache holds one "
+                                        r"per layer: pass its self_attn\[layer\]"):  # fmt: skip
+        mha(torch.randn(1, 2, 8), cache=qkv.DecoderCache(1))

@@ -338,3 +338,30 @@ def test_an_encoder_decoder_whose_layers_share_indices_is_refused_and_its_encode
     with torch.no_grad(), qkv.edit(encoder, {0: AblateHeads([0])}):
         edited = model(input_ids=src, decoder_input_ids=tgt)
     assert not torch.equal(edited.encoder_last_hidden_state, clean.encoder_last_hidden_state)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_edit_counts_a_negative_layer_from_the_last_as_record_does(gpt2):
+    model, _ = gpt2
+    ids = torch.randint(0, 50, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        with qkv.edit(model, {-1: AblateHeads([1])}):
+            negative = model(input_ids=ids).last_hidden_state
+        with qkv.edit(model, {1: AblateHeads([1])}):
+            positive = model(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(negative, positive, **TOL)
+    with pytest.raises(ValueError, match=r"edit: layers \[1, -1\] name one layer twice"):
+        with qkv.edit(model, {1: AblateHeads([0]), -1: AblateHeads([1])}):
+            pass
+    with pytest.raises(ValueError, match=r"edit: layers \[-3\] are not attention layers"):
+        with qkv.edit(model, {-3: AblateHeads([0])}):
+            pass
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_recording_rows_past_a_calls_own_rows_says_why(gpt2):
+    model, _ = gpt2
+    ids = torch.randint(0, 50, (1, 5), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=r"record: rows.*; layer 0 was called with 1 query rows \(each decoding step"):
+        with torch.no_grad(), qkv.record(model, rows=[4]):
+            model(input_ids=ids[:, :1])

@@ -201,3 +201,12 @@ def test_learned_positions_suffice_for_every_token_but_the_last_generated():
     for _ in range(7):
         by_hand = torch.cat((by_hand, lm(by_hand)[:, -1].argmax(-1, keepdim=True)), 1)
     torch.testing.assert_close(out, by_hand)
+
+
+def test_a_loss_with_no_next_token_to_predict_is_an_error_not_nan():
+    lm = _lm()
+    with pytest.raises(ValueError, match=r"ids: expected at least 2 tokens per row .* got shape \(2, 1\)"):
+        lm.loss(torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"lengths: every row holds one token, .* got \[1, 1\]"):
+        lm.loss(torch.zeros(2, 4, dtype=torch.long), lengths=torch.tensor([1, 1]))
+    assert torch.isfinite(lm.loss(torch.zeros(2, 4, dtype=torch.long), lengths=torch.tensor([1, 3])))

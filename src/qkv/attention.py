@@ -265,6 +265,10 @@ class MultiHeadAttention(nn.Module):
             raise TypeError("mask: expected a bool mask (True = may attend) or a qkv.masks object; a float mask "
                             "(PyTorch's float attn_mask) is added to the logits: qkv.attention(q, k, v, bias=...) on "
                             "the projected heads, or a positional bias (positional=)")  # fmt: skip
+        if cache is not None and not (hasattr(cache, "update") or hasattr(cache, "attend")):
+            raise TypeError(f"cache: expected one layer's cache (qkv.KVCache, StreamingCache, LatentCache), got "
+                            f"{type(cache).__name__}" + ("; a DecoderCache holds one per layer: pass its "
+                                                         "self_attn[layer]" if hasattr(cache, "self_attn") else ""))  # fmt: skip
         key = query if key is None else key
         value = key if value is None else value
         if cache is None and all(isinstance(x, Tensor) and x.dim() == 2 for x in (query, key, value)):

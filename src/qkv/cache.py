@@ -134,6 +134,12 @@ class KVCache:
                     f"k: expected (b, g, ·, d) = {want_k} and v (b, g, ·, e) = {want_v} like the cached ones, "
                     f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
                 )
+            for name, x, kept in (("k", k, self._k), ("v", v, self._v)):
+                # a buffer would cast silently (float64 keys rounded to float32), a list of tensors promote
+                if x.dtype != kept.dtype:
+                    raise TypeError(f"{name}: dtype {x.dtype} but the cache holds {kept.dtype}; reset() it to change")
+                if x.device != kept.device:
+                    raise ValueError(f"{name}: on {x.device} but the cache is on {kept.device}; reset() it to move")
 
     def __repr__(self) -> str:
         return f"KVCache(length={self._length}, max_len={self.max_len})"

@@ -88,7 +88,11 @@ class Recording(Mapping):
     def take(self, layer: int, call, edits: tuple[Edit, ...], out: Tensor, module: torch.nn.Module | None = None) -> None:
         """Record what ``layer``'s edited call computed; ``out (b, h, i, e)`` is its ``z`` after the edits."""
         heads = None if self.heads is None else indices("record: heads", self.heads, call.heads)
-        rows = None if self.rows is None else indices("record: rows", self.rows, call.rows)
+        try:
+            rows = None if self.rows is None else indices("record: rows", self.rows, call.rows)
+        except ValueError as error:  # rows count within each call: generate's later calls have one
+            raise ValueError(f"{error}; layer {layer} was called with {call.rows} query rows (each decoding step of "
+                             "generate() has one: rows=[-1] records every call's last row)") from None  # fmt: skip
         with torch.no_grad():  # a recording is a look: no graph is kept alive by it
             built = {
                 "attn_scores": lambda: recorded.scores(call, heads, rows),
@@ -148,10 +152,14 @@ def edit(model: torch.nn.Module, edits: Mapping[int, Edit | Sequence[Edit]]) -> 
     if not isinstance(edits, Mapping):
         raise TypeError(f"edit: expected a dict {{layer index: edit or list of edits}}, got {type(edits).__name__}")
     known = sorted(set(layers.values()))
-    unknown = [layer for layer in edits if layer not in known]
+    # a negative index counts from the last layer, as record's layers=-1 does
+    at = {layer: layer + len(known) if isinstance(layer, int) and -len(known) <= layer < 0 else layer for layer in edits}
+    unknown = [layer for layer in edits if at[layer] not in known]
     if unknown:
         raise ValueError(f"edit: layers {unknown} are not attention layers of this model, expected indices in {known}")
-    session = _Session(layers, edits={layer: as_edits(e) for layer, e in edits.items()})
+    if len(set(at.values())) < len(at):
+        raise ValueError(f"edit: layers {list(edits)} name one layer twice (a negative index counts from the last)")
+    session = _Session(layers, edits={at[layer]: as_edits(e) for layer, e in edits.items()})
     token = _ACTIVE.set((*_ACTIVE.get(), session))
     try:
         yield

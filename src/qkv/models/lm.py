@@ -121,12 +121,19 @@ class CausalLM(nn.Module):
         return self.out(y)
 
     def loss(self, ids: Tensor, *, lengths: Tensor | None = None) -> Tensor:
-        """Mean next-token cross-entropy of ``ids (b, i)`` over the real (unpadded) targets."""
+        """Mean next-token cross-entropy of ``ids (b, i)`` over the real (unpadded) targets.
+
+        A batch with no target (rows of one token) is an error, not a NaN mean over nothing.
+        """
+        if isinstance(ids, Tensor) and ids.dim() == 2 and ids.shape[1] < 2:
+            raise ValueError(f"ids: expected at least 2 tokens per row (a next token to predict), got shape {tuple(ids.shape)}")
         logits = self(ids[:, :-1], lengths=None if lengths is None else (lengths - 1).clamp(min=1))
         targets = ids[:, 1:]
         if lengths is None:
             return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         keep = torch.arange(targets.shape[1], device=ids.device)[None, :] < (lengths[:, None] - 1)
+        if not bool(keep.any()):
+            raise ValueError(f"lengths: every row holds one token, so there is no next token to predict, got {lengths.tolist()}")
         return nn.functional.cross_entropy(logits[keep], targets[keep])
 
     @inference
