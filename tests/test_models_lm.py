@@ -210,3 +210,12 @@ def test_a_loss_with_no_next_token_to_predict_is_an_error_not_nan():
     with pytest.raises(ValueError, match=r"lengths: every row holds one token, .* got \[1, 1\]"):
         lm.loss(torch.zeros(2, 4, dtype=torch.long), lengths=torch.tensor([1, 1]))
     assert torch.isfinite(lm.loss(torch.zeros(2, 4, dtype=torch.long), lengths=torch.tensor([1, 3])))
+
+
+def test_a_tiny_temperature_samples_the_argmax_and_a_huge_one_stays_finite():
+    from qkv.models.sampling import sample_next
+
+    logits = torch.tensor([[1.0, 3.0, 2.0], [5.0, -1.0, 4.5]])
+    gen = torch.Generator().manual_seed(0)
+    assert sample_next(logits, temperature=1e-300, generator=gen).tolist() == [1, 0]
+    assert sample_next(logits, temperature=1e300, generator=gen).shape == (2,)

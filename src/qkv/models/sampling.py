@@ -24,7 +24,10 @@ def sample_next(logits: Tensor, *, temperature: float = 0.0, top_k: int | None =
         positive_int("top_k", top_k)
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # in float64 (a temperature of 1e-300 is 0 in float32), the row's largest logit subtracted first: a
+    # tiny temperature then gives 0 and very negative logits (greedy), never inf - inf
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]  # the k-th largest logit per row
         logits = logits.masked_fill(logits < kth, float("-inf"))
