@@ -120,6 +120,13 @@ def test_the_backend_each_call_takes_on_cuda(cuda_ready, kind, make, small, larg
     assert text.splitlines()[0] == (small if size == SMALL else large), text
 
 
+def test_a_plain_float64_call_names_sdpas_math_kernel(cuda_ready):
+    """PyTorch's flash and efficient kernels take half and single precision: float64 runs its math kernel."""
+    with fake_cuda():
+        assert head(*cuda_inputs(64, 64, dtype=torch.float64)) == "backend: sdpa (math kernel (float64), chosen by PyTorch)"
+        assert head(*cuda_inputs(64, 64), causal=True) == SDPA
+
+
 def test_the_cuda_order_tries_sdpa_then_flex_and_lists_every_backend(cuda_ready):
     assert backends.CUDA_PREFERENCE == ("sdpa", "flex", "segments", "local", "chunked", "reference")
     assert set(backends.CUDA_PREFERENCE) == set(backends.REGISTRY)
@@ -570,3 +577,36 @@ def test_a_call_inductor_has_no_kernel_for_is_retried_then_declined(monkeypatch)
                                dropout=0.0, return_weights=False)  # fmt: skip
     with pytest.raises(RuntimeError, match="something else"):
         flex_gpu.run(other)  # any other error is the caller's
+
+
+def _per_head(b, h, q_idx, kv_idx):
+    return (kv_idx + h + b) % 3 != 0  # a pattern of its own for each head and batch row
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["FlexBlocks(bm)", "FlexBlocks(bm, batch, heads)"])
+@pytest.mark.parametrize("combined", [False, True], ids=["alone", "& lengths"])
+def test_a_block_mask_made_without_batch_and_heads_reads_its_mask_mod_as_the_cpu_does(given, combined):
+    """``B=None, H=None``: qkv evaluates the mask_mod at b = h = 0 unless given the call's batch and heads (then at
+    each row's and head's own, as flex does). Passed to flex as it is, or read through its block states inside an
+    ``&``, the lowering gave the other reading (head 1 was 2.2 off)."""
+    bm = flex.create_block_mask(_per_head, None, None, I_LEN, J_LEN, device="cpu")
+    mask = qkv.masks.FlexBlocks(bm, B, H) if given else qkv.masks.FlexBlocks(bm)
+    if combined:
+        mask = mask & qkv.masks.lengths(torch.tensor([J_LEN, J_LEN]))  # hides nothing
+    q, k, v = _inputs(torch.float64)
+    want = qkv.attention(q, k, v, mask=mask, backend="reference")
+    torch.testing.assert_close(qkv.attention(q, k, v, mask=mask), want, rtol=1e-10, atol=1e-10)  # the CPU's engines
+    out, _ = _flex_forward(q, k, v, {"mask": mask})
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+
+
+def test_block_lists_of_bands_whose_batch_dims_differ_are_broadcast_together():
+    """A block mask made for 3 batch rows whose mask_mod reads no b: its first band of tiles came from the program,
+    (1, 1, ...), a later one from the block states, (3, 1, ...); the lists failed to expand."""
+    bm = flex.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, 3, None, 129, 3, device="cpu")
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(3, 2, n, 16, generator=gen, dtype=torch.float64) for n in (129, 3, 3))
+    mask = qkv.masks.FlexBlocks(bm) & qkv.masks.causal()
+    want = qkv.attention(q, k, v, mask=mask, backend="reference")
+    out, _ = _flex_forward(q, k, v, {"mask": mask})
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)

@@ -150,6 +150,8 @@ def kernel(req: Request) -> str | None:
     """
     if req.q.device.type != "cuda":
         return None
+    if req.q.dtype == torch.float64:  # flash and the efficient kernel take half and single precision only
+        return "math kernel (float64), chosen by PyTorch"
     if req.bias is not None or (req.mask is not None and not _by_flag(req)):
         return "efficient kernel with a mask tensor, chosen by PyTorch"
     if _lower_right(req) and req.mask.state(Tile.whole(req.i, req.j, req.q.device)) != "full":

@@ -47,6 +47,8 @@ lowered call against the reference backend.
 
 from __future__ import annotations
 
+import dis
+import functools
 import math
 import threading
 from collections import OrderedDict
@@ -187,11 +189,13 @@ def _blocks_fn(mask: FlexBlocks, device) -> Callable:
     states = mask.states.to(device)  # (B, H, nq, nk) int8: 0 not listed, 1 partial, 2 full
     inner, qb, kb = mask.block_mask.mask_mod, mask.q_block, mask.kv_block
     sb, sh = states.shape[:2]
+    # the mask_mod at the b and h FlexBlocks evaluates it at: the call's own where it was given the call's
+    # batch and heads for a block mask made with B=None / H=None (as flex does), else 0 along a dim of 1
+    mb, mh = mask._mod.B or 1, mask._mod.H or 1
 
     def blocks(b, h, q_idx, kv_idx):
-        bb, hh = _pick(b, sb), _pick(h, sh)
-        state = states[bb, hh, q_idx // qb, kv_idx // kb]
-        return (state == 2) | ((state == 1) & inner(bb, hh, q_idx, kv_idx))
+        state = states[_pick(b, sb), _pick(h, sh), q_idx // qb, kv_idx // kb]
+        return (state == 2) | ((state == 1) & inner(_pick(b, mb), _pick(h, mh), q_idx, kv_idx))
 
     return blocks
 
@@ -227,8 +231,33 @@ def block_mask(req: Request, mod: Callable | None = None):
 
 
 def _usable_as_is(mask: FlexBlocks, req: Request) -> bool:
+    """Whether flex, given torch's BlockMask itself, reads it as qkv does: flex evaluates the mask_mod at every
+    batch row's and head's own b and h, qkv at 0 along a dim the block mask was made without (B=None) unless
+    it was given the call's (``FlexBlocks(bm, batch, heads)``)."""
     bm = mask.block_mask
-    return bm.kv_num_blocks.device == req.q.device and tuple(bm.seq_lengths) == (req.i, req.j)
+    fn = bm.mask_mod
+    same_b = (mask._mod.B or 1) == req.q.shape[0] or req.q.shape[0] == 1 or not _reads(fn, 0)
+    same_h = (mask._mod.H or 1) == req.heads or req.heads == 1 or not _reads(fn, 1)
+    return bm.kv_num_blocks.device == req.q.device and tuple(bm.seq_lengths) == (req.i, req.j) and same_b and same_h
+
+
+def _reads(fn: Callable, index: int) -> bool:
+    """Whether ``fn`` may read its argument ``index``: False only for a Python function whose code never loads it."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_argcount <= index:
+        return True  # a callable object or a partial: it cannot be told
+    return _code_reads(code, code.co_varnames[index])
+
+
+@functools.lru_cache(maxsize=256)
+def _code_reads(code, name: str) -> bool:
+    if name in code.co_cellvars:  # a nested function reads it
+        return True
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith(("LOAD_FAST", "STORE_FAST", "DELETE_FAST")):
+            if ins.argval == name or (isinstance(ins.argval, tuple) and name in ins.argval):
+                return True
+    return False
 
 
 def _build(mask: Mask, mod: Callable, i_len: int, j_len: int, device):
@@ -237,19 +266,22 @@ def _build(mask: Mask, mod: Callable, i_len: int, j_len: int, device):
 
     nq, nk = math.ceil(i_len / BLOCK), math.ceil(j_len / BLOCK)
     first = as_heads(mask.tile(Tile(0, min(BLOCK, i_len), 0, j_len, i_len, j_len, device)), 4)
-    mb, mh = first.shape[:2]
-    band = BLOCK * max(1, BAND_ELEMENTS // (mb * mh * BLOCK * nk * BLOCK))
+    band = BLOCK * max(1, BAND_ELEMENTS // (first.shape[0] * first.shape[1] * BLOCK * nk * BLOCK))
     partial, full = [], []
     for i0 in range(0, i_len, band):
         i1 = min(i0 + band, i_len)
         allowed = first if i0 == 0 and i1 <= BLOCK else as_heads(mask.tile(Tile(i0, i1, 0, j_len, i_len, j_len, device)), 4)
+        # a band's batch and head dims are its own (a block mask's partial blocks read b and h, its full ones not)
+        mb, mh = allowed.shape[:2]
         allowed = allowed.expand(mb, mh, i1 - i0, j_len)
         rows = math.ceil((i1 - i0) / BLOCK)
         # padding is masked: a ragged edge block is never full, as in create_block_mask
         allowed = F.pad(allowed, (0, nk * BLOCK - j_len, 0, rows * BLOCK - (i1 - i0)))
-        counts = allowed.view(mb, mh, rows, BLOCK, nk, BLOCK).sum(dim=(3, 5))  # (mb, mh, rows, nk)
+        counts = allowed.reshape(mb, mh, rows, BLOCK, nk, BLOCK).sum(dim=(3, 5))  # (mb, mh, rows, nk)
         full.append(counts == BLOCK * BLOCK)
         partial.append((counts > 0) & (counts < BLOCK * BLOCK))
+    lead = torch.broadcast_shapes(*(x.shape[:2] for x in full))
+    partial, full = ([x.expand(*lead, *x.shape[2:]) for x in xs] for xs in (partial, full))
     kv_num, kv_idx = _ordered(torch.cat(partial, dim=2))
     full_num, full_idx = _ordered(torch.cat(full, dim=2))
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mod,
