@@ -110,6 +110,9 @@ def _mask(kind: str, b, h, i, j, gen):
         "causal_lengths": masks.causal() & masks.lengths(lengths),
         "window_or_dense": masks.window(2) | masks.Dense(dense),
         "custom": _Stripes(),
+        # a pattern of its own per head: Ulysses' ranks hold some heads of every row, and must read theirs
+        "dense_heads": torch.rand(b, h, i, j, generator=gen) > 0.3,
+        "program_heads": masks.from_mask_mod(lambda bb, hh, q_idx, kv_idx: (q_idx + kv_idx + hh) % 3 != 0, None, h),
     }[kind]
 
 

@@ -150,6 +150,20 @@ def test_sinks_join_every_rows_denominator_once(dist_pool, size):
     check(dist_pool.run(TARGET, size, cases), cases)
 
 
+def test_a_mask_of_its_own_per_head_is_read_at_each_ranks_heads(dist_pool):
+    """Ulysses and hybrid ranks hold some heads of every row: a dense (b, h, i, j) mask or a mask_mod made for h heads
+    was given whole (a shape error), now each rank's heads of it."""
+    cases = [
+        case(strategy="ulysses", mask="dense_heads", h=6, g=3),
+        case(strategy="ulysses", mask="program_heads", h=6, g=3, causal=True),
+        case(strategy="hybrid", hybrid="local", mask="dense_heads", h=4, g=2),
+        case(strategy="hybrid", hybrid="local", mask="program_heads", h=4, g=4, layout="contiguous"),
+        case(strategy="ring", mask="program_heads"),
+    ]
+    check(dist_pool.run(TARGET, 2, cases[:2]), cases[:2])
+    check(dist_pool.run(TARGET, 4, cases[2:]), cases[2:])
+
+
 @pytest.mark.parametrize("size", [3, 4])
 def test_remaining_kinds(dist_pool, size):
     cases = [c for c in DEFAULT if not (c["strategy"] == "ulysses" and c["h"] % size)]

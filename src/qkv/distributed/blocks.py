@@ -112,7 +112,7 @@ class Work:
         req = self.req
         bias = req.bias if dense is None else dense
         return replace(
-            req, q=q, k=k, v=v, mask=frame_mask(req.mask, block), bias=frame_bias(bias, block, self.heads),
+            req, q=q, k=k, v=v, mask=frame_mask(req.mask, block, self.heads), bias=frame_bias(bias, block, self.heads),
             score_mod=frame_score_mod(req.score_mod, block, self.heads), sinks=None, generator=None,
             return_weights=False, weights_for=None,  # sinks join the merged rows once (ring.RingAttention)
         )  # fmt: skip

@@ -37,7 +37,7 @@ def attend_rows(q: Tensor, k: Tensor, v: Tensor, call, *, r0: int = 0, c0: int =
     if req.dropout > 0:  # the dropout mask must be the whole call's at these coordinates
         return _placed(q, k, v, call, block, heads, sinks)
     return attention(
-        q, k, v, score=req.score, mask=frame_mask(req.mask, block), bias=frame_bias(req.bias, block, heads),
+        q, k, v, score=req.score, mask=frame_mask(req.mask, block, heads), bias=frame_bias(req.bias, block, heads),
         scale=req.scale, score_mod=frame_score_mod(req.score_mod, block, heads), sinks=sinks,
     )  # fmt: skip
 

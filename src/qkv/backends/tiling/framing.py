@@ -28,7 +28,7 @@ lazy mask and bias of qkv is a function of tile coordinates, bottom-right aligne
   ``functools.partial``, so the tensors it reads still get their gradients.
 
 A block whose mask state is "empty" is not computed; one whose state is "full" drops the
-mask. Ulysses also slices heads: :func:`frame_bias` takes ``heads=(h0, h1)``. A packed
+mask. Ulysses also slices heads: :func:`frame_bias` and :func:`frame_mask` take ``heads=(h0, h1)``. A packed
 batch's documents (the ``segments`` backend) are blocks of one batch row: :func:`frame_row`
 keeps that row of a mask, :func:`row_slice` of a dense tensor, and :func:`frame_score_mod`
 moves the batch index too.
@@ -81,14 +81,20 @@ def mask_state(mask: Mask | None, block: Block) -> str:
     return mask.state(block.whole)
 
 
-def frame_mask(mask: Mask | None, block: Block) -> Mask | None:
-    """The block's own mask (None when it allows every key of the block)."""
+def frame_mask(mask: Mask | None, block: Block, heads: tuple[int, int] | None = None) -> Mask | None:
+    """The block's own mask (None when it allows every key of the block); ``heads = (h0, h1)`` keeps only those
+    query heads of a mask with a head dim (Ulysses: a rank holds some heads of every row)."""
     if mask is None or mask_state(mask, block) == "full":
         return None
-    return _frame(mask, block)
+    return _frame(mask, block, heads if heads is not None and _has_heads(mask) else None)
 
 
-def _frame(mask: Mask, block: Block) -> Mask:
+def _has_heads(mask: Mask) -> bool:
+    shape = mask.batch_shape()
+    return len(shape) >= 2 and shape[-1] != 1
+
+
+def _frame(mask: Mask, block: Block, heads: tuple[int, int] | None = None) -> Mask:
     kind = type(mask)  # exact types: a subclass may redefine its tiles, so it is translated instead
     if kind in (Offsets, Window):  # causal included
         shift = block.delta
@@ -102,14 +108,14 @@ def _frame(mask: Mask, block: Block) -> Mask:
     if kind is Starts:
         return Starts((mask.key_starts - block.c0).clamp(min=0, max=block.jt))
     if kind is Dense:
-        return Dense(block_slice(mask.mask, block))
+        return Dense(block_slice(mask.mask, block, heads))
     if kind is Documents:
         return Documents(mask.ids_q[:, block.r0 : block.r0 + block.it], mask.ids_k[:, block.c0 : block.c0 + block.jt])
     if kind is And:
-        return And(_frame(mask.a, block), _frame(mask.b, block))
+        return And(_frame(mask.a, block, heads), _frame(mask.b, block, heads))
     if kind is Or:
-        return Or(_frame(mask.a, block), _frame(mask.b, block))
-    return Translated(mask, block)
+        return Or(_frame(mask.a, block, heads), _frame(mask.b, block, heads))
+    return Translated(mask, block, heads if heads is not None and _has_heads(mask) else None)
 
 
 def block_slice(x: Tensor, block: Block, heads: tuple[int, int] | None = None) -> Tensor:
@@ -124,22 +130,31 @@ def block_slice(x: Tensor, block: Block, heads: tuple[int, int] | None = None) -
 
 
 class Translated(Mask):
-    """Any mask, read at the block's global positions (the generic, slower framing)."""
+    """Any mask, read at the block's global positions (the generic, slower framing); with ``heads = (h0, h1)``,
+    those query heads of its tiles (a mask whose head dim is the call's)."""
 
-    def __init__(self, mask: Mask, block: Block):
-        self.mask, self.block = mask, block
+    def __init__(self, mask: Mask, block: Block, heads: tuple[int, int] | None = None):
+        self.mask, self.block, self.heads = mask, block, heads
 
     def tile(self, t: Tile) -> Tensor:
-        return self.mask.tile(self.block.to_global(t))
+        tile = self.mask.tile(self.block.to_global(t))
+        if self.heads is not None and tile.dim() >= 3 and tile.shape[-3] != 1:
+            tile = tile[..., self.heads[0] : self.heads[1], :, :]
+        return tile
 
     def state(self, t: Tile) -> str:
+        # over every head: "empty" or "full" there holds for these heads too, "partial" only asks for the tile
         return self.mask.state(self.block.to_global(t))
 
     def batch_shape(self) -> tuple[int, ...]:
-        return self.mask.batch_shape()
+        shape = self.mask.batch_shape()
+        if self.heads is not None and len(shape) >= 2 and shape[-1] != 1:
+            shape = (*shape[:-1], self.heads[1] - self.heads[0])
+        return shape
 
     def __repr__(self) -> str:
-        return f"Translated({self.mask!r}, r0={self.block.r0}, c0={self.block.c0})"
+        heads = "" if self.heads is None else f", heads={self.heads}"
+        return f"Translated({self.mask!r}, r0={self.block.r0}, c0={self.block.c0}{heads})"
 
 
 def frame_bias(
