@@ -52,7 +52,8 @@ def test_demo_names_a_missing_package_before_any_work(monkeypatch, capsys, tmp_p
     _uninstall(monkeypatch, package)
     out = tmp_path / "demo"
     assert fails(capsys, [*argv, "--out", str(out)]) == (
-        f'qkv demo: error: needs {package}, which is not installed: pip install "qkv[demo]"'
+        f'qkv demo: error: needs {package}, which is not installed: pip install ".[demo]" in qkv\'s folder '
+        '(or "qkv[demo]" from a package index)'
     )
     assert list(tmp_path.iterdir()) == []  # not even the temporary folder
 
@@ -61,7 +62,8 @@ def test_plot_names_a_missing_matplotlib(monkeypatch, capsys, tmp_path):
     np.save(tmp_path / "w.npy", np.full((3, 4), 0.25))
     _uninstall(monkeypatch, "matplotlib")
     assert fails(capsys, ["plot", str(tmp_path / "w.npy")]) == (
-        'qkv plot: error: needs matplotlib, which is not installed: pip install "qkv[viz]"'
+        'qkv plot: error: needs matplotlib, which is not installed: pip install ".[viz]" in qkv\'s folder '
+        '(or "qkv[viz]" from a package index)'
     )
     assert not (tmp_path / "w.png").exists()
 
@@ -76,13 +78,14 @@ def test_plot_names_a_missing_safetensors_only_for_a_safetensors_file(monkeypatc
 
 @pytest.mark.parametrize(
     "package, install",
-    [("transformers", '"qkv[transformers]"'), ("matplotlib", '"qkv[viz]"')],
+    [("transformers", "transformers"), ("matplotlib", "viz")],
 )
 def test_inspect_names_a_missing_package_before_loading(monkeypatch, capsys, tmp_path, package, install):
     # matplotlib draws the heatmaps after the model ran: it is checked before the model loads.
     _uninstall(monkeypatch, package)
     assert fails(capsys, ["inspect", "The cat sat.", "--out", str(tmp_path / "page")]) == (
-        f"qkv inspect: error: needs {package}, which is not installed: pip install {install}"
+        f'qkv inspect: error: needs {package}, which is not installed: pip install ".[{install}]" in qkv\'s folder '
+        f'(or "qkv[{install}]" from a package index)'
     )
     assert not (tmp_path / "page").exists()
 

@@ -318,3 +318,11 @@ def test_rollout_view_and_its_controls(browser, page):
     assert _text(browser, "#rollout-status").startswith("mat@6 after layer 0: ")
     assert browser.find_element("id", "rollout-token").get_attribute("value") == "6"
     assert _errors(browser) == []
+
+
+def test_attribution_layers_out_of_range_are_named_as_given(minilm, tmp_path):
+    from qkv.inspect import InspectError
+
+    with pytest.raises(InspectError, match=r"^--attribution-layers: expected layers in 0\.\.5 \(6 layers\), got 0-9$"):
+        inspect(SENTENCE, loaded=minilm, out=tmp_path, attribution=True, attribution_layers=tuple(range(10)),
+                echo=lambda line: None)  # fmt: skip

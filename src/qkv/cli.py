@@ -5,7 +5,7 @@ Shape legend (``qkv plot``): ``h`` heads, ``i`` queries (rows), ``j`` keys (colu
 Every bad argument ends the program with exit code 2 and one line on stderr,
 ``qkv <command>: error: <what is wrong>`` (argparse's default prints the usage first; one
 line is easier to read and to test). So does a missing optional package (``needs
-matplotlib, which is not installed: pip install "qkv[demo]"``), checked before the command
+matplotlib, which is not installed: pip install ".[demo]" ...``), checked before the command
 starts its work, and a file ``qkv plot`` cannot read. ``qkv`` with no command at all is
 what a newcomer types first: it prints the help (the commands and examples) to stderr and
 exits with 2. Heavy imports (torch models, matplotlib, the benchmarks) happen inside the
@@ -23,6 +23,7 @@ from typing import NoReturn, Sequence
 
 from . import __version__
 from ._args import int_at_least
+from ._extras import install
 
 EXAMPLES = """examples:
   qkv demo                      the full tour (a few minutes), figures in ./qkv-demo/
@@ -44,10 +45,10 @@ class _Parser(argparse.ArgumentParser):
 #: extras; quoted, since an unquoted [ ] is a glob in zsh). A command checks them before it
 #: starts, so a missing one is one line, not a traceback after minutes of training.
 NEEDS: dict[str, dict[str, str]] = {
-    "demo": {"matplotlib": '"qkv[demo]"', "babel": '"qkv[demo]"', "tqdm": '"qkv[demo]"'},
-    "plot": {"matplotlib": '"qkv[viz]"', "safetensors": "safetensors"},
-    "inspect": {"transformers": '"qkv[transformers]"', "tokenizers": '"qkv[transformers]"',
-                "safetensors": '"qkv[transformers]"', "matplotlib": '"qkv[viz]"'},
+    "demo": {"matplotlib": install("demo"), "babel": install("demo"), "tqdm": install("demo")},
+    "plot": {"matplotlib": install("viz"), "safetensors": "pip install safetensors"},
+    "inspect": {"transformers": install("transformers"), "tokenizers": install("transformers"),
+                "safetensors": install("transformers"), "matplotlib": install("viz")},
 }  # fmt: skip
 
 
@@ -68,9 +69,9 @@ def _missing(command: str, error: ImportError) -> str | None:
             package = cause.name.partition(".")[0]
             if package == "qkv":
                 return None
-            install = NEEDS.get(command, {}).get(package)
+            how = NEEDS.get(command, {}).get(package)
             # A module's name is not always its package's name on PyPI: say how only when known.
-            return f"needs {package}, which is not installed" + (f": pip install {install}" if install else "")
+            return f"needs {package}, which is not installed" + (f": {how}" if how else "")
         cause = cause.__cause__
     return None
 
@@ -179,7 +180,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
                          "mean-pooled embedding of an encoder) and attention rollout (texts up to 512 tokens) "
                          "to the page; off by default, as it costs layers x heads forwards")  # fmt: skip
     inspect.add_argument("--attribution-layers", type=_indices, default=None, metavar="LAYERS",
-                         help="with --attribution: the layers whose heads are ablated, e.g. 0-3 (default: all)")
+                         help="the layers whose heads --attribution ablates, e.g. 0-3 (default: all); "
+                         "given alone, it turns --attribution on")  # fmt: skip
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:

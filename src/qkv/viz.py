@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ._extras import install
 
 __all__ = ["heatmap", "head_grid", "alignment", "positional_encoding", "rope_relative", "curves", "save"]
 
@@ -38,7 +39,7 @@ def _mpl() -> Any:
         from matplotlib.figure import Figure
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "qkv.viz needs matplotlib; install it with `pip install qkv[viz]`"
+            f"qkv.viz needs matplotlib: {install('viz')}"
         ) from error
     return Figure, FigureCanvasAgg
 

@@ -56,6 +56,7 @@ import torch
 
 from .measure import interleaved
 from .report import Targets, table
+from .._extras import install
 
 NAME = "decoding"
 DESCRIPTION = "SmolLM2-135M greedy generate() in transformers: qkv vs sdpa, left-padded batch of 4 and batch of 1"
@@ -82,7 +83,7 @@ def missing() -> str | None:
     """Why the suite cannot run here, or None."""
     for needed in ("transformers", "gguf", "accelerate"):
         if importlib.util.find_spec(needed) is None:
-            return f'{needed} is not installed (pip install "qkv[transformers]"; transformers needs gguf and accelerate for GGUF files)'
+            return f"{needed} is not installed ({install('transformers')}; transformers needs gguf and accelerate for GGUF files)"
     from ..integrations import packaged
 
     if packaged.smollm2() is None:

@@ -30,6 +30,7 @@ from torch import Tensor
 from .. import approx as qkv_approx  # the mechanisms (this package's approx is the suite)
 from .approx_setup import ApproxSetup, inputs, lsh_queries, mechanism, size_label, timed
 from .inputs import relative_error
+from .._extras import install
 
 PEERS = ("performer-pytorch", "linformer", "nystrom-attention", "reformer-pytorch")
 
@@ -151,7 +152,7 @@ def compare_peers(setup: ApproxSetup, say: Callable[[str], None]) -> list[dict]:
                 try:
                     ours, theirs, note = pair(i, setup)
                 except ImportError as err:
-                    rows.append(dict(peer=peer, i=i, skipped=f"not installed ({err.name}); `pip install qkv[peers]`"))
+                    rows.append(dict(peer=peer, i=i, skipped=f"not installed ({err.name}); {install('peers')}"))
                     say(f"peer {peer}: skipped, not installed")
                     continue
                 if i <= setup.big:

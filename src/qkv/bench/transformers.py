@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from .measure import interleaved
 from .report import Targets, table
+from .._extras import install
 
 NAME = "transformers"
 DESCRIPTION = "all-MiniLM-L6-v2 in transformers: qkv vs sdpa (32 sentences) and vs eager (weights at 512 tokens)"
@@ -77,7 +78,7 @@ def _models():
 def missing() -> str | None:
     """Why the suite cannot run here, or None."""
     if importlib.util.find_spec("transformers") is None:
-        return 'transformers is not installed (pip install "qkv[transformers]")'
+        return f"transformers is not installed ({install('transformers')})"
     from ..integrations import packaged
 
     if packaged.minilm() is None:

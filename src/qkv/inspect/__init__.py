@@ -28,7 +28,7 @@ from pathlib import Path
 from .attribution import Attribution
 from .capture import Capture, run, tokenize
 from .model import InspectError, Loaded, load, resolve
-from .selection import Selection, SelectionError, choose, parse_indices
+from .selection import Selection, SelectionError, choose, format_indices, parse_indices
 from .summary import LayerSummary, anchor_label, format_table, scope, summarize
 
 __all__ = ["Capture", "InspectError", "Report", "inspect", "parse_indices"]
@@ -89,8 +89,10 @@ def inspect(
         loaded = load(where)
     _check_range("--layer", layer, loaded.layers, "layers")
     _check_range("--head", head, loaded.heads, "heads per layer")
-    for value in attribution_layers or ():
-        _check_range("--attribution-layers", value, loaded.layers, "layers")
+    if any(not 0 <= value < loaded.layers for value in attribution_layers or ()):
+        given = format_indices(tuple(sorted(set(attribution_layers))))
+        raise InspectError(f"--attribution-layers: expected layers in 0..{loaded.layers - 1} ({loaded.layers} layers), "
+                           f"got {given}")  # fmt: skip
     words = tokenize(loaded, text)
     try:
         selection = choose(layers=loaded.layers, heads=loaded.heads, tokens=len(words.ids),

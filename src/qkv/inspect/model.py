@@ -17,6 +17,7 @@ import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from .._extras import install
 
 __all__ = ["DEFAULT_MODEL", "InspectError", "Loaded", "ModelPath", "default_model_path", "load", "resolve"]
 
@@ -91,7 +92,7 @@ def load(where: ModelPath) -> Loaded:
     try:
         import transformers
     except ImportError:
-        raise InspectError('needs transformers, which is not installed: pip install "qkv[transformers]"') from None
+        raise InspectError(f"needs transformers, which is not installed: {install('transformers')}") from None
     from ..integrations.transformers import NAME, register
 
     register()

@@ -17,29 +17,16 @@ import html
 import re
 from pathlib import Path
 
-import numpy as np
-
 from . import attribution_page
 from .encoding import encode_weights, script_json
 from .attribution import Attribution
 from .capture import Capture
+from .selection import format_indices
 from .summary import LayerSummary
 
 __all__ = ["encode_weights", "render", "scope_text"]
 
 _HERE = Path(__file__).resolve().parent
-
-
-def _ranges(values: tuple[int, ...]) -> str:
-    """``(0, 1, 2, 5, 7, 8)`` -> ``"0-2, 5, 7-8"``."""
-    parts, start = [], None
-    for index, value in enumerate(values):
-        if start is None:
-            start = value
-        if index + 1 == len(values) or values[index + 1] != value + 1:
-            parts.append(str(start) if start == value else f"{start}-{value}")
-            start = None
-    return ", ".join(parts)
 
 
 def scope_text(capture: Capture, layers: int) -> str:
@@ -50,8 +37,8 @@ def scope_text(capture: Capture, layers: int) -> str:
         return (f"All weights: {layers} layers \u00d7 {selection.total_heads} heads \u00d7 "
                 f"{tokens} queries \u00d7 {tokens} keys.")  # fmt: skip
     heads = ("all " + str(selection.total_heads)) if len(selection.heads) == selection.total_heads \
-        else f"{len(selection.heads)} of {selection.total_heads} ({_ranges(selection.heads)})"
-    rows = f"{len(selection.rows)} of {tokens} ({_ranges(selection.rows)})"
+        else f"{len(selection.heads)} of {selection.total_heads} ({format_indices(selection.heads)})"
+    rows = f"{len(selection.rows)} of {tokens} ({format_indices(selection.rows)})"
     why = ("chosen to fit the page, spread over the text" if selection.automatic else "chosen with --rows")
     return (
         f"Only some weights were computed: query rows {rows}, {why}; heads {heads}; every key, "
@@ -114,7 +101,7 @@ def render(
     over = "the row" if len(rows) == 1 else f"the {len(rows)} rows"
     # Name the rows: means over the few rows of a long text are not means over the text.
     summary_rows = "" if capture.selection.complete else \
-        f", over {over} computed, of {len(capture.text.ids)} query rows ({_ranges(rows)})"
+        f", over {over} computed, of {len(capture.text.ids)} query rows ({format_indices(rows)})"
     esc = html.escape
     fill = {
         "title": esc(f"Attention in {model}"),

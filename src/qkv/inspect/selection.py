@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AUTO_ROWS", "PAGE_ELEMENTS", "Selection", "SelectionError", "choose", "parse_indices", "spread"]
+__all__ = ["AUTO_ROWS", "PAGE_ELEMENTS", "Selection", "SelectionError", "choose", "format_indices", "parse_indices", "spread"]
 
 #: Most weights (layers x heads x rows x keys) kept without an explicit --rows/--heads:
 #: 4 Mi values are 8 MiB in the page (16-bit fixed point) and 16 MiB in memory (float32).
@@ -129,3 +129,15 @@ def choose(
         rows = rows_option
         _check("--rows", rows, tokens, "tokens in the text")
     return Selection(heads=chosen_heads, rows=rows, total_heads=heads, total_rows=tokens, automatic=automatic)
+
+
+def format_indices(values: tuple[int, ...]) -> str:
+    """The inverse of :func:`parse_indices` for sorted values: ``(0, 1, 2, 5, 7, 8)`` -> ``"0-2, 5, 7-8"``."""
+    parts, start = [], None
+    for index, value in enumerate(values):
+        if start is None:
+            start = value
+        if index + 1 == len(values) or values[index + 1] != value + 1:
+            parts.append(str(start) if start == value else f"{start}-{value}")
+            start = None
+    return ", ".join(parts)

@@ -73,6 +73,7 @@ from ..score_mods import SoftCap
 from .transformers_edits import runner as edits_runner
 from .transformers_masks import LayerMask, mask_interface
 from .transformers_packing import documents_for, with_documents
+from .._extras import install
 
 #: The name models are loaded with: ``attn_implementation="qkv"``.
 NAME = "qkv"
@@ -123,7 +124,7 @@ def register(name: str = NAME) -> None:
     except ImportError as err:
         raise ImportError(
             "qkv.integrations.transformers.register() needs Hugging Face transformers: "
-            'pip install "qkv[transformers]" (transformers, tokenizers, safetensors, gguf, accelerate)'
+            f'{install("transformers")}: transformers, tokenizers, safetensors, gguf, accelerate'
         ) from err
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_interface)

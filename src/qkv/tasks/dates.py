@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .vocab import Vocabulary, _check_int
+from .._extras import install
 
 __all__ = ["DateTask", "make_date_task", "LANGUAGES", "patterns", "render"]
 
@@ -67,7 +68,7 @@ def _babel_dates():
         import babel.dates as dates
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "the date task needs babel for month names; install it with `pip install qkv[demo]`"
+            f"the date task needs babel for month names: {install('demo')}"
         ) from error
     return dates
 
