@@ -14,7 +14,7 @@ pooling over tokens, as sentence-transformers pools this model).
 2. The most important heads are removed together, and the margin is compared with removing as
    many random heads.
 
-    python examples/which_heads_matter.py            # every layer, a few seconds on a CPU
+    python examples/which_heads_matter.py            # every layer: about a minute on two CPU cores
     python examples/which_heads_matter.py --top 8
 """
 

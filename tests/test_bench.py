@@ -163,3 +163,21 @@ def test_steady_heap_keeps_freed_memory_and_is_undone_on_exit():
         pytest.skip("fresh memory here is not faulted in 4 KiB pages (huge pages?): nothing to keep")
     assert int(inside) < pages // 10  # kept in the heap: reused without faults
     assert int(after) > pages // 2  # glibc's default again: fresh pages every time
+
+
+def test_a_results_file_that_cannot_be_read_or_written_is_one_line_before_any_suite_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "_section", lambda *a: pytest.fail("a suite ran before --out was checked"))
+    binary = tmp_path / "w.pt"
+    binary.write_bytes(bytes(range(128, 256)))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    cases = [
+        (["--quick", "--suite", "engine-dot", "--out", str(tmp_path)], f"--out: {tmp_path} is a folder; give a markdown file"),
+        (["--quick", "--suite", "engine-dot", "--out", str(binary)], f"--out: {binary} is not a text file"),
+        (["--quick", "--suite", "engine-dot", "--out", str(tmp_path / "no" / "x.md")], f"--out: {tmp_path / 'no'} is not a folder"),
+        (["--summary", "--out", str(binary)], f"--summary: {binary} is not a text file"),
+    ]
+    for argv, message in cases:
+        assert bench.run(parser.parse_args(argv)) == 2
+        assert capsys.readouterr().err.startswith(f"qkv bench: error: {message}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.pt"]

@@ -138,7 +138,10 @@ def test_plot_2d_and_3d(capsys, tmp_path):
         (["w.pt", "--key", "nope"], "qkv plot: error: --key: expected one of ['other', 'weights'], got 'nope'"),
         (["w.pt", "--key", "weights"], "qkv plot: error: --index: the selected array has shape (2, 3, 5, 7); give one "
                                        "--index per leading dim until it is (i, j) or (h, i, j)"),  # fmt: skip
-        (["w.pt", "--key", "weights", "--index", "9"], "qkv plot: error: --index: value 1 is 9, but that dim has size (2,)"),
+        (["w.pt", "--key", "weights", "--index", "9"], "qkv plot: error: --index: index 9 (--index number 1) is past the "
+                                                       "array's end: it has a leading dim of size 2 at that point "
+                                                       "(shape (2, 3, 5, 7))"),  # fmt: skip
+        (["folder.pt"], "qkv plot: error: file: {tmp}/folder.pt is a folder, expected a file"),
         (["w.pt", "--key", "weights", "--index", "0", "--index", "0", "--x-labels", "a b"],
          "qkv plot: error: x_labels: expected 7 labels (one per key, j), got 2"),  # fmt: skip
         (["notes.txt"], "qkv plot: error: file: expected a .pt, .pth, .npy, .npz or .safetensors file, got 'notes.txt'"),
@@ -148,6 +151,7 @@ def test_plot_2d_and_3d(capsys, tmp_path):
 def test_plot_bad_arguments(capsys, tmp_path, args, message):
     torch.save({"weights": torch.rand(2, 3, 5, 7), "other": torch.zeros(2)}, tmp_path / "w.pt")
     (tmp_path / "notes.txt").write_text("not weights")
+    (tmp_path / "folder.pt").mkdir()
     argv = ["plot", *[str(tmp_path / a) if a.endswith((".pt", ".txt")) else a for a in args]]
     assert _fails(capsys, argv) == message.format(tmp=tmp_path)
     assert not list(tmp_path.glob("*.png"))

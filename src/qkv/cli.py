@@ -301,7 +301,8 @@ def _plot(args: argparse.Namespace) -> int:
     from . import viz
 
     if not args.file.is_file():
-        print(f"qkv plot: error: file: {args.file} does not exist", file=sys.stderr)
+        what = "is a folder, expected a file" if args.file.is_dir() else "does not exist"
+        print(f"qkv plot: error: file: {args.file} {what}", file=sys.stderr)
         return 2
     missing = _check_needs("plot", ["matplotlib"])  # safetensors only for a .safetensors file, in _load
     if missing:
@@ -312,7 +313,9 @@ def _plot(args: argparse.Namespace) -> int:
         array = _load(args.file, args.key)
         for position, index in enumerate(args.index):
             if array.ndim == 0 or index >= array.shape[0]:
-                raise ValueError(f"--index: value {position + 1} is {index}, but that dim has size {array.shape[:1]}")
+                size = "no leading dim left" if array.ndim == 0 else f"a leading dim of size {array.shape[0]}"
+                raise ValueError(f"--index: index {index} (--index number {position + 1}) is past the array's end: it "
+                                 f"has {size} at that point (shape {tuple(array.shape)})")  # fmt: skip
             array = array[index]
         if array.ndim not in (2, 3):
             raise ValueError(

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -135,7 +136,11 @@ def run(args: argparse.Namespace) -> int:
         if not path.is_file():
             print(f"qkv bench: error: --summary: no results file at {path} (run qkv bench first, or give --out)", file=sys.stderr)
             return 2
-        print(results.summary(path.read_text()), end="")
+        problem = out_problem(path)
+        if problem is not None:
+            print(f"qkv bench: error: --summary: {problem}", file=sys.stderr)
+            return 2
+        print(results.summary(path.read_text(encoding="utf-8")), end="")
         return 0
     names = list(DEFAULT_SUITES) if not args.suite else args.suite
     if "all" in names:
@@ -147,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"qkv bench: error: {error}", file=sys.stderr)
         return 2
     out = args.out if args.out is not None else (quick_out() if args.quick else DEFAULT_OUT)
+    problem = out_problem(out)  # before the suites run, not after minutes of them
+    if problem is not None:
+        print(f"qkv bench: error: --out: {problem}", file=sys.stderr)
+        return 2
     from .measure import machine
 
     sections, infos = {}, {}
@@ -158,6 +167,30 @@ def run(args: argparse.Namespace) -> int:
         write(out, sections, machine(), quick=args.quick, infos=infos)  # after each suite: a long run keeps what it has
     print(f"wrote {out}")
     return 0
+
+
+def out_problem(path: Path) -> str | None:
+    """Why the results file ``path`` cannot be read and written (it is merged into, suite by suite), or None."""
+    if path.is_dir():
+        return f"{path} is a folder; give a markdown file, e.g. {path / 'RESULTS.md'}"
+    if not path.parent.is_dir():
+        return f"{path.parent} is not a folder that exists"
+    if path.exists():
+        try:
+            path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            return f"{path} is not a text file (a results file is markdown)"
+        except OSError as error:
+            return f"{path} cannot be read ({error.strerror})"
+        if not os.access(path, os.W_OK):
+            return f"{path} cannot be written"
+    else:  # made and removed: a folder may refuse new files whatever its permission bits say (/proc)
+        try:
+            path.open("x").close()
+            path.unlink()
+        except OSError as error:
+            return f"{path} cannot be created ({error.strerror})"
+    return None
 
 
 def quick_out() -> Path:
