@@ -64,6 +64,10 @@ def errors(group, _):
     catch("mask", lambda: qd.attention(*shards(), group=group, mask=torch.ones(5, 8, dtype=torch.bool)))
     catch("unshard", lambda: qd.unshard(torch.zeros(2 + rank, 3, 4), dim=1, group=group))
     catch("lengths_mask", lambda: qd.attention(*shards(), group=group, mask=masks.lengths(torch.tensor([3, 4]))))
+    # refused on one rank only: the other must not wait for it in a gather
+    catch("one_rank_3d", lambda: qd.attention(*(x[0] if rank == 1 else x for x in shards()), group=group))
+    catch("one_rank_dropout", lambda: qd.attention(*shards(), group=group, dropout=1.5 if rank == 0 else 0.0))
+    catch("unshard_dims", lambda: qd.unshard(torch.zeros((2,) * (3 + rank)), dim=1, group=group))
     return messages
 
 
@@ -81,10 +85,18 @@ def test_errors_are_raised_on_every_rank(dist_pool):
         "unshard": r"ValueError: x_local: every dim but dim=1 must match across ranks",
         "lengths_mask": r"ValueError: mask: qkv.masks.lengths got key_lengths of shape \(2,\), one per batch row; the call needs b = 1: "
         r"a mask broadcasts to \(b, h, i, j\) = \(1, 4, 8, 8\)",
+        "unshard_dims": r"ValueError: x_local: every rank's part must have the same number of dims; ranks have \[3, 4\]",
     }
-    for messages in dist_pool.run("test_distributed_functional:errors", 2):
+    on_its_own = {  # rank -> the error of the rank that refused its input; the other names it
+        "one_rank_3d": (1, r"ValueError: q: expected this rank's shard \(b, heads, rows, size\), got shape \(4, 4, 8\)"),
+        "one_rank_dropout": (0, r"ValueError: dropout: expected a probability in \[0, 1\), got 1.5"),
+    }
+    for rank, messages in enumerate(dist_pool.run("test_distributed_functional:errors", 2)):
         for key, pattern in expected.items():
             assert re.search(pattern, messages[key]), f"{key}: {messages[key]}"
+        for key, (refusing, pattern) in on_its_own.items():
+            want = pattern if rank == refusing else rf"ValueError: rank {refusing} refused its shards \(its own error says why\)"
+            assert re.search(want, messages[key]), f"{key} on rank {rank}: {messages[key]}"
 
 
 def sharding(group, length):
@@ -206,3 +218,24 @@ def test_hybrid_matrix(dist_pool, arrangement):
         for g, dtype in ((4, "float64"), (2, "float32"))
     ]
     check(dist_pool.run(TARGET, 4, cases, timeout=1800), cases)
+
+
+def empty_sequences(group, _):
+    """i = j = 0: the output and the gradients exist, empty, on every strategy (ring with sinks too)."""
+    results = {}
+    for strategy, with_sinks in (("ring", False), ("ring", True), ("allgather", False), ("ulysses", False)):
+        sinks = torch.zeros(2, dtype=torch.float64, requires_grad=True) if with_sinks else None
+        q, k, v = (qd.shard(torch.randn(1, 2, 0, 4, dtype=torch.float64), group=group).requires_grad_() for _ in range(3))
+        out = qd.attention(q, k, v, strategy=strategy, sinks=sinks, group=group)
+        out.sum().backward()
+        results[(strategy, with_sinks)] = (tuple(out.shape), q.grad is not None and q.grad.shape == q.shape)
+    part = qd.shard(torch.zeros(3, 0, 2), dim=1, group=group).requires_grad_()
+    whole = qd.unshard(part, dim=1, group=group)
+    results["unshard"] = (tuple(whole.shape), whole.requires_grad)
+    return results
+
+
+def test_an_empty_sequence_has_an_output_and_gradients_on_every_strategy(dist_pool):
+    for results in dist_pool.run("test_distributed_functional:empty_sequences", 2):
+        assert results.pop("unshard") == ((3, 0, 2), True)
+        assert all(value == ((1, 2, 0, 4), True) for value in results.values()), results

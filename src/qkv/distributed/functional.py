@@ -118,25 +118,24 @@ class Call:
 
 def plan_call(q, k, v, group: Group, *, strategy: str, layout: str, score, mask, bias, causal, scale, dropout,
               generator, score_mod=None, sinks=None) -> Call:  # fmt: skip
-    """Check the local shards, agree with the other ranks, and check the keywords at global shapes."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise ValueError(f"{name}: expected this rank's shard (b, heads, rows, size), got shape {tuple(x.shape)}")
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"q: expected a floating-point tensor, got {q.dtype}")
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"v: expected {k.shape[-2]} rows like k on this rank, got {v.shape[-2]}")
-    p = probability("dropout", dropout)
-    seed = drop.draw_seed(generator) if p > 0 else 0
-    mine = [
-        _DTYPES.index(q.dtype), q.shape[0], q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3],
-        STRATEGIES.index(strategy), ("contiguous", "zigzag").index(layout), int(bool(causal)), int(p * 2**30),
-        q.shape[2], k.shape[2], seed & 0x7FFFFFFF, seed >> 31,
-    ]  # fmt: skip
-    table = all_gather_ints(mine, group)
+    """Check the local shards, agree with the other ranks, and check the keywords at global shapes.
+
+    A shard refused on one rank is refused on every rank: the others would otherwise wait in
+    the gather below for a rank that has left (until the process group's timeout)."""
     n = len(_FIELDS)
+    try:
+        p, seed, mine = _local(q, k, v, strategy, layout, causal, dropout, generator)
+    except (TypeError, ValueError) as error:
+        refused, p, seed, mine = error, 0.0, 0, [0] * (n + 4)
+    else:
+        refused = None
+    table = all_gather_ints([*mine, int(refused is not None)], group)
+    if refused is not None:
+        raise refused
+    failed = [rank for rank in range(group.size) if int(table[rank, -1])]
+    if failed:
+        raise ValueError(f"rank {failed[0]} refused its shards (its own error says why); every rank stops with it")
+    table = table[:, :-1]
     for rank in range(group.size):
         for field, ours, theirs in zip(_FIELDS, mine[:n], table[rank, :n].tolist()):
             if ours != theirs:
@@ -163,6 +162,27 @@ def plan_call(q, k, v, group: Group, *, strategy: str, layout: str, score, mask,
             "split across ranks does not have; use dot, scaled_dot, general (Bilinear) or concat (Additive)"
         )
     return Call(req, group, q_layout, k_layout, seed, {"b": b, "h": h, "g": g, "d": d, "e": e})
+
+
+def _local(q, k, v, strategy: str, layout: str, causal, dropout, generator) -> tuple[float, int, list[int]]:
+    """This rank's checks of its shards, its dropout and seed, and what it tells the other ranks."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected this rank's shard (b, heads, rows, size), got shape {tuple(x.shape)}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q: expected a floating-point tensor, got {q.dtype}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"v: expected {k.shape[-2]} rows like k on this rank, got {v.shape[-2]}")
+    p = probability("dropout", dropout)
+    seed = drop.draw_seed(generator) if p > 0 else 0
+    mine = [
+        _DTYPES.index(q.dtype), q.shape[0], q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3],
+        STRATEGIES.index(strategy), ("contiguous", "zigzag").index(layout), int(bool(causal)), int(p * 2**30),
+        q.shape[2], k.shape[2], seed & 0x7FFFFFFF, seed >> 31,
+    ]  # fmt: skip
+    return p, seed, mine
 
 
 def _layout(name: str, kind: str, rows: list[int], group: Group) -> Layout:

@@ -119,10 +119,8 @@ class Layout:
             for slot, (start, n) in enumerate(self.slot_spans(rank)):
                 if n:
                     pieces.append((start, padded[rank].narrow(dim, slot * self.side, n)))
-        if not pieces:
-            shape = list(padded.shape[1:])
-            shape[dim] = 0
-            return padded.new_zeros(shape)
+        if not pieces:  # an empty sequence: a slice of no rows, still on the autograd graph of ``padded``
+            return padded[0].narrow(dim, 0, 0)
         pieces.sort(key=lambda p: p[0])
         return torch.cat([p for _, p in pieces], dim)
 

@@ -178,7 +178,8 @@ class RingAttention(torch.autograd.Function):
         if sinks is not None and ctx.needs_input_grad[5]:
             # d s_h = -Σ_rows exp(s_h - lse) · rowsum(dO ∘ O) (rows without keys have O = 0)
             share = torch.exp(sinks.to(acc)[:, None] - lse) * (d_out * out).sum(-1)
-            d_sinks = -share.reshape(-1, *sinks.shape, lse.shape[-1]).sum((0, -1)).to(sinks.dtype)
+            per_head = share.sum(-1)  # (..., h): summed over the leading dims (no reshape: 0 rows leave -1 ambiguous)
+            d_sinks = -per_head.sum(tuple(range(per_head.dim() - 1))).to(sinks.dtype)
         return None, dq.to(qp.dtype), dk, dv, d_dense, d_sinks, *d_params_out
 
 

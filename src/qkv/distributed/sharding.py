@@ -46,8 +46,12 @@ def unshard(x_local: Tensor, dim: int = -2, group=None, layout: str = "zigzag") 
     Every dim but ``dim`` must be equal on all ranks. Differentiable.
     """
     check_layout(layout)
-    dim = _dim("x_local", x_local, dim)
     grp = resolve(group)
+    # the number of dims first, alone: the shapes' gather needs one length on every rank
+    ranks_dims = all_gather_ints([x_local.dim() if isinstance(x_local, Tensor) else -1], grp)[:, 0].tolist()
+    if len(set(ranks_dims)) > 1:
+        raise ValueError(f"x_local: every rank's part must have the same number of dims; ranks have {ranks_dims}")
+    dim = _dim("x_local", x_local, dim)
     shapes = all_gather_ints([x_local.dim(), *x_local.shape], grp)
     rows = shapes[:, 1 + dim].tolist()
     ours = shapes[grp.rank].tolist()
