@@ -163,5 +163,5 @@ def test_missing_matplotlib_says_how_to_install(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ImportError, match=r"pip install qkv\[viz\]"):
+    with pytest.raises(ImportError, match=r'qkv.viz needs matplotlib: pip install "\.\[viz\]" in qkv\'s folder'):
         viz.heatmap(np.eye(2))
