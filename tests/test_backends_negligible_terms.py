@@ -132,10 +132,13 @@ def test_a_block_mask_drops_only_terms_far_below_its_rows_best_in_that_block():
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     out64 = qkv.attention(q64, k64, v64, backend="reference", **kw)
     grads64 = torch.autograd.grad(out64.sum(), [q64, k64, v64])
-    plain = qkv.attention(q.detach(), k.detach(), v.detach(), backend="reference", **kw)
+    plain_inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    plain = qkv.attention(*plain_inputs, backend="reference", **kw)
     ref.assert_flash_rule(out, plain, out64)
-    for g, g64 in zip(grads, grads64):
-        assert torch.allclose(g.double(), g64, rtol=0, atol=1e-5)
+    # the gradients by the same rule: within twice a plain float32 softmax's own error (dv's is 1.8e-5 here, and
+    # which backward runs, the fused kernel's or the tiles', is timed once per process)
+    for g, g_plain, g64 in zip(grads, torch.autograd.grad(plain.sum(), plain_inputs), grads64):
+        ref.assert_flash_rule(g, g_plain, g64)
 
 
 def test_calls_under_the_size_gate_keep_every_term(monkeypatch):
