@@ -149,6 +149,105 @@ def test_jit_trace_of_multi_head_attention_equals_eager_on_a_fresh_input(kv_head
         torch.testing.assert_close(traced(x), module(x), rtol=1e-5, atol=1e-6)
 
 
+class _Masked(torch.nn.Module):
+    def __init__(self, mha: qkv.MultiHeadAttention, kind: str):
+        super().__init__()
+        self.mha, self.kind = mha, kind
+
+    def forward(self, x, lengths):
+        if self.kind == "lengths":
+            return self.mha(x, mask=qkv.masks.lengths(lengths), causal=True)
+        keep = torch.arange(x.shape[1])[None, :] < lengths[:, None]  # the key padding form the docstring gives
+        return self.mha(x, mask=keep[:, None, None, :])
+
+
+def _jit_trace(module, example):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.trace(module, example, check_trace=False)
+
+
+@pytest.mark.parametrize("positional", ["alibi", "relative"])
+def test_jit_trace_of_a_biased_module_equals_eager(positional):
+    """A lazy bias sent a traced call to the chunked engines' autograd function: ``unordered_map::at``."""
+    torch.manual_seed(6)
+    bias = qkv.ALiBi(4) if positional == "alibi" else qkv.RelativePositionBias(4, 8, 20)
+    module = qkv.MultiHeadAttention(16, 4, positional=bias).eval()
+    traced = _jit_trace(module, (torch.randn(2, 5, 16),))
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), module(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["lengths", "key padding"])
+def test_jit_trace_of_a_padded_call_reads_each_calls_lengths(kind):
+    """Traced, a mask's values were read and frozen into the trace (or the tracer failed): now public ops."""
+    torch.manual_seed(7)
+    module = _Masked(qkv.MultiHeadAttention(16, 4).eval(), kind)
+    traced = _jit_trace(module, (torch.randn(2, 6, 16), torch.tensor([6, 3])))
+    x, other = torch.randn(2, 6, 16), torch.tensor([2, 6])
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x, other), module(x, other), rtol=1e-5, atol=1e-6)
+
+
+def test_jit_trace_as_a_processs_first_call_does_not_crash():
+    """The one-time probes ran inside the trace on a process's first call (a segfault)."""
+    code = (
+        "import torch, warnings, qkv\n"
+        "warnings.simplefilter('ignore')\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(s): super().__init__(); s.m = qkv.MultiHeadAttention(16, 4).eval()\n"
+        "    def forward(s, x, n): return s.m(x, mask=qkv.masks.lengths(n), causal=True)\n"
+        "m = M()\n"
+        "t = torch.jit.trace(m, (torch.randn(2, 6, 16), torch.tensor([6, 3])), check_trace=False)\n"
+        "x, n = torch.randn(2, 6, 16), torch.tensor([2, 6])\n"
+        "print(float((t(x, n) - m(x, n)).abs().max()))\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+@pytest.mark.parametrize("option", ["return_lse", "sinks"])
+def test_compile_fullgraph_of_a_learned_bias_with_the_lse_or_sinks(option):
+    """The engines' backward takes a learned bias's gradient with torch.autograd.grad, which dynamo does not trace."""
+    q, k, v = inputs(grad=True)
+    t5 = qkv.RelativePositionBias(H, 8, 20)
+    kw = {"return_lse": True} if option == "return_lse" else {"sinks": torch.linspace(-1, 1, H)}
+
+    def f(q, k, v):
+        result = qkv.attention(q, k, v, bias=t5, **kw)
+        return result[0] if isinstance(result, tuple) else result
+
+    params = [q, k, v, *t5.parameters()]
+    want = f(q, k, v)
+    want_grads = torch.autograd.grad(want.sum(), params)
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(got.sum(), params), want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_fullgraph_of_a_mask_program_the_additive_score_and_selected_weights():
+    q, k, v = inputs()
+    score = qkv.scores.Additive(D, D, 5)
+    program = qkv.masks.from_mask_mod(lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 3 != 0)
+    calls_ = {
+        "mask_mod": lambda q, k, v: qkv.attention(q, k, v, mask=program),
+        "additive": lambda q, k, v: qkv.attention(q, k, v, score=score, causal=True),
+        "weights_for": lambda q, k, v: qkv.attention(q, k, v, return_weights=True, weights_for={"heads": [1]})[1],
+    }
+    for name, f in calls_.items():
+        torch._dynamo.reset()
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+        torch.testing.assert_close(got, f(q, k, v), rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("positional", ["alibi", "relative", "rotary"])
 def test_meta_forward_of_a_language_model_with_padding(positional):
     """Shape inference of a whole model: no check or mask reads a value."""

@@ -17,9 +17,16 @@ from torch import Tensor
 
 
 def tracing() -> bool:
-    """True while ``torch.compile`` or ``torch.export`` trace the current call."""
+    """True while ``torch.compile``, ``torch.export`` or ``torch.jit.trace`` trace the current call.
+
+    ``torch.jit.trace`` runs on real tensors, but what it records is the ops: a value read on
+    the host would be frozen into the trace as a constant, a custom autograd function or a
+    one-time probe run inside it breaks the recording (PyTorch's ``unordered_map::at``, a
+    crash), so a traced call takes the public ops there too.
+    """
     compiler = torch.compiler
-    return bool(compiler.is_compiling() or (hasattr(compiler, "is_exporting") and compiler.is_exporting()))
+    return bool(compiler.is_compiling() or (hasattr(compiler, "is_exporting") and compiler.is_exporting())
+                or torch._C._get_tracing_state() is not None)  # fmt: skip
 
 
 def version(x: Tensor) -> int | None:

@@ -33,8 +33,8 @@ Under ``torch.compile(fullgraph=True)``, ``torch.export`` and on ``meta`` tensor
 with a ``score_mod`` works as :func:`qkv.attention`'s does (``qkv.score_mods`` says which
 functions fail under export, and why; ``tests/test_score_mods_trace.py``). A ``block_mask``
 does not trace: ``qkv.masks.FlexBlocks`` reads the block lists' values on the host to skip
-blocks ("could not guard on data-dependent expression" under export) and keeps per-thread
-state that dynamo cannot trace (``threading.local``); on ``meta`` tensors it works.
+blocks ("could not guard on data-dependent expression" under export); on ``meta`` tensors it
+works. A ``mask_mod`` given as ``qkv.masks.from_mask_mod`` traces.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import backends, checks
+from ._trace import concrete
 from .backends import engines, hidden_keys, sdpa_plain
 from .backends.tiling.lse import merge_all
 from .masks import Mask
@@ -197,7 +198,8 @@ def _indices(key: str, value: object, size: int) -> Tensor | None:
     if index.numel() == 0:
         raise ValueError(f"weights_for: {key!r} selects nothing, expected at least one index in [0, {size})")
     index = torch.where(index < 0, index + size, index)
-    if bool((index < 0).any() or (index >= size).any()):
+    # (traced, the values cannot be read: an index out of range fails in the gather instead)
+    if concrete(index) and bool((index < 0).any() or (index >= size).any()):
         raise ValueError(f"weights_for: {key!r} expected indices in [0, {size}), got {value!r}")
     return index
 

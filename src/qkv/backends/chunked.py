@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .._trace import tracing
 from . import engines
-from .request import Request
+from .request import Request, bias_needs_grad
 
 name = "chunked"
 #: This backend returns only the weights ``req.weights_for`` selects (others return all).
@@ -37,6 +37,10 @@ def supports(req: Request) -> str | None:
             "torch.compile / torch.export is tracing the call, and a score_mod's engines are tile loops "
             "(traced graphs use public ops)"
         )
+    if tracing() and bias_needs_grad(req):
+        # the engines' backward takes a learned bias's gradient with torch.autograd.grad, which
+        # dynamo does not trace (fullgraph: "Unsupported"); the reference's autograd does it
+        return "torch.compile / torch.export is tracing the call, and a learned bias's gradient needs the reference's autograd"
     return None  # every score, mask, bias, dropout, sink and score_mod
 
 

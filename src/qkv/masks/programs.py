@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import _mods
+from .._trace import tracing
 from .base import Mask, State, Tile
 from .reads import fingerprint
 
@@ -42,10 +43,12 @@ class MaskMod(Mask):
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
                 raise ValueError(f"{name}: expected a positive int or None (the mask does not depend on it), got {n!r}")
         self.mask_mod, self.B, self.H = mask_mod, B, H
-        self._last = threading.local()
+        self._last: dict[int, tuple] = {}  # thread id -> (tile key, its evaluation): one per thread
 
     def tile(self, t: Tile) -> Tensor:
-        last = getattr(self._last, "value", None)
+        # traced (torch.compile, torch.export): no host state; the graph evaluates the program at each tile
+        thread = None if tracing() else threading.get_ident()
+        last = None if thread is None else self._last.get(thread)
         if last is not None and last[0] == _key(t):
             return last[1]
         b = torch.arange(self.B or 1, device=t.device)
@@ -59,11 +62,13 @@ class MaskMod(Mask):
         # a batch or head dim the program does not read stays 1: the tile is (b|1, h|1, it, jt)
         lead = tuple(1 if size == 1 else n for n, size in zip((len(b), len(h)), allowed.shape[:2]))
         allowed = torch.broadcast_to(allowed, (*lead, t.i1 - t.i0, t.j1 - t.j0))
-        self._last.value = (_key(t), allowed)
+        if thread is not None:
+            self._last[thread] = (_key(t), allowed)
         return allowed
 
     def reset(self) -> None:
-        self._last = threading.local()
+        if not tracing():
+            self._last = {}
 
     def state(self, t: Tile) -> State:
         if t.i0 >= t.i1 or t.j0 >= t.j1:

@@ -53,7 +53,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..._trace import concrete
+from ..._trace import concrete, tracing
 from ...masks import Tile
 from ...scores import Additive, Score
 
@@ -74,6 +74,8 @@ SUB_ELEMENTS_THREADED = 2**22
 
 def _budget() -> int:
     """Elements of one sub-block (see :data:`SUB_ELEMENTS_THREADED` for why it depends on threads)."""
+    if tracing():  # dynamo does not trace torch.get_num_threads: the single thread's budget, the smaller
+        return SUB_ELEMENTS
     return SUB_ELEMENTS if torch.get_num_threads() == 1 else SUB_ELEMENTS_THREADED
 
 
