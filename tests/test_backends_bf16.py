@@ -110,3 +110,39 @@ def test_chunked_online_tiles(kind, monkeypatch):
 @pytest.mark.parametrize("kind", ["window", "window&alibi", "window&lengths"])
 def test_local(kind):
     check_bf16("local", kind.replace("window&alibi", "alibi&window"), 150, 160)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_general_engine_multiplies_half_precision_logits_in_float32(dtype):
+    """A learned T5 bias under a lengths mask runs ``online_softmax``: its q·kᵀ was a half-precision product, every
+    logit rounded to 8 (or 11) bits before the softmax: 12x the rule's bound in bf16. Inputs of |x| up to 4 and
+    a T5 table of std 1, where the rounding shows."""
+    import copy
+
+    gen = torch.Generator().manual_seed(0)
+    b, h, i, d = 2, 1, 200, 8
+    q, k, v = ((torch.randn(b, h, i, d, generator=gen, dtype=torch.float64) * 4).clamp(-4, 4).to(dtype) for _ in range(3))
+    bias = qkv.RelativePositionBias(h, 16, 64)
+    with torch.no_grad():
+        bias.embedding.weight.copy_(torch.randn(16, h, generator=gen))
+    bias = bias.to(dtype)
+    bias64 = copy.deepcopy(bias).double()
+    lens = torch.tensor([i, i // 2])
+    mask = qkv.masks.lengths(lens)
+    assert "online_softmax" in qkv.explain(q, k, v, bias=bias, mask=mask).splitlines()[0]
+    oracle = qkv.attention(q.double(), k.double(), v.double(), bias=bias64, mask=mask, backend="reference")
+    allowed = (torch.arange(i)[None] < lens[:, None])[:, None, None]
+    add = bias.dense(i, i).detach().to(dtype).masked_fill(~allowed, float("-inf"))
+    cot = torch.randn(b, h, i, d, generator=gen, dtype=torch.float64)
+
+    def run(fn, inputs):
+        inputs = [x.detach().requires_grad_() for x in inputs]
+        out = fn(*inputs)
+        return [out, *torch.autograd.grad((out.double() * cot).sum(), inputs)]
+
+    got = run(lambda *x: qkv.attention(*x, bias=bias, mask=mask), (q, k, v))
+    base = run(lambda *x: F.scaled_dot_product_attention(*x, attn_mask=add), (q, k, v))
+    want = run(lambda *x: qkv.attention(*x, bias=bias64, mask=mask, backend="reference"), (q.double(), k.double(), v.double()))
+    for a, s, o in zip(got, base, want):
+        err, base_err = (a.double() - o).abs().max().item(), (s.double() - o).abs().max().item()
+        assert err <= 2 * base_err + 1e-5, (err, base_err)

@@ -112,8 +112,14 @@ def forward(req: Request, dtype: torch.dtype) -> tuple[Tensor, Tensor, None]:
 
 
 def _pairwise(plan: Plan, qp5: Tensor, kp5: Tensor, t: Tile) -> Tensor:
-    """Unscaled scores of one tile, ``(..., g, r, it, jt)``, through autograd-visible ops."""
+    """Unscaled scores of one tile, ``(..., g, r, it, jt)``, through autograd-visible ops.
+
+    Half-precision inputs multiply in float32: a bf16 product rounds every logit to 8 bits
+    before the softmax (12x the flash rule's bound on a T5-biased call; SDPA keeps its scores
+    in float32), and this engine is the general path, not the fast one."""
     if plan.score.dot_form:
+        if qp5.dtype in (torch.float16, torch.bfloat16):
+            qp5, kp5 = qp5.float(), kp5.float()
         return qp5 @ kp5.transpose(-1, -2)
     return plan.score.pairwise(qp5, kp5, t)
 
