@@ -76,7 +76,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
         return None  # Parameters, FakeTensors and other subclasses take the full path
     if q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided or q.is_nested:
         return None  # sparse or nested: the full path's messages
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or tracing() or torch._C._get_tracing_state() is not None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or tracing():
         return None  # compile, export and jit.trace take the full path (and may not read a value)
     dtype = q.dtype
     if k.dtype != dtype or v.dtype != dtype or not (q.is_cpu and k.is_cpu and v.is_cpu):  # (is_cpu: no device object)

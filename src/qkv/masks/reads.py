@@ -8,12 +8,15 @@ fingerprint lists, for every tensor reached, its identity and version, and for e
 value its value; it is None when the program reaches anything whose changes cannot be seen
 that way (a list, a dict, a module of weights): then nothing may be remembered between calls.
 A module's attributes that the program's code names (``cfg.ids``) are read like globals.
+:func:`reads_argument` tells whether a program reads one of its own arguments (a block mask made
+without ``B`` may be handed to flex as it is only if its program never reads ``b``).
 Writes that bypass the version counter (through ``.data``, or a NumPy view of the tensor)
 cannot be seen: after such a write, make a new block mask.
 """
 
 from __future__ import annotations
 
+import dis
 import functools
 import types
 
@@ -55,6 +58,26 @@ def fingerprint(fn: object) -> tuple | None:
         else:
             return None  # a list, a dict, an nn.Module, an object: contents that change unseen
     return tuple(found)
+
+
+def reads_argument(fn: object, index: int) -> bool:
+    """Whether ``fn`` may read its argument ``index`` (``b`` is 0, ``h`` 1 in a mask_mod): False only for a Python
+    function whose code never loads it; a callable object or a partial may read anything."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_argcount <= index:
+        return True
+    return _code_reads(code, code.co_varnames[index])
+
+
+@functools.lru_cache(maxsize=256)
+def _code_reads(code: types.CodeType, name: str) -> bool:
+    if name in code.co_cellvars:  # a function defined inside reads it
+        return True
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith(("LOAD_FAST", "STORE_FAST", "DELETE_FAST")):
+            if ins.argval == name or (isinstance(ins.argval, tuple) and name in ins.argval):
+                return True
+    return False
 
 
 def _free_values(fn: types.FunctionType) -> list:

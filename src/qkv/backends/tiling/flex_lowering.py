@@ -47,8 +47,6 @@ lowered call against the reference backend.
 
 from __future__ import annotations
 
-import dis
-import functools
 import math
 import threading
 from collections import OrderedDict
@@ -61,6 +59,7 @@ from torch import Tensor
 
 from ..._trace import version
 from ...masks import And, Dense, Documents, FlexBlocks, Lengths, Mask, MaskMod, Offsets, Or, Starts, Tile, Window
+from ...masks.reads import reads_argument
 from ...positional import ALiBi, LazyBias
 from ..request import Request
 from .tiles import as_heads
@@ -236,28 +235,10 @@ def _usable_as_is(mask: FlexBlocks, req: Request) -> bool:
     it was given the call's (``FlexBlocks(bm, batch, heads)``)."""
     bm = mask.block_mask
     fn = bm.mask_mod
-    same_b = (mask._mod.B or 1) == req.q.shape[0] or req.q.shape[0] == 1 or not _reads(fn, 0)
-    same_h = (mask._mod.H or 1) == req.heads or req.heads == 1 or not _reads(fn, 1)
+    same_b = (mask._mod.B or 1) == req.q.shape[0] or req.q.shape[0] == 1 or not reads_argument(fn, 0)
+    same_h = (mask._mod.H or 1) == req.heads or req.heads == 1 or not reads_argument(fn, 1)
     return bm.kv_num_blocks.device == req.q.device and tuple(bm.seq_lengths) == (req.i, req.j) and same_b and same_h
 
-
-def _reads(fn: Callable, index: int) -> bool:
-    """Whether ``fn`` may read its argument ``index``: False only for a Python function whose code never loads it."""
-    code = getattr(fn, "__code__", None)
-    if code is None or code.co_argcount <= index:
-        return True  # a callable object or a partial: it cannot be told
-    return _code_reads(code, code.co_varnames[index])
-
-
-@functools.lru_cache(maxsize=256)
-def _code_reads(code, name: str) -> bool:
-    if name in code.co_cellvars:  # a nested function reads it
-        return True
-    for ins in dis.get_instructions(code):
-        if ins.opname.startswith(("LOAD_FAST", "STORE_FAST", "DELETE_FAST")):
-            if ins.argval == name or (isinstance(ins.argval, tuple) and name in ins.argval):
-                return True
-    return False
 
 
 def _build(mask: Mask, mod: Callable, i_len: int, j_len: int, device):
