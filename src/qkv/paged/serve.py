@@ -49,6 +49,14 @@ class Request:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"request {self.name!r}: {what}: expected an int >= {low}, got {value!r}")
 
+    @property
+    def length(self) -> int:
+        """Its length when done, prompt and every new token: what admission reserves pages for."""
+        return self.prompt.numel() + self.max_new_tokens
+
+    def pages(self, page_size: int) -> int:
+        return -(-self.length // page_size)
+
 
 class PagedLayer:
     """What one attention layer sees of a step: the tokens' positions, and its pages to write and read."""
@@ -115,15 +123,14 @@ def _serve(model, waiting: list[Request], running: dict, cache: PagedKVCache, eo
             r = waiting.pop(0)
             running[r.name] = r.prompt.tolist()
             cache.add(r.name)
-            cache.reserve(r.name, r.prompt.numel() + r.max_new_tokens)  # its whole length, as one run of pages
-            left[r.name], final[r.name] = r.max_new_tokens, r.prompt.numel() + r.max_new_tokens
+            cache.reserve(r.name, r.length)  # its whole length, as one run of pages
+            left[r.name], final[r.name] = r.max_new_tokens, r.length
             new[r.name], tokens[r.name] = len(running[r.name]), running[r.name]
         if not new:
             r = waiting[0]
             if r.arrival <= clock:  # it has arrived, nothing runs, and the pool still lacks its pages
-                need = -(-(r.prompt.numel() + r.max_new_tokens) // cache.page_size)
                 raise RuntimeError(
-                    f"request {r.name!r} needs {need} pages but only {cache.free_pages} of {cache.num_pages} are free, "
+                    f"request {r.name!r} needs {r.pages(cache.page_size)} pages but only {cache.free_pages} of {cache.num_pages} are free, "
                     f"and no request of this call is running to free more; the cache's other requests "
                     f"({list(cache.requests)[:4]}) hold the rest: free them first"
                 )
@@ -151,7 +158,7 @@ def _fits(cache: PagedKVCache, final: dict, request: Request) -> bool:
     never runs out of pages and no running request has to be evicted.
     """
     P = cache.page_size
-    whole = -(-(request.prompt.numel() + request.max_new_tokens) // P)
+    whole = request.pages(P)
     if whole > cache.num_pages:
         raise ValueError(f"request {request.name!r}: it needs {whole} pages, more than the cache's {cache.num_pages}")
     growth = sum(-(-n // P) - (len(cache.pages_of(name)) if name in cache.requests else 0) for name, n in final.items())
