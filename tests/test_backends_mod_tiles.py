@@ -256,6 +256,60 @@ def test_bfloat16_soft_cap_follows_the_flash_rule_with_either_product_dtype(monk
         ref.assert_flash_rule(g, p_, o, floor=1e-6)
 
 
+LARGE_LOGIT_CASES = {
+    "soft cap 30, causal": (dict(score_mod=qkv.SoftCap(30.0), causal=True), None),
+    "a user's score_mod": (dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + 0.01 * (q_idx - kv_idx)), None),
+    "ALiBi, backward moved here": (dict(bias=qkv.ALiBi(2).bfloat16()), dict(bias=qkv.ALiBi(2).double())),
+}
+
+
+@pytest.mark.parametrize("case", LARGE_LOGIT_CASES)
+def test_bfloat16_products_keep_the_logits_and_dp_in_float32(monkeypatch, case):
+    """With bfloat16 products chosen, the logits ``q kᵀ`` and ``dP = dO Vᵀ`` were bfloat16 products too, their outputs
+    rounded to 8 bits: with |x| up to 4 (logits in the tens) the output was 2.4x past the flash rule's bound and the
+    gradients 3-6x (ALiBi's backward, which ``bias_backward`` may move here). The yardstick is eager attention in
+    bfloat16 (float32 logits), plus one bf16 rounding of the largest value."""
+    from qkv.backends.engines import bias_backward
+
+    monkeypatch.setattr(tile_math, "_bf16_products_faster", lambda: True)
+    monkeypatch.setitem(bias_backward.TIMED, torch.bfloat16, True)
+    kw, kw64 = LARGE_LOGIT_CASES[case]
+    gen = torch.Generator().manual_seed(5)
+    low = [(torch.randn(1, 2, 300, 32, generator=gen, dtype=torch.float64) * 4).clamp(-4, 4).bfloat16() for _ in range(3)]
+    cot = torch.randn(1, 2, 300, 32, generator=gen, dtype=torch.float64)
+
+    def results(xs, backend, kwargs):
+        xs = [x.detach().requires_grad_() for x in xs]
+        out = qkv.attention(*xs, backend=backend, **kwargs)
+        return [out, *torch.autograd.grad((out.double() * cot).sum(), xs)]
+
+    assert "mod_tiles" in qkv.explain(*low, **kw) or "bias" in kw
+    got, yard = results(low, "chunked", kw), results(low, "reference", kw)
+    oracle = results([x.double() for x in low], "reference", kw64 or kw)
+    for name, a, s, x in zip(("out", "dq", "dk", "dv"), got, yard, oracle):
+        bound = 2 * (s.double() - x).abs().max() + 2**-8 * x.abs().max()
+        assert (a.double() - x).abs().max() <= bound, f"{name}: {(a.double() - x).abs().max():.3g} > {bound:.3g}"
+
+
+def test_a_row_that_sees_one_key_gets_no_query_or_key_gradient_in_bfloat16(monkeypatch):
+    """Each row sees only its own key: ``P = 1``, ``dP = D``, so ``dS = 0`` and ``dq = dk = 0`` exactly (SDPA gives 0).
+    ALiBi's backward moved here from the fused kernel's forward: a bfloat16 ``dP`` (rounded apart from ``D``) and
+    rounded logits gave 0.07 there. (A soft cap's own forward weighs keys against a fixed base, not the row's
+    largest logit, so its one weight is not exactly 1 before its bf16 product: one rounding of ``out``, as for
+    any key of a longer row.)"""
+    from qkv.backends.engines import bias_backward
+
+    monkeypatch.setattr(tile_math, "_bf16_products_faster", lambda: True)
+    monkeypatch.setitem(bias_backward.TIMED, torch.bfloat16, True)
+    gen = torch.Generator().manual_seed(1165)
+    q, k, v = ((torch.randn(1, 2, 44, 8, generator=gen, dtype=torch.float64) * 4).clamp(-4, 4).bfloat16().requires_grad_()
+               for _ in range(3))  # fmt: skip
+    out = qkv.attention(q, k, v, mask=qkv.masks.window(0, 8), causal=True, backend="chunked", bias=qkv.ALiBi(2).bfloat16())
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=gen).bfloat16())
+    assert not bool(dq.any()) and not bool(dk.any()), (dq.abs().max(), dk.abs().max())
+    assert bool(dv.any())
+
+
 def test_a_shift_invariant_bias_profile_is_converted_once_to_the_tiles_dtype():
     """Each tile is then one copy of the profile in the tiles' dtype, equal to converting every tile."""
     from qkv.backends.tiling.tiles import BiasSource

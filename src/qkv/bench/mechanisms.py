@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.engines import mod_tiles
-from ..backends.tiling import threads
+from ..backends.tiling import threads, tile_math
 from ..functional import attention
 from ..masks import Tile
 from ..score_mods import SoftCap, apply
@@ -97,26 +97,31 @@ def _floor(q, k, v, cot, grad: bool):
 
     Forward: per block of query rows, ``S = Q Kᵀ`` and ``S V`` on each causal tile; backward:
     per block of keys, ``S`` again, ``dV += Sᵀ dO``, ``dP = dO Vᵀ``, ``dQ += dP K``, ``dK += dPᵀ Q``.
+    As in the engine, ``S`` and ``dP`` are float32 products and the others run in
+    ``tile_math.matmul_dtype`` (bfloat16 where this CPU's bfloat16 products are faster).
     """
     rows, cols = mod_tiles.TILE_ROWS, mod_tiles.TILE_COLS
     i = q.shape[-2]
+    mm, acc = tile_math.matmul_dtype(q.dtype, q.device), torch.promote_types(q.dtype, torch.float32)
     q3, k3, v3, o3 = (x.detach().flatten(0, 1) for x in (q, k, v, cot))
+    qs, ks, vs, os_ = (x.to(acc) for x in (q3, k3, v3, o3))  # the logits' and dP's operands
+    q3, k3, v3, o3 = (x.to(mm) for x in (q3, k3, v3, o3))
     dk, dv = torch.zeros_like(k3), torch.zeros_like(v3)
 
     def forward(i0, state):
         i1 = min(i0 + rows, i)
         for j0 in range(0, i1, cols):  # causal: key tiles up to the diagonal
             j1 = min(j0 + cols, i)
-            torch.bmm(torch.bmm(q3[:, i0:i1], k3[:, j0:j1].transpose(1, 2)), v3[:, j0:j1])
+            torch.bmm(torch.bmm(qs[:, i0:i1], ks[:, j0:j1].transpose(1, 2)).to(mm), v3[:, j0:j1])
 
     def backward(j0, dq):  # dq: this thread's accumulator
         j1 = min(j0 + cols, i)
         for i0 in range(j0 // rows * rows, i, rows):
             i1 = min(i0 + rows, i)
             qt, ot = q3[:, i0:i1], o3[:, i0:i1]
-            s = torch.bmm(qt, k3[:, j0:j1].transpose(1, 2))
+            s = torch.bmm(qs[:, i0:i1], ks[:, j0:j1].transpose(1, 2)).to(mm)
             dv[:, j0:j1].baddbmm_(s.transpose(1, 2), ot)
-            ds = torch.bmm(ot, v3[:, j0:j1].transpose(1, 2))
+            ds = torch.bmm(os_[:, i0:i1], vs[:, j0:j1].transpose(1, 2)).to(mm)
             dq[:, i0:i1].baddbmm_(ds, k3[:, j0:j1])
             dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), qt)
 

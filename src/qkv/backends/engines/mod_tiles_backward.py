@@ -9,6 +9,12 @@ From the final ``out`` and ``lse`` alone (Dao 2023), each tile's logits recomput
     P = exp(s - lse),   D = rowsum(dO ∘ O),   dP = dO Vᵀ,   dS = P ∘ (dP - D)
     dV += Pᵀ dO,   dQ += scale · dS K,   dK += scale · dSᵀ Q
 
+As in FlashAttention, ``s`` and ``dP`` are float32 products whatever the inputs' dtype (a
+bfloat16 product's output is rounded to 8 bits: ``dP - D`` cancels where one key takes a
+row's weight, and a rounded ``s`` moves ``P`` off the forward's ``lse``: 3-6x the flash
+rule's bound on gradients, and a nonzero gradient where the exact one is 0); ``P``, ``dS``
+and ``dO`` enter the other three products in ``mm`` (``mod_tiles_parts.operands``).
+
 A soft cap ``c · tanh(x / c)`` multiplies ``dS`` by its derivative ``1 - tanh²`` in place (no
 autograd); any other modifier gets ``dS`` through autograd of the modifier alone on a
 detached copy of the tile, and the tensors it reads (``closure_tensors``) their share.
@@ -59,13 +65,15 @@ def tiles_backward(plan: ModPlan, req: Request, out: Tensor, lse: Tensor, d_out:
         jt = j1 - j0
         dk_t = torch.zeros(b * g, jt, k.shape[-1], dtype=acc, device=q.device)
         dv_t = torch.zeros(b * g, jt, v.shape[-1], dtype=acc, device=q.device)
-        k_t, v_t = key_cols(k, cols_of[j0][0][0], mm), key_cols(v, cols_of[j0][0][0], mm)  # this task's keys, for every row tile
+        # this task's keys and values, for every row tile: in acc for the logits and dP, the keys in mm for dQ
+        col = cols_of[j0][0][0]
+        k_s, v_t, k_t = key_cols(k, col, acc), key_cols(v, col, acc), key_cols(k, col, mm)
         for t, state in cols_of[j0]:
             it = t.i1 - t.i0
             rows = slice(t.i0, t.i1)
-            q_t = query_rows(q, g, t, mm)
+            q_s, q_t = query_rows(q, g, t, acc), query_rows(q, g, t, mm)
             with torch.no_grad():
-                s = tile_logits(plan, ops, q_t, k_t, t, scratch)
+                s = tile_logits(plan, ops, q_s, k_s, t, scratch)
             hide = mask_bias(plan, t, state, acc)
             neg_lse = lse[:, :, rows, None].neg()
             # two tile buffers where the modifier is known (a third only for the rewritten exp):
@@ -86,7 +94,7 @@ def tiles_backward(plan: ModPlan, req: Request, out: Tensor, lse: Tensor, d_out:
             low = NEG_INF if cap is None else cap_range.lowest(neg_lse.neg(), cap)
             tile_math.exp_nonpositive_(p, other if p is s else (None if ops.forms.library_exp else spare()), ops.forms, hide,
                                        low=low)  # fmt: skip
-            d_o = query_rows(d_out, g, t, mm)  # (b·g, r·it, e)
+            d_o_s, d_o = query_rows(d_out, g, t, acc), query_rows(d_out, g, t, mm)  # (b·g, r·it, e)
             p3 = p.view(b * g, -1, jt).to(mm)
             tile_math.add_mm(dv_t, p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
             if cap is not None:  # P ∘ (1 - tanh²) where the tanh was; then dP where P was
@@ -94,7 +102,7 @@ def tiles_backward(plan: ModPlan, req: Request, out: Tensor, lse: Tensor, d_out:
                 ds_buf = other
             else:
                 ds_buf = other if p is s else spare()
-            ds = tile_math.mm(d_o, v_t.transpose(1, 2), ds_buf.view(b * g, -1, jt)).view(b, h, it, jt)  # dP = dO Vᵀ
+            ds = tile_math.mm(d_o_s, v_t.transpose(1, 2), ds_buf.view(b * g, -1, jt)).view(b, h, it, jt)  # dP = dO Vᵀ
             ds.sub_(delta[:, :, rows]).mul_(p)  # dS = P ∘ (dP - D), times 1 - tanh² under a cap; the scale goes on the products
             if cap is None and plan.score_mod is not None:
                 first, *mod_grads = torch.autograd.grad(modded, [pre, *trainable], ds, allow_unused=True)

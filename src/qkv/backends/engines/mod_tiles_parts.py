@@ -75,9 +75,14 @@ class Operands:
 def operands(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> Operands:
     """The operands, their products' dtype, and what multiplies ``qᵀk`` in a tile.
 
-    bfloat16 products stay bfloat16 where they (float32 accumulation inside) beat float32
-    ones on this CPU, else run in float32 (``tile_math.matmul_dtype``, timed once); float16
-    runs float32. The operands keep their dtype and each tile's slice is converted to ``mm``
+    The logits ``qᵀk`` (and the backward's ``dO Vᵀ``) are float32 products whatever the
+    inputs' dtype: a bfloat16 product's output is rounded to 8 bits, which put a soft cap's
+    and a score_mod's outputs 2.4x past the flash rule's bound in bfloat16 (|x| up to 4),
+    and their gradients 3-6x. The products of weights (``P v``, and the backward's three
+    with ``P`` or ``dS``), whose operand is rounded first in FlashAttention too, run in
+    ``mm``: bfloat16 where such products (float32 accumulation inside) beat float32 ones on
+    this CPU, else float32 (``tile_math.matmul_dtype``, timed once); float16 runs float32.
+    The operands keep their dtype and each tile's slice is converted to ``mm``
     as it is used, so no float32 copy of a whole input is held (a tile's conversion costs
     ``1/tile`` of its product). ``factor`` is ``scale``, or ``stretch·scale/c`` for a soft
     cap (the tile then holds ``z = stretch·x/c``, ``tile_math.Forms.stretch``); it is
@@ -98,16 +103,14 @@ def operands(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> Operands:
 def tile_logits(plan: ModPlan, ops: Operands, q_t: Tensor, k_t: Tensor, t: Tile, scratch: tile_math.Scratch) -> Tensor:
     """``(b, h, it, jt)``: ``scale·qᵀk + bias``, or for a soft cap ``z = stretch·(scale·qᵀk + bias)/c``.
 
-    ``q_t (b·g, r·it, d)`` and ``k_t (b·g, jt, d)`` are the tile's operands (``_rows``, ``_cols``).
+    ``q_t (b·g, r·it, d)`` and ``k_t (b·g, jt, d)`` are the tile's operands (:func:`query_rows`,
+    :func:`key_cols`) in ``ops.acc`` (float32 or wider: see :func:`operands`).
     """
     b, h, _ = ops.heads
     it, jt = t.i1 - t.i0, t.j1 - t.j0
     out = scratch.take("s", (q_t.shape[0], q_t.shape[1], jt), ops.acc)
-    if q_t.dtype == ops.acc:  # the factor rides on the product (beta = 0: out's old values are ignored)
-        s = torch.baddbmm(out, q_t, k_t.transpose(1, 2), beta=0.0, alpha=ops.factor, out=out)
-    else:
-        s = out.copy_(torch.bmm(q_t, k_t.transpose(1, 2))).mul_(ops.factor)
-    s = s.view(b, h, it, jt)
+    # the factor rides on the product (beta = 0: out's old values are ignored)
+    s = torch.baddbmm(out, q_t, k_t.transpose(1, 2), beta=0.0, alpha=ops.factor, out=out).view(b, h, it, jt)
     if (tile := ops.bias.tile(t)) is not None:
         s.add_(tile.to(s.dtype), alpha=1.0 if plan.cap is None else ops.forms.stretch / plan.cap)
     return s

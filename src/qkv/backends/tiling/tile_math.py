@@ -209,15 +209,18 @@ def floor(dtype: torch.dtype) -> float:
 
 
 def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype a tile's matrix products run in, for inputs of ``dtype`` on ``device``.
+    """The dtype a tile's products of weights (``P v``; a backward's ``Pᵀ dO``, ``dS k``, ``dSᵀ q``) run in, for
+    inputs of ``dtype`` on ``device``.
 
-    Elementwise work and accumulators are float32 (or wider) either way. bfloat16 products
-    (float32 accumulation inside) are the fast choice where the CPU has bfloat16 dot-product
-    instructions (AVX-512 BF16, AMX: 3x float32's speed on the benchmark machine), and a slow
-    one without them: with the kernels held to AVX2, a soft-capped fwd+bwd spent 2.7x SDPA's
-    time in its bfloat16 products alone. So the first bfloat16 call on a CPU times a tile's
-    product both ways and keeps the faster; float16 always runs float32 (CPUs lack fast
-    float16 products); other devices and traced calls keep bfloat16.
+    Elementwise work and accumulators are float32 (or wider) either way, and so are the
+    logits ``q kᵀ`` and a backward's ``dO vᵀ``, whose outputs the softmax reads
+    (``engines.mod_tiles_parts.operands``). bfloat16 products (float32 accumulation inside)
+    are the fast choice where the CPU has bfloat16 dot-product instructions (AVX-512 BF16,
+    AMX: 2-3x float32's speed), and a slow one without them: with the kernels held to AVX2,
+    a soft-capped fwd+bwd spent 2.7x SDPA's time in its bfloat16 products alone. So the
+    first bfloat16 call on a CPU times such products both ways and keeps the faster; float16
+    always runs float32 (CPUs lack fast float16 products); other devices and traced calls
+    keep bfloat16.
     """
     acc = torch.promote_types(dtype, torch.float32)
     if dtype != torch.bfloat16:
@@ -229,14 +232,14 @@ def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 @functools.cache
 def _bf16_products_faster() -> bool:
-    """Time a tile's two products, ``q kᵀ`` and ``P v`` (256 × 256 tiles, head size 64, 16 heads), both ways."""
+    """Time two products of weights, ``P v`` and ``Pᵀ dO`` (256 × 256 tiles, head size 64, 16 heads), both ways."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(16, 256, 64, generator=gen) for _ in range(3))
+    v, d_o = (torch.randn(16, 256, 64, generator=gen) for _ in range(2))
     p = torch.rand(16, 256, 256, generator=gen)
 
     def products(dtype: torch.dtype):
-        q_, k_, p_, v_ = (x.to(dtype) for x in (q, k, p, v))
-        return lambda: (torch.bmm(q_, k_.transpose(1, 2)), torch.bmm(p_, v_))
+        p_, v_, d_o_ = (x.to(dtype) for x in (p, v, d_o))
+        return lambda: (torch.bmm(p_, v_), torch.bmm(p_.transpose(1, 2), d_o_))
 
     with torch.no_grad():
         bf16, f32 = best_times(products(torch.bfloat16), products(torch.float32))
