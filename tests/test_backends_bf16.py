@@ -146,3 +146,18 @@ def test_the_general_engine_multiplies_half_precision_logits_in_float32(dtype):
     for a, s, o in zip(got, base, want):
         err, base_err = (a.double() - o).abs().max().item(), (s.double() - o).abs().max().item()
         assert err <= 2 * base_err + 1e-5, (err, base_err)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_learned_bias_gets_no_gradient_from_a_row_with_one_key_in_bfloat16(causal):
+    """One query, one key: its weight is 1 whatever the bias, so the table's exact gradient is 0 (the reference's
+    too). The fused kernel's bias gradient recomputes ``dS = P ∘ (dO vᵀ - D)``; with ``dO vᵀ`` a bfloat16 product
+    (its output rounded apart from ``D``) the table got 0.02."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = ((torch.randn(2, 2, 1, 16, generator=gen, dtype=torch.float64) * 4).clamp(-4, 4).bfloat16().requires_grad_()
+               for _ in range(3))  # fmt: skip
+    bias = qkv.RelativePositionBias(2, 16, 64).bfloat16()
+    assert "fused_blocks" in qkv.explain(q, k, v, bias=bias, causal=causal).splitlines()[0]
+    out = qkv.attention(q, k, v, bias=bias, causal=causal)
+    (d_table,) = torch.autograd.grad(out, list(bias.parameters()), torch.randn(out.shape, generator=gen).bfloat16())
+    assert not bool(d_table.any()), d_table.abs().max()

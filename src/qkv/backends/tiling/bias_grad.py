@@ -81,18 +81,18 @@ def add_profile_grad(
     acc = torch.promote_types(q_rev.dtype, torch.float32)
     g, jt = k.shape[-3], k.shape[-2]
     step = max(1, BLOCK_ELEMENTS // max(1, b * h * jt))
+    k5, v5 = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
     for a0 in range(0, it, step):
         a1 = min(a0 + step, it)
         # In place and as few passes as possible: these (b, h, rows, jt) blocks are the bulk of
         # the extra work, and on a busy machine each pass also waits for a free core. The
-        # scale goes on the (rows, d) queries, unless they are of lower precision than acc.
-        exact = q_rev.dtype == acc
-        q5 = (q_rev[..., a0:a1, :] * scale if exact else q_rev[..., a0:a1, :]).unflatten(1, (g, h // g))
-        s = (q5 @ k.unsqueeze(2).transpose(-1, -2)).flatten(1, 2).to(acc)
-        s = s if exact else s.mul_(scale)
+        # scale goes on the (rows, d) queries. Both products in acc: a half-precision one
+        # rounds its output, the logits and dP that the softmax's gradient reads.
+        q5 = (q_rev[..., a0:a1, :].to(acc) * scale).unflatten(1, (g, h // g))
+        s = (q5 @ k5.transpose(-1, -2)).flatten(1, 2)
         p = exp_floored(s.add_(mask_rev[..., a0:a1, :]).sub_(lse_rev[..., a0:a1, None]), in_place=True)  # no subnormal weights
-        dp = (d_out_rev[..., a0:a1, :].unflatten(1, (g, h // g)) @ v.unsqueeze(2).transpose(-1, -2)).flatten(1, 2)
-        ds = dp.to(acc).sub_(delta_rev[..., a0:a1, None]).mul_(p)
+        dp = (d_out_rev[..., a0:a1, :].to(acc).unflatten(1, (g, h // g)) @ v5.transpose(-1, -2)).flatten(1, 2)
+        ds = dp.sub_(delta_rev[..., a0:a1, None]).mul_(p)
         ds = ds[0] if b == 1 else ds.sum(0)  # (h, rows, jt): the bias is shared by the batch
         if d_profile.shape[0] == 1:
             ds = ds.sum(0, keepdim=True)
