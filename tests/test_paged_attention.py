@@ -4,7 +4,6 @@ Shape legend: ``T`` query rows, ``h`` query heads, ``g`` KV heads, ``d`` head si
 size, ``R`` requests; float64, to 1e-12.
 """
 
-import math
 
 import pytest
 import torch
@@ -142,6 +141,33 @@ def test_float32_and_bfloat16_follow_float64():
         assert (got.double() - exact).abs().max() < tol
 
 
+@pytest.mark.parametrize("case", ["causal", "soft cap 30", "alibi", "window"])
+def test_bfloat16_decoding_steps_follow_the_flash_rule(case):
+    """bf16 pages and queries of |x| up to 4 (logits in the tens): against float64, at most twice as far off as eager
+    attention in bf16 (float32 logits, weights rounded to bf16 before ``@ v``: qkv's reference backend on each
+    request's keys), plus one bf16 rounding. The item products' logits were a bf16 product, rounded to 8 bits:
+    a soft-capped step was 2x past the bound."""
+    kw = {"soft cap 30": {"cap": 30.0}, "alibi": CASES["alibi"], "window": CASES["window"]}.get(case, {})
+    q, cache, table = build([1, 1, 1], [700, 1500, 90], 16, seed=2)
+    q, cache = ((x * 4).clamp(-4, 4).bfloat16() for x in (q, cache))
+    exact, _ = paged(q.double(), cache.double(), table, **kw)
+    got, _ = paged(q, cache, table, **kw)
+    _, kv_indptr, kv_indices, last = table
+    yard = []
+    for r in range(3):
+        ids = kv_indices[kv_indptr[r] : kv_indptr[r + 1]].long()
+        n = (len(ids) - 1) * 16 + int(last[r])
+        k, v = (cache[ids, s].reshape(-1, G, D)[:n].transpose(0, 1)[None] for s in (0, 1))  # (1, g, n, d)
+        alibi = kw.get("alibi")
+        bias = None if alibi is None else (alibi.view(H, 1, 1) * (torch.arange(n) - (n - 1))).bfloat16()[None]
+        mask = qkv.masks.window(kw["window_left"], 0) if "window_left" in kw else None
+        mod = qkv.SoftCap(kw["cap"]) if "cap" in kw else None
+        yard.append(qkv.attention(q[r][None, :, None], k, v, bias=bias, mask=mask, score_mod=mod, backend="reference")[0, :, 0])
+    yard = torch.stack(yard)
+    bound = 2 * (yard.double() - exact).abs().max() + 2**-8 * exact.abs().max()
+    assert (got.double() - exact).abs().max() <= bound
+
+
 def test_errors_name_the_argument():
     q, cache, table = build([1, 2], [10, 20], 4)
     qo_indptr, kv_indptr, kv_indices, last = table
@@ -220,13 +246,22 @@ def test_the_tuple_form_and_blocks_of_pages_read_as_one_item_equal_the_definitio
     assert seen and all(p.aligned and p.S == S for p in seen)
 
 
+@pytest.mark.parametrize("where", ["cpu", "as off the cpu"])
 @pytest.mark.parametrize("case", ["causal", "window", "alibi", "soft cap"])
 @pytest.mark.parametrize("P", [4, 16])
-def test_nan_in_unfilled_slots_and_unnamed_pages_never_reaches_an_output(case, P):
+def test_nan_in_unfilled_slots_and_unnamed_pages_never_reaches_an_output(case, P, where, monkeypatch):
     """A pool from ``torch.empty`` may hold nan anywhere no key was written: past each request's last key, in
     reserved pages after it, and in blocks between requests read as part of a range. The outputs are
-    those of the same pool with those places zeroed."""
+    those of the same pool with those places zeroed. Off the CPU (where no value is read on the host: a
+    GPU's stream would stall) the item products run without the CPU's fused kernels and zero unseen slots
+    branch-free: the same outputs."""
+    from qkv.paged import decode, decode_fused, route
     from qkv.paged.items import BLOCK_PAGES
+
+    if where != "cpu":
+        monkeypatch.setattr(decode, "concrete", lambda *xs: False)
+        monkeypatch.setattr(decode_fused, "usable", lambda *a: False)
+        monkeypatch.setattr(route, "runs_usable", lambda *a: False)
 
     S = BLOCK_PAGES
     gen = torch.Generator().manual_seed(P)
@@ -310,7 +345,7 @@ def test_items_are_views_only_where_each_is_consecutive_pages_from_a_block_bound
     from qkv.paged.items import items
     from qkv.paged.table import page_table
 
-    P, S = 16, 16  # items of 16 pages
+    P = 16  # items of 16 pages
 
     def plan(*request_pages):
         ids = [p for ps in request_pages for p in ps]
@@ -364,3 +399,18 @@ def test_random_tables_equal_each_request_alone(call):
     want = literal(q, cache, table, **opts)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_off_the_cpu_a_step_reads_its_copied_pages_in_few_large_tiles():
+    """Each operation of a tile is a kernel launch on a GPU: FlashInfer's one-tensor layout (whose ranges are copies)
+    is read in tiles of ``DEVICE_TILE_KEYS`` there, ``TILE_KEYS`` on the CPU (whose caches hold a tile);
+    the tuple layout's ranges are views on both, unbounded."""
+    from qkv.paged.items import DEVICE_TILE_KEYS, TILE_KEYS, copy_tile_keys, tile_keys
+    from qkv.paged.pages import FloatPages
+
+    for device, want in (("cpu", TILE_KEYS), ("meta", DEVICE_TILE_KEYS)):
+        pool = torch.zeros(8, 2, 16, 2, 4, device=device)
+        assert tile_keys(FloatPages(pool)) == want
+        assert tile_keys(FloatPages((pool[:, 0].contiguous(), pool[:, 1].contiguous()))) is None
+        assert copy_tile_keys(torch.device(device)) == want
+    assert DEVICE_TILE_KEYS > TILE_KEYS

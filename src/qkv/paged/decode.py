@@ -28,6 +28,7 @@ import math
 import torch
 from torch import Tensor
 
+from .._trace import concrete
 from ..backends.tiling import tile_math
 from . import decode_fused
 from .items import Items, layout, tile_keys
@@ -102,7 +103,9 @@ def attend(q: Tensor, qpos: Tensor, K: Tensor, V: Tensor, base: Tensor, keys: Te
     ``K, V (C, g, L, d)`` from position ``base (C,)``, the first ``keys (C,)`` filled; the products written out."""
     C, L = K.shape[0], K.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
-    s = torch.matmul(q, K.transpose(-1, -2)).to(acc)  # (C, g, x, L)
+    # float32 logits whatever the pages' dtype: a bfloat16 product rounds its output to 8 bits (a soft cap's
+    # step was 2x the flash rule's bound)
+    s = torch.matmul(q.to(acc), K.to(acc).transpose(-1, -2))  # (C, g, x, L)
     kpos = (base[:, None] + torch.arange(L, device=K.device)).view(C, 1, 1, L)
     qpos = qpos.view(C, 1, 1, 1)
     s = opts.logits(s, qpos, kpos)
@@ -115,8 +118,14 @@ def attend(q: Tensor, qpos: Tensor, K: Tensor, V: Tensor, base: Tensor, keys: Te
     top = torch.where(torch.isneginf(top), 0.0, top)
     e = tile_math.exp_floored(s - top)  # masked keys: exp(-inf) = 0; no subnormals
     den = e.sum(-1)
+    # an unseen slot may hold nan or inf (torch.empty), and 0 · nan would reach the sum: on the CPU the
+    # sum is read and such items run again; elsewhere (a host read stalls a GPU's stream; traced, none
+    # can be made) unseen slots are zeroed first, branch-free
+    host = K.device.type == "cpu" and concrete(K)
+    if not host:
+        V = torch.where(seen.view(C, 1, L, 1), V, 0)
     num = torch.matmul(e.to(V.dtype), V).to(acc)  # (C, g, x, e)
-    if not math.isfinite(float(num.sum())):  # an unseen slot held nan or inf (torch.empty): 0 · nan reached the sum
+    if host and not math.isfinite(float(num.sum())):
         at = (~torch.isfinite(num.sum((1, 2, 3)))).nonzero().flatten()
         Vz = torch.where(seen.index_select(0, at).view(-1, 1, L, 1), V.index_select(0, at), 0)
         num = num.index_copy(0, at, torch.matmul(e.index_select(0, at).to(V.dtype), Vz).to(acc))
