@@ -9,7 +9,9 @@ size, ``r`` rotary size, ``P`` page size.
 The cases are the serving suite's (``qkv bench --suite serving``), made on the chosen device:
 
 * **decode**: a decoding step of ``R`` requests (lengths 64 to 2048, h = 8, g = 2, d = 64,
-  P = 16) through ``qkv.paged_attention``, pages laid out as ``qkv.PagedKVCache`` lays them;
+  P = 16) through ``qkv.paged_attention``, pages laid out as ``qkv.PagedKVCache`` lays them
+  (keys and values in pools of their own: FlashInfer's tuple form); **decode, one-tensor
+  cache** the same step on FlashInfer's ``(num_pages, 2, P, g, d)`` form;
 * **ragged**: 4 prefill chunks of 512 and ``R - 4`` decoding steps in one call;
 * **latent**: an MLA decoding step through ``qkv.paged_latent_attention`` (16 heads, c = 512,
   r = 64), the two caches halves of one buffer.
@@ -56,7 +58,7 @@ def _table(qo: list[int], lengths: list[int], pages: list[list[int]]):
 
 
 def cases(R: int, low: int, high: int, chunk: int, seed: int = 0) -> dict:
-    """``{name: (prepare(device, dtype) -> call, loop(device) -> call or None)}`` for the three cases, from shared
+    """``{name: (prepare(device, dtype) -> call, loop(device) -> call or None)}`` for each case, from shared
     float64 inputs; a call takes no argument and runs on tensors already on the device."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (R,), generator=gen).tolist()
@@ -73,10 +75,11 @@ def cases(R: int, low: int, high: int, chunk: int, seed: int = 0) -> dict:
     q_pe = torch.randn(R, LATENT_H, R_DIM, generator=gen, dtype=torch.float64)
     scale = (128 + R_DIM) ** -0.5
 
-    def paged(cache, qs, qo, lens, pgs):
+    def paged(cache, qs, qo, lens, pgs, one_tensor=False):
         def prepare(device, dtype):
             table = [t.to(device) for t in _table(qo, lens, pgs)]
-            pools = (cache[:, 0].to(device, dtype).contiguous(), cache[:, 1].to(device, dtype).contiguous())
+            pools = (cache.to(device, dtype) if one_tensor else
+                     (cache[:, 0].to(device, dtype).contiguous(), cache[:, 1].to(device, dtype).contiguous()))  # fmt: skip
             q_ = qs.to(device, dtype)
             return lambda: qkv.paged_attention(q_, pools, *table)
 
@@ -108,6 +111,7 @@ def cases(R: int, low: int, high: int, chunk: int, seed: int = 0) -> dict:
 
     return {
         "decode": (paged(kv, q, [1] * R, lengths, pages), loop(kv, q, lengths, pages)),
+        "decode, one-tensor cache": (paged(kv, q, [1] * R, lengths, pages, one_tensor=True), loop(kv, q, lengths, pages)),
         "ragged": (paged(kv_ragged, q_ragged, qo_ragged, ragged_lengths, ragged_pages), None),
         "latent": (latent_call, latent_loop),
     }
