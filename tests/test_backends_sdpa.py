@@ -10,6 +10,7 @@ import torch
 
 import qkv
 from qkv import checks, scores
+from qkv._bools import any_along
 from qkv.backends import sdpa
 
 B, H, G, I, J, D, E = 2, 6, 3, 5, 7, 11, 13
@@ -230,3 +231,28 @@ def test_a_grouped_decoding_step_runs_its_heads_as_query_rows_of_their_kv_head(m
     if dropout == 0:
         expected = qkv.attention(q, k, v, mask=keep, backend="reference")
         torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("lengths", [[5, 9], [0, 9]], ids=["every row sees a key", "a row of length 0"])
+@pytest.mark.parametrize("i", [1, 3, 9])
+def test_a_padded_step_builds_no_causal_tile_and_finds_dead_rows_without_a_pass(lengths, i, dead_rows, monkeypatch):
+    """Where the causal part hides nothing in the call (one query after a cache) no tile of it is built, and where
+    every row sees key 0 (lengths of at least 1, causal) no pass over the mask looks for dead rows (on a GPU each
+    of those operations is a kernel launch); a row of length 0 is still found and zeroed. The outputs equal the
+    reference either way."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, i, 4, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 9, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = qkv.masks.lengths(torch.tensor(lengths))
+    tiles = []
+    real_tile = type(qkv.masks.causal()).tile
+    monkeypatch.setattr(type(qkv.masks.causal()), "tile", lambda self, t: tiles.append(t) or real_tile(self, t))
+    passes = []
+    monkeypatch.setattr(sdpa, "any_along", lambda *a, **kw: passes.append(a) or any_along(*a, **kw))
+    got = qkv.attention(q, k, v, mask=mask, causal=True, backend="sdpa")
+    built, searched = bool(tiles), bool(passes)
+    want = qkv.attention(q, k, v, mask=mask, causal=True, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert built == (i > 1)  # a causal part that hides something (i > 1 here) is still built
+    if dead_rows == "mended":
+        assert searched == (0 in lengths)

@@ -32,13 +32,17 @@ materialised, faster on a GPU than the chunked engines' tile loops (:func:`_mask
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .._bools import any_along
 from .._trace import concrete, tracing, version
-from ..masks import Dense, Offsets, Tile
+from ..masks import And, Dense, Lengths, Offsets, Starts, Tile
+from ..masks.base import conjuncts
 from .request import Request
 from .tiling import flash_cpu
 from .tiling.tiles import NEG_INF, offset_live_rows
@@ -229,9 +233,10 @@ def _mask(req: Request) -> tuple[Tensor | object | None, bool, Tensor | None]:
             from torch.nn.attention.bias import causal_lower_right
 
             return causal_lower_right(req.i, req.j), False, None
+    tile = Tile.whole(req.i, req.j, req.q.device)
+    mask = _without_full_offsets(mask, tile)
     if mask is None and req.bias is None:
         return None, False, None
-    tile = Tile.whole(req.i, req.j, req.q.device)
     allowed = None if mask is None else mask.tile(tile)
     if req.bias is None and _is_causal(allowed, req.i, req.j):
         return None, True, None  # a program that computed the causal mask (a packed document's block mask)
@@ -245,6 +250,27 @@ def _mask(req: Request) -> tuple[Tensor | object | None, bool, Tensor | None]:
     if allowed is not None:
         bias = bias.masked_fill(~allowed, NEG_INF)  # no row is all -inf: dead rows were given every key
     return bias, False, live_rows
+
+
+def _without_full_offsets(mask, whole: Tile):
+    """``mask`` without the parts of its top-level ``&`` that are offset ranges hiding nothing in this call (the
+    causal mask of a one-query step after a cache), or None: no tile is built for them (a GPU launches a kernel
+    for each of a tile's operations: the causal part of a padded decoding step was 6 of its 31)."""
+    if not isinstance(mask, And):
+        return mask
+    parts = conjuncts(mask)
+    kept = [p for p in parts if not (isinstance(p, Offsets) and p.state(whole) == "full")]
+    if len(kept) == len(parts):
+        return mask
+    return functools.reduce(operator.and_, kept) if kept else None
+
+
+def _sees_first_key(mask, req: Request) -> bool:
+    """True when every row sees key 0, known without a tensor: every part of the top-level ``&`` an offset range
+    or padding (states from host numbers) that allows the whole first column."""
+    column = Tile(0, req.i, 0, 1, req.i, req.j, req.q.device)
+    parts = conjuncts(mask)
+    return all(isinstance(p, (Offsets, Lengths, Starts)) for p in parts) and all(p.state(column) == "full" for p in parts)
 
 
 _ZERO_ROWS: dict[torch.dtype, bool] = {}
@@ -329,6 +355,8 @@ def _dead_rows(mask, allowed: Tensor, req: Request) -> Tensor | None:
     for the device): elsewhere every row is treated as possibly dead (the same result, one
     more multiplication).
     """
+    if req.j > 0 and _sees_first_key(mask, req):  # (a padded decoding step's: no pass over the mask on a GPU)
+        return None
     if isinstance(mask, Offsets):
         first, stop = offset_live_rows(mask, req.i, req.j)
         if first == 0 and stop == req.i:

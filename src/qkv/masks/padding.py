@@ -39,8 +39,7 @@ def _per_row(name: str, values: object, what: str) -> tuple[int, int]:
         raise ValueError(f"{name}: expected at least one batch row, got an empty tensor")
     if not concrete(values):  # tracing or meta: no value may be read; every tile is then "partial"
         return 0, -1
-    low, high = torch.aminmax(values)
-    low, high = int(low), int(high)
+    low, high = torch.stack(torch.aminmax(values)).tolist()  # one host read (on a GPU each waits for the stream)
     if low < 0:
         raise ValueError(f"{name}: expected non-negative {what}, got {values.tolist()}")
     return low, high
