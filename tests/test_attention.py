@@ -147,6 +147,24 @@ def test_attention_sequence_query_with_separate_values():
     torch.testing.assert_close(out, expected @ v)
 
 
+@pytest.mark.parametrize("name", SCORES)
+@pytest.mark.parametrize(("b", "i", "j"), [(0, 3, 4), (2, 0, 4), (2, 3, 0)], ids=["no-batch", "no-steps", "no-source"])
+def test_attention_seq2seq_form_with_a_size_0_dim_gives_empty_or_zero_contexts(name, b, i, j):
+    # (b, i, dq) reaches qkv.attention as (h, i, d): a batch of 0 was refused as "h=0 heads of g=0",
+    # and the concat score's tiles divided by it.
+    dq, dk = 5, 5 if name in ("dot", "scaled_dot") else 4
+    attend = qkv.Attention(_score(name, dq, dk))
+    q, k = torch.randn(b, i, dq, requires_grad=True), torch.randn(b, j, dk, requires_grad=True)
+    keep = torch.ones(b, 1, j, dtype=torch.bool)  # a padding mask, as Bahdanau's decoder passes one
+    out, w = attend(q, k, mask=keep, return_weights=True)
+    assert out.shape == (b, i, dk) and w.shape == (b, i, j)
+    assert not out.any() and not w.any()  # no rows, or rows that see no key: zeros
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    step, step_w = attend(torch.randn(b, dq), k, return_weights=True)  # one decoder state per row, (b, dq)
+    assert step.shape == (b, dk) and step_w.shape == (b, j)
+
+
 def test_mha_shapes_self_and_cross():
     mha = qkv.MultiHeadAttention(12, 3)
     x, memory = torch.randn(2, 5, 12), torch.randn(2, 7, 12)

@@ -50,6 +50,8 @@ CASES = [
     ("v-g", lambda: _call(v=torch.randn(B, 2, J, E)), ValueError, r"v: expected g=3 heads like k, got 2"),
     ("h-mod-g", lambda: _call(k=torch.randn(B, 4, J, D), v=torch.randn(B, 4, J, E)), ValueError,
      r"k: query heads h=6 must be a multiple of KV heads g, got g=4"),
+    ("g-0", lambda: _call(k=torch.randn(B, 0, J, D), v=torch.randn(B, 0, J, E)), ValueError,  # h = g = 0 is empty
+     r"k: query heads h=6 must be a multiple of KV heads g, got g=0"),
     ("k-batch", lambda: _call(k=torch.randn(1, G, J, D), v=torch.randn(1, G, J, E)), ValueError,
      r"k: expected leading \(batch\) dims \(2,\) like q, got \(1,\)"),
     ("v-batch", lambda: _call(v=torch.randn(1, G, J, E)), ValueError,

@@ -64,6 +64,7 @@ def errors(group, _):
     catch("mask", lambda: qd.attention(*shards(), group=group, mask=torch.ones(5, 8, dtype=torch.bool)))
     catch("unshard", lambda: qd.unshard(torch.zeros(2 + rank, 3, 4), dim=1, group=group))
     catch("lengths_mask", lambda: qd.attention(*shards(), group=group, mask=masks.lengths(torch.tensor([3, 4]))))
+    catch("no_heads", lambda: qd.attention(*shards(h=0, g=0), group=group))  # qkv.attention's empty call, not here
     # refused on one rank only: the other must not wait for it in a gather
     catch("one_rank_3d", lambda: qd.attention(*(x[0] if rank == 1 else x for x in shards()), group=group))
     catch("one_rank_dropout", lambda: qd.attention(*shards(), group=group, dropout=1.5 if rank == 0 else 0.0))
@@ -86,6 +87,7 @@ def test_errors_are_raised_on_every_rank(dist_pool):
         "lengths_mask": r"ValueError: mask: qkv.masks.lengths got key_lengths of shape \(2,\), one per batch row; the call needs b = 1: "
         r"a mask broadcasts to \(b, h, i, j\) = \(1, 4, 8, 8\)",
         "unshard_dims": r"ValueError: x_local: every rank's part must have the same number of dims; ranks have \[3, 4\]",
+        "no_heads": r"ValueError: k: expected at least one KV head to spread over the ranks, got shape \(1, 0, 4, 8\)",
     }
     on_its_own = {  # rank -> the error of the rank that refused its input; the other names it
         "one_rank_3d": (1, r"ValueError: q: expected this rank's shard \(b, heads, rows, size\), got shape \(4, 4, 8\)"),

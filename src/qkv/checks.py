@@ -132,7 +132,8 @@ def _shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
         if vs[-3] != ks[-3]:
             raise ValueError(f"v: expected g={ks[-3]} heads like k, got {vs[-3]}")
         h, g = qs[-3], ks[-3]
-        if g == 0 or h % g != 0:
+        # no heads at all (h = g = 0) is an empty call: a batch of 0 in the (b, i, d) form reads as it
+        if (h % g != 0) if g else h != 0:
             raise ValueError(f"k: query heads h={h} must be a multiple of KV heads g, got g={g}")
     lead = qs[:-3]
     for name, xs in (("k", ks), ("v", vs)):

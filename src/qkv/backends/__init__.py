@@ -93,9 +93,9 @@ MATERIALISE_ELEMENTS = 2**26
 def choose(req: Request, backend: str = "auto") -> tuple[ModuleType, list[str]]:
     """The backend that will run ``req``, and why each faster one was passed over.
 
-    A backend named explicitly must support the call; an empty call (no query rows or no
-    keys) then still goes to the reference, whose equations give the empty result for any
-    option (the fast kernels assume a row and a key).
+    A backend named explicitly must support the call; an empty call (no batch rows, heads,
+    query rows or keys) then still goes to the reference, whose equations give the empty
+    result for any option (the fast kernels assume a row and a key).
     """
     if backend != "auto":
         if backend not in REGISTRY:
@@ -124,8 +124,15 @@ def preference(req: Request) -> tuple[str, ...]:
 
 
 def _empty(req: Request) -> str | None:
+    """Why an empty call goes to the reference, or None.
+
+    No batch row or no head is as empty as no query row: the engines' tile budgets divide
+    by ``b·h`` and their reshapes infer a dim from 0 elements.
+    """
     if req.i == 0 or req.j == 0:
         return f"an empty call (i = {req.i}, j = {req.j}) has nothing to compute"
+    if req.q.shape[0] == 0 or req.heads == 0:
+        return f"an empty call (b = {req.q.shape[0]}, h = {req.heads}) has nothing to compute"
     return None
 
 

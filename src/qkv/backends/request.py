@@ -60,8 +60,8 @@ class Request:
 
     @property
     def group(self) -> int:
-        """Query heads per KV head (1 = plain multi-head, h = multi-query)."""
-        return self.heads // self.kv_heads
+        """Query heads per KV head (1 = plain multi-head, h = multi-query); 1 for no heads at all (h = g = 0)."""
+        return self.heads // self.kv_heads if self.kv_heads else 1
 
     @property
     def i(self) -> int:

@@ -175,6 +175,8 @@ def _local(q, k, v, strategy: str, layout: str, causal, dropout, generator) -> t
         raise TypeError(f"q: expected a floating-point tensor, got {q.dtype}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"v: expected {k.shape[-2]} rows like k on this rank, got {v.shape[-2]}")
+    if k.shape[1] == 0:  # qkv.attention takes h = g = 0 as an empty call; the strategies split and repeat KV heads
+        raise ValueError(f"k: expected at least one KV head to spread over the ranks, got shape {tuple(k.shape)}")
     p = probability("dropout", dropout)
     seed = drop.draw_seed(generator) if p > 0 else 0
     mine = [
