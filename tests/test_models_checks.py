@@ -7,7 +7,7 @@ through each model's API; these check the helpers directly.
 import pytest
 import torch
 
-from qkv.models.checks import check_batch, check_ids, check_lengths
+from qkv.models.checks import check_batch, check_ids, check_lengths, check_tokens
 
 
 def test_check_helpers_pass_good_input_through():
@@ -16,6 +16,9 @@ def test_check_helpers_pass_good_input_through():
     assert check_lengths("n", torch.tensor([1, 2], dtype=torch.int32), 2, 2).dtype == torch.long
     with pytest.raises(ValueError, match=r"x: expected shape \(b,\), got \(2, 2\)"):
         check_ids("x", ids, 5, dims=1)
+    assert check_tokens("x", ids, "why") is ids and check_tokens("x", ids[:0], "why").shape == (0, 2)  # no row: none empty
+    with pytest.raises(ValueError, match=r"x: expected at least one token per row \(why\), got shape \(2, 0\)"):
+        check_tokens("x", ids[:, :0], "why")
 
 
 def test_check_batch_names_every_size():

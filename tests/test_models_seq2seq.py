@@ -194,6 +194,30 @@ def test_bad_inputs_name_the_argument():
         model.loss(source, target[:, :1], lengths)
 
 
+@pytest.mark.parametrize("kind, score, alignment, feeding", ALL)
+def test_an_empty_target_gives_empty_logits_and_weights(kind, score, alignment, feeding):
+    # No decoder step: torch.stack got an empty list (nn.GRU a length of 0 without input feeding).
+    model = _model(kind, score, alignment, feeding)
+    source, lengths, target = _data(9)
+    logits, weights = model(source, target[:, :0], lengths, return_weights=True)
+    assert logits.shape == (3, 0, TGT_VOCAB) and weights.shape == (3, 0, 8)
+    logits.sum().backward()  # still in the graph, as a step's logits are
+    # a target of bos alone has no token to score: each row's log-probability is the empty sum
+    assert torch.equal(model.score_sequences(source, target[:, :1], lengths), torch.zeros(3))
+
+
+@pytest.mark.parametrize("kind", ["bahdanau", "luong"])
+def test_an_empty_source_is_refused_as_src(kind):
+    # It was refused as src_lengths' "[1, 0]", a range nobody passed (the lengths default to j = 0).
+    model = _model(kind)
+    empty = torch.ones(2, 0, dtype=torch.long)
+    message = r"src: expected at least one token per row \(the decoder starts from its encoding\), got shape \(2, 0\)"
+    for call in (lambda: model(empty, torch.ones(2, 3, dtype=torch.long)), lambda: model.greedy(empty),
+                 lambda: model.beam_search(empty, torch.zeros(2, dtype=torch.long))):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
 def test_location_score_rejects_a_source_over_its_maximum():
     model = _model("luong", score="location")  # max_src_len=12
     source = torch.ones(2, 13, dtype=torch.long)

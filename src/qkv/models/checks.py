@@ -34,6 +34,17 @@ def check_ids(name: str, ids: object, vocab_size: int, *, dims: int = 2) -> Tens
     return ids
 
 
+def check_tokens(name: str, ids: Tensor, why: str) -> Tensor:
+    """``ids (b, t)`` if every row holds at least one token; ``why`` says what reads the first one.
+
+    For models whose output is undefined without a token (an RNN encoding, a mean over the
+    tokens): an empty sequence is a ``ValueError`` naming the argument, never a crash inside.
+    """
+    if ids.shape[-1] == 0:
+        raise ValueError(f"{name}: expected at least one token per row ({why}), got shape {tuple(ids.shape)}")
+    return ids
+
+
 def check_lengths(name: str, lengths: object, batch: int, longest: int, *, minimum: int = 1) -> Tensor:
     """``lengths`` as a long ``(b,)`` tensor with ``minimum <= lengths <= longest``."""
     if not isinstance(lengths, Tensor):

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from .._args import positive_int, probability
 from ..attention import Attention
 from ..scores import Additive, Location, make
-from .checks import check_ids, check_lengths
+from .checks import check_ids, check_lengths, check_tokens
 from .decoding import Decoded, beam_search, greedy
 from .luong import ALIGNMENTS, LuongAlignment, padding_mask
 from .rnn import RNNEncoder
@@ -121,7 +121,8 @@ class _Seq2Seq(nn.Module):
 
     # -- inputs ---------------------------------------------------------------------------
     def _src(self, src: Tensor, src_lengths: Tensor | None) -> tuple[Tensor, Tensor]:
-        check_ids("src", src, self.config.src_vocab)
+        # before the lengths: an empty source has none in [1, 0] to give, whether given or defaulted
+        check_tokens("src", check_ids("src", src, self.config.src_vocab), "the decoder starts from its encoding")
         b, j = src.shape
         if src_lengths is None:
             src_lengths = torch.full((b,), j, dtype=torch.long, device=src.device)
@@ -170,6 +171,7 @@ class _Seq2Seq(nn.Module):
         as :meth:`loss` passes it. Step ``t`` reads ``tgt[:, t]`` and predicts the next
         token. The logits of ``pad_id`` and ``bos_id`` are ``-inf``: the model never
         writes them. With ``return_weights=True`` also the attention weights ``(b, i, j)``.
+        An empty ``tgt (b, 0)`` gives empty logits and weights; an empty ``src`` is an error.
         """
         memory, state = self.start(src, src_lengths)
         self._tgt(tgt, src)
@@ -178,12 +180,23 @@ class _Seq2Seq(nn.Module):
         return (logits, weights) if return_weights else logits
 
     def _teacher_forced(self, memory: tuple, state: tuple, embedded: Tensor) -> tuple[Tensor, Tensor]:
+        if embedded.shape[1] == 0:
+            return self._no_steps(memory, state)
         logits, weights = [], []
         for position in range(embedded.shape[1]):
             step_logits, state, w = self._step(memory, state, embedded[:, position], position)
             logits.append(step_logits)
             weights.append(w)
         return torch.stack(logits, 1), torch.stack(weights, 1)
+
+    def _no_steps(self, memory: tuple, state: tuple) -> tuple[Tensor, Tensor]:
+        """Logits ``(b, 0, c)`` and weights ``(b, 0, j)`` of an empty target, as slices of the model's tensors.
+
+        There is no step to stack (``torch.stack`` refuses an empty list, ``nn.GRU`` a length
+        of 0); slicing keeps the result in the graph, so a loss over it still backpropagates.
+        """
+        annotations, first = memory[0], state[0]  # (b, j, d), (b, dh)
+        return self.out(first.unsqueeze(1)[:, :0]), annotations[..., :0].transpose(1, 2)
 
     def loss(self, src: Tensor, tgt: Tensor, src_lengths: Tensor | None = None) -> Tensor:
         """Mean cross-entropy of ``tgt[:, 1:]`` given ``src`` and ``tgt[:, :-1]``.
@@ -311,7 +324,7 @@ class Luong(_Seq2Seq):
         return logits[:, 0], (h, h_tilde[:, 0]), weights[:, 0]
 
     def _teacher_forced(self, memory: tuple, state: tuple, embedded: Tensor) -> tuple[Tensor, Tensor]:
-        if self.config.input_feeding:
+        if self.config.input_feeding or embedded.shape[1] == 0:
             return super()._teacher_forced(memory, state, embedded)
         # Without input feeding the states do not depend on attention: run the GRU over
         # the whole target at once, then attend from every step in one call.
