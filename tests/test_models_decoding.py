@@ -152,6 +152,23 @@ def test_returned_hypothesis_matches_teacher_forcing(index):
         torch.testing.assert_close(out.weights[n, :length], weights[n, :length])
 
 
+@pytest.mark.parametrize("index", range(3))
+def test_a_batch_of_0_decodes_to_empty_results(index):
+    # As the transformers' generate: no row, so every row has finished after the first step. The
+    # encoder's packing refused an empty batch, Bahdanau's maxout and the beam's view read -1 of 0.
+    model = list(_models())[index].eval()
+    source, lengths = _source(index)
+    a = model.greedy(source[:0], lengths[:0], max_len=6)
+    for b in (model.beam_search(source[:0], lengths[:0], beam_size=3, max_len=6),
+              model.beam_search(source[:0], beam_size=2, max_len=6, length_penalty=1.0)):  # fmt: skip
+        for field in ("tokens", "weights", "log_prob", "lengths"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert x.shape == y.shape and x.dtype == y.dtype, field
+        assert b.tokens.shape == (0, 1) and b.weights.shape == (0, 1, 7) and b.lengths.shape == b.log_prob.shape == (0,)
+    logits, weights = model(source[:0], torch.ones(0, 3, dtype=torch.long), lengths[:0], return_weights=True)
+    assert logits.shape == (0, 3, 9) and weights.shape == (0, 3, 7)
+
+
 def test_beam_is_at_least_as_likely_as_greedy_on_a_trained_model():
     torch.manual_seed(0)
     model = Bahdanau(Seq2SeqConfig(src_vocab=12, tgt_vocab=12, embed_dim=12, hidden=24, attention_dim=12))

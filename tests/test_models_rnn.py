@@ -31,6 +31,16 @@ def test_shapes_and_zero_padding():
         assert torch.all(annotations[n, :length].abs().sum(-1) > 0)
 
 
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_a_batch_of_0_is_encoded_to_empty_annotations(bidirectional):
+    # pack_padded_sequence refuses an empty batch ("Cannot pack empty tensors").
+    encoder = RNNEncoder(VOCAB, EMBED, HIDDEN, layers=2, bidirectional=bidirectional)
+    source, lengths = _batch(torch.Generator().manual_seed(1))
+    for given in (lengths[:0], None):
+        annotations, final = encoder(source[:0], given)
+        assert annotations.shape == (0, 6, encoder.out_dim) and final.shape == (2 * (1 + bidirectional), 0, HIDDEN)
+
+
 def test_each_row_is_encoded_as_if_alone_and_unpadded():
     # Packing: the backward GRU of a short row starts at its own last token, not at padding.
     g = torch.Generator().manual_seed(2)

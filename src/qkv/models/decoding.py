@@ -18,7 +18,8 @@ beam with its score frozen (it may only be extended by padding, at no cost), so 
 competes with the live ones until the end. The winner is the hypothesis with the highest
 ``log p / length^α`` (``length_penalty = α``; 0 compares raw sums, which favour short
 outputs; 1 compares the mean log-probability per token). With ``k = 1`` this is exactly
-greedy decoding (checked in ``tests/test_models_decoding.py``).
+greedy decoding (checked in ``tests/test_models_decoding.py``). A batch of 0 rows decodes to
+empty results after one step, as the transformers' ``generate`` does: no row is left unfinished.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def beam_search(
             was_finished = finished.gather(1, parent)
             flat = (parent + rows * k).view(-1)  # (b·k,) rows of the flattened beams to keep
             state = _select(state, flat)
-            w = w.view(b, k, -1)[rows, parent].masked_fill(was_finished[..., None], 0.0)  # (b, k, j)
+            w = w.view(b, k, w.shape[-1])[rows, parent].masked_fill(was_finished[..., None], 0.0)  # (b, k, j)
             weights = w[:, :, None] if weights is None else torch.cat([weights[rows, parent], w[:, :, None]], 2)
             tokens = torch.cat([tokens[rows, parent], new_token[..., None]], 2)
             lengths = lengths.gather(1, parent) + (~was_finished).long()

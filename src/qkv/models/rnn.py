@@ -87,6 +87,8 @@ class RNNEncoder(nn.Module):
             src_lengths = torch.full((b,), j, dtype=torch.long, device=src.device)
         src_lengths = check_lengths("src_lengths", src_lengths, b, j)
         x = self.drop(self.embed(src))
+        if b == 0:  # pack_padded_sequence refuses an empty batch; with no row, there is nothing to pack
+            return self.rnn(x)
         # pack_padded_sequence wants the lengths on the CPU; enforce_sorted=False sorts internally.
         packed = nn.utils.rnn.pack_padded_sequence(x, src_lengths.cpu(), batch_first=True, enforce_sorted=False)
         out, final = self.rnn(packed)

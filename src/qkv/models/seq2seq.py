@@ -269,7 +269,7 @@ class Bahdanau(_Seq2Seq):
         context, weights = self.attention(s_prev, annotations, mask=keep, return_weights=True)
         s = self.cell(torch.cat([embedded, context], -1), s_prev)
         pieces = self.deep_output(self.drop(torch.cat([s, embedded, context], -1)))
-        t = pieces.view(*pieces.shape[:-1], -1, 2).amax(-1)  # maxout over pairs
+        t = pieces.view(*pieces.shape[:-1], self.config.hidden, 2).amax(-1)  # maxout over pairs (no -1: b may be 0)
         return self.out(self.drop(t)), (s,), weights
 
 
