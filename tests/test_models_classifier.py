@@ -122,6 +122,20 @@ def test_bad_inputs_raise_clear_errors():
         BagOfWords(BagOfWordsConfig(vocab=3, classes=2))(torch.zeros(1, 2))
 
 
+@pytest.mark.parametrize("model", ["mean", "cls", "attention", "bag"])
+def test_empty_rows_are_refused_as_ids_and_a_batch_of_0_is_empty(model):
+    # (b, 0) ids gave logits from nothing (the head's bias), where lengths of 0 are refused; with
+    # lengths, the message named their range [1, 0] instead of the ids.
+    torch.manual_seed(0)
+    clf = BagOfWords(BagOfWordsConfig(vocab=V, classes=C)) if model == "bag" else _clf(model, torch.float32)
+    message = r"ids: expected at least one token per row \(a class is read from its tokens\), got shape \(2, 0\)"
+    for lengths in (None, torch.zeros(2, dtype=torch.long)):
+        with pytest.raises(ValueError, match=message):
+            clf(torch.zeros(2, 0, dtype=torch.long), lengths=lengths)
+    logits, weights = clf(torch.zeros(0, 4, dtype=torch.long), return_weights=True)  # no row: no logits
+    assert logits.shape == (0, C) and (weights["pooling"] is None or weights["pooling"].shape[0] == 0)
+
+
 def test_reach_limits_self_attention_to_the_given_offsets():
     ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(1))
     lengths = torch.tensor([6, 4])

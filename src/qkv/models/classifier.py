@@ -41,10 +41,13 @@ from .._args import positive_int
 from ..attention import MultiHeadAttention
 from ..blocks import Encoder
 from ..masks import Offsets
-from .checks import check_batch, check_ids
+from .checks import check_batch, check_ids, check_tokens
 from .transformer import TokenEmbedding, attention_positional, check_common, lengths_for
 
 POOLINGS = ("mean", "cls", "attention")
+#: Why a row needs a token. An empty row had logits from nothing (the head's bias, a mean of no
+#: embedding taken as 0) where ``lengths`` of 0 are refused: it is refused the same way.
+_WHY = "a class is read from its tokens"
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ class EncoderClassifier(nn.Module):
         (mean), or None (CLS, whose pooling is the last layer's row 0).
         """
         cls = self.cls is not None
-        check_ids("ids", ids, self.config.vocab)
+        check_tokens("ids", check_ids("ids", ids, self.config.vocab), _WHY)
         if cls and ids.shape[1] + 1 > self.config.max_len and self.config.positional == "learned":
             raise ValueError(
                 f"ids: expected at most max_len - 1 = {self.config.max_len - 1} tokens (CLS takes a position), "
@@ -191,7 +194,7 @@ class BagOfWords(nn.Module):
     def forward(self, ids: Tensor, *, lengths: Tensor | None = None, return_weights: bool = False):
         """``ids (b, i)`` -> logits ``(b, C)``; with ``return_weights=True`` also ``{"pooling": (b, 1, i)}``,
         the uniform weights ``1/length`` of the mean."""
-        check_ids("ids", ids, self.config.vocab)
+        check_tokens("ids", check_ids("ids", ids, self.config.vocab), _WHY)
         lengths = lengths_for("lengths", lengths, ids)
         check_batch(ids=ids, lengths=lengths)
         pooled, w = _mean(self.embedding(ids), lengths)
