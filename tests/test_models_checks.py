@@ -7,7 +7,7 @@ through each model's API; these check the helpers directly.
 import pytest
 import torch
 
-from qkv.models.checks import check_batch, check_ids, check_lengths, check_tokens
+from qkv.models.checks import check_batch, check_ids, check_lengths, check_rows, check_tokens
 
 
 def test_check_helpers_pass_good_input_through():
@@ -19,6 +19,9 @@ def test_check_helpers_pass_good_input_through():
     assert check_tokens("x", ids, "why") is ids and check_tokens("x", ids[:0], "why").shape == (0, 2)  # no row: none empty
     with pytest.raises(ValueError, match=r"x: expected at least one token per row \(why\), got shape \(2, 0\)"):
         check_tokens("x", ids[:, :0], "why")
+    assert check_rows("x", ids) is ids
+    with pytest.raises(ValueError, match=r"x: expected at least one batch row \(a loss is a mean over them\), got shape \(0, 2\)"):
+        check_rows("x", ids[:0])
 
 
 def test_check_batch_names_every_size():

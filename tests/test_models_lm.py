@@ -210,6 +210,8 @@ def test_a_loss_with_no_next_token_to_predict_is_an_error_not_nan():
     with pytest.raises(ValueError, match=r"lengths: every row holds one token, .* got \[1, 1\]"):
         lm.loss(torch.zeros(2, 4, dtype=torch.long), lengths=torch.tensor([1, 1]))
     assert torch.isfinite(lm.loss(torch.zeros(2, 4, dtype=torch.long), lengths=torch.tensor([1, 3])))
+    with pytest.raises(ValueError, match=r"ids: expected at least one batch row \(a loss is a mean over them\), got shape \(0, 4\)"):
+        lm.loss(torch.zeros(0, 4, dtype=torch.long))  # no row: the mean was NaN
 
 
 def test_a_tiny_temperature_samples_the_argmax_and_a_huge_one_stays_finite():

@@ -109,6 +109,10 @@ def test_bad_inputs_name_the_argument():
         model(candidate[:, None], history)
     with pytest.raises(ValueError, match=r"clicked: expected shape \(3,\) like candidate, got \(2,\)"):
         model.loss(candidate, history, clicked[:2])
+    with pytest.raises(ValueError, match=r"clicked: expected at least one batch row \(a loss is a mean over them\), got shape \(0,\)"):
+        model.loss(candidate[:0], history[:0], clicked[:0])  # no row: the mean was NaN
+    logits, weights = model(candidate[:0], history[:0], return_weights=True)  # a batch of 0 is still scored
+    assert logits.shape == (0,) and weights.shape == (0, 8)
     with pytest.raises(ValueError, match=r"pad_id: expected an id in \[0, 21\), got 21"):
         TargetAttention(ITEMS, pad_id=ITEMS)
     with pytest.raises(ValueError, match="dim: expected a positive int, got 0"):

@@ -192,6 +192,8 @@ def test_bad_inputs_name_the_argument():
         model(source, target, lengths[:2])
     with pytest.raises(ValueError, match=r"tgt: expected at least bos and one token per row, got shape \(3, 1\)"):
         model.loss(source, target[:, :1], lengths)
+    with pytest.raises(ValueError, match=r"tgt: expected at least one batch row \(a loss is a mean over them\), got shape \(0, 6\)"):
+        model.loss(source[:0], target[:0], lengths[:0])  # no row: the mean was NaN
 
 
 @pytest.mark.parametrize("kind, score, alignment, feeding", ALL)

@@ -45,6 +45,13 @@ def check_tokens(name: str, ids: Tensor, why: str) -> Tensor:
     return ids
 
 
+def check_rows(name: str, x: Tensor) -> Tensor:
+    """``x`` if it has at least one batch row: a loss is a mean over rows, and a mean over none is NaN."""
+    if x.shape[0] == 0:
+        raise ValueError(f"{name}: expected at least one batch row (a loss is a mean over them), got shape {tuple(x.shape)}")
+    return x
+
+
 def check_lengths(name: str, lengths: object, batch: int, longest: int, *, minimum: int = 1) -> Tensor:
     """``lengths`` as a long ``(b,)`` tensor with ``minimum <= lengths <= longest``."""
     if not isinstance(lengths, Tensor):

@@ -29,7 +29,7 @@ from .._args import positive_int
 from ..blocks import Encoder
 from ..cache import DecoderCache, LatentCache
 from ..latent import MultiHeadLatentAttention
-from .checks import check_batch
+from .checks import check_batch, check_rows
 from .sampling import sample_next
 from .transformer import TokenEmbedding, attention_positional, check_common, inference, key_padding, lengths_for
 
@@ -123,10 +123,12 @@ class CausalLM(nn.Module):
     def loss(self, ids: Tensor, *, lengths: Tensor | None = None) -> Tensor:
         """Mean next-token cross-entropy of ``ids (b, i)`` over the real (unpadded) targets.
 
-        A batch with no target (rows of one token) is an error, not a NaN mean over nothing.
+        A batch with no target (rows of one token, or no row) is an error, not a NaN mean over nothing.
         """
-        if isinstance(ids, Tensor) and ids.dim() == 2 and ids.shape[1] < 2:
-            raise ValueError(f"ids: expected at least 2 tokens per row (a next token to predict), got shape {tuple(ids.shape)}")
+        if isinstance(ids, Tensor) and ids.dim() == 2:
+            check_rows("ids", ids)
+            if ids.shape[1] < 2:
+                raise ValueError(f"ids: expected at least 2 tokens per row (a next token to predict), got shape {tuple(ids.shape)}")
         logits = self(ids[:, :-1], lengths=None if lengths is None else (lengths - 1).clamp(min=1))
         targets = ids[:, 1:]
         if lengths is None:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .._args import positive_int, probability
 from ..attention import Attention
-from .checks import check_ids
+from .checks import check_ids, check_rows
 
 
 class TargetAttention(nn.Module):
@@ -99,10 +99,14 @@ class TargetAttention(nn.Module):
         return (logits, weights) if return_weights else logits
 
     def loss(self, candidate: Tensor, history: Tensor, clicked: Tensor) -> Tensor:
-        """Binary cross-entropy of the click logits against ``clicked (b,)`` (0/1, bool or float)."""
+        """Binary cross-entropy of the click logits against ``clicked (b,)`` (0/1, bool or float).
+
+        A batch of 0 rows is an error, not a NaN mean over nothing.
+        """
         if not isinstance(clicked, Tensor) or tuple(clicked.shape) != tuple(candidate.shape):
             got = tuple(clicked.shape) if isinstance(clicked, Tensor) else type(clicked).__name__
             raise ValueError(f"clicked: expected shape {tuple(candidate.shape)} like candidate, got {got}")
+        check_rows("clicked", clicked)
         logits = self(candidate, history)
         return F.binary_cross_entropy_with_logits(logits, clicked.to(logits.dtype))
 

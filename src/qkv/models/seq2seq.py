@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from .._args import positive_int, probability
 from ..attention import Attention
 from ..scores import Additive, Location, make
-from .checks import check_ids, check_lengths, check_tokens
+from .checks import check_ids, check_lengths, check_rows, check_tokens
 from .decoding import Decoded, beam_search, greedy
 from .luong import ALIGNMENTS, LuongAlignment, padding_mask
 from .rnn import RNNEncoder
@@ -202,9 +202,9 @@ class _Seq2Seq(nn.Module):
         """Mean cross-entropy of ``tgt[:, 1:]`` given ``src`` and ``tgt[:, :-1]``.
 
         ``tgt (b, u)`` is the full target: it starts with bos and ends with eos, then
-        padding (ignored by the loss).
+        padding (ignored by the loss). A batch of 0 rows is an error, not a NaN mean over nothing.
         """
-        self._tgt(tgt, src)
+        check_rows("tgt", self._tgt(tgt, src))
         if tgt.shape[1] < 2:
             raise ValueError(f"tgt: expected at least bos and one token per row, got shape {tuple(tgt.shape)}")
         logits = self(src, tgt[:, :-1], src_lengths)
