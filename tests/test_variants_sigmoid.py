@@ -171,6 +171,18 @@ def test_low_precision_follows_the_flash_rule(dtype):
     assert (got.double() - want).abs().max() <= 2 * (plain.double() - want).abs().max() + 1e-6
 
 
+@pytest.mark.parametrize(("b", "h", "g", "i", "j"), [(0, H, G, I, J), (B, 0, 0, I, J), (B, H, G, 0, J), (B, H, G, I, 0)],
+                         ids=["no-batch", "no-heads", "no-rows", "no-keys"])  # fmt: skip
+def test_an_empty_call_gives_an_empty_or_zero_output(b, h, g, i, j):
+    # The block size divided by b·h: a batch of 0 was a ZeroDivisionError.
+    q, k = torch.randn(b, h, i, D, requires_grad=True), torch.randn(b, g, j, D, requires_grad=True)
+    v = torch.randn(b, g, j, E, requires_grad=True)
+    out, w = sigmoid_attention(q, k, v, causal=True, return_weights=True)
+    assert out.shape == (b, h, i, E) and w.shape == (b, h, i, j) and not out.any() and not w.any()
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert [x.shape for x in grads] == [q.shape, k.shape, v.shape] and not any(x.any() for x in grads)
+
+
 def test_module_with_a_fixed_length_decodes_like_the_full_pass():
     torch.manual_seed(0)
     mha = qkv.MultiHeadAttention(24, 6, kv_heads=3, positional=qkv.Rotary(4),

@@ -87,6 +87,10 @@ def sigmoid_attention(
     else:
         offset = float(logit_bias)
     q, k, v = req.q, req.k, req.v  # (b, h, i, d): the one layout (qkv._layout)
+    if q.shape[0] == 0 or req.heads == 0:  # as qkv.attention's empty call: the tiles divide by b·h and group by g
+        tie = (q.sum() + k.sum() + v.sum()) * 0  # (in the inputs' graph: their gradients are 0)
+        out = req.restore(q.new_zeros((*q.shape[:-1], v.shape[-1])) + tie)
+        return (out, req.restore(q.new_zeros((*q.shape[:-1], req.j)) + tie)) if return_weights else out
     lazy = req.bias if isinstance(req.bias, LazyBias) else None
     dense = req.bias if isinstance(req.bias, Tensor) else None
     block_i, block_j = _blocks(req)
