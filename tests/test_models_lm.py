@@ -221,3 +221,12 @@ def test_a_tiny_temperature_samples_the_argmax_and_a_huge_one_stays_finite():
     gen = torch.Generator().manual_seed(0)
     assert sample_next(logits, temperature=1e-300, generator=gen).tolist() == [1, 0]
     assert sample_next(logits, temperature=1e300, generator=gen).shape == (2,)
+
+
+def test_sample_next_on_a_size_0_dim():
+    from qkv.models.sampling import sample_next
+
+    for temperature, top_k in ((0.0, None), (1.0, None), (1.0, 2)):  # no row: no token, as generate gives for b = 0
+        assert sample_next(torch.randn(0, 5), temperature=temperature, top_k=top_k).shape == (0,)
+        with pytest.raises(ValueError, match=r"logits: expected at least one token per row \(b, V\), got shape \(2, 0\)"):
+            sample_next(torch.randn(2, 0), temperature=temperature, top_k=top_k)  # was argmax's IndexError

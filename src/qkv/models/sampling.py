@@ -22,6 +22,8 @@ def sample_next(logits: Tensor, *, temperature: float = 0.0, top_k: int | None =
         raise ValueError(f"temperature: expected a number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None:
         positive_int("top_k", top_k)
+    if logits.shape[-1] == 0:  # argmax and amax have nothing to reduce: an IndexError from inside torch
+        raise ValueError(f"logits: expected at least one token per row (b, V), got shape {tuple(logits.shape)}")
     if temperature == 0:
         return logits.argmax(dim=-1)
     # in float64 (a temperature of 1e-300 is 0 in float32), the row's largest logit subtracted first: a
