@@ -398,7 +398,10 @@ def main(argv=None) -> int:
         print(f"  {case.name}: {row.get('path', '?')}, {row.get('parity (err / bound)', '')} ({row['s']:.0f} s)", flush=True)
     print()
     print(table(rows, case_notes={c.name: c.sdpa_note for c in CASES}))
-    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    small = qkv.backends.flex_gpu._small_tiles
+    print(f"\nkinds of flex call run with small tiles (dtype, d, grad, score_mod, learned, short): "
+          f"{', '.join(map(str, sorted(small, key=str))) or 'none'}")
+    print(f"total {time.perf_counter() - started:.0f} s")
     if failures:
         print(f"\n{len(failures)} failure(s):")
         for f in failures:

@@ -579,6 +579,41 @@ def test_a_call_inductor_has_no_kernel_for_is_retried_then_declined(monkeypatch)
         flex_gpu.run(other)  # any other error is the caller's
 
 
+def test_small_tiles_a_learned_call_needed_are_not_taken_by_a_call_that_learns_nothing(monkeypatch):
+    """A learned T5 table's kernel asked for more shared memory than an H200 has, so its kind of call runs small
+    tiles; a soft cap of the same shape (same dtype, head size, gradients, a score_mod or not) shared that kind and
+    ran its forward on them too, 3x SDPA's time. What the kernel reads with a gradient is part of the kind."""
+    from qkv.backends import flex_gpu
+    from qkv.backends.request import bias_needs_grad
+
+    seen = []
+
+    def fits_unless_learned(req, flex, kernel_options=None):
+        seen.append(kernel_options)
+        reads = qkv.score_mods.closure_tensors(req.score_mod) if req.score_mod is not None else []
+        if kernel_options is None and (bias_needs_grad(req) or any(x.requires_grad for x in reads)):
+            raise RuntimeError("out of resource: shared memory")
+        return ("ran", None, None)
+
+    monkeypatch.setattr(flex_gpu, "forward", fits_unless_learned)
+    monkeypatch.setattr(flex_gpu, "compiled", lambda: None)
+    monkeypatch.setattr(flex_gpu, "_small_tiles", set())
+    monkeypatch.setattr(flex_gpu, "_uncompilable", {})
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    table = torch.zeros(9, requires_grad=True)
+
+    def call(**kw):
+        kw = dict(dict(score="scaled_dot", mask=None, bias=None, causal=True, scale=None, dropout=0.0,
+                       return_weights=False), **kw)  # fmt: skip
+        return flex_gpu.run(qkv.checks.request(q, q, q, **kw))
+
+    call(score_mod=lambda s, b, h, qi, ki: s + table[qi - ki + 4])
+    call(score_mod=qkv.SoftCap(5.0))
+    call(bias=qkv.RelativePositionBias(2, 4, 8))
+    call(bias=qkv.ALiBi(2))
+    assert seen == [None, flex_gpu.SMALL_TILES, None, None, flex_gpu.SMALL_TILES, None]
+
+
 def _per_head(b, h, q_idx, kv_idx):
     return (kv_idx + h + b) % 3 != 0  # a pattern of its own for each head and batch row
 

@@ -38,8 +38,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import score_mods
 from .._trace import tracing
-from .request import Request
+from .request import Request, bias_needs_grad
 from .tiling import flex_lowering
 
 name = "flex"
@@ -130,7 +131,12 @@ _NO_KERNEL = ("out of resource", "No choices", "NoValidChoicesError")
 
 
 def _kind(req: Request) -> tuple:
-    return (req.q.dtype, req.q.shape[-1], req.grad, req.score_mod is not None, req.q.shape[-2] < 128)
+    """What decides whether flex's default tiles fit in shared memory: a learned tensor the kernel reads (its
+    gradient is accumulated in the backward kernel) among them. A soft cap that shared its kind with a
+    learned T5 table ran the small tiles too."""
+    learned = bias_needs_grad(req) or (
+        req.grad and req.score_mod is not None and any(x.requires_grad for x in score_mods.closure_tensors(req.score_mod)))
+    return (req.q.dtype, req.q.shape[-1], req.grad, req.score_mod is not None, learned, req.q.shape[-2] < 128)
 
 
 def declined(req: Request) -> str | None:
