@@ -414,3 +414,12 @@ def test_off_the_cpu_a_step_reads_its_copied_pages_in_few_large_tiles():
         assert tile_keys(FloatPages((pool[:, 0].contiguous(), pool[:, 1].contiguous()))) is None
         assert copy_tile_keys(torch.device(device)) == want
     assert DEVICE_TILE_KEYS > TILE_KEYS
+
+
+def test_an_empty_pool_with_no_pages_named_is_an_empty_call():
+    """No page in the cache and none named: nothing to attend (its error read "page ids must lie in 0 .. -1, got 0 .. 0",
+    a range of ids no one passed)."""
+    q = torch.randn(0, H, D, dtype=torch.float64)
+    table = (torch.tensor([0, 0, 0]), torch.tensor([0, 0, 0]), torch.zeros(0, dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32))
+    out, lse = qkv.paged_attention(q, torch.zeros(0, 2, 16, G, D, dtype=torch.float64), *table, return_lse=True)
+    assert out.shape == (0, H, D) and lse.shape == (0, H)

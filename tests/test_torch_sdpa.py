@@ -191,3 +191,18 @@ def test_qkv_attention_answers_other_libraries_keywords_with_its_own_names(name,
         qkv.attention(q, k, v, **{name: None})
     with pytest.raises(TypeError, match="attention\\(\\) got an unexpected keyword argument 'colour'"):
         qkv.attention(q, k, v, colour=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float64], ids=["bool", "float"])
+@pytest.mark.parametrize("rank", [3, 4])
+def test_a_one_dimensional_mask_broadcasts_as_documented(dtype, rank):
+    """``attn_mask`` "must be broadcastable to (N, ..., L, S)": a row ``(S,)`` is, as PyTorch's math path reads it.
+    qkv refused it (a bool one with a message, a float one with an IndexError from inside)."""
+    gen = torch.Generator().manual_seed(0)
+    lead = (2, 3)[: rank - 2]
+    q = torch.randn(*lead, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = torch.randn(*lead, 6, 8, generator=gen, dtype=torch.float64), torch.randn(*lead, 6, 5, generator=gen, dtype=torch.float64)
+    row = torch.tensor([True, True, False, True, False, True])
+    mask = row if dtype == torch.bool else torch.zeros(6, dtype=dtype).masked_fill(~row, float("-inf")) + torch.arange(6.0)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(4, 6))  # its kernels refuse some 1-d masks
+    torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask), want, rtol=1e-12, atol=1e-12)

@@ -27,7 +27,10 @@ They differ only for a block mask whose lists are wrong for some heads or batch 
 with ``B=None`` or ``H=None`` for a ``mask_mod`` that hides whole blocks from ``b = 0`` or
 ``h = 0`` only), or lists written by hand (``BlockMask.from_kv_blocks``), which qkv follows.
 Key and value in another dtype than the query's are computed in the query's, as flex does;
-any ``AuxRequest`` is answered with ``(out, AuxOutput(...))``.
+any ``AuxRequest`` is answered with ``(out, AuxOutput(...))``. A key or value every query is
+masked from never reaches the output (a nan or inf there is not read, where flex gives nan),
+and a block mask made for more batch rows or heads than the call is refused, where flex reads
+its first ones.
 
 Under ``torch.compile(fullgraph=True)``, ``torch.export`` and on ``meta`` tensors a call
 with a ``score_mod`` works as :func:`qkv.attention`'s does (``qkv.score_mods`` says which

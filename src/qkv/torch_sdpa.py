@@ -19,7 +19,13 @@ SDPA would build the mask). PyTorch's semantics are kept where they differ from
 * ``query``, ``key`` and ``value`` broadcast along every batch dim, as PyTorch's products
   do: a dim of 1 or a missing one (a lower rank), the heads too; with ``enable_gqa=True``
   and fewer KV heads the heads are grouped instead (``key`` and ``value`` with one count).
+* ``attn_mask`` broadcasts to ``(N…, Hq, L, S)`` from any rank, a 1-d ``(S,)`` row included
+  (PyTorch documents it so; its fused CPU kernel refuses a 1-d float mask).
 * A query whose keys are all masked gets zeros, as PyTorch's CPU kernels give.
+* A key or value that every query is masked from never reaches the output: a nan or inf
+  there (a cache's unfilled slots from ``torch.empty``) is not read, where PyTorch's kernels
+  give nan for the whole batch row (``0 · nan`` in ``weights @ v``, ``nan + (-inf)`` in a
+  float mask). A nan in a key some query sees is that query's, as in PyTorch.
 * Head size 0: every logit is 0, whatever the scale; ``dropout_p=1``: zeros; a one-element
   tensor ``scale`` is read as its number.
 * A scale ``<= 0`` with ``is_causal`` gives the softmax; PyTorch's CPU kernel gives nan
@@ -64,6 +70,8 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         if not isinstance(attn_mask, Tensor):
             raise TypeError(f"attn_mask: expected a bool or float tensor, got {type(attn_mask).__name__}")
+        if attn_mask.dim() < 2:  # broadcastable to (L, S), as PyTorch documents: a row (S,) or one value for all
+            attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
         if attn_mask.dtype == torch.bool:
             mask = attn_mask
         elif attn_mask.dtype in (torch.float32, query.dtype):

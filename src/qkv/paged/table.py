@@ -85,8 +85,8 @@ def page_table(
             f"qo_indptr, kv_indptr and kv_last_page_len describe different numbers of requests: "
             f"{len(qo) - 1}, {len(kv) - 1} and {len(last)}"
         )
-    low, high = (int(x) for x in torch.aminmax(indices)) if indices.numel() else (0, 0)
-    if low < 0 or high >= num_pages:
+    low, high = torch.stack(torch.aminmax(indices)).tolist() if indices.numel() else (0, -1)  # none named: no range
+    if indices.numel() and (low < 0 or high >= num_pages):
         raise ValueError(f"kv_indices: page ids must lie in 0 .. {num_pages - 1} (the cache's pages), got {low} .. {high}")
     qo_len, kv_len, count = [], [], []
     for r in range(requests):
