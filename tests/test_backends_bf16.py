@@ -161,3 +161,28 @@ def test_a_learned_bias_gets_no_gradient_from_a_row_with_one_key_in_bfloat16(cau
     out = qkv.attention(q, k, v, bias=bias, causal=causal)
     (d_table,) = torch.autograd.grad(out, list(bias.parameters()), torch.randn(out.shape, generator=gen).bfloat16())
     assert not bool(d_table.any()), d_table.abs().max()
+
+
+@pytest.mark.parametrize("dtype,seed", [(torch.float16, 7), (torch.bfloat16, 11)], ids=["fp16", "bf16"])
+def test_weights_of_a_non_dot_score_are_rebuilt_from_float32_logits(dtype, seed):
+    """``return_weights`` with the additive score on the chunked backend rebuilds the weights from the lse: its
+    ``tanh(W_q q + W_k k)·v`` ran on half-precision prepared q and k, every logit rounded before ``exp(s - lse)``
+    (the lse came from float32 tiles): 2x the flash rule's bound in fp16 (yardstick: the reference backend)."""
+    import copy
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = ((torch.randn(1, 2, n, 8, generator=g) * 4).clamp(-4, 4).to(dtype) for n in (64, 300, 300))
+    torch.manual_seed(seed)
+    score = qkv.scores.Additive(8, 8, 32)
+    with torch.no_grad():
+        for p in score.parameters():
+            p.copy_((p * 4).to(dtype).float())
+
+    def weights(xs, dd, backend):
+        return qkv.attention(*xs, score=copy.deepcopy(score).to(dd), return_weights=True, backend=backend)[1].double()
+
+    with torch.no_grad():
+        got, yard = weights((q, k, v), dtype, "chunked"), weights((q, k, v), dtype, "reference")
+        oracle = weights([x.double() for x in (q, k, v)], torch.float64, "reference")
+    eps = 2**-8 if dtype == torch.bfloat16 else 2**-11
+    assert (got - oracle).abs().max() <= 2 * (yard - oracle).abs().max() + eps * oracle.abs().max()

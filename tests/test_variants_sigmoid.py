@@ -215,3 +215,35 @@ def test_inputs_without_heads_and_alibi_in_multi_head_attention():
 def test_errors(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("dtype,i,j,d", [(torch.float16, 64, 64, 16), (torch.bfloat16, 17, 300, 64)], ids=["fp16", "bf16"])
+def test_half_precision_logits_are_multiplied_in_float32(dtype, i, j, d):
+    """q·kᵀ was a half-precision product, each logit (in the tens: |x| up to 4) rounded to 8 or 11 bits before the
+    bias and the sigmoid read it: with a bias that cancels most of each logit, 2x the flash rule's bound (yardstick:
+    the formula eagerly, float32 logits, weights rounded before ``@ v``)."""
+    g = torch.Generator().manual_seed(100 + i + j + d)
+    q, k, v = ((torch.randn(1, 2, n, d, generator=g) * 4).clamp(-4, 4).to(dtype) for n in (i, j, j))
+    bias = (-(q.double() @ k.double().mT) * d**-0.5 + torch.randn(1, 2, i, j, generator=g, dtype=torch.float64) * 2).to(dtype)
+    off = -math.log(j)
+    cot = torch.randn(1, 2, i, d, generator=torch.Generator().manual_seed(123), dtype=torch.float64)
+
+    def results(fn, xs):
+        xs = [x.detach().clone().requires_grad_() for x in xs]
+        out = fn(*xs)
+        return [out.detach().double(), *[x.double() for x in torch.autograd.grad((out.double() * cot).sum(), xs)]]
+
+    def eager(cd):
+        def fn(q, k, v, b):
+            p = torch.sigmoid((q.to(cd) @ k.to(cd).mT) * d**-0.5 + off + b.to(cd))
+            return p @ v if cd == torch.float64 else p.to(dtype) @ v
+
+        return fn
+
+    got = results(lambda q, k, v, b: qkv.variants.sigmoid_attention(q, k, v, bias=b), (q, k, v, bias))
+    yard = results(eager(torch.float32), (q, k, v, bias))
+    oracle = results(eager(torch.float64), [x.double() for x in (q, k, v, bias)])
+    eps = 2**-8 if dtype == torch.bfloat16 else 2**-11
+    for name, a, y, o in zip(("out", "dq", "dk", "dv", "dbias"), got, yard, oracle):
+        bound = 2 * (y - o).abs().max() + eps * o.abs().max()
+        assert (a - o).abs().max() <= bound, name

@@ -112,9 +112,8 @@ def _blocks(req: Request) -> tuple[int, int]:
 
 def _logits(plan: _Plan, q5: Tensor, k5: Tensor, bias: BiasSource, dense: Tensor | None, t: Tile, state: str):
     """``(..., h, it, jt)`` logits of one tile in float32 (or wider); masked entries ``-inf`` (σ = 0)."""
-    s = (q5[..., t.i0 : t.i1, :] @ k5[..., t.j0 : t.j1, :].transpose(-1, -2)).flatten(-4, -3)
-    if s.dtype in (torch.float16, torch.bfloat16):
-        s = s.float()
+    acc = torch.promote_types(q5.dtype, torch.float32)  # a half-precision product would round every logit
+    s = (q5[..., t.i0 : t.i1, :].to(acc) @ k5[..., t.j0 : t.j1, :].to(acc).transpose(-1, -2)).flatten(-4, -3)
     s = s * plan.scale + plan.offset
     if (b := bias.tile(t)) is not None:
         s = s + b.to(s.dtype)

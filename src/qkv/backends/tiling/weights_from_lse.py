@@ -82,8 +82,8 @@ def rebuild(
             acc = torch.promote_types(qt.dtype, torch.float32)
             s = (qt.to(acc) * req.scale) @ k_sel.to(acc).transpose(-1, -2)
         else:
-            s = req.score.pairwise(qt, k_sel, t)
-            s = s.to(torch.promote_types(s.dtype, torch.float32)) * req.scale
+            acc = torch.promote_types(qt.dtype, torch.float32)  # in half precision every logit would be rounded
+            s = req.score.pairwise(qt.to(acc), k_sel.to(acc), t) * req.scale
         if bias is not None:
             s = s + _pick_heads(bias.tile(t), heads, h).to(s.dtype)
         elif isinstance(req.bias, Tensor):
