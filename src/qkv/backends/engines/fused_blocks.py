@@ -236,7 +236,7 @@ def fused_backward(
         rows, cols = slice(t.i0, t.i1), slice(t.j0, t.j1)
         if diagonal is None and not plan.causal_square and plan.bias is None and plan.mask is not None:  # fused_runs
             if dq is None:
-                dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+                dq, dk, dv = _accumulators(q, k, v)
             given = [d_out[..., rows, :], q[..., rows, :], out[..., rows, :], kernel_lse[..., rows]]
             fused_runs.backward(plan.mask, t, given, k, v, plan.scale, (dq, dk, dv))
             continue
@@ -258,12 +258,12 @@ def fused_backward(
             dq, dk, dv = gq, gk, gv
             continue
         if dq is None:
-            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            dq, dk, dv = _accumulators(q, k, v)
         dq[..., rows, :] = gq
         dk[..., cols, :] += gk
         dv[..., cols, :] += gv
     if dq is None:  # every row saw no key
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = _accumulators(q, k, v)
     if d_profile is not None and reach is not None:  # after the loop: its blocks reuse the freed memory
         recompute = row_lse.for_recompute(lse)
         # the mass a row holds outside this call's keys (sinks): its dS sums to D times that mass
@@ -273,7 +273,16 @@ def fused_backward(
         # zeros so D = 0) it is d_lse·mass
         row_sums = delta * outside if not learned.lse_pass else d_out[..., 0].to(delta.dtype) * (1.0 - outside)
         saturating_profile_grad(d_profile, diagonal, Rows(q, d_out, recompute, delta), k, v, plan.scale, reach, row_sums)
-    return dq, dk, dv, d_profile
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_profile
+
+
+def _accumulators(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Zeroed ``dq, dk, dv`` in float32 (or wider): the blocks' shares are summed there and rounded once at the end
+    (summed in half precision, each of a key's row blocks rounded its gradient again: bf16's 8 bits, 16 times at
+    i = 4096)."""
+    acc = mask_dtype(q)
+    return (torch.zeros(q.shape, dtype=acc, device=q.device), torch.zeros(k.shape, dtype=acc, device=k.device),
+            torch.zeros(v.shape, dtype=acc, device=v.device))  # fmt: skip
 
 
 def plan_of(req: Request) -> FusedPlan:
