@@ -423,3 +423,52 @@ def test_an_empty_pool_with_no_pages_named_is_an_empty_call():
     table = (torch.tensor([0, 0, 0]), torch.tensor([0, 0, 0]), torch.zeros(0, dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32))
     out, lse = qkv.paged_attention(q, torch.zeros(0, 2, 16, G, D, dtype=torch.float64), *table, return_lse=True)
     assert out.shape == (0, H, D) and lse.shape == (0, H)
+
+
+def _eager(q, cache, table, dtype):
+    """Each request in float32 logits, its weights rounded to ``dtype`` before ``@ v`` (qkv's reference backend)."""
+    qo_indptr, kv_indptr, kv_indices, last = table
+    P, g, d = cache.shape[2], cache.shape[3], cache.shape[4]
+    outs = []
+    for r in range(len(qo_indptr) - 1):
+        ids = kv_indices[kv_indptr[r] : kv_indptr[r + 1]].long()
+        n = (len(ids) - 1) * P + int(last[r])
+        k, v = (cache[ids, s].reshape(-1, g, d)[:n].repeat_interleave(q.shape[1] // g, 1).float() for s in (0, 1))
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[r].float(), k) * d**-0.5, -1)
+        outs.append(torch.einsum("hn,nhd->hd", w.to(dtype).float(), v)[None])
+    return torch.cat(outs).double()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["items", "runs", "shared prefix"])
+def test_half_precision_parts_of_a_step_are_merged_before_rounding(layout, dtype):
+    """A step's parts (items of 256 keys, runs of consecutive pages, a shared prefix) are merged by their
+    log-sum-exp. Their outputs were each rounded to the pages' dtype first (the fused kernel's half output, a
+    half merge): where parts cancel (values +c on some pages, -c on others, keys alike) 2-7x the flash rule's
+    bound. Yardstick: each request eagerly, float32 logits, weights rounded before ``@ v``."""
+    P, g, d = 16, 1, 16
+    gen = torch.Generator().manual_seed(2)
+    if layout == "items":
+        pages, plus = [list(range(32))], set(range(16))  # one request of 512 keys: two items, the first +c
+    elif layout == "runs":
+        pages, plus = [[9, 10, 11, 12, 3, 4, 5, 6]], {9, 10, 11, 12}  # two runs of consecutive ids
+    else:
+        pages, plus = [[0, 1, 2, 3], [0, 1, 4, 5], [0, 1, 6, 7]], {0, 1}  # two leading pages shared by 3 requests
+    total = 1 + max(p for ps in pages for p in ps)
+    k0 = torch.randn(d, generator=gen, dtype=torch.float64) * 2
+    c = torch.rand(d, generator=gen, dtype=torch.float64) * 2 + 2
+    cache = torch.zeros(total, 2, P, g, d, dtype=torch.float64)
+    cache[:, 0] = (k0 + 0.3 * torch.randn(total, P, g, d, generator=gen, dtype=torch.float64)).clamp(-4, 4)
+    for p in range(total):
+        share = 1.0 if p in plus else -len(plus) / (len(pages[0]) - len(plus))
+        cache[p, 1] = (share * c + 0.5 * torch.randn(P, g, d, generator=gen, dtype=torch.float64)).clamp(-4, 4)
+    R = len(pages)
+    q = ((torch.randn(R, 2, d, generator=gen, dtype=torch.float64) * 4).clamp(-4, 4) * 0.3).to(dtype)
+    table = (torch.arange(R + 1), torch.tensor([0, *[len(ps) * (n + 1) for n, ps in enumerate(pages)]]),
+             torch.tensor([p for ps in pages for p in ps], dtype=torch.int32), torch.full((R,), P, dtype=torch.int32))  # fmt: skip
+    cache = cache.to(dtype)
+    exact = qkv.paged_attention(q.double(), cache.double(), *table)
+    got = qkv.paged_attention(q, cache, *table).double()
+    eps = 2**-8 if dtype == torch.bfloat16 else 2**-11
+    bound = 2 * (_eager(q, cache, table, dtype) - exact).abs().max() + eps * exact.abs().max()
+    assert (got - exact).abs().max() <= bound

@@ -38,7 +38,8 @@ from .table import PageTable
 
 def decode(q: Tensor, qpos: Tensor, plan: Items, table: PageTable, pages, opts: Options,
            memo: dict | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``(out (n, h, e), lse (n, h))`` of queries ``q (n, h, d)`` at positions ``qpos (n,)`` over the items ``plan``.
+    """``(out (n, h, e), lse (n, h))`` of queries ``q (n, h, d)`` at positions ``qpos (n,)`` over the items ``plan``,
+    both in float32 (or wider).
 
     ``memo`` keeps what the table alone decides (the layout, the masks of unfilled slots) for
     the next layer of the same step. A score_mod is not applied here (the front sends such
@@ -70,7 +71,7 @@ def decode(q: Tensor, qpos: Tensor, plan: Items, table: PageTable, pages, opts: 
                  for a, b, src in where.tiles]  # fmt: skip
         out, lse = torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
         out, lse = merge_by_owner(out, lse.to(acc), where.owner, n)
-    return out.reshape(n, h, -1).to(q.dtype), lse.reshape(n, h)
+    return out.reshape(n, h, -1), lse.reshape(n, h)  # in float32 for half q: the caller may merge it with a prefix
 
 
 def merge_by_owner(out: Tensor, lse: Tensor, owner: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -124,11 +125,11 @@ def attend(q: Tensor, qpos: Tensor, K: Tensor, V: Tensor, base: Tensor, keys: Te
     host = K.device.type == "cpu" and concrete(K)
     if not host:
         V = torch.where(seen.view(C, 1, L, 1), V, 0)
-    num = torch.matmul(e.to(V.dtype), V).to(acc)  # (C, g, x, e)
+    num = torch.matmul(e, V.to(acc))  # (C, g, x, e), in float32: an item's output is merged with its request's others
     if host and not math.isfinite(float(num.sum())):
         at = (~torch.isfinite(num.sum((1, 2, 3)))).nonzero().flatten()
         Vz = torch.where(seen.index_select(0, at).view(-1, 1, L, 1), V.index_select(0, at), 0)
-        num = num.index_copy(0, at, torch.matmul(e.index_select(0, at).to(V.dtype), Vz).to(acc))
+        num = num.index_copy(0, at, torch.matmul(e.index_select(0, at), Vz.to(acc)))
     live = den > 0
     den = torch.where(live, den, 1.0)
     return num / den[..., None], torch.where(live, top[..., 0] + torch.log(den), float("-inf"))

@@ -56,8 +56,8 @@ def attend(q: Tensor, qpos: Tensor, where: Layout, pages, opts: Options, masks: 
         mask, any_seen = masks[q.dtype]
     outs, lses = [], []
     for a, b, src in where.tiles:
-        K, V = where.read((a, b, src), pages)
-        out, lse = flash_cpu.forward(q[a:b], K, V, 0.0, False, attn_mask=mask[a:b], scale=opts.scale)[:2]
+        q_t, K, V = _exact(q[a:b], *where.read((a, b, src), pages))
+        out, lse = flash_cpu.forward(q_t, K, V, 0.0, False, attn_mask=mask[a:b], scale=opts.scale)[:2]
         outs.append(out)
         lses.append(lse)
     out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
@@ -106,14 +106,23 @@ def _without_unseen(q, where: Layout, pages, mask, opts: Options, out, lse) -> t
         at = bad[a:b].nonzero().flatten()
         if at.numel() == 0:
             continue
-        K, V = where.read((a, b, src), pages)
+        q_t, K, V = _exact(q[a:b], *where.read((a, b, src), pages))
         keep = (mask[a:b].index_select(0, at) > float("-inf")).any(1).any(1).unsqueeze(1).unsqueeze(-1)  # (c, 1, L, 1)
         Kz = torch.where(keep, K.index_select(0, at), 0)
         Vz = torch.where(keep, V.index_select(0, at), 0)
-        o, s = flash_cpu.forward(q[a:b].index_select(0, at), Kz, Vz, 0.0, False,
+        o, s = flash_cpu.forward(q_t.index_select(0, at), Kz, Vz, 0.0, False,
                                  attn_mask=mask[a:b].index_select(0, at), scale=opts.scale)[:2]  # fmt: skip
         out[a + at], lse[a + at] = o, s
     return out, lse
+
+
+def _exact(q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A tile's operands in float32 where they are half precision: each item's output is merged with its request's
+    others by their log-sum-exp, and the kernel's half-precision output, rounded per item, left 6x the flash
+    rule's bound where items' outputs cancel (the tile is read in bounded pieces: ``items.tile_keys``)."""
+    if K.dtype in (torch.float16, torch.bfloat16):
+        return q.float(), K.float(), V.float()
+    return q, K, V
 
 
 _FIRST_KEYS: dict[tuple, Tensor] = {}

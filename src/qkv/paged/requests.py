@@ -30,6 +30,9 @@ def request(q: Tensor, kv_len: int, page_ids: Tensor, pages, opts: Options, r: i
     P = pages.page_size
     qpos0 = kv_len - t
     per_tile = max(1, TILE_KEYS // P)
+    # several tiles are merged by their log-sum-exp: half-precision ones run in float32, rounded once by the caller
+    dtype = torch.promote_types(q.dtype, torch.float32) if page_ids.numel() > per_tile else q.dtype
+    q = q.to(dtype)
     outs, lses = [], []
     for first in range(0, page_ids.numel(), per_tile):
         k0 = first * P
@@ -39,6 +42,7 @@ def request(q: Tensor, kv_len: int, page_ids: Tensor, pages, opts: Options, r: i
         K, V = pages.take(page_ids[first : first + per_tile])  # (n, P, g, d)
         K = K.reshape(-1, *K.shape[2:])[:L].permute(1, 0, 2)[None]  # (1, g, L, d)
         V = V.reshape(-1, *V.shape[2:])[:L].permute(1, 0, 2)[None]
+        K, V = K.to(dtype), V.to(dtype)
         out, lse = attention(
             q.permute(1, 0, 2)[None], K, V, mask=_mask(opts, qpos0, t, k0, L), scale=opts.scale,
             score_mod=score_mod(opts, torch.arange(qpos0, kv_len, device=q.device), k0, r), return_lse=True,

@@ -120,6 +120,8 @@ def _shared_prefixes(steps: list[int], table: PageTable) -> list[tuple[list[int]
 def _prefix(q: Tensor, qpos: Tensor, ids: Tensor, pages, opts: Options, requests: Tensor) -> tuple[Tensor, Tensor]:
     """``(out (n, h, e), lse (n, h))`` of ``n`` queries, each after the whole prefix, against the prefix's pages once."""
     K, V = pages.take(ids)  # (c, P, g, d): every key of these full pages is seen by every query (causal holds)
+    acc = torch.promote_types(q.dtype, torch.float32)  # merged with the rest: in float32, rounded once after it
+    q, K, V = q.to(acc), K.to(acc), V.to(acc)
     K = K.reshape(-1, *K.shape[2:]).permute(1, 0, 2)[None]  # (1, g, c·P, d)
     V = V.reshape(-1, *V.shape[2:]).permute(1, 0, 2)[None]
     out, lse = attention(q.permute(1, 0, 2)[None], K, V, scale=opts.scale, score_mod=positioned(opts, qpos, 0, requests),

@@ -39,7 +39,9 @@ from .table import PageTable
 def usable(q: Tensor, pages, opts: Options) -> bool:
     """Whether the steps can run here: float pages, the fused kernel usable, nothing but the scale on the logits."""
     plain = opts.soft_cap <= 0 and opts.alibi_slopes is None and opts.score_mod is None and opts.window_left < 0
-    return plain and flash_cpu.unusable(q) is None and pages.dtype == q.dtype
+    # half-precision runs would give outputs rounded apart before their merge (the items convert a tile to float32)
+    full = pages.dtype not in (torch.float16, torch.bfloat16)
+    return plain and full and flash_cpu.unusable(q) is None and pages.dtype == q.dtype
 
 
 def runs_in(table: PageTable, steps: list[int], skip: list[int]) -> list[list[tuple[int, int, int]]]:

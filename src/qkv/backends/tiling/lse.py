@@ -19,6 +19,8 @@ and a piece with ``lse_n = -inf`` has weight 0. Backward passes recompute weight
 
 from __future__ import annotations
 
+import functools
+
 from typing import Sequence
 
 import torch
@@ -47,8 +49,10 @@ def merge_all(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, T
     total = top + torch.log(torch.exp(safe - top).sum(0))  # finite on every row
     lse = torch.where(dead, float("-inf"), total)
     weights = torch.exp(lse_n - torch.where(dead, 0.0, total))  # exp(-inf) = 0 for dead pieces and rows
-    out = sum(o * w[..., None].to(o.dtype) for o, w in zip(outs, weights))
-    return out, lse
+    dtype = functools.reduce(torch.promote_types, [o.dtype for o in outs])
+    acc = torch.promote_types(torch.promote_types(dtype, weights.dtype), torch.float32)  # half pieces: rounded once
+    out = sum(o.to(acc) * w[..., None].to(acc) for o, w in zip(outs, weights))
+    return out.to(dtype), lse
 
 
 def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -61,7 +65,9 @@ def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[T
     lse = torch.logaddexp(lse_a, lse_b)
     ref = torch.where(torch.isneginf(lse), 0.0, lse)  # both -inf: weights exp(-inf) = 0
     w_a, w_b = torch.exp(lse_a - ref), torch.exp(lse_b - ref)
-    return out_a * w_a[..., None].to(out_a.dtype) + out_b * w_b[..., None].to(out_b.dtype), lse
+    dtype = torch.promote_types(out_a.dtype, out_b.dtype)
+    acc = torch.promote_types(torch.promote_types(dtype, lse.dtype), torch.float32)  # half pieces: rounded once
+    return (out_a.to(acc) * w_a[..., None].to(acc) + out_b.to(acc) * w_b[..., None].to(acc)).to(dtype), lse
 
 
 def merge_into(out: Tensor, lse: Tensor, o: Tensor, m: Tensor) -> None:
