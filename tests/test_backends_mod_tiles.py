@@ -291,6 +291,37 @@ def test_bfloat16_products_keep_the_logits_and_dp_in_float32(monkeypatch, case):
         assert (a.double() - x).abs().max() <= bound, f"{name}: {(a.double() - x).abs().max():.3g} > {bound:.3g}"
 
 
+@pytest.mark.parametrize("mod", ["identity", "soft cap 50"])
+def test_the_forward_keeps_its_weighted_values_in_float32(monkeypatch, mod):
+    """The forward's ``P v`` was a bfloat16 product with bfloat16 products chosen, each tile's output rounded before
+    the float32 sum; the backward's ``D = rowsum(dO ∘ O)`` reads that output, and dq, dk were 1.2-1.8x the flash
+    rule's bound on random |x| up to 4 (yardsticks: eager bf16 attention and PyTorch's SDPA)."""
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(tile_math, "_bf16_products_faster", lambda: True)
+    monkeypatch.setattr(mod_tiles, "TILE_ROWS", 256)  # the engine's own tiles: a tile's output is rounded whole
+    monkeypatch.setattr(mod_tiles, "TILE_COLS", 256)
+    score_mod = (lambda s, b, h, q_idx, kv_idx: s) if mod == "identity" else qkv.SoftCap(50.0)
+    i, j, d = (1, 300, 32) if mod == "identity" else (4, 600, 64)
+    gen = torch.Generator().manual_seed(i + j + d)
+    q, k, v = ((torch.randn(1, 2, n, d, generator=gen) * 4).clamp(-4, 4).bfloat16() for n in (i, j, j))
+    cot = torch.randn(1, 2, i, d, generator=torch.Generator().manual_seed(123), dtype=torch.float64)
+
+    def results(fn, xs):
+        xs = [x.detach().requires_grad_() for x in xs]
+        out = fn(*xs)
+        return [out.detach().double(), *[g.double() for g in torch.autograd.grad((out.double() * cot).sum(), xs)]]
+
+    got = results(lambda a, b, c: qkv.attention(a, b, c, score_mod=score_mod, backend="chunked"), (q, k, v))
+    oracle = results(lambda a, b, c: qkv.attention(a, b, c, score_mod=score_mod, backend="reference"), [x.double() for x in (q, k, v)])
+    yards = [results(lambda a, b, c: qkv.attention(a, b, c, score_mod=score_mod, backend="reference"), (q, k, v))]
+    if mod == "identity":
+        yards.append(results(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), (q, k, v)))
+    for name, a, o, *ys in zip(("out", "dq", "dk", "dv"), got, oracle, *yards):
+        bound = 2 * max((y - o).abs().max() for y in ys) + 2**-8 * o.abs().max()
+        assert (a - o).abs().max() <= bound, name
+
+
 def test_a_row_that_sees_one_key_gets_no_query_or_key_gradient_in_bfloat16(monkeypatch):
     """Each row sees only its own key: ``P = 1``, ``dP = D``, so ``dS = 0`` and ``dq = dk = 0`` exactly (SDPA gives 0).
     ALiBi's backward moved here from the fused kernel's forward: a bfloat16 ``dP`` (rounded apart from ``D``) and

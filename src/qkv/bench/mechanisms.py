@@ -97,8 +97,9 @@ def _floor(q, k, v, cot, grad: bool):
 
     Forward: per block of query rows, ``S = Q Kᵀ`` and ``S V`` on each causal tile; backward:
     per block of keys, ``S`` again, ``dV += Sᵀ dO``, ``dP = dO Vᵀ``, ``dQ += dP K``, ``dK += dPᵀ Q``.
-    As in the engine, ``S`` and ``dP`` are float32 products and the others run in
-    ``tile_math.matmul_dtype`` (bfloat16 where this CPU's bfloat16 products are faster).
+    As in the engine, the forward's products, ``S`` and ``dP`` are float32 and the backward's
+    others run in ``tile_math.matmul_dtype`` (bfloat16 where this CPU's bfloat16 products are
+    faster).
     """
     rows, cols = mod_tiles.TILE_ROWS, mod_tiles.TILE_COLS
     i = q.shape[-2]
@@ -112,7 +113,7 @@ def _floor(q, k, v, cot, grad: bool):
         i1 = min(i0 + rows, i)
         for j0 in range(0, i1, cols):  # causal: key tiles up to the diagonal
             j1 = min(j0 + cols, i)
-            torch.bmm(torch.bmm(qs[:, i0:i1], ks[:, j0:j1].transpose(1, 2)).to(mm), v3[:, j0:j1])
+            torch.bmm(torch.bmm(qs[:, i0:i1], ks[:, j0:j1].transpose(1, 2)), vs[:, j0:j1])
 
     def backward(j0, dq):  # dq: this thread's accumulator
         j1 = min(j0 + cols, i)

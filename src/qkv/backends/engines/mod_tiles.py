@@ -93,7 +93,7 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
     those rows (``tiling.threads`` runs the tasks on threads).
     """
     ops = operands(plan, q, k, v)
-    q, k, v, mm, acc = ops.q, ops.k, ops.v, ops.mm, ops.acc
+    q, k, v, acc = ops.q, ops.k, ops.v, ops.acc  # every forward product in acc (operands)
     (b, h, g), i_len, j_len, e = ops.heads, q.shape[2], k.shape[2], v.shape[-1]
     out = torch.zeros(b, h, i_len, e, dtype=acc if out_dtype is None else out_dtype, device=q.device)
     lse = torch.full((b, h, i_len), NEG_INF, dtype=acc, device=q.device)
@@ -149,7 +149,7 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
                 m = m_new
             l += p.sum(-1, keepdim=True)
             pv = scratch.take("pv", (b * g, (h // g) * it, e), acc)
-            rows += tile_math.mm(p.view(b * g, -1, t.j1 - t.j0).to(mm), key_cols(v, t, mm), pv).view(b, h, it, e)
+            rows += tile_math.mm(p.view(b * g, -1, t.j1 - t.j0), key_cols(v, t, acc), pv).view(b, h, it, e)
         return (fixed if fixed is not None else m), l, rows
 
     def work(i0: int, scratch: tile_math.Scratch) -> None:

@@ -75,13 +75,15 @@ class Operands:
 def operands(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> Operands:
     """The operands, their products' dtype, and what multiplies ``qᵀk`` in a tile.
 
-    The logits ``qᵀk`` (and the backward's ``dO Vᵀ``) are float32 products whatever the
-    inputs' dtype: a bfloat16 product's output is rounded to 8 bits, which put a soft cap's
-    and a score_mod's outputs 2.4x past the flash rule's bound in bfloat16 (|x| up to 4),
-    and their gradients 3-6x. The products of weights (``P v``, and the backward's three
-    with ``P`` or ``dS``), whose operand is rounded first in FlashAttention too, run in
-    ``mm``: bfloat16 where such products (float32 accumulation inside) beat float32 ones on
-    this CPU, else float32 (``tile_math.matmul_dtype``, timed once); float16 runs float32.
+    The forward's products (``qᵀk``, ``P v``) and the backward's ``qᵀk`` and ``dO Vᵀ`` are
+    float32 whatever the inputs' dtype: a bfloat16 product's output is rounded to 8 bits,
+    which put a soft cap's and a score_mod's outputs 2.4x past the flash rule's bound in
+    bfloat16 (|x| up to 4) and their gradients 3-6x (the backward's ``D = rowsum(dO ∘ O)``
+    reads the forward's output: ``P v`` rounded per tile left dq and dk 1.2-1.8x past it).
+    The backward's other three (``Pᵀ dO``, ``dS K``, ``dSᵀ Q``), whose operand is rounded
+    first in FlashAttention too, run in ``mm``: bfloat16 where such products (float32
+    accumulation inside) beat float32 ones on this CPU, else float32
+    (``tile_math.matmul_dtype``, timed once); float16 runs float32.
     The operands keep their dtype and each tile's slice is converted to ``mm``
     as it is used, so no float32 copy of a whole input is held (a tile's conversion costs
     ``1/tile`` of its product). ``factor`` is ``scale``, or ``stretch·scale/c`` for a soft

@@ -209,12 +209,12 @@ def floor(dtype: torch.dtype) -> float:
 
 
 def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype a tile's products of weights (``P v``; a backward's ``Pᵀ dO``, ``dS k``, ``dSᵀ q``) run in, for
-    inputs of ``dtype`` on ``device``.
+    """The dtype a backward tile's products of weights (``Pᵀ dO``, ``dS k``, ``dSᵀ q``) run in, for inputs of
+    ``dtype`` on ``device``.
 
     Elementwise work and accumulators are float32 (or wider) either way, and so are the
-    logits ``q kᵀ`` and a backward's ``dO vᵀ``, whose outputs the softmax reads
-    (``engines.mod_tiles_parts.operands``). bfloat16 products (float32 accumulation inside)
+    logits ``q kᵀ``, the forward's ``P v`` and a backward's ``dO vᵀ``, whose outputs the
+    softmax or the backward's ``D`` read (``engines.mod_tiles_parts.operands``). bfloat16 products (float32 accumulation inside)
     are the fast choice where the CPU has bfloat16 dot-product instructions (AVX-512 BF16,
     AMX: 2-3x float32's speed), and a slow one without them: with the kernels held to AVX2,
     a soft-capped fwd+bwd spent 2.7x SDPA's time in its bfloat16 products alone. So the
