@@ -322,12 +322,12 @@ def test_the_forward_keeps_its_weighted_values_in_float32(monkeypatch, mod):
         assert (a - o).abs().max() <= bound, name
 
 
-def test_a_row_that_sees_one_key_gets_no_query_or_key_gradient_in_bfloat16(monkeypatch):
+@pytest.mark.parametrize("kind", ["ALiBi, backward moved here", "soft cap 20"])
+def test_a_row_that_sees_one_key_gets_no_query_or_key_gradient_in_bfloat16(monkeypatch, kind):
     """Each row sees only its own key: ``P = 1``, ``dP = D``, so ``dS = 0`` and ``dq = dk = 0`` exactly (SDPA gives 0).
     ALiBi's backward moved here from the fused kernel's forward: a bfloat16 ``dP`` (rounded apart from ``D``) and
-    rounded logits gave 0.07 there. (A soft cap's own forward weighs keys against a fixed base, not the row's
-    largest logit, so its one weight is not exactly 1 before its bf16 product: one rounding of ``out``, as for
-    any key of a longer row.)"""
+    rounded logits gave 0.07 there. A soft cap's forward weighs keys against a fixed base, not the row's largest
+    logit, so its one weight is not 1: rounded to bfloat16 before ``P v``, it moved ``out`` off ``v`` (0.05)."""
     from qkv.backends.engines import bias_backward
 
     monkeypatch.setattr(tile_math, "_bf16_products_faster", lambda: True)
@@ -335,7 +335,8 @@ def test_a_row_that_sees_one_key_gets_no_query_or_key_gradient_in_bfloat16(monke
     gen = torch.Generator().manual_seed(1165)
     q, k, v = ((torch.randn(1, 2, 44, 8, generator=gen, dtype=torch.float64) * 4).clamp(-4, 4).bfloat16().requires_grad_()
                for _ in range(3))  # fmt: skip
-    out = qkv.attention(q, k, v, mask=qkv.masks.window(0, 8), causal=True, backend="chunked", bias=qkv.ALiBi(2).bfloat16())
+    kw = dict(bias=qkv.ALiBi(2).bfloat16()) if kind.startswith("ALiBi") else dict(score_mod=qkv.SoftCap(20.0))
+    out = qkv.attention(q, k, v, mask=qkv.masks.window(0, 8), causal=True, backend="chunked", **kw)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=gen).bfloat16())
     assert not bool(dq.any()) and not bool(dk.any()), (dq.abs().max(), dk.abs().max())
     assert bool(dv.any())
