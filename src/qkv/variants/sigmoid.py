@@ -186,7 +186,8 @@ class SigmoidTiles(torch.autograd.Function):
                         total += grad
         d_params = d_leaves
         if learned and bias.profile_graph is not None:  # one backward through the bias: profile -> parameters
-            d_params = list(torch.autograd.grad(bias.profile_graph, trainable, d_leaves[0], allow_unused=True))
+            d_params = list(torch.autograd.grad(bias.profile_graph, trainable, d_leaves[0].to(bias.profile_graph.dtype),
+                                                allow_unused=True))  # fmt: skip
         it = iter(d_params)
         grads_params = [next(it) if p.requires_grad else None for p in ctx.params]
         d_dense = None if d_dense is None else d_dense.to(dense.dtype)

@@ -316,7 +316,7 @@ def backward(req: Request, out: Tensor, lse: Tensor, d_out: Tensor, saved: None,
             d_params[w_slot] += dw.to(d_params[w_slot].dtype)
     if d_profile is not None:
         # one backward through the bias for the whole call: (h, L) profile -> parameters
-        bias_grads = torch.autograd.grad(bias.profile_graph, trainable, d_profile, allow_unused=True)
+        bias_grads = torch.autograd.grad(bias.profile_graph, trainable, d_profile.to(bias.profile_graph.dtype), allow_unused=True)
         for n, grad in enumerate(bias_grads):
             if grad is not None:
                 d_params[n] += grad

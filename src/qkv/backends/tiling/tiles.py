@@ -34,8 +34,9 @@ class BiasSource:
     """Tiles of a dense or lazy bias, with an optional ``(h, L)`` profile for shift-invariant ones.
 
     ``profile_leaf`` is set when the profile was built with gradients on: tiles are then cut
-    from a detached leaf, whose gradient the caller accumulates and finally pushes through
-    :attr:`profile_graph` to the bias parameters (one backward through the bias per call).
+    from a detached float32 (or wider) leaf, whose gradient the caller accumulates and finally
+    pushes through :attr:`profile_graph` to the bias parameters (one backward through the bias
+    per call, its gradient in the graph's dtype).
     """
 
     def __init__(self, bias: Tensor | LazyBias | None, i_len: int, j_len: int, device, *, grad: bool = False,
@@ -54,7 +55,8 @@ class BiasSource:
             self.offset0 = lo
             if grad:
                 self.profile_graph = graph
-                self.profile = graph.detach().requires_grad_()
+                # the leaf whose gradient sums every tile's: in float32 (or wider), rounded once at the end
+                self.profile = graph.detach().to(torch.promote_types(graph.dtype, torch.float32)).requires_grad_()
             else:
                 self.profile = graph if dtype is None else graph.to(dtype)
 
