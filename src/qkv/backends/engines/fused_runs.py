@@ -94,13 +94,19 @@ def _causal(mask: Mask, t: Tile, run: Run) -> Run:
 def forward(mask: Mask, t: Tile, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """``(out (b, h, it, d), lse (b, h, it))`` of block ``t`` over its runs; ``-inf`` on rows that see no key."""
     outs, lses = [], []
-    for run in runs(mask, t):
+    found = runs(mask, t)
+    # several runs are merged by their log-sum-exp: half-precision ones run in float32 (each output rounded
+    # to 8 bits before the merge left 3x the flash rule's bound where runs' outputs cancel, and the backward's
+    # D = rowsum(dO ∘ O) reads that output)
+    exact = torch.promote_types(q.dtype, torch.float32) if len(found) > 1 else q.dtype
+    for run in found:
         cols = slice(run.j0, run.j1)
         pieces = []
         for part in _chunks(t, run, q):  # row chunks of a wide partial run (one chunk otherwise)
             add, live = _mask(mask, part, run, q)
             rows = slice(part.i0, part.i1)
-            o, m = flash_cpu.forward(q[..., rows, :], k[..., cols, :], v[..., cols, :], 0.0, run.causal, attn_mask=add, scale=scale)
+            o, m = flash_cpu.forward(q[..., rows, :].to(exact), k[..., cols, :].to(exact), v[..., cols, :].to(exact), 0.0,
+                                     run.causal, attn_mask=add, scale=scale)  # fmt: skip
             if live is not None:  # the kernel gives a row with no key of the run lse 0
                 m = torch.where(live.squeeze(-1), m, NEG_INF)
             pieces.append((o, m))
@@ -122,14 +128,18 @@ def backward(mask: Mask, t: Tile, given: list[Tensor], k: Tensor, v: Tensor, sca
     ``given = [d_out, q, out, lse]`` are the block's rows (``lse`` finite, dead rows' ``d_out`` 0).
     """
     dq, dk, dv = grads
-    for run in runs(mask, t):
+    found = runs(mask, t)
+    # several runs' shares are summed: half-precision ones in float32, as in the forward
+    exact = torch.promote_types(k.dtype, torch.float32) if len(found) > 1 else k.dtype
+    for run in found:
         cols = slice(run.j0, run.j1)
         for part in _chunks(t, run, given[1]):
             add, _ = _mask(mask, part, run, given[1])
             local = slice(part.i0 - t.i0, part.i1 - t.i0)
             d_out, q_rows, out, lse = (x[..., local, :] if x.dim() == 4 else x[..., local] for x in given)
-            gq, gk, gv = grouped_backward(d_out, q_rows, k[..., cols, :], v[..., cols, :], out, lse, 0.0, run.causal,
-                                          attn_mask=add, scale=scale)  # fmt: skip
+            d_out, q_rows, out = d_out.to(exact), q_rows.to(exact), out.to(exact)
+            gq, gk, gv = grouped_backward(d_out, q_rows, k[..., cols, :].to(exact), v[..., cols, :].to(exact), out, lse,
+                                          0.0, run.causal, attn_mask=add, scale=scale)  # fmt: skip
             dq[..., part.i0 : part.i1, :] += gq
             dk[..., cols, :] += gk
             dv[..., cols, :] += gv
