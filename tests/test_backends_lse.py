@@ -197,3 +197,18 @@ def test_no_backward_pass_for_an_output_nobody_used(monkeypatch):
     out, lse = qkv.attention(q, k, v, bias=qkv.ALiBi(H).double(), return_lse=True)
     out.sum().backward()
     assert len(calls) == 1
+
+
+def test_half_precision_parts_are_merged_in_float32_and_rounded_once():
+    """merge_all weighed half-precision parts with weights rounded to their dtype and summed there."""
+    from qkv.backends.tiling.lse import merge_all
+
+    gen = torch.Generator().manual_seed(0)
+    outs = [torch.randn(3, 5, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    lses = [torch.randn(3, 5, generator=gen, dtype=torch.float64) for _ in range(3)]
+    exact, _ = merge_all(outs, lses)
+    got, _ = merge_all([o.half() for o in outs], [s.float() for s in lses])
+    once, _ = merge_all([o.half().double() for o in outs], lses)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, once.half(), rtol=0, atol=0)  # the exact merge of the rounded parts, rounded once
+    assert (got.double() - exact).abs().max() < 4 * 2**-11 * exact.abs().max()

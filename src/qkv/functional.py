@@ -250,6 +250,8 @@ def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tenso
     Differentiable in every ``out`` and ``lse``; a part whose row saw no key (``lse = -inf``)
     has weight 0, and a row no part saw gets ``out = 0``, ``lse = -inf``, with no NaN in the
     values or the gradients. Sinks belong to one part only (they are one more logit).
+    Half-precision parts are weighed and summed in float32 and the result rounded once, to
+    the parts' dtype (keep each part's ``out`` in float32 for a result rounded only once).
     """
     if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
         raise TypeError(f"merge: expected lists of outputs and log-sum-exps, got {type(outs).__name__}, {type(lses).__name__}")
