@@ -120,9 +120,8 @@ def _exact(q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A tile's operands in float32 where they are half precision: each item's output is merged with its request's
     others by their log-sum-exp, and the kernel's half-precision output, rounded per item, left 6x the flash
     rule's bound where items' outputs cancel (the tile is read in bounded pieces: ``items.tile_keys``)."""
-    if K.dtype in (torch.float16, torch.bfloat16):
-        return q.float(), K.float(), V.float()
-    return q, K, V
+    acc = torch.promote_types(K.dtype, torch.float32)
+    return q.to(acc), K.to(acc), V.to(acc)
 
 
 _FIRST_KEYS: dict[tuple, Tensor] = {}

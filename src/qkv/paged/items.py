@@ -145,11 +145,12 @@ def tile_keys(pages) -> int | None:
     """Keys a range of ``pages`` may span: None where its ``blocks`` are views, else its own ``tile_keys``
     (``Int8Pages``: measured on CPUs) or :data:`TILE_KEYS`; :data:`DEVICE_TILE_KEYS` off the CPU. Half-precision
     pages on a CPU are converted to float32 a tile at a time: :data:`TILE_KEYS`."""
-    if pages.device.type != "cpu":
-        return None if pages.views else DEVICE_TILE_KEYS
-    if pages.dtype in (torch.float16, torch.bfloat16):  # its items run in float32 (decode_fused): converted a tile at a time
+    cpu = pages.device.type == "cpu"
+    if cpu and pages.dtype in (torch.float16, torch.bfloat16):  # its items run in float32 (decode_fused): a tile at a time
         return TILE_KEYS
-    return None if pages.views else getattr(pages, "tile_keys", TILE_KEYS)
+    if pages.views:
+        return None
+    return getattr(pages, "tile_keys", TILE_KEYS) if cpu else copy_tile_keys(pages.device)
 
 
 def copy_tile_keys(device: torch.device) -> int:

@@ -67,11 +67,13 @@ def tiles_backward(plan: ModPlan, req: Request, out: Tensor, lse: Tensor, d_out:
         dv_t = torch.zeros(b * g, jt, v.shape[-1], dtype=acc, device=q.device)
         # this task's keys and values, for every row tile: in acc for the logits and dP, the keys in mm for dQ
         col = cols_of[j0][0][0]
-        k_s, v_t, k_t = key_cols(k, col, acc), key_cols(v, col, acc), key_cols(k, col, mm)
+        k_s, v_t = key_cols(k, col, acc), key_cols(v, col, acc)
+        k_t = k_s if mm == acc else key_cols(k, col, mm)
         for t, state in cols_of[j0]:
             it = t.i1 - t.i0
             rows = slice(t.i0, t.i1)
-            q_s, q_t = query_rows(q, g, t, acc), query_rows(q, g, t, mm)
+            q_s = query_rows(q, g, t, acc)  # (a copy: the r heads' rows stacked) and in mm when that differs
+            q_t = q_s if mm == acc else query_rows(q, g, t, mm)
             with torch.no_grad():
                 s = tile_logits(plan, ops, q_s, k_s, t, scratch)
             hide = mask_bias(plan, t, state, acc)
@@ -94,7 +96,8 @@ def tiles_backward(plan: ModPlan, req: Request, out: Tensor, lse: Tensor, d_out:
             low = NEG_INF if cap is None else cap_range.lowest(neg_lse.neg(), cap)
             tile_math.exp_nonpositive_(p, other if p is s else (None if ops.forms.library_exp else spare()), ops.forms, hide,
                                        low=low)  # fmt: skip
-            d_o_s, d_o = query_rows(d_out, g, t, acc), query_rows(d_out, g, t, mm)  # (b·g, r·it, e)
+            d_o_s = query_rows(d_out, g, t, acc)  # (b·g, r·it, e)
+            d_o = d_o_s if mm == acc else query_rows(d_out, g, t, mm)
             p3 = p.view(b * g, -1, jt).to(mm)
             tile_math.add_mm(dv_t, p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
             if cap is not None:  # P ∘ (1 - tanh²) where the tanh was; then dP where P was

@@ -84,7 +84,7 @@ def operands(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> Operands:
     first in FlashAttention too, run in ``mm``: bfloat16 where such products (float32
     accumulation inside) beat float32 ones on this CPU, else float32
     (``tile_math.matmul_dtype``, timed once); float16 runs float32.
-    The operands keep their dtype and each tile's slice is converted to ``mm``
+    The operands keep their dtype and each tile's slice is converted (to float32, or ``mm``)
     as it is used, so no float32 copy of a whole input is held (a tile's conversion costs
     ``1/tile`` of its product). ``factor`` is ``scale``, or ``stretch·scale/c`` for a soft
     cap (the tile then holds ``z = stretch·x/c``, ``tile_math.Forms.stretch``); it is
