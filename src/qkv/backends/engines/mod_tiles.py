@@ -109,9 +109,9 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
         m = torch.full((b, h, it, 1), NEG_INF, dtype=acc, device=q.device)
         l = torch.zeros(b, h, it, 1, dtype=acc, device=q.device)
         rows = torch.zeros(b, h, it, e, dtype=acc, device=q.device)
-        q_t = query_rows(q, g, tiles[0][0], acc)  # this task's query rows, for every key tile
+        q_t = query_rows(q, g, tiles[0][0], acc, (scratch, "q"))  # this task's query rows, for every key tile
         for t, state in tiles:
-            s = tile_logits(plan, ops, q_t, key_cols(k, t, acc), t, scratch)
+            s = tile_logits(plan, ops, q_t, key_cols(k, t, acc, (scratch, "k")), t, scratch)
             hide = mask_bias(plan, t, state, acc)
             if select and hide is not None and plan.score_mod is None:  # (a score_mod's output: selected below)
                 s = s.masked_fill_(hide == NEG_INF, NEG_INF)
@@ -149,7 +149,7 @@ def tiles_forward(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor, out_dtype: tor
                 m = m_new
             l += p.sum(-1, keepdim=True)
             pv = scratch.take("pv", (b * g, (h // g) * it, e), acc)
-            rows += tile_math.mm(p.view(b * g, -1, t.j1 - t.j0), key_cols(v, t, acc), pv).view(b, h, it, e)
+            rows += tile_math.mm(p.view(b * g, -1, t.j1 - t.j0), key_cols(v, t, acc, (scratch, "v")), pv).view(b, h, it, e)
         return (fixed if fixed is not None else m), l, rows
 
     def work(i0: int, scratch: tile_math.Scratch) -> None:

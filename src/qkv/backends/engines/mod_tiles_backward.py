@@ -67,13 +67,13 @@ def tiles_backward(plan: ModPlan, req: Request, out: Tensor, lse: Tensor, d_out:
         dv_t = torch.zeros(b * g, jt, v.shape[-1], dtype=acc, device=q.device)
         # this task's keys and values, for every row tile: in acc for the logits and dP, the keys in mm for dQ
         col = cols_of[j0][0][0]
-        k_s, v_t = key_cols(k, col, acc), key_cols(v, col, acc)
-        k_t = k_s if mm == acc else key_cols(k, col, mm)
+        k_s, v_t = key_cols(k, col, acc, (scratch, "k_s")), key_cols(v, col, acc, (scratch, "v_s"))
+        k_t = k_s if mm == acc else key_cols(k, col, mm, (scratch, "k_mm"))
         for t, state in cols_of[j0]:
             it = t.i1 - t.i0
             rows = slice(t.i0, t.i1)
-            q_s = query_rows(q, g, t, acc)  # (a copy: the r heads' rows stacked) and in mm when that differs
-            q_t = q_s if mm == acc else query_rows(q, g, t, mm)
+            q_s = query_rows(q, g, t, acc, (scratch, "q_s"))  # the r heads' rows stacked, and in mm when that differs
+            q_t = q_s if mm == acc else query_rows(q, g, t, mm, (scratch, "q_mm"))
             with torch.no_grad():
                 s = tile_logits(plan, ops, q_s, k_s, t, scratch)
             hide = mask_bias(plan, t, state, acc)
@@ -96,9 +96,9 @@ def tiles_backward(plan: ModPlan, req: Request, out: Tensor, lse: Tensor, d_out:
             low = NEG_INF if cap is None else cap_range.lowest(neg_lse.neg(), cap)
             tile_math.exp_nonpositive_(p, other if p is s else (None if ops.forms.library_exp else spare()), ops.forms, hide,
                                        low=low)  # fmt: skip
-            d_o_s = query_rows(d_out, g, t, acc)  # (b·g, r·it, e)
-            d_o = d_o_s if mm == acc else query_rows(d_out, g, t, mm)
-            p3 = p.view(b * g, -1, jt).to(mm)
+            d_o_s = query_rows(d_out, g, t, acc, (scratch, "do_s"))  # (b·g, r·it, e)
+            d_o = d_o_s if mm == acc else query_rows(d_out, g, t, mm, (scratch, "do_mm"))
+            p3 = tile_math.cast(p.view(b * g, -1, jt), mm, scratch, "p_mm")
             tile_math.add_mm(dv_t, p3.transpose(1, 2), d_o)  # dV += Pᵀ dO
             if cap is not None:  # P ∘ (1 - tanh²) where the tanh was; then dP where P was
                 p = torch.addcmul(p, p, u.square_(), value=-1.0, out=u)
@@ -113,7 +113,7 @@ def tiles_backward(plan: ModPlan, req: Request, out: Tensor, lse: Tensor, d_out:
                 for n, grad in enumerate(mod_grads):
                     if grad is not None:
                         share.d_params[n] += grad
-            ds3 = ds.reshape(b * g, -1, jt).to(mm)
+            ds3 = tile_math.cast(ds.reshape(b * g, -1, jt), mm, scratch, "ds_mm")
             # dQ += α dS K (rows of the r heads stacked), dK += α dSᵀ Q (summed over those heads)
             d_rows = scratch.take("dq", (b * g, (h // g) * it, q.shape[-1]), acc)
             share.dq[:, :, rows] += tile_math.mm(ds3, k_t, d_rows).view(b, h, it, -1)

@@ -41,15 +41,23 @@ class ModPlan:
         return self.score_mod.cap if isinstance(self.score_mod, SoftCap) else None
 
 
-def query_rows(x: Tensor, g: int, t: Tile, dtype: torch.dtype) -> Tensor:
-    """Rows ``i0:i1`` of ``x (b, h, i, ·)`` as ``(b·g, r·it, ·)`` in ``dtype``: the ``r`` heads of a KV head stacked."""
-    b, h = x.shape[:2]
-    return x[:, :, t.i0 : t.i1].to(dtype).reshape(b * g, (h // g) * (t.i1 - t.i0), x.shape[-1])
+def query_rows(x: Tensor, g: int, t: Tile, dtype: torch.dtype, into: tuple[tile_math.Scratch, str] | None = None) -> Tensor:
+    """Rows ``i0:i1`` of ``x (b, h, i, ·)`` as ``(b·g, r·it, ·)`` in ``dtype``: the ``r`` heads of a KV head stacked
+    (a copy, into ``into = (scratch, name)``'s buffer when given, unless a view of ``x`` serves)."""
+    b, h, it = x.shape[0], x.shape[1], t.i1 - t.i0
+    rows, shape = x[:, :, t.i0 : t.i1], (b * g, (h // g) * it, x.shape[-1])
+    if into is None or (rows.dtype == dtype and (h == g or it == x.shape[2])):  # (a view of contiguous x there)
+        return rows.to(dtype).reshape(shape)
+    out = into[0].take(into[1], shape, dtype)
+    out.view(b, h, it, x.shape[-1]).copy_(rows)  # stacked and converted in one pass
+    return out
 
 
-def key_cols(x: Tensor, t: Tile, dtype: torch.dtype) -> Tensor:
-    """Keys ``j0:j1`` of ``x (b, g, j, ·)`` as ``(b·g, jt, ·)`` in ``dtype`` (a view when it is ``x``'s)."""
-    return x[:, :, t.j0 : t.j1].flatten(0, 1).to(dtype)
+def key_cols(x: Tensor, t: Tile, dtype: torch.dtype, into: tuple[tile_math.Scratch, str] | None = None) -> Tensor:
+    """Keys ``j0:j1`` of ``x (b, g, j, ·)`` as ``(b·g, jt, ·)`` in ``dtype``: a view when it is ``x``'s, else a
+    converted copy, into ``into = (scratch, name)``'s buffer when given."""
+    cols = x[:, :, t.j0 : t.j1].flatten(0, 1)
+    return cols.to(dtype) if into is None or cols.dtype == dtype else into[0].take(into[1], cols.shape, dtype).copy_(cols)
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,9 @@ def operands(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> Operands:
     accumulation inside) beat float32 ones on this CPU, else float32
     (``tile_math.matmul_dtype``, timed once); float16 runs float32.
     The operands keep their dtype and each tile's slice is converted (to float32, or ``mm``)
-    as it is used, so no float32 copy of a whole input is held (a tile's conversion costs
+    as it is used, into the thread's reused buffers (``tile_math.Scratch``: a fresh tile-sized
+    copy per tile left the allocator's per-thread arenas holding 10 MiB more at the peak), so
+    no float32 copy of a whole input is held (a tile's conversion costs
     ``1/tile`` of its product). ``factor`` is ``scale``, or ``stretch·scale/c`` for a soft
     cap (the tile then holds ``z = stretch·x/c``, ``tile_math.Forms.stretch``); it is
     applied to each tile's product, so no scaled copy of ``q`` is made.

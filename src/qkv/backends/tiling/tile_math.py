@@ -47,6 +47,11 @@ class Scratch:
         return buf[:n].view(shape)
 
 
+def cast(x: Tensor, dtype: torch.dtype, scratch: Scratch, name: str) -> Tensor:
+    """``x`` in ``dtype``: ``x`` itself, or a copy in ``scratch``'s buffer ``name`` (no fresh tile-sized tensor)."""
+    return x if x.dtype == dtype else scratch.take(name, x.shape, dtype).copy_(x)
+
+
 def mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     """``a @ b`` batched, in the operands' dtype (float32 accumulation inside), written into ``out``."""
     b = b.to(a.dtype)
