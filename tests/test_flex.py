@@ -357,6 +357,115 @@ def test_an_empty_call_with_a_mask_mod_gives_the_empty_result_and_learns_nothing
     assert _mods._modes[id(every_other)][1]  # it broadcasts, as learned from a grid with values
 
 
+# --------------------------------------------------------------------------- block masks of other batch and head counts
+#
+# flex_attention checks a block mask's batch against the query's only where K/V's batch differs from the query's
+# (then it must be the query's); otherwise any (B, H) is taken. Its eager forward, flex's own on the CPU, evaluates
+# the mask_mod at every element with each row's and head's own b and h and never reads the lists; its compiled
+# kernels read them and disagree between themselves where (B, H) is not the call's or 1 (CPU: b // (Bq/B), a crash
+# for more rows than the call's; CUDA: b % B). qkv: more rows or heads than the call's, the first ones (right for
+# the call's rows where the lists came from the mask_mod); fewer but more than one, the mask_mod everywhere.
+
+BM_B, BM_HQ, BM_HKV, BM_L = 3, 4, 2, 64  # three batch rows, so that 2 is fewer but not a divisor
+
+
+def _bm_inputs(kv_batch=BM_B, grad=False):
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(BM_B, BM_HQ, BM_L, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(kv_batch, BM_HKV, BM_L, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(kv_batch, BM_HKV, BM_L, 4, generator=gen, dtype=torch.float64)
+    return [x.requires_grad_(grad) for x in (q, k, v)]
+
+
+def _per_block(b, h, q_idx, kv_idx):
+    """Whole 16-blocks hidden by batch row and head: the lists made for (b, h) are right for (b, h) alone."""
+    return (((kv_idx // 16 + b + 2 * h) % 3 != 0) & (q_idx >= kv_idx)) | (q_idx == kv_idx)
+
+
+def _per_element(b, h, q_idx, kv_idx):
+    """Rows and heads differ inside each block only: one set of lists is right for every (b, h)."""
+    return ((kv_idx + b + h) % 3 != 0) & (q_idx >= kv_idx)
+
+
+BM_SHAPES = [  # (B, H) of the block mask; the call is (3, 4)
+    (3, 4), (None, None), (1, 1), (None, 4), (3, None), (1, 4),  # the call's, or broadcast
+    (5, 4), (3, 8), (5, 6), (4, 5),  # more rows or heads than the call's
+    (2, 4), (3, 2), (3, 3), (2, 2), (1, 2), (2, 1),  # fewer, but more than one
+    (5, 2), (2, 8),  # more of one, fewer of the other
+]
+
+
+@pytest.mark.parametrize("shape", BM_SHAPES, ids=lambda s: "B%s-H%s" % s)
+def test_a_block_mask_of_any_batch_and_head_count_is_taken_as_flex_takes_it(shape):
+    """Out and lse as flex's own CPU forward, float64. qkv refused every (B, H) but the call's and 1."""
+    broadcast = all(n in (None, 1) or n == size for n, size in zip(shape, (BM_B, BM_HQ)))
+    mask_mod = _per_element if broadcast else _per_block  # a broadcast block mask's lists are b = h = 0's
+    q, k, v = _bm_inputs()
+    bm = flex.create_block_mask(mask_mod, *shape, BM_L, BM_L, device="cpu", BLOCK_SIZE=16)
+    want, want_lse = _flex(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    got, got_lse = qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(5, 8), (2, 3)], ids=lambda s: "B%s-H%s" % s)
+def test_a_block_mask_of_other_counts_gives_the_definitions_gradients(shape):
+    """flex has no backward on the CPU: ``.grad`` against the definition, the mask_mod at every element."""
+    mine, theirs = _bm_inputs(grad=True), _bm_inputs(grad=True)
+    bm = flex.create_block_mask(_per_block, *shape, BM_L, BM_L, device="cpu", BLOCK_SIZE=16)
+    got = qkv.flex_attention(*mine, block_mask=bm, enable_gqa=True)
+    q, k, v = theirs
+    idx = (torch.arange(BM_B), torch.arange(BM_HQ), torch.arange(BM_L), torch.arange(BM_L))
+    allowed = flex._vmap_for_bhqkv(_per_block, prefix=())(*idx)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(9), dtype=want.dtype)
+    got.backward(cot)
+    want.backward(cot)
+    for name, a, b in zip(("query", "key", "value"), mine, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}.grad: {m}")
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (None, None), (5, 4), (2, 4)], ids=lambda s: "B%s-H%s" % s)
+def test_key_and_value_of_batch_one_need_a_block_mask_of_the_querys_batch_as_flex(shape):
+    """K/V batch 1 under query batch 3: flex's one check on the block mask's shape, its ValueError."""
+    q, k, v = _bm_inputs(kv_batch=1)
+    bm = flex.create_block_mask(_per_element, *shape, BM_L, BM_L, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError) as theirs:
+        _flex(q, k, v, block_mask=bm, enable_gqa=True)
+    with pytest.raises(ValueError, match=re.escape(str(theirs.value))):
+        qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+
+
+@pytest.mark.parametrize("heads", [2, 8, None], ids=lambda h: f"H{h}")
+def test_key_and_value_of_batch_one_take_a_block_mask_of_the_querys_batch_and_any_heads(heads):
+    q, k, v = _bm_inputs(kv_batch=1)
+    bm = flex.create_block_mask(_per_element if heads is None else _per_block, BM_B, heads, BM_L, BM_L, device="cpu",
+                                BLOCK_SIZE=16)  # fmt: skip
+    want, want_lse = _flex(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    got, got_lse = qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(5, 8), (2, 3)], ids=lambda s: "B%s-H%s" % s)
+def test_a_block_mask_of_other_counts_reused_by_many_calls_evaluates_its_mask_mod_once(shape, monkeypatch):
+    """As a model's layers reuse one block mask: what qkv makes of it for the call's counts is kept with it, and
+    the tiles evaluated with that."""
+    from qkv import _mods
+
+    calls = []
+    evaluate = _mods.evaluate
+    monkeypatch.setattr(_mods, "evaluate", lambda fn, *a: calls.append(fn) or evaluate(fn, *a))
+    q, k, v = _bm_inputs()
+    bm = flex.create_block_mask(_per_block, *shape, BM_L, BM_L, device="cpu", BLOCK_SIZE=16)
+    first = qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert calls
+    calls.clear()
+    again = qkv.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    assert calls == [] and torch.equal(first, again)
+
+
 # --------------------------------------------------------------------------- random calls
 
 
@@ -391,13 +500,15 @@ def flex_calls(draw):
         mask=draw(st.sampled_from([None, "causal", "window", "prefix", "documents", "per_row", "late_keys"])),
         n=draw(st.integers(0, 12)), per_batch_head=draw(st.booleans()), score=draw(st.sampled_from([None, "alibi", "soft_cap", "batch"])),
         scale=draw(st.sampled_from([None, 0.3])), kv_batch_one=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+        counts=draw(st.sampled_from(["call", "call", "more", "fewer"])),  # a per-row block mask's (B, H)
     )  # fmt: skip
 
 
 @settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(c=flex_calls())
 def test_random_calls_equal_flex_itself(c):
-    """Ragged last blocks, rows with no key, broadcast block masks and K/V batches: out and lse as flex's own forward."""
+    """Ragged last blocks, rows with no key, broadcast block masks, block masks for more or fewer rows and heads, and
+    K/V batches: out and lse as flex's own forward."""
     gen = torch.Generator().manual_seed(c["seed"])
     kv_b = 1 if c["kv_batch_one"] else c["B"]
     q = torch.randn(c["B"], c["hq"], c["L"], 8, generator=gen, dtype=torch.float64)
@@ -411,6 +522,10 @@ def test_random_calls_equal_flex_itself(c):
         # flex's eager forward, which evaluates the mask_mod everywhere, does not
         per = c["per_batch_head"] or c["mask"] == "per_row"
         B, H = (c["B"], c["hq"]) if per else (None, None)
+        if per and c["counts"] == "more":  # its first rows and heads are the call's
+            B, H = B + 1, H + 2
+        elif per and c["counts"] == "fewer" and H > 2:  # no lists for the last head: the mask_mod alone
+            H -= 1
         bm = flex.create_block_mask(_mask_mod(c["mask"], c["n"], ids), B, H, c["L"], c["S"], device="cpu",
                                     BLOCK_SIZE=c["block"])  # fmt: skip
     kw = dict(score_mod=_score_mod(c["score"]), block_mask=bm, scale=c["scale"], enable_gqa=c["hq"] != c["hkv"], return_lse=True)

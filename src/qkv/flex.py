@@ -28,9 +28,15 @@ with ``B=None`` or ``H=None`` for a ``mask_mod`` that hides whole blocks from ``
 ``h = 0`` only), or lists written by hand (``BlockMask.from_kv_blocks``), which qkv follows.
 Key and value in another dtype than the query's are computed in the query's, as flex does;
 any ``AuxRequest`` is answered with ``(out, AuxOutput(...))``. A key or value every query is
-masked from never reaches the output (a nan or inf there is not read, where flex gives nan),
-and a block mask made for more batch rows or heads than the call is refused, where flex reads
-its first ones.
+masked from never reaches the output (a nan or inf there is not read, where flex gives nan).
+
+A block mask of any ``(B, H)`` is taken, as flex takes it (it checks ``B`` only under K/V of
+batch 1, above): of the call's batch and query heads, or of 1 (broadcast), as it is; made for
+more rows or heads, at its first ones (the call's rows' own lists where they came from the
+``mask_mod``); made for fewer, but more than one, as its ``mask_mod`` alone, every block
+partial, as flex's eager forward reads any block mask (its compiled kernels read other rows'
+lists there, the CPU's and CUDA's not the same ones; the CPU's crashes for more, dividing by
+zero, and reads past the lists for a count that does not divide the call's).
 
 Under ``torch.compile(fullgraph=True)``, ``torch.export`` and on ``meta`` tensors a call
 with a ``score_mod`` works as :func:`qkv.attention`'s does (``qkv.score_mods`` says which
@@ -43,8 +49,10 @@ works. A ``mask_mod`` given as ``qkv.masks.from_mask_mod`` traces.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 from .functional import attention
@@ -108,7 +116,8 @@ def flex_attention(
     if block_mask is not None:
         if not hasattr(block_mask, "kv_num_blocks") or not hasattr(block_mask, "mask_mod"):
             raise TypeError(f"block_mask: expected torch's BlockMask (create_block_mask), got {type(block_mask).__name__}")
-        mask = FlexBlocks(block_mask, batch=query.shape[0], heads=query.shape[1])
+        batch, heads = query.shape[:2]
+        mask = FlexBlocks(_fitted(block_mask, batch, heads), batch=batch, heads=heads)  # any (B, H), as flex takes
         groups = mask.diagonal_groups()
         if groups is not None:  # block-diagonal (packed documents): one ordinary call per group
             mask = documents(groups.to(query.device)) & mask
@@ -121,6 +130,56 @@ def flex_attention(
     if return_aux is not None:
         return out, _aux(lse)
     return out, lse
+
+
+def _fitted(block_mask, batch: int, heads: int):
+    """``block_mask`` for a call of ``batch`` rows and ``heads`` query heads: itself, or one made from it and kept.
+
+    flex takes a block mask of any ``(B, H)`` (it checks ``B`` only where K/V's batch is not
+    the query's); its eager forward evaluates the ``mask_mod`` at every element with each
+    row's and head's own ``b`` and ``h`` and reads no list. qkv follows the lists, as flex's
+    kernels do. A block mask of the call's counts, or of 1 (broadcast), is taken as it is.
+    One made for more rows or heads is read at its first ones: the call's rows' own lists
+    where they came from the ``mask_mod`` (flex's CUDA kernel reads the same; its CPU kernel
+    divides by zero). One with fewer rows or heads, but more than one, has no lists for some
+    of the call's: it is read as its ``mask_mod`` alone, every block partial, as the eager
+    forward reads it (flex's kernels read other rows' lists there, CPU ``b // (Bq/B)``, CUDA
+    ``b % B``). The one made is kept with ``block_mask`` while its lists and ``mask_mod`` are
+    the same objects, so that a block mask reused by many calls (a model's layers) keeps
+    what ``FlexBlocks`` evaluated for it.
+    """
+    B, H = block_mask.kv_num_blocks.shape[:2]
+    fewer = 1 < B < batch or 1 < H < heads
+    if not fewer and B <= batch and H <= heads:
+        return block_mask
+    lists = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    sources = (block_mask.mask_mod, block_mask.BLOCK_SIZE, block_mask.seq_lengths, *lists)
+    key = "mask_mod" if fewer else (min(B, batch), min(H, heads))
+    try:
+        made = _FITTED.setdefault(block_mask, {})
+    except TypeError:  # not weakly referable: made afresh at each call
+        made = {}
+    kept = made.get(key)
+    if kept is not None and all(a is b for a, b in zip(kept[0], sources)):
+        return kept[1]
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if fewer:  # one (1, 1) list of every block, partial: the mask_mod decides each element
+        nq, nk = (-(-n // size) for n, size in zip(block_mask.seq_lengths, block_mask.BLOCK_SIZE))
+        device = block_mask.kv_num_blocks.device
+        counts = torch.full((1, 1, nq), nk, dtype=torch.int32, device=device)
+        indices = torch.arange(nk, dtype=torch.int32, device=device).expand(1, 1, nq, nk).contiguous()
+        lists = (counts, indices, None, None)
+    else:  # the first rows and heads (views: an in-place change of the lists is seen)
+        lists = tuple(None if x is None else x[: key[0], : key[1]] for x in lists)
+    fitted = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod,
+                                      seq_lengths=block_mask.seq_lengths)  # fmt: skip
+    made[key] = (sources, fitted)
+    return fitted
+
+
+#: Block masks made by :func:`_fitted`, per block mask given: {key: (what it was made from, the one made)}.
+_FITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _aux(lse: Tensor | None):

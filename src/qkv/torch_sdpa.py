@@ -17,8 +17,14 @@ SDPA would build the mask). PyTorch's semantics are kept where they differ from
   float32 or the query's dtype; ``attn_mask`` with ``is_causal=True`` is an error, as
   PyTorch documents it (torch 2.13's CPU path joins the two instead).
 * ``query``, ``key`` and ``value`` broadcast along every batch dim, as PyTorch's products
-  do: a dim of 1 or a missing one (a lower rank), the heads too; with ``enable_gqa=True``
-  and fewer KV heads the heads are grouped instead (``key`` and ``value`` with one count).
+  do: a dim of 1 or a missing one (a lower rank), the heads too.
+* ``enable_gqa=True`` groups the heads instead, as PyTorch repeats them: ``key`` and
+  ``value`` may have different head counts ``Hk`` and ``Hv``, each dividing ``Hq``; query
+  head ``i`` reads key head ``i // (Hq/Hk)`` and value head ``i // (Hq/Hv)``. Each of the
+  three needs a head dim (PyTorch reads ``size(-3)``: an ``IndexError`` for a 2-d one), and
+  a count that does not divide ``Hq`` is PyTorch's ``RuntimeError``; so is a count of 0
+  under query heads, where PyTorch divides by it (a crash for ``key``, zeros for ``value``).
+  Without the flag different counts are PyTorch's broadcast error.
 * ``attn_mask`` broadcasts to ``(N…, Hq, L, S)`` from any rank, a 1-d ``(S,)`` row included
   (PyTorch documents it so; its fused CPU kernel refuses a 1-d float mask).
 * A query whose keys are all masked gets zeros, as PyTorch's CPU kernels give.
@@ -36,6 +42,8 @@ broadcasting and dtypes in ``tests/test_torch_sdpa.py``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -96,15 +104,14 @@ def scaled_dot_product_attention(
 def _broadcast(query: Tensor, key: Tensor, value: Tensor, grouped: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``query``, ``key``, ``value`` expanded (views) to one batch shape, as PyTorch's products broadcast them.
 
-    Every dim but the last two broadcasts, the heads included; with ``enable_gqa`` and head
-    counts that differ, the heads (dim -3) are grouped instead, and only the dims before
-    them broadcast.
+    Every dim but the last two broadcasts, the heads included; with ``enable_gqa`` the heads
+    (dim -3) are grouped instead (:func:`_group_heads`), and only the dims before them
+    broadcast.
     """
-    heads = [x.shape[-3] if x.dim() >= 3 else None for x in (query, key, value)]
-    grouped = grouped and query.dim() >= 3 and key.dim() >= 3 and heads[0] != heads[1]
+    shapes = [tuple(x.shape) for x in (query, key, value)]  # the caller's, for a message
+    if grouped:
+        key, value = _group_heads(query, key, value)
     keep = 3 if grouped else 2  # trailing dims that are each tensor's own
-    if grouped and (value.dim() < 3 or heads[2] != heads[1]):
-        raise ValueError(f"value: {heads[2]} heads but key has {heads[1]}; grouped-query attention needs one count")
     leads = [x.shape[: max(x.dim() - keep, 0)] for x in (query, key, value)]
     try:
         lead = torch.broadcast_shapes(*leads)
@@ -112,12 +119,59 @@ def _broadcast(query: Tensor, key: Tensor, value: Tensor, grouped: bool) -> tupl
         try:  # PyTorch's own message (its products broadcast these dims): an add of stride-0 views of the shapes
             torch.empty(()).expand(leads[0]) + torch.empty(()).expand(leads[1]) + torch.empty(()).expand(leads[2])
         except RuntimeError as e:
-            hint = "" if grouped or key.dim() < 3 else "; set enable_gqa=True for grouped-query attention"
-            raise RuntimeError(f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}: "
+            grouping = not grouped and _groups(query, key, value)
+            hint = "; set enable_gqa=True for grouped-query attention" if grouping else ""
+            raise RuntimeError(f"query {shapes[0]}, key {shapes[1]}, value {shapes[2]}: "
                                f"{e}{hint}") from None  # fmt: skip
         raise
     return tuple(x.expand(*lead, *x.shape[-keep:]) if x.dim() >= keep and x.shape[:-keep] != lead else x
                  for x in (query, key, value))  # fmt: skip
+
+
+def _group_heads(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """``key (…, G, S, E)``, ``value (…, G, S, Ev)``: one head count ``G`` dividing ``Hq``, for ``enable_gqa``.
+
+    PyTorch repeats each of ``key`` and ``value`` ``Hq // H`` times along the heads
+    (``repeat_interleave``): query head ``i`` reads key head ``i // (Hq/Hk)`` and value head
+    ``i // (Hq/Hv)``, the two counts free to differ. qkv's kernels group query heads over
+    KV heads themselves, so the two need only meet: at ``G = lcm(Hk, Hv)``, which divides
+    ``Hq``, each head of the one with fewer repeated ``G/H`` times in a row (the repeat of
+    a repeat is PyTorch's index). Equal counts, the usual GQA, are not copied.
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.dim() < 3:  # PyTorch reads each one's size(-3), whatever the counts
+            raise IndexError(f"{name}: enable_gqa=True needs a heads dim (…, H, length, size), got shape "
+                             f"{tuple(x.shape)}: Dimension out of range (expected to be in range of "
+                             f"[{-x.dim()}, {x.dim() - 1}], but got -3)")  # fmt: skip
+    hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    if hq == hk == hv:
+        return key, value
+    bad = [f"{name}: {h} heads" for name, h in (("key", hk), ("value", hv)) if h == 0 or hq % h]
+    if bad:  # PyTorch's message, as it reads; a count of 0 it divides by (a crash for key, zeros for value)
+        raise RuntimeError(f"{', '.join(bad)} for query's {hq} (enable_gqa=True): Number of heads in key and value "
+                           "must divide the number of heads in query")  # fmt: skip
+    if hq == 0:  # every count divides 0: PyTorch repeats each 0 times
+        return key[..., :0, :, :], value[..., :0, :, :]
+    g = math.lcm(hk, hv)
+    return _repeat_heads(key, g // hk), _repeat_heads(value, g // hv)
+
+
+def _repeat_heads(x: Tensor, times: int) -> Tensor:
+    """``x (…, H, S, E)`` with each head ``times`` times in a row: ``(…, H·times, S, E)``; a view for one head."""
+    if times == 1:
+        return x
+    if x.shape[-3] == 1:
+        return x.expand(*x.shape[:-3], times, *x.shape[-2:])
+    return x.repeat_interleave(times, dim=-3)
+
+
+def _groups(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """Whether ``enable_gqa=True`` would group these heads: each has a head dim, and key's and value's, not both
+    query's, divide query's (the hint of a broadcast error)."""
+    if min(x.dim() for x in (query, key, value)) < 3:
+        return False
+    hq, kv = query.shape[-3], (key.shape[-3], value.shape[-3])
+    return kv != (hq, hq) and all(h > 0 and hq % h == 0 for h in kv)
 
 
 def _one_zero_feature(x: Tensor) -> Tensor:
