@@ -5,6 +5,8 @@ size, ``R`` requests; float64, to 1e-12.
 """
 
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -210,6 +212,28 @@ def test_a_write_outside_the_pages_is_refused(pages):
             store.write(torch.tensor([page]), torch.tensor([offset]), k, k)
     with pytest.raises(ValueError, match=r"k: expected \(1, 1, 8\)"):
         store.write(torch.tensor([0]), torch.tensor([0]), torch.randn(1, 1, 7), k)
+
+
+@pytest.mark.parametrize("grad", ["q", "cache", "sinks", "alibi"])
+@pytest.mark.parametrize("qo_lens", [[1], [1, 4], [1, 1]])
+def test_a_backward_through_paged_attention_raises_instead_of_wrong_gradients(grad, qo_lens):
+    """The decoding pass merges items by a log-sum-exp the fused kernel does not differentiate: its gradients
+    were wrong (a query's off by 0.33 in 0.85), silently. The forward still runs with gradients enabled."""
+    q, cache, table = build(qo_lens, [10, 20][: len(qo_lens)], 4)
+    sinks, alibi = torch.zeros(H, dtype=torch.float64), torch.full((H,), 0.5, dtype=torch.float64)
+    leaf = {"q": q, "cache": cache, "sinks": sinks, "alibi": alibi}[grad].requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of a tensor that requires grad read on the host
+        out, lse = paged(q, cache, table, sinks=sinks, alibi=alibi)
+    with torch.no_grad():
+        want, want_lse = paged(q, cache, table, sinks=sinks, alibi=alibi)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert out.requires_grad and lse.requires_grad
+    with pytest.raises(RuntimeError, match="has no backward.*torch.no_grad"):
+        (out.sum() + lse.sum()).backward()
+    assert leaf.grad is None
+    with torch.no_grad():
+        assert not paged(q, cache, table, sinks=sinks, alibi=alibi)[0].requires_grad
 
 
 def test_the_tuple_form_and_blocks_of_pages_read_as_one_item_equal_the_definition():

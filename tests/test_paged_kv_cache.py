@@ -55,6 +55,34 @@ def test_requests_grow_and_free_their_pages_at_once():
     assert cache.used_pages == -(-cache.length("a") // P) + -(-cache.length("c") // P)
 
 
+def test_a_step_of_a_freed_request_is_refused_and_layers_are_checked():
+    """A step planned for a request freed since wrote into pages another request now holds, silently."""
+    cache = qkv.PagedKVCache(8, P, G, D, layers=2, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    keys, values = {}, {}
+    cache.add("a")
+    stale = cache.plan({"a": 2})
+    cache.free("a")
+    cache.add("b")
+    step_and_check(cache, {"b": 3}, keys, values, gen)
+    cache.add("a")  # the same name again: another request
+    k = torch.randn(2, G, D, dtype=torch.float64)
+    before = cache.layer(0)[0].clone()
+    with pytest.raises(ValueError, match="step: request 'a' was freed after this step was planned"):
+        cache.write(0, stale, k, k)
+    with pytest.raises(ValueError, match="step: request 'a' was freed"):
+        cache.attend(0, stale, torch.randn(2, H, D, dtype=torch.float64))
+    assert torch.equal(cache.layer(0)[0], before)
+    step_and_check(cache, {"b": 1}, keys, values, gen)  # b's keys untouched
+    for layer in (2, -1, 1.0, True):
+        with pytest.raises(ValueError, match=r"layer: expected 0 to 1 \(the cache's 2 layers\)"):
+            cache.layer(layer)
+        with pytest.raises(ValueError, match="layer: expected 0 to 1"):
+            cache.write(layer, cache.plan({"b": 0}), k[:0], k[:0])
+    with pytest.raises(TypeError, match="step: expected a Step"):
+        cache.attend(0, "step", k)
+
+
 def test_a_fork_shares_full_pages_and_copies_a_shared_page_before_writing_it():
     cache = qkv.PagedKVCache(16, P, G, D, layers=2, dtype=torch.float64)
     gen = torch.Generator().manual_seed(1)

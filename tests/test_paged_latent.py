@@ -141,6 +141,18 @@ def test_a_latent_attention_decoding_step_over_pages_equals_the_step_over_its_ca
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("grad", ["q_nope", "ckv"])
+def test_a_backward_through_paged_latent_attention_raises(grad):
+    """Its gradients were wrong and silent (the paged pass has no backward); the forward still runs."""
+    q_nope, q_pe, ckv, kpe, table = build([1, 3], [9, 20], 4)
+    {"q_nope": q_nope, "ckv": ckv}[grad].requires_grad_()
+    out = qkv.paged_latent_attention(q_nope, q_pe, ckv, kpe, *table, sm_scale=0.1)
+    with torch.no_grad():
+        assert torch.equal(out, qkv.paged_latent_attention(q_nope, q_pe, ckv, kpe, *table, sm_scale=0.1))
+    with pytest.raises(RuntimeError, match="has no backward"):
+        out.sum().backward()
+
+
 def test_kv_len_must_end_on_the_last_page():
     q_nope, q_pe, ckv, kpe, (qo, indptr, indices, kv_len) = build([1, 1], [5, 9], 4)
     with pytest.raises(ValueError, match=r"kv_len\[1\]: 13 keys do not end on the last of its 3 pages of 4 \(expected 9 to 12\)"):

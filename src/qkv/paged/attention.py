@@ -55,6 +55,10 @@ def paged_attention(
 
     One call is one :class:`qkv.paged.PagedPlan` run once; a model whose layers share a step's
     table makes the plan once and runs it per layer.
+
+    Forward only, as FlashInfer's paged kernels: with gradients enabled and an input that
+    requires them the call runs and its outputs join autograd's graph, but a backward through
+    them raises (serving runs under ``torch.no_grad()``; training attends over contiguous keys).
     """
     pages = as_pages(kv_cache)
     check_q(q, pages)

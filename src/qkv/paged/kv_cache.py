@@ -57,6 +57,7 @@ class Step:
     offset: Tensor  # (T,) its place in that page
     positions: Tensor  # (T,) its position in its sequence
     plan: PagedPlan | None = None  # the table laid out once, run by every layer (made by PagedKVCache.plan)
+    admitted: tuple = ()  # each request's admission number when planned: a step of a request freed since is refused
 
     @property
     def table(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -101,6 +102,8 @@ class PagedKVCache:
         self._whole = set(range(blocks))  # blocks with every page free
         self._pages: dict[Hashable, list[int]] = {}
         self._length: dict[Hashable, int] = {}
+        self._admitted: dict[Hashable, int] = {}  # a number per add/fork: a name freed and added again is another request
+        self._admissions = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -109,6 +112,7 @@ class PagedKVCache:
         if request in self._pages:
             raise ValueError(f"request {request!r} is already in the cache")
         self._pages[request], self._length[request] = [], 0
+        self._admit(request)
 
     def fork(self, parent: Hashable, child: Hashable, length: int | None = None) -> None:
         """Start ``child`` holding ``parent``'s first ``length`` tokens (all by default), sharing their pages."""
@@ -122,6 +126,7 @@ class PagedKVCache:
         for p in pages:
             self._refs[p] += 1
         self._pages[child], self._length[child] = list(pages), n
+        self._admit(child)
 
     def free(self, request: Hashable) -> None:
         """End ``request``: its pages that no other request holds return to the pool now."""
@@ -130,7 +135,7 @@ class PagedKVCache:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._give_back(p)
-        del self._length[request]
+        del self._length[request], self._admitted[request]
 
     def length(self, request: Hashable) -> int:
         return self._length[self._known(request)]
@@ -197,13 +202,15 @@ class PagedKVCache:
 
     def write(self, layer: int, step: Step, k: Tensor, v: Tensor) -> None:
         """The step's new keys and values ``k, v (T, g, d)`` into layer ``layer``'s pages."""
+        self._current(step)
         if k.shape[0] != step.page.numel() or v.shape[0] != step.page.numel():
             raise ValueError(f"k, v: expected {step.page.numel()} new tokens (the step's), got {k.shape[0]} and {v.shape[0]}")
-        self.pools[layer].write(step.page, step.offset, k, v)
+        self._pool(layer).write(step.page, step.offset, k, v)
 
     def attend(self, layer: int, step: Step, q: Tensor, **options):
         """``qkv.paged_attention`` of the step's queries ``q (T, h, d)`` over layer ``layer``'s pages (the step's
         plan, laid out by the first layer that runs it)."""
+        self._current(step)
         if step.plan is None:
             return paged_attention(q, self.layer(layer), *step.table, **options)
         return step.plan.run(q, self.layer(layer), **options)
@@ -211,10 +218,28 @@ class PagedKVCache:
     def layer(self, layer: int):
         """Layer ``layer``'s pages: FlashInfer's tuple ``(k_cache, v_cache)``, each ``(num_pages, P, g, d)``,
         an ``Int8Pages``, or (``latent_dim``) ``LatentPages``."""
-        pool = self.pools[layer]
+        pool = self._pool(layer)
         return (pool.keys, pool.values) if isinstance(pool, FloatPages) else pool
 
     # ------------------------------------------------------------------ inside
+
+    def _pool(self, layer: int):
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.layers:
+            raise ValueError(f"layer: expected 0 to {self.layers - 1} (the cache's {self.layers} layers), got {layer!r}")
+        return self.pools[layer]
+
+    def _admit(self, request: Hashable) -> None:
+        self._admissions += 1
+        self._admitted[request] = self._admissions
+
+    def _current(self, step: Step) -> None:
+        """Refuse a step with a request freed since it was planned: its pages may be another request's now."""
+        if not isinstance(step, Step):
+            raise TypeError(f"step: expected a Step from PagedKVCache.plan, got {type(step).__name__}")
+        for r, admitted in zip(step.requests, step.admitted):
+            if self._admitted.get(r) != admitted:
+                raise ValueError(f"step: request {r!r} was freed after this step was planned, and its pages may hold "
+                                 "another request's tokens now; plan a new step")  # fmt: skip
 
     def _known(self, request: Hashable) -> Hashable:
         if request not in self._pages:
@@ -317,4 +342,5 @@ class PagedKVCache:
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
         table = (as_long(qo), as_long(kv), as_long(indices), as_long(last))
         plan = PagedPlan(*table, num_pages=self.num_pages, page_size=self.page_size, device=dev, total_q=qo[-1])
-        return Step(tuple(requests), *table, as_long(page), as_long(offset), as_long(positions), plan)
+        return Step(tuple(requests), *table, as_long(page), as_long(offset), as_long(positions), plan,
+                    tuple(self._admitted[r] for r in requests))  # fmt: skip

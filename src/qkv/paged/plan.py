@@ -55,13 +55,49 @@ class PagedPlan:
         opts = options(q, causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                        alibi_slopes=alibi_slopes, score_mod=score_mod)  # fmt: skip
         sinks = _check_sinks(sinks, q.shape[1])
-        out, lse = route(q, self.table, self.memo, pages, opts)
-        if sinks is not None:
-            sink = sinks.to(lse.dtype)[None, :]
-            total = torch.logaddexp(lse, sink)
-            out = (out.to(lse.dtype) * torch.exp(lse - total)[..., None]).to(out.dtype)
-            lse = total
+
+        def forward() -> tuple[Tensor, Tensor]:
+            out, lse = route(q, self.table, self.memo, pages, opts)
+            if sinks is not None:
+                sink = sinks.to(lse.dtype)[None, :]
+                total = torch.logaddexp(lse, sink)
+                out = (out.to(lse.dtype) * torch.exp(lse - total)[..., None]).to(out.dtype)
+                lse = total
+            return out, lse
+
+        tracked = _tracked(q, pages, sinks, alibi_slopes)
+        out, lse = _ForwardOnly.apply(forward, *tracked) if tracked else forward()
         return (out, lse) if return_lse else out
+
+
+def _tracked(q: Tensor, pages, *more) -> list[Tensor]:
+    """The call's tensors that autograd records (grad enabled, ``requires_grad``): none in serving, under no_grad."""
+    if not torch.is_grad_enabled():
+        return []
+    tensors = [q, *(x for x in vars(pages).values() if isinstance(x, Tensor)), *more]
+    return [x for x in tensors if isinstance(x, Tensor) and x.requires_grad]
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """The paged call's outputs in autograd's graph, with a backward that refuses.
+
+    Paged attention has no backward, as FlashInfer's paged kernels have none: the decoding
+    pass merges items by a log-sum-exp that PyTorch's fused kernel does not differentiate, so
+    the gradients autograd would find are wrong. A forward with gradients enabled (a model
+    evaluated without ``no_grad``) still runs; a backward through it raises instead of giving
+    wrong numbers.
+    """
+
+    @staticmethod
+    def forward(ctx, run, *tracked):  # autograd runs it without recording: the pass is not kept
+        return run()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("paged attention (paged_attention, paged_latent_attention, PagedKVCache) has no backward, "
+                           "as FlashInfer's paged kernels have none: run it under "
+                           "torch.no_grad(), as serving does; to train, attend over contiguous keys with "
+                           "qkv.attention or qkv.varlen_attention")  # fmt: skip
 
 
 def check_q(q: Tensor, pages) -> None:
