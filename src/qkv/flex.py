@@ -12,12 +12,12 @@ engines, forward and backward: the block mask's lists skip the blocks it leaves 
 drop the ``mask_mod`` on its full blocks (``qkv.masks.FlexBlocks``); a block mask whose
 lists fall into independent runs along the diagonal (packed documents) runs as one ordinary
 call per run (``FlexBlocks.diagonal_groups``, the segments backend); and ``score_mod`` is
-evaluated as flex evaluates it (0-d indices; ``qkv._mods``). ``return_lse`` /
+evaluated as flex evaluates it (0-d indices). ``return_lse`` /
 ``return_aux=AuxRequest(lse=True)`` give the natural-log log-sum-exp ``(B, Hq, L)``,
 differentiable. ``kernel_options`` tune flex's Triton kernels and are accepted and
 ignored. Key and value may have batch 1 under a larger query batch only with a block mask
 of the query's batch, as in flex (its messages otherwise). Checked against flex's own CPU
-forward in ``tests/test_flex.py``, random calls included.
+forward in the test suite, random calls included.
 
 A block mask made with ``B=None`` or ``H=None`` serves every batch row and head: inside its
 partial blocks the ``mask_mod`` sees each row's and query head's own ``b`` and ``h``, as in
@@ -40,7 +40,7 @@ zero, and reads past the lists for a count that does not divide the call's).
 
 Under ``torch.compile(fullgraph=True)``, ``torch.export`` and on ``meta`` tensors a call
 with a ``score_mod`` works as :func:`qkv.attention`'s does (``qkv.score_mods`` says which
-functions fail under export, and why; ``tests/test_score_mods_trace.py``). A ``block_mask``
+functions fail under export, and why). A ``block_mask``
 does not trace: ``qkv.masks.FlexBlocks`` reads the block lists' values on the host to skip
 blocks ("could not guard on data-dependent expression" under export); on ``meta`` tensors it
 works. A ``mask_mod`` given as ``qkv.masks.from_mask_mod`` traces.

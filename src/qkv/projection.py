@@ -36,7 +36,7 @@ two are close), so the route is not a constant: for each shape class (input size
 size, tokens rounded down to a power of two, at most :data:`PROBE_TOKENS`; forward alone, or
 forward and backward when the call will be differentiated) both are timed once at first use
 and the convolution is kept only where it is faster here
-(:mod:`qkv._probe`; :func:`set_route` fixes the choice, ``"blas"`` for public ops only).
+(:func:`set_route` fixes the choice, ``"blas"`` for public ops only).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ float64); ``b`` the flat index of the leading (batch) dims, ``h`` the query head
 ``q_idx`` and ``kv_idx`` raw positions ``0 .. i-1`` and ``0 .. j-1`` (not the
 bottom-right alignment of ``qkv.masks``). As in FlexAttention, ``fn`` is written for one
 element with 0-d indices, so ``bias[b][h][q_idx][kv_idx]`` and ``table[q_idx - kv_idx]``
-mean what they say: a tile is evaluated the way flex evaluates it (``qkv._mods``: one
+mean what they say: a tile is evaluated the way flex evaluates it (one
 call with broadcast index tensors ``(b, 1, 1, 1)``, ``(h, 1, 1)``, ``(it, 1)``, ``(jt,)``
 where that gives the same tile, ``torch.vmap`` over the four index dims otherwise).
 
@@ -36,7 +36,7 @@ list) are constants to it: pass them through one of the routes above to train th
 the tiled engine recognises and runs with a hand-written derivative (no autograd on the
 tile).
 
-**Tracing and shape inference** (``qkv._trace``; ``tests/test_score_mods_trace.py``). On
+**Tracing and shape inference** (``torch.compile``, ``torch.export``, ``meta`` tensors). On
 ``meta`` tensors a call runs its usual engine with its data-dependent shortcuts skipped
 (the soft cap's clamp is kept); the tensors ``fn`` reads must be on ``meta`` too. While
 ``torch.compile`` or ``torch.export`` trace a call it runs on the reference backend (public
@@ -109,7 +109,7 @@ def check(fn: object) -> ScoreMod | None:
     ``forward``), so that ``lambda s: s * 2`` is named here rather than failing inside vmap;
     a callable without a signature (some builtins) is taken as it is, and a wrong one fails
     at its first call. While ``torch.compile`` / ``torch.export`` trace the call
-    (``qkv._trace``) the arguments are not checked: a wrong function fails when traced.
+    the arguments are not checked: a wrong function fails when traced.
     """
     if fn is None:
         return None

@@ -7,12 +7,12 @@ Every mechanism in :mod:`qkv.approx` opens its forward the same way, in this ord
 order decides which error a call with several faults gets, so it is fixed here):
 
 1. ``q, k, v`` and the ``causal`` / ``return_weights`` flags are checked
-   (:func:`qkv.approx._common.check_qkv`, :func:`~qkv.approx._common.check_flags`);
+   (the tensors: type, dtype, rank, device and matching sizes; then that both flags are bools);
 2. ``causal=True`` is refused by a method that mixes all positions;
 3. the method's own sizes are checked (:meth:`ApproxAttention.check_sizes`);
-4. the mask is made dense (:func:`~qkv.approx._common.dense_mask`) and reduced to what the
+4. the mask is made dense and reduced to what the
    method honours (:meth:`ApproxAttention.honoured_mask`): by default a key padding mask,
-   ``keep (b|1, h|1, j)`` (:func:`~qkv.approx._common.key_padding`).
+   ``keep (b|1, h|1, j)``.
 
 A subclass declares its name in errors (``method``), why it cannot be causal
 (``why_not_causal``, None when it can) and what runs a mask it cannot honour
@@ -40,7 +40,7 @@ class ApproxAttention(nn.Module):
         why_not_causal: the clause ``causal=True`` is refused with (``"<why>, so it cannot be
             causal; ..."``), or None when the method can be causal.
         mask_hint: what to use instead of a mask that is not key padding, the end of
-            :func:`qkv.approx._common.key_padding`'s error (:data:`CAUSAL_INSTEAD` for a
+            the key padding check's error (:data:`CAUSAL_INSTEAD` for a
             method that can be causal). Not read by a subclass that overrides
             :meth:`honoured_mask`.
     """

@@ -30,7 +30,7 @@ heads of a group are not repeated for its query heads, and the output is written
 attention with random features). :func:`kernel_attention_weights` is its slow twin: the
 ``(i, j)`` matrix ``φ(Q) φ(K)ᵀ ⊙ causal`` normalised by rows, materialised.
 
-Checked against (tests/test_approx_linear.py): the quadratic form ``(φ(Q)φ(K)ᵀ ⊙ causal) V /
+Checked in the test suite against: the quadratic form ``(φ(Q)φ(K)ᵀ ⊙ causal) V /
 rowsum`` computed in the test, to 1e-6 in float64 for causal (chunked, with i < j, i == j,
 i > j) and non-causal (also streamed over many blocks, with padding that differs between
 heads; in float32 as accurate as the quadratic form in float32); key padding equal to

@@ -34,11 +34,10 @@ Speed: ``E K`` and ``F V`` are plain batched matmuls over the keys' memory (one 
 row when the heads are interleaved, as :class:`qkv.MultiHeadAttention` lays them out), the
 scale is folded into ``E K``, and without ``return_weights`` the softmax runs over a chunk
 of query rows at a time, so the ``(i, k)`` weights are never held whole. Logits more than
-about 80 below their row's max are raised to that floor (:func:`qkv.approx._common.
-floor_logits`): their weights would be subnormal numbers, which some CPUs process a
-hundred times slower, and Linformer's logits spread with √j.
+about 80 below their row's max are raised to that floor: their weights would be subnormal
+numbers, which some CPUs process a hundred times slower, and Linformer's logits spread with √j.
 
-Checked against (tests/test_approx_linformer.py): ``softmax(q (E k)ᵀ · scale) (F v)``
+Checked in the test suite against: ``softmax(q (E k)ᵀ · scale) (F v)``
 computed directly in the test (also in chunks of two query rows, and with heads interleaved
 in memory); with ``k == seq_len`` and ``E = F = I`` it equals exact attention.
 """

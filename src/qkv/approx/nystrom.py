@@ -39,7 +39,7 @@ values along the sequence added to the output (self-attention only, ``i == j``).
 ``F̃ Ã⁺ B̃`` materialised (``out == weights @ v`` without the convolution); it is not
 guaranteed non-negative. ``O(i j)`` memory, for inspection only.
 
-Checked against (tests/test_approx_nystrom.py): exact softmax attention computed in the test
+Checked in the test suite against: exact softmax attention computed in the test
 when ``num_landmarks >= i, j``; ``torch.linalg.pinv`` for the iteration; the formula above
 computed directly with explicit landmark segments; the fused path against the materialised
 ``F̃ Ã⁺ B̃``. nystrom-attention (the peer package) agrees to float32 rounding (``qkv bench``).

@@ -34,8 +34,8 @@ a block of rows at a time, the key stabiliser is a running max (the state rescal
 grows), and factors that cancel in the ratio are not computed. For float32 on the CPU, once
 a head's block holds 1024 rows or more, its four large products (``W x`` for keys and
 queries, ``φ(K)ᵀ V``, ``φ(Q) S``) run in oneDNN (:func:`qkv.projection.linear`'s
-convolution written into reused buffers by :func:`qkv.approx._common.project_into`, and
-:func:`qkv.approx._common.grouped_matmul`), 1.5-2× MKL's rate on the benchmark machine.
+convolution, written into reused buffers, and a batched product run as the same kind of
+convolution), 1.5-2× MKL's rate on the benchmark machine.
 The causal form, and ``return_weights``, materialise the features with
 :func:`favor_features`, the literal form of the paper.
 
@@ -47,7 +47,7 @@ paper redraws periodically during training). ``W`` is a buffer, saved in the sta
 causal), materialised as ``(b, h, i, j)`` from the same features, so ``out == weights @ v``;
 ``O(i j)`` memory, for inspection only.
 
-Checked against (tests/test_approx_performer.py): averaged over 200 feature draws the
+Checked in the test suite against: averaged over 200 feature draws the
 kernel estimate approaches ``exp(qᵀk/√d)`` and the output approaches exact softmax
 attention computed in the test; the error falls as ``nb_features`` grows; causal and the
 streamed non-causal form (over many blocks, a rising key max, padding that differs between

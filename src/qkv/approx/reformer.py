@@ -40,8 +40,8 @@ one fused attention call (PyTorch's CPU flash kernel, which also returns each ro
 log-sum-exp) does the rest. Work is done in blocks of ``(b, h)`` rows and slabs of chunks
 with buffers reused across them: at long lengths, allocating fresh pages costs as much as
 the arithmetic. Every op runs with the caller's thread count. The pieces (hashing, intervals,
-codes, windows, the kernel and its plain twin, round combination) are in
-:mod:`qkv.approx._lsh`; one round's masks and kernel calls in :mod:`qkv.approx._lsh_round`.
+codes, windows, the kernel and its plain twin, round combination) live in private
+helper modules, one of them for a single round's masks and kernel calls.
 
 Causal (``causal=True``) also drops keys after the query; any bool mask ``(b, h, i, j)`` is
 honoured by reading its entries for the pairs inside the chunks. Causal here means no query
@@ -60,7 +60,7 @@ current rotations so that repeated calls agree. ``redraw()`` draws new ones.
 ``return_weights=True`` returns ``(out, weights (b, h, i, i))``: the effective weights
 scattered into a dense matrix, ``O(i²)`` memory, for inspection only.
 
-Checked against (tests/test_approx_reformer.py): exact shared-QK attention with the self
+Checked in the test suite against: exact shared-QK attention with the self
 mask computed in the test (``n_buckets=1``, one chunk); a dense masked softmax over the
 union of buckets-and-chunks rebuilt in the test from the module's own hashes (several
 rounds, causal, padding, masks, the flash kernel and the plain fallback); a run at

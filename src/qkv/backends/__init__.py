@@ -26,7 +26,7 @@ orders.
 ``reference``  the literal equations, materialised (the oracle)
 =============  =====================================================================
 
-Which runs what, by device (``tests/test_dispatch.py``, ``tests/test_gpu_dispatch.py``);
+Which runs what, by device (checked call by call in the test suite, on the CPU and on CUDA);
 "small" is a lazy mask of at most ``sdpa.MASK_ELEMENTS`` (a decoding step's):
 
 ==================================  ===================  ===============================

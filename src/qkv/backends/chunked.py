@@ -7,12 +7,12 @@ It runs a call on the fastest engine that takes it (``backends.engines``: the fu
 kernel per query block, ALiBi as a key column, score_mod tiles, or the online softmax for
 everything else), under the one autograd wrapper that adds sinks and dropout and rebuilds
 weights from the log-sum-exp, for chosen heads and rows only. Checked against the float64
-reference backend in ``tests/test_backends_chunked.py``.
+reference backend in the test suite.
 
 A call with a ``score_mod`` that ``torch.compile`` or ``torch.export`` traces is left to the
 reference backend (public ops, autograd's own backward), as traced graphs get
 ``F.scaled_dot_product_attention`` instead of the fused CPU kernel
-(``backends.tiling.flash_cpu``, ``qkv._trace``): the score_mod engines are Python tile loops
+(``backends.tiling.flash_cpu``): the score_mod engines are Python tile loops
 on threads inside a custom autograd function, which dynamo cannot put in one graph.
 """
 

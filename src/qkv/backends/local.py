@@ -11,7 +11,7 @@ starting at ``n·B + (j - i) - left``: the keys are padded at both ends and cut 
 overlapping windows with ``unfold`` (one copy, ``W/B`` times the keys), and all blocks run
 as one batch of the fused kernel with a ``(n, B, W)`` mask that puts the window's edges,
 the padding, and any other mask combined with ``&`` in place. Work and memory are
-``O(i·W)``. Checked against the reference backend in ``tests/test_backends_local.py``.
+``O(i·W)``. Checked against the reference backend in the test suite.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The reference backend: the seed texts' equations, materialised and literal.
+"""The reference backend: the textbook equations, materialised and literal.
 
 Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query
 length, ``j`` key length, ``d`` query/key size, ``e`` value size.

@@ -31,7 +31,7 @@ causal mask, window and ALiBi are its own) builds its segments with those local 
 runs them through :func:`run_segments` too. A document's result depends only on its own
 tokens and on its own shape, so it is the same, bit for bit, whatever its neighbours are
 (on a CPU with a fixed thread count). Checked against the reference backend in
-``tests/test_backends_segments.py``.
+the test suite.
 """
 
 from __future__ import annotations

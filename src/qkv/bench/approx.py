@@ -81,7 +81,7 @@ def _routes() -> list[str]:
     if not lines:
         return []
     return ["oneDNN or BLAS for the float32 products, chosen on this CPU by timing both once per shape "
-            "class (`qkv._probe`; key = sizes): " + "; ".join(lines) + ".", ""]
+            "class (key = sizes): " + "; ".join(lines) + ".", ""]
 
 
 def fit_exponent(sizes: list[int], seconds: list[float], lo: int = 4096, hi: int = 32768) -> float:
@@ -255,7 +255,7 @@ def render(res: ApproxResult) -> str:
         f"{', '.join(map(str, s.large_repeats))} calls for the approximations and "
         f"{', '.join(map(str, s.exact_large_repeats))} for exact attention at {', '.join(large)}; calls "
         f"interleaved round-robin"
-        + ("; freed memory kept in the process while timing (`qkv.bench.measure.steady_heap`: glibc's mmap and "
+        + ("; freed memory kept in the process while timing (glibc's mmap and "
            "trim thresholds at 1 GiB, as in a long-running process or with jemalloc), so a call's fresh output is "
            "not faulted in page by page" if res.steady_heap else "")
         + ". Peak RSS: a fresh process per case (default heap). Error: ‖out − exact‖_F / ‖exact‖_F; "

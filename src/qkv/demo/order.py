@@ -31,7 +31,7 @@ heads and no self-link: a head can also tell "not good" from "not bad" by conten
 at the next word only when it is, say, positive and at itself otherwise, so its top link
 follows the sentiment; without the word itself in reach, and with 16 heads to choose from,
 one head settles on the next word by position (its top link in trials: 81-100% over five
-initial seeds; 99%, 94%, 97% for ``qkv demo --seed`` 0, 1, 2). The other direction (the
+random seeds; 99%, 94%, 97% for ``qkv demo --seed`` 0, 1, 2). The other direction (the
 negated word's row pointing back at the negation) is 0 by construction: no word sees the
 words before it.
 """

@@ -2,11 +2,11 @@
 
 Shape legend: ``i`` = ``j`` = 4 words, ``d`` = ``e`` = 3 features.
 
-The textbook example (the project's starting material, example 002) stacks four
+A textbook worked example of self-attention stacks four
 one-hot-ish word vectors, draws ``W^Q, W^K, W^V`` with ``numpy.random.seed(42)`` and
 ``randint(3, size=(3, 3))`` three times, and prints ``softmax(Q Kᵀ / √3) V``. The same draws
 fed to ``qkv.attention`` (scaled dot product by default) print the same matrix, in the same
-numpy format; ``tests/test_seeds.py`` compares it with the printed numbers. The weights are
+numpy format; the test suite compares it with the textbook's printed numbers. The weights are
 drawn as a heatmap.
 """
 

@@ -16,7 +16,7 @@ built for the chosen heads and rows only:
 * :func:`z`, ``hook_z (..., R, H, e)``: the per-head output before ``W_O``, after the edits,
   in TransformerLens' ``[batch, pos, head, d_head]`` order.
 
-Checked against eager attention's logits and weights (tests/test_edits.py).
+Checked against eager attention's logits and weights in the test suite.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from .sampling import sample_next
 from .transformer import Transformer, TransformerConfig
 
 
-# Recurrent encoder-decoders of the seed texts (Bahdanau; Luong global / local-m / local-p),
+# Recurrent encoder-decoders with attention (Bahdanau; Luong global / local-m / local-p),
 # their decoding, and target attention for recommendation.
 from .decoding import Decoded, beam_search, greedy
 from .luong import LuongAlignment, PositionPredictor

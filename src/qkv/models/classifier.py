@@ -22,11 +22,11 @@ classes. Token ids are ``(b, i)`` int64; ``lengths (b,)`` marks right padding.
       q2   .  .  1  1        q2   .  .  .  1
       q3   .  .  .  1        q3   .  .  .  .     (no key: the row's output is 0)
 * :class:`BagOfWords` — ``logits = MLP(mean_t E[ids_t])``: a permutation of the tokens
-  leaves it unchanged, so on tasks where order matters (seed 003's example) it stays near
-  chance while the transformer learns them. Its mean is attention with fixed uniform
-  weights, returned as such for side-by-side plots.
+  leaves it unchanged, so on tasks where order matters (*the shark bit the person* against
+  *the person bit the shark*) it stays near chance while the transformer learns them. Its
+  mean is attention with fixed uniform weights, returned as such for side-by-side plots.
 
-Tested in ``tests/test_models_classifier.py`` (each overfits a small batch; bag of words is
+Tested in the test suite (each overfits a small batch; bag of words is
 permutation invariant).
 """
 

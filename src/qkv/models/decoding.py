@@ -18,7 +18,7 @@ beam with its score frozen (it may only be extended by padding, at no cost), so 
 competes with the live ones until the end. The winner is the hypothesis with the highest
 ``log p / length^α`` (``length_penalty = α``; 0 compares raw sums, which favour short
 outputs; 1 compares the mean log-probability per token). With ``k = 1`` this is exactly
-greedy decoding (checked in ``tests/test_models_decoding.py``). A batch of 0 rows decodes to
+greedy decoding (checked in the test suite). A batch of 0 rows decodes to
 empty results after one step, as the transformers' ``generate`` does: no row is left unfinished.
 """
 

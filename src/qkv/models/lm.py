@@ -15,7 +15,7 @@ by the generation benchmark (``qkv bench --suite generation``).
 Sampling (:func:`sample_next`): ``temperature = 0`` takes the argmax (greedy); otherwise
 the next token is drawn from ``softmax(logits / temperature)``, restricted to the ``top_k``
 most likely tokens when ``top_k`` is given (Fan et al. 2018, "Hierarchical Neural Story
-Generation"). Tested in ``tests/test_models_lm.py``.
+Generation"). Tested in the test suite.
 """
 
 from __future__ import annotations

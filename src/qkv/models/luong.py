@@ -23,7 +23,7 @@ location), and ``align(h_t, h̄_s) = softmax_s score(h_t, h̄_s)``:
 
 Positions count from 0. The context is ``c_t = Σ_s a_t(s) h̄_s``. Padding is masked with a
 bool mask (True = may attend). Checked against these formulas, computed by hand from the
-module's parameters, in ``tests/test_models_luong.py``.
+module's parameters, in the test suite.
 """
 
 from __future__ import annotations

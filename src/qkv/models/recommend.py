@@ -3,8 +3,8 @@
 Shape legend: ``b`` batch (users), ``j`` history length (keys), ``d`` item embedding size,
 ``n`` hidden size of the scorer.
 
-The seed texts: "for recommendation systems, Q can be from the target items, K, V from
-the user profile and history". This is the setup of the Deep Interest Network (Zhou et
+In query/key/value terms the query comes from the target item, the keys and values from
+the user's profile and history. This is the setup of the Deep Interest Network (Zhou et
 al. 2018, "Deep Interest Network for Click-Through Rate Prediction"): instead of pooling
 a user's history into one fixed vector, the history is pooled *with respect to the
 candidate*, so the same user is represented by their sports purchases when the candidate
@@ -16,10 +16,10 @@ is a football and by their books when it is a novel:
     p(click) = sigmoid(MLP([u; e_c; u ⊙ e_c]))
 
 DIN scores with an MLP and leaves the weights unnormalised; here the weights are the
-seeds' softmax over qkv's own scores (default ``"concat"``, the additive MLP score), so
+usual softmax over qkv's own scores (default ``"concat"``, the additive MLP score), so
 they can be read as "which past items explain this prediction". A user with no history
 gets ``u = 0`` (a fully masked row gives zero output in qkv). Checked in
-``tests/test_models_recommend.py``: padding changes nothing, and a trained model puts its
+the test suite: padding changes nothing, and a trained model puts its
 weight on the history items that share the candidate's category.
 """
 

@@ -14,7 +14,7 @@ are the keys and values the decoder attends over.
 Padding: the source is packed (``nn.utils.rnn.pack_padded_sequence``), so the backward
 RNN of a short sequence starts at its own last token rather than at the padding, and the
 annotations are exactly those of the unpadded sequence (checked in
-``tests/test_models_rnn.py``). Annotations at padded positions are zero.
+the test suite). Annotations at padded positions are zero.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Both train with teacher forcing (:meth:`loss`) and decode with :meth:`greedy` an
 ``torch.nn.Transformer`` and :mod:`qkv.models.transformer`: ``src (b, j)`` source ids,
 ``src_lengths (b,)`` real source tokens per row, ``tgt`` target ids. A full target
 sequence is ``bos y_1 … y_n eos`` padded with ``pad_id``, the layout of ``qkv.tasks``.
-Checked in ``tests/test_models_seq2seq.py``: teacher-forced logits equal step-by-step
+Checked in the test suite: teacher-forced logits equal step-by-step
 decoding, padding does not change results, and each model overfits a tiny batch.
 """
 

@@ -13,7 +13,7 @@ embedding has unit-size entries like the sinusoid it is added to. Positions are 
 ``"relative"`` (inside self-attention, one module shared by the layers) or ``"none"``.
 Padding is given as ``lengths (b,)``: the number of real tokens at the start of each row.
 Training uses teacher forcing: ``model(src, tgt[:, :-1])`` predicts ``tgt[:, 1:]``.
-Tested in ``tests/test_models_transformer.py`` (overfits a small reversal task; cached greedy
+Tested in the test suite (overfits a small reversal task; cached greedy
 decoding equals uncached).
 """
 

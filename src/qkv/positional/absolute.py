@@ -16,7 +16,7 @@ Both are added to the token embeddings by the models (``x + encoding``); they do
 attention, unlike RoPE (``rotary.py``) and the lazy biases (``bias.py``). ``start`` offsets
 the positions for incremental decoding with a KV cache: the new tokens sit at
 ``start, start + 1, ...``. Checked against the formula written out per element in
-``tests/test_positional_absolute.py``.
+the test suite.
 """
 
 from __future__ import annotations

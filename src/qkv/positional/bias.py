@@ -13,7 +13,7 @@ right aligned), never stored as an ``(h, i, j)`` tensor.
   head and bucket; distances below ``buckets/2`` (bidirectional: per direction) get a
   bucket each, larger ones share log-spaced buckets up to ``max_distance``.
 
-Checked in ``tests/test_positional_bias.py`` against the formulas written out per element.
+Checked in the test suite against the formulas written out per element.
 """
 
 from __future__ import annotations

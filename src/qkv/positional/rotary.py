@@ -20,7 +20,7 @@ dims, the layout of GPT-NeoX and LLaMA checkpoints.
 Positions follow the bottom-right alignment of ``qkv.masks``: the new keys sit at
 ``start .. start + j - 1`` (``start`` = the KV-cache length) and the ``i`` queries at the last
 ``i`` of those positions, so a query and the key at its own position get the same angle.
-Checked in ``tests/test_positional_rotary.py`` against the complex-number form.
+Checked in the test suite against the complex-number form.
 """
 
 from __future__ import annotations

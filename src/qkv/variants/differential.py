@@ -18,7 +18,7 @@ backend, mask and bias works, memory-bounded and with a backward), combined line
 for. In the paper a head has ``2d`` query/key and ``2d`` value channels, so
 ``MultiHeadAttention(dim, heads, dim_head=2 * d, attention=DifferentialAttention(2 * d))``
 with ``heads = dim / (2 d)`` is its layout. Checked against the formula written with
-materialised softmaxes in float64 in ``tests/test_variants_differential.py``.
+materialised softmaxes in float64 in the test suite.
 """
 
 from __future__ import annotations

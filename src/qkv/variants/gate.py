@@ -14,7 +14,7 @@ variant they recommend (gate after the scaled dot-product attention, position G1
 The gate makes the head's contribution input-dependent and sparse, which the paper finds
 removes the "attention sink" on the first token and stabilises training. Used as
 ``MultiHeadAttention(..., gate=OutputGate(dim, heads, dim_value_head))``; checked against the
-formula in ``tests/test_variants_gate.py``.
+formula in the test suite.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the logit growth that destabilises training at scale cannot happen (Dehghani et 
 models normalise per head, before the rotary embedding, with one gain vector of size ``d``
 shared by the heads: Qwen 3, Gemma 3 (OLMo 2 normalises the whole ``h·d`` projection
 instead). Used as ``MultiHeadAttention(..., qk_norm=QKNorm(dim_head))``; checked against
-the formula above in ``tests/test_variants_qk_norm.py``.
+the formula above in the test suite.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ mask on full ones. Its backward recomputes each tile (``σ' = σ(1 − σ)``)::
 so training memory is one tile, not ``(h, i, j)``. Half-precision inputs accumulate in
 float32. Checked against the formula written element by element in float64, and its
 gradients against autograd through the materialised formula, in
-``tests/test_variants_sigmoid.py``.
+the test suite.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Whether this beats the masked kernel depends on the CPU: here the extra column c
 kernel 20-40% (its head size leaves the vector width), while a masked call costs 5-20%.
 :func:`preferred` times both once per process (``(1, 8, 512, 64)``, forward and backward
 apart) and keeps the faster. Checked against the float64 reference in
-``tests/test_backends_alibi_column.py``.
+the test suite.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from the forward pass: each query block is attended over its near keys (offset <
 softmaxes are merged by their log-sum-exp, which leaves the far keys' own output and
 log-sum-exp (``_split_block``, the engine's ``saved``). Other learned biases go to
 ``online_softmax``. Checked against the float64 reference in
-``tests/test_backends_chunked.py``.
+the test suite.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ documents, padded causal batches, FlexAttention's block masks: everything but th
 boundary tiles runs unmasked). The runs' partial softmaxes merge by their log-sum-exp
 (``tiling.lse``); the backward calls the kernel's backward per run with the block's final
 ``(out, lse)``, which gives each run's exact share. Checked against the reference in
-``tests/test_backends_chunked.py``.
+the test suite.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ ignores it); the merge and :func:`with_sinks` never produce NaN for such rows. E
 runs on the engine ``engines.choose`` picks for it, the same code and the same choice as
 ``qkv.attention``'s chunked backend (:func:`engine` names it). Checked against
 ``qkv.attention`` (float64, blocks merged, gradients summed) in
-``tests/test_backends_key_blocks.py``.
+the test suite.
 """
 
 from __future__ import annotations

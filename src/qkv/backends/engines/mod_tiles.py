@@ -39,7 +39,7 @@ then the same explicit ``dQ``, ``dK``.
 
 A row with no allowed key has ``l = 0``: output 0, ``lse = -inf``, zero gradients.
 Half-precision inputs are computed in float32. Checked against the float64 reference
-backend in ``tests/test_backends_mod_tiles.py``.
+backend in the test suite.
 """
 
 from __future__ import annotations

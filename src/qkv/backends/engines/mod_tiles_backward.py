@@ -18,7 +18,7 @@ and ``dO`` enter the other three products in ``mm`` (``mod_tiles_parts.operands`
 A soft cap ``c · tanh(x / c)`` multiplies ``dS`` by its derivative ``1 - tanh²`` in place (no
 autograd); any other modifier gets ``dS`` through autograd of the modifier alone on a
 detached copy of the tile, and the tensors it reads (``closure_tensors``) their share.
-Checked against the float64 reference backend in ``tests/test_backends_mod_tiles.py``.
+Checked against the float64 reference backend in the test suite.
 """
 
 from __future__ import annotations

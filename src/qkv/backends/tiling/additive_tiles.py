@@ -22,7 +22,7 @@ Two choices make it cheap:
    about 0.13 ns per element where ``tanh`` alone takes 3 to 6 (``sigmoid`` 0.25 to 0.35). It is
    also accurate: ``u`` is within a few ulp relative, ``2u - 1`` within a few ulp of 1
    absolute, which is what ``tanh`` loses too once summed over ``n`` (checked against
-   float64 in ``tests/test_backends_online_softmax.py``). Saturation is exact: ``A_i B_j``
+   float64 in the test suite). Saturation is exact: ``A_i B_j``
    underflows to 0 (``u = 1``) or overflows to ``inf`` (``u = 0``), never ``0 · inf``,
    as long as ``A`` and ``B`` themselves are finite and non-zero, i.e. ``|2a|, |2b|`` below
    :func:`_exp_limit`. Inputs beyond it (a projection of 40 or more in float32, where

@@ -14,7 +14,7 @@ only a band of ``2 · max_distance - 1`` diagonals is recomputed; the two far re
 sum each, the future one from what the forward pass kept (:func:`far_profile_grad`) and
 the past one from rows of ``dS`` summing to zero.
 
-Checked against the float64 reference backend in ``tests/test_backends_chunked.py``.
+Checked against the float64 reference backend in the test suite.
 
 The blocks come in the reversed-row order of ``fused_blocks.DiagonalMask`` (block row
 ``a'`` is query ``i1 - 1 - a'``), where offsets run along anti-diagonals: row ``a'``,

@@ -14,7 +14,7 @@ not, which ``qkv.explain`` prints:
 * the tensors are not on the CPU (a GPU, or ``meta`` for shape inference): public ops only;
 * ``torch.compile`` / ``torch.export`` are tracing the call: the backends' Python-level
   block loops and custom autograd functions are left out of traced graphs, which get
-  ``F.scaled_dot_product_attention`` instead (``qkv._trace``);
+  ``F.scaled_dot_product_attention`` instead;
 * the probe failed: at first use for each dtype, the kernel's forward and backward run on
   a ``(1, 2, 3, 4)`` problem and are compared with the softmax written out; a missing op,
   an error or a wrong answer keeps every later call of that dtype on public ops.
@@ -128,7 +128,7 @@ def grouped_backward(d_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *args, **kw
 
     With ``g < h`` KV heads the kernel adds the ``h / g`` query heads' shares of dk and dv
     into one buffer of the input's precision; in bfloat16 that doubled their error against
-    float64 at i = 4096, GQA 8/2 (``tests/test_backends_bf16.py`` holds the rule). So
+    float64 at i = 4096, GQA 8/2 (a test in the suite holds the rule). So
     half-precision calls get the KV heads repeated, and the shares are summed here in float32.
     """
     group = q.shape[-3] // k.shape[-3]

@@ -40,7 +40,7 @@ Head sizes below 16 (flex's Triton kernels need ``d, e >= 16``) are padded with 
 zeros appended to q and k leave every dot product unchanged, zeros appended to v add
 output columns that the caller slices off (``Lowered.e``).
 
-Checked in ``tests/test_gpu_dispatch.py``: the block lists against the mask, entry by
+Checked in the test suite's GPU tests: the block lists against the mask, entry by
 entry (``qkv.masks.FlexBlocks`` reads them back), and flex's own CPU forward on the
 lowered call against the reference backend.
 """

@@ -6,7 +6,7 @@ of query-key offsets; ``it``/``jt`` the sides of a block.
 When a call's mask is an offset range (causal, windows, ``offsets``) and its bias is
 shift-invariant (ALiBi, T5 buckets), :class:`DiagonalMask` holds both as an ``(h|1, L)``
 profile from which each block's additive mask is a zero-copy strided view that PyTorch's
-fused kernel reads directly (the ``fused_blocks`` and ``alibi_column`` engines). Checked against the reference mask and bias in ``tests/test_backends_chunked.py``.
+fused kernel reads directly (the ``fused_blocks`` and ``alibi_column`` engines). Checked against the reference mask and bias in the test suite.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The backward of the keys is FlashAttention's with the final ``(out_total, lse_to
 (the sink's ``dP`` is 0: it has no value), and the sink's own gradient is
 ``d s_h = -Σ_rows exp(s_h - lse_total) · D``, ``D = rowsum(dO ∘ O_total)``.
 Weights over the keys then sum to ``1 - exp(s_h - lse_total) < 1``. Checked against the
-reference backend's extra logit column in ``tests/test_backends_sinks.py``. Engines never
+reference backend's extra logit column in the test suite. Engines never
 apply sinks themselves: the one autograd wrapper (``engines.call``) and the merged rows of
 a split softmax (``engines.key_blocks``) do, once.
 """

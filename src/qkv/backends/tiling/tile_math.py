@@ -6,7 +6,7 @@ matrices.
 The soft-capped tile loop spends most of its time outside the matrix products, in passes
 over tile-sized buffers, so each pass is written in place into a buffer reused by every
 tile, and the two transcendental functions it needs run in the cheaper of two forms that
-both stay accurate to a few ulp (``tests/test_backends_mod_tiles.py`` checks both against
+both stay accurate to a few ulp (the test suite checks both against
 float64): PyTorch's own ``tanh`` and ``exp``, or rewritten through ``expm1`` and
 ``sigmoid``. Which is cheaper depends on the CPU's kernels, not on the code: on the AMD EPYC
 the tile loop was tuned on, ``torch.tanh`` cost 4 to 8 ns per element and ``sigmoid``
@@ -158,7 +158,7 @@ def exp_nonpositive_(a: Tensor, tmp: Tensor | None, form: Forms, hide: Tensor | 
     tile. ``low`` is a lower bound the caller knows for ``a``'s finite entries (a capped
     logit is at least ``-c`` minus its row's maximum); at or above :func:`floor` the floor's
     pass is skipped. Two forms, both within 3 ulp of the float64 ``exp`` where it matters
-    (``tests/test_backends_mod_tiles.py``):
+    (checked in the test suite):
 
     * PyTorch's ``exp``, with arguments below :func:`floor` sent to ``-inf`` first (one
       ``threshold_`` pass). Without it ``exp`` gives float32 subnormal numbers on
@@ -195,8 +195,8 @@ def exp_floored(x: Tensor, *, in_place: bool = False) -> Tensor:
 def logit_bound(q: Tensor, k: Tensor, scale: float) -> float | None:
     """``|scale| · max‖q_i‖ · max‖k_j‖``, at least every ``|scale · q_iᵀk_j|`` (Cauchy–Schwarz); None where unreadable.
 
-    The values cannot be read on ``meta`` tensors or while tracing (``qkv._trace``); an empty
-    input bounds nothing and gives 0.
+    The values cannot be read on ``meta`` tensors or while ``torch.compile`` / ``torch.export``
+    trace the call; an empty input bounds nothing and gives 0.
     """
     if not concrete(q, k):
         return None
