@@ -74,8 +74,12 @@ CASES = [
      ValueError, r"mask: qkv.masks.lengths got key_lengths of shape \(3,\), one per batch row; the call needs b = 2 \(or 1\): a mask broadcasts to \(b, h, i, j\) = \(2, 6, 5, 7\)"),
     ("mask-lengths-batch", lambda: _call(mask=masks.lengths(torch.tensor([1, 2, 3]))), ValueError,
      r"mask: qkv.masks.lengths got key_lengths of shape \(3,\), one per batch row; the call needs b = 2 \(or 1\): a mask broadcasts to \(b, h, i, j\) = \(2, 6, 5, 7\)"),
-    ("mask-float", lambda: _call(mask=torch.ones(5, 7)), TypeError,
+    ("mask-float", lambda: _call(mask=torch.full((5, 7), 0.5)), TypeError,
      r"mask: expected dtype torch.bool \(True = may attend\), got torch.float32; pass a float tensor as bias="),
+    ("mask-float-0-1", lambda: _call(mask=torch.ones(5, 7)), TypeError,
+     r"mask: expected dtype torch.bool \(True = may attend\), got torch.float32; it holds only 0 and 1, so it looks "
+     r"like a keep-mask of 0/1: pass mask=m.bool\(\) \(True = may attend\), or, if it is an additive bias "
+     r"\(0 and -inf\), bias=$"),
     ("mask-int", lambda: _call(mask=torch.ones(5, 7, dtype=torch.int64)), TypeError,
      r"mask: expected dtype torch.bool \(True = may attend\), got torch.int64"),
     ("mask-type", lambda: _call(mask="causal"), TypeError, r"mask: expected a bool tensor or a qkv.masks.Mask, got str"),

@@ -86,7 +86,7 @@ def test_b_j_keep_mask_quotes_the_callers_shape_and_points_to_padding_masks():
     with pytest.raises(ValueError) as caught:
         qkv.attention(*_qkv(), mask=keep)
     message = str(caught.value)
-    assert message.startswith(f"mask: expected shape broadcastable to (b, h, i, j) = (2, 4, 7, 7), got (2, 7);")
+    assert message.startswith("mask: expected shape broadcastable to (b, h, i, j) = (2, 4, 7, 7), got (2, 7);")
     assert "a 2-d mask is (i, j)" in message
     assert "mask=keep[:, None, None, :]" in message and "qkv.masks.lengths(keep.sum(-1))" in message
     # both ways the message gives are the padding mask meant
@@ -149,3 +149,140 @@ def test_mask_target_names_leading_dims():
     with pytest.raises(ValueError, match=r"mask: expected shape broadcastable to \(\.\.\., b, h, i, j\) = "
                                          r"\(3, 2, 4, 7, 7\), got \(5, 7\)"):
         qkv.attention(q, q, q, mask=torch.ones(5, 7, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------- 4. head size d = 0
+
+
+def _no_features():
+    gen = torch.Generator().manual_seed(2)
+    return torch.randn(1, 1, 3, 0), torch.randn(1, 1, 3, 0), torch.randn(1, 1, 3, 4, generator=gen)
+
+
+@pytest.mark.parametrize("scale", [None, 1.0, 0.5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_size_0_is_pytorchs_answer(scale, causal):
+    # it raised ZeroDivisionError (1/√0), even with scale=1.0: every logit is 0 (the sum of no products)
+    q, k, v = _no_features()
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if not causal:  # PyTorch's answer: the mean of the values
+        torch.testing.assert_close(v.mean(-2, keepdim=True).expand(1, 1, 3, 4), expected)
+    torch.testing.assert_close(qkv.attention(q, k, v, causal=causal, scale=scale), expected)
+    torch.testing.assert_close(qkv.attention(q, k, v, causal=causal, scale=scale, score="dot"), expected)
+    out, w = qkv.attention(q, k, v, causal=causal, scale=scale, return_weights=True)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(w.sum(-1), torch.ones(1, 1, 3))
+    assert qkv.explain(q, k, v, causal=causal, scale=scale).startswith("backend: ")
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "sdpa"])
+def test_head_size_0_on_each_backend_with_gradients(backend):
+    q, k, v = (x.requires_grad_() for x in _no_features())
+    out = qkv.attention(q, k, v, mask=masks.lengths(torch.tensor([2])), backend=backend)
+    torch.testing.assert_close(out, v[..., :2, :].mean(-2, keepdim=True).expand(1, 1, 3, 4))
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    torch.testing.assert_close(v.grad, torch.tensor([1.5, 1.5, 0.0]).view(1, 1, 3, 1).expand(1, 1, 3, 4))
+
+
+def test_head_size_0_still_checks_the_scale():
+    q, k, v = _no_features()
+    with pytest.raises(ValueError, match=r"^scale: expected a finite number, got nan$"):
+        qkv.attention(q, k, v, scale=float("nan"))
+
+
+# ---------------------------------------------------------------- 5. a float 0/1 keep-mask
+
+
+def test_float_keep_mask_of_0_and_1_says_bool_not_bias():
+    # a Hugging Face-style attention_mask made float: the message said "pass a float tensor as bias=",
+    # and following it added 0/1 to the logits, silently
+    am = torch.ones(B, J, dtype=torch.long)
+    am[1, 5:] = 0
+    m = am.float()[:, None, None, :]
+    with pytest.raises(TypeError) as caught:
+        qkv.attention(*_qkv(), mask=m)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("mask: expected dtype torch.bool (True = may attend), got torch.float32; ")
+    assert "0/1" in message and "mask=m.bool()" in message and "(0 and -inf)" in message and "bias=" in message
+    assert "pass a float tensor as bias=" not in message
+    q, k, v = _qkv()  # the advice is the padding mask meant
+    torch.testing.assert_close(qkv.attention(q, k, v, mask=m.bool()), qkv.attention(q, k, v, mask=am.bool()[:, None, None, :]))
+
+
+def test_float_mask_of_other_values_still_points_to_bias():
+    bias = torch.zeros(I, J).masked_fill(~masks.causal().dense(I, J), float("-inf"))
+    with pytest.raises(TypeError, match=r"got torch.float32; pass a float tensor as bias= to add it to the logits$"):
+        qkv.attention(*_qkv(), mask=bias)
+
+
+# ---------------------------------------------------------------- 6. explain's keywords
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"is_causal": True}, r"^qkv.explain: is_causal= is F.scaled_dot_product_attention's keyword; qkv.explain takes causal="),
+        ({"attn_mask": None}, r"^qkv.explain: attn_mask= is F.scaled_dot_product_attention's keyword; qkv.explain takes mask="),
+        ({"foo": 1}, r"^qkv.explain\(\) got an unexpected keyword argument 'foo'$"),
+        ({"hidden_after": True}, r"^qkv.explain\(\) got an unexpected keyword argument 'hidden_after'$"),
+    ],
+    ids=["is_causal", "attn_mask", "foo", "internal"],
+)
+def test_explain_translates_foreign_keywords_as_attention_does(kwargs, message):
+    # it said "request() got an unexpected keyword argument 'is_causal'", naming an internal function
+    with pytest.raises(TypeError, match=message) as caught:
+        qkv.explain(*_qkv(), **kwargs)
+    assert "request" not in str(caught.value)
+    with pytest.raises(TypeError) as by_attention:
+        qkv.attention(*_qkv(), **kwargs)
+    said = str(by_attention.value).replace("qkv.attention", "qkv.explain")
+    assert str(caught.value) == "qkv.explain" + said.removeprefix("attention")  # the same translation
+
+
+def test_explain_takes_every_keyword_of_attention():
+    q, k, v = _qkv()
+    text = qkv.explain(q, k, v, generator=torch.Generator(), sinks=torch.zeros(H), score_mod=None, return_lse=True,
+                       weights_for={"rows": [0]}, return_weights=True, backend="auto")  # fmt: skip
+    assert text.startswith("backend: ")
+
+
+# ---------------------------------------------------------------- 7. ~ on a lazy mask, a lazy mask as attn_mask
+
+
+@pytest.mark.parametrize(
+    ("mask", "rest"),
+    [
+        (lambda: masks.causal(), r"qkv.masks.offsets\(1, None\)"),
+        (lambda: masks.window(2, 1), r"qkv.masks.offsets\(None, -3\) \| qkv.masks.offsets\(2, None\)"),
+        (lambda: masks.lengths(torch.tensor([3, 7])), r"mask=~m.dense\(i, j\)"),
+    ],
+    ids=["causal", "window", "lengths"],
+)
+def test_complement_of_a_lazy_mask_says_how_to_write_it(mask, rest):
+    # it said "bad operand type for unary ~: 'Window'"
+    m = mask()
+    with pytest.raises(TypeError, match=r"^~.*: lazy masks combine with & and \| but have no complement; .*" + rest) as caught:
+        ~m
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(None, 0), (-2, 1), (0, 0), (1, None), (-3, -1)])
+def test_complement_the_message_gives_is_exact(lo, hi):
+    m = masks.offsets(lo, hi)
+    with pytest.raises(TypeError) as caught:
+        ~m
+    expression = str(caught.value).split(" hides are ", 1)[1].split(", and ", 1)[0]
+    for i, j in [(5, 5), (3, 7)]:
+        complement = eval(expression, {"qkv": qkv}).dense(i, j)
+        assert torch.equal(complement, ~m.dense(i, j))
+
+
+def test_lazy_mask_as_sdpa_attn_mask_points_to_attention():
+    # it said "attn_mask: expected a bool or float tensor, got Window"
+    with pytest.raises(TypeError) as caught:
+        qkv.scaled_dot_product_attention(*_qkv(), attn_mask=masks.causal())
+    message = str(caught.value)
+    assert message.startswith("attn_mask: expected a bool or float tensor, got causal(), a qkv lazy mask")
+    assert "qkv.attention(q, k, v, mask=...)" in message and "is_causal=True" in message and "\n" not in message

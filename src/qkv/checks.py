@@ -78,7 +78,15 @@ def request(
         mask.check(q.shape[-2], k.shape[-2])
         mask.reset()
     bias = _bias(bias, target, q)
-    scale = _scale(scale, score, q.shape[-1])
+    if q.shape[-1] == 0 and isinstance(score, Dot):
+        # No features: every logit is 0 (the sum of no products) whatever the scale, as PyTorch
+        # gives it (its default 1/√0 multiplies nothing); 1/√d has no value here to compute. A
+        # scale given is still checked. The engines get one zero feature, the same logits, as
+        # some kernels refuse a size of 0.
+        _scale(scale, score, 1)
+        q, k, scale = _one_zero_feature(q), _one_zero_feature(k), 1.0
+    else:
+        scale = _scale(scale, score, q.shape[-1])
     if scale <= 0 and score.dot_form:
         # PyTorch's fused CPU kernel drops its own causal mask when the scale is not positive (its
         # hidden logits turn to nan: torch 2.13, also F.scaled_dot_product_attention's is_causal).
@@ -248,6 +256,11 @@ def _sinks(sinks: Tensor | None, q: Tensor) -> Tensor | None:
     if tuple(sinks.shape) != (h,):
         raise ValueError(f"sinks: expected shape ({h},), one logit per query head, got {tuple(sinks.shape)}")
     return sinks
+
+
+def _one_zero_feature(x: Tensor) -> Tensor:
+    """``x (…, 0)`` with one zero feature appended: ``(…, 1)``, still in ``x``'s graph (its gradient stays ``(…, 0)``)."""
+    return torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
 
 
 def _scale(scale: float | None, score: Score, d: int) -> float:

@@ -276,6 +276,10 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
     CUDA it also names the kernel: ``backend: sdpa (flash or efficient kernel, chosen by
     PyTorch)``, ``backend: flex (compiled flex_attention)``.
     """
+    # attention's keywords and no others (checks.request takes more, its own), each foreign name translated as there
+    unknown = {name: value for name, value in kwargs.items() if name not in attention.__kwdefaults__}
+    if unknown:
+        foreign_keywords(unknown, FOREIGN_NAMES, "qkv.explain", "qkv.explain")
     backend = kwargs.pop("backend", "auto")
     kwargs.setdefault("score", "scaled_dot")
     kwargs.setdefault("mask", None)

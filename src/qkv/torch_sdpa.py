@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from .functional import attention
-from .masks import causal, offsets
+from .masks import Mask, causal, offsets
 
 
 def scaled_dot_product_attention(
@@ -76,6 +76,9 @@ def scaled_dot_product_attention(
     query, key, value = _broadcast(query, key, value, enable_gqa)
     mask, bias = None, None
     if attn_mask is not None:
+        if isinstance(attn_mask, Mask):  # qkv's own lazy masks are qkv.attention's, which PyTorch's call has no place for
+            raise TypeError(f"attn_mask: expected a bool or float tensor, got {attn_mask!r}, a qkv lazy mask, which "
+                            "qkv.attention(q, k, v, mask=...) takes (here, is_causal=True for a causal mask)")  # fmt: skip
         if not isinstance(attn_mask, Tensor):
             raise TypeError(f"attn_mask: expected a bool or float tensor, got {type(attn_mask).__name__}")
         if attn_mask.dim() < 2:  # broadcastable to (L, S), as PyTorch documents: a row (S,) or one value for all

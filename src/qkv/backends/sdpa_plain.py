@@ -86,6 +86,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
     vb, vg, vj, _ = v.shape
     if kb != b or vb != b or vg != g or vj != j or kd != d or i == 0 or j == 0 or g == 0 or h % g:
         return None
+    if d == 0:
+        return None  # no features: every logit is 0 and 1/√d has no value (the full path, see checks.request)
     if not dtype.is_floating_point or not flash_cpu.works(dtype):
         return None
     if type(mask) is Window and mask.left is None and mask.right == 0 and causal is False:

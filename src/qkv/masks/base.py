@@ -152,6 +152,27 @@ class Mask:
     def __ror__(self, other: Tensor) -> Mask:
         return Or(as_mask(other), self)
 
+    def __invert__(self) -> Mask:
+        """No lazy complement (the algebra is ``&`` and ``|``): a ``TypeError`` that says how to write the mask meant.
+
+        A range of offsets has its complement among the lazy masks, offsets again, which the
+        message writes out; any other mask has it as a bool tensor. A ``~`` is often a habit
+        from masks where True hides a key, which qkv's are not.
+        """
+        bounds = self.offset_bounds()
+        if bounds is not None and bounds != (None, None):
+            lo, hi = bounds
+            parts = ([] if lo is None else [f"qkv.masks.offsets(None, {lo - 1})"]) + (
+                [] if hi is None else [f"qkv.masks.offsets({hi + 1}, None)"]
+            )
+            hint = (
+                f"the keys {self!r} hides are {' | '.join(parts)}, "
+                f"and qkv masks are True = may attend (mask={self!r} needs no ~)"
+            )
+        else:
+            hint = "pass its complement as a bool tensor, mask=~m.dense(i, j) (True = may attend)"
+        raise TypeError(f"~{self!r}: lazy masks combine with & and | but have no complement; {hint}")
+
 
 class Dense(Mask):
     """A bool tensor broadcastable to ``(..., i, j)``, sliced per tile.
@@ -165,7 +186,14 @@ class Dense(Mask):
         if not isinstance(mask, Tensor):
             raise TypeError(f"mask: expected a bool tensor or a qkv.masks.Mask, got {type(mask).__name__}")
         if mask.dtype != torch.bool:
-            if mask.dtype.is_floating_point or mask.dtype.is_complex:
+            if mask.dtype.is_floating_point and _zeros_and_ones(mask):
+                # most often a tokenizer's attention_mask made float: as a bias, its 0/1 would shift
+                # the logits by 1 and hide nothing, with no error
+                hint = (
+                    "it holds only 0 and 1, so it looks like a keep-mask of 0/1: pass mask=m.bool() (True = may attend), "
+                    "or, if it is an additive bias (0 and -inf), bias="
+                )
+            elif mask.dtype.is_floating_point or mask.dtype.is_complex:
                 hint = "pass a float tensor as bias= to add it to the logits"
             else:  # most often a tokenizer's 0/1 attention_mask
                 hint = (
@@ -379,6 +407,11 @@ def _combine(a: tuple[int, int] | None, b: tuple[int, int] | None, op: str) -> t
     if a is None or b is None:
         return None
     return min(a[0], b[0]), max(a[1], b[1])
+
+
+def _zeros_and_ones(mask: Tensor) -> bool:
+    """Whether ``mask`` holds values, and only 0s and 1s (False where no value may be read: traced, meta)."""
+    return mask.numel() > 0 and concrete(mask) and bool(((mask == 0) | (mask == 1)).all())
 
 
 def _longer(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
