@@ -348,3 +348,65 @@ def test_positional_bias_with_an_approximate_mechanism_is_refused():
     # a rotation needs no logits, so it works with any mechanism
     mha = qkv.MultiHeadAttention(16, 4, positional=qkv.Rotary(4), attention=LinearAttention())
     assert mha(torch.randn(2, 5, 16)).shape == (2, 5, 16)
+
+
+def _written_out(q, k, keep):
+    """``softmax(q kᵀ)`` (Attention's default "dot") over the kept keys, and the context ``α k``, for ``q (b, i, d)``,
+    ``k (b, j, d)``, ``keep (b, j)``."""
+    logits = torch.einsum("bid,bjd->bij", q, k)
+    alpha = torch.softmax(logits.masked_fill(~keep[:, None, :], float("-inf")), dim=-1)
+    return alpha @ k, alpha
+
+
+def test_attention_seq2seq_form_takes_a_lengths_mask_and_a_padding_mask_per_batch_row():
+    # (b, i, dq) queries reached qkv.attention as (h, i, d) with no batch dim: a lengths mask failed
+    # with "the call has no batch dim for it", a (b, j) keep-mask with "broadcastable to (h, i, j)"
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 5, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(3, 7, 16, generator=gen, dtype=torch.float64)
+    lens = torch.tensor([7, 3, 5])
+    keep = torch.arange(7) < lens[:, None]  # (b, j), True = a real key
+    expected, expected_alpha = _written_out(q, k, keep)
+    attend = qkv.Attention()
+    for mask in (qkv.masks.lengths(lens), keep, keep[:, None, :], keep[:, None, None, :]):
+        out, alpha = attend(q, k, mask=mask, return_weights=True)
+        assert out.shape == (3, 5, 16) and alpha.shape == (3, 5, 7)
+        torch.testing.assert_close(alpha, expected_alpha, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        torch.testing.assert_close(attend(q, k, mask=mask), expected, rtol=0, atol=1e-12)  # the path without weights
+    # a single step (b, dq) with the same masks
+    for mask in (qkv.masks.lengths(lens), keep):
+        out, alpha = attend(q[:, 0], k, mask=mask, return_weights=True)
+        torch.testing.assert_close(alpha, expected_alpha[:, 0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(out, expected[:, 0], rtol=0, atol=1e-12)
+    # per-query masks still broadcast as before: (i, j) and (b, i, j)
+    causal = torch.ones(5, 7, dtype=torch.bool).tril(2)
+    logits = torch.einsum("bid,bjd->bij", q, k)
+    want = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+    torch.testing.assert_close(attend(q, k, mask=causal, return_weights=True)[1], want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(attend(q, k, mask=causal.expand(3, 5, 7), return_weights=True)[1], want, rtol=0, atol=1e-12)
+
+
+def test_attention_seq2seq_form_refuses_a_mask_that_reads_both_as_b_j_and_i_j():
+    q, k = torch.randn(4, 4, 8), torch.randn(4, 6, 8)
+    with pytest.raises(ValueError, match=r"mask: shape \(4, 6\) reads as a padding mask \(b, j\) and as a per-query mask "
+                                         r"\(i, j\) when b = i = 4; pass mask\[:, None, :\] \(b, 1, j\) or mask\[None\] "
+                                         r"\(1, i, j\)"):  # fmt: skip
+        qkv.Attention()(q, k, mask=torch.ones(4, 6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_an_input_of_another_dtype_than_the_parameters_says_to_convert_one(dtype):
+    # was "mat1 and mat2 must have the same dtype" from inside the projection
+    mha = qkv.MultiHeadAttention(16, 8)
+    x = torch.randn(2, 3, 16, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"query: dtype {dtype} differs from the module's parameters \(torch.float32\); "
+                                        rf"call .to\({dtype}\) on the module or .to\(torch.float32\) on the input"):  # fmt: skip
+        mha(x)
+    with pytest.raises(TypeError, match=rf"key: dtype {dtype} differs from the module's parameters"):
+        mha(torch.randn(2, 3, 16), x)
+    with pytest.raises(TypeError, match=r"query: expected a floating-point tensor, got torch.int64"):
+        mha(torch.ones(2, 3, 16, dtype=torch.long))
+    # autocast converts the inputs itself: not an error there
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mha(torch.randn(2, 3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16

@@ -275,3 +275,48 @@ def test_an_encoder_layer_takes_a_whole_self_attention_module_and_refuses_mha_se
         TransformerEncoderLayer(16, 2, self_attention=mla, kv_heads=1)
     with pytest.raises(ValueError, match="self_attention: expected an nn.Module"):
         TransformerEncoderLayer(16, 2, self_attention=lambda x: x)
+
+
+def test_feed_forward_names_an_input_of_the_wrong_size_or_dtype():
+    # was "mat1 and mat2 shapes cannot be multiplied (6x16 and 32x128)"
+    with pytest.raises(ValueError, match=r"x: last dim 16 differs from the layer's dim=32; expected shape \(\.\.\., 32\), "
+                                         r"got \(2, 3, 16\)"):  # fmt: skip
+        FeedForward(32)(torch.randn(2, 3, 16))
+    with pytest.raises(TypeError, match=r"x: dtype torch.float64 differs from the module's parameters \(torch.float32\)"):
+        FeedForward(8)(torch.randn(2, 3, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"x: dtype torch.float64 differs from the module's parameters \(torch.float32\)"):
+        TransformerEncoderLayer(8, 2)(torch.randn(2, 3, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda x: TransformerEncoderLayer(DIM, HEADS)(x, src_key_padding_mask=torch.zeros(2, 5, dtype=torch.bool)),
+         r"TransformerEncoderLayer: src_key_padding_mask= is nn.TransformerEncoderLayer's keyword; qkv's layer takes "
+         r"mask=~src_key_padding_mask\[:, None, None, :\] \(qkv: True = may attend; PyTorch's key padding mask: True = ignore\)"),
+        (lambda x: TransformerEncoderLayer(DIM, HEADS)(x, src_mask=torch.zeros(5, 5, dtype=torch.bool)),
+         r"TransformerEncoderLayer: src_mask= is nn.TransformerEncoderLayer's keyword; qkv's layer takes mask=~src_mask"),
+        (lambda x: TransformerEncoderLayer(DIM, HEADS)(x, is_causal=True),
+         r"TransformerEncoderLayer: is_causal= is nn.TransformerEncoderLayer's keyword; qkv's layer takes causal="),
+        (lambda x: TransformerDecoderLayer(DIM, HEADS)(x, x, tgt_mask=torch.zeros(5, 5, dtype=torch.bool)),
+         r"TransformerDecoderLayer: tgt_mask= is nn.TransformerDecoderLayer's keyword; qkv's layer takes mask=~tgt_mask .*"
+         r"causal=True by default"),
+        (lambda x: TransformerDecoderLayer(DIM, HEADS)(x, x, tgt_key_padding_mask=torch.zeros(2, 5, dtype=torch.bool)),
+         r"TransformerDecoderLayer: tgt_key_padding_mask= is nn.TransformerDecoderLayer's keyword; qkv's layer takes "
+         r"mask=~tgt_key_padding_mask\[:, None, None, :\] \(qkv: True = may attend; PyTorch's key padding mask: True = ignore\)"),
+        (lambda x: TransformerDecoderLayer(DIM, HEADS)(x, x, memory_key_padding_mask=torch.zeros(2, 5, dtype=torch.bool)),
+         r"TransformerDecoderLayer: memory_key_padding_mask= is nn.TransformerDecoderLayer's keyword; qkv's layer takes "
+         r"memory_mask=~memory_key_padding_mask\[:, None, None, :\] \(qkv: True = may attend"),
+        (lambda x: TransformerDecoderLayer(DIM, HEADS)(x, x, tgt_is_causal=True),
+         r"TransformerDecoderLayer: tgt_is_causal= is nn.TransformerDecoderLayer's keyword; qkv's layer takes causal="),
+        (lambda x: Encoder(1, DIM, HEADS)(x, src_key_padding_mask=torch.zeros(2, 5, dtype=torch.bool)),
+         r"Encoder: src_key_padding_mask= is nn.TransformerEncoder's keyword; qkv's stack takes mask=~src_key_padding_mask"),
+        (lambda x: Decoder(1, DIM, HEADS)(x, x, memory_key_padding_mask=torch.zeros(2, 5, dtype=torch.bool)),
+         r"Decoder: memory_key_padding_mask= is nn.TransformerDecoder's keyword; qkv's stack takes memory_mask="),
+        (lambda x: TransformerEncoderLayer(DIM, HEADS)(x, masks=None), r"TransformerEncoderLayer\(\) got an unexpected keyword argument 'masks'"),
+    ],
+)  # fmt: skip
+def test_torchs_transformer_keywords_name_qkvs(call, match):
+    # nn.TransformerEncoderLayer's src_key_padding_mask= etc. gave a plain "unexpected keyword argument"
+    with pytest.raises(TypeError, match=match):
+        call(torch.randn(2, 5, DIM))

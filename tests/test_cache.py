@@ -254,3 +254,74 @@ def test_a_decoder_cache_given_to_one_layer_names_what_to_pass():
     with pytest.raises(TypeError, match=r"cache: expected one layer's cache .* got DecoderCache; a DecoderCache holds one "
                                         r"per layer: pass its self_attn\[layer\]"):  # fmt: skip
         mha(torch.randn(1, 2, 8), cache=qkv.DecoderCache(1))
+
+
+# Cross-attention: the cache is filled once from the memory and reused (EncoderDecoderCache, fairseq's static_kv)
+
+
+@pytest.mark.parametrize("max_len", [None, 8], ids=["growing", "preallocated"])
+def test_a_cross_attention_cache_is_filled_once_from_the_memory_and_reused(max_len):
+    # mha(x, memory, cache=c) at each step appended the memory's K/V again: after 4 steps with a
+    # 3-token memory the cache held 12 keys and the weights were (1, h, 1, 12)
+    mha = qkv.MultiHeadAttention(16, 8, kv_heads=2).double().eval()
+    x, memory = torch.randn(1, 4, 16, dtype=torch.float64), torch.randn(1, 3, 16, dtype=torch.float64)
+    full, w_full = mha(x, memory, return_weights=True)
+    projected = []  # rows the key projection sees
+    mha.k_proj.register_forward_hook(lambda m, inp, out: projected.append(inp[0].shape[1]))
+    cache = KVCache(max_len)
+    for t in range(4):
+        y, w = mha(x[:, t : t + 1], memory, cache=cache, return_weights=True)
+        assert w.shape == (1, 8, 1, 3)
+        torch.testing.assert_close(y, full[:, t : t + 1], **TOL)
+        torch.testing.assert_close(w, w_full[:, :, t : t + 1], **TOL)
+    assert cache.length == 3 and cache.from_memory and sum(projected) == 3
+    torch.testing.assert_close(cache.keys, mha.k_proj(memory).unflatten(-1, (2, 2)).transpose(1, 2), **TOL)
+    cache.reset()  # a new memory: filled again on the next call
+    assert not cache.from_memory
+    mha(x[:, :1], memory[:, :2], cache=cache)
+    assert cache.length == 2
+
+
+def test_a_cross_attention_cache_refuses_self_attention_keys_and_a_different_memory():
+    mha = qkv.MultiHeadAttention(8, 2).eval()
+    x, memory = torch.randn(2, 1, 8), torch.randn(2, 3, 8)
+    own = KVCache()
+    mha(x, cache=own)  # self-attention keys
+    with pytest.raises(ValueError, match=r"cache: holds 1 self-attention position; a cross-attention call \(key is not "
+                                         r"query\) needs its own KVCache"):  # fmt: skip
+        mha(x, memory, cache=own)
+    cross = KVCache()
+    mha(x, memory, cache=cross)
+    with pytest.raises(ValueError, match=r"cache: holds the keys and values of a cross-attention memory \(3 positions\); "
+                                         r"self-attention needs a KVCache of its own"):  # fmt: skip
+        mha(x, cache=cross)
+    with pytest.raises(ValueError, match=r"key: the cache holds the K/V of a memory of batch 2 and length 3, got key "
+                                         r"\(2, 5, 8\); .*reset\(\) the cache"):  # fmt: skip
+        mha(x, torch.randn(2, 5, 8), cache=cross)
+    with pytest.raises(TypeError, match=r"cache: a StreamingCache evicts keys .* cross-attention .* a qkv.KVCache"):
+        mha(x, memory, cache=StreamingCache(sink_tokens=1, window=2))
+    with pytest.raises(TypeError, match=r"cache: expected one layer's cache .* got DecoderCache; a DecoderCache holds one "
+                                        r"per layer: pass its cross\[layer\]"):  # fmt: skip
+        mha(x, memory, cache=qkv.DecoderCache(1))
+
+
+def test_a_latent_cache_given_to_multi_head_attention_names_its_module():
+    # it was listed as valid, then failed inside with "c_kv: expected (b, 1, n, ·), got (1, 8, 2, 8)"
+    mha = qkv.MultiHeadAttention(64, 8)
+    with pytest.raises(TypeError, match=r"cache: a LatentCache holds the latent of qkv.MultiHeadLatentAttention"):
+        mha(torch.randn(1, 2, 64), cache=LatentCache())
+    with pytest.raises(TypeError, match=r"cache: expected one layer's cache \(qkv.KVCache or StreamingCache\), got list"):
+        mha(torch.randn(1, 2, 64), cache=[])
+
+
+def test_a_decoder_stack_given_the_memory_at_every_step_projects_it_once():
+    dec = Decoder(2, 12, 3).double().eval()
+    x, memory = torch.randn(2, 4, 12, dtype=torch.float64), torch.randn(2, 5, 12, dtype=torch.float64)
+    projected = []
+    for layer in dec.layers:
+        layer.cross_attn.k_proj.register_forward_hook(lambda m, inp, out: projected.append(inp[0].shape[1]))
+    cache = DecoderCache(2)
+    steps = [dec(x[:, t : t + 1], memory, cache=cache) for t in range(4)]
+    torch.testing.assert_close(torch.cat(steps, 1), dec(x, memory), **TOL)
+    assert sum(projected) == 2 * 5 + 2 * 5  # the full pass's 2 layers, and the cached steps' first call only
+    assert cache.has_memory and cache.cross[1].length == 5

@@ -277,3 +277,22 @@ def test_no_query_at_all_gives_an_empty_output(grad):
     with torch.set_grad_enabled(grad):
         out, lse = qkv.varlen_attention(q, k, v, cu_q, cu_k, 0, 3, return_lse=True)
     assert out.shape == (0, H, E) and lse.shape == (H, 0)
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((torch.randn(5, 4), torch.arange(5), 2, 2), ValueError,
+         r"seqlen: batch \* seqlen = 2 \* 2 = 4 positions, but indices reach flat position 4"),
+        ((torch.randn(5, 4), torch.arange(4), 2, 3), ValueError, r"indices: expected one flat position per packed row \(5,\), got \(4,\)"),
+        ((torch.randn(5, 4), torch.arange(5.0), 2, 3), TypeError, r"indices: expected an integer tensor, got torch.float32"),
+        ((torch.randn(2, 4), torch.tensor([-1, 0]), 2, 3), ValueError, r"indices: expected flat positions >= 0, got -1"),
+        ((torch.randn(5, 4), torch.arange(5), 2.0, 3), TypeError, r"batch: expected an int, got float"),
+        ((torch.randn(5, 4), torch.arange(5), 2, -3), ValueError, r"seqlen: expected an int >= 0, got -3"),
+        (([1.0], torch.arange(1), 1, 1), TypeError, r"hidden_states: expected a tensor \(t, \.\.\.\), got list"),
+    ],
+)  # fmt: skip
+def test_pad_input_checks_its_arguments(args, error, match):
+    # a seqlen too small for the indices gave "IndexError: index_copy_(): index 4 is out of bounds"
+    with pytest.raises(error, match=match):
+        qkv.pad_input(*args)

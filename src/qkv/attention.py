@@ -13,8 +13,8 @@ with grouped KV heads (Ainslie et al. 2023, GQA: ``g`` K/V heads shared by ``h/g
 heads each; ``g = 1`` is multi-query attention), any score per head, an optional positional
 module (RoPE rotates q and k, ALiBi / T5 buckets add a lazy bias) and a pluggable mechanism
 (``attention=``, e.g. a ``qkv.approx`` class). Checked against ``nn.MultiheadAttention`` in
-``tests/test_interop.py`` through :meth:`MultiHeadAttention.from_torch`, and by gradcheck for
-every score in ``tests/test_attention.py``.
+the test suite through :meth:`MultiHeadAttention.from_torch`, and by gradcheck for
+every score.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from . import score_mods
 from ._args import positive_int as _positive
 from ._args import probability
+from .cache import LatentCache
 from .edits import attention as edited_attention
 from .functional import attention, foreign_keywords
 from .masks import Mask
@@ -39,7 +40,7 @@ from .scores import Score, make
 class Attention(nn.Module):
     """Attention without projections: ``c_i = Σ_j α_ij v_j``, ``α_i = softmax_j(score(q_i, k_j))``.
 
-    The seq2seq form of the seed texts: the query is a decoder state ``(b, dq)`` or states
+    The classic encoder-decoder (seq2seq) form: the query is a decoder state ``(b, dq)`` or states
     ``(b, i, dq)``, the keys are encoder states ``(b, j, dk)`` and the values default to the
     keys (Bahdanau: the context is a weighted sum of the annotations ``h_j``). Also the
     default mechanism inside :class:`MultiHeadAttention`, on ``(b, h, i, d)`` tensors.
@@ -89,8 +90,11 @@ class Attention(nn.Module):
 
         In the seq2seq form, ``(b, i, dq)`` with ``(b, j, dk)``, the first dim is the batch and
         must be the same for all three (in ``(b, h, i, d)`` form the heads may be grouped).
-        For a single step, a tensor ``mask`` or ``bias`` shaped like its weights ``(b, j)``
-        is accepted.
+        Its ``mask`` (or tensor ``bias``) is a lazy ``qkv.masks`` object (``lengths(lens)``,
+        one length per batch row), or a tensor ``(b, i, j)``, ``(i, j)``, or a padding mask
+        ``(b, j)`` (True = a real key); a 2-d mask that could be either, ``b = i``, is refused.
+        A single step ``(b, dq)`` takes ``(b, j)`` or a ``qkv.masks`` object. The weights are
+        ``(b, i, j)``, or ``(b, j)`` for a single step.
         """
         key = query if key is None else key
         value = key if value is None else value
@@ -102,22 +106,28 @@ class Attention(nn.Module):
                 mask = mask.unsqueeze(-2)
             if isinstance(bias, Tensor) and bias.dim() == key.dim() - 1:
                 bias = bias.unsqueeze(-2)
-        if key.dim() == 3:
-            # (b, i, d) inputs: dim 0 is a batch, which qkv.attention would read as grouped heads
+        seq2seq = key.dim() == 3
+        if seq2seq:
             for name, x in (("key", key), ("value", value)):
                 if x.shape[0] != query.shape[0]:
                     raise ValueError(f"{name}: expected batch {query.shape[0]} like query, got {x.shape[0]}")
+            # qkv.attention reads (x, i, d) as heads without a batch, so a lengths mask (one length
+            # per batch row) or a (b, j) padding mask had no batch dim to apply to: a head dim of 1
+            # makes dim 0 the batch, (b, 1, i, d), and the masks follow it.
+            b, i, j = query.shape[0], query.shape[1], key.shape[1]
+            mask, bias = _seq2seq("mask", mask, b, i, j), _seq2seq("bias", bias, b, i, j)
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         run = attention if self.edits is None else partial(edited_attention, edits=self.edits)
         result = run(
             query, key, value, score=self.score, mask=mask, bias=bias, causal=causal,
             dropout=self.dropout if self.training else 0.0, return_weights=return_weights,
             backend=self.backend, score_mod=self.score_mod,
         )  # fmt: skip
-        if not single_step:
+        drop = [1] if seq2seq else []  # the head dim added above, then the single step's query axis
+        drop += [-2] if single_step else []
+        if not drop:
             return result
-        if return_weights:
-            return result[0].squeeze(-2), result[1].squeeze(-2)
-        return result.squeeze(-2)
+        return tuple(_squeeze(x, drop) for x in result) if return_weights else _squeeze(result, drop)
 
     def extra_repr(self) -> str:
         text = f"dropout={self.dropout}, backend={self.backend!r}"
@@ -252,12 +262,26 @@ class MultiHeadAttention(nn.Module):
 
         ``mask`` is bool True = may attend, broadcastable to ``(b, h, i, j)`` (a key padding
         mask is ``keep[:, None, None, :]``), or a lazy ``qkv.masks`` object. ``cache`` is a
-        ``qkv.cache.KVCache`` for incremental decoding: new keys are appended to it and the
-        queries attend to all of it. Returns ``(b, i, dim)``, and per-head weights
-        ``(b, h, i, j)`` with ``return_weights=True``. With ``batch_first=False`` the inputs
-        and the output are ``(length, b, dim)`` instead (the weights stay ``(b, h, i, j)``).
-        Unbatched ``(length, dim)`` inputs give ``(i, dim)`` and ``(h, i, j)``, as in
-        ``nn.MultiheadAttention`` (not with ``cache``).
+        ``qkv.cache.KVCache`` (or ``StreamingCache``) for incremental decoding:
+
+        * self-attention (``key`` not given, or ``key is query``): this call's keys and values
+          are appended to it and the queries attend to all of it;
+        * cross-attention (``mha(x, memory, cache=c)``, ``key is not query``): the keys and
+          values depend on the memory only, so the first call fills the cache from ``memory``
+          and later calls attend to what it holds without projecting ``memory`` again (as
+          transformers' ``EncoderDecoderCache`` and fairseq's ``static_kv`` do). Later calls
+          must pass a memory of the same batch and length, whose values are not read;
+          ``c.reset()`` before a new memory. A positional module rotates at position 0 here,
+          as the same call without a cache does. Give each its own cache (a
+          ``qkv.cache.DecoderCache`` holds both kinds per layer); a cache of the other kind
+          is refused, and so is a ``StreamingCache``, which would evict memory keys.
+
+        (A ``LatentCache`` is ``qkv.MultiHeadLatentAttention``'s.) Returns ``(b, i, dim)``,
+        and per-head weights ``(b, h, i, j)`` with ``return_weights=True``. With
+        ``batch_first=False`` the inputs and the output are ``(length, b, dim)`` instead (the
+        weights stay ``(b, h, i, j)``). Unbatched ``(length, dim)`` inputs give ``(i, dim)``
+        and ``(h, i, j)``, as in ``nn.MultiheadAttention`` (not with ``cache``). Inputs have
+        the parameters' dtype (under ``torch.autocast`` any floating type).
         """
         if foreign:
             foreign_keywords(foreign, TORCH_NAMES, "MultiHeadAttention", "qkv's module")
@@ -265,12 +289,10 @@ class MultiHeadAttention(nn.Module):
             raise TypeError("mask: expected a bool mask (True = may attend) or a qkv.masks object; a float mask "
                             "(PyTorch's float attn_mask) is added to the logits: qkv.attention(q, k, v, bias=...) on "
                             "the projected heads, or a positional bias (positional=)")  # fmt: skip
-        if cache is not None and not (hasattr(cache, "update") or hasattr(cache, "attend")):
-            raise TypeError(f"cache: expected one layer's cache (qkv.KVCache, StreamingCache, LatentCache), got "
-                            f"{type(cache).__name__}" + ("; a DecoderCache holds one per layer: pass its "
-                                                         "self_attn[layer]" if hasattr(cache, "self_attn") else ""))  # fmt: skip
         key = query if key is None else key
         value = key if value is None else value
+        if cache is not None:
+            _check_cache(cache, cross=key is not query)
         if cache is None and all(isinstance(x, Tensor) and x.dim() == 2 for x in (query, key, value)):
             # unbatched (length, dim), as nn.MultiheadAttention takes it: a batch of one, given back without it
             one = (query[None], key[None], value[None]) if self.batch_first else (query[:, None], key[:, None], value[:, None])
@@ -281,17 +303,22 @@ class MultiHeadAttention(nn.Module):
             return (y, weights[0]) if return_weights else y
         if not self.batch_first:  # (length, b, dim) -> (b, length, dim): views, one per distinct input
             query, key, value = _batch_first(query, key, value)
-        _input("query", query, self.q_proj.in_features)
+        _input("query", query, self.q_proj)
         if key is not query:  # self-attention (the decoding step) checks its one input once
-            _input("key", key, self.k_proj.in_features)
+            _input("key", key, self.k_proj)
         if value is not key:
-            _input("value", value, self.v_proj.in_features)
+            _input("value", value, self.v_proj)
         if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
             raise ValueError(
                 f"value: expected batch and length matching key (b={key.shape[0]}, j={key.shape[1]}) "
                 f"and query batch {query.shape[0]}, got query {tuple(query.shape)}, key {tuple(key.shape)}, "
                 f"value {tuple(value.shape)}"
             )
+        cross = cache is not None and key is not query and not hasattr(cache, "attend")
+        if cross and _memory_held(cache, key):
+            # the memory's keys and values are in the cache: project no rows, update() appends
+            # nothing and returns them (appending them again each step grew the cache by s a step)
+            key, value = key[:, :0], value[:, :0]
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         # "b i (h d) -> b h i d" by unflatten + transpose: the same views as einops.rearrange
         # without its per-call pattern handling, a measurable share of a one-token step
@@ -308,7 +335,8 @@ class MultiHeadAttention(nn.Module):
         late = cache is not None and getattr(cache, "positions_in_cache", False)
         if self.positional is not None:
             if not late:
-                start = 0 if cache is None else cache.length
+                # a memory's positions do not follow the decoded ones: as without a cache
+                start = 0 if cache is None or cross else cache.length
                 placed = getattr(self.attention, "positions", None)  # a shard's rows stand elsewhere than 0 .. i-1
                 where = {} if placed is None else {"positions": placed(q, k, start)}
                 q, k = self.positional.rotate(q, k, start, **where)
@@ -316,6 +344,8 @@ class MultiHeadAttention(nn.Module):
                 extra["bias"] = pos_bias
         if cache is not None:
             k, v = cache.update(k, v)
+            if cross:
+                cache.from_memory = True  # filled: later calls read it (KVCache.reset clears it)
             if late and self.positional is not None:
                 q, k = self.positional.rotate(q, k, 0)
         result = self.attention(q, k, v, mask=mask, causal=causal, return_weights=return_weights, **extra)
@@ -354,11 +384,39 @@ class MultiHeadAttention(nn.Module):
 #: ``nn.MultiheadAttention.forward``'s keywords, and what :class:`MultiHeadAttention` takes instead.
 TORCH_NAMES = {name: ("nn.MultiheadAttention", hint) for name, hint in {
     "attn_mask": "mask= (bool, True = may attend: ~attn_mask; a float attn_mask is qkv.attention's bias=)",
-    "key_padding_mask": "mask=~key_padding_mask[:, None, None, :] (True = may attend)",
+    "key_padding_mask": "mask=~key_padding_mask[:, None, None, :] (qkv: True = may attend; PyTorch's key padding "
+                        "mask: True = ignore)",
     "need_weights": "return_weights= (per-head weights (b, h, i, j); weights.mean(1) is PyTorch's average)",
     "average_attn_weights": "nothing: the weights are per head (b, h, i, j); weights.mean(1) averages them",
     "is_causal": "causal= (aligned bottom-right; for PyTorch's top-left with i != j, mask=~attn_mask)",
 }.items()}
+
+
+def _seq2seq(name: str, x: object, b: int, i: int, j: int) -> object:
+    """A seq2seq call's tensor ``mask`` / ``bias`` for its ``(b, 1, i, j)`` weights (lazy objects unchanged).
+
+    ``(b, i, j)`` gains the head dim; ``(b, j)`` (a padding mask, True = a real key) becomes
+    ``(b, 1, 1, j)``; ``(i, j)`` and ``(1, j)`` broadcast as they are. With ``b = i`` a 2-d
+    mask reads both ways, and guessing would mask the wrong axis without a sign, so it is refused.
+    """
+    if not isinstance(x, Tensor):
+        return x
+    if x.dim() == 3:
+        return x.unsqueeze(1)
+    if x.dim() != 2 or x.shape[0] == 1 or x.shape[0] != b:
+        return x  # (j,), (1, j), (i, j) with i != b, or a shape qkv.attention names
+    if b == i:
+        raise ValueError(
+            f"{name}: shape {tuple(x.shape)} reads as a padding mask (b, j) and as a per-query mask (i, j) when "
+            f"b = i = {b}; pass {name}[:, None, :] (b, 1, j) or {name}[None] (1, i, j)"
+        )
+    return x[:, None, None, :]
+
+
+def _squeeze(x: Tensor, dims: list[int]) -> Tensor:
+    for dim in dims:
+        x = x.squeeze(dim)
+    return x
 
 
 def _batch_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -373,8 +431,77 @@ def _batch_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Ten
     return q, k, v
 
 
-def _input(name: str, x: Tensor, size: int) -> None:
+def _input(name: str, x: Tensor, projection: nn.Module) -> None:
+    """Checks an input of ``projection`` (an ``nn.Linear``): a tensor ``(b, length, in_features)`` of its dtype."""
+    size = projection.in_features
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a tensor (b, length, {size}), got {type(x).__name__}")
     if x.dim() != 3 or x.shape[-1] != size:
         raise ValueError(f"{name}: expected shape (b, length, {size}) (batch first), got {tuple(x.shape)}")
+    input_dtype(name, x, getattr(projection, "weight", None))
+
+
+def input_dtype(name: str, x: Tensor, weight: Tensor | None) -> None:
+    """``TypeError`` for an input that a product with ``weight`` would refuse, naming the input and the fix.
+
+    PyTorch's own message, "mat1 and mat2 must have the same dtype", names neither the
+    argument nor which side to convert. Under ``torch.autocast`` mixed floating types are
+    fine (autocast casts both sides of each product), and so is a weight that is not a float
+    (a quantised layer handles its own types).
+    """
+    if weight is None or x.dtype == weight.dtype:  # the common case: one comparison
+        return
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype} (token ids go through an embedding first)")
+    if not weight.dtype.is_floating_point or _autocast(x.device.type):
+        return
+    raise TypeError(
+        f"{name}: dtype {x.dtype} differs from the module's parameters ({weight.dtype}); call .to({x.dtype}) "
+        f"on the module or .to({weight.dtype}) on the input"
+    )
+
+
+def _autocast(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know ("meta")
+        return False
+
+
+def _check_cache(cache: object, cross: bool) -> None:
+    """A cache ``MultiHeadAttention`` can use: one layer's, of its kind (self- or cross-attention)."""
+    if isinstance(cache, LatentCache):
+        # it passes the duck test below, then failed inside with "c_kv: expected (b, 1, n, ·)"
+        raise TypeError("cache: a LatentCache holds the latent of qkv.MultiHeadLatentAttention (c_KV and its rotary "
+                        "key), not keys and values; MultiHeadAttention takes a qkv.KVCache or StreamingCache")  # fmt: skip
+    if not (hasattr(cache, "update") or hasattr(cache, "attend")):
+        hint = "; a DecoderCache holds one per layer: pass its " + ("cross[layer]" if cross else "self_attn[layer]")
+        raise TypeError(f"cache: expected one layer's cache (qkv.KVCache or StreamingCache), got {type(cache).__name__}"
+                        + (hint if hasattr(cache, "self_attn") else ""))  # fmt: skip
+    if hasattr(cache, "attend"):  # a paged serving step: its own checks
+        return
+    held = getattr(cache, "from_memory", False)
+    if cross and getattr(cache, "positions_in_cache", False):
+        raise TypeError(f"cache: a {type(cache).__name__} evicts keys as tokens stream in; a cross-attention cache "
+                        "holds the whole memory: pass a qkv.KVCache")  # fmt: skip
+    if cross and not held and cache.length:
+        n = cache.length
+        raise ValueError(f"cache: holds {n} self-attention position{'s' * (n != 1)}; a cross-attention call (key is not "
+                         "query) needs its own KVCache, filled from the memory on its first call (a DecoderCache's "
+                         "cross[layer])")  # fmt: skip
+    if not cross and held:
+        raise ValueError(f"cache: holds the keys and values of a cross-attention memory ({cache.length} positions); "
+                         "self-attention needs a KVCache of its own (a DecoderCache's self_attn[layer])")  # fmt: skip
+
+
+def _memory_held(cache, key: Tensor) -> bool:
+    """True when a cross-attention ``cache`` holds the memory's K/V already; ``key`` must be that memory's shape."""
+    if not getattr(cache, "from_memory", False):
+        return False
+    b = cache.keys.shape[0]
+    if key.shape[0] != b or key.shape[1] != cache.length:
+        raise ValueError(
+            f"key: the cache holds the K/V of a memory of batch {b} and length {cache.length}, got key "
+            f"{tuple(key.shape)}; the memory is read on the first call only: reset() the cache for a new memory"
+        )
+    return True

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._args import positive_int, probability
-from .attention import MultiHeadAttention
+from .attention import MultiHeadAttention, input_dtype
 from .cache import DecoderCache, KVCache
+from .functional import foreign_keywords
 from .masks import Mask
 from .positional import Positional
 from .projection import Linear
@@ -76,7 +77,16 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(probability("dropout", dropout))
 
     def forward(self, x: Tensor) -> Tensor:
-        """``x (b, i, dim) -> (b, i, dim)``."""
+        """``x (b, i, dim) -> (b, i, dim)`` (any leading dims), in the parameters' dtype."""
+        dim = self.w_in.in_features
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x: expected a tensor (..., {dim}), got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != dim:
+            # PyTorch's "mat1 and mat2 shapes cannot be multiplied (6x16 and 32x128)" names neither side
+            last = f"last dim {x.shape[-1]}" if x.dim() else "a 0-d tensor"
+            raise ValueError(f"x: {last} differs from the layer's dim={dim}; expected shape (..., {dim}), "
+                             f"got {tuple(x.shape)}")  # fmt: skip
+        input_dtype("x", x, self.w_in.weight)
         a = self.w_in(x)
         if self.activation == "swiglu":
             gate, value = a.chunk(2, dim=-1)
@@ -126,13 +136,18 @@ class TransformerEncoderLayer(nn.Module):
         self.norm_first = bool(norm_first)
 
     def forward(self, x: Tensor, *, mask: Mask | Tensor | None = None, causal: bool = False,
-                cache: KVCache | None = None, return_weights: bool = False):  # fmt: skip
+                cache: KVCache | None = None, return_weights: bool = False, **foreign):  # fmt: skip
         """``x (b, i, dim)``; ``mask`` bool True = may attend, broadcastable to ``(b, h, i, j)``.
 
         ``cache`` appends this call's keys and values (incremental decoding). Returns
         ``(b, i, dim)``, and the weights ``(b, h, i, j)`` with ``return_weights=True``.
+        ``nn.TransformerEncoderLayer``'s keywords (``src_mask``, ``src_key_padding_mask``,
+        ``is_causal``) raise a ``TypeError`` naming qkv's instead; its key padding mask is
+        True = ignore, the reverse of qkv's: ``mask=~src_key_padding_mask[:, None, None, :]``.
         """
-        _check_x(x, self.norm1.normalized_shape[0])
+        if foreign:
+            foreign_keywords(foreign, ENCODER_TORCH_NAMES, "TransformerEncoderLayer", "qkv's layer")
+        _check_x(x, self.norm1.normalized_shape[0], self.ff)
         causal = _causal(causal, x, cache)
         h = self.norm1(x) if self.norm_first else x
         a = self.self_attn(h, mask=mask, causal=causal, cache=cache, return_weights=return_weights)
@@ -166,24 +181,32 @@ class TransformerDecoderLayer(nn.Module):
     def forward(self, x: Tensor, memory: Tensor | None, *, mask: Mask | Tensor | None = None,
                 memory_mask: Mask | Tensor | None = None, causal: bool = True,
                 self_cache: KVCache | None = None, cross_cache: KVCache | None = None,
-                return_weights: bool = False):  # fmt: skip
+                return_weights: bool = False, **foreign):  # fmt: skip
         """``x (b, i, dim)``, ``memory (b, s, dim)``; ``memory_mask`` broadcastable to ``(b, h, i, s)``.
 
-        ``self_cache`` appends this call's self-attention keys and values. ``cross_cache``
-        holds the memory's K/V: filled from ``memory`` on the first call, then reused (and
-        ``memory`` may be None). Returns ``(b, i, dim)``, and with ``return_weights=True``
-        also ``(self weights (b, h, i, j), cross weights (b, h, i, s))``.
+        ``mask`` and ``memory_mask`` are bool, True = may attend (``nn.TransformerDecoderLayer``'s
+        bool ``memory_mask`` is the reverse: pass ``~memory_mask``). ``self_cache`` appends
+        this call's self-attention keys and values. ``cross_cache`` holds the memory's K/V:
+        filled from ``memory`` on the first call, then reused (``memory`` may then be None, or
+        the same memory, which is not projected again). Returns ``(b, i, dim)``, and with
+        ``return_weights=True`` also ``(self weights (b, h, i, j), cross weights (b, h, i, s))``.
+        ``nn.TransformerDecoderLayer``'s other keywords (``tgt_mask``, ``tgt_key_padding_mask``,
+        ``memory_key_padding_mask``, ``tgt_is_causal``, ``memory_is_causal``) raise a
+        ``TypeError`` naming qkv's instead.
         """
+        if foreign:
+            foreign_keywords(foreign, DECODER_TORCH_NAMES, "TransformerDecoderLayer", "qkv's layer")
         dim = self.norm1.normalized_shape[0]
-        _check_x(x, dim)
+        _check_x(x, dim, self.ff)
         causal = _causal(causal, x, self_cache)
         h = self.norm1(x) if self.norm_first else x
         a = self.self_attn(h, mask=mask, causal=causal, cache=self_cache, return_weights=return_weights)
         a, w_self = a if return_weights else (a, None)
         x = _residual(self, x, a, self.norm1)
-        if cross_cache is not None and cross_cache.length > 0:
-            # the memory's keys and values are in the cache: project no new rows, attend to them
-            memory = x.new_zeros(x.shape[0], 0, self.cross_attn.k_proj.in_features)
+        if memory is None and getattr(cross_cache, "from_memory", False):
+            # the memory's keys and values are in the cache, which reads only a memory's shape
+            # from here on: a stand-in of that shape without storage (a view of one zero)
+            memory = x.new_zeros(()).expand(x.shape[0], cross_cache.length, self.cross_attn.k_proj.in_features)
         elif memory is None:
             raise ValueError("memory: expected the encoder output (b, s, dim), got None with no filled cross_cache")
         h = self.norm2(x) if self.norm_first else x
@@ -219,12 +242,16 @@ class Encoder(nn.Module):
         self.norm = nn.LayerNorm(dim) if norm_first else nn.Identity()
 
     def forward(self, x: Tensor, *, mask: Mask | Tensor | None = None, causal: bool = False,
-                cache: DecoderCache | None = None, return_weights: bool = False):  # fmt: skip
+                cache: DecoderCache | None = None, return_weights: bool = False, **foreign):  # fmt: skip
         """``x (b, i, dim)`` -> ``(b, i, dim)``, and a list of per-layer weights ``(b, h, i, j)`` on request.
 
         ``cache`` (a :class:`qkv.cache.DecoderCache` with one entry per layer; its cross
         part is unused) makes this a decoder-only stack for incremental decoding.
+        ``nn.TransformerEncoder``'s keywords raise a ``TypeError`` naming qkv's; its ``mask=``
+        is a keyword of both, True = may attend here (``~mask`` for PyTorch's bool mask).
         """
+        if foreign:
+            foreign_keywords(foreign, _stack(ENCODER_TORCH_NAMES, "nn.TransformerEncoder"), "Encoder", "qkv's stack")
         _check_cache(cache, len(self.layers))
         weights = []
         for n, layer in enumerate(self.layers):
@@ -261,13 +288,17 @@ class Decoder(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor | None, *, mask: Mask | Tensor | None = None,
                 memory_mask: Mask | Tensor | None = None, cache: DecoderCache | None = None,
-                return_weights: bool = False):  # fmt: skip
+                return_weights: bool = False, **foreign):  # fmt: skip
         """``x (b, i, dim)``, ``memory (b, s, dim)`` -> ``(b, i, dim)``; causal self-attention.
 
         With ``return_weights=True`` also ``{"self": [(b, h, i, j)] per layer, "cross":
         [(b, h, i, s)] per layer}``. With a ``cache`` the memory is projected on the first
-        call only; later calls may pass ``memory=None``.
+        call only; later calls may pass ``memory=None``. Masks as
+        :meth:`TransformerDecoderLayer.forward` (True = may attend); ``nn.TransformerDecoder``'s
+        keywords raise a ``TypeError`` naming qkv's.
         """
+        if foreign:
+            foreign_keywords(foreign, _stack(DECODER_TORCH_NAMES, "nn.TransformerDecoder"), "Decoder", "qkv's stack")
         _check_cache(cache, len(self.layers))
         if memory is not None and memory.shape[0] != x.shape[0]:
             raise ValueError(
@@ -284,6 +315,34 @@ class Decoder(nn.Module):
                 weights["cross"].append(w_cross)
         x = self.norm(x)
         return (x, weights) if return_weights else x
+
+
+#: PyTorch's key padding masks are True = ignore; qkv's masks are True = may attend.
+_PADDING = "(qkv: True = may attend; PyTorch's key padding mask: True = ignore)"
+
+#: ``nn.TransformerEncoderLayer.forward``'s keywords, and what :class:`TransformerEncoderLayer` takes instead.
+ENCODER_TORCH_NAMES = {name: ("nn.TransformerEncoderLayer", hint) for name, hint in {
+    "src_mask": "mask=~src_mask (bool, True = may attend; for a causal src_mask such as "
+                "nn.Transformer.generate_square_subsequent_mask, causal=True)",
+    "src_key_padding_mask": f"mask=~src_key_padding_mask[:, None, None, :] {_PADDING}",
+    "is_causal": "causal=",
+}.items()}
+
+#: ``nn.TransformerDecoderLayer.forward``'s keywords (``memory_mask`` is a keyword of both: True = may
+#: attend here), and what :class:`TransformerDecoderLayer` takes instead.
+DECODER_TORCH_NAMES = {name: ("nn.TransformerDecoderLayer", hint) for name, hint in {
+    "tgt_mask": "mask=~tgt_mask (bool, True = may attend); the self-attention is causal=True by default, so "
+                "nn.Transformer.generate_square_subsequent_mask is not needed",
+    "tgt_key_padding_mask": f"mask=~tgt_key_padding_mask[:, None, None, :] {_PADDING}",
+    "memory_key_padding_mask": f"memory_mask=~memory_key_padding_mask[:, None, None, :] {_PADDING}",
+    "tgt_is_causal": "causal= (True by default)",
+    "memory_is_causal": "memory_mask= (bool, True = may attend; e.g. qkv.masks.causal())",
+}.items()}
+
+
+def _stack(names: dict, origin: str) -> dict:
+    """A layer's keyword table with the stack's module as their origin."""
+    return {name: (origin, hint) for name, (_, hint) in names.items()}
 
 
 #: At most this many float32 CPU elements go to PyTorch's own GELU kernel rather than oneDNN's.
@@ -354,11 +413,13 @@ def _causal(causal: bool, x: Tensor, cache: KVCache | None) -> bool:
     return causal and not (cache is not None and x.shape[1] == 1)
 
 
-def _check_x(x: object, dim: int) -> None:
+def _check_x(x: object, dim: int, ff: FeedForward) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a tensor (b, i, {dim}), got {type(x).__name__}")
     if x.dim() != 3 or x.shape[-1] != dim:
         raise ValueError(f"x: expected shape (b, i, {dim}) (batch first), got {tuple(x.shape)}")
+    # the linear maps' dtype, not the norms': norms kept in float32 for half inputs are fine
+    input_dtype("x", x, ff.w_in.weight)
 
 
 def _check_cache(cache: object, layers: int) -> None:

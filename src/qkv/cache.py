@@ -24,6 +24,10 @@ positions from the same alignment, so both agree with the full pass.
 * :class:`DecoderCache` — one ``KVCache`` per layer of a decoder stack, plus the
   cross-attention K/V of each layer, projected once from the encoder memory and reused.
 
+A ``KVCache`` given to a cross-attention call, ``mha(x, memory, cache=c)``, is that second
+kind: filled from the memory on the first call, then read (``from_memory``), never appended
+to, as transformers' ``EncoderDecoderCache`` and fairseq's ``static_kv`` keep it.
+
 ``tests/test_cache.py`` checks that token-by-token decoding with the cache gives the logits
 of the full pass (float64, 1e-10) for plain, grouped, rotary and ALiBi attention, and that
 the streaming cache gives, at every step, attention over exactly the first ``k`` and the
@@ -44,7 +48,9 @@ class KVCache:
     """Keys ``(b, g, j, d)`` and values ``(b, g, j, e)`` of one attention layer, appended to in place.
 
     The layout is the one ``MultiHeadAttention`` hands to the mechanism, so
-    ``mha(x, cache=c)`` appends the new keys and attends over all of them.
+    ``mha(x, cache=c)`` appends the new keys and attends over all of them. In cross-attention,
+    ``mha(x, memory, cache=c)``, the first call fills it from the memory and sets
+    :attr:`from_memory`; later calls read it and append nothing.
 
     Args:
         max_len: preallocate room for this many positions on the first update and raise
@@ -58,6 +64,10 @@ class KVCache:
         self._k: Tensor | None = None  # (b, g, capacity or j, d)
         self._v: Tensor | None = None  # (b, g, capacity or j, e)
         self._length = 0
+        #: True once ``MultiHeadAttention`` filled it from a cross-attention memory: later calls
+        #: attend to these keys and values instead of projecting the memory again (``reset()``
+        #: clears it). A cache of either kind is refused by the other kind of call.
+        self.from_memory = False
 
     @property
     def length(self) -> int:
@@ -112,9 +122,10 @@ class KVCache:
             self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
 
     def reset(self) -> None:
-        """Forget everything (the buffer is reallocated on the next update)."""
+        """Forget everything (the buffer is reallocated on the next update; a memory is read again)."""
         self._k = self._v = None
         self._length = 0
+        self.from_memory = False
 
     def _check(self, k: Tensor, v: Tensor) -> None:
         for name, x in (("k", k), ("v", v)):
@@ -280,8 +291,8 @@ class DecoderCache:
 
     Self-attention caches grow by one position per step. Cross-attention keys and values
     depend only on the encoder memory, so each layer projects them on the first step and
-    reads them from ``cross[l]`` afterwards (the layer then passes a zero-length memory to
-    its attention, which appends nothing and attends over the stored K/V).
+    reads them from ``cross[l]`` afterwards (``KVCache.from_memory``; the memory may then be
+    None).
 
     Args:
         layers: the number of layers of the stack.
@@ -312,7 +323,7 @@ class DecoderCache:
     @property
     def has_memory(self) -> bool:
         """True once the cross-attention K/V have been computed from the memory."""
-        return self.cross[0].length > 0
+        return self.cross[0].from_memory
 
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows ``index`` in every cache (beam search)."""

@@ -12,7 +12,7 @@ Every score is split in two so that any backend can run it tile by tile:
 The logits are then ``scale * pairwise + bias``. Scores whose pairwise step is a plain dot
 product (``dot_form = True``) can be handed to PyTorch's fused kernel as ``(qp, kp)``.
 
-The scores of the seed texts (Luong et al. 2015, "Effective Approaches to Attention-based
+The classic scores (Luong et al. 2015, "Effective Approaches to Attention-based
 Neural Machine Translation", section 3.1; Bahdanau et al. 2015; Vaswani et al. 2017):
 
 =============  ==================================  ===========================
@@ -27,7 +27,7 @@ location       (W_a q)_j   (query alone)           :class:`Location`
 
 ``vᵀ tanh(W[q; k]) = vᵀ tanh(W_q q + W_k k)`` with ``W = [W_q  W_k]``, so Bahdanau's MLP
 score and Luong's "concat" are the same class. Checked against the literal formulas in
-``tests/test_scores.py`` and by gradcheck through the modules (``tests/test_attention.py``).
+the test suite, and by gradcheck through the modules.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Score(nn.Module):
 
 
 class Dot(Score):
-    """``score(q, k) = qᵀk``. Without projections this is the seeds' "basic attention" ``softmax(X Xᵀ) X``."""
+    """``score(q, k) = qᵀk``. Without projections this is basic self-attention, ``softmax(X Xᵀ) X``."""
 
     dot_form = True
     name = "dot"

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from . import checks
+from ._trace import concrete
 from ._args import probability
 from .backends.segments import Segment, run_segments
 from .backends.tiling.framing import Block, frame_score_mod
@@ -205,26 +206,59 @@ class _Composed:
         return score if self.user is None else self.user(score, b, h, q_idx, kv_idx)
 
 
-def unpad_input(hidden: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
-    """A padded batch as packed tokens, as ``flash_attn.bert_padding.unpad_input``.
+def unpad_input(hidden_states: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
+    """A padded batch as packed tokens, as ``flash_attn.bert_padding.unpad_input`` (same argument names).
 
-    ``hidden (b, s, ...)`` and ``attention_mask (b, s)`` (nonzero: a real token) ->
+    ``hidden_states (b, s, ...)`` and ``attention_mask (b, s)`` (nonzero: a real token) ->
     ``(packed (t, ...), indices (t,), cu_seqlens (b + 1,) int32, max_seqlen, seqlens (b,) int32)``:
     the real tokens in order, their flat positions in ``(b·s)``, the offsets for
     :func:`varlen_attention`, the longest sequence and each sequence's length.
     """
-    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or tuple(hidden.shape[:2]) != tuple(attention_mask.shape):
+    if not isinstance(hidden_states, Tensor) or hidden_states.dim() < 2:
+        got = tuple(hidden_states.shape) if isinstance(hidden_states, Tensor) else type(hidden_states).__name__
+        raise TypeError(f"hidden_states: expected a tensor (b, s, ...), got {got}")
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or tuple(hidden_states.shape[:2]) != tuple(attention_mask.shape):
         got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-        raise ValueError(f"attention_mask: expected shape {tuple(hidden.shape[:2])} (b, s) like hidden, got {got}")
+        raise ValueError(f"attention_mask: expected shape {tuple(hidden_states.shape[:2])} (b, s) like hidden_states, got {got}")
     keep = attention_mask.bool()
     seqlens = keep.sum(-1, dtype=torch.int32)
     indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, 0, dtype=torch.int32), (1, 0))
-    packed = hidden.reshape(-1, *hidden.shape[2:]).index_select(0, indices)
+    packed = hidden_states.reshape(-1, *hidden_states.shape[2:]).index_select(0, indices)
     return packed, indices, cu_seqlens, int(seqlens.max()) if seqlens.numel() else 0, seqlens
 
 
-def pad_input(packed: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
-    """Packed tokens back to a padded ``(batch, seqlen, ...)`` batch (zeros at padding), as ``flash_attn``'s ``pad_input``."""
-    out = packed.new_zeros((batch * seqlen, *packed.shape[1:]))
-    return out.index_copy(0, indices, packed).reshape(batch, seqlen, *packed.shape[1:])
+def pad_input(hidden_states: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
+    """Packed tokens back to a padded ``(batch, seqlen, ...)`` batch (zeros at padding), as ``flash_attn``'s ``pad_input``.
+
+    ``hidden_states (t, ...)`` are the packed rows, ``indices (t,)`` their flat positions in
+    ``(batch·seqlen)`` (what :func:`unpad_input` returned). The arguments are checked, the
+    positions too where their values can be read: an index past ``batch·seqlen`` is an
+    ``IndexError`` deep in ``index_copy`` on a CPU and a device-side assert on a GPU.
+    """
+    if not isinstance(hidden_states, Tensor) or hidden_states.dim() < 1:
+        got = tuple(hidden_states.shape) if isinstance(hidden_states, Tensor) else type(hidden_states).__name__
+        raise TypeError(f"hidden_states: expected a tensor (t, ...), got {got}")
+    for name, size in (("batch", batch), ("seqlen", seqlen)):
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"{name}: expected an int, got {type(size).__name__}")
+        if size < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {size}")
+    if not isinstance(indices, Tensor) or indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        got = indices.dtype if isinstance(indices, Tensor) else type(indices).__name__
+        raise TypeError(f"indices: expected an integer tensor, got {got}")
+    if indices.shape != hidden_states.shape[:1]:
+        raise ValueError(
+            f"indices: expected one flat position per packed row ({hidden_states.shape[0]},), got {tuple(indices.shape)}"
+        )
+    if indices.numel() and concrete(indices):  # one read of two numbers (a sync on a GPU), not under tracing
+        low, high = (int(x) for x in torch.aminmax(indices))
+        if low < 0:
+            raise ValueError(f"indices: expected flat positions >= 0, got {low}")
+        if high >= batch * seqlen:
+            raise ValueError(
+                f"seqlen: batch * seqlen = {batch} * {seqlen} = {batch * seqlen} positions, but indices reach flat "
+                f"position {high}; pass the (b, s) of the batch unpad_input packed"
+            )
+    out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
+    return out.index_copy(0, indices, hidden_states).reshape(batch, seqlen, *hidden_states.shape[1:])

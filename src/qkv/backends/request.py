@@ -4,7 +4,7 @@ Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length
 length, ``d`` query/key size, ``e`` value size.
 
 ``qkv.checks`` checks user input once and builds a :class:`Request`; backends trust it.
-Inputs are already reshaped to ``(b, h, i, d)`` (``qkv._layout``: the caller's layout is
+Inputs are already reshaped to ``(b, h, i, d)`` (the caller's layout is
 kept in :attr:`Request.layout` and restored on the way out), and the causal flag is
 already folded into ``mask`` (a ``qkv.masks.Window``), so a backend sees one layout and
 one mask object, lazy or dense.
