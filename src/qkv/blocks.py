@@ -18,8 +18,8 @@ The attention inside a layer is ``qkv.MultiHeadAttention``; ``attention=`` swaps
 mechanism (e.g. a ``qkv.approx`` class, same call as exact attention) and ``positional=``
 adds RoPE, ALiBi or relative buckets. A layer given ``return_weights=True`` returns its
 attention weights ``(b, h, i, j)``; a stack returns one per layer. Checked against
-``torch.nn.TransformerEncoderLayer`` / ``TransformerDecoderLayer`` with copied weights in
-``tests/test_blocks.py``.
+``torch.nn.TransformerEncoderLayer`` / ``TransformerDecoderLayer`` with copied weights in the
+test suite.
 """
 
 from __future__ import annotations
@@ -357,8 +357,8 @@ def gelu(a: Tensor) -> Tensor:
     activations, and it slows the matrix products after it as well (a cached generation step
     of ``qkv bench --suite generation`` ran 6-10% faster without it). A non-contiguous input
     takes PyTorch's own vectorised kernel, so a small input is passed as a transposed
-    ``(2, n/2)`` view: the same values (exact GELU either way; equal bit for bit in
-    ``tests/test_blocks.py``), and the output comes back in ``a``'s layout.
+    ``(2, n/2)`` view: the same values (exact GELU either way; equal bit for bit, as
+    tested), and the output comes back in ``a``'s layout.
     """
     n = a.numel()
     if n > SMALL_GELU or n % 2 or a.dtype != torch.float32 or a.device.type != "cpu" or not a.is_contiguous():

@@ -28,7 +28,7 @@ A ``KVCache`` given to a cross-attention call, ``mha(x, memory, cache=c)``, is t
 kind: filled from the memory on the first call, then read (``from_memory``), never appended
 to, as transformers' ``EncoderDecoderCache`` and fairseq's ``static_kv`` keep it.
 
-``tests/test_cache.py`` checks that token-by-token decoding with the cache gives the logits
+The test suite checks that token-by-token decoding with the cache gives the logits
 of the full pass (float64, 1e-10) for plain, grouped, rotary and ALiBi attention, and that
 the streaming cache gives, at every step, attention over exactly the first ``k`` and the
 last ``w`` tokens at their positions within the cache.

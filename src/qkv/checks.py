@@ -6,8 +6,8 @@ length, ``j`` key length, ``d`` query/key size, ``e`` value size.
 Each error names the argument and prints what was expected and what was got, in the
 caller's shapes. Nothing is broadcast silently: leading dims of q, k and v must be equal,
 and masks and biases must broadcast to ``(..., h, i, j)`` without growing it. Once checked,
-the call is reshaped to the one layout the backends see, ``(b, h, i, d)``
-(``qkv._layout``), with its masks and biases.
+the call is reshaped to the one layout the backends see, ``(b, h, i, d)``,
+with its masks and biases.
 """
 
 from __future__ import annotations

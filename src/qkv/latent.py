@@ -30,7 +30,7 @@ multi-head attention (DeepSeek-V2: ``c = 4d``, ``r = d/2``, 4.5·d against 2·h�
 DeepSeek's released models also normalise the two latents (RMSNorm on ``c^Q`` and
 ``c^KV``, ``latent_norm=True``); the paper's equations do not. Checked against the
 equations above written out in float64 (RoPE as complex multiplication), absorbed against
-naive, and cached decoding against the full pass, in ``tests/test_latent.py``.
+naive, and cached decoding against the full pass, in the test suite.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ SDPA would build the mask). PyTorch's semantics are kept where they differ from
   rows there (its flag's hidden logits turn to nan; its mask path is right).
 
 Checked against ``F.scaled_dot_product_attention`` over masks, causal, scales, GQA,
-broadcasting and dtypes in ``tests/test_torch_sdpa.py``.
+broadcasting and dtypes in the test suite.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ sequence's index, positions inside the sequence), ``sinks`` and ``generator``.
 
 Each sequence runs as an ordinary call of its own (``backends.segments``): the work is
 ``Σ sq·sk``, a sequence's result does not depend on its neighbours, and every mechanism of
-``qkv.attention`` applies to it. Checked against a per-sequence loop of the formula in
-``tests/test_varlen.py``.
+``qkv.attention`` applies to it. Checked against a per-sequence loop of the formula in the
+test suite.
 """
 
 from __future__ import annotations

@@ -290,7 +290,7 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     rows_b = len(lens)
     out += [
         "",
-        f"Where the time goes. The prefill: generate gives the left-padded prompts the position ids "
+        "Where the time goes. The prefill: generate gives the left-padded prompts the position ids "
         "`cumsum(mask) - 1`, 0 at the pads; " + (
             f"qkv's integration (`documents_for`) reads ids that do not run on by one as a packed batch, so each "
             f"layer's prefill runs as {segments} separate calls on the segments backend (every pad, at position "

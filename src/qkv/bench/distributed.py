@@ -20,7 +20,7 @@ processes on this machine (``qkv.distributed.launch``), and one process runs pla
 * work: the query-key pairs of the blocks the rank computed (``blocks.computed``), and
   the max/min across ranks;
 * time of a second step (with ``P`` processes sharing this machine's cores), in a heap that
-  keeps freed memory (``measure.steady_heap``), as a long-running process's does.
+  keeps freed memory (glibc's mmap and trim thresholds raised), as a long-running process's does.
 
 The cost model (``qkv.distributed.cost``) is fitted here (a gloo ping-pong, block timings
 on one thread), checked against the measured P = 2 and 4 times, and asked for ring,

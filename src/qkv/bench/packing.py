@@ -141,7 +141,7 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
                          f"{t['varlen'] / t['loop']:.2f}", "", "", ""])  # fmt: skip
             targets.add(f"varlen, mixed lengths, {dtype}, {mode}: time / loop ≤ 1.3", t["varlen"] / t["loop"], 1.3)
     lines = ["## Packing: packed documents against a per-document loop", "",
-             f"### Causal documents, h = 8, d = 64 (times relative to the loop of SDPA over the documents)", ""]  # fmt: skip
+             "### Causal documents, h = 8, d = 64 (times relative to the loop of SDPA over the documents)", ""]  # fmt: skip
     lines += table(["batch", "dtype", "mode", "loop ms", "varlen / loop", "documents mask / loop", "flex BlockMask / loop",
                     "dense-mask SDPA / varlen"], rows) + [""]  # fmt: skip
     if cfg["memory"]:
@@ -154,7 +154,7 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
         big = peak_memory(NAME, {"suite": NAME, "case": "mask_mod", "big": cfg["big"]})
         out_bytes = cfg["big"] * 64 * 4
         mask_mod_extra = max(0, big["extra"] - out_bytes)
-        lines += [f"### Memory (forward, float32, fresh process per case)", ""]
+        lines += ["### Memory (forward, float32, fresh process per case)", ""]
         lines += table(["case", "peak above inputs", "against"], [
             [f"varlen, {tokens} tokens", mib(varlen_mem["extra"]), f"loop {mib(loop_mem['extra'])}; dense bool mask {mib(dense_bytes)}"],
             [f"from_mask_mod causal documents, {cfg['big']}²", mib(big["extra"]), f"output {mib(out_bytes)}"],

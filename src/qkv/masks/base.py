@@ -134,8 +134,8 @@ class Mask:
     def merge_lead(self, lead: tuple[int, ...]) -> Mask:
         """The same mask for inputs whose leading dims ``lead`` are merged into one batch dim.
 
-        ``qkv.attention`` runs ``(x, …, b, h, i, d)`` inputs as ``(x·…·b, h, i, d)``
-        (``qkv._layout``); a mask that varies along those dims is merged the same way. A mask
+        ``qkv.attention`` runs ``(x, …, b, h, i, d)`` inputs as ``(x·…·b, h, i, d)``;
+        a mask that varies along those dims is merged the same way. A mask
         of positions only is itself.
         """
         return self if len(lead) <= 1 or len(self.batch_shape()) <= 1 else _MergedLead(self, lead)

@@ -27,8 +27,9 @@ def _per_row(name: str, values: object, what: str) -> tuple[int, int]:
     """Check a ``(b,)`` integer tensor of non-negative key positions; return its (min, max) as ints.
 
     The two ints are kept by the mask so that ``state`` (called once per tile) reads no tensor.
-    Where values cannot be read (``qkv._trace``) it returns ``(0, -1)``, an empty range that
-    makes ``state`` answer "partial" for every tile: the same result, with no tile skipped.
+    Where values cannot be read (traced by torch.compile or torch.export, meta tensors) it
+    returns ``(0, -1)``, an empty range that makes ``state`` answer "partial" for every tile:
+    the same result, with no tile skipped.
     """
     if not isinstance(values, Tensor) or values.dim() != 1:
         got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__

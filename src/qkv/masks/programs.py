@@ -4,7 +4,7 @@ Shape legend: ``b`` batch, ``h`` heads, ``i`` query length, ``j`` key length; a 
 ``(b|1, h|1, it, jt)``; a block is FlexAttention's ``BLOCK_SIZE`` rows by keys.
 
 * :func:`from_mask_mod`: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (flex's top-left raw
-  positions) evaluated one tile at a time, as flex evaluates it (``qkv._mods``), and
+  positions) evaluated one tile at a time, as flex evaluates it, and
   classified "empty", "full" or "partial" from that tile alone: never an ``(i, j)`` tensor
   for the whole call. Combine it with qkv's masks by ``&`` and ``|``.
 * :class:`FlexBlocks`: torch's own ``BlockMask`` (``create_block_mask(...)``). Its block
