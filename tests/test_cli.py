@@ -109,7 +109,13 @@ def test_bench_run_refuses_an_unknown_suite_given_programmatically(capsys):
 def test_unwritable_out(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     line = _fails(capsys, ["demo", "--quick", "--out", str(tmp_path / "file" / "out")])
-    assert line == f"qkv demo: error: --out: the parent folder {tmp_path / 'file'} does not exist"
+    # It exists, but as a file: say so, not only that there is no such folder.
+    file = tmp_path / "file"
+    assert line == f"qkv demo: error: --out: the parent folder {file} does not exist: {file} is a file, not a folder"
+    line = _fails(capsys, ["demo", "--quick", "--out", str(file / "a" / "out")])
+    assert line == f"qkv demo: error: --out: the parent folder {file / 'a'} does not exist: {file} is a file, not a folder"
+    line = _fails(capsys, ["demo", "--quick", "--out", str(tmp_path / "none" / "out")])
+    assert line == f"qkv demo: error: --out: the parent folder {tmp_path / 'none'} does not exist"
     line = _fails(capsys, ["demo", "--out", str(tmp_path / "file")])
     assert line == f"qkv demo: error: --out: {tmp_path / 'file'} exists and is not a folder"
     # Nothing was created next to the refused folders.
@@ -143,7 +149,7 @@ def test_plot_2d_and_3d(capsys, tmp_path):
                                                        "(shape (2, 3, 5, 7))"),  # fmt: skip
         (["folder.pt"], "qkv plot: error: file: {tmp}/folder.pt is a folder, expected a file"),
         (["w.pt", "--key", "weights", "--index", "0", "--index", "0", "--x-labels", "a b"],
-         "qkv plot: error: x_labels: expected 7 labels (one per key, j), got 2"),  # fmt: skip
+         "qkv plot: error: --x-labels: expected 7 labels (one per key, j), got 2"),  # fmt: skip
         (["notes.txt"], "qkv plot: error: file: expected a .pt, .pth, .npy, .npz or .safetensors file, got 'notes.txt'"),
         (["w.pt", "--index", "-1"], "qkv plot: error: argument --index: expected a non-negative integer, got -1"),
     ],

@@ -88,3 +88,44 @@ def test_selection_is_frozen():
     selection = Selection((0,), (0,), 1, 1, False)
     with pytest.raises(AttributeError):
         selection.rows = (1,)  # type: ignore[misc]
+
+
+# ---- ranges are checked before they are expanded -------------------------------------------------
+
+
+def test_a_huge_range_is_checked_before_it_is_expanded():
+    # "--rows 0-1000000000" was expanded into a billion ints (it hung; 0-10000000 took 960 MB)
+    # before it was found to be past the 13 tokens of the text.
+    import time
+    import tracemalloc
+
+    from qkv.inspect.selection import parse_ranges
+
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        rows = parse_ranges("--rows", "0-1000000000")
+        heads = parse_ranges("--heads", "3,0-1000000000")
+        assert len(rows) == 1_000_000_001 and 999_999_999 in rows and -1 not in rows
+        with pytest.raises(SelectionError, match=r"^--rows: expected values in 0..12 \(13 tokens in the text\), got 0-1000000000$"):
+            choose(layers=6, heads=12, tokens=13, rows_option=rows)
+        with pytest.raises(SelectionError, match=r"^--heads: expected values in 0..11 \(12 heads per layer\), got 0-1000000000$"):
+            choose(layers=6, heads=12, tokens=13, heads_option=heads)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 1.0
+    assert peak < 1_000_000, peak
+
+
+def test_parsed_ranges_are_the_values_they_stand_for():
+    from qkv.inspect.selection import format_indices, parse_ranges
+
+    ranges = parse_ranges("--rows", " 7 , 2,2, 3-5,4-9 ")
+    assert ranges == (2, 3, 4, 5, 6, 7, 8, 9) and list(ranges) == list(range(2, 10))  # merged, sorted
+    assert ranges.runs == ((2, 9),) and ranges[0] == 2 and ranges[-1] == 9 and ranges[1:3] == (3, 4)
+    assert parse_ranges("--rows", "0,5-6") != (0, 5)
+    assert format_indices(parse_ranges("--rows", "0,5-6,2")) == "0, 2, 5-6"
+    assert choose(layers=1, heads=2, tokens=9, rows_option=parse_ranges("--rows", "8,1-2")).rows == (1, 2, 8)
+    with pytest.raises(SelectionError, match="^--rows: expected integers and ranges such as 0,3,5-8, got '1-x'$"):
+        parse_ranges("--rows", "1-x")

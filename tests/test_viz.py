@@ -165,3 +165,71 @@ def test_missing_matplotlib_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r'qkv.viz needs matplotlib: pip install "\.\[viz\]" in qkv\'s folder'):
         viz.heatmap(np.eye(2))
+
+
+# ---- the size cap: a big array is still one readable picture, not a 20000-pixel one ----------------
+
+
+def _png_size(path):
+    """(height, width) in pixels of the PNG at ``path``, read back with matplotlib."""
+    from matplotlib.image import imread
+
+    return imread(path).shape[:2]
+
+
+def test_a_512_by_512_heatmap_is_capped_quick_and_keeps_every_value(tmp_path):
+    # Uncapped (0.26 inch a cell) this was a 20358 x 20208 PNG: 58 s and 16.7 GB.
+    import time
+
+    weights = torch.rand(512, 512, generator=torch.Generator().manual_seed(0))
+    labels = [f"t{k}" for k in range(512)]
+    started = time.perf_counter()
+    figure = viz.heatmap(weights, labels, labels)
+    assert max(figure.get_size_inches()) <= 20.0  # checked before drawing: the uncapped one is huge
+    png = viz.save(figure, tmp_path / "big.png")
+    seconds = time.perf_counter() - started
+    assert max(_png_size(png)) <= 20 * 150
+    assert seconds < 30, seconds  # about 1 s; generous for a busy 2-core machine
+    ax = figure.axes[0]
+    np.testing.assert_array_equal(ax.images[0].get_array(), weights.numpy())  # every value is drawn
+    # 512 labels a side cannot be read: none are written; the axes count positions instead.
+    assert "t1" not in _texts(ax.get_xticklabels()) and "t1" not in _texts(ax.get_yticklabels())
+
+
+def test_labels_are_drawn_up_to_the_limit_and_dropped_past_it():
+    words = [f"w{k}" for k in range(viz.MAX_LABELS + 1)]
+    at_limit = viz.heatmap(_weights(viz.MAX_LABELS, viz.MAX_LABELS), words[:-1], words[:-1])
+    assert _texts(at_limit.axes[0].get_xticklabels()) == words[:-1]
+    assert max(at_limit.get_size_inches()) <= viz.MAX_INCHES
+    # Past the limit only the crowded axis loses its labels: 3 query labels still fit.
+    past = viz.heatmap(_weights(3, viz.MAX_LABELS + 1), words, ["a", "b", "c"])
+    assert "w1" not in _texts(past.axes[0].get_xticklabels())
+    assert _texts(past.axes[0].get_yticklabels()) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("shape", [(2, 100000), (100000, 2), (2000, 2000)])
+def test_extreme_shapes_get_a_capped_figure(shape):
+    # (2, 100000) had a 26000-inch-wide figure (the process was killed); (2000, 2000) a MemoryError.
+    figure = viz.heatmap(np.zeros(shape, dtype=np.float32))
+    width, height = figure.get_size_inches()
+    assert max(width, height) <= viz.MAX_INCHES
+    # The short side keeps readable cells: two rows are not squeezed to a sliver.
+    assert min(width, height) >= 1.5
+
+
+def test_head_grid_is_capped_too(tmp_path):
+    figure = viz.head_grid(_weights(6, 300, 300))
+    assert max(figure.get_size_inches()) <= viz.MAX_INCHES
+    assert max(_png_size(viz.save(figure, tmp_path / "heads.png"))) <= viz.MAX_INCHES * 150
+
+
+def test_head_grid_holds_a_bounded_number_of_panels():
+    # 64 heads: a square grid within the cap (four to a row, it would be 16 rows of panels).
+    figure = viz.head_grid(np.random.default_rng(0).random((64, 8, 8)))
+    assert len(figure.axes) == 64 + 1 and max(figure.get_size_inches()) <= viz.MAX_INCHES
+    assert sum(1 for ax in figure.axes[:64] if ax.get_subplotspec().is_first_col()) == 8
+    too_many = viz.MAX_PANELS + 1
+    with pytest.raises(ValueError, match=rf"^weights: expected at most {viz.MAX_PANELS} heads .* got {too_many}; "):
+        viz.head_grid(np.zeros((too_many, 2, 2)))
+    with pytest.raises(ValueError, match=r"^cols: 1 to a row makes a grid of 20 x 1 panels for 20 heads; at most 16 "):
+        viz.head_grid(np.zeros((20, 2, 2)), cols=1)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn, Sequence
 
@@ -94,6 +96,18 @@ _positive_int = int_at_least(1, "a positive integer")
 _non_negative_int = int_at_least(0, "a non-negative integer")
 
 
+def _seed(text: str) -> int:
+    """``qkv demo --seed``: a non-negative integer that every step's derived seed can take."""
+    value = _non_negative_int(text)
+    from .demo import MAX_SEED  # only when --seed is given: qkv.demo imports torch
+
+    if value > MAX_SEED:
+        # torch.manual_seed said only "Overflow when unpacking long long", in a traceback.
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_SEED} (each step seeds torch with seed x 1000 + "
+                                         f"its number, which must fit in 64 bits), got {value}")  # fmt: skip
+    return value
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo",
@@ -102,7 +116,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "writes figures, results.json and index.html to --out. A full run takes a few minutes on 2 cores.",
     )
     demo.add_argument("--out", type=Path, default=Path("qkv-demo"), help="output folder (default: ./qkv-demo/)")
-    demo.add_argument("--seed", type=_non_negative_int, default=0, help="seed for data and weights (default: 0)")
+    demo.add_argument("--seed", type=_seed, default=0, help="seed for data and weights, 0 or more (default: 0)")
     demo.add_argument("--quick", action="store_true", help="small data and short training: runs in under a minute")
     demo.add_argument("--steps", type=_positive_int, default=None, help="training steps per model (default: each model's own)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -113,15 +127,23 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
         "plot",
         help="heatmap of saved attention weights (.pt, .npy or .safetensors)",
         description="Draws a 2-D (i, j) array as a heatmap and a 3-D (h, i, j) array as one panel "
-        "per head. Pick from larger arrays with --index, one integer per leading dim to drop.",
+        "per head. Pick from larger arrays with --index, one integer per leading dim to drop. The "
+        "image is at most 20 inches (3000 pixels) a side: a large array gets smaller cells, and an "
+        "axis of more than 80 rows or columns gets position ticks instead of --x-labels/--y-labels. "
+        "Every value is drawn.",
     )
-    plot.add_argument("file", type=Path, help="a tensor saved with torch.save, numpy.save or safetensors")
-    plot.add_argument("--out", type=Path, default=None, help="image to write (.png, .svg, .pdf; default: FILE with .png)")
+    plot.add_argument("file", type=Path, help="a tensor saved with torch.save, numpy.save or safetensors "
+                      "(a 2-D or larger tensor, or a dict of them)")  # fmt: skip
+    plot.add_argument("--out", type=Path, default=None,
+                      help="image to write (.png, .svg, .pdf; default: FILE with .png); missing folders are "
+                      "made")  # fmt: skip
     plot.add_argument("--key", default=None, help="which tensor, when the file holds several (a dict)")
     plot.add_argument("--index", type=_non_negative_int, action="append", default=[],
                       help="select along the first remaining dim; repeat for more dims")  # fmt: skip
-    plot.add_argument("--x-labels", default=None, help="key labels, separated by spaces (or one per character with --chars)")
-    plot.add_argument("--y-labels", default=None, help="query labels, separated by spaces (or one per character with --chars)")
+    plot.add_argument("--x-labels", default=None, help="key labels, separated by spaces (or one per character with "
+                      "--chars); drawn up to 80 keys")  # fmt: skip
+    plot.add_argument("--y-labels", default=None, help="query labels, separated by spaces (or one per character with "
+                      "--chars); drawn up to 80 queries")  # fmt: skip
     plot.add_argument("--chars", action="store_true", help="split the labels into characters")
     plot.add_argument("--title", default=None, help="title of the figure")
 
@@ -132,7 +154,11 @@ def _add_bench(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
         # Only `qkv bench ...` pays for importing the benchmark framework.
         sub.add_parser("bench", help=help_text, add_help=False)
         return
-    bench = sub.add_parser("bench", help=help_text, description=help_text)
+    description = ("Benchmarks of the attention backends. A run writes benchmarks/RESULTS.md relative to "
+                   "the current folder, which is qkv's clone when run from there; elsewhere, pass --out "
+                   "FILE.md (merged into if it exists), or use --quick, which writes to a temporary "
+                   "folder.")  # fmt: skip
+    bench = sub.add_parser("bench", help=help_text, description=description)
     try:
         from . import bench as bench_module
     except ImportError as error:
@@ -144,11 +170,16 @@ def _add_bench(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     bench_module.add_arguments(bench)
 
 
-def _indices(text: str) -> tuple[int, ...]:
-    from .inspect.selection import SelectionError, parse_indices
+def _indices(text: str):
+    """``--rows``/``--heads``/``--attribution-layers``: checked for form here, for range once the text is read.
+
+    Kept as runs (``qkv.inspect.selection.Indices``): ``0-1000000000`` was expanded into a billion
+    ints (and hung) before it could be found past the end of a three-token text.
+    """
+    from .inspect.selection import SelectionError, parse_ranges
 
     try:
-        return parse_indices("value", text)
+        return parse_ranges("value", text)
     except SelectionError as error:
         raise argparse.ArgumentTypeError(str(error).removeprefix("value: ")) from None
 
@@ -247,6 +278,28 @@ def _reason(error: BaseException) -> str:
     return first if len(first) <= 200 else first[:197] + "..."
 
 
+#: What ``qkv plot`` expects in a .pt/.pth file, said when it holds something else.
+_TORCH_FILE = ("expected a file saved by torch.save holding a 2-D tensor (or a larger one, with --index) "
+               "or a dict of them")
+
+
+def _torch_format(path: Path) -> str | None:
+    """Why ``path`` cannot be a torch.save file, judged by its first bytes; None if it may be one.
+
+    torch.load's own message for such a file is a pickle opcode ("Unsupported operand 144",
+    or just "101"), which says nothing to whoever gave the wrong file.
+    """
+    with path.open("rb") as file:
+        head = file.read(2)
+    if not head:
+        return "the file is empty"
+    # torch.save writes a zip archive ("PK"); before torch 1.6, or with
+    # _use_new_zipfile_serialization=False, a pickle, whose first byte is the PROTO opcode 0x80.
+    if head == b"PK" or head[0] == 0x80:
+        return None
+    return "it is neither the zip archive torch.save writes nor its older pickle format"
+
+
 def _read(path: Path, suffix: str):
     """What ``path`` holds (an array, a tensor or a dict of them), or ValueError saying why not."""
     import numpy as np
@@ -254,6 +307,7 @@ def _read(path: Path, suffix: str):
 
     if suffix == ".safetensors":
         from safetensors.torch import load_file  # outside the try: a missing package is not a bad file
+    expected = f"{_TORCH_FILE}; " if suffix in (".pt", ".pth") else ""
     try:
         if suffix in _MAGIC:
             magic, what = _MAGIC[suffix]
@@ -267,14 +321,17 @@ def _read(path: Path, suffix: str):
                 return dict(archive)
         if suffix == ".safetensors":
             return load_file(str(path))
+        problem = _torch_format(path)
+        if problem:
+            raise ValueError(problem)
         # weights_only: a weights file must not be able to run code when loaded.
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # whatever the loader raises (its own error types), the file cannot be plotted
-        raise ValueError(f"file: could not read {path.name} ({_reason(error)})") from error
+        raise ValueError(f"file: could not read {path.name} ({expected}{_reason(error)})") from error
 
 
 def _load(path: Path, key: str | None):
-    """The array stored in ``path`` (a dict's ``key`` when it holds several) as a numpy array."""
+    """The array stored in ``path`` (a dict's ``key`` when it holds several) as a float numpy array."""
     import numpy as np
     import torch
 
@@ -282,7 +339,10 @@ def _load(path: Path, key: str | None):
     if suffix not in (".npy", ".npz", ".safetensors", ".pt", ".pth"):
         raise ValueError(f"file: expected a .pt, .pth, .npy, .npz or .safetensors file, got {path.name!r}")
     data = _read(path, suffix)
+    where = f"in {path.name}"  # how the messages below name the tensor
     if isinstance(data, dict):
+        if not data:
+            raise ValueError(f"file: {path.name} holds no tensors (an empty dict)")
         if key is None:
             if len(data) != 1:
                 raise ValueError(f"--key: {path.name} holds {len(data)} tensors, name one of {sorted(data)}")
@@ -290,11 +350,63 @@ def _load(path: Path, key: str | None):
         if key not in data:
             raise ValueError(f"--key: expected one of {sorted(data)}, got {key!r}")
         data = data[key]
+        where = f"{key!r} in {path.name}"
     if isinstance(data, torch.Tensor):
-        data = data.detach().float().cpu().numpy()
+        data = data.detach().cpu()
+        # Refused before .float(), which would warn (a UserWarning naming qkv's file) and drop the
+        # imaginary part without a word.
+        if data.is_complex():
+            raise ValueError(_complex(where, str(data.dtype).removeprefix("torch.")))
+        data = data.float().numpy()
     if not isinstance(data, np.ndarray):
-        raise ValueError(f"file: expected a tensor or array, got {type(data).__name__}")
-    return data
+        raise ValueError(f"file: expected a tensor or array {where}, got {type(data).__name__}")
+    if data.dtype.kind == "c":
+        raise ValueError(_complex(where, str(data.dtype)))
+    if data.dtype.kind not in "biuf":
+        raise ValueError(f"file: the tensor {where} holds {data.dtype} values, expected numbers")
+    if data.size == 0:
+        raise ValueError(f"file: the tensor {where} is empty (shape {tuple(data.shape)}): nothing to plot")
+    return data.astype(float, copy=False) if data.dtype.kind in "biu" else data
+
+
+def _complex(where: str, dtype: str) -> str:
+    return (f"file: the tensor {where} is complex ({dtype}); qkv plot draws real numbers: save its .abs() "
+            "(the magnitude) or .real instead")  # fmt: skip
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its closest ancestor that exists (for a relative path, at worst the current folder)."""
+    while not (path.exists() or path.is_symlink()) and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _out_problem(out: Path, file: Path) -> str | None:
+    """Why ``qkv plot`` cannot write its image to ``out`` (missing folders are made), or None.
+
+    Checked before the file is read and drawn; ``viz.save``'s own errors named its argument
+    ``path:`` and an OSError's number ("[Errno 17] File exists: '/dev/null'").
+    """
+    if out.is_dir():
+        return f"{out} is a folder; give an image file such as {out / file.with_suffix('.png').name}"
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        return f"expected a .png, .svg or .pdf suffix, got {out.suffix!r}"
+    if out.exists():
+        return None if os.access(out, os.W_OK) else f"cannot write {out} (permission denied)"
+    where = _nearest_existing(out.parent)
+    if not where.is_dir():
+        return f"cannot create {out}: {where} is a file, not a folder"
+    # Made and removed: a folder may refuse new entries whatever its permission bits say (/proc).
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".qkv-plot-check-", dir=where))
+    except OSError as error:
+        return f"cannot create {out} ({error.strerror})"
+    return None
+
+
+def _as_typed(text: str) -> str:
+    """``text`` drawn as typed: matplotlib reads ``$...$`` as mathematics (``$\\foo$`` was an error)."""
+    return text.replace("$", r"\$")
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -309,6 +421,11 @@ def _plot(args: argparse.Namespace) -> int:
         print(f"qkv plot: error: {missing}", file=sys.stderr)
         return 2
     out = args.out or args.file.with_suffix(".png")
+    problem = _out_problem(out, args.file)
+    if problem:
+        print(f"qkv plot: error: --out: {problem}", file=sys.stderr)
+        return 2
+    notes = []
     try:
         array = _load(args.file, args.key)
         for position, index in enumerate(args.index):
@@ -322,21 +439,42 @@ def _plot(args: argparse.Namespace) -> int:
                 f"--index: the selected array has shape {array.shape}; give one --index per leading "
                 "dim until it is (i, j) or (h, i, j)"
             )
+        if array.ndim == 3 and array.shape[0] > viz.MAX_PANELS:
+            raise ValueError(f"--index: the selected array has {array.shape[0]} heads (shape {array.shape}), more "
+                             f"than the {viz.MAX_PANELS} panels one figure holds; pick one with another --index")  # fmt: skip
         labels = []
-        for text in (args.x_labels, args.y_labels):
-            labels.append(None if text is None else (list(text) if args.chars else text.split()))
+        # Checked here, not by viz (whose messages name its own arguments, x_labels and y_labels).
+        axes = (("--x-labels", args.x_labels, array.shape[-1], ("key, j", "keys")),
+                ("--y-labels", args.y_labels, array.shape[-2], ("query, i", "queries")))
+        for flag, text, count, what in axes:
+            if text is None:
+                labels.append(None)
+                continue
+            split = list(text) if args.chars else text.split()
+            if len(split) != count:
+                raise ValueError(f"{flag}: expected {count} labels (one per {what[0]}), got {len(split)}")
+            labels.append([_as_typed(label) for label in split])
+            if count > viz.MAX_LABELS:
+                notes.append(f"note: {flag} not drawn: {count} {what[1]} are more than {viz.MAX_LABELS} can be read; "
+                             "the axis counts positions")  # fmt: skip
+        title = None if args.title is None else _as_typed(args.title)
         if array.ndim == 2:
             scale = (0.0, 1.0) if array.min() >= 0 and array.max() <= 1 else (None, None)
-            figure = viz.heatmap(array, labels[0], labels[1], title=args.title, vmin=scale[0], vmax=scale[1])
+            figure = viz.heatmap(array, labels[0], labels[1], title=title, vmin=scale[0], vmax=scale[1])
         else:
-            figure = viz.head_grid(array, labels[0], labels[1], title=args.title)
+            figure = viz.head_grid(array, labels[0], labels[1], title=title)
         viz.save(figure, out)
-    except (ValueError, OSError, RuntimeError) as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"qkv plot: error: {message}", file=sys.stderr)
+    except OSError as error:  # the folder was checked above; the disk may still be full
+        print(f"qkv plot: error: --out: cannot write {out} ({error.strerror or error})", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError) as error:
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        print(f"qkv plot: error: {lines[0].strip() if lines else type(error).__name__}", file=sys.stderr)
         return 2
     except ImportError as error:
         return _optional_missing("plot", error)
+    for note in notes:
+        print(note)
     print(f"wrote {out}")
     return 0
 
@@ -358,8 +496,9 @@ def _inspect(args: argparse.Namespace) -> int:
         return 2
     except ImportError as error:
         return _optional_missing("inspect", error)
-    except OSError as error:
-        print(f"qkv inspect: error: --out: {error}", file=sys.stderr)
+    except OSError as error:  # --out was checked before the model ran; the disk may still be full
+        where = error.filename or args.out
+        print(f"qkv inspect: error: --out: cannot write {where} ({error.strerror or error})", file=sys.stderr)
         return 2
     return 0
 
@@ -371,6 +510,14 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     from . import bench
 
+    default = args.out is None and not args.quick and not getattr(args, "summary", False)
+    if default and getattr(args, "case", None) is None and not bench.DEFAULT_OUT.parent.is_dir():
+        # Outside a clone, qkv.bench said only "benchmarks is not a folder that exists".
+        folder, default_out = bench.DEFAULT_OUT.parent.as_posix(), bench.DEFAULT_OUT.as_posix()
+        print(f"qkv bench: error: --out: the default {default_out} is relative to the current folder ({Path.cwd()}), "
+              f"which has no {folder} folder: run qkv bench in qkv's clone, or pass --out FILE.md (or --quick, "
+              "which writes to a temporary folder)", file=sys.stderr)  # fmt: skip
+        return 2
     return int(bench.run(args) or 0)
 
 

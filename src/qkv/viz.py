@@ -12,13 +12,18 @@ loop does not leak memory or trigger "More than 20 figures" warnings).
 
 Readability at 40 tokens is a tested property: cells get a fixed physical size, the font
 shrinks with the number of labels down to a floor, every label is drawn (none thinned
-out), and multi-character column labels are rotated so they never overlap. Attention
-weights are drawn on a fixed 0..1 colour scale stated on a colorbar, so two plots can be
+out), and multi-character column labels are rotated so they never overlap. Large arrays
+stay one picture of a bounded size: a heatmap's figure is at most :data:`MAX_INCHES` a side
+(3000 pixels at :func:`save`'s 150 dpi), its cells shrink to fit, and an axis with more than
+:data:`MAX_LABELS` rows or columns gets position ticks instead of one label per cell (the
+rule ``qkv inspect`` follows for its PNGs); every value is still drawn, by one ``imshow``.
+Attention weights are drawn on a fixed 0..1 colour scale stated on a colorbar, so two plots can be
 compared by colour. The look follows the alignment figures of Bahdanau et al. 2015.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,10 +31,27 @@ from typing import Any
 import numpy as np
 from ._extras import install
 
-__all__ = ["heatmap", "head_grid", "alignment", "positional_encoding", "rope_relative", "curves", "save"]
+__all__ = ["MAX_INCHES", "MAX_LABELS", "MAX_PANELS", "heatmap", "head_grid", "alignment", "positional_encoding",
+           "rope_relative", "curves", "save"]  # fmt: skip
 
 _CELL = 0.26  # inches per row/column of a heatmap: about 19 pt, room for a 9 pt label
 _MARGIN = 1.6  # inches around the cells for tick labels, title and colorbar
+
+#: The longest side of a heatmap's figure, in inches: 3000 pixels at 150 dpi. Uncapped, the
+#: 0.26-inch cells made a (512, 512) array a 20358 x 20208 PNG (58 s, 16.7 GB of memory).
+MAX_INCHES = 20.0
+
+#: The most rows or columns labelled one by one (``qkv.inspect.figures.LABELLED`` too): at
+#: :data:`MAX_INCHES` that leaves a cell of 0.2 inch, room for the 7 pt floor of the font.
+#: Past it, an axis gets matplotlib's position ticks; the labels would be an unreadable smear.
+MAX_LABELS = 80
+
+_SHORT_SIDE = 6.0  # inches: the least a capped figure's other side keeps of its full length
+
+#: The most panels (heads) of :func:`head_grid`: a 16 x 16 grid, past the 128 heads a layer of
+#: the largest models has, leaves each panel about 0.6 inch of cells within MAX_INCHES.
+MAX_PANELS = 256
+_GRID_SIDE = 16  # most panels in a row or column, whatever ``cols``
 
 
 def _mpl() -> Any:
@@ -71,6 +93,21 @@ def _labels(name: str, labels: Sequence[Any] | str | None, count: int, axis: str
     return labels
 
 
+def _fit(fixed_width: float, cells_width: float, fixed_height: float, cells_height: float) -> tuple[float, float]:
+    """Figure size in inches for cells of ``cells_*`` inches plus ``fixed_*`` inches of margins.
+
+    When a side would pass :data:`MAX_INCHES`, the cells shrink, on both sides by one factor
+    so their shape (and a head grid's panels) stays as drawn; but a side is not shrunk below
+    :data:`_SHORT_SIDE` (or its full length, if shorter), or a (2, 100000) array would leave
+    its two rows as a sliver. Either way neither side exceeds :data:`MAX_INCHES`.
+    """
+    scale = max(0.0, min(1.0, (MAX_INCHES - fixed_width) / cells_width, (MAX_INCHES - fixed_height) / cells_height))
+    sides = []
+    for fixed, cells in ((fixed_width, cells_width), (fixed_height, cells_height)):
+        sides.append(min(MAX_INCHES, max(fixed + cells * scale, min(fixed + cells, _SHORT_SIDE))))
+    return sides[0], sides[1]
+
+
 def _font_size(count: int) -> float:
     """Tick font size for ``count`` labels: 10 pt for a few, 7 pt floor for many."""
     return float(np.clip(11.0 - count / 12.0, 7.0, 10.0))
@@ -78,15 +115,15 @@ def _font_size(count: int) -> float:
 
 def _draw(ax: Any, array: np.ndarray, x_labels: list[str] | None, y_labels: list[str] | None,
           vmin: float | None, vmax: float | None, cmap: str) -> Any:
-    """Draw one heatmap on ``ax`` and label every row and column; return the image."""
+    """Draw one heatmap on ``ax`` and label every row and column (up to MAX_LABELS); return the image."""
     image = ax.imshow(array, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
     rows, cols = array.shape
-    if x_labels is not None:
+    if x_labels is not None and cols <= MAX_LABELS:
         ax.set_xticks(range(cols))
         # Rotated only when needed: single characters read best upright, words do not fit.
         rotation = 90 if max((len(s) for s in x_labels), default=0) > 1 else 0
         ax.set_xticklabels(x_labels, rotation=rotation, fontsize=_font_size(cols))
-    if y_labels is not None:
+    if y_labels is not None and rows <= MAX_LABELS:
         ax.set_yticks(range(rows))
         ax.set_yticklabels(y_labels, fontsize=_font_size(rows))
     ax.tick_params(length=0)
@@ -111,13 +148,19 @@ def heatmap(
     string is taken as one label per character. The colour scale is fixed to
     ``vmin..vmax`` (0..1 for weights; pass None for the data's range). With ``ax`` the
     plot goes onto an existing axes and its figure is returned.
+
+    Size cap: a cell is 0.26 inch while the figure fits, and neither side of the figure
+    exceeds :data:`MAX_INCHES` (20 inches, 3000 pixels at :func:`save`'s 150 dpi): more
+    rows or columns get smaller cells. An axis of more than :data:`MAX_LABELS` (80) cells
+    is drawn without its labels, with position ticks. Every value is drawn all the same
+    (one ``imshow`` of the whole array); past about 2500 a side, several share a pixel.
     """
     array = _array("weights", weights, 2, "(i, j)")
     rows, cols = array.shape
     xs = _labels("x_labels", x_labels, cols, "key, j")
     ys = _labels("y_labels", y_labels, rows, "query, i")
     if ax is None:
-        figure = _figure(_MARGIN + 1.0 + _CELL * max(cols, 8), _MARGIN + _CELL * max(rows, 6))
+        figure = _figure(*_fit(_MARGIN + 1.0, _CELL * max(cols, 8), _MARGIN, _CELL * max(rows, 6)))
         ax = figure.add_subplot()
     else:
         figure = ax.figure
@@ -141,23 +184,36 @@ def head_grid(
 ) -> Any:
     """One heatmap per head of ``weights (h, i, j)``, sharing one colorbar (0..1 by default).
 
-    Panels are laid out ``cols`` to a row (default: up to 4); the figure has ``h`` panel
+    Panels are laid out ``cols`` to a row (default: up to 4, or a square grid past 16 heads);
+    at most :data:`MAX_PANELS` (256) heads, and 16 panels a row or column. The figure has ``h`` panel
     axes plus one colorbar axes. Tick labels are drawn on the outer edge of the grid only.
     All panels share the scale ``vmin..vmax``; None uses the data's range over all heads.
+    The figure is capped as :func:`heatmap`'s is: at most :data:`MAX_INCHES` a side, and no
+    labels along an axis of more than :data:`MAX_LABELS` cells.
     """
     array = _array("weights", weights, 3, "(h, i, j)")
     heads, rows, columns = array.shape
     xs = _labels("x_labels", x_labels, columns, "key, j")
     ys = _labels("y_labels", y_labels, rows, "query, i")
+    if heads > MAX_PANELS:
+        raise ValueError(f"weights: expected at most {MAX_PANELS} heads (one panel each, in at most {MAX_INCHES:g} "
+                         f"inches), got {heads}; draw some of them, e.g. weights[:{MAX_PANELS}]")  # fmt: skip
     if cols is None:
-        cols = min(heads, 4)
+        # Four to a row reads well for a few heads; many would make a column taller than MAX_INCHES.
+        cols = min(heads, 4) if heads <= 16 else math.ceil(math.sqrt(heads))
     elif isinstance(cols, bool) or not isinstance(cols, int) or cols < 1:
         raise ValueError(f"cols: expected a positive integer, got {cols!r}")
     grid_rows = -(-heads // cols)
+    if max(cols, grid_rows) > _GRID_SIDE:
+        raise ValueError(f"cols: {cols} to a row makes a grid of {grid_rows} x {cols} panels for {heads} heads; "
+                         f"at most {_GRID_SIDE} a side fit in {MAX_INCHES:g} inches")  # fmt: skip
     cell = _CELL * (0.6 if heads > 1 else 1.0)  # panels side by side may be a bit denser
-    figure = _figure(
-        cols * (1.0 + cell * max(columns, 6)) + 1.5, grid_rows * (1.0 + cell * max(rows, 6)) + 0.6
-    )
+    # The fixed parts (an inch a panel for its ticks and title, less in a grid of more than 8 a
+    # side, so they never take more than 8 inches; the colorbar; the suptitle) stay, and the
+    # cells shrink when the whole would pass MAX_INCHES.
+    margin = min(1.0, 8.0 / max(cols, grid_rows))
+    figure = _figure(*_fit(cols * margin + 1.5, cols * cell * max(columns, 6), grid_rows * margin + 0.6,
+                           grid_rows * cell * max(rows, 6)))  # fmt: skip
     low = float(array.min()) if vmin is None else vmin
     high = float(array.max()) if vmax is None else vmax
     axes = figure.subplots(grid_rows, cols, squeeze=False).flat
@@ -358,7 +414,8 @@ def tile_states(mask: Any, i: int, j: int, *, tile: int = 64, title: str | None 
 def save(figure: Any, path: str | Path, *, dpi: int = 150) -> Path:
     """Write ``figure`` to ``path`` (format from the suffix: .png, .svg or .pdf); return it.
 
-    Parent directories are created.
+    Parent directories are created. At the default 150 dpi a heatmap is at most
+    ``MAX_INCHES * 150`` = 3000 pixels a side.
     """
     path = Path(path)
     if path.suffix.lower() not in (".png", ".svg", ".pdf"):

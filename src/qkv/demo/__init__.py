@@ -36,9 +36,14 @@ import torch
 
 from .context import Context, StepResult
 
-__all__ = ["DemoError", "STEPS", "run"]
+__all__ = ["DemoError", "MAX_SEED", "STEPS", "run"]
 
 MARKER = ".qkv-demo"  # a file in every output folder: marks it as safe to replace
+
+#: The largest ``seed``: each step seeds torch with ``seed * 1000 + its number`` (``Context.seed_for``,
+#: numbers below 1000), and torch.manual_seed takes at most 2**64 - 1; a larger seed ended the
+#: run with torch's "Overflow when unpacking long long".
+MAX_SEED = (2**64 - 1000) // 1000
 
 
 class DemoError(ValueError):
@@ -73,7 +78,12 @@ def _check_out(out: Path) -> None:
             raise DemoError(f"--out: {out} is a non-empty folder not written by qkv demo; choose another or empty it")
     parent = out.parent
     if not parent.is_dir():
-        raise DemoError(f"--out: the parent folder {parent} does not exist")
+        # Name what is there: "/dev/null does not exist" read as wrong, since it does, as a file.
+        where = parent
+        while not (where.exists() or where.is_symlink()) and where.parent != where:
+            where = where.parent
+        found = f": {where} is a file, not a folder" if where.exists() and not where.is_dir() else ""
+        raise DemoError(f"--out: the parent folder {parent} does not exist{found}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise DemoError(f"--out: cannot write in {parent} (permission denied)")
 
@@ -134,13 +144,17 @@ def run(
         One :class:`StepResult` per step, with the metrics and figures it produced.
 
     Raises:
-        DemoError: ``out`` cannot be written, or ``seed``/``steps`` are out of range.
+        DemoError: ``out`` cannot be written, or ``seed`` (0 to :data:`MAX_SEED`) or ``steps``
+            is out of range.
     """
     from .. import __version__
     from . import report
 
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise DemoError(f"--seed: expected a non-negative integer, got {seed!r}")
+    if seed > MAX_SEED:
+        raise DemoError(f"--seed: expected at most {MAX_SEED} (each step seeds torch with seed x 1000 + its "
+                        f"number, which must fit in 64 bits), got {seed}")  # fmt: skip
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise DemoError(f"--steps: expected a positive integer, got {steps!r}")
     out = Path(out).expanduser().absolute()

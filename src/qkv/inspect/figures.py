@@ -19,8 +19,9 @@ from .capture import Capture
 
 __all__ = ["LABELLED", "head_figure", "layer_figure", "write"]
 
-#: The most queries or keys drawn as labelled cells; more are drawn as position axes.
-LABELLED = 80
+#: The most queries or keys drawn as labelled cells; more are drawn as position axes. The
+#: same limit as ``qkv.viz``'s heatmaps (``qkv plot``), which drop labels past it.
+LABELLED = viz.MAX_LABELS
 
 
 def _labelled(capture: Capture) -> bool:
