@@ -27,6 +27,23 @@ def test_interleaved_calls_each_contender_warmup_plus_repeats_times():
     assert set(medians) == {"a", "b"} and all(t >= 0 for t in medians.values())
 
 
+def test_interleaved_runs_before_untimed_ahead_of_every_timed_call():
+    log = []
+    measure.interleaved({"a": lambda: log.append("a"), "b": lambda: log.append("b")}, repeats=2, warmup=1,
+                        before=lambda: log.append("before"))  # fmt: skip
+    assert log == ["a", "b", "before", "a", "before", "b", "before", "b", "before", "a"]
+
+
+def test_evict_writes_its_whole_buffer_each_call_and_is_larger_than_the_caches_met(monkeypatch):
+    assert measure.Evict.BYTES >= 2 * 105 * 2**20  # twice the largest last-level cache met (Intel Xeon)
+    monkeypatch.setattr(measure.Evict, "BYTES", 4096)
+    evict = measure.Evict()
+    evict()
+    evict()
+    assert evict._buffer.numel() == 1024 and bool((evict._buffer == 3).all())
+    assert measure.evicting(False) is None and isinstance(measure.evicting(True), measure.Evict)
+
+
 def test_peak_memory_is_measured_in_a_fresh_process():
     """The materialised additive score holds an (i, j, n) tensor: the child's extra peak shows it."""
     spec = {"case": "additive", "hidden": 128, "i": 512, "h": 1, "mode": "fwd", "impl": "materialised"}

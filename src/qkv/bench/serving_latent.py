@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..paged import paged_latent_attention
 from ..paged.items import BLOCK_PAGES
-from .measure import interleaved
+from .measure import evicting, interleaved
 from .report import table
 
 HEADS, LATENT, ROPE, PAGE = 16, 512, 64, 16
@@ -53,7 +53,7 @@ def latent_lines(cfg: dict, lengths: list[int], say: Callable[[str], None]) -> l
     }
     with torch.no_grad():
         gap = float((fns["paged, one buffer"]() - loop()).abs().max())
-        t = interleaved(fns, cfg["repeats"])
+        t = interleaved(fns, cfg["repeats"], before=evicting(cfg["cold"]))
     say("  latent: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in t.items()) + f" (largest difference {gap:.1e})")
     row = [f"{R} requests, lengths {min(lengths)}–{max(lengths)}", f"{t['paged, one buffer'] * 1e3:.2f}",
            f"{t['paged, two pools'] * 1e3:.2f}", f"{t['loop'] * 1e3:.2f}",
