@@ -66,8 +66,8 @@ class Evict:
     """Writes a buffer larger than any CPU's last-level cache, evicting what a call before left there.
 
     A memory-bound contender that runs right after another reading the same memory finds it
-    in cache: a paged decoding step timed after a first call over the same pages ran 0.7 ms
-    (20%) faster than after a call over other memory. In a model each layer reads its own
+    in cache: a paged decoding step timed after a first call over the same pages ran 0.5-0.8 ms
+    (15-25%) faster than after a call over other memory. In a model each layer reads its own
     cache, cold, so contenders of such suites are timed from cold caches alike.
     """
 
