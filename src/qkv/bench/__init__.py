@@ -174,7 +174,8 @@ def out_problem(path: Path) -> str | None:
     if path.is_dir():
         return f"{path} is a folder; give a markdown file, e.g. {path / 'RESULTS.md'}"
     if not path.parent.is_dir():
-        return f"{path.parent} is not a folder that exists"
+        where = "" if path.is_absolute() else f" (a relative path is read from the current folder, {Path.cwd()})"
+        return f"{path.parent} is not a folder that exists{where}; pass --out FILE.md in a folder that does"
     if path.exists():
         try:
             path.read_text(encoding="utf-8")
