@@ -191,6 +191,13 @@ def test_head_size_0_still_checks_the_scale():
         qkv.attention(q, k, v, scale=float("nan"))
 
 
+def test_head_size_0_scores_called_directly_are_zero_logits():
+    q, k, _ = _no_features()
+    for score in (qkv.scores.ScaledDot(), qkv.scores.Dot()):
+        logits = score.logits(q, k)
+        assert logits.shape == (*q.shape[:-1], k.shape[-2]) and bool((logits == 0).all())
+
+
 # ---------------------------------------------------------------- 5. a float 0/1 keep-mask
 
 

@@ -101,7 +101,8 @@ class ScaledDot(Dot):
     name = "scaled_dot"
 
     def default_scale(self, d: int) -> float:
-        return 1.0 / math.sqrt(d)
+        # d = 0: every logit is an empty sum, 0, whatever the factor (PyTorch's answer: the mean of the values)
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
 
 
 class Bilinear(Score):
