@@ -217,6 +217,34 @@ def test_errors_name_the_argument():
         qkv.edits.attention(q[0, 0], k[0, 0], v[0, 0], AblateHeads(0))
 
 
+
+@pytest.mark.parametrize("make", [
+    lambda heads: AblateHeads(heads),
+    lambda heads: PatchPattern(heads, 0, torch.ones(1, 1, J)),
+    lambda rows: PatchPattern(0, rows, torch.ones(1, 1, J)),
+])
+@pytest.mark.parametrize("bad", [torch.zeros(2, 2, dtype=torch.long), torch.tensor([0.0, 1.0]), torch.tensor([True]), [0, 1.5], ["0"], [True]])
+def test_a_selection_no_call_could_take_is_refused_when_the_edit_is_made(make, bad):
+    """A 2-d, float or bool tensor, or a list holding a non-int, fails at the edit, not at its first call."""
+    with pytest.raises(TypeError, match=r"(AblateHeads|PatchPattern): (heads|rows): expected"):
+        make(bad)
+
+
+
+def test_a_head_or_row_named_twice_with_two_values_is_refused():
+    """Two rows of ``how`` or ``pattern`` for one head (or row) would leave which one is used to chance."""
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match=r"AblateHeads: heads: \[1, 1\] names head 1 twice"):
+        qkv.edits.attention(q, k, v, AblateHeads([1, 1], how=torch.stack([torch.zeros(E), torch.ones(E)]).double()))
+    pattern = torch.full((2, 1, J), 1 / J, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"PatchPattern: heads: \[0, -6\] names head 0 twice"):
+        qkv.edits.attention(q, k, v, PatchPattern([0, -6], 0, pattern))
+    with pytest.raises(ValueError, match=r"PatchPattern: rows: \[2, 2\] names row 2 twice"):
+        qkv.edits.attention(q, k, v, PatchPattern(0, [2, 2], pattern.transpose(0, 1)))
+    # the same value twice is no ambiguity: a zero or mean ablation may name a head twice
+    torch.testing.assert_close(qkv.edits.attention(q, k, v, AblateHeads([1, 1])), qkv.edits.attention(q, k, v, AblateHeads([1])))
+
+
 # ---------------------------------------------------------------- what a recording builds
 
 

@@ -259,6 +259,10 @@ def test_errors_say_what_to_do(minilm):
     with pytest.raises(ValueError, match=r"edit: layers \[6\] are not attention layers of this model"):
         with qkv.edit(model, {6: AblateHeads(0)}):
             pass
+    for key in (True, 1.0, "1"):  # True == 1 edited layer 1, silently
+        with pytest.raises(TypeError, match=r"edit: layers are int indices, got \["):
+            with qkv.edit(model, {key: AblateHeads(0)}):
+                pass
     with pytest.raises(ValueError, match=r"record: hooks expected a list from"):
         with qkv.record(model, hooks=["q"]):
             pass

@@ -12,6 +12,7 @@ materialised in float64. Outputs, log-sum-exps and every gradient are compared t
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -193,6 +194,10 @@ def test_padded_and_packed_agree():
         (dict(cu_seqlens_q=torch.tensor([0.0, 8.0])), TypeError, r"cu_seqlens_q: expected an integer tensor"),
         (dict(cu_seqlens_k=torch.tensor([0, 8], dtype=torch.int32)), ValueError, r"cu_seqlens_k: expected 3 offsets"),
         (dict(max_seqlen_q=4), ValueError, r"max_seqlen_q: expected an int at least the longest sequence, 5, got 4"),
+        (dict(max_seqlen_q=torch.tensor(4)), ValueError, r"max_seqlen_q: expected an int at least the longest sequence, 5, got 4"),
+        (dict(max_seqlen_k=5.0), TypeError, r"max_seqlen_k: expected an int \(or a 0-d integer tensor\), got float"),
+        (dict(max_seqlen_k=True), TypeError, r"max_seqlen_k: expected an int \(or a 0-d integer tensor\), got bool"),
+        (dict(max_seqlen_q=torch.tensor([5])), TypeError, r"max_seqlen_q: expected an int \(or a 0-d integer tensor\), got"),
         (dict(window_size=(-2, 0)), ValueError, r"window_size: expected \(left, right\), ints >= -1"),
         (dict(alibi_slopes=torch.ones(4)), ValueError, r"alibi_slopes: expected shape \(6,\) or \(2, 6\), got \(4,\)"),
         (dict(softcap=-1.0), ValueError, r"softcap: expected a finite number >= 0"),
@@ -208,6 +213,17 @@ def test_errors_name_the_argument(kw, error, match):
     args.update(kw)
     with pytest.raises(error, match=match):
         qkv.varlen_attention(q, k, v, **args)
+
+
+@pytest.mark.parametrize("make", [int, np.int64, np.int32, torch.tensor], ids=["int", "np.int64", "np.int32", "tensor"])
+def test_max_seqlen_takes_what_flash_attn_takes(make):
+    """flash-attn reads ``max_seqlen_*`` as a C++ int, so any integer converts: transformers passes
+    ``position_ids.max() + 1``, a 0-d tensor, and numpy ints come from data loaders. They once were a
+    ValueError, "expected an int at least the longest sequence, 5, got tensor(5)"."""
+    q, k, v, cu_q, cu_k = packed([3, 5], [4, 5])
+    want = qkv.varlen_attention(q, k, v, cu_q, cu_k, 5, 5, causal=True)
+    out = qkv.varlen_attention(q, k, v, cu_q, cu_k, make(5), make(6), causal=True)
+    assert torch.equal(out, want)
 
 
 def test_return_attn_probs_gives_flash_attns_triple():

@@ -25,6 +25,7 @@ test suite.
 from __future__ import annotations
 
 import math
+import operator
 
 from typing import Callable
 
@@ -69,7 +70,8 @@ def varlen_attention(
 
     Args are ``flash_attn_varlen_func``'s (see the module docstring); ``max_seqlen_q/k``,
     when given, must be at least the longest sequence (flash-attn sizes its grid with
-    them). ``deterministic`` is always honoured here: a CPU run with a fixed thread count
+    them): ints, numpy ints or 0-d integer tensors, as flash-attn's C++ int takes them.
+    ``cu_seqlens_*`` may be any integer dtype (flash-attn requires int32). ``deterministic`` is always honoured here: a CPU run with a fixed thread count
     gives the same bits every time. ``dropout_p`` drops weights (draw with ``generator``
     for reproducible runs). ``return_attn_probs=True`` returns flash-attn's triple
     ``(out, softmax_lse (h, total_q), S_dmask)``; flash-attn fills ``S_dmask`` only for
@@ -81,9 +83,7 @@ def varlen_attention(
     if len(cu_q) != len(cu_k):
         raise ValueError(f"cu_seqlens_k: expected {len(cu_q)} offsets like cu_seqlens_q (b + 1), got {len(cu_k)}")
     for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
-        longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
-        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < longest):
-            raise ValueError(f"{name}: expected an int at least the longest sequence, {longest}, got {given!r}")
+        _max_seqlen(name, given, cu)
     for name, x in (("q", q), ("k", k), ("v", v)) if block_table is None else (("q", q),):  # (pages: varlen_paged)
         if not isinstance(x, Tensor) or x.dim() != 3:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -148,6 +148,28 @@ def _offsets(name: str, cu: object, x: Tensor, of: str) -> list[int]:
     if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or (total is not None and values[-1] != total):
         raise ValueError(f"{name}: expected offsets from 0, non-decreasing, ending at {of}'s {total} tokens, got {values}")
     return values
+
+
+def _max_seqlen(name: str, given: object, cu: list[int]) -> None:
+    """Check ``max_seqlen_*``: None, or any integer (as flash-attn's C++ int reads it) at least the longest sequence.
+
+    Python and numpy ints and 0-d integer tensors pass (transformers hands flash-attn
+    ``position_ids.max() + 1``, a tensor); floats, bools and tensors of several numbers do not.
+    """
+    if given is None:
+        return
+    value = None
+    if not isinstance(given, bool) and not (isinstance(given, Tensor) and (given.dim() or given.dtype == torch.bool)):
+        try:
+            value = operator.index(given)  # int, numpy int, 0-d integer tensor (one read: a sync on a GPU)
+        except TypeError:
+            pass
+    if value is None:
+        got = f"a tensor of shape {tuple(given.shape)}, {given.dtype}" if isinstance(given, Tensor) else type(given).__name__
+        raise TypeError(f"{name}: expected an int (or a 0-d integer tensor), got {got}")
+    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    if value < longest:
+        raise ValueError(f"{name}: expected an int at least the longest sequence, {longest}, got {value}")
 
 
 def _window(window_size: object, causal: object) -> tuple[int | None, int | None]:

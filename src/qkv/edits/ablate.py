@@ -10,7 +10,8 @@ value size; ``H`` the number of ablated heads.
   ``W_O`` (Michel, Levy & Neubig 2019, "Are Sixteen Heads Really Better than One?", whose
   head mask multiplies ``z_h`` by 0);
 * ``how="mean"``: ``z_h[n, r] ← mean over n', r' of z_h[n', r']``, the mean over the batch
-  and the positions of this call (TransformerLens' mean ablation), so the head keeps its
+  and the positions of this call (the mean ablation of the interpretability literature; some
+  average over the batch alone, per position: pass that mean as ``how=``), so the head keeps its
   average contribution and loses what depends on the input. Padded positions count: pass
   a mean computed elsewhere (``how=`` a tensor ``(H, e)``, e.g. over a reference set
   recorded with ``qkv.record``) to leave them out;
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import Call, Edit, check_selection, indices
+from .base import Call, Edit, check_selection, indices, once_each
 
 
 class AblateHeads(Edit):
@@ -51,6 +52,7 @@ class AblateHeads(Edit):
         if isinstance(self.how, str):  # "mean": over every leading dim and every position, one vector per head
             chosen = out.index_select(-3, heads).movedim(-3, 0)  # (H, ..., i, e)
             return chosen.reshape(len(heads), -1, out.shape[-1]).mean(1)
+        once_each("AblateHeads: heads", self.heads, heads.cpu(), "head")  # one row of how per head
         value = self.how.to(device=out.device, dtype=out.dtype)
         expected = (len(heads), out.shape[-1])
         if value.dim() == 1:

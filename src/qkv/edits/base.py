@@ -108,8 +108,21 @@ def indices(name: str, value: object, size: int) -> Tensor:
     return torch.where(index < 0, index + size, index)
 
 
+def once_each(name: str, value: object, index: Tensor, what: str) -> None:
+    """Refuse ``index`` (from :func:`indices` of ``value``) naming one ``what`` twice: rows given per index would be ambiguous."""
+    unique, counts = index.unique(return_counts=True)
+    if bool((counts > 1).any()):
+        raise ValueError(f"{name}: {value!r} names {what} {int(unique[counts > 1][0])} twice, "
+                         "so which of its given rows applies is ambiguous; name each once")
+
+
 def check_selection(name: str, value: object) -> None:
     """Reject, when an edit is made, what :func:`indices` could never accept (sizes are known only at the call)."""
     ok = isinstance(value, (int, slice, range, list, tuple, Tensor)) and not isinstance(value, bool)
     if not ok:
         raise TypeError(f"{name}: expected an int, slice, range, list of ints or 1-d integer tensor, got {type(value).__name__}")
+    if isinstance(value, Tensor) and (value.dtype.is_floating_point or value.dtype == torch.bool or value.dim() > 1):
+        raise TypeError(f"{name}: expected a 1-d integer tensor, got {value.dtype} of shape {tuple(value.shape)}")
+    if isinstance(value, (list, tuple)) and not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        kinds = sorted({type(x).__name__ for x in value if not isinstance(x, int) or isinstance(x, bool)})
+        raise TypeError(f"{name}: expected an int, slice, range, list of ints or 1-d integer tensor, got a list holding {', '.join(kinds)}")

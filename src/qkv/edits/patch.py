@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Call, Edit, check_selection, indices
+from .base import Call, Edit, check_selection, indices, once_each
 
 
 class PatchPattern(Edit):
@@ -41,6 +41,8 @@ class PatchPattern(Edit):
         """The patched heads and rows as index tensors, with ``pattern``'s shape checked against them."""
         heads = indices("PatchPattern: heads", self.heads, call.heads)
         rows = indices("PatchPattern: rows", self.rows, call.rows)
+        once_each("PatchPattern: heads", self.heads, heads, "head")  # one pattern per (head, row)
+        once_each("PatchPattern: rows", self.rows, rows, "row")
         expected = (len(heads), len(rows), call.k.shape[-2])
         if tuple(self.pattern.shape[-3:]) != expected:
             raise ValueError(

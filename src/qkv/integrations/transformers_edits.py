@@ -151,6 +151,9 @@ def edit(model: torch.nn.Module, edits: Mapping[int, Edit | Sequence[Edit]]) -> 
     layers = _attention_layers(model, "edit")
     if not isinstance(edits, Mapping):
         raise TypeError(f"edit: expected a dict {{layer index: edit or list of edits}}, got {type(edits).__name__}")
+    odd = [layer for layer in edits if isinstance(layer, bool) or not isinstance(layer, int)]
+    if odd:  # True == 1: a bool key would edit layer 1, silently
+        raise TypeError(f"edit: layers are int indices, got {odd}")
     known = sorted(set(layers.values()))
     # a negative index counts from the last layer, as record's layers=-1 does
     at = {layer: layer + len(known) if isinstance(layer, int) and -len(known) <= layer < 0 else layer for layer in edits}
