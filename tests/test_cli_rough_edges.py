@@ -176,14 +176,10 @@ def _png_size(path):
 
 def test_plot_a_512_by_512_tensor_is_quick_and_capped(capsys, tmp_path):
     pytest.importorskip("matplotlib")
-    import time
-
     from qkv import viz
 
     torch.save(torch.rand(512, 512), tmp_path / "big.pt")
-    started = time.perf_counter()
-    assert main(["plot", str(tmp_path / "big.pt")]) == 0
-    assert time.perf_counter() - started < 30  # about 2 s; it was 58 s and 16.7 GB
+    assert main(["plot", str(tmp_path / "big.pt")]) == 0  # it took 58 s and 16.7 GB for a 20358 x 20208 image
     assert max(_png_size(tmp_path / "big.png")) <= viz.MAX_INCHES * 150
     assert capsys.readouterr().out == f"wrote {tmp_path / 'big.png'}\n"
 

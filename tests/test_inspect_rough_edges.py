@@ -128,14 +128,10 @@ def test_summary_of_a_long_text_says_which_rows_it_is_over(capsys, tmp_path, mon
      ("--attribution-layers", "0-1000000000", "--attribution-layers: expected layers in 0..5 (6 layers), got 0-1000000000")],
 )  # fmt: skip
 def test_a_huge_range_on_the_command_line_is_refused_at_once(capsys, tmp_path, option, text, message):
-    import time
-
-    started = time.perf_counter()
     with pytest.raises(SystemExit) as exit_info:
         raise SystemExit(main(["inspect", "hi", option, text, "--out", str(tmp_path)]))
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == f"qkv inspect: error: {message}\n"
-    assert time.perf_counter() - started < 30  # loading MiniLM; the check itself is instant
     assert list(tmp_path.iterdir()) == []
 
 

@@ -96,13 +96,11 @@ def test_selection_is_frozen():
 def test_a_huge_range_is_checked_before_it_is_expanded():
     # "--rows 0-1000000000" was expanded into a billion ints (it hung; 0-10000000 took 960 MB)
     # before it was found to be past the 13 tokens of the text.
-    import time
     import tracemalloc
 
     from qkv.inspect.selection import parse_ranges
 
     tracemalloc.start()
-    started = time.perf_counter()
     try:
         rows = parse_ranges("--rows", "0-1000000000")
         heads = parse_ranges("--heads", "3,0-1000000000")
@@ -114,7 +112,6 @@ def test_a_huge_range_is_checked_before_it_is_expanded():
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert time.perf_counter() - started < 1.0
     assert peak < 1_000_000, peak
 
 

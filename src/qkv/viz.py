@@ -381,7 +381,8 @@ def tile_states(mask: Any, i: int, j: int, *, tile: int = 64, title: str | None 
 
     Each ``tile × tile`` square of the ``(i, j)`` logits is coloured by ``mask.state``:
     "empty" (never computed), "full" (computed without a mask) or "partial" (computed with
-    the mask). A packed batch's documents show as squares on the diagonal.
+    the mask). A packed batch's documents show as squares on the diagonal. The figure is at
+    most :data:`MAX_INCHES` a side (many tiles share a pixel there).
     """
     from .masks import Tile
 
@@ -393,7 +394,7 @@ def tile_states(mask: Any, i: int, j: int, *, tile: int = 64, title: str | None 
             t = Tile(a * tile, min(i, (a + 1) * tile), b * tile, min(j, (b + 1) * tile), i, j)
             grid[a, b] = code[mask.state(t)]
     if ax is None:
-        figure = _figure(_MARGIN + 1.5 + 0.12 * max(cols, 24), _MARGIN + 0.12 * max(rows, 24))
+        figure = _figure(min(MAX_INCHES, _MARGIN + 1.5 + 0.12 * max(cols, 24)), min(MAX_INCHES, _MARGIN + 0.12 * max(rows, 24)))
         ax = figure.add_subplot()
     else:
         figure = ax.figure
