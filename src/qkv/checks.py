@@ -84,7 +84,7 @@ def request(
         # scale given is still checked. The engines get one zero feature, the same logits, as
         # some kernels refuse a size of 0.
         _scale(scale, score, 1)
-        q, k, scale = _one_zero_feature(q), _one_zero_feature(k), 1.0
+        q, k, scale = one_zero_feature(q), one_zero_feature(k), 1.0
     else:
         scale = _scale(scale, score, q.shape[-1])
     if scale <= 0 and score.dot_form:
@@ -258,7 +258,7 @@ def _sinks(sinks: Tensor | None, q: Tensor) -> Tensor | None:
     return sinks
 
 
-def _one_zero_feature(x: Tensor) -> Tensor:
+def one_zero_feature(x: Tensor) -> Tensor:
     """``x (…, 0)`` with one zero feature appended: ``(…, 1)``, still in ``x``'s graph (its gradient stays ``(…, 0)``)."""
     return torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
 

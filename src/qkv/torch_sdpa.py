@@ -48,6 +48,7 @@ import math
 import torch
 from torch import Tensor
 
+from .checks import one_zero_feature
 from .functional import attention
 from .masks import Mask, causal, offsets
 
@@ -91,7 +92,7 @@ def scaled_dot_product_attention(
             raise RuntimeError(f"Expected attn_mask dtype to be bool or float or to match query dtype, but got "
                                f"attn_mask.dtype: {attn_mask.dtype} and query.dtype: {query.dtype} instead.")  # fmt: skip
     if query.shape[-1] == 0:  # no features: every logit is 0 (the sum of no products), whatever the scale
-        query, key, scale = _one_zero_feature(query), _one_zero_feature(key), 1.0
+        query, key, scale = one_zero_feature(query), one_zero_feature(key), 1.0
     if is_causal:
         i, j = query.shape[-2], key.shape[-2]
         if 0 < i < j:  # top-left: no query sees the keys from i on; the kernel's causal square, those never read
@@ -176,8 +177,4 @@ def _groups(query: Tensor, key: Tensor, value: Tensor) -> bool:
     hq, kv = query.shape[-3], (key.shape[-3], value.shape[-3])
     return kv != (hq, hq) and all(h > 0 and hq % h == 0 for h in kv)
 
-
-def _one_zero_feature(x: Tensor) -> Tensor:
-    """``x (…, 0)`` with one zero feature appended: ``(…, 1)``, still in ``x``'s graph."""
-    return torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)
 
