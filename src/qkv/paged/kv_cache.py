@@ -58,6 +58,7 @@ class Step:
     positions: Tensor  # (T,) its position in its sequence
     plan: PagedPlan | None = None  # the table laid out once, run by every layer (made by PagedKVCache.plan)
     admitted: tuple = ()  # each request's admission number when planned: a step of a request freed since is refused
+    frees: int = 0  # the cache's count of frees when planned: the same count, no request of the step was freed
 
     @property
     def table(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -104,6 +105,7 @@ class PagedKVCache:
         self._length: dict[Hashable, int] = {}
         self._admitted: dict[Hashable, int] = {}  # a number per add/fork: a name freed and added again is another request
         self._admissions = 0
+        self._frees = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -136,6 +138,7 @@ class PagedKVCache:
             if self._refs[p] == 0:
                 self._give_back(p)
         del self._length[request], self._admitted[request]
+        self._frees += 1
 
     def length(self, request: Hashable) -> int:
         return self._length[self._known(request)]
@@ -236,6 +239,8 @@ class PagedKVCache:
         """Refuse a step with a request freed since it was planned: its pages may be another request's now."""
         if not isinstance(step, Step):
             raise TypeError(f"step: expected a Step from PagedKVCache.plan, got {type(step).__name__}")
+        if step.frees == self._frees:  # every layer's write and attend: nothing freed since the plan, nothing to look up
+            return
         for r, admitted in zip(step.requests, step.admitted):
             if self._admitted.get(r) != admitted:
                 raise ValueError(f"step: request {r!r} was freed after this step was planned, and its pages may hold "
@@ -343,4 +348,4 @@ class PagedKVCache:
         table = (as_long(qo), as_long(kv), as_long(indices), as_long(last))
         plan = PagedPlan(*table, num_pages=self.num_pages, page_size=self.page_size, device=dev, total_q=qo[-1])
         return Step(tuple(requests), *table, as_long(page), as_long(offset), as_long(positions), plan,
-                    tuple(self._admitted[r] for r in requests))  # fmt: skip
+                    tuple(self._admitted[r] for r in requests), self._frees)  # fmt: skip
