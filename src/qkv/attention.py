@@ -22,16 +22,16 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
-import torch
 from torch import Tensor, nn
 
 from . import score_mods
 from ._args import positive_int as _positive
 from ._args import probability
-from .cache import LatentCache
 from .edits import attention as edited_attention
 from .functional import attention, foreign_keywords
 from .masks import Mask
+from .module_inputs import (TORCH_NAMES, batch_first, check_input, check_layer_cache, memory_held, seq2seq_mask,
+                            squeeze_dims)
 from .positional import LazyBias, Positional
 from .projection import Linear
 from .scores import Score, make
@@ -115,7 +115,7 @@ class Attention(nn.Module):
             # per batch row) or a (b, j) padding mask had no batch dim to apply to: a head dim of 1
             # makes dim 0 the batch, (b, 1, i, d), and the masks follow it.
             b, i, j = query.shape[0], query.shape[1], key.shape[1]
-            mask, bias = _seq2seq("mask", mask, b, i, j), _seq2seq("bias", bias, b, i, j)
+            mask, bias = seq2seq_mask("mask", mask, b, i, j), seq2seq_mask("bias", bias, b, i, j)
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         run = attention if self.edits is None else partial(edited_attention, edits=self.edits)
         result = run(
@@ -127,7 +127,7 @@ class Attention(nn.Module):
         drop += [-2] if single_step else []
         if not drop:
             return result
-        return tuple(_squeeze(x, drop) for x in result) if return_weights else _squeeze(result, drop)
+        return tuple(squeeze_dims(x, drop) for x in result) if return_weights else squeeze_dims(result, drop)
 
     def extra_repr(self) -> str:
         text = f"dropout={self.dropout}, backend={self.backend!r}"
@@ -292,7 +292,7 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         if cache is not None:
-            _check_cache(cache, cross=key is not query)
+            check_layer_cache(cache, cross=key is not query)
         if cache is None and all(isinstance(x, Tensor) and x.dim() == 2 for x in (query, key, value)):
             # unbatched (length, dim), as nn.MultiheadAttention takes it: a batch of one, given back without it
             one = (query[None], key[None], value[None]) if self.batch_first else (query[:, None], key[:, None], value[:, None])
@@ -302,12 +302,12 @@ class MultiHeadAttention(nn.Module):
             y = y[0] if self.batch_first else y[:, 0]
             return (y, weights[0]) if return_weights else y
         if not self.batch_first:  # (length, b, dim) -> (b, length, dim): views, one per distinct input
-            query, key, value = _batch_first(query, key, value)
-        _input("query", query, self.q_proj)
+            query, key, value = batch_first(query, key, value)
+        check_input("query", query, self.q_proj)
         if key is not query:  # self-attention (the decoding step) checks its one input once
-            _input("key", key, self.k_proj)
+            check_input("key", key, self.k_proj)
         if value is not key:
-            _input("value", value, self.v_proj)
+            check_input("value", value, self.v_proj)
         if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
             raise ValueError(
                 f"value: expected batch and length matching key (b={key.shape[0]}, j={key.shape[1]}) "
@@ -315,7 +315,7 @@ class MultiHeadAttention(nn.Module):
                 f"value {tuple(value.shape)}"
             )
         cross = cache is not None and key is not query and not hasattr(cache, "attend")
-        if cross and _memory_held(cache, key):
+        if cross and memory_held(cache, key):
             # the memory's keys and values are in the cache: project no rows, update() appends
             # nothing and returns them (appending them again each step grew the cache by s a step)
             key, value = key[:, :0], value[:, :0]
@@ -379,129 +379,3 @@ class MultiHeadAttention(nn.Module):
             f"dim_head={self.dim_head}, dim_value_head={self.dim_value_head}"
             + ("" if self.batch_first else ", batch_first=False")
         )
-
-
-#: ``nn.MultiheadAttention.forward``'s keywords, and what :class:`MultiHeadAttention` takes instead.
-TORCH_NAMES = {name: ("nn.MultiheadAttention", hint) for name, hint in {
-    "attn_mask": "mask= (bool, True = may attend: ~attn_mask; a float attn_mask is qkv.attention's bias=)",
-    "key_padding_mask": "mask=~key_padding_mask[:, None, None, :] (qkv: True = may attend; PyTorch's key padding "
-                        "mask: True = ignore)",
-    "need_weights": "return_weights= (per-head weights (b, h, i, j); weights.mean(1) is PyTorch's average)",
-    "average_attn_weights": "nothing: the weights are per head (b, h, i, j); weights.mean(1) averages them",
-    "is_causal": "causal= (aligned bottom-right; for PyTorch's top-left with i != j, mask=~attn_mask)",
-}.items()}
-
-
-def _seq2seq(name: str, x: object, b: int, i: int, j: int) -> object:
-    """A seq2seq call's tensor ``mask`` / ``bias`` for its ``(b, 1, i, j)`` weights (lazy objects unchanged).
-
-    ``(b, i, j)`` gains the head dim; ``(b, j)`` (a padding mask, True = a real key) becomes
-    ``(b, 1, 1, j)``; ``(i, j)`` and ``(1, j)`` broadcast as they are. With ``b = i`` a 2-d
-    mask reads both ways, and guessing would mask the wrong axis without a sign, so it is refused.
-    """
-    if not isinstance(x, Tensor):
-        return x
-    if x.dim() == 3:
-        return x.unsqueeze(1)
-    if x.dim() != 2 or x.shape[0] == 1 or x.shape[0] != b:
-        return x  # (j,), (1, j), (i, j) with i != b, or a shape qkv.attention names
-    if b == i:
-        raise ValueError(
-            f"{name}: shape {tuple(x.shape)} reads as a padding mask (b, j) and as a per-query mask (i, j) when "
-            f"b = i = {b}; pass {name}[:, None, :] (b, 1, j) or {name}[None] (1, i, j)"
-        )
-    return x[:, None, None, :]
-
-
-def _squeeze(x: Tensor, dims: list[int]) -> Tensor:
-    for dim in dims:
-        x = x.squeeze(dim)
-    return x
-
-
-def _batch_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(length, b, dim)`` inputs as ``(b, length, dim)`` views, keeping which of them are the same tensor."""
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if isinstance(x, Tensor) and x.dim() != 3:
-            raise ValueError(f"{name}: expected shape (length, b, dim) (batch_first=False), got {tuple(x.shape)}")
-    flip = lambda x: x.transpose(0, 1) if isinstance(x, Tensor) else x  # noqa: E731 (others: _input's TypeError)
-    q = flip(query)
-    k = q if key is query else flip(key)
-    v = k if value is key else flip(value)
-    return q, k, v
-
-
-def _input(name: str, x: Tensor, projection: nn.Module) -> None:
-    """Checks an input of ``projection`` (an ``nn.Linear``): a tensor ``(b, length, in_features)`` of its dtype."""
-    size = projection.in_features
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a tensor (b, length, {size}), got {type(x).__name__}")
-    if x.dim() != 3 or x.shape[-1] != size:
-        raise ValueError(f"{name}: expected shape (b, length, {size}) (batch first), got {tuple(x.shape)}")
-    input_dtype(name, x, getattr(projection, "weight", None))
-
-
-def input_dtype(name: str, x: Tensor, weight: Tensor | None) -> None:
-    """``TypeError`` for an input that a product with ``weight`` would refuse, naming the input and the fix.
-
-    PyTorch's own message, "mat1 and mat2 must have the same dtype", names neither the
-    argument nor which side to convert. Under ``torch.autocast`` mixed floating types are
-    fine (autocast casts both sides of each product), and so is a weight that is not a float
-    (a quantised layer handles its own types).
-    """
-    if weight is None or x.dtype == weight.dtype:  # the common case: one comparison
-        return
-    if not x.dtype.is_floating_point:
-        raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype} (token ids go through an embedding first)")
-    if not weight.dtype.is_floating_point or _autocast(x.device.type):
-        return
-    raise TypeError(
-        f"{name}: dtype {x.dtype} differs from the module's parameters ({weight.dtype}); call .to({x.dtype}) "
-        f"on the module or .to({weight.dtype}) on the input"
-    )
-
-
-def _autocast(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type autocast does not know ("meta")
-        return False
-
-
-def _check_cache(cache: object, cross: bool) -> None:
-    """A cache ``MultiHeadAttention`` can use: one layer's, of its kind (self- or cross-attention)."""
-    if isinstance(cache, LatentCache):
-        # it passes the duck test below, then failed inside with "c_kv: expected (b, 1, n, ·)"
-        raise TypeError("cache: a LatentCache holds the latent of qkv.MultiHeadLatentAttention (c_KV and its rotary "
-                        "key), not keys and values; MultiHeadAttention takes a qkv.KVCache or StreamingCache")  # fmt: skip
-    if not (hasattr(cache, "update") or hasattr(cache, "attend")):
-        hint = "; a DecoderCache holds one per layer: pass its " + ("cross[layer]" if cross else "self_attn[layer]")
-        raise TypeError(f"cache: expected one layer's cache (qkv.KVCache or StreamingCache), got {type(cache).__name__}"
-                        + (hint if hasattr(cache, "self_attn") else ""))  # fmt: skip
-    if hasattr(cache, "attend"):  # a paged serving step: its own checks
-        return
-    held = getattr(cache, "from_memory", False)
-    if cross and getattr(cache, "positions_in_cache", False):
-        raise TypeError(f"cache: a {type(cache).__name__} evicts keys as tokens stream in; a cross-attention cache "
-                        "holds the whole memory: pass a qkv.KVCache")  # fmt: skip
-    if cross and not held and cache.length:
-        n = cache.length
-        raise ValueError(f"cache: holds {n} self-attention position{'s' * (n != 1)}; a cross-attention call (key is not "
-                         "query) needs its own KVCache, filled from the memory on its first call (a DecoderCache's "
-                         "cross[layer])")  # fmt: skip
-    if not cross and held:
-        raise ValueError(f"cache: holds the keys and values of a cross-attention memory ({cache.length} positions); "
-                         "self-attention needs a KVCache of its own (a DecoderCache's self_attn[layer])")  # fmt: skip
-
-
-def _memory_held(cache, key: Tensor) -> bool:
-    """True when a cross-attention ``cache`` holds the memory's K/V already; ``key`` must be that memory's shape."""
-    if not getattr(cache, "from_memory", False):
-        return False
-    b = cache.keys.shape[0]
-    if key.shape[0] != b or key.shape[1] != cache.length:
-        raise ValueError(
-            f"key: the cache holds the K/V of a memory of batch {b} and length {cache.length}, got key "
-            f"{tuple(key.shape)}; the memory is read on the first call only: reset() the cache for a new memory"
-        )
-    return True

@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._args import positive_int, probability
-from .attention import MultiHeadAttention, input_dtype
+from .attention import MultiHeadAttention
 from .cache import DecoderCache, KVCache
 from .functional import foreign_keywords
 from .masks import Mask
+from .module_inputs import DECODER_TORCH_NAMES, ENCODER_TORCH_NAMES, input_dtype, stack_names
 from .positional import Positional
 from .projection import Linear
 
@@ -251,7 +252,7 @@ class Encoder(nn.Module):
         is a keyword of both, True = may attend here (``~mask`` for PyTorch's bool mask).
         """
         if foreign:
-            foreign_keywords(foreign, _stack(ENCODER_TORCH_NAMES, "nn.TransformerEncoder"), "Encoder", "qkv's stack")
+            foreign_keywords(foreign, stack_names(ENCODER_TORCH_NAMES, "nn.TransformerEncoder"), "Encoder", "qkv's stack")
         _check_cache(cache, len(self.layers))
         weights = []
         for n, layer in enumerate(self.layers):
@@ -298,7 +299,7 @@ class Decoder(nn.Module):
         keywords raise a ``TypeError`` naming qkv's.
         """
         if foreign:
-            foreign_keywords(foreign, _stack(DECODER_TORCH_NAMES, "nn.TransformerDecoder"), "Decoder", "qkv's stack")
+            foreign_keywords(foreign, stack_names(DECODER_TORCH_NAMES, "nn.TransformerDecoder"), "Decoder", "qkv's stack")
         _check_cache(cache, len(self.layers))
         if memory is not None and memory.shape[0] != x.shape[0]:
             raise ValueError(
@@ -315,34 +316,6 @@ class Decoder(nn.Module):
                 weights["cross"].append(w_cross)
         x = self.norm(x)
         return (x, weights) if return_weights else x
-
-
-#: PyTorch's key padding masks are True = ignore; qkv's masks are True = may attend.
-_PADDING = "(qkv: True = may attend; PyTorch's key padding mask: True = ignore)"
-
-#: ``nn.TransformerEncoderLayer.forward``'s keywords, and what :class:`TransformerEncoderLayer` takes instead.
-ENCODER_TORCH_NAMES = {name: ("nn.TransformerEncoderLayer", hint) for name, hint in {
-    "src_mask": "mask=~src_mask (bool, True = may attend; for a causal src_mask such as "
-                "nn.Transformer.generate_square_subsequent_mask, causal=True)",
-    "src_key_padding_mask": f"mask=~src_key_padding_mask[:, None, None, :] {_PADDING}",
-    "is_causal": "causal=",
-}.items()}
-
-#: ``nn.TransformerDecoderLayer.forward``'s keywords (``memory_mask`` is a keyword of both: True = may
-#: attend here), and what :class:`TransformerDecoderLayer` takes instead.
-DECODER_TORCH_NAMES = {name: ("nn.TransformerDecoderLayer", hint) for name, hint in {
-    "tgt_mask": "mask=~tgt_mask (bool, True = may attend); the self-attention is causal=True by default, so "
-                "nn.Transformer.generate_square_subsequent_mask is not needed",
-    "tgt_key_padding_mask": f"mask=~tgt_key_padding_mask[:, None, None, :] {_PADDING}",
-    "memory_key_padding_mask": f"memory_mask=~memory_key_padding_mask[:, None, None, :] {_PADDING}",
-    "tgt_is_causal": "causal= (True by default)",
-    "memory_is_causal": "memory_mask= (bool, True = may attend; e.g. qkv.masks.causal())",
-}.items()}
-
-
-def _stack(names: dict, origin: str) -> dict:
-    """A layer's keyword table with the stack's module as their origin."""
-    return {name: (origin, hint) for name, (_, hint) in names.items()}
 
 
 #: At most this many float32 CPU elements go to PyTorch's own GELU kernel rather than oneDNN's.

@@ -1,0 +1,173 @@
+"""What the modules are given: inputs, masks and caches checked and laid out, and PyTorch's keywords.
+
+Shape legend: ``b`` batch, ``i`` query length, ``j`` key length, ``s`` memory length.
+
+:class:`qkv.MultiHeadAttention` and the transformer layers (``qkv.blocks``) take inputs of
+their projections' size and dtype, one layer's cache of the kind of the call (a
+cross-attention cache filled once from the memory), and qkv's keywords: each check here
+names the argument and the fix, where PyTorch's own error ("mat1 and mat2 must have the same
+dtype", "unexpected keyword argument") names neither. ``*_TORCH_NAMES`` map
+``nn.MultiheadAttention``'s and ``nn.Transformer*``'s keywords to qkv's (read by
+``qkv.functional.foreign_keywords``). ``(length, b, dim)`` inputs (``batch_first=False``) and
+:class:`qkv.Attention`'s seq2seq masks are laid out here too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .cache import LatentCache
+
+#: ``nn.MultiheadAttention.forward``'s keywords, and what :class:`MultiHeadAttention` takes instead.
+TORCH_NAMES = {name: ("nn.MultiheadAttention", hint) for name, hint in {
+    "attn_mask": "mask= (bool, True = may attend: ~attn_mask; a float attn_mask is qkv.attention's bias=)",
+    "key_padding_mask": "mask=~key_padding_mask[:, None, None, :] (qkv: True = may attend; PyTorch's key padding "
+                        "mask: True = ignore)",
+    "need_weights": "return_weights= (per-head weights (b, h, i, j); weights.mean(1) is PyTorch's average)",
+    "average_attn_weights": "nothing: the weights are per head (b, h, i, j); weights.mean(1) averages them",
+    "is_causal": "causal= (aligned bottom-right; for PyTorch's top-left with i != j, mask=~attn_mask)",
+}.items()}
+
+
+#: PyTorch's key padding masks are True = ignore; qkv's masks are True = may attend.
+_PADDING = "(qkv: True = may attend; PyTorch's key padding mask: True = ignore)"
+
+#: ``nn.TransformerEncoderLayer.forward``'s keywords, and what :class:`TransformerEncoderLayer` takes instead.
+ENCODER_TORCH_NAMES = {name: ("nn.TransformerEncoderLayer", hint) for name, hint in {
+    "src_mask": "mask=~src_mask (bool, True = may attend; for a causal src_mask such as "
+                "nn.Transformer.generate_square_subsequent_mask, causal=True)",
+    "src_key_padding_mask": f"mask=~src_key_padding_mask[:, None, None, :] {_PADDING}",
+    "is_causal": "causal=",
+}.items()}
+
+#: ``nn.TransformerDecoderLayer.forward``'s keywords (``memory_mask`` is a keyword of both: True = may
+#: attend here), and what :class:`TransformerDecoderLayer` takes instead.
+DECODER_TORCH_NAMES = {name: ("nn.TransformerDecoderLayer", hint) for name, hint in {
+    "tgt_mask": "mask=~tgt_mask (bool, True = may attend); the self-attention is causal=True by default, so "
+                "nn.Transformer.generate_square_subsequent_mask is not needed",
+    "tgt_key_padding_mask": f"mask=~tgt_key_padding_mask[:, None, None, :] {_PADDING}",
+    "memory_key_padding_mask": f"memory_mask=~memory_key_padding_mask[:, None, None, :] {_PADDING}",
+    "tgt_is_causal": "causal= (True by default)",
+    "memory_is_causal": "memory_mask= (bool, True = may attend; e.g. qkv.masks.causal())",
+}.items()}
+
+
+def stack_names(names: dict, origin: str) -> dict:
+    """A layer's keyword table with the stack's module as their origin."""
+    return {name: (origin, hint) for name, (_, hint) in names.items()}
+
+
+def check_input(name: str, x: Tensor, projection: nn.Module) -> None:
+    """Checks an input of ``projection`` (an ``nn.Linear``): a tensor ``(b, length, in_features)`` of its dtype."""
+    size = projection.in_features
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor (b, length, {size}), got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != size:
+        raise ValueError(f"{name}: expected shape (b, length, {size}) (batch first), got {tuple(x.shape)}")
+    input_dtype(name, x, getattr(projection, "weight", None))
+
+
+def input_dtype(name: str, x: Tensor, weight: Tensor | None) -> None:
+    """``TypeError`` for an input that a product with ``weight`` would refuse, naming the input and the fix.
+
+    PyTorch's own message, "mat1 and mat2 must have the same dtype", names neither the
+    argument nor which side to convert. Under ``torch.autocast`` mixed floating types are
+    fine (autocast casts both sides of each product), and so is a weight that is not a float
+    (a quantised layer handles its own types).
+    """
+    if weight is None or x.dtype == weight.dtype:  # the common case: one comparison
+        return
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype} (token ids go through an embedding first)")
+    if not weight.dtype.is_floating_point or _autocast(x.device.type):
+        return
+    raise TypeError(
+        f"{name}: dtype {x.dtype} differs from the module's parameters ({weight.dtype}); call .to({x.dtype}) "
+        f"on the module or .to({weight.dtype}) on the input"
+    )
+
+
+def _autocast(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know ("meta")
+        return False
+
+
+def check_layer_cache(cache: object, cross: bool) -> None:
+    """A cache ``MultiHeadAttention`` can use: one layer's, of its kind (self- or cross-attention)."""
+    if isinstance(cache, LatentCache):
+        # it passes the duck test below, then failed inside with "c_kv: expected (b, 1, n, ·)"
+        raise TypeError("cache: a LatentCache holds the latent of qkv.MultiHeadLatentAttention (c_KV and its rotary "
+                        "key), not keys and values; MultiHeadAttention takes a qkv.KVCache or StreamingCache")  # fmt: skip
+    if not (hasattr(cache, "update") or hasattr(cache, "attend")):
+        hint = "; a DecoderCache holds one per layer: pass its " + ("cross[layer]" if cross else "self_attn[layer]")
+        raise TypeError(f"cache: expected one layer's cache (qkv.KVCache or StreamingCache), got {type(cache).__name__}"
+                        + (hint if hasattr(cache, "self_attn") else ""))  # fmt: skip
+    if hasattr(cache, "attend"):  # a paged serving step: its own checks
+        return
+    held = getattr(cache, "from_memory", False)
+    if cross and getattr(cache, "positions_in_cache", False):
+        raise TypeError(f"cache: a {type(cache).__name__} evicts keys as tokens stream in; a cross-attention cache "
+                        "holds the whole memory: pass a qkv.KVCache")  # fmt: skip
+    if cross and not held and cache.length:
+        n = cache.length
+        raise ValueError(f"cache: holds {n} self-attention position{'s' * (n != 1)}; a cross-attention call (key is not "
+                         "query) needs its own KVCache, filled from the memory on its first call (a DecoderCache's "
+                         "cross[layer])")  # fmt: skip
+    if not cross and held:
+        raise ValueError(f"cache: holds the keys and values of a cross-attention memory ({cache.length} positions); "
+                         "self-attention needs a KVCache of its own (a DecoderCache's self_attn[layer])")  # fmt: skip
+
+
+def memory_held(cache, key: Tensor) -> bool:
+    """True when a cross-attention ``cache`` holds the memory's K/V already; ``key`` must be that memory's shape."""
+    if not getattr(cache, "from_memory", False):
+        return False
+    b = cache.keys.shape[0]
+    if key.shape[0] != b or key.shape[1] != cache.length:
+        raise ValueError(
+            f"key: the cache holds the K/V of a memory of batch {b} and length {cache.length}, got key "
+            f"{tuple(key.shape)}; the memory is read on the first call only: reset() the cache for a new memory"
+        )
+    return True
+
+
+def seq2seq_mask(name: str, x: object, b: int, i: int, j: int) -> object:
+    """A seq2seq call's tensor ``mask`` / ``bias`` for its ``(b, 1, i, j)`` weights (lazy objects unchanged).
+
+    ``(b, i, j)`` gains the head dim; ``(b, j)`` (a padding mask, True = a real key) becomes
+    ``(b, 1, 1, j)``; ``(i, j)`` and ``(1, j)`` broadcast as they are. With ``b = i`` a 2-d
+    mask reads both ways, and guessing would mask the wrong axis without a sign, so it is refused.
+    """
+    if not isinstance(x, Tensor):
+        return x
+    if x.dim() == 3:
+        return x.unsqueeze(1)
+    if x.dim() != 2 or x.shape[0] == 1 or x.shape[0] != b:
+        return x  # (j,), (1, j), (i, j) with i != b, or a shape qkv.attention names
+    if b == i:
+        raise ValueError(
+            f"{name}: shape {tuple(x.shape)} reads as a padding mask (b, j) and as a per-query mask (i, j) when "
+            f"b = i = {b}; pass {name}[:, None, :] (b, 1, j) or {name}[None] (1, i, j)"
+        )
+    return x[:, None, None, :]
+
+
+def squeeze_dims(x: Tensor, dims: list[int]) -> Tensor:
+    for dim in dims:
+        x = x.squeeze(dim)
+    return x
+
+
+def batch_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(length, b, dim)`` inputs as ``(b, length, dim)`` views, keeping which of them are the same tensor."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if isinstance(x, Tensor) and x.dim() != 3:
+            raise ValueError(f"{name}: expected shape (length, b, dim) (batch_first=False), got {tuple(x.shape)}")
+    flip = lambda x: x.transpose(0, 1) if isinstance(x, Tensor) else x  # noqa: E731 (others: check_input's TypeError)
+    q = flip(query)
+    k = q if key is query else flip(key)
+    v = k if value is key else flip(value)
+    return q, k, v
