@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import qkv
-from qkv.blocks import Decoder, Encoder, FeedForward, TransformerDecoderLayer, TransformerEncoderLayer
+from qkv.blocks import Decoder, Encoder, TransformerDecoderLayer, TransformerEncoderLayer
+from qkv.feed_forward import FeedForward
 from qkv.cache import DecoderCache
 from qkv.positional import ALiBi, RelativePositionBias, alibi_slopes, relative_buckets
 
@@ -45,22 +46,22 @@ def test_feed_forward_is_w2_act_w1(activation):
 @pytest.mark.parametrize("shape", [(1, 1, 1024), (1, 1, 7), (2, 3, 10), (4, 4096)])
 def test_gelu_is_torchs_and_small_inputs_take_torchs_own_kernel(shape, monkeypatch):
     """Small float32 inputs reach F.gelu as a non-contiguous view: PyTorch's own kernel, not oneDNN's."""
-    from qkv import blocks
+    from qkv import feed_forward
 
     x = torch.randn(*shape, requires_grad=True)
     n = x.numel()
-    small = n <= blocks.SMALL_GELU and n % 2 == 0
+    small = n <= feed_forward.SMALL_GELU and n % 2 == 0
     with torch.backends.mkldnn.flags(enabled=False):
         own = F.gelu(x)  # PyTorch's own kernel
     want = own if small else F.gelu(x)  # oneDNN's and PyTorch's may differ in the last bit
-    got = blocks.gelu(x)
+    got = feed_forward.gelu(x)
     assert got.shape == x.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(got, own, rtol=0, atol=2e-6)  # oneDNN approximates erf to about 1e-6
     torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0])
     seen = []
-    monkeypatch.setattr(blocks.F, "gelu", lambda a: seen.append(a.is_contiguous()) or torch.zeros_like(a))
-    blocks.gelu(x)
+    monkeypatch.setattr(feed_forward.F, "gelu", lambda a: seen.append(a.is_contiguous()) or torch.zeros_like(a))
+    feed_forward.gelu(x)
     assert seen == [not small]
 
 

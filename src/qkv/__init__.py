@@ -11,7 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import approx, backends, blocks, cache, edits, masks, models, paged, positional, score_mods, scores, tasks, variants
 from .attention import Attention, MultiHeadAttention
-from .blocks import Decoder, Encoder, FeedForward, TransformerDecoderLayer, TransformerEncoderLayer
+from .blocks import Decoder, Encoder, TransformerDecoderLayer, TransformerEncoderLayer
+from .feed_forward import FeedForward
 from .cache import DecoderCache, KVCache, LatentCache, StreamingCache
 from .flex import flex_attention
 from .functional import attention, attention_weights, explain, merge

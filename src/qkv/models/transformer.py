@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from .. import masks
 from .._args import positive_int, probability
-from ..blocks import ACTIVATIONS, Decoder, Encoder
+from ..blocks import Decoder, Encoder
+from ..feed_forward import ACTIVATIONS
 from ..cache import DecoderCache
 from ..positional import ALiBi, LearnedPositionalEmbedding, Positional, RelativePositionBias, Rotary, SinusoidalEncoding
 from .checks import check_batch, check_ids, check_lengths
