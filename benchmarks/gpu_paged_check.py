@@ -27,6 +27,7 @@ the device. It prints a markdown table and exits 1 when a parity check fails.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -34,7 +35,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import qkv
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))  # a checkout, not installed
+import qkv  # noqa: E402
 
 H, G, D, P = 8, 2, 64, 16
 LATENT_H, C, R_DIM = 16, 512, 64

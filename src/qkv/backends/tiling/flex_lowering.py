@@ -30,7 +30,9 @@ them from a :class:`~qkv.backends.request.Request`:
   bias (T5's buckets) is one ``(h, L)`` profile over offsets, read at ``kv_idx - q_idx +
   i - 1`` (its gradient reaches the bias's parameters through the profile); a dense float
   bias is read at ``[b, h, q_idx, kv_idx]``. Bias values are in the logits' precision
-  (float32, float64 for float64 inputs), as the reference adds them.
+  (float32, float64 for float64 inputs), as the reference adds them. ``qkv.SoftCap`` in
+  half precision on CUDA is written through a sigmoid, the same function on a cheaper
+  instruction (:func:`_kernel_form`).
 
 Scalars that change with the lengths (``j - i``) are captured as 0-d tensors, not Python
 ints: ``torch.compile`` guards on a closure's ints, so each new length of a growing KV
@@ -61,6 +63,7 @@ from ..._trace import version
 from ...masks import And, Dense, Documents, FlexBlocks, Lengths, Mask, MaskMod, Offsets, Or, Starts, Tile, Window
 from ...masks.reads import reads_argument
 from ...positional import ALiBi, LazyBias
+from ...score_mods import SoftCap
 from ..request import Request
 from .tiles import as_heads
 
@@ -327,7 +330,7 @@ def clear_cache() -> None:
 
 def score_mod(req: Request) -> Callable | None:
     """``fn(score, b, h, q_idx, kv_idx)``: the bias, then the caller's score_mod (None when there is neither)."""
-    bias, user = req.bias, req.score_mod
+    bias, user = req.bias, _kernel_form(req.score_mod, req)
     if bias is None and user is None:
         return None
     device = req.q.device
@@ -355,6 +358,34 @@ def score_mod(req: Request) -> Callable | None:
         return score
 
     return composed
+
+
+#: Whether a soft cap in half precision on CUDA is lowered as ``c·(2σ(2s/c) − 1)`` (:func:`_kernel_form`).
+SIGMOID_SOFT_CAP = True
+
+
+def _kernel_form(user: Callable | None, req: Request) -> Callable | None:
+    """The caller's score_mod as the kernel computes it: :class:`~qkv.SoftCap` in bfloat16 or float16 on CUDA
+    as ``c · (2σ(2s/c) − 1)``, the same function (``tanh x = 2σ(2x) − 1``).
+
+    Inductor writes ``torch.tanh`` as libdevice's precise ``tanh`` (a branchy polynomial per
+    logit, in a kernel otherwise bound by its tensor cores) and ``torch.sigmoid`` as Triton's
+    ``1 / (1 + exp(-x))`` on the fast exponential. In float32 logits the sigmoid form is off
+    by at most about ``2 · 2^-24 · c`` (``2σ − 1`` near 0 cancels to one ulp of 1), far
+    below one rounding of a half-precision result; its derivative ``4σ(1 − σ)`` stays finite
+    for any logit. float32 and float64 calls, and other devices, keep ``tanh``.
+    """
+    if not (
+        SIGMOID_SOFT_CAP and isinstance(user, SoftCap) and req.q.device.type == "cuda"
+        and req.q.dtype in (torch.bfloat16, torch.float16)
+    ):  # fmt: skip
+        return user
+    cap, twice_inverse = user.cap, 2.0 / user.cap
+
+    def soft_cap(score, b, h, q_idx, kv_idx):
+        return (2.0 * torch.sigmoid(score * twice_inverse) - 1.0) * cap
+
+    return soft_cap
 
 
 def _profile(bias: LazyBias, i_len: int, j_len: int, device) -> Tensor:
