@@ -398,11 +398,9 @@ def main(argv=None) -> int:
         print(f"  {case.name}: {row.get('path', '?')}, {row.get('parity (err / bound)', '')} ({row['s']:.0f} s)", flush=True)
     print()
     print(table(rows, case_notes={c.name: c.sdpa_note for c in CASES}))
-    flex_gpu = qkv.backends.flex_gpu
-    small = {kind: flex_gpu.TILE_LADDER[rung] for kind, rung in flex_gpu._rung.items() if rung < len(flex_gpu.TILE_LADDER)}
-    print("\nkinds of flex call run with smaller tiles (dtype, d, grad, score_mod, learned, short): "
-          + ("; ".join(f"{kind}: {'backward only' if opts is flex_gpu.SMALL_BACKWARD_TILES else 'forward and backward'}"
-                       for kind, opts in sorted(small.items(), key=str)) or "none"))
+    small = qkv.backends.flex_gpu._small_tiles
+    print(f"\nkinds of flex call run with small tiles (dtype, d, grad, score_mod, learned, short): "
+          f"{', '.join(map(str, sorted(small, key=str))) or 'none'}")
     print(f"total {time.perf_counter() - started:.0f} s")
     if failures:
         print(f"\n{len(failures)} failure(s):")

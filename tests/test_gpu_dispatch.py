@@ -577,8 +577,7 @@ def test_the_lowered_closures_compile_and_agree(config):
 
 
 def test_a_call_inductor_has_no_kernel_for_is_retried_then_declined(monkeypatch):
-    """flex_gpu.run: "no kernel" errors retry with small backward tiles (a call recording gradients), then small
-    tiles everywhere, then the call runs on chunked and later ones are declined."""
+    """flex_gpu.run: "no kernel" errors retry with small tiles, then the call runs on chunked and later ones are declined."""
     from qkv.backends import chunked, flex_gpu
 
     calls = []
@@ -589,18 +588,15 @@ def test_a_call_inductor_has_no_kernel_for_is_retried_then_declined(monkeypatch)
 
     monkeypatch.setattr(flex_gpu, "forward", failing)
     monkeypatch.setattr(flex_gpu, "compiled", lambda: None)
-    monkeypatch.setattr(flex_gpu, "_rung", {})
+    monkeypatch.setattr(flex_gpu, "_small_tiles", set())
     monkeypatch.setattr(flex_gpu, "_uncompilable", {})
     monkeypatch.setattr(chunked, "run", lambda req: ("chunked", None, None))
     q = torch.randn(1, 2, 5, 8)
-    for grad, tried in ((True, [None, flex_gpu.SMALL_BACKWARD_TILES, flex_gpu.SMALL_TILES]), (False, [None, flex_gpu.SMALL_TILES])):
-        calls.clear()
-        with torch.set_grad_enabled(grad):
-            req = qkv.checks.request(q, q, q, score="scaled_dot", mask=None, bias=None, causal=True, scale=None,
-                                     dropout=0.0, return_weights=False)  # fmt: skip
-            assert flex_gpu.run(req) == ("chunked", None, None)
-        assert calls == tried
-        assert "no flex_attention kernel" in flex_gpu.declined(req)
+    req = qkv.checks.request(q, q, q, score="scaled_dot", mask=None, bias=None, causal=True, scale=None, dropout=0.0,
+                             return_weights=False)  # fmt: skip
+    assert flex_gpu.run(req) == ("chunked", None, None)
+    assert calls == [None, flex_gpu.SMALL_TILES]
+    assert "no flex_attention kernel" in flex_gpu.declined(req)
     monkeypatch.setattr(flex_gpu, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("something else")))
     other = qkv.checks.request(q.double(), q.double(), q.double(), score="scaled_dot", mask=None, bias=None, causal=True, scale=None,
                                dropout=0.0, return_weights=False)  # fmt: skip
@@ -626,7 +622,7 @@ def test_small_tiles_a_learned_call_needed_are_not_taken_by_a_call_that_learns_n
 
     monkeypatch.setattr(flex_gpu, "forward", fits_unless_learned)
     monkeypatch.setattr(flex_gpu, "compiled", lambda: None)
-    monkeypatch.setattr(flex_gpu, "_rung", {})
+    monkeypatch.setattr(flex_gpu, "_small_tiles", set())
     monkeypatch.setattr(flex_gpu, "_uncompilable", {})
     q = torch.randn(1, 2, 5, 8, requires_grad=True)
     table = torch.zeros(9, requires_grad=True)
@@ -640,8 +636,7 @@ def test_small_tiles_a_learned_call_needed_are_not_taken_by_a_call_that_learns_n
     call(score_mod=qkv.SoftCap(5.0))
     call(bias=qkv.RelativePositionBias(2, 4, 8))
     call(bias=qkv.ALiBi(2))
-    small = flex_gpu.SMALL_BACKWARD_TILES  # the learned tables' gradients are the backward's: its tiles alone shrink
-    assert seen == [None, small, None, None, small, None]
+    assert seen == [None, flex_gpu.SMALL_TILES, None, None, flex_gpu.SMALL_TILES, None]
 
 
 def _per_head(b, h, q_idx, kv_idx):

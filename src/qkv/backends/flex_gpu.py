@@ -124,15 +124,9 @@ def compiled():
 #: shared memory than the GPU has (seen on an H200 in float32 and with learned captured
 #: tensors: Triton's "out of resource"). 64 divides the block masks' 128-row tiles.
 SMALL_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
-#: The same for the backward kernel alone (flex's ``bwd_`` prefix): a learned table's gradient
-#: is accumulated in the backward, which the forward does not pay for.
-SMALL_BACKWARD_TILES = {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32, "bwd_num_stages": 1}
-#: What a kind of call tries, in order, until inductor finds a kernel: flex's defaults, small
-#: backward tiles (only for a call that records gradients), small tiles everywhere.
-TILE_LADDER = (None, SMALL_BACKWARD_TILES, SMALL_TILES)
-_rung: dict = {}  # call kind -> the first rung of TILE_LADDER worth trying (the ones before it found no kernel)
+_small_tiles: set = set()  # call kinds that needed SMALL_TILES
 _uncompilable: dict = {}  # call kinds inductor found no kernel for even then -> its message
-#: Inductor's words for "no kernel fits": the call is retried on the next rung, then declined.
+#: Inductor's words for "no kernel fits": the call is retried with SMALL_TILES, then declined.
 _NO_KERNEL = ("out of resource", "No choices", "NoValidChoicesError")
 
 
@@ -145,11 +139,6 @@ def _kind(req: Request) -> tuple:
     return (req.q.dtype, req.q.shape[-1], req.grad, req.score_mod is not None, learned, req.q.shape[-2] < 128)
 
 
-def tiles(req: Request) -> dict | None:
-    """The kernel options this kind of call runs with (None: flex's defaults)."""
-    return TILE_LADDER[_rung.get(_kind(req), 0)]
-
-
 def declined(req: Request) -> str | None:
     """Why flex is not used for this kind of call after inductor found no kernel for it, or None."""
     found = _uncompilable.get(_kind(req))
@@ -157,20 +146,21 @@ def declined(req: Request) -> str | None:
 
 
 def run(req: Request) -> tuple[Tensor, None, Tensor | None]:
-    kind, last = _kind(req), "every kernel option tried"
-    for rung in range(_rung.get(kind, 0), len(TILE_LADDER)):
-        options = TILE_LADDER[rung]
-        if options is SMALL_BACKWARD_TILES and not req.grad:
-            continue  # no backward kernel: the forward's defaults failed
+    kind = _kind(req)
+    if kind not in _small_tiles:
         try:
-            return forward(req, compiled(), options)
+            return forward(req, compiled())
         except Exception as error:  # InductorError wraps Triton's OutOfResources: only "no kernel" is retried
             if not any(word in str(error) for word in _NO_KERNEL):
                 raise
-            _rung[kind] = rung + 1
-            last = error
-    # Declined from now on (qkv.explain says why); this call runs on the chunked engines' public ops.
-    _uncompilable[kind] = str(last).strip().splitlines()[0][:120]
+        _small_tiles.add(kind)
+    try:
+        return forward(req, compiled(), SMALL_TILES)
+    except Exception as error:
+        if not any(word in str(error) for word in _NO_KERNEL):
+            raise
+        # Declined from now on (qkv.explain says why); this call runs on the chunked engines' public ops.
+        _uncompilable[kind] = str(error).strip().splitlines()[0][:120]
     from . import chunked
 
     return chunked.run(req)
