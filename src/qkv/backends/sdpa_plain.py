@@ -1,4 +1,4 @@
-"""``qkv.attention``'s plain-call lane: a plain CPU call straight to PyTorch's fused kernel, no request built.
+"""``qkv.attention``'s plain-call lane: a plain call straight to PyTorch's fused kernel, no request built.
 
 Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
 length, ``d`` query/key size.
@@ -48,16 +48,16 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     """The output of a plain CPU call straight from the kernel, or None when the call is not plain.
 
     ``qkv.attention``'s first step, before any check is built: a call with ``(b, h, i, d)``
-    tensors of one floating dtype on the CPU, the dot or scaled-dot score, no mask (or
-    ``causal=True``, or the mask ``qkv.masks.causal()``, where it hides nothing, ``i = 1``,
-    or is the kernel's own, ``i = j``),
+    tensors of one floating dtype on the CPU or one CUDA device, the dot or scaled-dot score,
+    no mask (or ``causal=True``, or the mask ``qkv.masks.causal()``, where it hides nothing,
+    ``i = 1``, or is the kernel's own, ``i = j``),
     no bias, sinks, score_mod, dropout or weights is exactly what :func:`choose` would send
     here with no mask tensor and nothing to restore, so the request, its checks and the walk
     over the backends are skipped (they cost more than the kernel in a one-token decoding
     step: 25-35 µs against 15-20). Anything else, a malformed call included (its message
     comes from the full checks), answers None.
 
-    One mask is taken too, in inference: a ``Dense`` bool ``(b|1, h|1, i|1, j)`` CPU mask
+    One mask is taken too, on the CPU in inference: a ``Dense`` bool ``(b|1, h|1, i|1, j)`` CPU mask
     (a padded batch's, one tensor shared by a model's layers) that is not the causal
     square, given to the kernel as the full path gives it, rows that see no key given every
     key and zeroed after; what it takes is kept on the mask per tensor version (an in-place
@@ -79,7 +79,10 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or tracing():
         return None  # compile, export and jit.trace take the full path (and may not read a value)
     dtype = q.dtype
-    if k.dtype != dtype or v.dtype != dtype or not (q.is_cpu and k.is_cpu and v.is_cpu):  # (is_cpu: no device object)
+    if k.dtype != dtype or v.dtype != dtype:
+        return None
+    on_cpu = q.is_cpu and k.is_cpu and v.is_cpu  # (is_cpu: no device object)
+    if not on_cpu and not (_on_one_gpu(q, k, v) and dtype in DEVICE_DTYPES):
         return None
     b, h, i, d = q.shape
     kb, g, j, kd = k.shape
@@ -88,12 +91,14 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
         return None
     if d == 0:
         return None  # no features: every logit is 0 and 1/√d has no value (the full path, see checks.request)
-    if not dtype.is_floating_point or not flash_cpu.works(dtype):
+    if on_cpu and (not dtype.is_floating_point or not flash_cpu.works(dtype)):
         return None
     if type(mask) is Window and mask.left is None and mask.right == 0 and causal is False:
         mask, causal = None, True  # qkv.masks.causal() is causal=True (the same window, folded the same way)
     attn_mask = None
     if mask is not None:
+        if not on_cpu:
+            return None  # a GPU call's mask: the full path (flex, a lowered BlockMask, its guard)
         attn_mask = _plain_mask(mask, q, k, v, causal)
         if attn_mask is None:
             return None
@@ -140,7 +145,7 @@ def again(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     layer in the same forward), after the checks that can differ between such calls; else None.
 
     The score, scale and mask are the plan's, so what is checked is the tensors: plain CPU
-    strided ``Tensor``s of the planned shapes and dtype, no gradient into a masked call, and
+    (or, unmasked, same-GPU) strided ``Tensor``s of the planned shapes and dtype, no gradient into a masked call, and
     the mask's tensor not changed in place since. Whether a trace is running is not asked
     again: within one eager forward it does not start (a traced forward's first layer made
     no plan).
@@ -149,9 +154,9 @@ def again(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
         return None
     if (q.shape, k.shape, v.shape) != decided.shapes or q.dtype != decided.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
         return None
-    if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.is_nested:
+    if not (q.is_cpu and k.is_cpu and v.is_cpu) and not (decided.mask_tensor is None and _on_one_gpu(q, k, v)):
         return None
-    if q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided:
+    if q.is_nested or q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided:
         return None
     if decided.mask_tensor is not None:
         if decided.mask_version is None or version(decided.mask_tensor) != decided.mask_version:
@@ -185,6 +190,17 @@ def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -
     if changes is not None:
         mask._plain = (allowed, key, parts)
     return parts
+
+
+#: Dtypes a CUDA call takes the lane in: the ``sdpa`` backend's (flash and the efficient kernel, or
+#: PyTorch's math kernel for float64), as the full path would run them.
+DEVICE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _on_one_gpu(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """All three on the same CUDA device. There the full path runs an unmasked call on SDPA too (no CPU kernel,
+    no hidden key to guard): its Python, 0.1-0.3 ms a call on the H200's host, was most of a small call's time."""
+    return q.is_cuda and k.device == q.device and v.device == q.device
 
 
 #: The scores :func:`plain` takes by name.
