@@ -15,9 +15,21 @@ call per run (``FlexBlocks.diagonal_groups``, the segments backend); and ``score
 evaluated as flex evaluates it (0-d indices). ``return_lse`` /
 ``return_aux=AuxRequest(lse=True)`` give the natural-log log-sum-exp ``(B, Hq, L)``,
 differentiable. ``kernel_options`` tune flex's Triton kernels and are accepted and
-ignored. Key and value may have batch 1 under a larger query batch only with a block mask
-of the query's batch, as in flex (its messages otherwise). Checked against flex's own CPU
-forward in the test suite, random calls included.
+ignored, but those flex refuses are refused (a ``BACKEND`` outside its list, ``BACKEND`` with
+``FORCE_USE_FLEX_ATTENTION``, ``OUTPUT_LOGSUMEXP`` / ``OUTPUT_MAX``). Key and value may have
+batch 1 under a larger query batch only with a block mask of the query's batch, as in flex
+(its messages otherwise); a value of batch 1 under a key of the query's batch is broadcast, as
+flex's ``expand`` does. flex's no-op block mask (``BLOCK_SIZE`` 2^30 on both sides, as its
+``_create_empty_block_mask``) takes any lengths, its ``mask_mod`` decides every element; a
+sliced block mask (``bm[0]``, its ``mask_mod`` a stub) and one on another device than the
+query's are refused up front, as flex refuses them. What flex refuses as not implemented (a
+rank other than 4, nested tensors, ``AuxRequest(max_scores=True)``, which flex computes on
+CUDA only) raises ``NotImplementedError`` here too (:class:`FlexNotImplemented`, a ``ValueError``
+as well). The output is laid out in the query's stride order, as flex's is (a query made by
+``transpose(1, 2)`` gives an output whose ``transpose(1, 2)`` is contiguous). A block mask's
+lists of fewer leading dims than ``(B, H)`` (``BlockMask.from_kv_blocks`` takes ``(nq,)``)
+broadcast from the right. Checked against flex's own CPU forward in the test suite, random
+calls included.
 
 A block mask made with ``B=None`` or ``H=None`` serves every batch row and head: inside its
 partial blocks the ``mask_mod`` sees each row's and query head's own ``b`` and ``h``, as in
@@ -49,6 +61,7 @@ works. A ``mask_mod`` given as ``qkv.masks.from_mask_mod`` traces.
 from __future__ import annotations
 
 import math
+import typing
 import weakref
 from typing import Callable
 
@@ -56,7 +69,7 @@ import torch
 from torch import Tensor
 
 from .functional import attention
-from .masks import documents
+from .masks import documents, from_mask_mod
 from .masks.programs import FlexBlocks
 
 
@@ -79,22 +92,26 @@ def flex_attention(
     not with a ``block_mask`` (the module docstring says why).
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
+        if isinstance(x, Tensor) and x.is_nested:  # before any shape is read: a nested tensor has none to give
+            raise NotImplementedError(f"{name}: flex_attention takes no nested tensors; pass dense (B, H, length, size) ones")
         if not isinstance(x, Tensor) or x.dim() != 4:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"{name}: expected a 4-d tensor (B, H, length, size), as flex_attention does, got {got}")
+            raise FlexNotImplemented(f"{name}: expected a 4-d tensor (B, H, length, size), as flex_attention does, got {got}")
     hq, hkv = query.shape[1], key.shape[1]
     if not enable_gqa and hq != hkv:
         raise ValueError(
             f"key: expected query and key/value to have the same number of heads but got Hq={hq} and Hkv={hkv}; "
             "set enable_gqa=True for grouped-query attention"
         )
-    if kernel_options is not None and not isinstance(kernel_options, dict):
-        raise TypeError(f"kernel_options: expected a dict or None, got {type(kernel_options).__name__}")
+    _check_kernel_options(kernel_options)
+    if return_aux is not None and not (hasattr(return_aux, "lse") and hasattr(return_aux, "max_scores")):
+        raise TypeError(f"return_aux: expected an AuxRequest or None, got {type(return_aux).__name__}")
     if return_lse and return_aux is not None:
         raise ValueError("return_lse: give return_lse or return_aux=AuxRequest(lse=True), not both")
     want_lse = bool(return_lse) or bool(getattr(return_aux, "lse", False))
-    if getattr(return_aux, "max_scores", False):
-        raise ValueError("return_aux: qkv computes the log-sum-exp (AuxRequest(lse=True)), not max_scores")
+    if getattr(return_aux, "max_scores", False):  # flex on the CPU: NotImplementedError
+        raise FlexNotImplemented("return_aux: max_scores are not supported (nor by flex_attention on the CPU); "
+                                 "qkv computes the log-sum-exp (AuxRequest(lse=True))")  # fmt: skip
     if query.shape[0] != key.shape[0]:  # flex's rule: K/V batches differ only under a block mask of the query's
         bq, bkv = query.shape[0], key.shape[0]
         if block_mask is None:
@@ -110,26 +127,139 @@ def flex_attention(
         if key.shape[0] != 1:
             raise ValueError(f"key: expected batch {query.shape[0]} like query, or 1 (shared), got {key.shape[0]}")
         key, value = key.expand(query.shape[0], *key.shape[1:]), value.expand(query.shape[0], *value.shape[1:])
+    elif value.shape[0] == 1 != query.shape[0]:  # flex broadcasts a value of batch 1 under key's (its ``expand``)
+        value = value.expand(query.shape[0], *value.shape[1:])
     if key.dtype != query.dtype or value.dtype != query.dtype:  # flex computes in the query's dtype and answers in it
         key, value = key.to(query.dtype), value.to(query.dtype)
     mask = None
     if block_mask is not None:
         if not hasattr(block_mask, "kv_num_blocks") or not hasattr(block_mask, "mask_mod"):
             raise TypeError(f"block_mask: expected torch's BlockMask (create_block_mask), got {type(block_mask).__name__}")
+        from torch.nn.attention import flex_attention as torch_flex
+
+        # a sliced BlockMask (``bm[0]``) carries a stub for its mask_mod: flex refuses it before reading any
+        # list, so here too, even where every listed block is full and the stub would never run
+        if block_mask.mask_mod is getattr(torch_flex, "_sliced_mask_mod_error", object()):
+            raise RuntimeError("block_mask: cannot use mask_mod from a sliced BlockMask; set its mask_mod to the "
+                               "original BlockMask's (bm[0].mask_mod = bm.mask_mod)")  # fmt: skip
+        # flex's rule; a meta query (shape inference, qkv.explain) may take a block mask of any device
+        if query.device != block_mask.kv_num_blocks.device and query.device.type != "meta":
+            raise RuntimeError(f"block_mask: expected it on the query's device {query.device}, got it on "
+                               f"{block_mask.kv_num_blocks.device}")  # fmt: skip
         batch, heads = query.shape[:2]
-        mask = FlexBlocks(_fitted(block_mask, batch, heads), batch=batch, heads=heads)  # any (B, H), as flex takes
-        groups = mask.diagonal_groups()
-        if groups is not None:  # block-diagonal (packed documents): one ordinary call per group
-            mask = documents(groups.to(query.device)) & mask
+        large = getattr(torch_flex, "_LARGE_SPARSE_BLOCK_SIZE", None)
+        if large is not None and tuple(block_mask.BLOCK_SIZE) == (large, large):
+            # flex's "no-op" block mask (``_create_empty_block_mask``): one block of 2^30 on each side,
+            # of any lengths (flex skips its length check), partial: the mask_mod decides every element
+            noop = block_mask.mask_mod is torch_flex.noop_mask
+            mask = None if noop else from_mask_mod(block_mask.mask_mod, batch, heads)
+        else:
+            block_mask = _with_batch_and_heads(block_mask)  # lists of (nq,) or (H, nq): as (1, 1, nq), (1, H, nq)
+            mask = FlexBlocks(_fitted(block_mask, batch, heads), batch=batch, heads=heads)  # any (B, H), as flex takes
+            groups = mask.diagonal_groups()
+            if groups is not None:  # block-diagonal (packed documents): one ordinary call per group
+                mask = documents(groups.to(query.device)) & mask
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     result = attention(query, key, value, mask=mask, scale=scale, score_mod=score_mod, return_lse=want_lse)
+    out, lse = result if want_lse else (result, None)
+    out = _in_query_layout(out, query)
     if not want_lse:
-        return result if return_aux is None else (result, _aux(None))  # flex answers (out, AuxOutput()) to any AuxRequest
-    out, lse = result
+        return out if return_aux is None else (out, _aux(None))  # flex answers (out, AuxOutput()) to any AuxRequest
     if return_aux is not None:
         return out, _aux(lse)
     return out, lse
+
+
+class FlexNotImplemented(NotImplementedError, ValueError):
+    """What flex refuses as ``NotImplementedError`` (a rank other than 4, ``max_scores`` on the CPU).
+
+    A ``ValueError`` too: qkv's own shape and argument errors are, and code written for qkv
+    catches those.
+    """
+
+
+def _in_query_layout(out: Tensor, query: Tensor) -> Tensor:
+    """``out`` laid out in ``query``'s stride order, as flex lays out its output (``_permute_strides``).
+
+    flex allocates ``out (B, Hq, L, Ev)`` with the query's fill order (dims sorted by stride,
+    ties kept outer-first, as inductor's ``get_fill_order``), ``Ev`` moved innermost when it is
+    not: a query made as ``(B, L, H, E).transpose(1, 2)`` answers an output whose
+    ``transpose(1, 2)`` is contiguous, and model code ``view``s it so. For the usual contiguous
+    query this is the identity (no copy).
+    """
+    strides = query.stride()
+    order = sorted(range(4), key=lambda d: strides[d], reverse=True)  # outermost first; stable: ties outer-first
+    if order[-1] != 3 and math.prod(out.shape[d] for d in order[order.index(3) + 1 :]) != 1:
+        order.remove(3)  # flex's kernels need the unit stride on Ev (unless what follows it has size 1)
+        order.append(3)
+    if order == [0, 1, 2, 3]:
+        return out.contiguous()  # qkv's engines answer contiguous: no copy
+    inverse = [order.index(d) for d in range(4)]
+    return out.permute(order).contiguous().permute(inverse)
+
+
+def _with_batch_and_heads(block_mask):
+    """``block_mask`` with lists of ``(B, H, nq)``: itself, or one made from it (kept, as :func:`_fitted`'s).
+
+    ``BlockMask.from_kv_blocks`` takes lists of any leading dims, ``(nq,)`` and ``(nq, nk)`` at
+    the least, and flex's eager forward takes them (it evaluates the ``mask_mod`` at every
+    element). Fewer than two broadcast from the right, as tensors do: ``(nq,)`` is ``(1, 1, nq)``,
+    ``(H, nq)`` is ``(1, H, nq)``. More than two have no ``(b, h)`` of a call to name: refused.
+    """
+    lead = block_mask.kv_num_blocks.dim() - 1
+    if lead == 2:
+        return block_mask
+    if lead > 2:
+        raise ValueError(f"block_mask: expected lists of (B, H, q blocks), got {tuple(block_mask.kv_num_blocks.shape)}")
+    lists = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    sources = (block_mask.mask_mod, block_mask.BLOCK_SIZE, block_mask.seq_lengths, *lists)
+    try:
+        made = _FITTED.setdefault(block_mask, {})
+    except TypeError:  # not weakly referable: made afresh at each call
+        made = {}
+    kept = made.get("dims")
+    if kept is not None and all(a is b for a, b in zip(kept[0], sources)):
+        return kept[1]
+    from torch.nn.attention.flex_attention import BlockMask
+
+    lists = tuple(None if x is None else x[(None,) * (2 - lead)] for x in lists)  # views: in-place changes are seen
+    shaped = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod,
+                                      seq_lengths=block_mask.seq_lengths)  # fmt: skip
+    made["dims"] = (sources, shaped)
+    return shaped
+
+
+#: flex's ``_Backend`` in torch 2.13, the values ``kernel_options["BACKEND"]`` may take (torch's own list where it has one).
+_BACKENDS = ("AUTO", "TRITON", "FLASH", "TRITON_DECODE")
+
+
+def _check_kernel_options(kernel_options) -> None:
+    """Refuse the ``kernel_options`` flex refuses; qkv reads none of them (they tune flex's Triton kernels).
+
+    flex reads them as ``dict(kernel_options)`` (a mapping or ``(name, value)`` pairs), refuses
+    a ``BACKEND`` outside its ``_Backend``, ``BACKEND`` with the legacy
+    ``FORCE_USE_FLEX_ATTENTION``, and the two options it sets itself, ``OUTPUT_LOGSUMEXP`` and
+    ``OUTPUT_MAX`` (those follow ``return_lse`` / ``return_aux``).
+    """
+    if kernel_options is None:
+        return
+    try:
+        options = dict(kernel_options)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"kernel_options: expected a dict or None, got {type(kernel_options).__name__} ({e})") from e
+    if "BACKEND" in options:
+        if options.get("FORCE_USE_FLEX_ATTENTION", False):
+            raise ValueError("kernel_options: BACKEND cannot be combined with the legacy FORCE_USE_FLEX_ATTENTION; "
+                             "drop FORCE_USE_FLEX_ATTENTION")  # fmt: skip
+        from torch.nn.attention import flex_attention as torch_flex
+
+        backends = typing.get_args(getattr(torch_flex, "_Backend", None)) or _BACKENDS
+        if options["BACKEND"] not in backends:
+            raise ValueError(f"kernel_options: BACKEND must be one of {backends}, got {options['BACKEND']!r}")
+    for name in ("OUTPUT_LOGSUMEXP", "OUTPUT_MAX"):
+        if name in options:
+            raise ValueError(f"kernel_options: {name} must not be given (return_lse / return_aux decide it)")
 
 
 def _fitted(block_mask, batch: int, heads: int):
