@@ -32,7 +32,7 @@ latent ``[c^KV; k^R]`` per token, as multi-head latent attention caches it
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -59,6 +59,8 @@ class Step:
     plan: PagedPlan | None = None  # the table laid out once, run by every layer (made by PagedKVCache.plan)
     admitted: tuple = ()  # each request's admission number when planned: a step of a request freed since is refused
     frees: int = 0  # the cache's count of frees when planned: the same count, no request of the step was freed
+    copies: int = 0  # the cache's count of copy-on-writes when planned: a write into a page copied since is refused
+    cache: object = field(default=None, repr=False, compare=False)  # the PagedKVCache that planned it: its page ids
 
     @property
     def table(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -106,6 +108,9 @@ class PagedKVCache:
         self._admitted: dict[Hashable, int] = {}  # a number per add/fork: a name freed and added again is another request
         self._admissions = 0
         self._frees = 0
+        self._copies = 0  # copy-on-writes so far
+        self._copied: dict[int, int] = {}  # page -> the count of its last copy-on-write as the source
+        self._discard = [pool for pool in self.pools if hasattr(pool, "discard")]  # pools holding memory per page
 
     # ------------------------------------------------------------------ requests
 
@@ -200,12 +205,32 @@ class PagedKVCache:
         return self._step(requests, new_tokens, page, offset, positions)
 
     def pages_needed(self, new_tokens: dict) -> int:
-        """Pages :meth:`plan` would take from the pool for ``{request: n}`` (new pages and copies)."""
-        return sum(self._pages_needed(r, n) for r, n in new_tokens.items() if r in self._pages)
+        """Pages :meth:`plan` would take from the pool for ``{request: n}`` (new pages and copies).
+
+        A shared last page is copied by each of its holders that writes into it but the last:
+        :meth:`plan` copies it for a writer while another request still holds it, so when every
+        holder writes in one step the last finds it its own. Counting a copy per writer refused a
+        step that fits the pool (parent and fork each taking one token into their shared page).
+        """
+        refs: dict[int, int] = {}  # the holders left of each shared last page, as plan's copies leave them
+        needed = 0
+        for r, n in new_tokens.items():
+            if r not in self._pages:
+                continue
+            start, have = self._length[r], len(self._pages[r])
+            needed += max(0, -(-(start + n) // self.page_size) - have)
+            if n and start % self.page_size:
+                last = self._pages[r][(start - 1) // self.page_size]
+                refs.setdefault(last, self._refs[last])
+                if refs[last] > 1:
+                    refs[last] -= 1
+                    needed += 1
+        return needed
 
     def write(self, layer: int, step: Step, k: Tensor, v: Tensor) -> None:
         """The step's new keys and values ``k, v (T, g, d)`` into layer ``layer``'s pages."""
         self._current(step)
+        self._uncopied(step)
         if k.shape[0] != step.page.numel() or v.shape[0] != step.page.numel():
             raise ValueError(f"k, v: expected {step.page.numel()} new tokens (the step's), got {k.shape[0]} and {v.shape[0]}")
         self._pool(layer).write(step.page, step.offset, k, v)
@@ -236,9 +261,12 @@ class PagedKVCache:
         self._admitted[request] = self._admissions
 
     def _current(self, step: Step) -> None:
-        """Refuse a step with a request freed since it was planned: its pages may be another request's now."""
+        """Refuse a step with a request freed since it was planned (its pages may be another request's now), or
+        planned by another cache."""
         if not isinstance(step, Step):
             raise TypeError(f"step: expected a Step from PagedKVCache.plan, got {type(step).__name__}")
+        if step.cache is not self:  # its page ids are another pool's: written here they land in others' pages
+            raise ValueError("step: planned by another PagedKVCache (its page ids are that cache's); plan it with this one")
         if step.frees == self._frees:  # every layer's write and attend: nothing freed since the plan, nothing to look up
             return
         for r, admitted in zip(step.requests, step.admitted):
@@ -246,16 +274,25 @@ class PagedKVCache:
                 raise ValueError(f"step: request {r!r} was freed after this step was planned, and its pages may hold "
                                  "another request's tokens now; plan a new step")  # fmt: skip
 
+    def _uncopied(self, step: Step) -> None:
+        """Refuse a write into a page copied (copy-on-write) since the step was planned.
+
+        A later plan copies a shared page as it is then (a fork of the request, then a token in
+        either of them): this step's tokens, written after the copy, reach one side only, and the
+        other reads zeros or old keys where its length says it holds them.
+        """
+        if step.copies == self._copies:
+            return
+        copied = sorted({p for p in step.page.tolist() if self._copied.get(p, 0) > step.copies})
+        if copied:
+            raise ValueError(f"step: page(s) {copied[:4]} were copied (copy-on-write, after a fork) since this step was "
+                             "planned, without its tokens; write every layer of a step before planning a step that "
+                             "copies its pages (fork after writing)")  # fmt: skip
+
     def _known(self, request: Hashable) -> Hashable:
         if request not in self._pages:
             raise KeyError(f"request {request!r} is not in the cache (add it first)")
         return request
-
-    def _pages_needed(self, request: Hashable, n: int) -> int:
-        start, have = self._length[request], len(self._pages[request])
-        fresh = max(0, -(-(start + n) // self.page_size) - have)
-        shared_last = n and start % self.page_size and self._refs[self._pages[request][(start - 1) // self.page_size]] > 1
-        return fresh + (1 if shared_last else 0)
 
     def _own_last_page(self, request: Hashable) -> None:
         """Copy-on-write of the page holding the request's last token, when another request holds it too."""
@@ -265,6 +302,8 @@ class PagedKVCache:
             fresh = self._take(pages[at - 1] if at > 0 else None)
             for pool in self.pools:
                 pool.copy_page(last, fresh)
+            self._copies += 1
+            self._copied[last] = self._copies
             self._refs[last] -= 1
             pages[at] = fresh
 
@@ -276,6 +315,8 @@ class PagedKVCache:
         Pages beyond the request's length are held, not listed in its step's table.
         """
         self._known(request)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens: expected a count >= 0 (the request's length to hold pages for), got {tokens!r}")
         pages = self._pages[request]
         need = -(-tokens // self.page_size) - len(pages)
         if need <= 0:
@@ -327,6 +368,9 @@ class PagedKVCache:
         return p
 
     def _give_back(self, p: int) -> None:
+        """Page ``p`` back to the pool, and what a pool keeps for it (an int8 page's full-precision residual) freed now."""
+        for pool in self._discard:
+            pool.discard(p)
         self._free += 1
         b = p // BLOCK_PAGES
         self._block_free[b] += 1
@@ -348,4 +392,4 @@ class PagedKVCache:
         table = (as_long(qo), as_long(kv), as_long(indices), as_long(last))
         plan = PagedPlan(*table, num_pages=self.num_pages, page_size=self.page_size, device=dev, total_q=qo[-1])
         return Step(tuple(requests), *table, as_long(page), as_long(offset), as_long(positions), plan,
-                    tuple(self._admitted[r] for r in requests), self._frees)  # fmt: skip
+                    tuple(self._admitted[r] for r in requests), self._frees, self._copies, self)  # fmt: skip

@@ -240,6 +240,16 @@ class Int8Pages:
         else:
             self.residual.pop(dst, None)
 
+    def discard(self, page: int) -> None:
+        """Page ``page`` is free: its full-precision residual goes now, and its next write starts it over.
+
+        ``qkv.PagedKVCache`` calls it when a request's last holder of the page is freed, so a
+        freed request's partial last pages return their memory at once (kept until the page was
+        written again, they held ``2·P·g·d`` floats each after every request had ended).
+        """
+        self.residual.pop(page, None)
+        self.filled[page] = 0
+
     # ------------------------------------------------------------------ size
 
     @property
