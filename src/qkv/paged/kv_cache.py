@@ -228,7 +228,13 @@ class PagedKVCache:
         return needed
 
     def write(self, layer: int, step: Step, k: Tensor, v: Tensor) -> None:
-        """The step's new keys and values ``k, v (T, g, d)`` into layer ``layer``'s pages."""
+        """The step's new keys and values ``k, v (T, g, d)`` into layer ``layer``'s pages.
+
+        With an int8 cache (``quantized=True``) write steps in the order they were planned: a
+        page's int8 store starts a page over at a write at offset 0, so an earlier step written
+        after a later one into the same page loses the later one's tokens (the float cache takes
+        any order).
+        """
         self._current(step)
         self._uncopied(step)
         if k.shape[0] != step.page.numel() or v.shape[0] != step.page.numel():
