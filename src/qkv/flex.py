@@ -212,22 +212,8 @@ def _with_batch_and_heads(block_mask):
         return block_mask
     if lead > 2:
         raise ValueError(f"block_mask: expected lists of (B, H, q blocks), got {tuple(block_mask.kv_num_blocks.shape)}")
-    lists = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-    sources = (block_mask.mask_mod, block_mask.BLOCK_SIZE, block_mask.seq_lengths, *lists)
-    try:
-        made = _FITTED.setdefault(block_mask, {})
-    except TypeError:  # not weakly referable: made afresh at each call
-        made = {}
-    kept = made.get("dims")
-    if kept is not None and all(a is b for a, b in zip(kept[0], sources)):
-        return kept[1]
-    from torch.nn.attention.flex_attention import BlockMask
-
-    lists = tuple(None if x is None else x[(None,) * (2 - lead)] for x in lists)  # views: in-place changes are seen
-    shaped = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod,
-                                      seq_lengths=block_mask.seq_lengths)  # fmt: skip
-    made["dims"] = (sources, shaped)
-    return shaped
+    # views: in-place changes of the lists are seen
+    return _kept(block_mask, "dims", lambda lists: tuple(None if x is None else x[(None,) * (2 - lead)] for x in lists))
 
 
 #: flex's ``_Backend`` in torch 2.13, the values ``kernel_options["BACKEND"]`` may take (torch's own list where it has one).
@@ -282,9 +268,27 @@ def _fitted(block_mask, batch: int, heads: int):
     fewer = 1 < B < batch or 1 < H < heads
     if not fewer and B <= batch and H <= heads:
         return block_mask
+    if fewer:
+        return _kept(block_mask, "mask_mod", lambda lists: _every_block_partial(block_mask))
+    rows, cols = min(B, batch), min(H, heads)  # the first rows and heads (views: an in-place change is seen)
+    return _kept(block_mask, (rows, cols), lambda lists: tuple(None if x is None else x[:rows, :cols] for x in lists))
+
+
+def _every_block_partial(block_mask):
+    """Lists of one ``(1, 1)`` row of every block of ``block_mask``'s lengths, partial: the ``mask_mod`` decides each element."""
+    nq, nk = (-(-n // size) for n, size in zip(block_mask.seq_lengths, block_mask.BLOCK_SIZE))
+    device = block_mask.kv_num_blocks.device
+    counts = torch.full((1, 1, nq), nk, dtype=torch.int32, device=device)
+    indices = torch.arange(nk, dtype=torch.int32, device=device).expand(1, 1, nq, nk).contiguous()
+    return counts, indices, None, None
+
+
+def _kept(block_mask, key, make_lists):
+    """torch's ``BlockMask`` of ``make_lists(block_mask's four lists)``, with ``block_mask``'s ``mask_mod``, sizes
+    and lengths; made once per ``key`` and kept with ``block_mask`` while its lists and ``mask_mod`` are the same
+    objects (a block mask reused by a model's layers keeps what ``FlexBlocks`` evaluated for it)."""
     lists = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
     sources = (block_mask.mask_mod, block_mask.BLOCK_SIZE, block_mask.seq_lengths, *lists)
-    key = "mask_mod" if fewer else (min(B, batch), min(H, heads))
     try:
         made = _FITTED.setdefault(block_mask, {})
     except TypeError:  # not weakly referable: made afresh at each call
@@ -294,21 +298,13 @@ def _fitted(block_mask, batch: int, heads: int):
         return kept[1]
     from torch.nn.attention.flex_attention import BlockMask
 
-    if fewer:  # one (1, 1) list of every block, partial: the mask_mod decides each element
-        nq, nk = (-(-n // size) for n, size in zip(block_mask.seq_lengths, block_mask.BLOCK_SIZE))
-        device = block_mask.kv_num_blocks.device
-        counts = torch.full((1, 1, nq), nk, dtype=torch.int32, device=device)
-        indices = torch.arange(nk, dtype=torch.int32, device=device).expand(1, 1, nq, nk).contiguous()
-        lists = (counts, indices, None, None)
-    else:  # the first rows and heads (views: an in-place change of the lists is seen)
-        lists = tuple(None if x is None else x[: key[0], : key[1]] for x in lists)
-    fitted = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=block_mask.BLOCK_SIZE, mask_mod=block_mask.mask_mod,
-                                      seq_lengths=block_mask.seq_lengths)  # fmt: skip
-    made[key] = (sources, fitted)
-    return fitted
+    shaped = BlockMask.from_kv_blocks(*make_lists(lists), BLOCK_SIZE=block_mask.BLOCK_SIZE,
+                                      mask_mod=block_mask.mask_mod, seq_lengths=block_mask.seq_lengths)  # fmt: skip
+    made[key] = (sources, shaped)
+    return shaped
 
 
-#: Block masks made by :func:`_fitted`, per block mask given: {key: (what it was made from, the one made)}.
+#: Block masks made by :func:`_kept`, per block mask given: {key: (what it was made from, the one made)}.
 _FITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

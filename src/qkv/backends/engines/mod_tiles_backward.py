@@ -94,6 +94,7 @@ def tiles_backward(plan: ModPlan, req: Request, out: Tensor, lse: Tensor, d_out:
                 p = torch.add(neg_lse, modded.detach(), out=other)
                 if hide is not None:  # masked after the modifier, as flex's backward: where a modifier is undefined
                     p.masked_fill_(hide == NEG_INF, NEG_INF)  # (nan) the mask hides, P and so dS stay 0, not nan
+                    hide = None  # selected away already: the exp need not add it
             # a capped logit minus the lse is at least -c - max(lse) (+inf on dead rows: no bound)
             low = NEG_INF if cap is None else cap_range.lowest(neg_lse.neg(), cap)
             tile_math.exp_nonpositive_(p, other if p is s else (None if ops.forms.library_exp else spare()), ops.forms, hide,
