@@ -366,3 +366,25 @@ def test_a_step_of_another_cache_and_a_reservation_that_is_not_a_count_are_refus
         with pytest.raises(ValueError, match="tokens: expected a count >= 0"):
             one.reserve("a", bad)
     assert one.pages_of("a") == [0] and one.free_pages == 3
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_steps_written_out_of_plan_order_keep_every_token(quantized):
+    """Two steps planned into one page, the later written first: both steps' tokens are kept
+    (an int8 page once started over at a write at offset 0, dropping the later step's tokens)."""
+    P = 8
+    cache = qkv.PagedKVCache(4, P, G, D, dtype=torch.float64, quantized=quantized)
+    cache.add("r")
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, P, G, D, generator=gen, dtype=torch.float64)
+    first, second = cache.plan({"r": 3}), cache.plan({"r": P - 3})
+    cache.write(0, second, k[3:], v[3:])
+    cache.write(0, first, k[:3], v[:3])
+    q = torch.randn(P - 3, H, D, generator=gen, dtype=torch.float64)  # the later step's queries, over all P tokens
+    out, lse = cache.attend(0, second, q, return_lse=True)
+    want, want_lse = reference(q, k, v)
+    tol = dict(rtol=0, atol=0.05) if quantized else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, want, **tol)
+    torch.testing.assert_close(lse, want_lse, **tol)
+    if quantized:  # the full page left the residual for int8
+        assert not cache.layer(0).residual

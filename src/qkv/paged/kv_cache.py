@@ -206,10 +206,8 @@ class PagedKVCache:
     def write(self, layer: int, step: Step, k: Tensor, v: Tensor) -> None:
         """The step's new keys and values ``k, v (T, g, d)`` into layer ``layer``'s pages.
 
-        With an int8 cache (``quantized=True``) write steps in the order they were planned: a
-        page's int8 store starts a page over at a write at offset 0, so an earlier step written
-        after a later one into the same page loses the later one's tokens (the float cache takes
-        any order).
+        Steps may be written in any order, with a float or an int8 cache (an int8 page is
+        quantised once all its offsets are written).
         """
         self._current(step)
         self._uncopied(step)

@@ -64,7 +64,8 @@ class Int8Pages:
         self._value_scale = torch.ones(g, num_pages, P, dtype=torch.float32, device=self.device)  # over the channels
         self.device = self._keys.device  # as the tensors report it ("cuda:0", not "cuda"): compared with q's
         self.residual: dict[int, Tensor] = {}  # page -> (2, P, g, d) in dtype, while partially filled
-        self.filled = [0] * num_pages  # offsets written since the page was (re)started
+        self.filled = [0] * num_pages  # how many of the page's offsets were written since it was (re)started
+        self._written = [0] * num_pages  # those offsets, as bits: steps may arrive out of order
         self._scratch = Scratch(self.device)  # runs' dequantised K and V, kept between steps
         self.views = False  # reads are dequantised copies
 
@@ -177,8 +178,11 @@ class Int8Pages:
     def write(self, page: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
         """Token ``n`` of ``k, v (n, g, d)`` into page ``page[n]`` at ``offset[n]``; pages filled by it are quantised.
 
-        Writes arrive in order within a page: a write at offset 0 starts the page over (a freed
-        page handed out again), and a page's filled count is one past the last offset written.
+        A page is quantised once each of its ``P`` offsets has been written, in whatever order
+        the writes arrive (a later step written before an earlier one adds to the page). A page
+        freed is :meth:`discard`-ed before it is handed out again; without that, a write at
+        offset 0 into a full page starts it over (a page reused), and one elsewhere rewrites
+        those tokens of it.
         """
         pages, offsets = page.tolist(), offset.tolist()
         check_write(self, pages, offsets, k, v)
@@ -196,12 +200,14 @@ class Int8Pages:
             while b < len(order) and pages[order[b]] == p:
                 b += 1
             offs = [offsets[n] for n in order[a:b]]
-            res = self._residual(p, restart=offs[0] == 0)
+            res = self._residual(p, restart=offs[0] == 0 and self.filled[p] == self.page_size)
             if offs == list(range(offs[0], offs[0] + b - a)):
                 res[:, offs[0] : offs[0] + b - a] = both[a:b].transpose(0, 1)  # a run of offsets: a slice
             else:
                 res[:, torch.tensor(offs, device=self.device)] = both[a:b].transpose(0, 1)
-            self.filled[p] = offs[-1] + 1
+            for o in offs:
+                self._written[p] |= 1 << o
+            self.filled[p] = self._written[p].bit_count()
             if self.filled[p] == self.page_size:
                 full.append(p)
             a = b
@@ -209,9 +215,11 @@ class Int8Pages:
             self._quantise(full)
 
     def _residual(self, p: int, restart: bool) -> Tensor:
-        """Page ``p``'s full-precision copy: zeros when it starts over, its dequantised values when a full page is rewritten."""
+        """Page ``p``'s full-precision copy: zeros when it starts over, its dequantised values when a full page is rewritten.
+
+        A page partly written has its residual already (a page with none is fresh or full)."""
         if restart or self.filled[p] == 0:
-            self.filled[p] = 0
+            self.filled[p] = self._written[p] = 0
             self.residual[p] = torch.zeros(2, *self.keys.shape[1:], dtype=self.dtype, device=self.device)
         elif p not in self.residual:
             self.residual[p] = torch.cat(self._dequantise(slice(p, p + 1)))
@@ -234,7 +242,7 @@ class Int8Pages:
         """Page ``dst`` becomes a copy of page ``src`` (int8 data, scales, residual and filled count)."""
         for t in (self._keys, self._values, self._key_scale, self._value_scale):
             t[:, dst] = t[:, src]
-        self.filled[dst] = self.filled[src]
+        self.filled[dst], self._written[dst] = self.filled[src], self._written[src]
         if src in self.residual:
             self.residual[dst] = self.residual[src].clone()
         else:
@@ -248,7 +256,7 @@ class Int8Pages:
         written again, they held ``2·P·g·d`` floats each after every request had ended).
         """
         self.residual.pop(page, None)
-        self.filled[page] = 0
+        self.filled[page] = self._written[page] = 0
 
     # ------------------------------------------------------------------ size
 
