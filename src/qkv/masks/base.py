@@ -4,16 +4,14 @@ Shape legend: ``b`` batch, ``h`` query heads, ``i`` query length, ``j`` key leng
 is the rectangle ``rows i0:i1`` x ``cols j0:j1`` of the ``(i, j)`` logits, ``it = i1 - i0``
 and ``jt = j1 - j0`` its sides.
 
-A mask produces any :class:`Tile` on demand (bool, True = may attend, broadcastable to
-``(b, h, it, jt)``) and says whether a tile is "empty" (skip it), "full" (drop the mask)
-or "partial". The lazy masks of positions and of padding live beside this file.
+A mask produces any :class:`Tile` (``tile.py``) on demand (bool, True = may attend,
+broadcastable to ``(b, h, it, jt)``) and says whether a tile is "empty" (skip it), "full"
+(drop the mask) or "partial". The lazy masks of positions and of padding live beside this file.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -21,47 +19,7 @@ from torch import Tensor
 from .._layout import merge_lead
 from .._bools import any_along
 from .._trace import concrete
-
-State = Literal["full", "empty", "partial"]
-
-
-@dataclass(frozen=True)
-class Tile:
-    """A rectangle of the logits: rows ``i0:i1`` of ``i_len`` queries, cols ``j0:j1`` of ``j_len`` keys."""
-
-    i0: int  # first query row of the tile
-    i1: int  # one past the last query row
-    j0: int  # first key column
-    j1: int  # one past the last key column
-    i_len: int  # total number of queries
-    j_len: int  # total number of keys
-    device: torch.device | str = "cpu"
-
-    @classmethod
-    def whole(cls, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tile:
-        return cls(0, i_len, 0, j_len, i_len, j_len, device)
-
-    @property
-    def shift(self) -> int:
-        """``j_len - i_len``: how far the bottom-right alignment moves the diagonal."""
-        return self.j_len - self.i_len
-
-    @property
-    def rows(self) -> Tensor:
-        return torch.arange(self.i0, self.i1, device=self.device)
-
-    @property
-    def cols(self) -> Tensor:
-        return torch.arange(self.j0, self.j1, device=self.device)
-
-    @property
-    def diagonal(self) -> Tensor:
-        """``(it, jt)`` long: ``col - row - (j_len - i_len)``; 0 on the causal diagonal, < 0 in the past."""
-        return self.cols[None, :] - self.rows[:, None] - self.shift
-
-    def offset_range(self) -> tuple[int, int]:
-        """Smallest and largest value of :attr:`diagonal` in this tile (no tensor built)."""
-        return self.j0 - (self.i1 - 1) - self.shift, (self.j1 - 1) - self.i0 - self.shift
+from .tile import State, Tile
 
 
 class Mask:
