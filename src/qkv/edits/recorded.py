@@ -8,13 +8,35 @@ The three tensors TransformerLens hooks in an attention layer (Nanda & Bloom 202
 built for the chosen heads and rows only:
 
 * :func:`scores`, ``hook_attn_scores (..., H, R, j)``: ``scale · q·k + bias``, the call's
-  ``score_mod``, then ``-inf`` where the mask hides a key (TransformerLens fills with
-  ``-inf`` too); ``H · R · j`` logits, from the rows' queries against every key;
+  ``score_mod``, then ``-inf`` where the mask hides a key, padding included (TransformerLens'
+  ``IGNORE``, ``-inf``, where its causal mask joined with the padding mask hides a key; its
+  encoder adds ``-inf`` at padded keys); ``H · R · j`` logits, from the rows' queries against
+  every key;
 * :func:`pattern`, ``hook_pattern (..., H, R, j)``: the softmax of those, rebuilt by qkv's
   engines from each row's log-sum-exp (``qkv.attention_weights(weights_for=...)``), never
-  the ``(h, i, j)`` map; edits that replace weights (a patch) show in it;
+  the ``(h, i, j)`` map; edits that replace weights (a patch) show in it. A row that sees no
+  key is 0 (TransformerLens sets the softmax's NaN to 0);
 * :func:`z`, ``hook_z (..., R, H, e)``: the per-head output before ``W_O``, after the edits,
-  in TransformerLens' ``[batch, pos, head, d_head]`` order.
+  in TransformerLens' ``[batch, pos, head, d_head]`` order; 0 in a row that sees no key.
+
+As TransformerLens (``abstract_attention.py``, ``grouped_query_attention.py``), checked in
+``tests/test_record_dialect_audit.py``:
+
+* grouped heads (``g < h``): every entry is per query head, head ``n`` reading KV head
+  ``n // (h/g)`` (its ``repeat_interleave``);
+* dtypes: scores and pattern in float32 at least, ``z`` in the call's dtype, as
+  TransformerLens 2.x, which upcasts a 16-bit model's ``q`` and ``k`` (3.x keeps the model's
+  dtype; its TransformerBridge also fills hidden keys with the dtype's minimum, as
+  transformers' eager attention, where qkv keeps ``-inf``).
+
+Where qkv differs, on purpose:
+
+* a ``score_mod`` (``SoftCap``, Gemma 2's cap) sees ``scale · q·k + bias``: TransformerLens
+  caps before adding ALiBi or a position bias. Through transformers the two agree, since the
+  integration refuses a cap with a bias;
+* sinks (GPT-OSS) are one more logit in each row's softmax but not a key: the scores have no
+  column for them, so the pattern's rows sum to less than 1 and are not the softmax of the
+  scores (as transformers' eager weights, which drop the sink column).
 
 Checked against eager attention's logits and weights in the test suite.
 """
@@ -38,10 +60,16 @@ WEIGHT_OPTIONS = ("score", "mask", "bias", "causal", "scale", "sinks", "score_mo
 
 
 def pattern(call: Call, heads: Tensor | None, rows: Tensor | None, edits: Sequence[Edit] = ()) -> Tensor:
-    """``(..., H, R, j)``: the weights of ``heads`` at ``rows`` (None: all) of the edited ``call``."""
+    """``(..., H, R, j)``: the weights of ``heads`` at ``rows`` (None: all) of the edited ``call``, float32 at least.
+
+    A 16-bit call's weights are not rounded to its dtype: ``q`` and ``k`` go in upcast, as
+    TransformerLens 2.x upcasts them, so the pattern is ``softmax(hook_attn_scores)`` to
+    float32 rounding (the engines' own logits are float32 too).
+    """
     options = {key: call.options[key] for key in WEIGHT_OPTIONS if key in call.options}
     chosen = {key: value for key, value in (("heads", heads), ("rows", rows)) if value is not None}
-    weights = attention_weights(call.q, call.k, weights_for=chosen or None, **options)
+    dtype = torch.promote_types(call.q.dtype, torch.float32)
+    weights = attention_weights(call.q.to(dtype), call.k.to(dtype), weights_for=chosen or None, **options)
     for edit in edits:
         weights = edit.weights(call, weights, heads, rows)
     return weights

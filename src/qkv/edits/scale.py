@@ -7,7 +7,9 @@ key length, ``d`` query/key size.
 by ``scale[h]`` before the mask and before any other ``score_mod`` (so ``SoftCap`` caps the
 tempered logits): ``scale[h] > 1`` sharpens head ``h``'s pattern, ``< 1`` flattens it, 0 makes
 it uniform over the keys it may see, 1 leaves it alone. Sinks are not logits of a key and
-are left alone.
+are left alone. A TransformerLens hook multiplying ``hook_attn_scores`` by ``scale[h]`` is the
+same for ``scale[h] > 0`` in a model without a cap; with a cap it scales the capped logits (it
+comes after the cap), and a 0 turns its ``-inf`` into NaN where this gives a uniform row.
 
 Two routes, the same numbers:
 

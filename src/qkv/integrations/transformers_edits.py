@@ -23,7 +23,9 @@ R, j)``, ``blocks.{l}.attn.hook_pattern (b, H, R, j)`` and ``blocks.{l}.attn.hoo
 H, e)``, index ``n`` of each axis being ``rec.heads[n]`` / ``rec.rows[n]``. They show the
 edited run: a knocked-out edge is ``-inf`` in the scores and 0 in the pattern, a patched
 row its pattern, an ablated head its new ``z``. A layer run twice in the block (a
-generation step) keeps its last call. Does not import transformers.
+generation step) keeps its last call. Scores and pattern are float32 at least, ``z`` in
+the model's dtype (``qkv.edits.recorded`` lists each against TransformerLens' definition).
+Does not import transformers.
 """
 
 from __future__ import annotations
