@@ -50,17 +50,23 @@ def test_a_block_table_reads_the_pages_as_flash_attn_does(kw):
     assert len(triple) == 3 and triple[2] is None
 
 
-def test_a_block_table_refuses_what_the_paged_engine_has_no_form_for():
+def test_a_block_table_refuses_what_it_does_not_take():
+    """Dropout (flash-attn's paged kernel silently applies none), gradients, a score_mod, and a malformed table.
+
+    A right window, ALiBi without causal and more queries than keys were refused here too; flash-attn computes
+    them, and so does qkv now, over the keys gathered from their pages (``test_varlen_dialect_audit``)."""
     q, (kc, vc), table, _, cu_q, cu_k = paged_case([2, 3], [5, 7])
+    far = table.clone()
+    far[1, 0] = kc.shape[0]
     cases = [
-        (dict(window_size=(1, 2)), "window_size"), (dict(alibi_slopes=torch.ones(H, dtype=torch.float64)), "alibi_slopes"),
         (dict(dropout_p=0.1), "dropout_p"), (dict(score_mod=lambda s, *a: s), "score_mod"),
         (dict(block_table=table[:1]), "block_table: expected a row per sequence"),
         (dict(block_table=table[:, :1]), "block_table: 1 blocks a row"), (dict(block_table=table.float()), "block_table"),
-        (dict(cu_seqlens_q=torch.tensor([0, 6, 9], dtype=torch.int32)), "sequence 0 has 6 queries but 5 keys"),
+        (dict(block_table=far), r"block_table: page ids must lie in 0 \.\. 6 \(k's num_blocks\), got 0 \.\. 7"),
+        (dict(v=vc[:, :3]), r"v: with block_table, expected pages \(7, 4, 3\) \+ \(size,\) like k"),
         (dict(sinks=torch.zeros(H, dtype=torch.float64, requires_grad=True)), "block_table: forward only"),
     ]  # fmt: skip
     for kw, word in cases:
         with pytest.raises((ValueError, TypeError), match=word):
-            qkv.varlen_attention(q if "cu_seqlens_q" not in kw else torch.randn(9, H, D, dtype=torch.float64), kc, vc,
-                                 **{"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "block_table": table, **kw})  # fmt: skip
+            qkv.varlen_attention(**{"q": q, "k": kc, "v": vc, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+                                    "block_table": table, **kw})  # fmt: skip

@@ -13,13 +13,19 @@ the last ``sq`` of ``sk`` positions (bottom-right), so with ``causal`` query ``r
 r + sk - sq + right]`` (-1: unbounded; ``causal`` sets ``right = 0``); ``alibi_slopes``
 ``(h,)`` or ``(b, h)`` add ``-slope · |r + sk - sq - c|``; ``softcap`` caps the scaled
 logits (``c · tanh(s / c)``, before ALiBi, as flash-attn does). A query that sees no key
-gets zeros and, with ``return_lse``, ``lse = -inf``. qkv adds ``score_mod`` (its ``b`` the
-sequence's index, positions inside the sequence), ``sinks`` and ``generator``.
+gets zeros and, with ``return_lse``, ``lse = -inf`` (flash-attn 2's kernel writes +inf there,
+flash-attn 3's -inf; and under causal ALiBi its kernel adds ``+slope · c``, so its lse exceeds
+the documented bias's by ``slope · (r + sk - sq)``: qkv keeps the docstring's). qkv adds
+``score_mod`` (its ``b`` the sequence's index, positions inside the sequence), ``sinks`` and
+``generator``; it takes more than flash-attn refuses (float32/64, ``e != d``, any head size,
+softcap with dropout, int64 offsets) and refuses what flash-attn would read wrongly (a
+``max_seqlen`` below the longest sequence, offsets that do not end at the token count) or
+reads as "none" (a negative ``softcap``, a window side below -1).
 
 Each sequence runs as an ordinary call of its own (``backends.segments``): the work is
 ``Σ sq·sk``, a sequence's result does not depend on its neighbours, and every mechanism of
-``qkv.attention`` applies to it. Checked against a per-sequence loop of the formula in the
-test suite.
+``qkv.attention`` applies to it. Checked against a per-sequence loop of the formula
+(``tests/test_varlen.py``) and flash-attn's ``attention_ref`` (``tests/test_varlen_dialect_audit.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from .backends.tiling.framing import Block, frame_score_mod
 from .masks import Window
 from .positional import ALiBi
 from .score_mods import SoftCap
-from .varlen_paged import paged_varlen
+from .varlen_paged import check_pages, gather_pages, in_place, paged_varlen
 
 
 def varlen_attention(
@@ -71,51 +77,40 @@ def varlen_attention(
     Args are ``flash_attn_varlen_func``'s (see the module docstring); ``max_seqlen_q/k``,
     when given, must be at least the longest sequence (flash-attn sizes its grid with
     them): ints, numpy ints or 0-d integer tensors, as flash-attn's C++ int takes them.
-    ``cu_seqlens_*`` may be any integer dtype (flash-attn requires int32). ``deterministic`` is always honoured here: a CPU run with a fixed thread count
-    gives the same bits every time. ``dropout_p`` drops weights (draw with ``generator``
-    for reproducible runs). ``return_attn_probs=True`` returns flash-attn's triple
+    ``window_size`` is any pair of such integers (flash-attn's tests pass a tensor of two).
+    ``cu_seqlens_*`` may be any integer dtype (flash-attn requires int32). ``deterministic``
+    is always honoured here: a CPU run with a fixed thread count gives the same bits every
+    time. ``dropout_p`` drops weights (draw with ``generator`` for reproducible runs); the
+    lse is dropout's input's. ``return_attn_probs=True`` returns flash-attn's triple
     ``(out, softmax_lse (h, total_q), S_dmask)``; flash-attn fills ``S_dmask`` only for
-    testing with dropout, and qkv never builds it: it is None. ``block_table (b, n)``: ``k`` and
-    ``v`` are pools of pages ``(num_blocks, page_block_size, g, ·)`` and sequence ``s``'s keys
-    lie in the pages its row names, read where they lie (``qkv.varlen_paged``), forward only.
+    testing with dropout, and qkv never builds it: it is None. Unlike flash-attn's, the
+    returned lse carries a gradient (flash-attn's backward drops it). ``block_table (b, n)``:
+    ``k`` and ``v`` are pools of pages ``(num_blocks, page_block_size, g, ·)`` and sequence
+    ``s``'s keys lie in the pages its row names, read where they lie, or gathered where the
+    paged engine has no form for the call (``qkv.varlen_paged``); forward only, no dropout.
     """
-    cu_q, cu_k = _offsets("cu_seqlens_q", cu_seqlens_q, q, "q"), _offsets("cu_seqlens_k", cu_seqlens_k, k, "k")
+    paged = block_table is not None
+    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, q, "q")
+    cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, None if paged else k, "k")  # (pages: the table says where keys lie)
     if len(cu_q) != len(cu_k):
         raise ValueError(f"cu_seqlens_k: expected {len(cu_q)} offsets like cu_seqlens_q (b + 1), got {len(cu_k)}")
     for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
         _max_seqlen(name, given, cu)
-    for name, x in (("q", q), ("k", k), ("v", v)) if block_table is None else (("q", q),):  # (pages: varlen_paged)
+    for name, x in (("q", q),) if paged else (("q", q), ("k", k), ("v", v)):  # (pages: check_pages)
         if not isinstance(x, Tensor) or x.dim() != 3:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{name}: expected packed tokens (total, heads, size), got {got}")
     left, right = _window(window_size, causal)
-    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 or math.isinf(softcap):
-        raise ValueError(f"softcap: expected a finite number >= 0 (0: no cap), got {softcap!r}")
-    # flash-attn's names in the messages (checks.request would say scale= and dropout=)
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale)):  # fmt: skip
-        raise ValueError(f"softmax_scale: expected a finite number or None, got {softmax_scale!r}")
-    probability("dropout_p", dropout_p)
-    if block_table is not None:
-        if dropout_p:
-            raise ValueError(f"dropout_p: with block_table, 0 here (the paged engine drops no weights), got {dropout_p}")
-        if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in (q, k, v, sinks)):
-            raise ValueError("block_table: forward only here (the paged engine has no backward); call it under "
-                             "torch.no_grad(), as serving does, or pass the keys packed, without block_table")  # fmt: skip
-        if score_mod is not None:
-            raise ValueError("score_mod: not with block_table here (qkv.paged_attention takes one, with positions in "
-                             "each request's sequence)")  # fmt: skip
-        if alibi_slopes is not None and (not isinstance(alibi_slopes, Tensor) or not alibi_slopes.dtype.is_floating_point):
-            got = alibi_slopes.dtype if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__
-            raise TypeError(f"alibi_slopes: expected a float tensor (h,), got {got}")
-        out, lse = paged_varlen(q, k, v, cu_q, cu_k, block_table, causal=causal, window=(left, right),
-                                softcap=float(softcap), scale=softmax_scale, alibi_slopes=alibi_slopes, sinks=sinks)  # fmt: skip
-        if return_attn_probs:
-            return out, lse, None
-        return (out, lse) if return_lse else out
+    _check_scalars(deterministic, return_attn_probs, softcap, softmax_scale, dropout_p)
+    if paged:
+        _check_paged_call(q, k, v, sinks, dropout_p, score_mod, alibi_slopes)
+        check_pages(k, v, block_table, cu_k)
+        if in_place(k, v, cu_q, cu_k, causal=causal, window=(left, right), alibi_slopes=alibi_slopes):
+            out, lse = paged_varlen(q, k, v, cu_q, cu_k, block_table, causal=causal, window=(left, right),
+                                    softcap=float(softcap), scale=softmax_scale, alibi_slopes=alibi_slopes,
+                                    sinks=sinks)  # fmt: skip
+            return _answer(out, lse, return_lse, return_attn_probs)
+        k, v = (gather_pages(x, block_table, cu_k) for x in (k, v))  # what the engine has no form for: packed
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, h, t, ·): views
     req = checks.request(
         q4, k4, v4, score="scaled_dot", mask=None, bias=None, causal=False, scale=softmax_scale, dropout=dropout_p,
@@ -131,13 +126,48 @@ def varlen_attention(
         bias, mod = _logit_terms(row, float(softcap), score_mod, s, block.jt - block.it)
         segments.append(Segment(0, block, mask, bias, mod))
     out, lse = run_segments(req, segments, packed=True)  # (total_q, h, e), (h, total_q)
+    return _answer(out, lse, return_lse, return_attn_probs)
+
+
+def _check_scalars(deterministic: object, return_attn_probs: object, softcap: object, softmax_scale: object,
+                   dropout_p: object) -> None:  # fmt: skip
+    """flash-attn's flags and numbers, with flash-attn's names in the messages (checks.request says scale=, dropout=)."""
+    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 or math.isinf(softcap):
+        raise ValueError(f"softcap: expected a finite number >= 0 (0: no cap), got {softcap!r}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale)):  # fmt: skip
+        raise ValueError(f"softmax_scale: expected a finite number or None, got {softmax_scale!r}")
+    probability("dropout_p", dropout_p)
+
+
+def _answer(out: Tensor, lse: Tensor, return_lse: bool, return_attn_probs: bool):
+    """``out``, ``(out, lse)`` with ``return_lse``, or flash-attn's ``(out, softmax_lse, S_dmask)``."""
     if return_attn_probs:
         return out, lse, None
     return (out, lse) if return_lse else out
 
 
-def _offsets(name: str, cu: object, x: Tensor, of: str) -> list[int]:
-    """Check ``cu_seqlens`` (1-d integers from 0, non-decreasing, ending at ``x``'s token count) and read it."""
+def _check_paged_call(q, k, v, sinks, dropout_p: float, score_mod, alibi_slopes) -> None:
+    """What ``block_table`` does not take here: dropout (flash-attn's paged kernel silently drops none), gradients
+    (flash-attn's backward ignores the table), a ``score_mod``, and slopes that are not a float tensor."""
+    if dropout_p:
+        raise ValueError(f"dropout_p: with block_table, 0 here (flash-attn's paged kernel applies none), got {dropout_p}")
+    if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in (q, k, v, sinks)):
+        raise ValueError("block_table: forward only here (the paged engine has no backward); call it under "
+                         "torch.no_grad(), as serving does, or pass the keys packed, without block_table")  # fmt: skip
+    if score_mod is not None:
+        raise ValueError("score_mod: not with block_table here (qkv.paged_attention takes one, with positions in "
+                         "each request's sequence)")  # fmt: skip
+    if alibi_slopes is not None and (not isinstance(alibi_slopes, Tensor) or not alibi_slopes.dtype.is_floating_point):
+        got = alibi_slopes.dtype if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__
+        raise TypeError(f"alibi_slopes: expected a float tensor (h,) or (b, h), got {got}")
+
+
+def _offsets(name: str, cu: object, x: Tensor | None, of: str) -> list[int]:
+    """Check ``cu_seqlens`` (1-d integers from 0, non-decreasing, ending at ``x``'s token count if given) and read it."""
     if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 1:
         got = tuple(cu.shape) if isinstance(cu, Tensor) else type(cu).__name__
         raise ValueError(f"{name}: expected a 1-d tensor of b + 1 offsets, got {got}")
@@ -146,24 +176,31 @@ def _offsets(name: str, cu: object, x: Tensor, of: str) -> list[int]:
     values = cu.tolist()
     total = x.shape[0] if isinstance(x, Tensor) and x.dim() == 3 else None
     if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or (total is not None and values[-1] != total):
-        raise ValueError(f"{name}: expected offsets from 0, non-decreasing, ending at {of}'s {total} tokens, got {values}")
+        end = "" if total is None else f", ending at {of}'s {total} tokens"
+        raise ValueError(f"{name}: expected offsets from 0, non-decreasing{end}, got {values}")
     return values
 
 
-def _max_seqlen(name: str, given: object, cu: list[int]) -> None:
-    """Check ``max_seqlen_*``: None, or any integer (as flash-attn's C++ int reads it) at least the longest sequence.
+def _as_int(x: object) -> int | None:
+    """``x`` as an int where flash-attn's C++ ``int`` would take it, else None.
 
     Python and numpy ints and 0-d integer tensors pass (transformers hands flash-attn
-    ``position_ids.max() + 1``, a tensor); floats, bools and tensors of several numbers do not.
+    ``position_ids.max() + 1``, a tensor; flash-attn's tests pass ``window_size`` as
+    ``torch.randint(0, seqlen_k, (2,))``); floats, bools and tensors of several numbers do not.
     """
+    if isinstance(x, bool) or (isinstance(x, Tensor) and (x.dim() or x.dtype == torch.bool)):
+        return None
+    try:
+        return operator.index(x)  # (a 0-d tensor: one read, a sync on a GPU)
+    except TypeError:
+        return None
+
+
+def _max_seqlen(name: str, given: object, cu: list[int]) -> None:
+    """Check ``max_seqlen_*``: None, or any integer (:func:`_as_int`) at least the longest sequence."""
     if given is None:
         return
-    value = None
-    if not isinstance(given, bool) and not (isinstance(given, Tensor) and (given.dim() or given.dtype == torch.bool)):
-        try:
-            value = operator.index(given)  # int, numpy int, 0-d integer tensor (one read: a sync on a GPU)
-        except TypeError:
-            pass
+    value = _as_int(given)
     if value is None:
         got = f"a tensor of shape {tuple(given.shape)}, {given.dtype}" if isinstance(given, Tensor) else type(given).__name__
         raise TypeError(f"{name}: expected an int (or a 0-d integer tensor), got {got}")
@@ -173,13 +210,20 @@ def _max_seqlen(name: str, given: object, cu: list[int]) -> None:
 
 
 def _window(window_size: object, causal: object) -> tuple[int | None, int | None]:
-    """``(left, right)`` of each sequence's window (None: unbounded); ``causal`` sets ``right = 0``."""
+    """``(left, right)`` of each sequence's window (None: unbounded); ``causal`` sets ``right = 0``.
+
+    ``window_size`` is any pair of integers (:func:`_as_int`): a tuple, a list, a tensor or array of two.
+    """
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size)):  # fmt: skip
+    try:  # (a set or a mapping has no order; a 0-d tensor no items)
+        items = [] if isinstance(window_size, (str, bytes, set, frozenset, dict)) else list(window_size)
+    except TypeError:
+        items = []
+    pair = [_as_int(w) for w in items]
+    if len(pair) != 2 or any(w is None or w < -1 for w in pair):
         raise ValueError(f"window_size: expected (left, right), ints >= -1 (-1: unbounded), got {window_size!r}")
-    left, right = (None if w == -1 else w for w in window_size)
+    left, right = (None if w == -1 else w for w in pair)
     return left, 0 if causal else right
 
 
@@ -228,26 +272,34 @@ class _Composed:
         return score if self.user is None else self.user(score, b, h, q_idx, kv_idx)
 
 
-def unpad_input(hidden_states: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
-    """A padded batch as packed tokens, as ``flash_attn.bert_padding.unpad_input`` (same argument names).
+def unpad_input(hidden_states: Tensor, attention_mask: Tensor,
+                unused_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:  # fmt: skip
+    """A padded batch as packed tokens, as ``flash_attn.bert_padding.unpad_input`` (same arguments).
 
-    ``hidden_states (b, s, ...)`` and ``attention_mask (b, s)`` (nonzero: a real token) ->
-    ``(packed (t, ...), indices (t,), cu_seqlens (b + 1,) int32, max_seqlen, seqlens (b,) int32)``:
-    the real tokens in order, their flat positions in ``(b·s)``, the offsets for
-    :func:`varlen_attention`, the longest sequence and each sequence's length.
+    ``hidden_states (b, s, ...)``, ``attention_mask (b, s)`` (nonzero: a real token) and
+    ``unused_mask (b, s)`` (nonzero: allocated but unused, packed too) ->
+    ``(packed (t, ...), indices (t,), cu_seqlens (b + 1,) int32, max_seqlen, seqused (b,) int32)``:
+    the kept tokens in order, their flat positions in ``(b·s)``, the offsets for
+    :func:`varlen_attention` and the longest sequence (both counting used and unused tokens),
+    and each sequence's used tokens.
     """
     if not isinstance(hidden_states, Tensor) or hidden_states.dim() < 2:
         got = tuple(hidden_states.shape) if isinstance(hidden_states, Tensor) else type(hidden_states).__name__
         raise TypeError(f"hidden_states: expected a tensor (b, s, ...), got {got}")
-    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or tuple(hidden_states.shape[:2]) != tuple(attention_mask.shape):
-        got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-        raise ValueError(f"attention_mask: expected shape {tuple(hidden_states.shape[:2])} (b, s) like hidden_states, got {got}")
-    keep = attention_mask.bool()
+    for name, mask in (("attention_mask", attention_mask), ("unused_mask", unused_mask)):
+        if mask is None and name == "unused_mask":
+            continue
+        if not isinstance(mask, Tensor) or mask.dim() != 2 or tuple(hidden_states.shape[:2]) != tuple(mask.shape):
+            got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(f"{name}: expected shape {tuple(hidden_states.shape[:2])} (b, s) like hidden_states, got {got}")
+    used = attention_mask.bool()
+    keep = used if unused_mask is None else used | unused_mask.bool()
     seqlens = keep.sum(-1, dtype=torch.int32)
     indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, 0, dtype=torch.int32), (1, 0))
     packed = hidden_states.reshape(-1, *hidden_states.shape[2:]).index_select(0, indices)
-    return packed, indices, cu_seqlens, int(seqlens.max()) if seqlens.numel() else 0, seqlens
+    longest = int(seqlens.max()) if seqlens.numel() else 0
+    return packed, indices, cu_seqlens, longest, used.sum(-1, dtype=torch.int32)
 
 
 def pad_input(hidden_states: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
@@ -261,11 +313,13 @@ def pad_input(hidden_states: Tensor, indices: Tensor, batch: int, seqlen: int) -
     if not isinstance(hidden_states, Tensor) or hidden_states.dim() < 1:
         got = tuple(hidden_states.shape) if isinstance(hidden_states, Tensor) else type(hidden_states).__name__
         raise TypeError(f"hidden_states: expected a tensor (t, ...), got {got}")
-    for name, size in (("batch", batch), ("seqlen", seqlen)):
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise TypeError(f"{name}: expected an int, got {type(size).__name__}")
+    sizes = (_as_int(batch), _as_int(seqlen))  # (numpy ints and 0-d tensors too, as flash-attn's rearrange takes)
+    for name, size, given in (("batch", sizes[0], batch), ("seqlen", sizes[1], seqlen)):
+        if size is None:
+            raise TypeError(f"{name}: expected an int, got {type(given).__name__}")
         if size < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {size}")
+    batch, seqlen = sizes
     if not isinstance(indices, Tensor) or indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
         got = indices.dtype if isinstance(indices, Tensor) else type(indices).__name__
         raise TypeError(f"indices: expected an integer tensor, got {got}")

@@ -14,13 +14,15 @@ FlashInfer's page table with other names (``qkv.paged.table``)::
     kv_indptr = their offsets,  kv_last_page_len = sk - (⌈sk / P⌉ - 1) · P
 
 and the same bottom-right alignment, so the call is ``qkv.paged_attention`` over the tuple
-``(k, v)``: pages are read where they lie. ``causal`` with ``window_size = (left, ·)`` is
-its ``window_left``; softcap and ALiBi ``(h,)`` its own (the cap first, then
-``-slope · (r + sk - sq - c)``, which is flash-attn's ``-slope · |·|`` on the keys a causal
-query sees). What the paged engine has no form for is refused with its reason: a window
-to the right without ``causal``, ALiBi without ``causal`` (flash-attn's ``|·|`` reaches keys
-after the query), per-sequence slopes ``(b, h)``, dropout, a ``score_mod``, and more queries
-than keys in a sequence (a query is one of its sequence's cached positions).
+``(k, v)``: pages are read where they lie. ``causal`` (or a window whose right side is 0)
+with ``window_size = (left, ·)`` is its ``window_left``; softcap and ALiBi ``(h,)`` its own
+(the cap first, then ``-slope · (r + sk - sq - c)``, which is flash-attn's ``-slope · |·|``
+on the keys a causal query sees). What flash-attn computes and the paged engine has no form
+for (:func:`in_place` is False) -- a window reaching right of the query, ALiBi where keys
+after the query are seen (flash-attn's ``|·|``), per-sequence slopes ``(b, h)``, more queries
+than keys in a sequence (a query is one of its sequence's cached positions), ``e != d`` --
+runs on the packed path over the keys gathered out of their pages (:func:`gather_pages`,
+one copy of the ``Σ sk`` keys the table names), with the same results.
 """
 
 from __future__ import annotations
@@ -31,44 +33,77 @@ from torch import Tensor
 from .paged import paged_attention
 
 
-def paged_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], block_table: Tensor, *,
-                 causal: bool, window: tuple[int | None, int | None], softcap: float, scale: float | None,
-                 alibi_slopes: Tensor | None, sinks: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``(out (t, h, e), lse (h, t))``: sequence ``s``'s queries ``q[cu_q[s] : cu_q[s + 1]]`` over its pages."""
+def check_pages(k: Tensor, v: Tensor, block_table: object, cu_k: list[int]) -> None:
+    """Check the pools ``(num_blocks, P, g, ·)`` and ``block_table (b, n)``: a row a sequence, wide enough, ids in range."""
     for name, x in (("k", k), ("v", v)):
-        if x.dim() != 4:
+        if not isinstance(x, Tensor) or x.dim() != 4:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{name}: with block_table, expected pages (num_blocks, page_block_size, kv_heads, size), "
-                             f"got {tuple(x.shape)}")  # fmt: skip
+                             f"got {got}")  # fmt: skip
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"v: with block_table, expected pages {tuple(k.shape[:3])} + (size,) like k, got {tuple(v.shape)}")
     if not isinstance(block_table, Tensor) or block_table.dim() != 2 or block_table.dtype.is_floating_point or (
             block_table.dtype == torch.bool):  # fmt: skip
         got = tuple(block_table.shape) if isinstance(block_table, Tensor) else type(block_table).__name__
         raise TypeError(f"block_table: expected an integer tensor (b, max_num_blocks_per_seq), got {got}")
-    sequences, P = len(cu_q) - 1, k.shape[1]
-    if block_table.shape[0] != sequences:
-        raise ValueError(f"block_table: expected a row per sequence ({sequences}), got {block_table.shape[0]}")
-    left, right = window
-    if right is not None and not causal:
-        raise ValueError("window_size: a window to the right of the query with block_table is not supported here "
-                         "(the paged engine keeps keys up to the query); use causal=True or (left, -1)")  # fmt: skip
-    if alibi_slopes is not None and (not causal or alibi_slopes.dim() != 1):
-        raise ValueError("alibi_slopes: with block_table, one slope per head (h,) and causal=True (flash-attn's "
-                         "|distance| reaches keys after the query, which the paged engine's slope · (kv - q) does not)")  # fmt: skip
-    lengths = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    for s, (sq, sk) in enumerate(zip((b - a for a, b in zip(cu_q, cu_q[1:])), lengths)):
-        if sq > sk:  # (FlashInfer's table: a request's queries are the last of its keys' positions)
-            raise ValueError(f"cu_seqlens_q: sequence {s} has {sq} queries but {sk} keys; with block_table, each "
-                             "sequence's queries are the last of its keys' positions (append them to the pages first)")  # fmt: skip
+    if block_table.shape[0] != len(cu_k) - 1:
+        raise ValueError(f"block_table: expected a row per sequence ({len(cu_k) - 1}), got {block_table.shape[0]}")
+    lengths, P = [b - a for a, b in zip(cu_k, cu_k[1:])], k.shape[1]
     counts = [-(-n // P) for n in lengths]
     if max(counts, default=0) > block_table.shape[1]:
         raise ValueError(f"block_table: {block_table.shape[1]} blocks a row, but a sequence of {max(lengths)} keys needs "
                          f"{max(counts)} pages of {P}")  # fmt: skip
-    rows = block_table.to(device=k.device, dtype=torch.long)
-    indices = torch.cat([rows[s, :c] for s, c in enumerate(counts)]) if sequences else rows.new_zeros(0)
+    named = _named_pages(block_table, counts)
+    if named.numel() and not 0 <= int(named.min()) <= int(named.max()) < k.shape[0]:  # (a gather would be an IndexError)
+        raise ValueError(f"block_table: page ids must lie in 0 .. {k.shape[0] - 1} (k's num_blocks), got "
+                         f"{int(named.min())} .. {int(named.max())}")  # fmt: skip
+
+
+def in_place(k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], *, causal: bool,
+             window: tuple[int | None, int | None], alibi_slopes: Tensor | None) -> bool:  # fmt: skip
+    """Whether the paged engine has a form for the call: keys stop at the query or run to the sequence's end,
+    ALiBi ``(h,)`` only where they stop at the query, every query one of its sequence's positions, ``e == d``."""
+    to_query = causal or window[1] == 0  # (a window whose right side is 0 is causal)
+    fits = to_query or window[1] is None
+    fits = fits and (alibi_slopes is None or (to_query and alibi_slopes.dim() == 1))
+    fits = fits and all(b - a <= d - c for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
+    return fits and k.shape[-1] == v.shape[-1]
+
+
+def gather_pages(pool: Tensor, block_table: Tensor, cu_k: list[int]) -> Tensor:
+    """``pool (num_blocks, P, g, ·)`` -> packed ``(Σ sk, g, ·)``: sequence ``s``'s key ``c`` from page
+    ``block_table[s, c // P]``, slot ``c % P``, in sequence order (what ``cu_seqlens_k`` indexes)."""
+    lengths = torch.tensor([b - a for a, b in zip(cu_k, cu_k[1:])], dtype=torch.long)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # (Σ sk,)
+    position = torch.arange(len(sequence)) - torch.tensor(cu_k[:-1], dtype=torch.long)[sequence]
+    P = pool.shape[1]
+    pages = block_table.to(dtype=torch.long)[sequence, position // P].to(pool.device)
+    return pool[pages, (position % P).to(pool.device)]
+
+
+def paged_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], block_table: Tensor, *,
+                 causal: bool, window: tuple[int | None, int | None], softcap: float, scale: float | None,
+                 alibi_slopes: Tensor | None, sinks: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(out (t, h, e), lse (h, t))``: sequence ``s``'s queries ``q[cu_q[s] : cu_q[s + 1]]`` over its pages, read in place.
+
+    Takes what :func:`check_pages` passed and :func:`in_place` accepted.
+    """
+    P = k.shape[1]
+    counts = [-(-(b - a) // P) for a, b in zip(cu_k, cu_k[1:])]
+    indices = _named_pages(block_table, counts).to(k.device)
     kv_indptr = torch.tensor([0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()])
-    last = torch.tensor([n - (c - 1) * P if c else 1 for n, c in zip(lengths, counts)])
+    last = torch.tensor([b - a - (c - 1) * P if c else 1 for a, b, c in zip(cu_k, cu_k[1:], counts)])
+    if alibi_slopes is not None:  # flash-attn's fp32 slopes times distances in float32 lost float64 logits' digits (2e-8)
+        alibi_slopes = alibi_slopes.to(torch.promote_types(alibi_slopes.dtype, q.dtype))
     out, lse = paged_attention(
-        q, (k, v), torch.tensor(cu_q), kv_indptr, indices, last, causal=causal,
-        window_left=-1 if left is None else left, logits_soft_cap=softcap, sm_scale=scale,
+        q, (k, v), torch.tensor(cu_q), kv_indptr, indices, last, causal=causal or window[1] == 0,
+        window_left=-1 if window[0] is None else window[0], logits_soft_cap=softcap, sm_scale=scale,
         sinks=sinks, alibi_slopes=alibi_slopes, return_lse=True,
     )  # fmt: skip
     return out, lse.transpose(0, 1)
+
+
+def _named_pages(block_table: Tensor, counts: list[int]) -> Tensor:
+    """The page ids the sequences use, end to end: ``block_table[s, :counts[s]]`` for each ``s`` (long)."""
+    rows = block_table.to(dtype=torch.long)
+    return torch.cat([rows[s, :c] for s, c in enumerate(counts)]) if counts else rows.new_zeros(0)
