@@ -496,3 +496,20 @@ def test_half_precision_parts_of_a_step_are_merged_before_rounding(layout, dtype
     eps = 2**-8 if dtype == torch.bfloat16 else 2**-11
     bound = 2 * (_eager(q, cache, table, dtype) - exact).abs().max() + eps * exact.abs().max()
     assert (got - exact).abs().max() <= bound
+
+
+@pytest.mark.parametrize("P", [1, 16])
+def test_float32_slopes_as_flashinfer_takes_them_keep_a_float64_calls_precision(P):
+    """FlashInfer's and flash-attn's ALiBi slopes are float32: slope · distance was computed in float32,
+    which cost a float64 call's logits about 2e-8 (the slopes now take the logits' precision)."""
+    gen = torch.Generator().manual_seed(3)
+    kv_lens = torch.randint(100, 300, (4,), generator=gen).tolist()
+    qo_lens = [1, 1, 5, 1]  # decoding steps and a prefill chunk: both engines
+    q, cache, table = build(qo_lens, kv_lens, P, seed=P)
+    slopes = torch.rand(4, generator=gen) * 0.3  # float32, not powers of two
+    got = paged(q, cache, table, alibi=slopes)
+    want = literal(q, cache, table, alibi=slopes.double())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="alibi_slopes: expected a floating-point tensor"):
+        paged(q, cache, table, alibi=torch.tensor([1, 2, 3, 4]))

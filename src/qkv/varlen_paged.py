@@ -93,8 +93,6 @@ def paged_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[in
     indices = _named_pages(block_table, counts).to(k.device)
     kv_indptr = torch.tensor([0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()])
     last = torch.tensor([b - a - (c - 1) * P if c else 1 for a, b, c in zip(cu_k, cu_k[1:], counts)])
-    if alibi_slopes is not None:  # flash-attn's fp32 slopes times distances in float32 lost float64 logits' digits (2e-8)
-        alibi_slopes = alibi_slopes.to(torch.promote_types(alibi_slopes.dtype, q.dtype))
     out, lse = paged_attention(
         q, (k, v), torch.tensor(cu_q), kv_indptr, indices, last, causal=causal or window[1] == 0,
         window_left=-1 if window[0] is None else window[0], logits_soft_cap=softcap, sm_scale=scale,

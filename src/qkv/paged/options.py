@@ -82,6 +82,11 @@ def options(q: Tensor, *, causal, window_left, logits_soft_cap, sm_scale, alibi_
         if not isinstance(alibi_slopes, Tensor) or tuple(alibi_slopes.shape) != (h,):
             got = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__
             raise ValueError(f"alibi_slopes: expected a tensor of shape ({h},), one slope per query head, got {got}")
+        if not alibi_slopes.dtype.is_floating_point:
+            raise TypeError(f"alibi_slopes: expected a floating-point tensor, got {alibi_slopes.dtype}")
+        # FlashInfer's and flash-attn's slopes are float32: slope · distance in float32 cost a float64 call's
+        # logits 2e-8, so the slopes take the logits' precision (float32 at least)
+        alibi_slopes = alibi_slopes.to(torch.promote_types(alibi_slopes.dtype, torch.promote_types(q.dtype, torch.float32)))
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod: expected a callable score_mod(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
     return Options(scale, bool(causal), window_left, cap, alibi_slopes, score_mod)
