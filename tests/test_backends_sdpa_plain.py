@@ -289,3 +289,60 @@ def test_tensors_on_two_devices_are_not_one_gpu():
     q, k, v = _inputs()
     assert not sdpa_plain._on_one_gpu(q, k, v)  # the CPU
     assert not sdpa_plain._on_one_gpu(q.to("meta"), k.to("meta"), v.to("meta"))
+
+
+PADDING = {
+    "lengths": lambda: qkv.masks.lengths(torch.tensor([6, 9])),
+    "starts": lambda: qkv.masks.starts(torch.tensor([3, 0])),
+    "lengths, a row with no key": lambda: qkv.masks.lengths(torch.tensor([0, 9])),
+    "starts, a row with no key": lambda: qkv.masks.starts(torch.tensor([9, 2])),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("what", sorted(PADDING))
+def test_a_decoding_steps_lazy_padding_takes_the_lane_and_equals_the_full_path(what, causal):
+    q, k, v = _inputs(i=1, j=9)
+    mask = PADDING[what]()
+    with torch.no_grad():
+        lane = sdpa_plain.plain(q, k, v, "scaled_dot", causal, None, mask)
+        again = sdpa_plain.plain(q, k, v, "scaled_dot", causal, None, mask)  # from what the mask keeps
+        out = qkv.attention(q, k, v, mask=mask, causal=causal)
+        full = qkv.attention(q, k, v, mask=mask, causal=causal, backend="sdpa")
+        reference = qkv.attention(q.double(), k.double(), v.double(), mask=mask, causal=causal, backend="reference")
+    assert lane is not None and torch.equal(lane, full) and torch.equal(again, full) and torch.equal(out, full)
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-6)  # float32 against float64
+    decided = sdpa_plain.plan(q, k, v, "scaled_dot", causal, None, mask)
+    q2, k2, v2 = _inputs(i=1, j=9, seed=1)  # the model's next layer: new tensors, the same mask
+    with torch.no_grad():
+        assert torch.equal(sdpa_plain.again(decided, q2, k2, v2), qkv.attention(q2, k2, v2, mask=mask, causal=causal,
+                                                                                 backend="sdpa"))  # fmt: skip
+
+
+def test_lazy_padding_leaves_the_lane_where_the_full_path_does_more():
+    with torch.no_grad():
+        q, k, v = _inputs(i=4, j=9)  # several queries a row: the full path (segments, no (i, j) mask)
+        assert sdpa_plain.plain(q, k, v, "scaled_dot", True, None, qkv.masks.lengths(torch.tensor([6, 9]))) is None
+        q, k, v = _inputs(i=1, j=9)
+        assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None, qkv.masks.lengths(torch.tensor([6]))) is None
+        assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None,
+                                qkv.masks.lengths(torch.tensor([6, 9])) & qkv.masks.starts(torch.tensor([1, 0]))) is None  # fmt: skip
+        k[0, :, 7], v[0, :, 8] = float("nan"), float("inf")  # in row 0's padding (its keys past 6)
+        mask = qkv.masks.lengths(torch.tensor([6, 9]))
+        assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None, mask) is None
+        out = qkv.attention(q, k, v, mask=mask)
+        assert torch.isfinite(out).all()
+    q.requires_grad_()
+    assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None, qkv.masks.lengths(torch.tensor([6, 9]))) is None
+
+
+def test_an_in_place_change_of_the_padding_rows_is_seen_by_the_lane():
+    q, k, v = _inputs(i=1, j=9)
+    rows = torch.tensor([6, 9])
+    mask = qkv.masks.lengths(rows)
+    with torch.no_grad():
+        decided = sdpa_plain.plan(q, k, v, "scaled_dot", False, None, mask)
+        rows[0] = 0  # row 0 now sees no key (the mask's docs ask not to, but nothing wrong may come of it)
+        assert sdpa_plain.again(decided, q, k, v) is None
+        after = sdpa_plain.plain(q, k, v, "scaled_dot", False, None, mask)
+    assert torch.equal(after[0], torch.zeros_like(after[0])) and torch.equal(after[1], sdpa_plain.run(decided, q, k, v)[1])
