@@ -33,7 +33,8 @@ Options, as transformers passes them:
   scaled logits; ``s_aux`` (GPT-OSS) → ``sinks``, one logit per head in every row's
   softmax denominator;
 * ``position_bias`` (T5-style models): added to the logits as ``bias``; a float 4-d
-  ``attention_mask`` of 0 and the dtype's minimum (eager's) is read as the bool mask it is;
+  ``attention_mask`` of 0 and the dtype's minimum (eager's) is read as the bool mask it is,
+  unless a row blocks every key (eager and sdpa weigh each key 1/j there: kept additive);
 * GQA (``g < h``) and ``d != e`` (DeepSeek's multi-head latent attention) are native;
 * ``output_attentions`` (the call's, else the model config's) → ``return_weights=True``;
   transformers keeps every weight, so qkv's dispatcher materialises a layer's logits once
@@ -325,9 +326,12 @@ def _mask_and_bias(
         if mask4.dtype == torch.bool:
             return Dense(mask4), None
         # eager's float mask: 0 where allowed, the dtype's minimum where not; that is a bool
-        # mask (True = may attend). Any other float values are a bias added to the logits.
+        # mask (True = may attend). Any other float values are a bias added to the logits. So is
+        # a mask with a row that blocks every key: there eager's and sdpa's logits all round to
+        # the minimum (s + min = min), a softmax of equal values, 1/j per key, where a bool
+        # mask's fully masked row is qkv's row of zeros.
         blocked = mask4 <= torch.finfo(mask4.dtype).min / 2
-        if bool(((mask4 == 0) | blocked).all()):
+        if bool(((mask4 == 0) | blocked).all()) and not bool(blocked.all(-1).any()):
             return Dense(~blocked), None
         return None, mask4
     raise TypeError(
