@@ -25,8 +25,21 @@ SDPA would build the mask). PyTorch's semantics are kept where they differ from
   a count that does not divide ``Hq`` is PyTorch's ``RuntimeError``; so is a count of 0
   under query heads, where PyTorch divides by it (a crash for ``key``, zeros for ``value``).
   Without the flag different counts are PyTorch's broadcast error.
-* ``attn_mask`` broadcasts to ``(N…, Hq, L, S)`` from any rank, a 1-d ``(S,)`` row included
-  (PyTorch documents it so; its fused CPU kernel refuses a 1-d float mask).
+* ``attn_mask`` broadcasts to the scores ``q·kᵀ``, ``(N…, Hq, L, S)``, without growing them (PyTorch
+  adds it in place: a mask that would grow them, or that holds a batch only ``value`` has, is its
+  ``RuntimeError``), from any rank: a 1-d ``(S,)`` row and a 0-d value included, as PyTorch
+  documents it ("broadcastable"), where torch 2.13's kernels raise ``IndexError`` for both.
+* PyTorch's input checks, with its exception types and each message naming the argument: one
+  dtype and one device for ``query``, ``key``, ``value`` (and the mask's device), each at least
+  2-d (``RuntimeError``); an integer or bool dtype ``RuntimeError``, a complex one
+  ``NotImplementedError``. ``scale`` and ``enable_gqa`` are keyword-only; ``scale`` and
+  ``dropout_p`` are read as PyTorch's parser reads a float: a number, a numpy scalar or a 0-d
+  tensor without grad (other tensors: ``TypeError``).
+* ``dropout_p`` outside [0, 1] is a ``RuntimeError``, as the documented reference's
+  ``torch.dropout`` raises; torch 2.13's CPU kernels skip dropout for a negative (or nan) one.
+  A scale that is not finite is refused (``ValueError``), where PyTorch gives nan rows.
+* Nested tensors are refused (``NotImplementedError``, pointing to ``qkv.varlen_attention``);
+  PyTorch takes jagged ones.
 * A query whose keys are all masked gets zeros, as PyTorch's CPU kernels give.
 * A key or value that every query is masked from never reaches the output: a nan or inf
   there (a cache's unfilled slots from ``torch.empty``) is not read, where PyTorch's kernels
@@ -44,6 +57,7 @@ broadcasting and dtypes in the test suite.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -60,6 +74,7 @@ def scaled_dot_product_attention(
     attn_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    *,
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Tensor:
@@ -67,30 +82,19 @@ def scaled_dot_product_attention(
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(flag, bool):
             raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be bool, not {type(flag).__name__}")
+    scale = None if scale is None else _number("scale", scale)
+    dropout_p = _probability(_number("dropout_p", dropout_p))
     if attn_mask is not None and is_causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if isinstance(scale, Tensor):  # PyTorch reads a one-element tensor as its number
-        scale = float(scale)
+    _validate(query, key, value, attn_mask)
+    scores = (query.shape, key.shape)  # the caller's: q·kᵀ broadcasts these, not value's batch
     query, key, value = _broadcast(query, key, value, enable_gqa)
     mask, bias = None, None
     if attn_mask is not None:
-        if isinstance(attn_mask, Mask):  # qkv's own lazy masks are qkv.attention's, which PyTorch's call has no place for
-            raise TypeError(f"attn_mask: expected a bool or float tensor, got {attn_mask!r}, a qkv lazy mask, which "
-                            "qkv.attention(q, k, v, mask=...) takes (here, is_causal=True for a causal mask)")  # fmt: skip
-        if not isinstance(attn_mask, Tensor):
-            raise TypeError(f"attn_mask: expected a bool or float tensor, got {type(attn_mask).__name__}")
         if attn_mask.dim() < 2:  # broadcastable to (L, S), as PyTorch documents: a row (S,) or one value for all
             attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
-        if attn_mask.dtype == torch.bool:
-            mask = attn_mask
-        elif attn_mask.dtype in (torch.float32, query.dtype):
-            bias = attn_mask
-        else:
-            raise RuntimeError(f"Expected attn_mask dtype to be bool or float or to match query dtype, but got "
-                               f"attn_mask.dtype: {attn_mask.dtype} and query.dtype: {query.dtype} instead.")  # fmt: skip
+        _mask_fits(attn_mask, _scores_shape(*scores, enable_gqa))
+        mask, bias = (attn_mask, None) if attn_mask.dtype == torch.bool else (None, attn_mask)
     if query.shape[-1] == 0:  # no features: every logit is 0 (the sum of no products), whatever the scale
         query, key, scale = one_zero_feature(query), one_zero_feature(key), 1.0
     if is_causal:
@@ -98,11 +102,104 @@ def scaled_dot_product_attention(
         if 0 < i < j:  # top-left: no query sees the keys from i on; the kernel's causal square, those never read
             key, value, j = key[..., :i, :], value[..., :i, :], i
         mask = causal() if i == j else offsets(None, i - j)  # top-left: key c <= query r
-    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p == 1:
+    if dropout_p == 1:
         # every weight dropped: zeros, and zero gradients (PyTorch's dropout at p = 1)
         out = attention(query, key, value, mask=mask, bias=bias, scale=scale)
         return torch.where(torch.zeros((), dtype=torch.bool, device=out.device), out, 0.0)
     return attention(query, key, value, mask=mask, bias=bias, scale=scale, dropout=dropout_p)
+
+
+def _number(name: str, value: object) -> float:
+    """``value`` as a float, as PyTorch's argument parser reads a ``float`` argument.
+
+    A Python or numpy number (a bool too) is its value; a tensor only if it is 0-d and
+    records no gradient (PyTorch refuses a scale one learns, which reading its number would
+    silently stop learning); anything else is PyTorch's ``TypeError``.
+    """
+    if isinstance(value, Tensor):
+        if value.dim() == 0 and not value.requires_grad:
+            return value.item()
+        raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be float, not Tensor (a 0-d tensor "
+                        f"without grad is read as its number; got shape {tuple(value.shape)}, "
+                        f"requires_grad={value.requires_grad})")  # fmt: skip
+    if isinstance(value, numbers.Real):  # int, float, bool and numpy's scalars, which register as Real
+        return float(value)
+    raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be float, not {type(value).__name__}")
+
+
+def _probability(p: float) -> float:
+    """``dropout_p`` if it lies in [0, 1], else the ``RuntimeError`` of the reference's ``torch.dropout``.
+
+    PyTorch's CPU kernels skip dropout for ``p <= 0`` (a nan too) instead: a negative
+    probability is a bug upstream, which qkv reports (the module docstring's difference).
+    """
+    if not 0.0 <= p <= 1.0:
+        raise RuntimeError(f"dropout_p: dropout probability has to be between 0 and 1, but got {p}")
+    return p
+
+
+def _validate(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None) -> None:
+    """PyTorch's ``validate_sdpa_input``, in its order, with its exception types; each message names the argument.
+
+    Its kernels add two: an integer or bool tensor is a ``RuntimeError`` ("expected scalar
+    type Float"), a complex one ``NotImplementedError`` (no softmax for it).
+    """
+    named = (("query", query), ("key", key), ("value", value))
+    for name, x in named:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.is_nested:  # before any shape is read: a jagged tensor has no sizes to broadcast
+            raise NotImplementedError(f"{name}: a nested tensor; qkv.scaled_dot_product_attention takes dense "
+                                      "(N…, H, L, E) tensors: pack the sequences for qkv.varlen_attention, or pad "
+                                      "them and pass attn_mask")  # fmt: skip
+    got = "query.{0}: {1} key.{0}: {2} and value.{0}: {3} instead"
+    for what, attr in (("dtype", "dtype"), ("device type", "device")):
+        odd = [name for name, x in named[1:] if getattr(x, attr) != getattr(query, attr)]
+        if odd:
+            raise RuntimeError(f"{odd[0]}: expected query's {attr}. Expected query, key, and value to have the same "
+                               f"{what}, but got " + got.format(attr, *(getattr(x, attr) for _, x in named)))  # fmt: skip
+    low = [name for name, x in named if x.dim() < 2]
+    if low:
+        raise RuntimeError(f"{low[0]}: expected (…, length, size). Expected query, key, and value to all be at least "
+                           "2 dimensional, but got " + got.format("dim", *(x.dim() for _, x in named)))  # fmt: skip
+    if not query.dtype.is_floating_point:
+        error = NotImplementedError if query.dtype.is_complex else RuntimeError
+        raise error(f"query: expected a real floating-point dtype, got {query.dtype}")
+    if attn_mask is not None:
+        _mask_kind(attn_mask, query)
+
+
+def _mask_kind(attn_mask: Tensor, query: Tensor) -> None:
+    """``attn_mask`` is a bool mask or a float one (float32 or the query's dtype) on the query's device."""
+    if isinstance(attn_mask, Mask):  # qkv's own lazy masks are qkv.attention's, which PyTorch's call has no place for
+        raise TypeError(f"attn_mask: expected a bool or float tensor, got {attn_mask!r}, a qkv lazy mask, which "
+                        "qkv.attention(q, k, v, mask=...) takes (here, is_causal=True for a causal mask)")  # fmt: skip
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask: expected a bool or float tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise RuntimeError(f"Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+                           f"attn_mask.dtype: {attn_mask.dtype} and query.dtype: {query.dtype} instead.")  # fmt: skip
+    if attn_mask.device != query.device:
+        raise RuntimeError(f"attn_mask: expected a tensor on query's device {query.device}, got {attn_mask.device}")
+
+
+def _scores_shape(q: torch.Size, k: torch.Size, grouped: bool) -> tuple[int, ...]:
+    """The shape of ``q·kᵀ``, ``(N…, Hq, L, S)``: query's and key's batch dims broadcast, value's not.
+
+    With ``enable_gqa`` key's heads are repeated to query's, so only the dims before them broadcast.
+    """
+    keep = 3 if grouped else 2
+    lead = torch.broadcast_shapes(q[: max(len(q) - keep, 0)], k[: max(len(k) - keep, 0)])
+    return (*lead, *q[-keep:-1], k[-2])
+
+
+def _mask_fits(attn_mask: Tensor, scores: tuple[int, ...]) -> None:
+    """PyTorch adds ``attn_mask`` to ``q·kᵀ`` in place: it must broadcast to the scores without growing them."""
+    shape = tuple(attn_mask.shape)
+    fits = len(shape) <= len(scores) and all(m in (1, s) for m, s in zip(shape[::-1], scores[::-1]))
+    if not fits:
+        raise RuntimeError(f"attn_mask: expected a shape broadcastable to the scores q·kᵀ, {scores} "
+                           f"(N…, Hq, L, S), without growing them; got {shape}")  # fmt: skip
 
 
 def _broadcast(query: Tensor, key: Tensor, value: Tensor, grouped: bool) -> tuple[Tensor, Tensor, Tensor]:
