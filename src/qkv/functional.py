@@ -252,6 +252,8 @@ def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tenso
     values or the gradients. Sinks belong to one part only (they are one more logit).
     Half-precision parts are weighed and summed in float32 and the result rounded once, to
     the parts' dtype (keep each part's ``out`` in float32 for a result rounded only once).
+    FlashInfer's ``merge_state`` / ``merge_states`` (cascades) are this rule on base-2 ``lse``:
+    multiply theirs by ``ln 2`` before merging here (``qkv.paged_attention``'s is natural already).
     """
     if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
         raise TypeError(f"merge: expected lists of outputs and log-sum-exps, got {type(outs).__name__}, {type(lses).__name__}")

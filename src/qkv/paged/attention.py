@@ -38,20 +38,24 @@ def paged_attention(
     score_mod: Callable | None = None,
     alibi_slopes: Tensor | None = None,
     return_lse: bool = False,
+    kv_layout: str = "NHD",
 ):
     """``out (T, h, e)``, or ``(out, lse (T, h))`` with ``return_lse``: attention of each request over its pages.
 
     ``q (T, h, d)``: request ``r``'s queries are rows ``qo_indptr[r] : qo_indptr[r + 1]``,
-    the last ``qo_len`` of its ``kv_len`` positions (bottom-right causal). ``kv_cache``:
+    the last ``qo_len`` of its ``kv_len`` positions (bottom-right causal; without ``causal`` a
+    request may have more queries than keys, even none, as in FlashInfer). ``kv_cache``:
     ``(num_pages, 2, P, g, d)`` (keys at ``[:, 0]``, values at ``[:, 1]``), a tuple
     ``(k_cache, v_cache)`` of ``(num_pages, P, g, d)`` (FlashInfer's two NHD forms), or an
-    :class:`qkv.paged.Int8Pages`. Request ``r``'s pages are
-    ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]`` in order, the last holding
+    :class:`qkv.paged.Int8Pages`; ``kv_layout="HND"``: pages ``(g, P, d)`` in either form
+    (FlashInfer's wrapper argument: shapes alone cannot tell the two apart). Request ``r``'s
+    pages are ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]`` in order, the last holding
     ``kv_last_page_len[r]`` keys. ``window_left``: keys at most that far before the query
     (-1: all); ``logits_soft_cap``: ``cap · tanh(s / cap)`` (0: none); ``sm_scale``: default
-    ``1/√d``; ``sinks (h,)``; ``alibi_slopes (h,)``; ``score_mod(score, r, h, q_pos, kv_pos)``
-    with positions in the request's sequence. ``lse`` is the natural log-sum-exp (FlashInfer's
-    is base 2: divide by ``ln 2``); a row with no visible key gets ``out = 0``, ``lse = -inf``.
+    ``1/√d``; ``sinks (h,)``: one logit per head, unscaled; ``alibi_slopes (h,)``;
+    ``score_mod(score, r, h, q_pos, kv_pos)`` with positions in the request's sequence. ``lse``
+    is the natural log-sum-exp (FlashInfer's is base 2: divide by ``ln 2``); a row with no
+    visible key gets ``out = 0``, ``lse = -inf``.
 
     One call is one :class:`qkv.paged.PagedPlan` run once; a model whose layers share a step's
     table makes the plan once and runs it per layer.
@@ -60,7 +64,7 @@ def paged_attention(
     requires them the call runs and its outputs join autograd's graph, but a backward through
     them raises (serving runs under ``torch.no_grad()``; training attends over contiguous keys).
     """
-    pages = as_pages(kv_cache)
+    pages = as_pages(kv_cache, kv_layout)
     check_q(q, pages)
     plan = PagedPlan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=pages.num_pages,
                      page_size=pages.page_size, device=pages.device, total_q=q.shape[0])  # fmt: skip

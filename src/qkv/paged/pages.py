@@ -4,7 +4,8 @@ Shape legend: ``n`` pages read, ``P`` page size, ``g`` KV heads, ``d`` key size,
 
 FlashInfer's two NHD layouts: one tensor ``kv_cache (num_pages, 2, P, g, d)`` (keys at
 ``[:, 0]``, values at ``[:, 1]``), or a tuple ``(k_cache, v_cache)``, each ``(num_pages, P, g,
-d)``. In the tuple form a run of consecutive pages is one contiguous block of keys, which the
+d)``; with ``kv_layout="HND"`` (FlashInfer's other layout, named because shapes alone cannot tell
+it: ``P == g`` reads either way) each page is ``(g, P, d)``, read as a transposed view. In the tuple form a run of consecutive pages is one contiguous block of keys, which the
 decoding pass reads as one matrix (``qkv.paged.decode``); ``qkv.PagedKVCache`` keeps its pages
 that way. The attention reads a tile of pages at a time, never a request's whole cache as one
 contiguous copy. :class:`qkv.paged.Int8Pages` reads the same way, dequantising only the pages
@@ -22,7 +23,9 @@ _SHAPE = "(num_pages, 2, page_size, kv_heads, head_dim) or a tuple (k_cache, v_c
 class FloatPages:
     """A float cache in either of FlashInfer's NHD layouts."""
 
-    def __init__(self, kv_cache):
+    def __init__(self, kv_cache, kv_layout: str = "NHD"):
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout: expected 'NHD' or 'HND' (FlashInfer's layouts), got {kv_layout!r}")
         if isinstance(kv_cache, (tuple, list)):
             if len(kv_cache) != 2 or not all(isinstance(x, Tensor) for x in kv_cache):
                 raise TypeError(f"kv_cache: expected {_SHAPE}, got a {type(kv_cache).__name__} of {len(kv_cache)}")
@@ -36,8 +39,13 @@ class FloatPages:
             k, v = kv_cache[:, 0], kv_cache[:, 1]
         else:
             raise TypeError(f"kv_cache: expected {_SHAPE}, got {type(kv_cache).__name__}")
+        if kv_layout == "HND":  # (num_pages, g, P, d): the same pages seen as (num_pages, P, g, d)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
         if not k.dtype.is_floating_point:
             raise TypeError(f"kv_cache: expected a floating-point cache (qkv.paged.Int8Pages for int8), got {k.dtype}")
+        if k.dtype.itemsize == 1:  # FlashInfer reads float8 pages under a float16/bfloat16 q; the engine reads its own dtype
+            raise TypeError(f"kv_cache: {k.dtype} pages are not read here (FlashInfer's float8 KV cache); convert them to "
+                            "q's dtype, or keep pages as int8 in qkv.paged.Int8Pages")  # fmt: skip
         if v.dtype != k.dtype or v.device != k.device:
             raise TypeError(f"kv_cache: keys and values in one dtype and device, got {k.dtype} on {k.device} and "
                             f"{v.dtype} on {v.device}")  # fmt: skip
@@ -98,10 +106,14 @@ def check_write(pages, page: list[int], offset: list[int], k: Tensor, v: Tensor)
         raise IndexError(f"offset: must lie in 0 .. {pages.page_size - 1} (the page size), got {min(offset)} .. {max(offset)}")
 
 
-def as_pages(kv_cache):
+def as_pages(kv_cache, kv_layout: str = "NHD"):
     """A store the paged engine reads (``take``, ``blocks``: ``Int8Pages``, ``LatentPages``, ``FloatPages``) as it is;
-    a FlashInfer tensor or tuple as :class:`FloatPages`."""
-    return kv_cache if hasattr(kv_cache, "take") and hasattr(kv_cache, "blocks") else FloatPages(kv_cache)
+    a FlashInfer tensor or tuple, in ``kv_layout``, as :class:`FloatPages`."""
+    if hasattr(kv_cache, "take") and hasattr(kv_cache, "blocks"):
+        if kv_layout != "NHD":
+            raise ValueError(f"kv_layout: {kv_layout!r} names a tensor's layout; a {type(kv_cache).__name__} has its own")
+        return kv_cache
+    return FloatPages(kv_cache, kv_layout)
 
 
 def empty(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, device) -> FloatPages:

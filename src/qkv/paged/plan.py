@@ -40,10 +40,10 @@ class PagedPlan:
 
     def run(self, q: Tensor, kv_cache, *, causal: bool = True, window_left: int = -1, logits_soft_cap: float = 0.0,
             sm_scale: float | None = None, sinks: Tensor | None = None, score_mod: Callable | None = None,
-            alibi_slopes: Tensor | None = None, return_lse: bool = False):  # fmt: skip
+            alibi_slopes: Tensor | None = None, return_lse: bool = False, kv_layout: str = "NHD"):  # fmt: skip
         """``out (T, h, e)``, or ``(out, lse (T, h))``: the attention of each request over its pages in ``kv_cache``
         (the arguments of :func:`qkv.paged_attention`)."""
-        pages = as_pages(kv_cache)
+        pages = as_pages(kv_cache, kv_layout)
         check_q(q, pages)
         if q.shape[0] != self.total_q:
             raise ValueError(f"q: {q.shape[0]} query rows but the plan's qo_indptr ends at {self.total_q}")
@@ -52,6 +52,9 @@ class PagedPlan:
                              f"{self.num_pages} pages of {self.page_size}")  # fmt: skip
         if pages.device != self.table.indices.device:
             raise ValueError(f"kv_cache is on {pages.device} but the plan was made for {self.table.indices.device}")
+        if causal and "causal" not in self.memo:  # checked once: the later layers' runs pay nothing
+            self.table.check_causal()
+            self.memo["causal"] = True
         opts = options(q, causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                        alibi_slopes=alibi_slopes, score_mod=score_mod)  # fmt: skip
         sinks = _check_sinks(sinks, q.shape[1])

@@ -35,8 +35,9 @@ def run(q: Tensor, table: PageTable, memo: dict, pages, opts: Options) -> tuple[
     """``(out (T, h, e), lse (T, h))`` of every request of ``table``; ``memo`` keeps what the table alone decides."""
     T, h, _ = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
-    steps = _memo(memo, ("steps", opts.score_mod is None), lambda: [r for r in range(table.requests) if table.qo_len[r] == 1]
-                  if opts.score_mod is None else [])  # fmt: skip
+    # a step is one query over at least one key (without causal a request may have none: its row stays 0, -inf)
+    steps = _memo(memo, ("steps", opts.score_mod is None), lambda: [r for r in range(table.requests)
+                  if table.qo_len[r] == 1 and table.kv_len[r] > 0] if opts.score_mod is None else [])  # fmt: skip
     if steps and len(steps) == T:  # every row a decoding step, request after request: q as it is
         o, s = _steps(q, steps, table, memo, pages, opts)
         return o.to(q.dtype), s.to(acc)

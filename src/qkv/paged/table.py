@@ -8,7 +8,8 @@ pages are ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]``, in order, the last on
 ``kv_last_page_len[r]`` entries (1 to ``P``). It has ``kv_len = (pages - 1) · P + last``
 keys (0 with no pages), and its queries are the last ``qo_len`` of those positions: query
 ``t`` sits at position ``kv_len - qo_len + t`` (the bottom-right alignment of a chunk after a
-cache).
+cache). ``qo_len > kv_len`` is allowed only without ``causal`` (FlashInfer's rule), checked at
+the run, where ``causal`` is given.
 """
 
 from __future__ import annotations
@@ -42,6 +43,19 @@ class PageTable:
         """Where page ids stop being consecutive: each ``b`` with ``indices[b] != indices[b - 1] + 1``, ascending."""
         ids = self.indices
         return [b + 1 for b in torch.diff(ids).ne_(1).nonzero().view(-1).tolist()] if ids.numel() > 1 else []
+
+    def check_causal(self) -> None:
+        """Refuse a causal call where a request has more queries than keys (``qo_len > kv_len``).
+
+        Its first queries would sit before position 0 and see nothing; FlashInfer does not
+        support it either (its tests skip it). Without ``causal`` every query sees all of the
+        request's keys, as in FlashInfer (``qo_len > kv_len``, ``kv_len = 0``: ``out = 0``)."""
+        for r, (n_q, keys) in enumerate(zip(self.qo_len, self.kv_len)):
+            if n_q > keys:
+                raise ValueError(
+                    f"request {r}: {n_q} queries but {keys} keys with causal=True; its queries are the last qo_len of "
+                    "its kv_len positions, so the cache must already hold their keys (append them before attending)"
+                )
 
     def pages(self, r: int) -> Tensor:
         """Request ``r``'s page ids, in order: ``(pages,)``."""
@@ -94,11 +108,6 @@ def page_table(
         if pages and not 1 <= last[r] <= page_size:
             raise ValueError(f"kv_last_page_len[{r}]: expected 1 to {page_size} (the page size), got {last[r]}")
         keys = 0 if pages == 0 else (pages - 1) * page_size + last[r]
-        if n_q > keys:
-            raise ValueError(
-                f"request {r}: {n_q} queries but {keys} keys; its queries are the last qo_len of its kv_len "
-                "positions, so the cache must already hold their keys (append them before attending)"
-            )
         qo_len.append(n_q)
         kv_len.append(keys)
         count.append(pages)
