@@ -185,9 +185,7 @@ def test_errors_name_the_argument():
         full = list(args) + [cache, *table][len(args) - 1 :] if len(args) < 6 else list(args)
         with pytest.raises(error, match=word):
             qkv.paged_attention(*full)
-    q2, cache2, table2 = build([1, 2], [1, 20], 4)
-    with pytest.raises(ValueError, match="queries but"):
-        qkv.paged_attention(q2, cache2, torch.tensor([0, 2, 3]), *table2[1:])
+    # (causal with more queries than keys is FlashInfer's fully masked rows: test_paged_dialect_audit)
     with pytest.raises(ValueError, match="window_left"):
         qkv.paged_attention(q, cache, *table, window_left=-2)
     with pytest.raises(ValueError, match="sinks"):

@@ -166,14 +166,17 @@ def test_without_causal_more_queries_than_keys_see_every_key(window_left):
           reference(q, cache, table, causal=False, window_left=window_left))  # fmt: skip
 
 
-def test_with_causal_more_queries_than_keys_is_refused_at_the_run():
-    """FlashInfer does not support it (its tests skip it); the plan has no ``causal``, so the run refuses."""
-    q, cache, table = table_of([3, 1], [2, 5], 4)
-    plan = qkv.paged.PagedPlan(*table, num_pages=cache.shape[0], page_size=4)
-    with pytest.raises(ValueError, match=r"request 0: 3 queries but 2 keys.*causal"):
-        plan.run(q, cache)
-    with pytest.raises(ValueError, match=r"request 0: 3 queries but 2 keys.*causal"):
-        qkv.paged_attention(q, cache, *table)
+@pytest.mark.parametrize("window_left", [-1, 1])
+def test_with_causal_rows_before_the_first_key_see_nothing(window_left):
+    """FlashInfer's ``test_paged_prefill_fully_masked_rows`` (#4452): causal, ``qo_len = 34 > kv_len = 1``,
+    bottom-right aligned: the first 33 rows see no key (``out = 0``, ``lse = -inf``), the last sees the key.
+    qkv refused the table (an earlier audit read FlashInfer's skipped tests as "unsupported")."""
+    q, cache, table = table_of([34, 3, 1, 2], [1, 2, 5, 0], 1)
+    want = reference(q, cache, table, window_left=window_left)
+    assert torch.isneginf(want[1][:33]).all() and torch.isfinite(want[1][33]).all()
+    close(qkv.paged_attention(q, cache, *table, window_left=window_left, return_lse=True), want)
+    plan = qkv.paged.PagedPlan(*table, num_pages=cache.shape[0], page_size=1)
+    close(plan.run(q, cache, window_left=window_left, return_lse=True), want)
 
 
 def test_paged_latent_attention_without_causal_takes_requests_with_no_keys():
@@ -206,6 +209,110 @@ def test_an_hnd_cache_is_read_with_kv_layout_and_a_wrong_layout_name_is_refused(
         qkv.paged_attention(q, kv, *table, kv_layout="nhd")
     with pytest.raises(ValueError, match="kv_layout"):
         qkv.paged_attention(q, qkv.paged.Int8Pages(4, 2, G, D), *table, kv_layout="HND")
+
+
+def test_kv_indices_longer_than_kv_indptr_names_keep_their_tail_unread():
+    """FlashInfer reads ``kv_indices[:kv_indptr[-1]]`` only (its MLA plan documents ``[kv_indptr[-1]]`` "or larger";
+    serving engines pass a buffer with a tail of ``torch.empty``): qkv refused any tail, even in range."""
+    q, cache, table = table_of([1, 3, 1], [5, 7, 4], 4)
+    tail = torch.tensor([-1, 10**6, 3], dtype=table[2].dtype)
+    longer = (table[0], table[1], torch.cat((table[2], tail)), table[3])
+    want = reference(q, cache, table)
+    close(qkv.paged_attention(q, cache, *longer, return_lse=True), want)
+    plan = qkv.paged.PagedPlan(*longer, num_pages=cache.shape[0], page_size=4)
+    close(plan.run(q, cache, return_lse=True), want)
+    with pytest.raises(ValueError, match=r"kv_indptr: the last offset \(5\) is past the end of kv_indices \(3\)"):
+        qkv.paged_attention(q, cache, table[0], table[1], table[2][:3], table[3])
+
+
+def latent_case(kv_lens, pages, qo_lens, r=2, seed=7):
+    """MLA caches with ``pages[n]`` pages for request ``n`` (at least its keys need), and FlashInfer's MLA table."""
+    gen = torch.Generator().manual_seed(seed)
+    P, h, c = 4, 3, 6
+    total = sum(pages) + 1
+    ckv = torch.randn(total, P, c, generator=gen, dtype=torch.float64)
+    kpe = torch.randn(total, P, r, generator=gen, dtype=torch.float64)
+    ids = torch.randperm(total, generator=gen)[: sum(pages)]
+    T = sum(qo_lens)
+    q_nope = torch.randn(T, h, c, generator=gen, dtype=torch.float64)
+    q_pe = torch.randn(T, h, r, generator=gen, dtype=torch.float64)
+    qo = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), dtype=torch.int32)
+    kv = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+    return q_nope, q_pe, ckv, kpe, qo, kv, ids.int(), torch.tensor(kv_lens, dtype=torch.int32)
+
+
+def latent_reference(q_nope, q_pe, ckv, kpe, qo, kv, ids, kv_len, sm_scale, causal):
+    """test_deepseek_mla's ``attention_ref``: logits ``sm_scale·(q_nope·ckv + q_pe·kpe)`` over the first ``kv_len``
+    slots of the request's pages, bottom-right causal; a row with no key: ``out = 0``, ``lse = -inf``."""
+    outs, lses = [], []
+    for n in range(len(kv_len)):
+        page = ids[kv[n] : kv[n + 1]].long()
+        L = int(kv_len[n])
+        n_slots = len(page) * ckv.shape[1]
+        c_r, k_r = ckv[page].reshape(n_slots, -1)[:L], kpe[page].reshape(n_slots, kpe.shape[-1])[:L]
+        rows = slice(int(qo[n]), int(qo[n + 1]))
+        s = sm_scale * (torch.einsum("thc,nc->thn", q_nope[rows], c_r) + torch.einsum("thr,nr->thn", q_pe[rows], k_r))
+        t = s.shape[0]
+        if causal:
+            s = s.masked_fill((torch.arange(L)[None, :] > torch.arange(L - t, L)[:, None])[:, None], float("-inf"))
+        lse = torch.logsumexp(s, -1) if L else torch.full(s.shape[:2], float("-inf"), dtype=s.dtype)
+        w = torch.where(torch.isneginf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
+        outs.append(torch.einsum("thn,nc->thc", w, c_r))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_latent_attention_reads_only_the_first_kv_len_slots_of_a_requests_pages(causal):
+    """FlashInfer's MLA plan takes ``kv_len`` and ``kv_indptr`` apart (its scheduler bounds a request by ``kv_len``
+    and reads pages from ``kv_indptr[r]``): pages past a request's keys are not read. qkv refused
+    ``kv_len <= (pages - 1) · P`` (a request holding a page it has not begun to fill)."""
+    args = latent_case([5, 0, 9, 3], [3, 1, 3, 1], [2, 0 if causal else 2, 1, 3])
+    want = latent_reference(*args, sm_scale=0.4, causal=causal)
+    got = qkv.paged_latent_attention(*args, sm_scale=0.4, causal=causal, return_lse=True)
+    close(got, want)
+    with pytest.raises(ValueError, match=r"kv_len\[0\]: 13 keys but 3 pages of 4"):
+        qkv.paged_latent_attention(*args[:7], torch.tensor([13, 0, 9, 3]), sm_scale=0.4, causal=causal)
+
+
+def test_paged_latent_attention_takes_no_rotary_part_and_causal_rows_before_the_first_key():
+    """FlashInfer's MLA plan: "head_dim_kpe ... Zero is supported for NoPE MLA"; causal rows before a request's
+    first key see nothing (as its paged prefill, #4452)."""
+    for r in (0, 2):
+        args = latent_case([2, 7], [1, 2], [4, 2], r=r)
+        close(qkv.paged_latent_attention(*args, sm_scale=0.3, return_lse=True),
+              latent_reference(*args, sm_scale=0.3, causal=True))  # fmt: skip
+
+
+def test_alibi_gives_flashinfers_out_and_an_lse_at_true_positions():
+    """FlashInfer's ALiBi logit is ``sm_scale·q·k + slope·(kv_idx - q_idx)``, ``q_idx`` the query's index in its chunk
+    (0 in decode; variants.cuh, prefill.cuh): a constant per row away from qkv's ``slope·(kp - qp)``, so ``out``
+    agrees and qkv's ``lse`` is FlashInfer's less ``slope·(kv_len - qo_len)`` (documented, deliberate: qkv's lse
+    merges across chunks)."""
+    q, cache, table = table_of([1, 4, 1], [7, 9, 16], 4)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    out, lse = qkv.paged_attention(q, cache, *table, alibi_slopes=slopes, sm_scale=0.3, return_lse=True)
+    qo, kv, ids, last = (x.long() for x in table)
+    for r in range(3):
+        n = int((kv[r + 1] - kv[r] - 1) * 4 + last[r])
+        pages = ids[kv[r] : kv[r + 1]]
+        k = cache[pages, 0].reshape(-1, G, D)[:n].repeat_interleave(H // G, 1)
+        v = cache[pages, 1].reshape(-1, G, D)[:n].repeat_interleave(H // G, 1)
+        rows = slice(int(qo[r]), int(qo[r + 1]))
+        t = rows.stop - rows.start
+        s = 0.3 * torch.einsum("thd,nhd->htn", q[rows], k) + slopes[:, None, None] * (
+            torch.arange(n)[None, :] - torch.arange(t)[:, None])  # fmt: skip
+        s = s.masked_fill(torch.arange(n)[None, :] > torch.arange(n - t, n)[:, None], float("-inf"))
+        fi_lse = torch.logsumexp(s, -1).T
+        assert torch.allclose(out[rows], torch.einsum("htn,nhd->thd", torch.softmax(s, -1), v), atol=1e-12)
+        assert torch.allclose(lse[rows], fi_lse - slopes * (n - t), atol=1e-12)
+
+
+def test_merge_of_no_parts_is_refused_where_merge_states_gives_zeros():
+    """``merge_states`` with ``num_index_sets = 0`` writes ``v = 0``, ``s = -inf`` (its tensors carry the shape);
+    ``qkv.merge`` takes lists, and an empty list has no shape: refused by name (documented)."""
+    with pytest.raises(ValueError, match="at least one"):
+        qkv.merge([], [])
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])

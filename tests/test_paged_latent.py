@@ -153,9 +153,9 @@ def test_a_backward_through_paged_latent_attention_raises(grad):
         out.sum().backward()
 
 
-def test_kv_len_must_end_on_the_last_page():
+def test_kv_len_must_fit_in_its_pages():
     q_nope, q_pe, ckv, kpe, (qo, indptr, indices, kv_len) = build([1, 1], [5, 9], 4)
-    with pytest.raises(ValueError, match=r"kv_len\[1\]: 13 keys do not end on the last of its 3 pages of 4 \(expected 9 to 12\)"):
+    with pytest.raises(ValueError, match=r"kv_len\[1\]: 13 keys but 3 pages of 4 \(expected 0 to 12\)"):
         qkv.paged_latent_attention(q_nope, q_pe, ckv, kpe, qo, indptr, indices, torch.tensor([5, 13]), sm_scale=0.1)
     with pytest.raises(ValueError, match=r"kv_len: expected one length per request \(2"):
         qkv.paged_latent_attention(q_nope, q_pe, ckv, kpe, qo, indptr, indices, torch.tensor([5]), sm_scale=0.1)

@@ -254,6 +254,8 @@ def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tenso
     the parts' dtype (keep each part's ``out`` in float32 for a result rounded only once).
     FlashInfer's ``merge_state`` / ``merge_states`` (cascades) are this rule on base-2 ``lse``:
     multiply theirs by ``ln 2`` before merging here (``qkv.paged_attention``'s is natural already).
+    No parts is refused: ``merge_states`` gives ``0, -inf`` there, its tensors carrying the shape
+    an empty list lacks.
     """
     if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
         raise TypeError(f"merge: expected lists of outputs and log-sum-exps, got {type(outs).__name__}, {type(lses).__name__}")

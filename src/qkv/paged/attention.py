@@ -43,14 +43,16 @@ def paged_attention(
     """``out (T, h, e)``, or ``(out, lse (T, h))`` with ``return_lse``: attention of each request over its pages.
 
     ``q (T, h, d)``: request ``r``'s queries are rows ``qo_indptr[r] : qo_indptr[r + 1]``,
-    the last ``qo_len`` of its ``kv_len`` positions (bottom-right causal; without ``causal`` a
-    request may have more queries than keys, even none, as in FlashInfer). ``kv_cache``:
+    the last ``qo_len`` of its ``kv_len`` positions (bottom-right causal; a request may have more
+    queries than keys, even none: with ``causal`` those before its first key see nothing, without
+    it every query sees every key, as in FlashInfer). ``causal`` defaults to True, where
+    FlashInfer's prefill plan defaults to False. ``kv_cache``:
     ``(num_pages, 2, P, g, d)`` (keys at ``[:, 0]``, values at ``[:, 1]``), a tuple
     ``(k_cache, v_cache)`` of ``(num_pages, P, g, d)`` (FlashInfer's two NHD forms), or an
     :class:`qkv.paged.Int8Pages`; ``kv_layout="HND"``: pages ``(g, P, d)`` in either form
     (FlashInfer's wrapper argument: shapes alone cannot tell the two apart). Request ``r``'s
     pages are ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]`` in order, the last holding
-    ``kv_last_page_len[r]`` keys. ``window_left``: keys at most that far before the query
+    ``kv_last_page_len[r]`` keys (entries past ``kv_indptr[-1]`` are not read). ``window_left``: keys at most that far before the query
     (-1: all); ``logits_soft_cap``: ``cap · tanh(s / cap)`` (0: none); ``sm_scale``: default
     ``1/√d``; ``sinks (h,)``: one logit per head, unscaled; ``alibi_slopes (h,)``;
     ``score_mod(score, r, h, q_pos, kv_pos)`` with positions in the request's sequence. ``lse``

@@ -11,10 +11,13 @@ in this order (qkv's ``score_mod`` last)::
     s = score_mod(s, r, h, qp, kp)               qkv's score_mod: request r, positions in its sequence
 
 and the key is seen when ``kp <= qp`` (``causal``) and ``kp >= qp - window_left``
-(``window_left >= 0``). Each option alone is FlashInfer's; with both a soft cap and ALiBi,
-FlashInfer's kernels add the ALiBi term inside the ``tanh`` (to ``sm_scale · q·k / cap``),
-qkv adds it to the capped logit, as a model that caps its attention logits and then biases
-them computes.
+(``window_left >= 0``). Each option alone is FlashInfer's, but for two choices. With both a
+soft cap and ALiBi, FlashInfer's kernels (``variants.cuh``) cap ``(sm_scale · q·k + alibi) ·
+sm_scale / cap``; qkv adds the ALiBi term to the capped logit, as a model that caps its
+attention logits and then biases them computes. FlashInfer's ALiBi distance is
+``kv_idx - q_idx`` with ``q_idx`` the query's index in its chunk (0 in decode), a constant per
+row away from ``kp - qp``: the same weights, but its ``lse`` exceeds qkv's by
+``slope · (kv_len - qo_len)``; qkv's, at true positions, merges across chunks.
 """
 
 from __future__ import annotations

@@ -52,9 +52,6 @@ class PagedPlan:
                              f"{self.num_pages} pages of {self.page_size}")  # fmt: skip
         if pages.device != self.table.indices.device:
             raise ValueError(f"kv_cache is on {pages.device} but the plan was made for {self.table.indices.device}")
-        if causal and "causal" not in self.memo:  # checked once: the later layers' runs pay nothing
-            self.table.check_causal()
-            self.memo["causal"] = True
         opts = options(q, causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                        alibi_slopes=alibi_slopes, score_mod=score_mod)  # fmt: skip
         sinks = _check_sinks(sinks, q.shape[1])

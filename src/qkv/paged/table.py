@@ -5,11 +5,14 @@ entries of all requests, ``P`` page size, ``g`` KV heads, ``d`` head size.
 
 Request ``r``'s queries are rows ``qo_indptr[r] : qo_indptr[r + 1]`` of ``q (T, h, d)``; its
 pages are ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]``, in order, the last one holding
-``kv_last_page_len[r]`` entries (1 to ``P``). It has ``kv_len = (pages - 1) · P + last``
+``kv_last_page_len[r]`` entries (1 to ``P``; any value with no pages). ``kv_indices`` may run past
+``kv_indptr[-1]``, its tail unread (FlashInfer's buffers). It has ``kv_len = (pages - 1) · P + last``
 keys (0 with no pages), and its queries are the last ``qo_len`` of those positions: query
 ``t`` sits at position ``kv_len - qo_len + t`` (the bottom-right alignment of a chunk after a
-cache). ``qo_len > kv_len`` is allowed only without ``causal`` (FlashInfer's rule), checked at
-the run, where ``causal`` is given.
+cache). A request may have more queries than keys, or none: with ``causal`` its first
+``qo_len - kv_len`` queries sit before position 0 and see no key (``out = 0``, ``lse = -inf``:
+FlashInfer's fully masked rows, its test ``test_paged_prefill_fully_masked_rows``); without it
+every query sees all of them.
 """
 
 from __future__ import annotations
@@ -43,19 +46,6 @@ class PageTable:
         """Where page ids stop being consecutive: each ``b`` with ``indices[b] != indices[b - 1] + 1``, ascending."""
         ids = self.indices
         return [b + 1 for b in torch.diff(ids).ne_(1).nonzero().view(-1).tolist()] if ids.numel() > 1 else []
-
-    def check_causal(self) -> None:
-        """Refuse a causal call where a request has more queries than keys (``qo_len > kv_len``).
-
-        Its first queries would sit before position 0 and see nothing; FlashInfer does not
-        support it either (its tests skip it). Without ``causal`` every query sees all of the
-        request's keys, as in FlashInfer (``qo_len > kv_len``, ``kv_len = 0``: ``out = 0``)."""
-        for r, (n_q, keys) in enumerate(zip(self.qo_len, self.kv_len)):
-            if n_q > keys:
-                raise ValueError(
-                    f"request {r}: {n_q} queries but {keys} keys with causal=True; its queries are the last qo_len of "
-                    "its kv_len positions, so the cache must already hold their keys (append them before attending)"
-                )
 
     def pages(self, r: int) -> Tensor:
         """Request ``r``'s page ids, in order: ``(pages,)``."""
@@ -91,7 +81,12 @@ def page_table(
     """Check FlashInfer's four tensors against ``q``'s rows and the cache's pages; clear errors otherwise."""
     qo = _indptr("qo_indptr", _ints("qo_indptr", qo_indptr, "cpu"), total_q, "query rows in q")
     indices = _ints("kv_indices", kv_indices, device)
-    kv = _indptr("kv_indptr", _ints("kv_indptr", kv_indptr, "cpu"), indices.numel(), "entries in kv_indices")
+    kv = _indptr("kv_indptr", _ints("kv_indptr", kv_indptr, "cpu"), None, "")
+    if kv[-1] > indices.numel():
+        raise ValueError(f"kv_indptr: the last offset ({kv[-1]}) is past the end of kv_indices ({indices.numel()})")
+    # FlashInfer reads kv_indices[:kv_indptr[-1]] only (its MLA plan: "[kv_indptr[-1]] or larger"): engines
+    # pass a preallocated buffer whose tail is never read, nor checked here
+    indices = indices[: kv[-1]]
     last = _ints("kv_last_page_len", kv_last_page_len, "cpu").tolist()
     requests = len(qo) - 1
     if len(kv) - 1 != requests or len(last) != requests:
