@@ -341,3 +341,16 @@ def test_demo_run_refuses_a_seed_past_the_limit_before_any_work(tmp_path):
     with pytest.raises(DemoError, match=rf"^--seed: expected at most {MAX_SEED} \(each step seeds torch"):
         run(tmp_path / "out", seed=MAX_SEED + 1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_of_an_array_with_too_few_dims_says_so_not_to_index_more(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    torch.save(torch.randn(5), tmp_path / "one.pt")
+    assert fails(capsys, ["plot", str(tmp_path / "one.pt")]) == (
+        "qkv plot: error: file: the array has shape (5,), 1-d; qkv plot draws an (i, j) matrix of weights or (h, i, j) heads"
+    )
+    torch.save(torch.randn(3, 4, 4), tmp_path / "w.pt")
+    assert fails(capsys, ["plot", str(tmp_path / "w.pt"), "--index", "0", "--index", "0"]) == (
+        "qkv plot: error: file: the array after 2 --index has shape (4,), 1-d; qkv plot draws an (i, j) matrix of "
+        "weights or (h, i, j) heads; give fewer --index"
+    )

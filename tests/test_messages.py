@@ -293,3 +293,31 @@ def test_lazy_mask_as_sdpa_attn_mask_points_to_attention():
     message = str(caught.value)
     assert message.startswith("attn_mask: expected a bool or float tensor, got causal(), a qkv lazy mask")
     assert "qkv.attention(q, k, v, mask=...)" in message and "is_causal=True" in message and "\n" not in message
+
+
+def test_a_mask_mod_of_other_arguments_is_named_with_flex_signature():
+    with pytest.raises(TypeError, match=r"mask_mod: expected a function of \(b, h, q_idx, kv_idx\) .* takes 2 arguments"):
+        qkv.masks.from_mask_mod(lambda qi, ki: qi >= ki)
+
+
+@pytest.mark.parametrize("mask, says", [
+    (lambda: qkv.masks.lengths(torch.tensor([20, 10])), "lengths got a row of 20 keys, but the call has j = 16"),
+    (lambda: qkv.masks.starts(torch.tensor([20, 0])), "starts got a row starting at key 20, but the call has j = 16"),
+])
+@pytest.mark.parametrize("i", [1, 16])
+def test_padding_rows_past_the_keys_are_refused(mask, says, i):
+    q, k, v = torch.randn(2, 2, i, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    with torch.no_grad(), pytest.raises(ValueError, match=says):
+        qkv.attention(q, k, v, mask=mask())
+    qkv.attention(q, k, v, mask=qkv.masks.starts(torch.tensor([16, 0])))  # a row of padding only: no key, zeros
+
+
+def test_a_three_dimensional_mask_is_told_to_take_a_head_dim():
+    q, k, v = (torch.randn(2, 4, 10, 8) for _ in range(3))
+    with pytest.raises(ValueError, match=r"a 3-d \(b, i, j\) mask goes in as mask\[:, None\]"):
+        qkv.attention(q, k, v, mask=torch.ones(2, 10, 10, dtype=torch.bool))
+
+
+def test_a_positional_bias_made_for_other_heads_is_named_at_the_module():
+    with pytest.raises(ValueError, match=r"positional: ALiBi was made for 8 heads but the module has 4: .*qkv.ALiBi\(4\)"):
+        qkv.MultiHeadAttention(64, 4, positional=qkv.ALiBi(8))

@@ -27,6 +27,7 @@ and nothing is cached. While ``torch.compile`` or ``torch.export`` trace a call
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from typing import Callable
 
@@ -125,3 +126,29 @@ def _probe(fn, score, b, h, q, kv) -> bool:
     if got.dtype != want.dtype:
         return False
     return bool(torch.equal(got, want)) if not want.dtype.is_floating_point else bool(torch.allclose(got, want, rtol=1e-6, atol=1e-6, equal_nan=True))
+
+
+def arguments_problem(fn: object, count: int) -> str | None:
+    """How ``fn``'s signature fails to take ``count`` positional arguments (``"takes 1 argument"``), or None.
+
+    A callable without a signature (some builtins) answers None: a wrong one fails at its first call."""
+    try:
+        sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin, a C extension's callable)
+        return None
+    try:
+        sig.bind(*range(count))
+        return None
+    except TypeError:
+        pass
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) > count:
+        return f"requires {len(required)} arguments"
+    if len(positional) < count and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return f"takes {len(positional)} argument{'' if len(positional) == 1 else 's'}"
+    keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if not keyword_only:  # no other way for the bind to fail; should one appear, the call will say
+        return None
+    return f"also requires the keyword-only argument{'' if len(keyword_only) == 1 else 's'} {', '.join(keyword_only)}"

@@ -207,6 +207,10 @@ class MultiHeadAttention(nn.Module):
         _positive("dim_value_head", dim_value_head)
         if positional is not None and not isinstance(positional, Positional):
             raise TypeError(f"positional: expected a qkv.positional.Positional, got {type(positional).__name__}")
+        made_for = getattr(positional.bias(), "heads", None) if positional is not None else None
+        if made_for not in (None, 1, heads):  # (the call's own check would name only its bias= argument)
+            raise ValueError(f"positional: {type(positional).__name__} was made for {made_for} heads but the module has "
+                             f"{heads}: make it with {heads} (qkv.{type(positional).__name__}({heads}))")  # fmt: skip
         self.dim, self.heads, self.kv_heads = dim, heads, kv_heads
         self.dim_head, self.dim_value_head = dim_head, dim_value_head
         # nn.Linear subclasses that run large float32 inputs on oneDNN (qkv.projection says why)

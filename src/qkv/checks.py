@@ -210,6 +210,9 @@ def _dense_shape(shape: tuple[int, ...], target: tuple[int, ...]) -> None:
             "mask=keep[:, None, None, :], or lazily as qkv.masks.lengths(keep.sum(-1)) for right padding "
             "(qkv.masks.starts(first_real_key) for left padding)"
         )
+    if len(shape) == 3 and len(target) >= 4 and shape[0] in (1, target[-4]) and _broadcasts(shape[-2:], target[-2:]):
+        # a (b, i, j) mask, nn.MultiheadAttention's 3-d layout without its heads: qkv's dims are (b, h, i, j)
+        message += "; a 3-d (b, i, j) mask goes in as mask[:, None] (one for every head)"
     raise ValueError(message)
 
 

@@ -25,7 +25,7 @@ from ._args import int_at_least
 from ._extras import install
 
 EXAMPLES = """examples:
-  qkv demo                      the full tour (a few minutes), figures in ./qkv-demo/
+  qkv demo                      the full tour (1-3 minutes), figures in ./qkv-demo/
   qkv demo --quick --out /tmp/d a one-minute check of the same steps
   qkv plot weights.pt --out w.png
   qkv inspect "The cat sat on the mat."   a real model's attention, page in ./qkv-inspect/
@@ -110,7 +110,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "demo",
         help="attention at work: a worked example, order-matters task, date translation, positions",
         description="Trains small attention models on data made on the spot (no downloads) and "
-        "writes figures, results.json and index.html to --out. A full run takes a few minutes on 2 cores.",
+        "writes figures, results.json and index.html to --out. A full run takes one to three minutes on 2 cores.",
     )
     demo.add_argument("--out", type=Path, default=Path("qkv-demo"), help="output folder (default: ./qkv-demo/)")
     demo.add_argument("--seed", type=_seed, default=0, help="seed for data and weights, 0 or more (default: 0)")

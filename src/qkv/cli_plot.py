@@ -184,7 +184,11 @@ def draw(args, out: Path) -> list[str]:
             raise ValueError(f"--index: index {index} (--index number {position + 1}) is past the array's end: it "
                              f"has {size} at that point (shape {tuple(array.shape)})")  # fmt: skip
         array = array[index]
-    if array.ndim not in (2, 3):
+    if array.ndim < 2:  # no --index can add a dim: say what is missing, not what to select
+        given = f" after {len(args.index)} --index" if args.index else ""
+        raise ValueError(f"file: the array{given} has shape {tuple(array.shape)}, {array.ndim}-d; qkv plot draws an "
+                         "(i, j) matrix of weights or (h, i, j) heads" + ("; give fewer --index" if args.index else ""))  # fmt: skip
+    if array.ndim > 3:
         raise ValueError(
             f"--index: the selected array has shape {array.shape}; give one --index per leading "
             "dim until it is (i, j) or (h, i, j)"

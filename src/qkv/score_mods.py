@@ -116,36 +116,12 @@ def check(fn: object) -> ScoreMod | None:
     if not callable(fn):
         raise TypeError(f"score_mod: expected a callable fn(score, b, h, q_idx, kv_idx) -> score, got {type(fn).__name__}")
     # not while tracing: dynamo's stand-in for inspect.signature(...).bind rejects good functions
-    problem = None if tracing() else _arguments_problem(fn)
+    problem = None if tracing() else _mods.arguments_problem(fn, ARGS)
     if problem is not None:
         raise TypeError(
             f"score_mod: expected a function of (score, b, h, i, j) (FlexAttention's signature), got one that {problem}"
         )
     return fn
-
-
-def _arguments_problem(fn: object) -> str | None:
-    """How ``fn``'s signature fails to take ``ARGS`` positional arguments (``"takes 1 argument"``), or None."""
-    try:
-        sig = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
-    except (TypeError, ValueError):  # no signature to read (a builtin, a C extension's callable)
-        return None
-    try:
-        sig.bind(*range(ARGS))
-        return None
-    except TypeError:
-        pass
-    params = list(sig.parameters.values())
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
-    if len(required) > ARGS:
-        return f"requires {len(required)} arguments"
-    if len(positional) < ARGS and not any(p.kind is p.VAR_POSITIONAL for p in params):
-        return f"takes {len(positional)} argument{'' if len(positional) == 1 else 's'}"
-    keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
-    if not keyword_only:  # no other way for the bind to fail; should one appear, the call will say
-        return None
-    return f"also requires the keyword-only argument{'' if len(keyword_only) == 1 else 's'} {', '.join(keyword_only)}"
 
 
 def apply(fn: ScoreMod, s: Tensor, t: Tile, heads: Tensor | None = None) -> Tensor:

@@ -223,6 +223,8 @@ def _plain_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[Tensor
     rows = _mask_tensor(mask)
     if i != 1 or type(rows) is not Tensor or rows.device.type != "cpu" or rows.shape != (b,):
         return None  # (a batch of one broadcast, a GPU's rows: the full path)
+    if max(getattr(mask, "_longest", -1), getattr(mask, "_last", -1)) > j:
+        return None  # rows past the keys: the full path's message (Lengths.check, Starts.check)
     changes = version(rows)  # None under torch.inference_mode: nothing kept
     key = (j, changes, q.dtype)
     kept = getattr(mask, "_plain", None)

@@ -76,6 +76,11 @@ class Lengths(Mask):
     def batch_shape(self) -> tuple[int, ...]:
         return (self.key_lengths.shape[0], 1)
 
+    def check(self, i_len: int, j_len: int) -> None:
+        if self._longest > j_len:  # (unread values: _longest is -1) a length past the keys is a misread count
+            raise ValueError(f"mask: qkv.masks.lengths got a row of {self._longest} keys, but the call has j = {j_len} "
+                             "keys (a length counts a row's real keys, at most j)")  # fmt: skip
+
     def tensors(self) -> list[tuple[str, Tensor]]:
         return [("qkv.masks.lengths' key_lengths", self.key_lengths)]
 
@@ -135,6 +140,11 @@ class Starts(Mask):
         if t.j1 <= self._first:
             return "empty"
         return "partial"
+
+    def check(self, i_len: int, j_len: int) -> None:
+        if self._last > j_len:  # (a start of j: a row of padding only, which sees no key)
+            raise ValueError(f"mask: qkv.masks.starts got a row starting at key {self._last}, but the call has j = "
+                             f"{j_len} keys (a start is the first real key, at most j)")  # fmt: skip
 
     def batch_shape(self) -> tuple[int, ...]:
         return (self.key_starts.shape[0], 1)

@@ -39,6 +39,10 @@ class MaskMod(Mask):
     def __init__(self, mask_mod: Callable, B: int | None = None, H: int | None = None):
         if not callable(mask_mod):
             raise TypeError(f"mask_mod: expected a callable fn(b, h, q_idx, kv_idx) -> bool, got {type(mask_mod).__name__}")
+        problem = None if tracing() else _mods.arguments_problem(mask_mod, 4)
+        if problem is not None:
+            raise TypeError(f"mask_mod: expected a function of (b, h, q_idx, kv_idx) (FlexAttention's signature), "
+                            f"got one that {problem}")  # fmt: skip
         for name, n in (("B", B), ("H", H)):
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
                 raise ValueError(f"{name}: expected a positive int or None (the mask does not depend on it), got {n!r}")
