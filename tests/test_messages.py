@@ -321,3 +321,11 @@ def test_a_three_dimensional_mask_is_told_to_take_a_head_dim():
 def test_a_positional_bias_made_for_other_heads_is_named_at_the_module():
     with pytest.raises(ValueError, match=r"positional: ALiBi was made for 8 heads but the module has 4: .*qkv.ALiBi\(4\)"):
         qkv.MultiHeadAttention(64, 4, positional=qkv.ALiBi(8))
+
+
+@pytest.mark.parametrize("keyword, says", [("logits_soft_cap", r"score_mod=qkv.SoftCap\(cap\)"), ("sm_scale", "scale="),
+                                           ("window_left", r"mask=qkv.masks.window\(left, 0\)")])  # fmt: skip
+def test_flashinfers_keywords_are_answered_with_qkvs_names(keyword, says):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match=f"attention: {keyword}= is FlashInfer's keyword; qkv.attention takes {says}"):
+        qkv.attention(q, q, q, **{keyword: 1})

@@ -108,7 +108,8 @@ def _seed(text: str) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo",
-        help="attention at work: a worked example, order-matters task, date translation, positions",
+        help="attention at work: a worked example, order matters, date translation, positions, decoding past the "
+             "training length, packed documents",
         description="Trains small attention models on data made on the spot (no downloads) and "
         "writes figures, results.json and index.html to --out. A full run takes one to three minutes on 2 cores.",
     )

@@ -142,6 +142,9 @@ FOREIGN_NAMES = {
     "block_mask": (_FLEX, "mask=qkv.masks.from_mask_mod(mask_mod) (qkv.flex_attention takes a BlockMask as it is)"),
     "key_padding_mask": (_MHA, "mask= (bool, True = may attend: ~key_padding_mask[:, None, None, :])"),
     "need_weights": (_MHA, "return_weights="),
+    "logits_soft_cap": ("FlashInfer", "score_mod=qkv.SoftCap(cap) (qkv.paged_attention takes logits_soft_cap as it is)"),
+    "sm_scale": ("FlashInfer", "scale= (qkv.paged_attention takes sm_scale as it is)"),
+    "window_left": ("FlashInfer", "mask=qkv.masks.window(left, 0) (qkv.paged_attention takes window_left as it is)"),
 }
 
 
