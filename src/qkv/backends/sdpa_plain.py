@@ -200,13 +200,9 @@ def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -
 _PADDING = (Lengths, Starts)
 
 
-def _mask_tensor(mask: object) -> Tensor:
-    """The tensor a plan's mask reads, whose version :func:`again` compares: a Dense mask's, or the padding's per-row one."""
-    if type(mask) is Lengths:
-        return mask.key_lengths
-    if type(mask) is Starts:
-        return mask.key_starts
-    return mask.mask
+def _mask_tensor(mask: Dense | Lengths | Starts) -> Tensor:
+    """The one tensor a plan's mask reads (a Dense mask's, the padding's per-row one), whose version :func:`again` compares."""
+    return mask.tensors()[0][1]
 
 
 def _plain_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor | None] | None:
@@ -223,8 +219,7 @@ def _plain_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[Tensor
     rows = _mask_tensor(mask)
     if i != 1 or type(rows) is not Tensor or rows.device.type != "cpu" or rows.shape != (b,):
         return None  # (a batch of one broadcast, a GPU's rows: the full path)
-    if max(getattr(mask, "_longest", -1), getattr(mask, "_last", -1)) > j:
-        return None  # rows past the keys: the full path's message (Lengths.check, Starts.check)
+    mask.check(i, j)  # rows past the keys: the full path's own message
     changes = version(rows)  # None under torch.inference_mode: nothing kept
     key = (j, changes, q.dtype)
     kept = getattr(mask, "_plain", None)
