@@ -19,8 +19,7 @@ with ``window_size = (left, ·)`` is its ``window_left``; softcap and ALiBi ``(h
 (the cap first, then ``-slope · (r + sk - sq - c)``, which is flash-attn's ``-slope · |·|``
 on the keys a causal query sees). What flash-attn computes and the paged engine has no form
 for (:func:`in_place` is False) -- a window reaching right of the query, ALiBi where keys
-after the query are seen (flash-attn's ``|·|``), per-sequence slopes ``(b, h)``, more queries
-than keys in a sequence (a query is one of its sequence's cached positions), ``e != d`` --
+after the query are seen (flash-attn's ``|·|``), per-sequence slopes ``(b, h)``, ``e != d`` --
 runs on the packed path over the keys gathered out of their pages (:func:`gather_pages`,
 one copy of the ``Σ sk`` keys the table names), with the same results.
 """
@@ -59,14 +58,14 @@ def check_pages(k: Tensor, v: Tensor, block_table: object, cu_k: list[int]) -> N
                          f"{int(named.min())} .. {int(named.max())}")  # fmt: skip
 
 
-def in_place(k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], *, causal: bool,
-             window: tuple[int | None, int | None], alibi_slopes: Tensor | None) -> bool:  # fmt: skip
+def in_place(k: Tensor, v: Tensor, *, causal: bool, window: tuple[int | None, int | None],
+             alibi_slopes: Tensor | None) -> bool:  # fmt: skip
     """Whether the paged engine has a form for the call: keys stop at the query or run to the sequence's end,
-    ALiBi ``(h,)`` only where they stop at the query, every query one of its sequence's positions, ``e == d``."""
+    ALiBi ``(h,)`` only where they stop at the query, ``e == d``. (More queries than keys it takes as flash-attn
+    does: under ``causal`` the queries before the first key see none.)"""
     to_query = causal or window[1] == 0  # (a window whose right side is 0 is causal)
     fits = to_query or window[1] is None
     fits = fits and (alibi_slopes is None or (to_query and alibi_slopes.dim() == 1))
-    fits = fits and all(b - a <= d - c for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
     return fits and k.shape[-1] == v.shape[-1]
 
 
