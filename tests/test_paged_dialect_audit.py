@@ -315,23 +315,133 @@ def test_merge_of_no_parts_is_refused_where_merge_states_gives_zeros():
         qkv.merge([], [])
 
 
-@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_a_float8_cache_is_refused_by_name(fp8):
-    """FlashInfer reads float8 pages under a float16 q; qkv gave a float16 q the advice to become float8, and a
-    float8 q failed inside PyTorch ("Promotion for Float8 Types is not supported")."""
-    q, cache, table = table_of([1, 3], [5, 7], 4, dtype=torch.float16)
-    for dtype in (torch.float16, fp8):
-        with pytest.raises(TypeError, match=f"kv_cache: {fp8} pages are not read here"):
-            qkv.paged_attention(q.to(dtype), cache.to(fp8), *table)
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-@pytest.mark.xfail(strict=True, reason="float8 KV pages under a float16 q (FlashInfer's kv_data_type=float8): the paged "
-                   "engine computes in the pages' dtype (FloatPages.dtype) and reads pages without converting them; "
-                   "it needs FloatPages to convert a tile to q's dtype as Int8Pages dequantises, and decode.py/"
-                   "items.py to take the compute dtype from q rather than from the pages")  # fmt: skip
-def test_a_float16_query_over_float8_pages_follows_the_dequantised_reference():
+def in_runs(qo_lens, kv_lens, P, seed=0):
+    """A table whose requests each hold one run of consecutive pages from an odd id (not an item's block)."""
+    q, cache, (qo, _, _, _) = table_of(qo_lens, kv_lens, P, seed)
+    counts = [-(-n // P) for n in kv_lens]
+    indices, indptr, at = [], [0], 1
+    for c in counts:
+        indices += range(at, at + c)
+        indptr.append(len(indices))
+        at += c + 1
+    cache = torch.randn(at + 1, 2, P, G, D, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    last = [n - (c - 1) * P for n, c in zip(kv_lens, counts)]
+    return q, cache, (qo, *(torch.tensor(x, dtype=torch.int32) for x in (indptr, indices, last)))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("layout", ["tensor", "tuple", "HND", "runs"])
+@pytest.mark.parametrize("qo_lens", [[1, 1, 1], [1, 5, 0]], ids=["steps", "mixed"])
+def test_float8_pages_under_a_wider_q_equal_the_attention_over_the_pages_widened(fp8, layout, qo_lens):
+    """FlashInfer reads float8 pages (``kv_data_type`` float8) under a float16/bfloat16 ``q``; every float8 number is
+    exact in float64, so a float64 ``q`` over float8 pages equals the reference over the pages widened to 1e-12,
+    on each way the pages are read (views of aligned items, copies, runs of consecutive pages, prefill tiles)."""
+    kv_lens = [37, 5, 20]
+    if layout == "runs":
+        q, cache, table = in_runs(qo_lens, kv_lens, 4)
+    else:
+        q, cache, table = table_of(qo_lens, kv_lens, 4)
+    stored = cache.to(fp8)
+    kv = stored
+    if layout == "tuple":
+        kv = (stored[:, 0].contiguous(), stored[:, 1].contiguous())
+    elif layout == "HND":
+        kv = stored.transpose(2, 3).contiguous()
+    got = qkv.paged_attention(q, kv, *table, return_lse=True, kv_layout="HND" if layout == "HND" else "NHD")
+    close(got, reference(q, stored.double(), table))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_float8_pages_in_aligned_blocks_read_as_the_pages_widened(fp8, monkeypatch):
+    """``qkv.PagedKVCache`` hands out aligned blocks (the item pass reads them as one range); float8 pages there
+    are read a tile at a time, converted, and equal the reference over the pages widened."""
+    P = 4
+    lengths = [70, 9, 130]
+    cache = qkv.PagedKVCache(256, P, G, D, dtype=torch.float64)
+    for r, n in enumerate(lengths):
+        cache.add(r)
+        cache.reserve(r, n)
+    cache.plan({r: n for r, n in enumerate(lengths)})
+    pages = [cache.pages_of(r) for r in range(len(lengths))]
+    counts = [len(ps) for ps in pages]
+    table = (torch.arange(len(lengths) + 1, dtype=torch.int32),
+             torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32),
+             torch.tensor([p for ps in pages for p in ps], dtype=torch.int32),
+             torch.tensor([n - (c - 1) * P for n, c in zip(lengths, counts)], dtype=torch.int32))  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    stored = torch.randn(256, 2, P, G, D, generator=gen, dtype=torch.float64).to(fp8)
+    q = torch.randn(len(lengths), H, D, generator=gen, dtype=torch.float64)
+    kv = (stored[:, 0].contiguous(), stored[:, 1].contiguous())
+    from qkv.paged import route
+
+    aligned, decode = [], route.decode
+    monkeypatch.setattr(route, "decode", lambda q, qpos, plan, *a: aligned.append(plan.aligned) or decode(q, qpos, plan, *a))
+    close(qkv.paged_attention(q, kv, *table, return_lse=True), reference(q, stored.double(), table))
+    assert aligned == [True]  # the item pass's ranges of aligned blocks, not copies or runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_half_precision_query_over_float8_pages_follows_the_widened_reference(dtype):
+    """The dialect's own case: a float16 or bfloat16 ``q`` over float8 pages, computed in float32 and rounded once."""
+    q, cache, table = table_of([1, 3, 1], [5, 7, 40], 4, dtype=dtype)
+    stored = cache.to(torch.float8_e4m3fn)
+    out, lse = qkv.paged_attention(q, stored, *table, return_lse=True)
+    want = reference(q, stored.double(), table)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5}[dtype]
+    assert torch.allclose(out.double(), want[0], atol=tol), (out.double() - want[0]).abs().max()
+    assert torch.allclose(lse.double(), want[1], atol=tol), (lse.double() - want[1]).abs().max()
+
+
+@pytest.mark.parametrize("options", [{}, {"logits_soft_cap": 0.5}, {"window_left": 3}, {"sinks": True}],
+                         ids=["plain", "soft_cap", "window", "sinks"])  # fmt: skip
+def test_k_scale_and_v_scale_are_flashinfers_calibration_scales(options):
+    """FlashInfer's ``k_scale`` multiplies ``sm_scale`` (the logits, the soft cap's argument and the ``lse``
+    with it) and ``v_scale`` the output after the kernel (after the sinks; the ``lse`` unscaled)."""
+    q, cache, table = table_of([1, 4, 1], [9, 12, 33], 4)
+    stored = cache.to(torch.float8_e5m2)
+    opts = dict(options)
+    sinks = torch.linspace(-1, 1, H, dtype=torch.float64) if opts.pop("sinks", False) else None
+    got = qkv.paged_attention(q, stored, *table, k_scale=0.37, v_scale=2.5, sm_scale=0.6, sinks=sinks,
+                              return_lse=True, **opts)  # fmt: skip
+    out, lse = reference(q, stored.double(), table, sm_scale=0.6 * 0.37, sinks=sinks,
+                         cap=opts.get("logits_soft_cap", 0.0), window_left=opts.get("window_left", -1))  # fmt: skip
+    close(got, (2.5 * out, lse))
+    plan = qkv.paged.PagedPlan(*table, num_pages=cache.shape[0], page_size=4)
+    close(plan.run(q, stored, k_scale=0.37, v_scale=2.5, sm_scale=0.6, sinks=sinks, return_lse=True, **opts), (2.5 * out, lse))
+
+
+@pytest.mark.parametrize("bad, error", [("k_scale", TypeError), ("v_scale", TypeError), ("k_nan", ValueError),
+                                        ("v_inf", ValueError)])  # fmt: skip
+def test_bad_calibration_scales_are_named(bad, error):
+    q, cache, table = table_of([1], [5], 4)
+    kwargs = {"k_scale": {"k_scale": "1"}, "v_scale": {"v_scale": [1.0]}, "k_nan": {"k_scale": float("nan")},
+              "v_inf": {"v_scale": float("inf")}}[bad]  # fmt: skip
+    with pytest.raises(error, match=bad[0] + "_scale"):
+        qkv.paged_attention(q, cache, *table, **kwargs)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_a_float8_query_is_refused_by_name(fp8):
+    """FlashInfer's float8 ``q`` goes with its fp8 tensor-core kernels and a ``q_scale``; here the pages are widened
+    to ``q``'s dtype, so a float8 ``q`` is refused by name (it failed inside PyTorch: "Promotion for Float8 Types")."""
     q, cache, table = table_of([1, 3], [5, 7], 4, dtype=torch.float16)
-    fp8 = cache.to(torch.float8_e4m3fn)
-    out = qkv.paged_attention(q, fp8, *table)
-    want = reference(q, fp8.to(torch.float64), table)[0]
-    assert torch.allclose(out.double(), want, atol=2e-2)
+    with pytest.raises(TypeError, match="read under a float16, bfloat16, float32 or float64 q"):
+        qkv.paged_attention(q.to(fp8), cache.to(fp8), *table)
+
+
+def test_writes_into_float8_pages_round_to_them():
+    """``FloatPages.write`` (a serving loop's append) stores a token rounded to the pages' float8, as FlashInfer's
+    ``append_paged_kv_cache`` casts into an fp8 cache; reads give it back widened."""
+    from qkv.paged.pages import as_pages
+
+    stored = torch.zeros(3, 2, 4, G, D, dtype=torch.float8_e4m3fn)
+    pages = as_pages(stored, "NHD", torch.float32)
+    k = torch.randn(2, G, D)
+    pages.write(torch.tensor([1, 2]), torch.tensor([0, 3]), k, 2 * k)
+    K, V = pages.take(torch.tensor([1, 2]))
+    assert K.dtype == torch.float32 and stored.dtype == torch.float8_e4m3fn
+    assert torch.equal(K[0, 0], k[0].to(torch.float8_e4m3fn).float()) and torch.equal(V[1, 3], (2 * k[1]).to(torch.float8_e4m3fn).float())

@@ -39,6 +39,8 @@ def paged_attention(
     alibi_slopes: Tensor | None = None,
     return_lse: bool = False,
     kv_layout: str = "NHD",
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ):
     """``out (T, h, e)``, or ``(out, lse (T, h))`` with ``return_lse``: attention of each request over its pages.
 
@@ -59,6 +61,11 @@ def paged_attention(
     is the natural log-sum-exp (FlashInfer's is base 2: divide by ``ln 2``); a row with no
     visible key gets ``out = 0``, ``lse = -inf``.
 
+    Float8 pages (``torch.float8_e4m3fn`` / ``float8_e5m2``, FlashInfer's fp8 KV cache) are read
+    under a wider ``q`` (float16, bfloat16, float32 or float64), converted to ``q``'s dtype a tile at
+    a time; ``k_scale`` and ``v_scale`` are FlashInfer's calibration scales: the logits are
+    ``sm_scale · k_scale · q·k`` (and the ``lse`` theirs), the output is multiplied by ``v_scale``.
+
     One call is one :class:`qkv.paged.PagedPlan` run once; a model whose layers share a step's
     table makes the plan once and runs it per layer.
 
@@ -66,9 +73,10 @@ def paged_attention(
     requires them the call runs and its outputs join autograd's graph, but a backward through
     them raises (serving runs under ``torch.no_grad()``; training attends over contiguous keys).
     """
-    pages = as_pages(kv_cache, kv_layout)
+    pages = as_pages(kv_cache, kv_layout, getattr(q, "dtype", None))
     check_q(q, pages)
     plan = PagedPlan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=pages.num_pages,
                      page_size=pages.page_size, device=pages.device, total_q=q.shape[0])  # fmt: skip
     return plan.run(q, pages, causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                    sinks=sinks, score_mod=score_mod, alibi_slopes=alibi_slopes, return_lse=return_lse)  # fmt: skip
+                    sinks=sinks, score_mod=score_mod, alibi_slopes=alibi_slopes, return_lse=return_lse,
+                    k_scale=k_scale, v_scale=v_scale)  # fmt: skip

@@ -5,7 +5,7 @@ Shape legend: ``h`` query heads, ``g`` KV heads, ``x = h / g`` query heads per K
 The logit of a query at position ``qp`` and a key at position ``kp`` of the same request is,
 in this order (qkv's ``score_mod`` last)::
 
-    s = sm_scale · q·k
+    s = sm_scale · k_scale · q·k                  k_scale: a float8 cache's key scale (FlashInfer's), default 1
     s = cap · tanh(s / cap)                      logits_soft_cap = cap > 0 (Gemma 2)
     s = s + slope_h · (kp - qp)                  alibi_slopes (Press et al. 2022): 0 at the query, < 0 before
     s = score_mod(s, r, h, qp, kp)               qkv's score_mod: request r, positions in its sequence
@@ -65,14 +65,15 @@ class Options:
         return allowed
 
 
-def options(q: Tensor, *, causal, window_left, logits_soft_cap, sm_scale, alibi_slopes, score_mod) -> Options:
-    """Checked options for ``q (T, h, d)``."""
+def options(q: Tensor, *, causal, window_left, logits_soft_cap, sm_scale, alibi_slopes, score_mod,
+            k_scale=None) -> Options:  # fmt: skip
+    """Checked options for ``q (T, h, d)``; ``k_scale`` joins the scale, as FlashInfer folds it into ``sm_scale``."""
     h, d = q.shape[1], q.shape[2]
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
         raise ValueError(f"window_left: expected -1 (no window) or a number of keys >= 0, got {window_left!r}")
-    for name, x in (("logits_soft_cap", logits_soft_cap), ("sm_scale", sm_scale)):
+    for name, x in (("logits_soft_cap", logits_soft_cap), ("sm_scale", sm_scale), ("k_scale", k_scale)):
         if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Real)):
             raise TypeError(f"{name}: expected a number, got {type(x).__name__}")
     cap = float(logits_soft_cap or 0.0)
@@ -81,6 +82,10 @@ def options(q: Tensor, *, causal, window_left, logits_soft_cap, sm_scale, alibi_
     if sm_scale is not None and not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale: expected a finite number or None, got {sm_scale!r}")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    if k_scale is not None:
+        if not math.isfinite(k_scale):
+            raise ValueError(f"k_scale: expected a finite number or None, got {k_scale!r}")
+        scale *= float(k_scale)
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, Tensor) or tuple(alibi_slopes.shape) != (h,):
             got = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__

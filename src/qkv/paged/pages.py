@@ -10,6 +10,10 @@ decoding pass reads as one matrix (``qkv.paged.decode``); ``qkv.PagedKVCache`` k
 that way. The attention reads a tile of pages at a time, never a request's whole cache as one
 contiguous copy. :class:`qkv.paged.Int8Pages` reads the same way, dequantising only the pages
 asked for.
+
+Float8 pages (FlashInfer's ``float8_e4m3fn`` / ``float8_e5m2`` KV cache) are read under a wider
+``q``: each tile is converted to ``q``'s dtype as it is read (every float8 number is exact in
+float16, bfloat16 and float32), never the whole cache at once.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ _SHAPE = "(num_pages, 2, page_size, kv_heads, head_dim) or a tuple (k_cache, v_c
 
 
 class FloatPages:
-    """A float cache in either of FlashInfer's NHD layouts."""
+    """A float cache in either of FlashInfer's layouts; float8 pages read as ``read_as`` (the queries' dtype)."""
 
-    def __init__(self, kv_cache, kv_layout: str = "NHD"):
+    def __init__(self, kv_cache, kv_layout: str = "NHD", read_as: torch.dtype | None = None):
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout: expected 'NHD' or 'HND' (FlashInfer's layouts), got {kv_layout!r}")
         if isinstance(kv_cache, (tuple, list)):
@@ -43,43 +47,54 @@ class FloatPages:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         if not k.dtype.is_floating_point:
             raise TypeError(f"kv_cache: expected a floating-point cache (qkv.paged.Int8Pages for int8), got {k.dtype}")
-        if k.dtype.itemsize == 1:  # FlashInfer reads float8 pages under a float16/bfloat16 q; the engine reads its own dtype
-            raise TypeError(f"kv_cache: {k.dtype} pages are not read here (FlashInfer's float8 KV cache); convert them to "
-                            "q's dtype, or keep pages as int8 in qkv.paged.Int8Pages")  # fmt: skip
         if v.dtype != k.dtype or v.device != k.device:
             raise TypeError(f"kv_cache: keys and values in one dtype and device, got {k.dtype} on {k.device} and "
                             f"{v.dtype} on {v.device}")  # fmt: skip
         self.keys, self.values = k, v
         self.num_pages, self.page_size, self.kv_heads, self.head_dim = k.shape
         self.value_dim = self.head_dim
+        #: the dtype reads give (the engine computes in it): the pages' own, or q's for float8 pages
         self.dtype, self.device = k.dtype, k.device
+        if k.dtype.itemsize == 1:  # FlashInfer's float8 cache, read under a float16/bfloat16 q
+            if read_as is None or not read_as.is_floating_point or read_as.itemsize == 1:
+                raise TypeError(f"kv_cache: {k.dtype} pages are read under a float16, bfloat16, float32 or float64 q "
+                                f"(FlashInfer's float8 KV cache), got q of {read_as}")  # fmt: skip
+            self.dtype = read_as
         #: whether :meth:`blocks` gives views (each pool's pages one after the other) rather than copies
-        self.views = k.is_contiguous() and v.is_contiguous()
+        self.views = k.is_contiguous() and v.is_contiguous() and not self.converts
+
+    @property
+    def converts(self) -> bool:
+        """Whether reads convert the stored pages (float8) to :attr:`dtype`."""
+        return self.keys.dtype != self.dtype
 
     def range(self, p0: int, p1: int) -> tuple[Tensor, Tensor]:
-        """Pages ``p0 .. p1 - 1``: ``(K (n, P, g, d), V (n, P, g, e))``, views of the cache."""
-        return self.keys[p0:p1], self.values[p0:p1]
+        """Pages ``p0 .. p1 - 1``: ``(K (n, P, g, d), V (n, P, g, e))``, views of the cache (float8: converted)."""
+        return self._read(self.keys[p0:p1]), self._read(self.values[p0:p1])
 
     def blocks(self, p0: int, p1: int, S: int) -> tuple[Tensor, Tensor]:
         """Pages ``p0 .. p1 - 1`` as ``(p1 - p0) / S`` items of ``S`` pages: ``(K, V (items, g, S·P, d))``.
 
         Views in the tuple form (each pool's pages one after the other); a copy of these pages in
-        the single-tensor form, whose keys and values alternate page by page."""
+        the single-tensor form, whose keys and values alternate page by page, or of float8 pages."""
         def items(pool: Tensor) -> Tensor:
-            x = pool[p0:p1]
+            x = self._read(pool[p0:p1])
             return x.reshape(-1, S * x.shape[1], *x.shape[2:]).transpose(1, 2)
 
         return items(self.keys), items(self.values)
 
     def take(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Pages ``ids (n,)`` in that order (repeats allowed): ``(K, V)``, one copy of those pages."""
-        return self.keys.index_select(0, ids), self.values.index_select(0, ids)
+        return self._read(self.keys.index_select(0, ids)), self._read(self.values.index_select(0, ids))
+
+    def _read(self, x: Tensor) -> Tensor:
+        return x.to(self.dtype) if self.converts else x
 
     def write(self, page: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
         """Token ``n`` of ``k (n, g, d)``, ``v (n, g, e)`` into page ``page[n]`` at ``offset[n]``."""
         check_write(self, page.tolist(), offset.tolist(), k, v)
-        self.keys[page, offset] = k.to(self.dtype)
-        self.values[page, offset] = v.to(self.dtype)
+        self.keys[page, offset] = k.to(self.keys.dtype)
+        self.values[page, offset] = v.to(self.values.dtype)
 
     def copy_page(self, src: int, dst: int) -> None:
         """Page ``dst`` becomes a copy of page ``src`` (copy-on-write of a shared page)."""
@@ -106,14 +121,14 @@ def check_write(pages, page: list[int], offset: list[int], k: Tensor, v: Tensor)
         raise IndexError(f"offset: must lie in 0 .. {pages.page_size - 1} (the page size), got {min(offset)} .. {max(offset)}")
 
 
-def as_pages(kv_cache, kv_layout: str = "NHD"):
+def as_pages(kv_cache, kv_layout: str = "NHD", read_as: torch.dtype | None = None):
     """A store the paged engine reads (``take``, ``blocks``: ``Int8Pages``, ``LatentPages``, ``FloatPages``) as it is;
-    a FlashInfer tensor or tuple, in ``kv_layout``, as :class:`FloatPages`."""
+    a FlashInfer tensor or tuple, in ``kv_layout``, as :class:`FloatPages` (float8 pages read as ``read_as``)."""
     if hasattr(kv_cache, "take") and hasattr(kv_cache, "blocks"):
         if kv_layout != "NHD":
             raise ValueError(f"kv_layout: {kv_layout!r} names a tensor's layout; a {type(kv_cache).__name__} has its own")
         return kv_cache
-    return FloatPages(kv_cache, kv_layout)
+    return FloatPages(kv_cache, kv_layout, read_as)
 
 
 def empty(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, device) -> FloatPages:

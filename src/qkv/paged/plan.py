@@ -13,6 +13,8 @@ run and kept: the later layers pay only for their own keys and values.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Callable
 
 import torch
@@ -40,10 +42,11 @@ class PagedPlan:
 
     def run(self, q: Tensor, kv_cache, *, causal: bool = True, window_left: int = -1, logits_soft_cap: float = 0.0,
             sm_scale: float | None = None, sinks: Tensor | None = None, score_mod: Callable | None = None,
-            alibi_slopes: Tensor | None = None, return_lse: bool = False, kv_layout: str = "NHD"):  # fmt: skip
+            alibi_slopes: Tensor | None = None, return_lse: bool = False, kv_layout: str = "NHD",
+            k_scale: float | None = None, v_scale: float | None = None):  # fmt: skip
         """``out (T, h, e)``, or ``(out, lse (T, h))``: the attention of each request over its pages in ``kv_cache``
         (the arguments of :func:`qkv.paged_attention`)."""
-        pages = as_pages(kv_cache, kv_layout)
+        pages = as_pages(kv_cache, kv_layout, getattr(q, "dtype", None))
         check_q(q, pages)
         if q.shape[0] != self.total_q:
             raise ValueError(f"q: {q.shape[0]} query rows but the plan's qo_indptr ends at {self.total_q}")
@@ -53,8 +56,9 @@ class PagedPlan:
         if pages.device != self.table.indices.device:
             raise ValueError(f"kv_cache is on {pages.device} but the plan was made for {self.table.indices.device}")
         opts = options(q, causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                       alibi_slopes=alibi_slopes, score_mod=score_mod)  # fmt: skip
+                       alibi_slopes=alibi_slopes, score_mod=score_mod, k_scale=k_scale)  # fmt: skip
         sinks = _check_sinks(sinks, q.shape[1])
+        v_scale = _check_v_scale(v_scale)
 
         def forward() -> tuple[Tensor, Tensor]:
             out, lse = route(q, self.table, self.memo, pages, opts)
@@ -63,6 +67,8 @@ class PagedPlan:
                 total = torch.logaddexp(lse, sink)
                 out = (out.to(lse.dtype) * torch.exp(lse - total)[..., None]).to(out.dtype)
                 lse = total
+            if v_scale is not None:  # FlashInfer scales the output after its kernel; the lse is not scaled
+                out = (out.to(lse.dtype) * v_scale).to(out.dtype)
             return out, lse
 
         tracked = _tracked(q, pages, sinks, alibi_slopes)
@@ -114,6 +120,16 @@ def check_q(q: Tensor, pages) -> None:
         raise ValueError(f"q is on {q.device} but the cache is on {pages.device}")
     if q.dtype != pages.dtype:
         raise TypeError(f"q: dtype {q.dtype} but kv_cache computes in {pages.dtype}; give q the cache's dtype")
+
+
+def _check_v_scale(v_scale) -> float | None:
+    if v_scale is None:
+        return None
+    if isinstance(v_scale, bool) or not isinstance(v_scale, numbers.Real):
+        raise TypeError(f"v_scale: expected a number, got {type(v_scale).__name__}")
+    if not math.isfinite(v_scale):
+        raise ValueError(f"v_scale: expected a finite number or None, got {v_scale!r}")
+    return float(v_scale)
 
 
 def _check_sinks(sinks, h: int) -> Tensor | None:

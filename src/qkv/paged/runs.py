@@ -102,6 +102,8 @@ def _reader(pages, ranges: list[tuple[int, int]]):
     """``(run, first page, keys) -> (K (1, g, keys, d), V (1, g, keys, e))``: a run where it lies, or dequantised."""
     if isinstance(pages, FloatPages):
         view_k, view_v = _viewer(pages.keys), _viewer(pages.values)
+        if pages.converts:  # float8 pages: each run converted to q's dtype as it is read
+            return lambda n, first, keys: (view_k(first, keys).to(pages.dtype), view_v(first, keys).to(pages.dtype))
         return lambda n, first, keys: (view_k(first, keys), view_v(first, keys))
     dequantised = pages.runs(ranges)  # qkv.paged.Int8Pages: each run into reused buffers
 
