@@ -107,7 +107,12 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--json", action="store_true", help="print the curve as one JSON line at the end")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        curriculum(args)
+    except ValueError as error:  # a usage error, not a traceback
+        p.error(str(error))
+    return args
 
 
 @dataclass(frozen=True)
@@ -121,17 +126,24 @@ class Phase:
 
 
 def curriculum(args) -> list[Phase]:
-    """The phases: ``--seq-len`` sets their number; every other list has one value or one per phase."""
+    """The phases: ``--seq-len`` sets their number; every other list has one value or one per phase.
+
+    A list not given comes from the default curriculum: its own where ``--seq-len`` keeps the
+    default lengths, else per phase the default phase nearest in length, the first phase always
+    the default's first (where the recall circuit forms, so it gets the most steps).
+    """
     n = len(args.seq_len)
+    lengths = CURRICULUM["seq_len"]
+    nearest = [0] + [min(range(1, len(lengths)), key=lambda i: abs(math.log(lengths[i] / max(1, t))))
+                     for t in args.seq_len[1:]]  # fmt: skip
 
     def each(name: str, values):
-        given = values is not None
-        values = values if given else CURRICULUM[name]
+        if values is None:
+            return list(CURRICULUM[name]) if list(args.seq_len) == lengths else [CURRICULUM[name][i] for i in nearest]
         if len(values) == 1:
             return list(values) * n
         if len(values) != n:
-            hint = "" if given else f" (the default curriculum's; give --{name.replace('_', '-')} for your phases)"
-            raise ValueError(f"--{name}: expected 1 or {n} values (one per --seq-len), got {len(values)}{hint}")
+            raise ValueError(f"--{name.replace('_', '-')}: expected 1 or {n} values (one per --seq-len), got {len(values)}")
         return list(values)
 
     steps, batch, pairs = each("steps", args.steps), each("batch", args.batch), each("pairs", args.pairs)

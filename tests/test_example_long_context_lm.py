@@ -42,10 +42,21 @@ def test_curriculum_takes_one_value_per_phase_or_one_for_all():
     phases = example.curriculum(args)
     assert [(p.length, p.steps, p.batch, p.pairs, p.queries, p.train) for p in phases] == [
         (16, 5, 8, 2, 2, 40), (64, 5, 4, 4, 4, 20)]  # fmt: skip
-    with pytest.raises(ValueError, match=r"--batch: expected 1 or 2 values \(one per --seq-len\), got 3"):
-        example.curriculum(example.arguments(["--seq-len", "16", "64", "--steps", "5", "--batch", "8", "4", "2"]))
-    with pytest.raises(ValueError, match=r"--steps: .* got 5 \(the default curriculum's; give --steps"):
-        example.curriculum(example.arguments(["--seq-len", "16", "64"]))
+
+def test_a_list_of_the_wrong_length_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        _example().arguments(["--seq-len", "16", "64", "--steps", "5", "--batch", "8", "4", "2"])
+    assert "--batch: expected 1 or 2 values (one per --seq-len), got 3" in capsys.readouterr().err
+
+
+def test_lengths_alone_take_the_default_curriculum_phase_nearest_in_length():
+    """``--seq-len 64`` alone once failed (the default's five steps against one phase): the first phase takes the
+    default's first (where recall forms), each later one the default phase nearest in length."""
+    example = _example()
+    phases = example.curriculum(example.arguments(["--seq-len", "64", "1000", "8192"]))
+    assert [(p.length, p.steps, p.batch, p.pairs) for p in phases] == [(64, 600, 64, 4), (1000, 100, 8, 8), (8192, 30, 4, 8)]
+    default = example.curriculum(example.arguments([]))
+    assert [p.steps for p in default] == example.CURRICULUM["steps"]
 
 
 def test_learning_rate_warms_up_holds_through_the_first_phase_then_decays_to_a_tenth():
