@@ -22,7 +22,9 @@ Shape legend: ``R`` requests, ``h = 8`` query heads, ``g = 2`` KV heads, ``d = 6
   precision, as in serving): bytes per token against float32,
   and the step's time against the float32 paged step; its accuracy (next-token KL divergence
   and perplexity against float32) on the demo's word-stream language model, and on the
-  packaged SmolLM2-135M where installed.
+  packaged SmolLM2-135M where installed;
+* **float8** — the decoding step with bfloat16 queries over FlashInfer's float8 pages against
+  the same over bfloat16 pages.
 
 Every timed call starts from cold caches (``measure.Evict``), as a layer of a model finds its
 own cache: a step timed right after another over the same pages found them cached.
@@ -209,11 +211,32 @@ def _shared(cfg: dict, say) -> list:
              f"{t['shared'] * 1e3:.2f}", f"{t['not shared'] * 1e3:.2f}", f"{t['shared'] / t['not shared']:.2f}"]]  # fmt: skip
 
 
+def _float8(cfg: dict, say) -> list:
+    """The decoding step's requests with bfloat16 queries over bfloat16 pages, and over FlashInfer's float8 pages."""
+    lengths = _lengths(cfg, cfg["requests"], 0)
+    pool = Pool(lengths)
+    R = len(lengths)
+    q = torch.randn(R, H, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    k, v = pool.data[:, 0].contiguous(), pool.data[:, 1].contiguous()
+    half = Table((k.to(torch.bfloat16), v.to(torch.bfloat16)), pool.pages, lengths)
+    fp8 = Table((k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)), pool.pages, lengths)
+    with torch.no_grad():
+        t = interleaved({"bfloat16": lambda: half.attend(q, [1] * R), "float8": lambda: fp8.attend(q, [1] * R)},
+                        cfg["repeats"], before=evicting(cfg["cold"]))  # fmt: skip
+        exact = Table((k, v), pool.pages, lengths).attend(q.float(), [1] * R)
+        gap = {name: float((table.attend(q, [1] * R).float() - exact).abs().max()) for name, table in
+               (("bfloat16", half), ("float8", fp8))}  # fmt: skip
+    say(f"  float8: bfloat16 pages {t['bfloat16'] * 1e3:.2f} ms, float8 pages {t['float8'] * 1e3:.2f} ms")
+    return [[f"{R} requests, lengths {cfg['low']}–{cfg['high']}", f"{t['bfloat16'] * 1e3:.2f}", f"{t['float8'] * 1e3:.2f}",
+             f"{t['float8'] / t['bfloat16']:.2f}", f"{gap['bfloat16']:.1e}", f"{gap['float8']:.1e}"]]  # fmt: skip
+
+
 def section(quick: bool, say: Callable[[str], None]) -> str:
     cfg = QUICK if quick else FULL
     decode_rows, targets, decoded = _decode(cfg, say)
     mixed_rows = _mixed(cfg, say, targets)
     shared_rows = _shared(cfg, say)
+    float8_rows = _float8(cfg, say)
     latent = latent_lines(cfg, _lengths(cfg, cfg["requests"], 0), say)
     lines = ["## Serving: paged attention (`qkv bench --suite serving`)", "",
              f"h = {H}, KV heads = {G}, d = {D}, page size {P}, float32, no_grad; times are medians in ms, side by side"
@@ -236,6 +259,12 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     lines += ["### A shared prompt: pages stored once, attended once", ""]
     lines += table(["requests", "pages (shared)", "pages (not shared)", "step shared", "step not shared", "ratio"],
                    shared_rows) + [""]  # fmt: skip
+    lines += ["### Float8 pages: the decoding step in bfloat16, pages in FlashInfer's float8", "",
+              "The same step, bfloat16 queries over the pages in bfloat16 and in `float8_e4m3fn` (half the bytes per "
+              "token: 0.25 of float32's), converted to bfloat16 a tile at a time as they are read; largest difference "
+              "from the step in float32 over the float32 pages.", ""]  # fmt: skip
+    lines += table(["requests", "bfloat16 pages", "float8 pages", "float8 / bfloat16", "bfloat16: difference",
+                    "float8: difference"], float8_rows) + [""]  # fmt: skip
     lines += latent + [""]
     if cfg["accuracy"]:
         from .serving_accuracy import accuracy_lines
