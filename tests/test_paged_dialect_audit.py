@@ -445,3 +445,37 @@ def test_writes_into_float8_pages_round_to_them():
     K, V = pages.take(torch.tensor([1, 2]))
     assert K.dtype == torch.float32 and stored.dtype == torch.float8_e4m3fn
     assert torch.equal(K[0, 0], k[0].to(torch.float8_e4m3fn).float()) and torch.equal(V[1, 3], (2 * k[1]).to(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float64, torch.bfloat16])
+def test_a_paged_kv_cache_of_float8_pages_is_read_as_each_call_s_queries(query_dtype):
+    """``PagedKVCache(dtype=float8)``: tokens written are rounded to float8, and each call reads the pages as its
+    own q's dtype (float64 here: equal to the attention over the rounded tokens to 1e-12)."""
+    P, lengths = 4, {"a": 5, "b": 9}
+    cache = qkv.PagedKVCache(64, P, G, D, dtype=torch.float8_e4m3fn)
+    for r in lengths:
+        cache.add(r)
+    step = cache.plan(lengths)
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(14, G, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    cache.write(0, step, k, v)
+    q = torch.randn(14, H, D, generator=gen, dtype=torch.float64)
+    out = cache.attend(0, step, q.to(query_dtype))
+    assert out.dtype == query_dtype
+    k8, v8 = (x.to(torch.float8_e4m3fn).double() for x in (k, v))
+    want = []
+    for lo, n in ((0, 5), (5, 9)):
+        s = torch.einsum("thd,nhd->htn", q[lo : lo + n], k8[lo : lo + n].repeat_interleave(H // G, 1)) * D**-0.5
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        want.append(torch.einsum("htn,nhd->thd", s.softmax(-1), v8[lo : lo + n].repeat_interleave(H // G, 1)))
+    tol = 1e-12 if query_dtype == torch.float64 else 3e-2
+    assert torch.allclose(out.double(), torch.cat(want), atol=tol), (out.double() - torch.cat(want)).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["quantized", "latent"])
+def test_float8_is_refused_where_a_pool_dequantises_or_holds_latents(kind):
+    options = {"quantized": True} if kind == "quantized" else {"latent_dim": 4}
+    with pytest.raises(TypeError, match="float8 cache of keys and values"):
+        qkv.PagedKVCache(8, 4, 1, 8, dtype=torch.float8_e4m3fn, **options)
+    with pytest.raises(TypeError, match="16 bits or more"):
+        qkv.paged.Int8Pages(8, 4, 1, 8, dtype=torch.float8_e5m2)

@@ -27,6 +27,9 @@ With ``latent_dim=c`` (and ``kv_heads=1``, ``head_dim = c + r``) each layer's po
 latent ``[c^KV; k^R]`` per token, as multi-head latent attention caches it
 (``qkv.paged.LatentPages``): ``write`` takes the latents as ``k`` (and ``v``), ``attend`` returns
 ``(T, h, c + r)``, whose first ``c`` columns are the attention over the latents.
+
+With ``dtype=torch.float8_e4m3fn`` (or ``float8_e5m2``) the pools are FlashInfer's float8
+cache: ``write`` rounds each token to float8, ``attend`` reads the pages as the queries' dtype.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class PagedKVCache:
         self.layers = positive_int("layers", layers)
         positive_int("kv_heads", kv_heads)
         positive_int("head_dim", head_dim)
+        if isinstance(dtype, torch.dtype) and dtype.itemsize == 1 and (quantized or latent_dim is not None):
+            raise TypeError(f"dtype: {dtype} pages are FlashInfer's float8 cache of keys and values (read under a wider "
+                            "q); quantized= (int8) and latent_dim= (MLA) pools take float16, bfloat16, float32 or "
+                            "float64")  # fmt: skip
         if value_dim not in (None, head_dim):
             raise ValueError(f"value_dim: FlashInfer's layout holds keys and values of one size ({head_dim}), got {value_dim}")
         if latent_dim is not None:  # MLA: one latent [c^KV; k^R] per token, its first latent_dim the value

@@ -18,6 +18,8 @@ float16, bfloat16 and float32), never the whole cache at once.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -55,13 +57,23 @@ class FloatPages:
         self.value_dim = self.head_dim
         #: the dtype reads give (the engine computes in it): the pages' own, or q's for float8 pages
         self.dtype, self.device = k.dtype, k.device
-        if k.dtype.itemsize == 1:  # FlashInfer's float8 cache, read under a float16/bfloat16 q
-            if read_as is None or not read_as.is_floating_point or read_as.itemsize == 1:
-                raise TypeError(f"kv_cache: {k.dtype} pages are read under a float16, bfloat16, float32 or float64 q "
-                                f"(FlashInfer's float8 KV cache), got q of {read_as}")  # fmt: skip
-            self.dtype = read_as
         #: whether :meth:`blocks` gives views (each pool's pages one after the other) rather than copies
-        self.views = k.is_contiguous() and v.is_contiguous() and not self.converts
+        self.views = k.is_contiguous() and v.is_contiguous()
+        if k.dtype.itemsize == 1 and read_as is not None:  # FlashInfer's float8 cache, read under a wider q
+            self._read_as(read_as)
+
+    def reading(self, dtype: torch.dtype) -> FloatPages:
+        """These float8 pages (the same tensors) read as ``dtype``, a call's q's: each call gets its own reader."""
+        pages = copy.copy(self)
+        pages.dtype, pages.views = self.keys.dtype, self.keys.is_contiguous() and self.values.is_contiguous()
+        pages._read_as(dtype)
+        return pages
+
+    def _read_as(self, dtype) -> None:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize == 1:
+            raise TypeError(f"kv_cache: {self.keys.dtype} pages are read under a float16, bfloat16, float32 or float64 "
+                            f"q (FlashInfer's float8 KV cache), got q of {dtype}")  # fmt: skip
+        self.dtype, self.views = dtype, False  # reads are converted copies
 
     @property
     def converts(self) -> bool:
@@ -127,6 +139,8 @@ def as_pages(kv_cache, kv_layout: str = "NHD", read_as: torch.dtype | None = Non
     if hasattr(kv_cache, "take") and hasattr(kv_cache, "blocks"):
         if kv_layout != "NHD":
             raise ValueError(f"kv_layout: {kv_layout!r} names a tensor's layout; a {type(kv_cache).__name__} has its own")
+        if isinstance(kv_cache, FloatPages) and kv_cache.keys.dtype.itemsize == 1 and read_as is not None:
+            return kv_cache.reading(read_as)  # a PagedKVCache's float8 pool, read as this call's q
         return kv_cache
     return FloatPages(kv_cache, kv_layout, read_as)
 

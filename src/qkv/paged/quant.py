@@ -54,8 +54,8 @@ class Int8Pages:
         self.page_size = P = positive_int("page_size", page_size)
         self.kv_heads = g = positive_int("kv_heads", kv_heads)
         self.head_dim = self.value_dim = d = positive_int("head_dim", head_dim)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype: expected the floating-point dtype the pages dequantise to, got {dtype}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize == 1:
+            raise TypeError(f"dtype: expected the floating-point dtype the pages dequantise to (16 bits or more), got {dtype}")
         self.dtype, self.device = dtype, torch.device(device)
         # head-major, each head's pages one contiguous block (module docstring)
         self._keys = torch.zeros(g, num_pages, P, d, dtype=torch.int8, device=self.device)
