@@ -7,7 +7,7 @@
 See docs/DESIGN.md for the layers; every name exported here is public and stable.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError as _NotInstalled, version as _installed_version
 
 from . import approx, backends, blocks, cache, edits, masks, models, paged, positional, score_mods, scores, tasks, variants
 from .attention import Attention, MultiHeadAttention
@@ -26,8 +26,8 @@ from .varlen import pad_input, unpad_input, varlen_attention
 from .variants import DifferentialAttention, OutputGate, QKNorm, SigmoidAttention
 
 try:
-    __version__ = version("qkv")
-except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = _installed_version("qkv")
+except _NotInstalled:  # running from a source tree that is not installed
     __version__ = "0.0.0+source"
 
 __all__ = [
