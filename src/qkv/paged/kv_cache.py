@@ -57,6 +57,9 @@ class PagedKVCache:
         self.layers = positive_int("layers", layers)
         positive_int("kv_heads", kv_heads)
         positive_int("head_dim", head_dim)
+        if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:  # pages computed in it, not stored as it
+            raise TypeError(f"dtype: expected a floating-point dtype (for int8 pages: quantized=True with the dtype "
+                            f"they are read as), got {dtype}")  # fmt: skip
         if isinstance(dtype, torch.dtype) and dtype.itemsize == 1 and (quantized or latent_dim is not None):
             raise TypeError(f"dtype: {dtype} pages are FlashInfer's float8 cache of keys and values (read under a wider "
                             "q); quantized= (int8) and latent_dim= (MLA) pools take float16, bfloat16, float32 or "
@@ -168,9 +171,12 @@ class PagedKVCache:
                 raise ValueError(f"new_tokens[{r!r}]: expected a count >= 0, got {n!r}")
         needed = self.pages_needed(new_tokens)
         if needed > self._free:
+            whole = {r: -(-(self._length[r] + new_tokens[r]) // self.page_size) for r in requests}
+            never = [f"; {r!r} would hold {n} pages, more than the whole cache: make num_pages larger or the request "
+                     "shorter" for r, n in whole.items() if n > self.num_pages][:1]  # freeing others cannot help it
             raise RuntimeError(
                 f"PagedKVCache: this step needs {needed} more pages but {self._free} are free "
-                f"(of {self.num_pages}); free finished requests or make the cache larger"
+                f"(of {self.num_pages}){''.join(never) or '; free finished requests or make the cache larger'}"
             )
         page, offset, positions = [], [], []
         for r in requests:
@@ -278,7 +284,7 @@ class PagedKVCache:
 
     def _known(self, request: Hashable) -> Hashable:
         if request not in self._pages:
-            raise KeyError(f"request {request!r} is not in the cache (add it first)")
+            raise KeyError(f"request {request!r} is not in the cache (never added, or freed already)")
         return request
 
     def _own_last_page(self, request: Hashable) -> None:

@@ -12,9 +12,22 @@ consecutive pages where the pool has one: the attention reads it as one matrix),
 pages return to the pool the step it finishes, so a long request does not hold the others' memory and a short one leaves early
 (Yu et al. 2022, "Orca"; Kwon et al. 2023, vLLM).
 
-    done = qkv.paged.serve(model, [Request("a", prompt_a, 20), Request("b", prompt_b, 5, arrival=3)], cache)
+    from qkv.paged.serve import Request, serve
+
+    done = serve(model, [Request("a", prompt_a, 20), Request("b", prompt_b, 5, arrival=3)], cache)
 
 Greedy decoding gives each request the tokens ``model.generate`` gives it alone (tested).
+A server of its own (requests cancelled, forked from a system prompt, admitted as they come)
+plans each step on the cache and runs the model on it through :class:`PagedStep`:
+
+    from qkv.paged.serve import PagedStep
+
+    cache.add("a")
+    cache.add("b")
+    step = cache.plan({"a": len(prompt_a), "b": len(prompt_b)})  # each request's new tokens: here its prompt
+    ids = torch.cat([prompt_a, prompt_b])[None]  # (1, T), in step.requests' order
+    logits = model(ids, cache=PagedStep(cache, step))[0]  # (T, V)
+    next_tokens = logits[step.qo_indptr[1:] - 1].argmax(-1)  # (R,) each request's last row
 """
 
 from __future__ import annotations
@@ -25,7 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..models.lm import CausalLM
 from .kv_cache import PagedKVCache, Step
+from .quant import Int8Pages
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,9 @@ class PagedLayer:
     def attend(self, q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
         """``q (1, h, T, d)``, the step's new ``k, v (1, g, T, d)`` -> ``(1, h, T, e)``; ``options`` go to
         ``qkv.paged_attention`` (``sm_scale``, ...)."""
+        if q.shape[0] != 1:  # the step's table has one row of tokens: row 0 alone would be written and attended
+            raise ValueError(f"ids: a paged step runs one packed row (1, T), every request's new tokens end to end "
+                             f"in step.requests' order, got {q.shape[0]} rows")  # fmt: skip
         self.cache.write(self.layer, self.step, k[0].transpose(0, 1), v[0].transpose(0, 1))
         out = self.cache.attend(self.layer, self.step, q[0].transpose(0, 1), **options)  # (T, h, e)
         return out.transpose(0, 1)[None]
@@ -89,12 +107,14 @@ def serve(model, requests: list[Request], cache: PagedKVCache, *, eos_id: int | 
 
     ``model`` is a :class:`qkv.models.CausalLM` (rotary, learned, sinusoidal or no positions;
     or ``attention="latent"``, whose latents fit ``qkv.PagedKVCache(..., latent_dim=c)``);
-    ``cache`` a :class:`qkv.PagedKVCache` with one layer per model layer. A request stops
-    after ``max_new_tokens`` or at ``eos_id``. Requests wait (in arrival order) while the
-    pool lacks the pages for their prompt.
+    ``cache`` a :class:`qkv.PagedKVCache` with one layer per model layer, of the model's KV heads,
+    head size and dtype (or a float8 dtype, read as the model's). A request stops after
+    ``max_new_tokens`` or at ``eos_id``. Requests wait (in arrival order) while the pool lacks
+    the pages for their whole length (prompt and ``max_new_tokens``: admission reserves it, so
+    no running request is ever evicted). Model, cache and every request are checked before the
+    first step: a request that can never run raises before the others have run.
     """
-    if cache.layers != len(model.blocks.layers):
-        raise ValueError(f"cache: expected {len(model.blocks.layers)} layers (the model's), got {cache.layers}")
+    _check(model, cache, requests)
     names = [r.name for r in requests]
     if len(set(names)) != len(names):
         raise ValueError("requests: names must be distinct")
@@ -151,6 +171,38 @@ def _serve(model, waiting: list[Request], running: dict, cache: PagedKVCache, eo
     return done
 
 
+def _check(model, cache: PagedKVCache, requests: list[Request]) -> None:
+    """Errors a caller can act on, before any step: else the first layer's attention raises about ``q`` (which
+    the caller never sees), or a request that can never run raises once the others have run, their tokens lost."""
+    if not isinstance(model, CausalLM):
+        raise TypeError("model: expected a qkv.models.CausalLM (a transformers model runs continuous batching as "
+                        "qkv.integrations.transformers_serving.for_continuous_batching(model).generate_batch(...)), "
+                        f"got {type(model).__name__}")  # fmt: skip
+    c, pages = model.config, cache.pools[0]
+    if cache.layers != c.layers:
+        raise ValueError(f"cache: expected {c.layers} layers (the model's), got {cache.layers}")
+    want = model.out.weight.dtype  # the dtype of its queries, keys and values
+    if pages.dtype != want and pages.dtype.itemsize > 1:  # float8 pages are read as the queries' dtype
+        quantized = ", quantized=True" if isinstance(pages, Int8Pages) else ""
+        raise TypeError(f"cache: computes in {pages.dtype} but the model in {want}: make it qkv.PagedKVCache(..., "
+                        f"dtype={want}{quantized}), a float8 cache, or call model.to({pages.dtype})")  # fmt: skip
+    if c.attention == "multi_head":  # latent attention's pool is checked by its own writes
+        shape, got = (c.kv_heads or c.heads, c.dim // c.heads), (pages.kv_heads, pages.head_dim)
+        if got != shape:
+            raise ValueError(f"cache: expected kv_heads={shape[0]}, head_dim={shape[1]} (the model's), "
+                             f"got kv_heads={got[0]}, head_dim={got[1]}")  # fmt: skip
+    for r in requests:
+        n, i = r.pages(cache.page_size), r.prompt.numel()
+        if n > cache.num_pages:
+            raise ValueError(f"request {r.name!r}: {r.length} tokens (prompt {i} + max_new_tokens {r.max_new_tokens}) "
+                             f"take {n} pages of {cache.page_size}, more than the cache's {cache.num_pages}: make "
+                             "num_pages larger or the request shorter")  # fmt: skip
+        if c.positional == "learned" and r.length - 1 > c.max_len:  # the last token is never fed back
+            raise ValueError(f"request {r.name!r}: prompt {i} + max_new_tokens {r.max_new_tokens} feed the model "
+                             f"{r.length - 1} positions (every token but the last), more than max_len={c.max_len} of "
+                             "its learned positions")  # fmt: skip
+
+
 def _fits(cache: PagedKVCache, final: dict, request: Request) -> bool:
     """Whether the pool holds ``request``'s pages to its last token, after every running request's growth.
 
@@ -158,8 +210,6 @@ def _fits(cache: PagedKVCache, final: dict, request: Request) -> bool:
     never runs out of pages and no running request has to be evicted.
     """
     P = cache.page_size
-    whole = request.pages(P)
-    if whole > cache.num_pages:
-        raise ValueError(f"request {request.name!r}: it needs {whole} pages, more than the cache's {cache.num_pages}")
+    whole = request.pages(P)  # at most num_pages: _check refused longer requests
     growth = sum(-(-n // P) - (len(cache.pages_of(name)) if name in cache.requests else 0) for name, n in final.items())
     return growth + whole <= cache.free_pages
