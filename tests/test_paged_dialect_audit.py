@@ -479,3 +479,19 @@ def test_float8_is_refused_where_a_pool_dequantises_or_holds_latents(kind):
         qkv.PagedKVCache(8, 4, 1, 8, dtype=torch.float8_e4m3fn, **options)
     with pytest.raises(TypeError, match="16 bits or more"):
         qkv.paged.Int8Pages(8, 4, 1, 8, dtype=torch.float8_e5m2)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_a_value_beyond_float8_s_range_is_saturated_when_written(fp8):
+    """``float8_e5m2`` overflows to inf (every output it reached was nan); a write saturates it to the format's
+    largest, as PyTorch's ``float8_e4m3fn`` conversion does; a nan stays nan."""
+    cache = qkv.PagedKVCache(4, 4, 1, 8, dtype=fp8)
+    cache.add("a")
+    step = cache.plan({"a": 3})
+    k = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(0))
+    k[1, 0, 0], k[2, 0, 1] = 1e6, -1e6
+    cache.write(0, step, k, k.clone())
+    keys = cache.layer(0)[0][cache.pages_of("a")[0]].float()  # (P, g, d) of FlashInfer's tuple form
+    top = torch.finfo(fp8).max
+    assert keys[1, 0, 0] == top and keys[2, 0, 1] == -top
+    assert not cache.attend(0, step, torch.randn(3, 2, 8)).isnan().any()

@@ -103,10 +103,14 @@ class FloatPages:
         return x.to(self.dtype) if self.converts else x
 
     def write(self, page: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
-        """Token ``n`` of ``k (n, g, d)``, ``v (n, g, e)`` into page ``page[n]`` at ``offset[n]``."""
+        """Token ``n`` of ``k (n, g, d)``, ``v (n, g, e)`` into page ``page[n]`` at ``offset[n]``.
+
+        Into float8 pages a value beyond the format's range is saturated to its largest, as PyTorch's
+        ``float8_e4m3fn`` conversion does (``float8_e5m2``'s would make it inf, and every output it
+        reaches nan); a nan stays nan."""
         check_write(self, page.tolist(), offset.tolist(), k, v)
-        self.keys[page, offset] = k.to(self.keys.dtype)
-        self.values[page, offset] = v.to(self.values.dtype)
+        self.keys[page, offset] = _stored(k, self.keys.dtype)
+        self.values[page, offset] = _stored(v, self.values.dtype)
 
     def copy_page(self, src: int, dst: int) -> None:
         """Page ``dst`` becomes a copy of page ``src`` (copy-on-write of a shared page)."""
@@ -116,6 +120,13 @@ class FloatPages:
     @property
     def nbytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
+
+
+def _stored(x: Tensor, dtype: torch.dtype) -> Tensor:
+    if dtype.itemsize == 1:  # float8: saturate rather than overflow
+        top = torch.finfo(dtype).max
+        x = x.clamp(-top, top)
+    return x.to(dtype)
 
 
 def check_write(pages, page: list[int], offset: list[int], k: Tensor, v: Tensor) -> None:
