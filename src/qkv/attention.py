@@ -75,6 +75,13 @@ class Attention(nn.Module):
         #: interpretability: ``mha.attention.edits = [qkv.edits.AblateHeads([2])]``.
         self.edits = None
 
+    @classmethod
+    def from_keras(cls, layer) -> Attention:
+        """Keras' ``Attention`` or ``AdditiveAttention`` with its weights (see ``qkv.interop_keras``)."""
+        from .interop_keras import from_keras
+
+        return from_keras(cls, layer)
+
     def forward(
         self,
         query: Tensor,
@@ -250,6 +257,13 @@ class MultiHeadAttention(nn.Module):
 
         return from_torch(cls, module)
 
+    @classmethod
+    def from_keras(cls, layer) -> MultiHeadAttention:
+        """Keras' ``MultiHeadAttention`` or ``GroupQueryAttention`` with its weights (see ``qkv.interop_keras``)."""
+        from .interop_keras import from_keras
+
+        return from_keras(cls, layer)
+
     def forward(
         self,
         query: Tensor,
@@ -308,9 +322,9 @@ class MultiHeadAttention(nn.Module):
         if not self.batch_first:  # (length, b, dim) -> (b, length, dim): views, one per distinct input
             query, key, value = batch_first(query, key, value)
         check_input("query", query, self.q_proj)
-        if key is not query:  # self-attention (the decoding step) checks its one input once
+        if key is not query or self.k_proj.in_features != self.q_proj.in_features:  # else one input, checked once
             check_input("key", key, self.k_proj)
-        if value is not key:
+        if value is not key or self.v_proj.in_features != self.k_proj.in_features:
             check_input("value", value, self.v_proj)
         if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
             raise ValueError(

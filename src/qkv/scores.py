@@ -25,6 +25,11 @@ concat         vᵀ tanh(W_q q + W_k k)  (additive)  :class:`Additive`
 location       (W_a q)_j   (query alone)           :class:`Location`
 =============  ==================================  ===========================
 
+Keras' layers add two without projections (``qkv.interop_keras`` copies them):
+:class:`LearnedScaleDot` (``s·qᵀk``, a learned scalar ``s``: ``Attention(use_scale=True)``) and
+:class:`TanhSum` (``Σ_c w_c tanh(s·(q_c + k_c))``: ``AdditiveAttention`` and
+``Attention(score_mode="concat")``).
+
 ``vᵀ tanh(W[q; k]) = vᵀ tanh(W_q q + W_k k)`` with ``W = [W_q  W_k]``, so Bahdanau's MLP
 score and Luong's "concat" are the same class. Checked against the literal formulas in
 the test suite, and by gradcheck through the modules.
@@ -213,6 +218,72 @@ class Location(Score):
 
     def extra_repr(self) -> str:
         return f"query_dim={self.proj.in_features}, max_len={self.max_len}"
+
+
+class LearnedScaleDot(Dot):
+    """``score(q, k) = s · qᵀk`` with a learned scalar ``s`` (Keras' ``Attention(use_scale=True)``).
+
+    ``prepare`` scales ``q``, so the score stays a dot product that fused kernels run.
+    """
+
+    name = "learned_scale_dot"
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(float(scale)))
+
+    def prepare(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return q * self.scale.to(q.dtype), k
+
+
+class TanhSum(Score):
+    """``score(q, k) = Σ_c w_c · tanh(s · (q_c + k_c))`` over the channels ``c`` of ``q`` and ``k``.
+
+    Keras' additive scores, with no projection: ``AdditiveAttention`` has a learned
+    ``w (d,)`` (``use_scale``, else ``w = 1``); ``Attention(score_mode="concat")`` a learned
+    scalar ``w`` and, with ``use_scale``, a learned scalar ``s`` (else ``s = 1``).
+    ``qkv.scores.Additive`` with ``W_q = W_k = s·I`` and ``v = w`` computes the same with
+    ``d × d`` matrices where these are scalars.
+
+    Args:
+        size: the channels ``d`` of ``q`` and ``k``.
+        weight: ``"vector"`` (a learned ``w (d,)``), ``"scalar"`` (one learned ``w``) or
+            None (``w = 1``).
+        scale: a learned scalar ``s`` (else ``s = 1``).
+    """
+
+    name = "tanh_sum"
+
+    def __init__(self, size: int, *, weight: str | None = "vector", scale: bool = False):
+        super().__init__()
+        if weight not in ("vector", "scalar", None):
+            raise ValueError(f"weight: expected 'vector', 'scalar' or None, got {weight!r}")
+        self.size = _positive("size", size)
+        self.weight = None if weight is None else nn.Parameter(torch.ones(size if weight == "vector" else ()))
+        self.scale = nn.Parameter(torch.tensor(1.0)) if scale else None
+        self.pair_width = size  # pairwise builds (it, jt, d)
+
+    def check(self, q: Tensor, k: Tensor) -> None:
+        for arg, x in (("q", q), ("k", k)):
+            if x.shape[-1] != self.size:
+                raise ValueError(f"{arg}: expected last dim {self.size} for this score, got {x.shape[-1]}")
+
+    def prepare(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        if self.scale is None:
+            return q, k
+        s = self.scale.to(q.dtype)
+        return q * s, k * s
+
+    def pairwise(self, qp: Tensor, kp: Tensor, tile: Tile) -> Tensor:
+        t = torch.tanh(qp.unsqueeze(-2) + kp.unsqueeze(-3))  # (..., it, jt, d)
+        if self.weight is None:
+            return t.sum(-1)
+        w = self.weight.to(qp.dtype)
+        return t @ w if w.dim() else w * t.sum(-1)  # Keras: the scalar multiplies the sum
+
+    def extra_repr(self) -> str:
+        weight = None if self.weight is None else ("vector" if self.weight.dim() else "scalar")
+        return f"size={self.size}, weight={weight!r}, scale={self.scale is not None}"
 
 
 # Names users may pass as score="..."; the learned ones need sizes, see ``make``.
