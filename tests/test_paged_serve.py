@@ -90,13 +90,13 @@ def test_an_error_mid_run_leaves_no_request_holding_pages_and_a_pool_held_by_oth
     torch.manual_seed(0)
     model = CausalLM(LMConfig(vocab=20, dim=8, heads=2, layers=1, positional="rotary")).double().eval()
     cache = qkv.PagedKVCache(4, 4, 2, 4, layers=1, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"ids: expected token ids in \[0, 20\)"):
+    with pytest.raises(ValueError, match=r"request 'x': prompt: expected token ids in \[0, 20\)"):  # before any step
         serve(model, [Request("ok", torch.tensor([1, 2]), 2), Request("x", torch.tensor([1, 2, 99]), 5)], cache)
     assert cache.requests == [] and cache.used_pages == 0
     cache.add("elsewhere")
     cache.reserve("elsewhere", 8)  # two of the four pages, held by a request serve does not run
     with pytest.raises(RuntimeError, match="request 'y' needs 3 pages but only 2 of 4 are free, and no request of this "
-                                           r"call is running to free more; the cache's other requests \(\['elsewhere'\]\)"):  # fmt: skip
+                                           r"server is running to free more; the cache's other requests \(\['elsewhere'\]\)"):  # fmt: skip
         serve(model, [Request("y", torch.tensor([1, 2, 3]), 9, arrival=5)], cache)
     assert cache.requests == ["elsewhere"]
     with pytest.raises(ValueError, match=r"requests: \['elsewhere'\] are already in the cache"):

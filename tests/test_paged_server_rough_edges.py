@@ -58,12 +58,13 @@ def test_the_serve_module_docstring_examples_run():
     """``qkv.paged.serve(model, ...)`` named the module (not callable); a hand-written step had no example."""
     model, gen = _model(), torch.Generator().manual_seed(1)
     names = dict(torch=torch, model=model, cache=_cache(), prompt_a=torch.randint(40, (6,), generator=gen),
-                 prompt_b=torch.randint(40, (3,), generator=gen))  # fmt: skip
+                 prompt_b=torch.randint(40, (3,), generator=gen), eos=None)  # fmt: skip
     examples = _examples(serve_module.__doc__)
-    assert len(examples) == 2
+    assert len(examples) == 3  # serve, a Server's loop, a step written by hand
     for code in examples:
         exec(code, names)
     assert torch.equal(names["done"]["b"], model.generate(names["prompt_b"][None], 5)[0])
+    assert torch.equal(names["server"].done["a"], model.generate(names["prompt_a"][None], 20)[0])
     assert names["next_tokens"].shape == (2,)  # the hand-written step: one next token per request
 
 
@@ -136,7 +137,7 @@ def test_serve_checks_every_request_before_running_any():
     model = _model()
     calls = _counting(model)
     early = Request("early", torch.arange(5), 20)
-    late = Request("late", torch.arange(70), 3, arrival=10)  # 73 tokens: 19 pages of 4, the cache has 16
+    late = Request("late", torch.arange(70) % 40, 3, arrival=10)  # 73 tokens: 19 pages of 4, the cache has 16
     with pytest.raises(ValueError, match=r"request 'late': 73 tokens .* 19 pages of 4, more than the cache's 16: make "
                                          r"num_pages larger"):  # fmt: skip
         serve(model, [early, late], _cache())

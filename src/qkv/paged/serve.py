@@ -17,8 +17,21 @@ pages return to the pool the step it finishes, so a long request does not hold t
     done = serve(model, [Request("a", prompt_a, 20), Request("b", prompt_b, 5, arrival=3)], cache)
 
 Greedy decoding gives each request the tokens ``model.generate`` gives it alone (tested).
-A server of its own (requests cancelled, forked from a system prompt, admitted as they come)
-plans each step on the cache and runs the model on it through :class:`PagedStep`:
+:func:`serve` takes every request up front (each with the step it arrives at) and returns
+when all are done. A server's own loop, which admits requests as they come, streams their
+tokens and cancels them, runs a :class:`Server` a step at a time:
+
+    from qkv.paged.serve import Server
+
+    server = Server(model, cache, eos_id=eos)
+    server.add(Request("a", prompt_a, 20))
+    while server.busy:
+        for name, token in server.step().items():   # one forward pass: each running request's next token
+            ...                                       # stream it; server.add(...) or server.cancel(name) between steps
+    server.done                                       # {name: prompt and its tokens} of every finished request
+
+Under both, a step is one call of the model on a :class:`PagedStep`, which a loop written by
+hand runs the same way (``ids (1, T)``: every request's new tokens in ``step.requests``' order):
 
     from qkv.paged.serve import PagedStep
 
@@ -38,6 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..models.checks import check_ids
 from ..models.lm import CausalLM
 from .kv_cache import PagedKVCache, Step
 from .quant import Int8Pages
@@ -101,6 +115,115 @@ class PagedStep:
         self.self_attn = [PagedLayer(cache, n, step) for n in range(cache.layers)]
 
 
+class Server:
+    """Continuous batching a step at a time: requests join whenever they are added and leave when done or cancelled.
+
+    ``model`` and ``cache`` as for :func:`serve`. :meth:`add` queues a request (its ``arrival``
+    is :func:`serve`'s clock, not read here); :meth:`step` admits queued requests, in the order
+    added, while the pool has pages for their whole length (prompt and ``max_new_tokens``:
+    admission reserves them, so no running request is ever evicted), runs the model once over
+    every running request and returns each one's next greedy token; a request that reaches
+    ``max_new_tokens`` or ``eos_id`` moves to :attr:`done` (``{name: prompt and tokens (i + n,)}``)
+    and its pages return to the pool. :meth:`cancel` stops a request at once. A name stays
+    taken while its request waits, runs or sits in :attr:`done` (``done.pop(name)`` frees it).
+    """
+
+    def __init__(self, model, cache: PagedKVCache, *, eos_id: int | None = None):
+        _check_model(model, cache)
+        self.model, self.cache, self.eos_id = model, cache, eos_id
+        self.waiting: list[Request] = []  # added, not yet admitted: in the order added
+        self.done: dict[Hashable, Tensor] = {}
+        self._tokens: dict[Hashable, list[int]] = {}  # running: its tokens so far, prompt included
+        self._left: dict[Hashable, int] = {}  # running: tokens still to generate
+        self._final: dict[Hashable, int] = {}  # running: its length when done, pages reserved up to it
+
+    @property
+    def running(self) -> list:
+        """The admitted requests' names, in the order admitted."""
+        return list(self._tokens)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request waits or runs: :meth:`step` has work."""
+        return bool(self.waiting or self._tokens)
+
+    def add(self, request: Request) -> None:
+        """Queue ``request``; checked now (its length against the cache, its token ids against the model)."""
+        if not isinstance(request, Request):
+            raise TypeError(f"request: expected a qkv.paged.serve.Request, got {type(request).__name__}")
+        _check_request(self.model, self.cache, request)
+        name = request.name
+        if name in self._tokens or name in self.done or any(r.name == name for r in self.waiting):
+            raise ValueError(f"request {name!r}: a request of this name is waiting, running or in server.done "
+                             "(done.pop(name) frees the name)")  # fmt: skip
+        if name in self.cache.requests:
+            raise ValueError(f"request {name!r} is already in the cache; the server adds each request itself")
+        self.waiting.append(request)
+
+    def cancel(self, name: Hashable) -> Tensor | None:
+        """Stop request ``name``: a waiting one leaves the queue (None); a running one returns its tokens so far
+        (prompt included, ``(i + n,)``) and its pages go back to the pool now."""
+        for n, r in enumerate(self.waiting):
+            if r.name == name:
+                del self.waiting[n]
+                return None
+        if name not in self._tokens:
+            raise KeyError(f"request {name!r} is neither waiting nor running")
+        tokens = self._tokens.pop(name)
+        del self._left[name], self._final[name]
+        self.cache.free(name)
+        return torch.tensor(tokens)
+
+    @torch.no_grad()
+    def step(self) -> dict:
+        """``{name: token}``: one forward pass, every running request's next greedy token (requests admitted first).
+
+        ``{}`` when nothing waits or runs. A request that has been added but can never be
+        admitted (nothing runs to free pages, and the cache's other requests hold them) raises
+        ``RuntimeError`` and stays queued. If the model raises, the step's requests cannot go on
+        (their step was planned, its keys never written): every running request is cancelled,
+        and the error propagates.
+        """
+        cache = self.cache
+        new: dict[Hashable, int] = {name: 1 for name in self._tokens}
+        tokens: dict[Hashable, list[int]] = {name: seq[-1:] for name, seq in self._tokens.items()}
+        while self.waiting and _fits(cache, self._final, self.waiting[0]):
+            r = self.waiting.pop(0)
+            self._tokens[r.name] = r.prompt.tolist()
+            cache.add(r.name)
+            cache.reserve(r.name, r.length)  # its whole length, as one run of pages
+            self._left[r.name], self._final[r.name] = r.max_new_tokens, r.length
+            new[r.name], tokens[r.name] = len(self._tokens[r.name]), self._tokens[r.name]
+        if not new:
+            if self.waiting:  # nothing runs, and the pool still lacks the first request's pages
+                r = self.waiting[0]
+                raise RuntimeError(
+                    f"request {r.name!r} needs {r.pages(cache.page_size)} pages but only {cache.free_pages} of "
+                    f"{cache.num_pages} are free, and no request of this server is running to free more; the "
+                    f"cache's other requests ({list(cache.requests)[:4]}) hold the rest: free them first"
+                )  # fmt: skip
+            return {}
+        try:
+            step = cache.plan(new)
+            ids = torch.tensor([t for name in step.requests for t in tokens[name]], device=cache.device)[None]
+            logits = self.model(ids, cache=PagedStep(cache, step))[0]  # (T, V)
+        except BaseException:
+            for name in self.running:
+                self.cancel(name)
+            raise
+        picks = logits.index_select(0, step.qo_indptr[1:] - 1).argmax(-1).tolist()
+        out = {}
+        for name, token in zip(step.requests, picks):
+            self._tokens[name].append(token)
+            self._left[name] -= 1
+            out[name] = token
+            if self._left[name] == 0 or token == self.eos_id:
+                self.done[name] = torch.tensor(self._tokens.pop(name))  # eos included, when it stopped the request
+                del self._left[name], self._final[name]
+                cache.free(name)  # its pages go back now
+        return out
+
+
 @torch.no_grad()
 def serve(model, requests: list[Request], cache: PagedKVCache, *, eos_id: int | None = None) -> dict:
     """``{name: prompt followed by its greedy tokens (i + n,)}`` for every request, run with continuous batching.
@@ -108,72 +231,44 @@ def serve(model, requests: list[Request], cache: PagedKVCache, *, eos_id: int | 
     ``model`` is a :class:`qkv.models.CausalLM` (rotary, learned, sinusoidal or no positions;
     or ``attention="latent"``, whose latents fit ``qkv.PagedKVCache(..., latent_dim=c)``);
     ``cache`` a :class:`qkv.PagedKVCache` with one layer per model layer, of the model's KV heads,
-    head size and dtype (or a float8 dtype, read as the model's). A request stops after
-    ``max_new_tokens`` or at ``eos_id``. Requests wait (in arrival order) while the pool lacks
-    the pages for their whole length (prompt and ``max_new_tokens``: admission reserves it, so
-    no running request is ever evicted). Model, cache and every request are checked before the
-    first step: a request that can never run raises before the others have run.
+    head size and dtype (or a float8 dtype, read as the model's). Request ``r`` joins at step
+    ``r.arrival`` (a :class:`Server` step is one forward pass); it stops after
+    ``max_new_tokens`` or at ``eos_id`` (which its tokens then end with). Requests wait (in
+    arrival order) while the pool lacks the pages for their whole length (prompt and
+    ``max_new_tokens``: admission reserves it, so no running request is ever evicted). Model,
+    cache and every request are checked before the first step: a request that can never run
+    raises before the others have run.
     """
-    _check(model, cache, requests)
+    _check_model(model, cache)
+    for r in requests:
+        _check_request(model, cache, r)
     names = [r.name for r in requests]
     if len(set(names)) != len(names):
         raise ValueError("requests: names must be distinct")
     held = [name for name in names if name in cache.requests]
     if held:
         raise ValueError(f"requests: {held[:4]} are already in the cache; serve adds each request itself")
-    waiting = sorted(requests, key=lambda r: r.arrival)
-    running: dict[Hashable, list[int]] = {}  # name -> its tokens so far
-    try:
-        return _serve(model, waiting, running, cache, eos_id)
-    finally:  # an error (a bad token id, a full pool) leaves no request of this call holding pages
-        for name in running:
-            if name in cache.requests:
-                cache.free(name)
-
-
-def _serve(model, waiting: list[Request], running: dict, cache: PagedKVCache, eos_id: int | None) -> dict:
-    left: dict[Hashable, int] = {}  # name -> tokens still to generate
-    final: dict[Hashable, int] = {}  # name -> its length when done: pages reserved up to it
-    done: dict[Hashable, Tensor] = {}
+    server = Server(model, cache, eos_id=eos_id)
+    pending = sorted(requests, key=lambda r: r.arrival)
     clock = 0
-    while waiting or running:
-        new: dict[Hashable, int] = {name: 1 for name in running}
-        tokens: dict[Hashable, list[int]] = {name: seq[-1:] for name, seq in running.items()}
-        while waiting and waiting[0].arrival <= clock and _fits(cache, final, waiting[0]):
-            r = waiting.pop(0)
-            running[r.name] = r.prompt.tolist()
-            cache.add(r.name)
-            cache.reserve(r.name, r.length)  # its whole length, as one run of pages
-            left[r.name], final[r.name] = r.max_new_tokens, r.length
-            new[r.name], tokens[r.name] = len(running[r.name]), running[r.name]
-        if not new:
-            r = waiting[0]
-            if r.arrival <= clock:  # it has arrived, nothing runs, and the pool still lacks its pages
-                raise RuntimeError(
-                    f"request {r.name!r} needs {r.pages(cache.page_size)} pages but only {cache.free_pages} of {cache.num_pages} are free, "
-                    f"and no request of this call is running to free more; the cache's other requests "
-                    f"({list(cache.requests)[:4]}) hold the rest: free them first"
-                )
-            clock = r.arrival  # nothing has arrived yet
-            continue
-        step = cache.plan(new)
-        ids = torch.tensor([t for name in step.requests for t in tokens[name]], device=cache.device)[None]
-        logits = model(ids, cache=PagedStep(cache, step))[0]  # (T, V)
-        picks = logits.index_select(0, step.qo_indptr[1:] - 1).argmax(-1).tolist()
-        for name, token in zip(step.requests, picks):
-            running[name].append(token)
-            left[name] -= 1
-            if left[name] == 0 or token == eos_id:
-                done[name] = torch.tensor(running.pop(name))
-                del left[name], final[name]
-                cache.free(name)  # its pages go back now
-        clock += 1
-    return done
+    try:
+        while pending or server.busy:
+            while pending and pending[0].arrival <= clock:
+                server.add(pending.pop(0))
+            if not server.busy:  # nothing has arrived yet
+                clock = pending[0].arrival
+                continue
+            server.step()
+            clock += 1
+    finally:  # an error leaves no request of this call holding pages
+        for name in server.running:
+            server.cancel(name)
+    return server.done
 
 
-def _check(model, cache: PagedKVCache, requests: list[Request]) -> None:
+def _check_model(model, cache: PagedKVCache) -> None:
     """Errors a caller can act on, before any step: else the first layer's attention raises about ``q`` (which
-    the caller never sees), or a request that can never run raises once the others have run, their tokens lost."""
+    the caller never sees)."""
     if not isinstance(model, CausalLM):
         raise TypeError("model: expected a qkv.models.CausalLM (a transformers model runs continuous batching as "
                         "qkv.integrations.transformers_serving.for_continuous_batching(model).generate_batch(...)), "
@@ -191,16 +286,21 @@ def _check(model, cache: PagedKVCache, requests: list[Request]) -> None:
         if got != shape:
             raise ValueError(f"cache: expected kv_heads={shape[0]}, head_dim={shape[1]} (the model's), "
                              f"got kv_heads={got[0]}, head_dim={got[1]}")  # fmt: skip
-    for r in requests:
-        n, i = r.pages(cache.page_size), r.prompt.numel()
-        if n > cache.num_pages:
-            raise ValueError(f"request {r.name!r}: {r.length} tokens (prompt {i} + max_new_tokens {r.max_new_tokens}) "
-                             f"take {n} pages of {cache.page_size}, more than the cache's {cache.num_pages}: make "
-                             "num_pages larger or the request shorter")  # fmt: skip
-        if c.positional == "learned" and r.length - 1 > c.max_len:  # the last token is never fed back
-            raise ValueError(f"request {r.name!r}: prompt {i} + max_new_tokens {r.max_new_tokens} feed the model "
-                             f"{r.length - 1} positions (every token but the last), more than max_len={c.max_len} of "
-                             "its learned positions")  # fmt: skip
+
+
+def _check_request(model, cache: PagedKVCache, r: Request) -> None:
+    """A request that can never run, refused before any step: else it raises once others have run, their tokens lost."""
+    c = model.config
+    check_ids(f"request {r.name!r}: prompt", r.prompt, c.vocab, dims=1)
+    n, i = r.pages(cache.page_size), r.prompt.numel()
+    if n > cache.num_pages:
+        raise ValueError(f"request {r.name!r}: {r.length} tokens (prompt {i} + max_new_tokens {r.max_new_tokens}) "
+                         f"take {n} pages of {cache.page_size}, more than the cache's {cache.num_pages}: make "
+                         "num_pages larger or the request shorter")  # fmt: skip
+    if c.positional == "learned" and r.length - 1 > c.max_len:  # the last token is never fed back
+        raise ValueError(f"request {r.name!r}: prompt {i} + max_new_tokens {r.max_new_tokens} feed the model "
+                         f"{r.length - 1} positions (every token but the last), more than max_len={c.max_len} of "
+                         "its learned positions")  # fmt: skip
 
 
 def _fits(cache: PagedKVCache, final: dict, request: Request) -> bool:
@@ -210,6 +310,6 @@ def _fits(cache: PagedKVCache, final: dict, request: Request) -> bool:
     never runs out of pages and no running request has to be evicted.
     """
     P = cache.page_size
-    whole = request.pages(P)  # at most num_pages: _check refused longer requests
+    whole = request.pages(P)  # at most num_pages: _check_request refused longer requests
     growth = sum(-(-n // P) - (len(cache.pages_of(name)) if name in cache.requests else 0) for name, n in final.items())
     return growth + whole <= cache.free_pages
