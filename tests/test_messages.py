@@ -329,3 +329,22 @@ def test_flashinfers_keywords_are_answered_with_qkvs_names(keyword, says):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(TypeError, match=f"attention: {keyword}= is FlashInfer's keyword; qkv.attention takes {says}"):
         qkv.attention(q, q, q, **{keyword: 1})
+
+
+@pytest.mark.parametrize("keyword, answer", [
+    ("use_causal_mask", r"causal= \(aligned bottom-right; Keras' is top-left"),
+    ("return_attention_scores", "return_weights="),
+    ("attention_mask", r"mask= \(True = may attend, as Keras'"),
+    ("value_mask", r"mask= \(a value mask \(B, S\): mask=value_mask\[:, None, None, :\]\)"),
+    ("training", r"module.train\(\) or module.eval\(\)"),
+])  # fmt: skip
+def test_keras_keywords_are_answered_with_qkvs(keyword, answer):
+    """A Keras user's call keywords on qkv's module (and the functional call's three) name what qkv takes."""
+    x = torch.randn(1, 3, 16)
+    with pytest.raises(TypeError, match=f"MultiHeadAttention: {keyword}= is keras.layers.MultiHeadAttention's keyword; "
+                                        f"qkv's module takes {answer}"):  # fmt: skip
+        qkv.MultiHeadAttention(16, 2)(x, **{keyword: True})
+    if keyword in ("use_causal_mask", "return_attention_scores", "attention_mask"):
+        q = x.view(1, 1, 3, 16)
+        with pytest.raises(TypeError, match=f"attention: {keyword}= is keras.layers.MultiHeadAttention's keyword"):
+            qkv.attention(q, q, q, **{keyword: True})

@@ -30,7 +30,7 @@ from ._args import probability
 from .edits import attention as edited_attention
 from .functional import attention, foreign_keywords
 from .masks import Mask
-from .module_inputs import (TORCH_NAMES, batch_first, check_input, check_layer_cache, memory_held, seq2seq_mask,
+from .module_inputs import (MODULE_NAMES, batch_first, check_input, check_layer_cache, memory_held, seq2seq_mask,
                             squeeze_dims)
 from .positional import LazyBias, Positional
 from .projection import Linear
@@ -302,7 +302,7 @@ class MultiHeadAttention(nn.Module):
         the parameters' dtype (under ``torch.autocast`` any floating type).
         """
         if foreign:
-            foreign_keywords(foreign, TORCH_NAMES, "MultiHeadAttention", "qkv's module")
+            foreign_keywords(foreign, MODULE_NAMES, "MultiHeadAttention", "qkv's module")
         if isinstance(mask, Tensor) and mask.dtype.is_floating_point:
             raise TypeError("mask: expected a bool mask (True = may attend) or a qkv.masks object; a float mask "
                             "(PyTorch's float attn_mask) is added to the logits: qkv.attention(q, k, v, bias=...) on "

@@ -145,6 +145,10 @@ FOREIGN_NAMES = {
     "logits_soft_cap": ("FlashInfer", "score_mod=qkv.SoftCap(cap) (qkv.paged_attention takes logits_soft_cap as it is)"),
     "sm_scale": ("FlashInfer", "scale= (qkv.paged_attention takes sm_scale as it is)"),
     "window_left": ("FlashInfer", "mask=qkv.masks.window(left, 0) (qkv.paged_attention takes window_left as it is)"),
+    "use_causal_mask": ("keras.layers.MultiHeadAttention", "causal= (aligned bottom-right; Keras' is top-left)"),
+    "return_attention_scores": ("keras.layers.MultiHeadAttention", "return_weights="),
+    "attention_mask": ("keras.layers.MultiHeadAttention", "mask= (True = may attend, as Keras': attention_mask[:, None] "
+                                                  "for a (B, T, S) mask)"),
 }
 
 

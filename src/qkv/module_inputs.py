@@ -7,8 +7,8 @@ their projections' size and dtype, one layer's cache of the kind of the call (a
 cross-attention cache filled once from the memory), and qkv's keywords: each check here
 names the argument and the fix, where PyTorch's own error ("mat1 and mat2 must have the same
 dtype", "unexpected keyword argument") names neither. ``*_TORCH_NAMES`` map
-``nn.MultiheadAttention``'s and ``nn.Transformer*``'s keywords to qkv's (read by
-``qkv.functional.foreign_keywords``). ``(length, b, dim)`` inputs (``batch_first=False``) and
+``nn.MultiheadAttention``'s and ``nn.Transformer*``'s keywords to qkv's, ``KERAS_NAMES`` Keras'
+attention layers' (read by ``qkv.functional.foreign_keywords``). ``(length, b, dim)`` inputs (``batch_first=False``) and
 :class:`qkv.Attention`'s seq2seq masks are laid out here too.
 """
 
@@ -29,6 +29,22 @@ TORCH_NAMES = {name: ("nn.MultiheadAttention", hint) for name, hint in {
     "is_causal": "causal= (aligned bottom-right; for PyTorch's top-left with i != j, mask=~attn_mask)",
 }.items()}
 
+
+#: Keras 3's attention layers' call keywords, and what qkv's modules take instead (``qkv.interop_keras`` lists
+#: the differences; its masks are True = attend, as qkv's).
+KERAS_NAMES = {name: ("keras.layers.MultiHeadAttention", hint) for name, hint in {
+    "attention_mask": "mask= (True = may attend, as Keras': attention_mask[:, None] for a (B, T, S) mask)",
+    "use_causal_mask": "causal= (aligned bottom-right; Keras' is top-left: when T != S pass "
+                       "mask=torch.ones(T, S, dtype=torch.bool).tril())",
+    "return_attention_scores": "return_weights=",
+    "query_mask": "mask= (a query mask (B, T): mask=query_mask[:, None, :, None], & any other mask)",
+    "value_mask": "mask= (a value mask (B, S): mask=value_mask[:, None, None, :])",
+    "key_mask": "mask= (a key mask (B, S): mask=key_mask[:, None, None, :])",
+    "training": "module.train() or module.eval() (dropout follows the module's mode)",
+}.items()}
+
+#: Every foreign keyword :class:`qkv.MultiHeadAttention` answers with its own name.
+MODULE_NAMES = {**KERAS_NAMES, **TORCH_NAMES}
 
 #: PyTorch's key padding masks are True = ignore; qkv's masks are True = may attend.
 _PADDING = "(qkv: True = may attend; PyTorch's key padding mask: True = ignore)"
