@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import backends, checks
-from qkv.backends import engines, local, padded_rows, sdpa, sdpa_plain
+from qkv.backends import engines, local, padded_rows, sdpa_plain
 from qkv.backends.engines import fused_blocks, online_softmax
 from qkv.backends.tiling import additive_tiles, bias_grad
 from qkv.backends.tiling import weights_from_lse as weights_module

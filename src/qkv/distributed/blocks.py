@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
 from torch import Tensor
 
 from ..backends.engines import key_blocks

@@ -248,7 +248,7 @@ def _build(mask: Mask, mod: Callable, i_len: int, j_len: int, device):
     """The block lists from qkv's tiles, a band of query blocks at a time (see the module docstring)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    nq, nk = math.ceil(i_len / BLOCK), math.ceil(j_len / BLOCK)
+    nk = math.ceil(j_len / BLOCK)  # key blocks; query blocks go a band at a time
     first = as_heads(mask.tile(Tile(0, min(BLOCK, i_len), 0, j_len, i_len, j_len, device)), 4)
     band = BLOCK * max(1, BAND_ELEMENTS // (first.shape[0] * first.shape[1] * BLOCK * nk * BLOCK))
     partial, full = [], []
