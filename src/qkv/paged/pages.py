@@ -123,7 +123,9 @@ class FloatPages:
 
 
 def _stored(x: Tensor, dtype: torch.dtype) -> Tensor:
-    if dtype.itemsize == 1:  # float8: saturate rather than overflow
+    # float8 pages: a wider token saturates rather than overflows; a float8 one (FlashInfer's append takes the
+    # cache's dtype) converts as it is, PyTorch having no float8 clamp (float8_e4m3fn's conversion saturates)
+    if dtype.itemsize == 1 and x.dtype.itemsize > 1:
         top = torch.finfo(dtype).max
         x = x.clamp(-top, top)
     return x.to(dtype)

@@ -180,20 +180,23 @@ class Server:
 
         ``{}`` when nothing waits or runs. A request that has been added but can never be
         admitted (nothing runs to free pages, and the cache's other requests hold them) raises
-        ``RuntimeError`` and stays queued. If the model raises, the step's requests cannot go on
-        (their step was planned, its keys never written): every running request is cancelled,
-        and the error propagates.
+        ``RuntimeError`` and stays queued; so does one whose name the cache's other user took
+        since :meth:`add` (``ValueError``: it runs once they free it). If the model raises, the
+        step's requests cannot go on (their step was planned, its keys never written): every
+        running request is cancelled, and the error propagates.
         """
         cache = self.cache
-        new: dict[Hashable, int] = {name: 1 for name in self._tokens}
-        tokens: dict[Hashable, list[int]] = {name: seq[-1:] for name, seq in self._tokens.items()}
         while self.waiting and _fits(cache, self._final, self.waiting[0]):
-            r = self.waiting.pop(0)
+            r = self.waiting[0]
+            cache.add(r.name)  # first: a name another user of the cache took since add() raises here, r still queued
+            self.waiting.pop(0)
             self._tokens[r.name] = r.prompt.tolist()
-            cache.add(r.name)
-            cache.reserve(r.name, r.length)  # its whole length, as one run of pages
             self._left[r.name], self._final[r.name] = r.max_new_tokens, r.length
-            new[r.name], tokens[r.name] = len(self._tokens[r.name]), self._tokens[r.name]
+            cache.reserve(r.name, r.length)  # its whole length, as one run of pages
+        # each request's tokens its pages lack: a running one's last, an admitted one's prompt (also one admitted by
+        # a step that raised before its forward pass: fed only its last token, it lost the rest of its prompt)
+        tokens = {name: seq[cache.length(name) :] for name, seq in self._tokens.items()}
+        new = {name: len(seq) for name, seq in tokens.items()}
         if not new:
             if self.waiting:  # nothing runs, and the pool still lacks the first request's pages
                 r = self.waiting[0]
