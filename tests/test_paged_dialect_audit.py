@@ -415,13 +415,22 @@ def test_k_scale_and_v_scale_are_flashinfers_calibration_scales(options):
 
 
 @pytest.mark.parametrize("bad, error", [("k_scale", TypeError), ("v_scale", TypeError), ("k_nan", ValueError),
-                                        ("v_inf", ValueError)])  # fmt: skip
+                                        ("v_inf", ValueError), ("k_tensor", TypeError)])  # fmt: skip
 def test_bad_calibration_scales_are_named(bad, error):
     q, cache, table = table_of([1], [5], 4)
     kwargs = {"k_scale": {"k_scale": "1"}, "v_scale": {"v_scale": [1.0]}, "k_nan": {"k_scale": float("nan")},
-              "v_inf": {"v_scale": float("inf")}}[bad]  # fmt: skip
+              "v_inf": {"v_scale": float("inf")}, "k_tensor": {"k_scale": torch.ones(2)}}[bad]  # fmt: skip
     with pytest.raises(error, match=bad[0] + "_scale"):
         qkv.paged_attention(q, cache, *table, **kwargs)
+
+
+def test_calibration_scales_may_be_one_element_tensors():
+    """FlashInfer's prefill takes ``k_scale``/``v_scale`` as a float or a tensor (``Union[float, torch.Tensor]``)."""
+    q, cache, table = table_of([1, 3], [5, 9], 4)
+    stored = cache.to(torch.float8_e4m3fn)
+    want = qkv.paged_attention(q, stored, *table, k_scale=0.5, v_scale=1.5, return_lse=True)
+    close(qkv.paged_attention(q, stored, *table, k_scale=torch.tensor(0.5), v_scale=torch.tensor([1.5]), return_lse=True),
+          tuple(x.double() for x in want))  # fmt: skip
 
 
 @pytest.mark.parametrize("fp8", FP8)

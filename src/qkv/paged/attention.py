@@ -63,7 +63,8 @@ def paged_attention(
 
     Float8 pages (``torch.float8_e4m3fn`` / ``float8_e5m2``, FlashInfer's fp8 KV cache) are read
     under a wider ``q`` (float16, bfloat16, float32 or float64), converted to ``q``'s dtype a tile at
-    a time; ``k_scale`` and ``v_scale`` are FlashInfer's calibration scales: the logits are
+    a time; ``k_scale`` and ``v_scale`` are FlashInfer's calibration scales (numbers or one-element
+    tensors): the logits are
     ``sm_scale · k_scale · q·k`` (and the ``lse`` theirs), the output is multiplied by ``v_scale``.
 
     One call is one :class:`qkv.paged.PagedPlan` run once; a model whose layers share a step's

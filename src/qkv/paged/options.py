@@ -68,12 +68,13 @@ class Options:
 def options(q: Tensor, *, causal, window_left, logits_soft_cap, sm_scale, alibi_slopes, score_mod,
             k_scale=None) -> Options:  # fmt: skip
     """Checked options for ``q (T, h, d)``; ``k_scale`` joins the scale, as FlashInfer folds it into ``sm_scale``."""
+    k_scale = calibration("k_scale", k_scale)
     h, d = q.shape[1], q.shape[2]
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
         raise ValueError(f"window_left: expected -1 (no window) or a number of keys >= 0, got {window_left!r}")
-    for name, x in (("logits_soft_cap", logits_soft_cap), ("sm_scale", sm_scale), ("k_scale", k_scale)):
+    for name, x in (("logits_soft_cap", logits_soft_cap), ("sm_scale", sm_scale)):
         if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Real)):
             raise TypeError(f"{name}: expected a number, got {type(x).__name__}")
     cap = float(logits_soft_cap or 0.0)
@@ -83,9 +84,7 @@ def options(q: Tensor, *, causal, window_left, logits_soft_cap, sm_scale, alibi_
         raise ValueError(f"sm_scale: expected a finite number or None, got {sm_scale!r}")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     if k_scale is not None:
-        if not math.isfinite(k_scale):
-            raise ValueError(f"k_scale: expected a finite number or None, got {k_scale!r}")
-        scale *= float(k_scale)
+        scale *= k_scale
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, Tensor) or tuple(alibi_slopes.shape) != (h,):
             got = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__
@@ -98,3 +97,20 @@ def options(q: Tensor, *, causal, window_left, logits_soft_cap, sm_scale, alibi_
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod: expected a callable score_mod(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
     return Options(scale, bool(causal), window_left, cap, alibi_slopes, score_mod)
+
+
+def calibration(name: str, x) -> float | None:
+    """A float8 cache's calibration scale (FlashInfer's ``k_scale``/``v_scale``) as a float: a number or a
+    one-element tensor (FlashInfer's prefill takes either), finite."""
+    if x is None:
+        return None
+    if isinstance(x, Tensor):
+        if x.numel() != 1 or not (x.dtype.is_floating_point or x.dtype in (torch.int32, torch.int64)):
+            raise TypeError(f"{name}: expected a number or a one-element tensor, got a {x.dtype} tensor of shape "
+                            f"{tuple(x.shape)}")  # fmt: skip
+        x = float(x)  # a host read, as the paged engine reads its tables
+    elif isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a number or a one-element tensor, got {type(x).__name__}")
+    if not math.isfinite(x):
+        raise ValueError(f"{name}: expected a finite number or None, got {x!r}")
+    return float(x)

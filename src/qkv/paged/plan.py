@@ -13,14 +13,12 @@ run and kept: the later layers pay only for their own keys and values.
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from .options import options
+from .options import calibration, options
 from .pages import as_pages
 from .route import run as route
 from .table import page_table
@@ -58,7 +56,7 @@ class PagedPlan:
         opts = options(q, causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                        alibi_slopes=alibi_slopes, score_mod=score_mod, k_scale=k_scale)  # fmt: skip
         sinks = _check_sinks(sinks, q.shape[1])
-        v_scale = _check_v_scale(v_scale)
+        v_scale = calibration("v_scale", v_scale)
 
         def forward() -> tuple[Tensor, Tensor]:
             out, lse = route(q, self.table, self.memo, pages, opts)
@@ -120,16 +118,6 @@ def check_q(q: Tensor, pages) -> None:
         raise ValueError(f"q is on {q.device} but the cache is on {pages.device}")
     if q.dtype != pages.dtype:
         raise TypeError(f"q: dtype {q.dtype} but kv_cache computes in {pages.dtype}; give q the cache's dtype")
-
-
-def _check_v_scale(v_scale) -> float | None:
-    if v_scale is None:
-        return None
-    if isinstance(v_scale, bool) or not isinstance(v_scale, numbers.Real):
-        raise TypeError(f"v_scale: expected a number, got {type(v_scale).__name__}")
-    if not math.isfinite(v_scale):
-        raise ValueError(f"v_scale: expected a finite number or None, got {v_scale!r}")
-    return float(v_scale)
 
 
 def _check_sinks(sinks, h: int) -> Tensor | None:
