@@ -348,3 +348,12 @@ def test_keras_keywords_are_answered_with_qkvs(keyword, answer):
         q = x.view(1, 1, 3, 16)
         with pytest.raises(TypeError, match=f"attention: {keyword}= is keras.layers.MultiHeadAttention's keyword"):
             qkv.attention(q, q, q, **{keyword: True})
+
+
+def test_keras_keywords_on_the_seq2seq_attention_module_name_qkvs():
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(TypeError, match="Attention: return_attention_scores= is keras.layers.MultiHeadAttention's keyword; "
+                                        "qkv's module takes return_weights="):  # fmt: skip
+        qkv.Attention("dot")(x, x, return_attention_scores=True)
+    with pytest.raises(TypeError, match="Attention: attn_mask= is nn.MultiheadAttention's keyword"):
+        qkv.Attention("dot")(x, x, attn_mask=None)

@@ -92,6 +92,7 @@ class Attention(nn.Module):
         causal: bool = False,
         bias: Tensor | LazyBias | None = None,
         return_weights: bool = False,
+        **foreign,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """``query (..., i, dq)`` or a single step ``(b, dq)``; ``key (..., j, dk)``; ``value (..., j, e)``.
 
@@ -103,16 +104,16 @@ class Attention(nn.Module):
         A single step ``(b, dq)`` takes ``(b, j)`` or a ``qkv.masks`` object. The weights are
         ``(b, i, j)``, or ``(b, j)`` for a single step.
         """
+        if foreign:  # another library's keyword (Keras', PyTorch's) is answered with qkv's name for it
+            foreign_keywords(foreign, MODULE_NAMES, "Attention", "qkv's module")
         key = query if key is None else key
         value = key if value is None else value
         single_step = query.dim() == key.dim() - 1
         if single_step:
             query = query.unsqueeze(-2)  # (b, dq) -> (b, 1, dq)
             # a mask / bias shaped like the single-step weights (b, j) gets the query axis too
-            if isinstance(mask, Tensor) and mask.dim() == key.dim() - 1:
-                mask = mask.unsqueeze(-2)
-            if isinstance(bias, Tensor) and bias.dim() == key.dim() - 1:
-                bias = bias.unsqueeze(-2)
+            mask, bias = (x.unsqueeze(-2) if isinstance(x, Tensor) and x.dim() == key.dim() - 1 else x
+                          for x in (mask, bias))
         seq2seq = key.dim() == 3
         if seq2seq:
             for name, x in (("key", key), ("value", value)):
