@@ -341,19 +341,34 @@ def test_flashinfers_keywords_are_answered_with_qkvs_names(keyword, says):
 def test_keras_keywords_are_answered_with_qkvs(keyword, answer):
     """A Keras user's call keywords on qkv's module (and the functional call's three) name what qkv takes."""
     x = torch.randn(1, 3, 16)
-    with pytest.raises(TypeError, match=f"MultiHeadAttention: {keyword}= is keras.layers.MultiHeadAttention's keyword; "
+    with pytest.raises(TypeError, match=f"MultiHeadAttention: {keyword}= is a Keras attention layer's keyword; "
                                         f"qkv's module takes {answer}"):  # fmt: skip
         qkv.MultiHeadAttention(16, 2)(x, **{keyword: True})
     if keyword in ("use_causal_mask", "return_attention_scores", "attention_mask"):
         q = x.view(1, 1, 3, 16)
-        with pytest.raises(TypeError, match=f"attention: {keyword}= is keras.layers.MultiHeadAttention's keyword"):
+        with pytest.raises(TypeError, match=f"attention: {keyword}= is a Keras attention layer's keyword"):
             qkv.attention(q, q, q, **{keyword: True})
 
 
 def test_keras_keywords_on_the_seq2seq_attention_module_name_qkvs():
     x = torch.randn(2, 3, 8)
-    with pytest.raises(TypeError, match="Attention: return_attention_scores= is keras.layers.MultiHeadAttention's keyword; "
+    with pytest.raises(TypeError, match="Attention: return_attention_scores= is a Keras attention layer's keyword; "
                                         "qkv's module takes return_weights="):  # fmt: skip
         qkv.Attention("dot")(x, x, return_attention_scores=True)
     with pytest.raises(TypeError, match="Attention: attn_mask= is nn.MultiheadAttention's keyword"):
         qkv.Attention("dot")(x, x, attn_mask=None)
+
+
+def test_keras_list_calls_and_argument_order_name_qkvs_form():
+    """``layer([query, value])`` and ``mask=[query_mask, value_mask]`` on qkv's modules failed deep inside
+    (``'list' object has no attribute 'dim'``); a key of the value's size named no argument order."""
+    q, v, k = torch.randn(2, 5, 8), torch.randn(2, 7, 9), torch.randn(2, 7, 10)
+    with pytest.raises(TypeError, match=r"query: got a list, Keras' \[query, value, key\]; Attention takes \(query, key, value\)"):
+        qkv.Attention("dot")([q, q])
+    with pytest.raises(TypeError, match=r"mask: got a list, Keras' \[query_mask, value_mask\]; MultiHeadAttention takes one"):
+        qkv.MultiHeadAttention(8, 2)(q, mask=[None, torch.ones(2, 5, dtype=torch.bool)])
+    mha = qkv.MultiHeadAttention(8, 2, kdim=10, vdim=9)
+    assert mha(q, k, v).shape == (2, 5, 8)
+    with pytest.raises(ValueError, match=r"key: expected shape \(b, length, 10\) .* got \(2, 7, 9\) \(qkv's order is "
+                                         r"\(query, key, value\); Keras' is \(query, value, key\)\)"):  # fmt: skip
+        mha(q, v, k)  # Keras' order

@@ -28,7 +28,7 @@ from . import score_mods
 from ._args import positive_int as _positive
 from ._args import probability
 from .edits import attention as edited_attention
-from .functional import attention, foreign_keywords
+from .functional import attention, foreign_call
 from .masks import Mask
 from .module_inputs import (MODULE_NAMES, batch_first, check_input, check_layer_cache, memory_held, seq2seq_mask,
                             squeeze_dims)
@@ -104,8 +104,7 @@ class Attention(nn.Module):
         A single step ``(b, dq)`` takes ``(b, j)`` or a ``qkv.masks`` object. The weights are
         ``(b, i, j)``, or ``(b, j)`` for a single step.
         """
-        if foreign:  # another library's keyword (Keras', PyTorch's) is answered with qkv's name for it
-            foreign_keywords(foreign, MODULE_NAMES, "Attention", "qkv's module")
+        foreign_call("Attention", query, mask, foreign, MODULE_NAMES)  # Keras' or PyTorch's form: qkv's named
         key = query if key is None else key
         value = key if value is None else value
         single_step = query.dim() == key.dim() - 1
@@ -302,8 +301,7 @@ class MultiHeadAttention(nn.Module):
         and ``(h, i, j)``, as in ``nn.MultiheadAttention`` (not with ``cache``). Inputs have
         the parameters' dtype (under ``torch.autocast`` any floating type).
         """
-        if foreign:
-            foreign_keywords(foreign, MODULE_NAMES, "MultiHeadAttention", "qkv's module")
+        foreign_call("MultiHeadAttention", query, mask, foreign, MODULE_NAMES)  # Keras' or PyTorch's form: qkv's named
         if isinstance(mask, Tensor) and mask.dtype.is_floating_point:
             raise TypeError("mask: expected a bool mask (True = may attend) or a qkv.masks object; a float mask "
                             "(PyTorch's float attn_mask) is added to the logits: qkv.attention(q, k, v, bias=...) on "

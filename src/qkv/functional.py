@@ -145,9 +145,9 @@ FOREIGN_NAMES = {
     "logits_soft_cap": ("FlashInfer", "score_mod=qkv.SoftCap(cap) (qkv.paged_attention takes logits_soft_cap as it is)"),
     "sm_scale": ("FlashInfer", "scale= (qkv.paged_attention takes sm_scale as it is)"),
     "window_left": ("FlashInfer", "mask=qkv.masks.window(left, 0) (qkv.paged_attention takes window_left as it is)"),
-    "use_causal_mask": ("keras.layers.MultiHeadAttention", "causal= (aligned bottom-right; Keras' is top-left)"),
-    "return_attention_scores": ("keras.layers.MultiHeadAttention", "return_weights="),
-    "attention_mask": ("keras.layers.MultiHeadAttention", "mask= (True = may attend, as Keras': attention_mask[:, None] "
+    "use_causal_mask": ("a Keras attention layer", "causal= (aligned bottom-right; Keras' is top-left)"),
+    "return_attention_scores": ("a Keras attention layer", "return_weights="),
+    "attention_mask": ("a Keras attention layer", "mask= (True = may attend, as Keras': attention_mask[:, None] "
                                                   "for a (B, T, S) mask)"),
 }
 
@@ -164,6 +164,19 @@ def foreign_keywords(unknown: dict, names: dict[str, tuple[str, str]], callee: s
         origin, hint = names[name]
         raise TypeError(f"{callee}: {name}= is {origin}'s keyword; {ours} takes {hint}")
     raise TypeError(f"{callee}() got an unexpected keyword argument {name!r}")
+
+
+def foreign_call(module: str, query: object, mask: object, foreign: dict, names: dict[str, tuple[str, str]]) -> None:
+    """Another library's call on a qkv module answered with qkv's form: its keywords (``names``, as
+    :func:`foreign_keywords`), and Keras' lists, ``layer([query, value, key], mask=[query_mask, value_mask])``."""
+    if foreign:
+        foreign_keywords(foreign, names, module, "qkv's module")
+    if isinstance(query, (list, tuple)) and query and all(isinstance(x, Tensor) for x in query):
+        raise TypeError(f"query: got a {type(query).__name__}, Keras' [query, value, key]; {module} takes "
+                        "(query, key, value) as arguments, the key and value in qkv's order")  # fmt: skip
+    if isinstance(mask, (list, tuple)) and mask and all(x is None or isinstance(x, Tensor) for x in mask):
+        raise TypeError(f"mask: got a {type(mask).__name__}, Keras' [query_mask, value_mask]; {module} takes one bool "
+                        "mask, True = may attend (qkv.interop_keras: a value mask as mask=, a query mask's rows)")  # fmt: skip
 
 
 def _weights_for(spec: object, req: backends.Request) -> tuple[Tensor | None, Tensor | None]:

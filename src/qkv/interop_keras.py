@@ -53,7 +53,8 @@ Where the two differ, and how to call qkv for the same result:
 * dropout: both drop weights after the softmax (kept ones scaled by ``1/(1-p)``), from
   different random streams (Keras' seed generator, qkv's torch generator): in training the
   outputs agree in distribution only. The multi-head layers return the weights before
-  dropout, as qkv does; ``Attention`` returns the dropped ones. Keras picks training per call
+  dropout, as qkv does; Keras' ``Attention`` returns the dropped ones (rows no longer sum to
+  1), where qkv's ``Attention`` returns them before dropout too. Keras picks training per call
   (default inference): the copy is returned in eval mode, ``ours.train()`` is ``training=True``.
 * weights: ``return_attention_scores=True`` is ``return_weights=True``, the same
   ``(b, h, i, j)`` (``(b, i, j)`` for ``Attention``).
@@ -119,8 +120,17 @@ def _keras_kind(layer) -> str:
                 raise TypeError(f"layer: {changed[0]} overrides {_public(base.__name__)}'s math, "
                                 "which is what qkv copies")  # fmt: skip
             return base.__name__
-    raise TypeError(f"layer: expected a Keras attention layer ({', '.join(map(_public, _KINDS))}), "
-                    f"got {type(layer).__name__}")  # fmt: skip
+    expected = f"layer: expected a Keras attention layer ({', '.join(map(_public, _KINDS))})"
+    if isinstance(layer, type):  # the class itself: the parentheses forgotten
+        name = _public(layer.__name__) if layer.__name__ in _KINDS else layer.__name__
+        raise TypeError(f"{expected}, got the class {name}; "
+                        "pass a built instance (make one and call it once on inputs)")  # fmt: skip
+    inner = [f"model.get_layer({sub.name!r})" for sub in getattr(layer, "layers", None) or ()
+             if any(base.__module__.startswith("keras.") and base.__name__ in _KINDS for base in type(sub).__mro__)]
+    if inner:  # a keras.Model: its attention layers are what converts
+        raise TypeError(f"{expected}, got a Keras model ({type(layer).__name__}); convert its attention layers "
+                        f"one at a time: {', '.join(inner)}")  # fmt: skip
+    raise TypeError(f"{expected}, got {type(layer).__name__}")
 
 
 def _public(kind: str) -> str:

@@ -32,7 +32,7 @@ TORCH_NAMES = {name: ("nn.MultiheadAttention", hint) for name, hint in {
 
 #: Keras 3's attention layers' call keywords, and what qkv's modules take instead (``qkv.interop_keras`` lists
 #: the differences; its masks are True = attend, as qkv's).
-KERAS_NAMES = {name: ("keras.layers.MultiHeadAttention", hint) for name, hint in {
+KERAS_NAMES = {name: ("a Keras attention layer", hint) for name, hint in {
     "attention_mask": "mask= (True = may attend, as Keras': attention_mask[:, None] for a (B, T, S) mask)",
     "use_causal_mask": "causal= (aligned bottom-right; Keras' is top-left: when T != S pass "
                        "mask=torch.ones(T, S, dtype=torch.bool).tril())",
@@ -80,7 +80,8 @@ def check_input(name: str, x: Tensor, projection: nn.Module) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a tensor (b, length, {size}), got {type(x).__name__}")
     if x.dim() != 3 or x.shape[-1] != size:
-        raise ValueError(f"{name}: expected shape (b, length, {size}) (batch first), got {tuple(x.shape)}")
+        order = " (qkv's order is (query, key, value); Keras' is (query, value, key))" if name != "query" else ""
+        raise ValueError(f"{name}: expected shape (b, length, {size}) (batch first), got {tuple(x.shape)}{order}")
     input_dtype(name, x, getattr(projection, "weight", None))
 
 
