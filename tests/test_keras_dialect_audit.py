@@ -15,7 +15,6 @@ difference of ``qkv.interop_keras``'s docstring is pinned here by a test named a
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -25,19 +24,9 @@ import torch
 import qkv
 from qkv.scores import LearnedScaleDot, TanhSum
 
-os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is imported
-os.environ.setdefault("KERAS_TORCH_DEVICE", "cpu")  # a CPU audit, where Keras would take a GPU
-try:
-    import keras
-    from keras.src.backend.common import dtypes as keras_dtypes
-except ImportError as error:  # pragma: no cover - the extra is not installed
-    pytest.skip(f"keras is not importable ({error}): pip install '.[keras]'", allow_module_level=True)
-if keras.backend.backend() != "torch":  # pragma: no cover
-    pytest.skip(f"keras runs on its {keras.backend.backend()} backend, set before this test imported it; "
-                "these tests compare torch tensors (KERAS_BACKEND=torch)", allow_module_level=True)  # fmt: skip
+from keras_backend import KERAS_MASK_WARNING, keras, keras_dtypes
 
-# Keras warns that its own projections drop the masks MultiHeadAttention has already read
-pytestmark = pytest.mark.filterwarnings("ignore:Layer '.*' \\(of type EinsumDense\\) was passed an input with a mask")
+pytestmark = KERAS_MASK_WARNING
 
 B, H, G, I, J, D, E, DIM, KDIM, VDIM = 2, 6, 3, 5, 7, 11, 13, 10, 9, 8
 F64, TOL = torch.float64, {"rtol": 0.0, "atol": 1e-12}

@@ -10,25 +10,15 @@ The oracle is the Keras layer itself, called beside its copy in float32.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 import qkv
 
-os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is imported
-os.environ.setdefault("KERAS_TORCH_DEVICE", "cpu")  # a CPU test, where Keras would take a GPU
-try:
-    import keras
-except ImportError as error:  # pragma: no cover - the extra is not installed
-    pytest.skip(f"keras is not importable ({error}): pip install '.[keras]'", allow_module_level=True)
-if keras.backend.backend() != "torch":  # pragma: no cover
-    pytest.skip(f"keras runs on its {keras.backend.backend()} backend, set before this test imported it; "
-                "these tests compare torch tensors (KERAS_BACKEND=torch)", allow_module_level=True)  # fmt: skip
+from keras_backend import KERAS_MASK_WARNING, keras
 
-# Keras warns that its own projections drop the masks MultiHeadAttention has already read
-pytestmark = pytest.mark.filterwarnings("ignore:Layer '.*' \\(of type EinsumDense\\) was passed an input with a mask")
+pytestmark = KERAS_MASK_WARNING
 
 
 def randn(*shape, seed=1):
