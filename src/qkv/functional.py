@@ -24,6 +24,7 @@ from ._trace import concrete
 from .backends import engines, hidden_keys, sdpa_plain
 from .backends.tiling.lse import merge_all
 from .masks import Mask
+from .module_inputs import KERAS_NAMES
 from .positional import LazyBias
 from .scores import Score
 
@@ -145,10 +146,7 @@ FOREIGN_NAMES = {
     "logits_soft_cap": ("FlashInfer", "score_mod=qkv.SoftCap(cap) (qkv.paged_attention takes logits_soft_cap as it is)"),
     "sm_scale": ("FlashInfer", "scale= (qkv.paged_attention takes sm_scale as it is)"),
     "window_left": ("FlashInfer", "mask=qkv.masks.window(left, 0) (qkv.paged_attention takes window_left as it is)"),
-    "use_causal_mask": ("a Keras attention layer", "causal= (aligned bottom-right; Keras' is top-left)"),
-    "return_attention_scores": ("a Keras attention layer", "return_weights="),
-    "attention_mask": ("a Keras attention layer", "mask= (True = may attend, as Keras': attention_mask[:, None] "
-                                                  "for a (B, T, S) mask)"),
+    **{name: KERAS_NAMES[name] for name in ("use_causal_mask", "return_attention_scores", "attention_mask")},
 }
 
 

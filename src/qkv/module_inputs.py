@@ -43,7 +43,7 @@ KERAS_NAMES = {name: ("a Keras attention layer", hint) for name, hint in {
     "training": "module.train() or module.eval() (dropout follows the module's mode)",
 }.items()}
 
-#: Every foreign keyword :class:`qkv.MultiHeadAttention` answers with its own name.
+#: Every foreign keyword qkv's modules (:class:`qkv.MultiHeadAttention`, :class:`qkv.Attention`) answer with their own name.
 MODULE_NAMES = {**KERAS_NAMES, **TORCH_NAMES}
 
 #: PyTorch's key padding masks are True = ignore; qkv's masks are True = may attend.
