@@ -65,7 +65,6 @@ class FloatPages:
     def reading(self, dtype: torch.dtype) -> FloatPages:
         """These float8 pages (the same tensors) read as ``dtype``, a call's q's: each call gets its own reader."""
         pages = copy.copy(self)
-        pages.dtype, pages.views = self.keys.dtype, self.keys.is_contiguous() and self.values.is_contiguous()
         pages._read_as(dtype)
         return pages
 

@@ -152,6 +152,10 @@ class Server:
         if not isinstance(request, Request):
             raise TypeError(f"request: expected a qkv.paged.serve.Request, got {type(request).__name__}")
         _check_request(self.model, self.cache, request)
+        self._queue(request)
+
+    def _queue(self, request: Request) -> None:
+        """:meth:`add` past the request's own checks (:func:`serve` made them, for every request, before any step)."""
         name = request.name
         if name in self._tokens or name in self.done or any(r.name == name for r in self.waiting):
             raise ValueError(f"request {name!r}: a request of this name is waiting, running or in server.done "
@@ -242,7 +246,7 @@ def serve(model, requests: list[Request], cache: PagedKVCache, *, eos_id: int | 
     cache and every request are checked before the first step: a request that can never run
     raises before the others have run.
     """
-    _check_model(model, cache)
+    server = Server(model, cache, eos_id=eos_id)  # checks the model and the cache
     for r in requests:
         _check_request(model, cache, r)
     names = [r.name for r in requests]
@@ -251,13 +255,12 @@ def serve(model, requests: list[Request], cache: PagedKVCache, *, eos_id: int | 
     held = [name for name in names if name in cache.requests]
     if held:
         raise ValueError(f"requests: {held[:4]} are already in the cache; serve adds each request itself")
-    server = Server(model, cache, eos_id=eos_id)
     pending = sorted(requests, key=lambda r: r.arrival)
     clock = 0
     try:
         while pending or server.busy:
             while pending and pending[0].arrival <= clock:
-                server.add(pending.pop(0))
+                server._queue(pending.pop(0))
             if not server.busy:  # nothing has arrived yet
                 clock = pending[0].arrival
                 continue
