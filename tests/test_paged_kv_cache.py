@@ -129,7 +129,7 @@ def test_running_out_of_pages_says_so_and_changes_nothing():
     cache.add("a")
     cache.plan({"a": 8})
     cache.add("b")
-    with pytest.raises(RuntimeError, match="needs 1 more pages but 0 are free"):
+    with pytest.raises(RuntimeError, match="needs 1 more page but 0 are free"):
         cache.plan({"b": 1})
     assert cache.length("b") == 0 and cache.free_pages == 0
     with pytest.raises(KeyError, match="not in the cache"):

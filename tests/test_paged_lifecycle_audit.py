@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.paged import OutOfPages
 
 H, G, D, LAYERS = 4, 2, 8, 2
 
@@ -115,8 +116,9 @@ class Life:
         before, need = self.state(), self.need(new)
         assert c.pages_needed(new) == need
         if need > c.free_pages:
-            with pytest.raises(RuntimeError, match=f"needs {need} more pages but {c.free_pages} are free"):
+            with pytest.raises(OutOfPages, match=f"needs {need} more page{'s' * (need != 1)} but {c.free_pages} are free") as e:
                 c.plan(new)
+            assert (e.value.needed, e.value.free, e.value.num_pages) == (need, c.free_pages, c.num_pages)
             assert self.state() == before
             self.counts["full"] += 1
             return False
@@ -178,8 +180,9 @@ class Life:
         need = max(0, -(-tokens // P) - len(self.logical[r]))
         before = self.state()
         if need > c.free_pages:
-            with pytest.raises(RuntimeError, match=f"reserving {need} pages but {c.free_pages} are free"):
+            with pytest.raises(OutOfPages, match=f"reserving {need} page{'s' * (need != 1)} but {c.free_pages} are free") as e:
                 c.reserve(r, tokens)
+            assert (e.value.needed, e.value.free) == (need, c.free_pages)
             assert self.state() == before
             self.counts["full"] += 1
             return

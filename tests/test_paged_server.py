@@ -114,8 +114,9 @@ def test_a_request_that_cannot_be_admitted_while_nothing_runs_raises_and_stays_q
     cache.reserve("elsewhere", 12)  # three of the four pages, held outside the server
     server = Server(model, cache)
     server.add(Request("y", torch.tensor([1, 2, 3]), 6))  # 9 tokens: 3 pages
-    with pytest.raises(RuntimeError, match="request 'y' needs 3 pages but only 1 of 4 are free"):
+    with pytest.raises(qkv.paged.OutOfPages, match="request 'y' needs 3 pages but only 1 of 4 are free") as e:
         server.step()
+    assert (e.value.needed, e.value.free, e.value.num_pages) == (3, 1, 4)
     assert [r.name for r in server.waiting] == ["y"]
     cache.free("elsewhere")
     while server.busy:

@@ -30,6 +30,10 @@ latent ``[c^KV; k^R]`` per token, as multi-head latent attention caches it
 
 With ``dtype=torch.float8_e4m3fn`` (or ``float8_e5m2``) the pools are FlashInfer's float8
 cache: ``write`` rounds each token to float8, ``attend`` reads the pages as the queries' dtype.
+``k_scale``, ``v_scale`` (a number, or one per layer) are its calibration: ``write`` stores
+``k / k_scale`` and ``v / v_scale``, ``attend`` undoes them (``qkv.paged.pools``).
+
+A step or a reservation the pool has too few free pages for raises ``qkv.paged.OutOfPages``.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ import torch
 from torch import Tensor
 
 from .._args import positive_int
+from . import pools
 from .attention import paged_attention
+from .errors import OutOfPages, pages as count_pages
 from .items import BLOCK_PAGES
-from .pages import FloatPages, empty
+from .pages import FloatPages
 from .plan import PagedPlan
 from .step import Step
 
@@ -51,38 +57,13 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, *, layers: int = 1,
                  value_dim: int | None = None, dtype: torch.dtype = torch.float32, device="cpu",
-                 quantized: bool = False, latent_dim: int | None = None):  # fmt: skip
+                 quantized: bool = False, latent_dim: int | None = None, k_scale=None, v_scale=None):  # fmt: skip
         self.num_pages = positive_int("num_pages", num_pages)
         self.page_size = positive_int("page_size", page_size)
         self.layers = positive_int("layers", layers)
-        positive_int("kv_heads", kv_heads)
-        positive_int("head_dim", head_dim)
-        if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:  # pages computed in it, not stored as it
-            raise TypeError(f"dtype: expected a floating-point dtype (for int8 pages: quantized=True with the dtype "
-                            f"they are read as), got {dtype}")  # fmt: skip
-        if isinstance(dtype, torch.dtype) and dtype.itemsize == 1 and (quantized or latent_dim is not None):
-            raise TypeError(f"dtype: {dtype} pages are FlashInfer's float8 cache of keys and values (read under a wider "
-                            "q); quantized= (int8) and latent_dim= (MLA) pools take float16, bfloat16, float32 or "
-                            "float64")  # fmt: skip
-        if value_dim not in (None, head_dim):
-            raise ValueError(f"value_dim: FlashInfer's layout holds keys and values of one size ({head_dim}), got {value_dim}")
-        if latent_dim is not None:  # MLA: one latent [c^KV; k^R] per token, its first latent_dim the value
-            positive_int("latent_dim", latent_dim)
-            if kv_heads != 1 or latent_dim > head_dim or quantized:
-                raise ValueError(
-                    f"latent_dim: MLA pages hold one latent of head_dim = latent_dim + rope_dim per token (kv_heads=1, "
-                    f"not quantized), got kv_heads={kv_heads}, head_dim={head_dim}, latent_dim={latent_dim}, quantized={quantized}"
-                )
-            from .latent import empty as empty_latent
-
-            self.pools = [empty_latent(num_pages, page_size, latent_dim, head_dim - latent_dim, dtype, device)
-                          for _ in range(layers)]  # fmt: skip
-        elif quantized:
-            from .quant import Int8Pages
-
-            self.pools = [Int8Pages(num_pages, page_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
-        else:  # keys and values in pools of their own: a block of pages is one contiguous matrix
-            self.pools = [empty(num_pages, page_size, kv_heads, head_dim, dtype, device) for _ in range(layers)]
+        self.pools = pools.make(num_pages, page_size, kv_heads, head_dim, layers, value_dim, dtype, device, quantized,
+                                latent_dim)  # fmt: skip
+        self._scales = pools.scales(k_scale, v_scale, layers, dtype)  # float8 pages hold k / k_scale, v / v_scale
         self.device = torch.device(device)
         self._refs = [0] * num_pages  # holders of each page; 0 = free
         self._free = num_pages
@@ -161,7 +142,7 @@ class PagedKVCache:
 
         Pages are taken from the pool; a shared page that would take a new token is copied
         first, in every layer. Raises ``RuntimeError`` (and changes nothing) when the pool
-        has too few pages.
+        has too few pages: ``qkv.paged.OutOfPages``, a ``RuntimeError``.
         """
         requests = list(new_tokens)
         for r in requests:
@@ -174,9 +155,10 @@ class PagedKVCache:
             whole = {r: -(-(self._length[r] + new_tokens[r]) // self.page_size) for r in requests}
             never = [f"; {r!r} would hold {n} pages, more than the whole cache: make num_pages larger or the request "
                      "shorter" for r, n in whole.items() if n > self.num_pages][:1]  # freeing others cannot help it
-            raise RuntimeError(
-                f"PagedKVCache: this step needs {needed} more pages but {self._free} are free "
-                f"(of {self.num_pages}){''.join(never) or '; free finished requests or make the cache larger'}"
+            raise OutOfPages(
+                f"PagedKVCache: this step needs {count_pages(needed, more=True)} but {self._free} are free "
+                f"(of {self.num_pages}){''.join(never) or '; free finished requests or make the cache larger'}",
+                needed=needed, free=self._free, num_pages=self.num_pages,
             )
         page, offset, positions = [], [], []
         for r in requests:
@@ -226,12 +208,24 @@ class PagedKVCache:
         self._uncopied(step)
         if k.shape[0] != step.page.numel() or v.shape[0] != step.page.numel():
             raise ValueError(f"k, v: expected {step.page.numel()} new tokens (the step's), got {k.shape[0]} and {v.shape[0]}")
-        self._pool(layer).write(step.page, step.offset, k, v)
+        pool = self._pool(layer)
+        if self._scales is not None:  # float8 pages hold the scaled tokens
+            k_scale, v_scale = self._scales[layer]
+            k, v = k / k_scale, v / v_scale
+        pool.write(step.page, step.offset, k, v)
 
     def attend(self, layer: int, step: Step, q: Tensor, **options):
         """``qkv.paged_attention`` of the step's queries ``q (T, h, d)`` over layer ``layer``'s pages (the step's
         plan, laid out by the first layer that runs it)."""
         self._current(step)
+        if self._scales is not None:
+            given = sorted({"k_scale", "v_scale"} & set(options))
+            if given:
+                raise ValueError(f"{given[0]}: this cache holds its calibration scales (PagedKVCache(k_scale=..., "
+                                 "v_scale=...)) and passes them itself")  # fmt: skip
+            self._pool(layer)  # the layer checked before it is read
+            k_scale, v_scale = self._scales[layer]
+            options = {**options, "k_scale": k_scale, "v_scale": v_scale}
         if step.plan is None:
             return paged_attention(q, self.layer(layer), *step.table, **options)
         return step.plan.run(q, self.layer(layer), **options)
@@ -315,7 +309,8 @@ class PagedKVCache:
         if need <= 0:
             return
         if need > self._free:
-            raise RuntimeError(f"PagedKVCache: reserving {need} pages but {self._free} are free (of {self.num_pages})")
+            raise OutOfPages(f"PagedKVCache: reserving {count_pages(need)} but {self._free} are free (of {self.num_pages})",
+                             needed=need, free=self._free, num_pages=self.num_pages)  # fmt: skip
         start = self._free_run(need, pages[-1] + 1 if pages else 0)
         for k in range(need):
             pages.append(self._claim(start + k) if start is not None else self._take(pages[-1] if pages else None))

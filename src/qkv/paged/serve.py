@@ -53,6 +53,7 @@ from torch import Tensor
 
 from ..models.checks import check_ids
 from ..models.lm import CausalLM
+from .errors import OutOfPages, pages as count_pages
 from .kv_cache import PagedKVCache, Step
 from .quant import Int8Pages
 
@@ -184,8 +185,8 @@ class Server:
 
         ``{}`` when nothing waits or runs. A request that has been added but can never be
         admitted (nothing runs to free pages, and the cache's other requests hold them) raises
-        ``RuntimeError`` and stays queued; so does one whose name the cache's other user took
-        since :meth:`add` (``ValueError``: it runs once they free it). If the model raises, the
+        ``qkv.paged.OutOfPages`` (a ``RuntimeError``) and stays queued; so does one whose name the
+        cache's other user took since :meth:`add` (``ValueError``: it runs once they free it). If the model raises, the
         step's requests cannot go on (their step was planned, its keys never written): every
         running request is cancelled, and the error propagates.
         """
@@ -204,10 +205,12 @@ class Server:
         if not new:
             if self.waiting:  # nothing runs, and the pool still lacks the first request's pages
                 r = self.waiting[0]
-                raise RuntimeError(
-                    f"request {r.name!r} needs {r.pages(cache.page_size)} pages but only {cache.free_pages} of "
+                need = r.pages(cache.page_size)
+                raise OutOfPages(
+                    f"request {r.name!r} needs {count_pages(need)} but only {cache.free_pages} of "
                     f"{cache.num_pages} are free, and no request of this server is running to free more; the "
-                    f"cache's other requests ({list(cache.requests)[:4]}) hold the rest: free them first"
+                    f"cache's other requests ({list(cache.requests)[:4]}) hold the rest: free them first",
+                    needed=need, free=cache.free_pages, num_pages=cache.num_pages,
                 )  # fmt: skip
             return {}
         try:
