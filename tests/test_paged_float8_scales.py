@@ -52,12 +52,9 @@ def test_scaled_float8_pages_hold_k_over_k_scale_and_attend_as_the_tokens_writte
     cache = qkv.PagedKVCache(16, P, G, D, layers=2, dtype=E4M3, k_scale=k_scale, v_scale=torch.tensor(v_scale))
     k, v = tokens(sum(lengths), 0, magnitude=40.0)
     q = torch.randn(sum(lengths), H, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    step = step_of(cache, lengths, k, v, layer=0)
+    cache.write(1, step, k, v)
     for layer in range(2):
-        for r in range(len(lengths)):
-            if r not in cache.requests:
-                cache.add(r)
-        step = cache.plan(dict(enumerate(lengths))) if layer == 0 else step
-        cache.write(layer, step, k, v)
         pages = cache.layer(layer)[0][cache.pages_of(0)[0]].double()  # request 0's first page, as stored
         assert torch.equal(pages, (k[:P] / k_scale[layer]).to(E4M3).double())
         out = cache.attend(layer, step, q.to(query_dtype))
