@@ -43,6 +43,7 @@ from .._bools import any_along
 from .._trace import concrete, tracing, version
 from ..masks import And, Dense, Lengths, Offsets, Starts, Tile
 from ..masks.base import conjuncts
+from . import grouped_rows
 from .request import Request
 from .tiling import flash_cpu
 from .tiling.tiles import NEG_INF, offset_live_rows
@@ -170,37 +171,52 @@ def run(req: Request) -> tuple[Tensor, None, None]:
     # against 259 and 216; i = 128: 240 against 329 and 288), medians of 7 interleaved rounds.
     qp, kp = req.score.prepare(req.q, req.k)
     attn_mask, is_causal, live_rows = _mask(req)
-    out = _kernel(qp, kp, req.v, attn_mask, req.dropout, is_causal, req.scale, _grouped(req))
+    way = grouping(qp, kp, req.v, attn_mask, req.dropout, is_causal, req.scale, _grouped(req))
+    out = _kernel(qp, kp, req.v, attn_mask, req.dropout, is_causal, req.scale, way)
     if live_rows is not None:
         out = out * live_rows
     return out, None, None
 
 
 def _kernel(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout: float, is_causal: bool, scale: float,
-            grouped: bool) -> Tensor:  # fmt: skip
-    """``F.scaled_dot_product_attention``; one query per row with grouped heads runs them as query rows of their KV head.
-
-    With ``i = 1`` the ``x = h / g`` query heads that share a KV head are ``x`` query rows of
-    that head, ``q (b, h, 1, d) -> (b, g, x, d)`` (a view: ``enable_gqa`` pairs query head
-    ``n`` with KV head ``n // x``), so the kernel reads each key once for all of them, where
-    ``enable_gqa`` repeats the keys and values on the CPU: a decoding step of 8 rows over
-    1000 keys, 8 heads on 2, took 0.50 ms against 0.82, SmolLM2's 9 heads on 3 over 300 keys
-    at b = 4 0.09 against 0.14. The two views cost about 5 µs, which ``enable_gqa``'s copy of
-    the keys costs at :data:`ROWS_ELEMENTS` repeated key elements (SmolLM2, b = 1: equal at
-    128 keys, 4 µs slower at 40). Only where the rows can share the mask: none,
-    or one ``(b|1, 1, 1, j)`` for every head; not with dropout (its random draws are laid out
-    by the kernel's shapes) or on another device (its kernels take grouped heads natively).
-    """
-    b, h, i, d = q.shape
-    g, j = k.shape[1], k.shape[2]
-    rows_share_mask = attn_mask is None or (
-        isinstance(attn_mask, Tensor) and attn_mask.dim() == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1
-    )
-    if grouped and i == 1 and b * h * j * d >= ROWS_ELEMENTS and not is_causal and dropout == 0 and rows_share_mask and q.is_cpu:
+            grouping: str | None) -> Tensor:  # fmt: skip
+    """``F.scaled_dot_product_attention`` with the ``grouping`` :func:`grouping` chose: ``"rows"`` runs grouped
+    heads as query rows of their KV head, ``"gqa"`` is ``enable_gqa``, None no grouped heads."""
+    if grouping == "rows":
+        b, h, _, d = q.shape
+        g = k.shape[1]
         out = F.scaled_dot_product_attention(q.view(b, g, h // g, d), k, v, attn_mask=attn_mask, scale=scale)
         return out.reshape(b, h, 1, out.shape[-1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal,
-                                          scale=scale, enable_gqa=grouped)  # fmt: skip
+                                          scale=scale, enable_gqa=grouping == "gqa")  # fmt: skip
+
+
+def grouping(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout: float, is_causal: bool, scale: float,
+             grouped: bool) -> str | None:  # fmt: skip
+    """How :func:`_kernel` meets grouped heads (``grouped``: ``h > g``): ``"rows"``, ``"gqa"`` or None (none).
+
+    With ``i = 1`` the ``x = h / g`` query heads that share a KV head can be ``x`` query rows of
+    that head, ``q (b, h, 1, d) -> (b, g, x, d)`` (a view: ``enable_gqa`` pairs query head
+    ``n`` with KV head ``n // x``), so the kernel reads each key once for all of them: a
+    decoding step of 8 rows over 1000 keys, 8 heads on 2, took 0.50 ms against 0.82 on an
+    Intel Xeon. Not everywhere: on the AMD EPYC Zen 4 the kernel's two- and three-row problems
+    cost more than its one-row ones save, so the form is timed once per size class
+    (:mod:`.grouped_rows`), from :data:`ROWS_ELEMENTS` repeated key elements (below, the views
+    cost more than ``enable_gqa``'s copy saves). Only where the rows can share the mask: none,
+    or one ``(b|1, 1, 1, j)`` for every head; not with dropout (its random draws are laid out
+    by the kernel's shapes) or on another device (its kernels take grouped heads natively).
+    """
+    if not grouped:
+        return None
+    b, h, i, d = q.shape
+    j = k.shape[2]
+    rows_share_mask = attn_mask is None or (
+        isinstance(attn_mask, Tensor) and attn_mask.dim() == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1
+    )
+    if (i == 1 and b * h * j * d >= ROWS_ELEMENTS and not is_causal and dropout == 0 and rows_share_mask
+            and q.is_cpu and grouped_rows.faster(q, k, v, attn_mask, scale)):  # fmt: skip
+        return "rows"
+    return "gqa"
 
 
 def _grouped(req: Request) -> bool:

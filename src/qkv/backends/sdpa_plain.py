@@ -21,7 +21,7 @@ from torch import Tensor
 from .._trace import tracing, version
 from ..masks import Dense, Lengths, Starts, Tile, Window
 from ..scores import Dot, ScaledDot
-from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel
+from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel, grouping
 from .tiling import flash_cpu
 
 
@@ -38,7 +38,7 @@ class Plan(NamedTuple):
     live_rows: Tensor | None  # (..., i, 1) ones and zeros: rows that see no key are zeroed after the kernel
     is_causal: bool
     scale: float
-    grouped: bool
+    grouping: str | None  # sdpa.grouping's: "rows", "gqa", or None (no grouped heads)
     mask_tensor: Tensor | None  # the Dense mask's tensor, and its version when planned (None: not kept)
     mask_version: int | None
 
@@ -127,7 +127,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
         return None  # (a scale that is not positive: the full path, see checks.request)
     tensor = _mask_tensor(mask) if attn_mask is not None else None
     attn_mask, live_rows = attn_mask if attn_mask is not None else (None, None)
-    return Plan((q.shape, k.shape, v.shape), dtype, attn_mask, live_rows, is_causal, scale, h != g, tensor,
+    way = grouping(q, k, v, attn_mask, 0.0, is_causal, scale, h != g)  # a plan's calls share their shapes and mask
+    return Plan((q.shape, k.shape, v.shape), dtype, attn_mask, live_rows, is_causal, scale, way, tensor,
                 None if tensor is None else version(tensor))  # fmt: skip
 
 
@@ -135,8 +136,8 @@ def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     """The kernel's output for the call :func:`plan` decided, or None where it is not finite (the full path then
     zeroes the hidden keys)."""
     if decided.attn_mask is None:
-        return _kernel(q, k, v, None, 0.0, decided.is_causal, decided.scale, decided.grouped)
-    out = _kernel(q, k, v, decided.attn_mask, 0.0, False, decided.scale, decided.grouped)
+        return _kernel(q, k, v, None, 0.0, decided.is_causal, decided.scale, decided.grouping)
+    out = _kernel(q, k, v, decided.attn_mask, 0.0, False, decided.scale, decided.grouping)
     if decided.live_rows is not None:
         out = out * decided.live_rows
     return out if math.isfinite(float(out.sum())) else None

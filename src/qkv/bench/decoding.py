@@ -10,8 +10,9 @@ copies run transformers' ``"sdpa"`` and qkv's ``"qkv"`` attention (equal weights
 tensors), in eval mode under ``no_grad``. Each call is a whole
 ``model.generate(**batch, max_new_tokens=N, do_sample=False)`` with transformers' default
 dynamic KV cache: one prefill of the prompts, then ``N - 1`` one-token decode steps, each
-building its mask once and calling attention in all 30 layers. Timed side by side
-(:func:`qkv.bench.measure.interleaved`), median of the repeats:
+building its mask once and calling attention in all 30 layers. Timed side by side, each
+implementation on both copies in turn (:func:`swapped`: where a copy's tensors lie moved a
+whole step by 1%), median of the repeats:
 
 * **a left-padded batch of 4 prompts** of different lengths (drawn from a fixed word list
   with a fixed seed, tokenizer ``padding_side="left"``): every step carries a padding
@@ -50,6 +51,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import random
+import statistics
+import time
 from typing import Callable
 
 import torch
@@ -61,7 +64,7 @@ from .._extras import install
 NAME = "decoding"
 DESCRIPTION = "SmolLM2-135M greedy generate() in transformers: qkv vs sdpa, left-padded batch of 4 and batch of 1"
 
-FULL = dict(prompts=4, new_tokens=32, repeats=7)
+FULL = dict(prompts=4, new_tokens=32, repeats=5)
 QUICK = dict(prompts=4, new_tokens=4, repeats=2)
 TARGET = 1.0  # qkv time / sdpa time, left-padded batch
 LOGITS_ATOL = 1e-3  # generate's logits at the steps both computed from the same tokens (float32)
@@ -120,6 +123,40 @@ def _generate(model, batch: dict, settings: dict) -> Callable[[], object]:
     return call
 
 
+def swapped(models: dict, batch: dict, settings: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of ``generate`` (and of its prefill, ``"<impl> prefill"``) per implementation, each having run
+    on both copies of the model in turn.
+
+    Where a copy's tensors lie moves its whole step: in one run, a copy of the qkv copy was
+    1.2% faster than it, the sdpa copy's copy as fast as it. So every round runs twice,
+    ``models``' implementations on their own copies, then swapped (``set_attn_implementation``,
+    untimed), and each implementation's median is over both copies' calls: where the copies
+    differ, both contenders pay the same share of it.
+    """
+    impls = list(models)
+    copies = [models[impl] for impl in impls]
+    prefill = {**settings, "max_new_tokens": 1}
+    times: dict[str, list[float]] = {}
+    try:
+        for round_ in range(repeats + 1):  # round 0: the warm-up of every call
+            for turn in range(len(copies)):
+                assigned = {impl: copies[(n + turn) % len(copies)] for n, impl in enumerate(impls)}
+                for impl, model in assigned.items():
+                    model.set_attn_implementation(impl)
+                calls = [(impl, _generate(m, batch, settings)) for impl, m in assigned.items()]
+                calls += [(f"{impl} prefill", _generate(m, batch, prefill)) for impl, m in assigned.items()]
+                shift = round_ % len(calls)  # each call first in turn, as interleaved rotates them
+                for name, call in calls[shift:] + calls[:shift]:
+                    start = time.perf_counter()
+                    call()
+                    if round_:
+                        times.setdefault(name, []).append(time.perf_counter() - start)
+    finally:
+        for impl, model in models.items():
+            model.set_attn_implementation(impl)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def agreement(a: torch.Tensor, b: torch.Tensor, prompt: int) -> list[int]:
     """Per row, how many leading new tokens (after the ``prompt`` columns) ``a`` and ``b`` share."""
     new_a, new_b = a[:, prompt:], b[:, prompt:]
@@ -160,10 +197,7 @@ def _case(models, tokenizer, texts: list[str], cfg: dict, label: str, say) -> di
     batch = tokenizer(texts, padding=True, return_tensors="pt")
     settings = dict(max_new_tokens=cfg["new_tokens"], do_sample=False, pad_token_id=tokenizer.pad_token_id)
     checked = _check(models, batch, settings, label)
-    contenders = {impl: _generate(model, batch, settings) for impl, model in models.items()}
-    prefill = {**settings, "max_new_tokens": 1}
-    contenders.update({f"{impl} prefill": _generate(model, batch, prefill) for impl, model in models.items()})
-    times = interleaved(contenders, cfg["repeats"])
+    times = swapped(models, batch, settings, cfg["repeats"])
     ratio = times["qkv"] / times["sdpa"]
     new = checked["new"]
     same = "identical" if all(a == new for a in checked["agree"]) else (
@@ -272,10 +306,10 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     out = head + [
         "The packaged SmolLM2-135M-Instruct (30 layers, 9 query and 3 KV heads of size 64), de-quantised from its "
         "GGUF file to float32, loaded once and copied twice (the loader leaves some weights 16-byte aligned), one "
-        "copy with each attention implementation; eval mode, "
+        "copy with each attention implementation, swapped every round (each runs on both copies); eval mode, "
         f"no_grad, transformers' default dynamic KV cache; torch threads {torch.get_num_threads()}. Each figure is "
         f"a whole `generate(max_new_tokens={cfg['new_tokens']}, do_sample=False)` call (prefill and "
-        f"{steps} decode steps), median of {cfg['repeats']} interleaved rounds; \"prefill\" is the same call with "
+        f"{steps} decode steps), median of {2 * cfg['repeats']} calls ({cfg['repeats']} rounds of two turns); \"prefill\" is the same call with "
         "max_new_tokens=1, timed in the same rounds, and a decode step is the difference spread over the steps. "
         "Before timing, one generate call of each was compared: the greedy token ids, and the logits of every "
         "step computed from the same tokens, which agree within "

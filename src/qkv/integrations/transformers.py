@@ -244,9 +244,9 @@ def _decoding_step(module: torch.nn.Module, query: Tensor, key: Tensor, value: T
     packed offsets, an active ``qkv.edit`` / ``qkv.record`` block, a call ``plain`` declines)
     answers None and takes the full path.
     """
-    if dropout or any(x is not None for x in extras) or edits_runner(module) is not attention:
+    if dropout or extras.count(None) != len(extras) or edits_runner(module) is not attention:
         return None
-    if _unhandled(kwargs) or any(kwargs.get(name) is not None for name in _PACKED):
+    if not kwargs.keys() <= _STEP_KEYS and (_unhandled(kwargs) or any(kwargs.get(name) is not None for name in _PACKED)):
         return None  # a keyword to refuse (the full path's message), or packed offsets
     if _weights_wanted(module, kwargs.get("output_attentions")):
         return None
@@ -270,6 +270,8 @@ def _decoding_step(module: torch.nn.Module, query: Tensor, key: Tensor, value: T
 
 #: Keywords of a packed batch: its documents come from them (``transformers_packing``).
 _PACKED = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"})
+#: Keywords a decoding step may carry whatever their values (one set comparison per layer call).
+_STEP_KEYS = (IGNORED - _PACKED) | {"output_attentions"}
 
 
 def _unhandled(kwargs: dict) -> list[str]:
