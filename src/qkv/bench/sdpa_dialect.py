@@ -12,7 +12,10 @@ is one such call made both ways with the same tensors, timed interleaved
   ``is_causal`` with fewer queries than keys (PyTorch aligns it top-left);
 * a bool key-padding mask ``(b, 1, 1, S)`` (right padding: the rows keep 70% to all of
   the keys), the same shape with scattered keys, a dense bool mask ``(b, 1, L, S)`` and a
-  float mask ``(b, 1, L, S)`` added to the scores.
+  float mask ``(b, 1, L, S)`` added to the scores;
+* decoding steps (one query, forward only: inference) with grouped heads: SmolLM2's 9
+  heads on 3 over 64 keys, with and without a left-padding mask, and 8 heads on 2 over
+  1024 keys.
 
 The outputs are compared before timing (float32: within 1e-5). Target per row: the drop-in
 no slower than the call it replaces, read as ``≤ 1.05``: medians of interleaved rounds on a
@@ -58,12 +61,29 @@ def cases(cfg: dict) -> dict[str, tuple[dict, dict]]:
         "bool (b, 1, 1, S), scattered": ({}, {"attn_mask": scattered}),
         "bool (b, 1, L, S)": ({}, {"attn_mask": dense}),
         "float (b, 1, L, S)": ({}, {"attn_mask": additive}),
+        # a decoding step (one query) with grouped heads: the kernel's one-row problems (enable_gqa) or rows of a
+        # KV head, whichever this CPU runs faster (qkv.backends.grouped_rows); each call tens of µs, so more rounds
+        "decoding step, 9 heads on 3, S = 64": ({"L": 1, "h": 9, "g": 3, "S": 64, "rounds": 20}, {"enable_gqa": True}),
+        "decoding step, 9 heads on 3, S = 64, bool padding": (
+            {"L": 1, "h": 9, "g": 3, "S": 64, "rounds": 20}, {"enable_gqa": True, "attn_mask": step_padding(b, 64)}),
+        "decoding step, 8 heads on 2, S = 1024": ({"L": 1, "h": 8, "g": 2, "S": 1024, "rounds": 5}, {"enable_gqa": True}),
     }
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}" if seconds >= 1e-3 else f"{seconds * 1e3:.3f}"
+
+
+def step_padding(b: int, S: int) -> torch.Tensor:
+    """A decoding step's left padding ``(b, 1, 1, S)``: row ``r`` of ``b`` starts ``r · S / (4b)`` keys in."""
+    starts = torch.arange(b) * S // (4 * b)
+    return (torch.arange(S)[None, :] >= starts[:, None])[:, None, None, :]
 
 
 def _inputs(cfg: dict, shapes: dict, grad: bool) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(1)
-    b, h, L, d = cfg["b"], cfg["h"], cfg["L"], cfg["d"]
+    b, d = cfg["b"], cfg["d"]
+    h, L = shapes.get("h", cfg["h"]), shapes.get("L", cfg["L"])
     g, S = shapes.get("g", h), shapes.get("S", L)
     q = torch.randn(b, h, L, d, generator=gen)
     k, v = torch.randn(b, g, S, d, generator=gen), torch.randn(b, g, S, d, generator=gen)
@@ -81,7 +101,7 @@ def _times(cfg: dict, shapes: dict, kw: dict, grad: bool) -> dict[str, float]:
         "qkv": call_or_step(lambda: scaled_dot_product_attention(q, k, v, **kw), grad, cot, (q, k, v)),
         "SDPA": call_or_step(lambda: F.scaled_dot_product_attention(q, k, v, **kw), grad, cot, (q, k, v)),
     }
-    return interleaved(fns, cfg["repeats"], warmup=2)
+    return interleaved(fns, cfg["repeats"] * shapes.get("rounds", 1), warmup=2)
 
 
 def section(quick: bool, say: Callable[[str], None]) -> str:
@@ -90,10 +110,12 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     rows = []
     for mode in ("fwd", "fwd+bwd"):
         for name, (shapes, kw) in cases(cfg).items():
+            if mode == "fwd+bwd" and shapes.get("L") == 1:
+                continue  # a decoding step is inference
             t = _times(cfg, shapes, kw, grad=mode == "fwd+bwd")
             ratio = t["qkv"] / t["SDPA"]
-            say(f"  {mode} {name}: SDPA {t['SDPA'] * 1e3:.1f} ms, drop-in / SDPA {ratio:.3f}")
-            rows.append([name, mode, f"{t['SDPA'] * 1e3:.1f}", f"{t['qkv'] * 1e3:.1f}", f"{ratio:.3f}"])
+            say(f"  {mode} {name}: SDPA {_ms(t['SDPA'])} ms, drop-in / SDPA {ratio:.3f}")
+            rows.append([name, mode, _ms(t["SDPA"]), _ms(t["qkv"]), f"{ratio:.3f}"])
             targets.add(f"{name}, {mode}: qkv.scaled_dot_product_attention / F.scaled_dot_product_attention ≤ {TOLERANCE}",
                         ratio, TOLERANCE)  # fmt: skip
     b, h, g, L, d = (cfg[x] for x in ("b", "h", "g", "L", "d"))
@@ -101,7 +123,8 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
         "## SDPA's dialect: the drop-in against the call it replaces (`qkv bench --suite sdpa`)",
         "",
         f"b = {b}, h = {h} (grouped: {g} KV heads), L = S = {L} unless named, d = {d}, float32; the same "
-        f"tensors both ways, outputs compared first; medians of {cfg['repeats']} interleaved rounds. "
+        f"tensors both ways, outputs compared first; medians of {cfg['repeats']} interleaved rounds (decoding steps: "
+        "20× as many, 5× at 1024 keys). "
         f"Target: ≤ {TOLERANCE} (no slower, within the medians' noise).",
         "",
     ]
