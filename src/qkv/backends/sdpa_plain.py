@@ -13,16 +13,15 @@ takes the full path.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .._trace import tracing, version
-from ..masks import Dense, Lengths, Starts, Tile, Window
+from ..masks import Dense, Lengths, Mask, Starts, Tile, Window
 from ..scores import Dot, ScaledDot
-from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel, grouping
+from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel, grouping, zeroes_dead_rows
 from .tiling import flash_cpu
 
 
@@ -69,24 +68,27 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     nothing from the last position), given to the kernel as its whole ``(b, 1, 1, j)`` tile.
     """
     key = _plan_key(q, k, v, score, causal, scale, mask)
-    kept = None if key is None else _PLANS.get(key)
-    if kept is not None and (kept[0] is None if mask is None else kept[0]() is mask) and fits(kept[1], q, k, v) \
-            and not tracing():  # fmt: skip
-        return run(kept[1], q, k, v)
+    plans = None if key is None else _plans_of(mask)
+    kept = None if plans is None else plans.get(key)
+    if kept is not None and fits(kept, q, k, v) and not tracing():
+        return run(kept, q, k, v)
     decided = plan(q, k, v, score, causal, scale, mask)
     if decided is None:
         return None
-    if key is not None:
-        _keep(key, mask, decided)
+    if plans is not None:
+        if len(plans) >= PLANS_KEPT:
+            del plans[next(iter(plans))]
+        plans[key] = decided
     return run(decided, q, k, v)
 
 
-#: Plans of recent plain calls, by what :func:`plan` reads besides the tensors' contents: their shapes and
-#: dtype, the score's kind, ``causal``, the scale and the mask object (held weakly, compared by identity: an
-#: ``id`` outlives its object). A loop calling with new tensors of the same shapes (a decoding loop's layers)
-#: checks them with :func:`fits` (0.5 µs) instead of planning again (5-8 µs).
-_PLANS: dict[tuple, tuple] = {}
-#: Plans kept: a model's calls of a few shapes (self- and cross-attention, a prefill and its steps).
+#: Plans of recent unmasked plain calls, by what :func:`plan` reads besides the tensors' contents: their
+#: shapes and dtype, the score's kind, ``causal`` and the scale. A loop calling with new tensors of the same
+#: shapes (a decoding loop's layers) checks them with :func:`fits` (0.5 µs) instead of planning again (5-8 µs).
+#: A masked call's plans are kept on its ``qkv.masks`` object (they hold its tensors: they live as long as
+#: it does); a bool tensor's are not kept (SDPA reads its ``attn_mask`` at every call).
+_PLANS: dict[tuple, Plan] = {}
+#: Plans kept per mask (and unmasked): a model's calls of a few shapes (a prefill and its steps).
 PLANS_KEPT = 8
 
 
@@ -97,18 +99,22 @@ def _plan_key(q, k, v, score, causal, scale, mask) -> tuple | None:
         return None  # (no sizes to key on: the full path's message)
     if not (scale is None or type(scale) is float) or not (type(score) is str or type(score) in (Dot, ScaledDot)):
         return None  # (a tensor scale is not hashed; other scores never take the lane)
-    return q.shape, k.shape, v.shape, q.dtype, score if type(score) is str else type(score), causal, scale, id(mask)
+    return q.shape, k.shape, v.shape, q.dtype, score if type(score) is str else type(score), causal, scale
 
 
-def _keep(key: tuple, mask: object, decided: Plan) -> None:
-    if mask is not None:
+def _plans_of(mask: object) -> dict | None:
+    """Where a call's plans are kept: :data:`_PLANS` unmasked, on a ``qkv.masks`` object, else nowhere."""
+    if mask is None:
+        return _PLANS
+    if not isinstance(mask, Mask):
+        return None
+    plans = getattr(mask, "_lane_plans", None)
+    if plans is None:
         try:
-            mask = weakref.ref(mask)
-        except TypeError:
-            return  # an object without weak references: not kept
-    if len(_PLANS) >= PLANS_KEPT:
-        del _PLANS[next(iter(_PLANS))]
-    _PLANS[key] = (mask, decided)
+            plans = mask._lane_plans = {}
+        except AttributeError:  # (a mask class with slots)
+            return None
+    return plans
 
 
 def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: object,
@@ -141,10 +147,10 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
     if mask is not None:
         if not on_cpu:
             return None  # a GPU call's mask: the full path (flex, a lowered BlockMask, its guard)
-        if type(mask) is Tensor:
-            mask = _dense_for(mask)
-            if mask is None:
-                return None
+        if type(mask) is Tensor:  # a caller's bool tensor (SDPA's attn_mask): read afresh at every call, as SDPA does
+            if mask.dtype != torch.bool:
+                return None  # (the full path's message)
+            mask = Dense(mask)
         attn_mask = _plain_mask(mask, q, k, v, causal)
         if attn_mask is None:
             return None
@@ -240,30 +246,12 @@ def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -
         return kept[2]
     if _is_causal(allowed, i, j):
         return None  # the full path runs the kernel's causal flag instead
-    parts = _give_dead_rows_every_key(allowed, _dense_dead_rows(mask, allowed, i, j), q.dtype)
+    # rows that see no key: none to find where the kernel itself gives them 0 (probed once per dtype)
+    dead = None if zeroes_dead_rows(q) else _dense_dead_rows(mask, allowed, i, j)
+    parts = _give_dead_rows_every_key(allowed, dead, q.dtype)
     if changes is not None:
         mask._plain = (allowed, key, parts)
     return parts
-
-
-#: A caller's bool tensor masks as ``Dense`` masks, one per tensor while it lives (by ``id``, with a weak
-#: reference: a tensor's ``==`` is elementwise, so no ``WeakKeyDictionary``): what the lane works out from a
-#: mask is kept on its ``Dense`` (per version), so a model's layers given one tensor share it.
-_DENSE: dict[int, tuple[weakref.ref, Dense]] = {}
-
-
-def _dense_for(mask: Tensor) -> Dense | None:
-    """The kept :class:`Dense` of a bool tensor mask (``qkv.attention(mask=tensor)``, SDPA's ``attn_mask``); None
-    for another dtype (the full path's message)."""
-    if mask.dtype != torch.bool:
-        return None
-    key = id(mask)
-    kept = _DENSE.get(key)
-    if kept is not None and kept[0]() is mask:
-        return kept[1]
-    dense = Dense(mask)
-    _DENSE[key] = (weakref.ref(mask, lambda _, key=key, kept=_DENSE: kept.pop(key, None)), dense)  # (at exit too)
-    return dense
 
 
 #: The lazy padding masks a decoding step takes the lane with: their whole ``(b, 1, 1, j)`` tile is small.

@@ -11,9 +11,12 @@ class OutOfPages(RuntimeError):
     were asked for while ``free`` of the cache's ``num_pages`` were free.
     """
 
-    def __init__(self, message: str, *, needed: int, free: int, num_pages: int):
+    def __init__(self, message: str, *, needed: int = 0, free: int = 0, num_pages: int = 0):
         super().__init__(message)
         self.needed, self.free, self.num_pages = needed, free, num_pages
+
+    def __reduce__(self):  # pickled (a worker process's error) and copied with its counts
+        return type(self), self.args, self.__dict__
 
 
 def pages(n: int, more: bool = False) -> str:

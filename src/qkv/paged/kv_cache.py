@@ -210,6 +210,9 @@ class PagedKVCache:
             raise ValueError(f"k, v: expected {step.page.numel()} new tokens (the step's), got {k.shape[0]} and {v.shape[0]}")
         pool = self._pool(layer)
         if self._scales is not None:  # float8 pages hold the scaled tokens
+            if k.dtype.itemsize == 1 or v.dtype.itemsize == 1:  # quantised already: by this scale or not, unknown
+                raise TypeError(f"k, v: this float8 cache divides the tokens by its k_scale and v_scale; give them in "
+                                f"the model's dtype (got {k.dtype} and {v.dtype}), not quantised already")  # fmt: skip
             k_scale, v_scale = self._scales[layer]
             k, v = k / k_scale, v / v_scale
         pool.write(step.page, step.offset, k, v)
