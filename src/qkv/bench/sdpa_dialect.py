@@ -129,5 +129,10 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
         "",
     ]
     lines += table(["call", "mode", "SDPA ms", "drop-in ms", "drop-in / SDPA"], rows)
+    lines += ["", "A decoding step's call takes tens of µs, so what the drop-in adds in Python shows: PyTorch's argument "
+              "checks (its own run in C++), a bool `attn_mask` read afresh at every call as SDPA reads it, and the "
+              "output checked for values a hidden key could have brought (a nan in a cache's unfilled slot). Over "
+              "longer keys its grouped heads run as query rows of their KV head where this CPU runs that faster "
+              "(timed once per size class)."]
     lines += ["", "### Targets", ""] + targets.lines()
     return "\n".join(lines)
