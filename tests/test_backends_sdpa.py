@@ -223,9 +223,9 @@ def test_a_grouped_decoding_step_runs_its_heads_as_query_rows_of_their_kv_head(m
 
     monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(grouped_rows, "faster", lambda *args: True)  # this CPU's timing is another test's
-    monkeypatch.setattr(sdpa, "ROWS_ELEMENTS", B * H * J * D)  # this call is just large enough
+    monkeypatch.setattr(grouped_rows, "ROWS_ELEMENTS", B * H * J * D)  # this call is just large enough
     out = qkv.attention(q, k, v, mask=keep, backend="sdpa", dropout=dropout)
-    monkeypatch.setattr(sdpa, "ROWS_ELEMENTS", B * H * J * D + 1)  # and now just too small
+    monkeypatch.setattr(grouped_rows, "ROWS_ELEMENTS", B * H * J * D + 1)  # and now just too small
     qkv.attention(q, k, v, mask=keep, backend="sdpa", dropout=dropout)
     monkeypatch.undo()
     as_rows = mask != "per head (b, h, 1, j)" and dropout == 0

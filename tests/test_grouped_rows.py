@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import qkv
 from qkv.backends import grouped_rows, sdpa
 
-B, H, G, J, D = 2, 8, 2, 64, 64  # b·h·j·d = sdpa.ROWS_ELEMENTS: grouping is considered
+B, H, G, J, D = 2, 8, 2, 64, 64  # b·h·j·d = grouped_rows.ROWS_ELEMENTS: grouping is considered
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ from .._bools import any_along
 from .._trace import concrete, tracing, version
 from ..masks import And, Dense, Lengths, Offsets, Starts, Tile
 from ..masks.base import conjuncts
-from . import grouped_rows
+from .grouped_rows import grouping
 from .request import Request
 from .tiling import flash_cpu
 from .tiling.tiles import NEG_INF, offset_live_rows
@@ -58,9 +58,6 @@ MASK_ELEMENTS = 2**20
 #: Triton, a GPU older than Ampere, dropout): 256 MiB of bool (and SDPA's additive copy in the
 #: inputs' dtype), far faster there than the chunked engines' public-op tile loops.
 DEVICE_MASK_ELEMENTS = 2**28
-#: Fewest repeated key elements (``b·h·j·d``) for which a grouped one-query call runs its heads as
-#: query rows (:func:`_kernel`): below, the views cost more than ``enable_gqa``'s copy saves.
-ROWS_ELEMENTS = 2**16
 #: Devices whose SDPA runs ``causal_lower_right`` in a kernel (elsewhere it is materialised).
 LOWER_RIGHT_DEVICES = ("cuda",)
 
@@ -179,44 +176,16 @@ def run(req: Request) -> tuple[Tensor, None, None]:
 
 
 def _kernel(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout: float, is_causal: bool, scale: float,
-            grouping: str | None) -> Tensor:  # fmt: skip
-    """``F.scaled_dot_product_attention`` with the ``grouping`` :func:`grouping` chose: ``"rows"`` runs grouped
+            way: str | None) -> Tensor:  # fmt: skip
+    """``F.scaled_dot_product_attention`` in the ``way`` :func:`~.grouped_rows.grouping` chose: ``"rows"`` runs grouped
     heads as query rows of their KV head, ``"gqa"`` is ``enable_gqa``, None no grouped heads."""
-    if grouping == "rows":
+    if way == "rows":
         b, h, _, d = q.shape
         g = k.shape[1]
         out = F.scaled_dot_product_attention(q.view(b, g, h // g, d), k, v, attn_mask=attn_mask, scale=scale)
         return out.reshape(b, h, 1, out.shape[-1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal,
-                                          scale=scale, enable_gqa=grouping == "gqa")  # fmt: skip
-
-
-def grouping(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout: float, is_causal: bool, scale: float,
-             grouped: bool) -> str | None:  # fmt: skip
-    """How :func:`_kernel` meets grouped heads (``grouped``: ``h > g``): ``"rows"``, ``"gqa"`` or None (none).
-
-    With ``i = 1`` the ``x = h / g`` query heads that share a KV head can be ``x`` query rows of
-    that head, ``q (b, h, 1, d) -> (b, g, x, d)`` (a view: ``enable_gqa`` pairs query head
-    ``n`` with KV head ``n // x``), so the kernel reads each key once for all of them: a
-    decoding step of 8 rows over 1000 keys, 8 heads on 2, took 0.50 ms against 0.82 on an
-    Intel Xeon. Not everywhere: on the AMD EPYC Zen 4 the kernel's two- and three-row problems
-    cost more than its one-row ones save, so the form is timed once per size class
-    (:mod:`.grouped_rows`), from :data:`ROWS_ELEMENTS` repeated key elements (below, the views
-    cost more than ``enable_gqa``'s copy saves). Only where the rows can share the mask: none,
-    or one ``(b|1, 1, 1, j)`` for every head; not with dropout (its random draws are laid out
-    by the kernel's shapes) or on another device (its kernels take grouped heads natively).
-    """
-    if not grouped:
-        return None
-    b, h, i, d = q.shape
-    j = k.shape[2]
-    rows_share_mask = attn_mask is None or (
-        isinstance(attn_mask, Tensor) and attn_mask.dim() == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1
-    )
-    if (i == 1 and b * h * j * d >= ROWS_ELEMENTS and not is_causal and dropout == 0 and rows_share_mask
-            and q.is_cpu and grouped_rows.faster(q, k, v, attn_mask, scale)):  # fmt: skip
-        return "rows"
-    return "gqa"
+                                          scale=scale, enable_gqa=way == "gqa")  # fmt: skip
 
 
 def _grouped(req: Request) -> bool:

@@ -21,7 +21,8 @@ from torch import Tensor
 from .._trace import tracing, version
 from ..masks import Dense, Lengths, Mask, Starts, Tile, Window
 from ..scores import Dot, ScaledDot
-from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel, grouping, zeroes_dead_rows
+from .grouped_rows import grouping
+from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel, zeroes_dead_rows
 from .tiling import flash_cpu
 
 
