@@ -320,7 +320,12 @@ def _check_x(x: object, dim: int, ff: FeedForward) -> None:
 
 
 def _check_cache(cache: object, layers: int) -> None:
-    if cache is None or getattr(cache, "paged", False):  # qkv.paged.serve's step: one paged layer per layer
+    if cache is None:
+        return
+    if getattr(cache, "paged", False):  # qkv.paged.serve's step: one paged layer per layer
+        if len(cache.self_attn) != layers:
+            raise ValueError(f"cache: a PagedStep over a PagedKVCache of {len(cache.self_attn)} layers, for a stack of "
+                             f"{layers}: make the cache with layers={layers}")  # fmt: skip
         return
     if not isinstance(cache, DecoderCache):
         raise TypeError(f"cache: expected a qkv.cache.DecoderCache, got {type(cache).__name__}")

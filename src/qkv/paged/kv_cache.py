@@ -141,16 +141,11 @@ class PagedKVCache:
         """Room for ``{request: n}`` new tokens (0 is allowed: attend without appending); the step's table.
 
         Pages are taken from the pool; a shared page that would take a new token is copied
-        first, in every layer. Raises ``RuntimeError`` (and changes nothing) when the pool
-        has too few pages: ``qkv.paged.OutOfPages``, a ``RuntimeError``.
+        first, in every layer. Raises ``qkv.paged.OutOfPages`` (a ``RuntimeError``; nothing
+        changed) when the pool has too few pages.
         """
         requests = list(new_tokens)
-        for r in requests:
-            self._known(r)
-            n = new_tokens[r]
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValueError(f"new_tokens[{r!r}]: expected a count >= 0, got {n!r}")
-        needed = self.pages_needed(new_tokens)
+        needed = self.pages_needed(new_tokens)  # (each request known, each count checked)
         if needed > self._free:
             whole = {r: -(-(self._length[r] + new_tokens[r]) // self.page_size) for r in requests}
             never = [f"; {r!r} would hold {n} pages, more than the whole cache: make num_pages larger or the request "
@@ -176,7 +171,8 @@ class PagedKVCache:
         return self._step(requests, new_tokens, page, offset, positions)
 
     def pages_needed(self, new_tokens: dict) -> int:
-        """Pages :meth:`plan` would take from the pool for ``{request: n}`` (new pages and copies).
+        """Pages :meth:`plan` would take from the pool for ``{request: n}`` (new pages and copies); the requests
+        must be in the cache (:meth:`add` one first, :meth:`free` it if it does not fit).
 
         A shared last page is copied by each of its holders that writes into it but the last:
         :meth:`plan` copies it for a writer while another request still holds it, so when every
@@ -186,8 +182,9 @@ class PagedKVCache:
         refs: dict[int, int] = {}  # the holders left of each shared last page, as plan's copies leave them
         needed = 0
         for r, n in new_tokens.items():
-            if r not in self._pages:
-                continue
+            self._known(r)  # as plan refuses it: a request not added (0 pages was a fit plan then refused)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"new_tokens[{r!r}]: expected a count >= 0, got {n!r}")
             start, have = self._length[r], len(self._pages[r])
             needed += max(0, -(-(start + n) // self.page_size) - have)
             if n and start % self.page_size:

@@ -41,6 +41,10 @@ hand runs the same way (``ids (1, T)``: every request's new tokens in ``step.req
     ids = torch.cat([prompt_a, prompt_b])[None]  # (1, T), in step.requests' order
     logits = model(ids, cache=PagedStep(cache, step))[0]  # (T, V)
     next_tokens = logits[step.qo_indptr[1:] - 1].argmax(-1)  # (R,) each request's last row
+
+(A request planned with 0 new tokens has no row: plan only the requests that bring tokens when
+reading each one's last row, or take ``step.qo_indptr[1:] > step.qo_indptr[:-1]`` with it.) If
+the model raises, the step's tokens stay planned and unwritten: free those requests.
 """
 
 from __future__ import annotations
