@@ -252,8 +252,13 @@ def test_a_mask_made_under_inference_mode_takes_the_lane_and_is_read_every_call(
     assert torch.equal(after, zero_row) and torch.equal(after[0], torch.zeros_like(after[0]))
 
 
+def _again(decided, q, k, v):
+    """A kept plan run for new tensors, as the lane runs it: its checks (``fits``), then the kernel (``run``)."""
+    return sdpa_plain.run(decided, q, k, v) if sdpa_plain.fits(decided, q, k, v) else None
+
+
 def test_a_plan_reused_for_new_tensors_equals_the_full_path_bit_for_bit():
-    """``again``: a model's next layer in the same forward (new q, k, v of the planned shapes) runs the plan."""
+    """A kept plan: a model's next layer in the same forward (new q, k, v of the planned shapes) runs the plan."""
     mask = _padding(2, 9, [3, 0])
     q, k, v = _inputs(i=1, j=9)
     with torch.no_grad():
@@ -261,32 +266,32 @@ def test_a_plan_reused_for_new_tensors_equals_the_full_path_bit_for_bit():
         assert decided is not None
         for seed in (1, 2):
             q2, k2, v2 = _inputs(i=1, j=9, seed=seed)
-            out = sdpa_plain.again(decided, q2, k2, v2)
+            out = _again(decided, q2, k2, v2)
             full = qkv.attention(q2, k2, v2, mask=mask, scale=0.125, backend="sdpa")
             assert out is not None and torch.equal(out, full)
 
 
 def test_a_reused_plan_declines_what_its_checks_see():
-    """``again`` answers None (the caller takes the full path) for other shapes or dtypes, tensor subclasses,
+    """A kept plan answers None (the caller takes the full path) for other shapes or dtypes, tensor subclasses,
     another device's or layout's tensors, a gradient into a masked call, a mask changed in place since,
     and a value that is not finite; the plan is never silently applied to a call it was not made for."""
     mask = _padding(2, 9, [3, 0])
     q, k, v = _inputs(i=1, j=9)
     with torch.no_grad():
         decided = sdpa_plain.plan(q, k, v, "scaled_dot", False, 0.125, mask)
-        assert sdpa_plain.again(decided, *_inputs(i=2, j=9)) is None  # other shapes
-        assert sdpa_plain.again(decided, *_inputs(i=1, j=9, dtype=torch.float64)) is None  # other dtype
-        assert sdpa_plain.again(decided, torch.nn.Parameter(q), k, v) is None  # a subclass
-        assert sdpa_plain.again(decided, q.to("meta"), k.to("meta"), v.to("meta")) is None  # not on the CPU
+        assert _again(decided, *_inputs(i=2, j=9)) is None  # other shapes
+        assert _again(decided, *_inputs(i=1, j=9, dtype=torch.float64)) is None  # other dtype
+        assert _again(decided, torch.nn.Parameter(q), k, v) is None  # a subclass
+        assert _again(decided, q.to("meta"), k.to("meta"), v.to("meta")) is None  # not on the CPU
         bad = v.clone()
         bad[0, :, 1] = float("nan")  # in row 0's hidden keys: the full path zeroes them
-        assert sdpa_plain.again(decided, q, k, bad) is None
+        assert _again(decided, q, k, bad) is None
     grad = [x.clone().requires_grad_() for x in (q, k, v)]
-    assert sdpa_plain.again(decided, *grad) is None  # a differentiated masked call guards its hidden keys first
+    assert _again(decided, *grad) is None  # a differentiated masked call guards its hidden keys first
     with torch.no_grad():
-        assert sdpa_plain.again(decided, q, k, v) is not None
+        assert _again(decided, q, k, v) is not None
         mask.mask[0] = False  # changed in place since the plan: its attn_mask is stale
-        assert sdpa_plain.again(decided, q, k, v) is None
+        assert _again(decided, q, k, v) is None
 
 
 @pytest.mark.parametrize("case", [dict(), dict(causal=True, i=1), dict(causal=True, i=9), dict(dtype=torch.float64)],
@@ -299,7 +304,7 @@ def test_an_unmasked_call_on_one_gpu_takes_the_lane_and_a_masked_one_does_not(ca
     q, k, v = (x.to("meta") for x in _inputs(**shape))
     decided = sdpa_plain.plan(q, k, v, call.get("score", "scaled_dot"), call.get("causal", False), None)
     assert decided is not None and decided.attn_mask is None
-    assert sdpa_plain.again(decided, q, k, v).shape == q.shape
+    assert _again(decided, q, k, v).shape == q.shape
     assert sdpa_plain.plan(q, k, v, "scaled_dot", False, None, qkv.masks.causal()) is not None or q.shape[-2] != k.shape[-2]
     for mask in (_padding(2, k.shape[-2], [3, 0]), qkv.masks.lengths(torch.tensor([3, 9]))):
         assert sdpa_plain.plan(q, k, v, "scaled_dot", False, None, mask) is None
@@ -336,7 +341,7 @@ def test_a_decoding_steps_lazy_padding_takes_the_lane_and_equals_the_full_path(w
     decided = sdpa_plain.plan(q, k, v, "scaled_dot", causal, None, mask)
     q2, k2, v2 = _inputs(i=1, j=9, seed=1)  # the model's next layer: new tensors, the same mask
     with torch.no_grad():
-        assert torch.equal(sdpa_plain.again(decided, q2, k2, v2), qkv.attention(q2, k2, v2, mask=mask, causal=causal,
+        assert torch.equal(_again(decided, q2, k2, v2), qkv.attention(q2, k2, v2, mask=mask, causal=causal,
                                                                                  backend="sdpa"))  # fmt: skip
 
 
@@ -364,6 +369,6 @@ def test_an_in_place_change_of_the_padding_rows_is_seen_by_the_lane():
     with torch.no_grad():
         decided = sdpa_plain.plan(q, k, v, "scaled_dot", False, None, mask)
         rows[0] = 0  # row 0 now sees no key (the mask's docs ask not to, but nothing wrong may come of it)
-        assert sdpa_plain.again(decided, q, k, v) is None
+        assert _again(decided, q, k, v) is None
         after = sdpa_plain.plain(q, k, v, "scaled_dot", False, None, mask)
     assert torch.equal(after[0], torch.zeros_like(after[0])) and torch.equal(after[1], sdpa_plain.run(decided, q, k, v)[1])

@@ -94,7 +94,8 @@ def test_a_model_s_later_layers_reuse_the_first_layer_s_choice(timer, monkeypatc
     decided = sdpa_plain.plan(q, k, v, "scaled_dot", False, None)
     assert decided.grouping == "rows" and timer.probes == 1
     monkeypatch.setattr(grouped_rows, "faster", lambda *args: pytest.fail("asked again"))
-    torch.testing.assert_close(sdpa_plain.again(decided, q, k, v), F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    assert sdpa_plain.fits(decided, q, k, v)
+    torch.testing.assert_close(sdpa_plain.run(decided, q, k, v), F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
 
 def test_the_probe_itself_runs_both_forms_and_answers_a_bool(monkeypatch):

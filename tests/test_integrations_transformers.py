@@ -461,22 +461,21 @@ def test_decoder_family_matches_eager_in_logits_and_greedy_generation(family):
 def test_padded_and_unpadded_generation_take_the_plain_lane_in_every_layer(monkeypatch):
     """A padded prompt, its decoding steps and an unpadded prompt reach the kernel without a request
     (``qkv.backends.sdpa_plain.run``): the padding mask is one Dense tensor per forward, the causal mask
-    ``causal=True``; a decoding step's second layer reuses the first layer's plan (``again``)."""
+    ``causal=True``; each forward's second layer reuses the first layer's plan (kept on the forward's mask)."""
     from qkv.backends import sdpa_plain
 
     model, ids, padding = _tiny("llama")
     model.set_attn_implementation("qkv")
-    taken, reused = [], []
-    run, again = sdpa_plain.run, sdpa_plain.again
+    taken, planned = [], []
+    run, plan = sdpa_plain.run, sdpa_plain.plan
     monkeypatch.setattr(sdpa_plain, "run", lambda *args: (lambda out: taken.append(out is not None) or out)(run(*args)))
-    monkeypatch.setattr(sdpa_plain, "again", lambda *args: reused.append(True) or again(*args))
+    monkeypatch.setattr(sdpa_plain, "plan", lambda *args: planned.append(True) or plan(*args))
     settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=padding, **settings)  # prefill + 2 steps, 2 layers each
         assert taken == [True] * 6, taken
-        assert len(reused) == 2, reused  # each step's second layer
+        assert len(planned) == 3, planned  # each forward's first layer: its second reuses the plan
         taken.clear()
-        reused.clear()
         model.generate(input_ids=ids[:1], **settings)
         assert taken == [True] * 6, taken
 

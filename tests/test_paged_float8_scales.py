@@ -95,12 +95,12 @@ def test_scales_given_by_the_cache_are_not_given_again_by_the_call():
     "options, error, message",
     [
         ({"k_scale": 2.0}, ValueError, "calibration scales of a float8 cache"),  # float32 pages
-        ({"dtype": E4M3, "k_scale": 0.0}, ValueError, "positive finite numbers"),
-        ({"dtype": E4M3, "v_scale": float("inf")}, ValueError, "positive finite numbers"),
+        ({"dtype": E4M3, "k_scale": 0.0}, ValueError, r"expected positive numbers \(stored = value / scale\), got \[0.0, 0.0\]"),
+        ({"dtype": E4M3, "v_scale": float("inf")}, ValueError, "v_scale: expected a finite number or None, got inf"),
         ({"dtype": E4M3, "k_scale": [1.0, 2.0, 3.0]}, ValueError, r"one per layer \(2\), got 3"),
         ({"dtype": E4M3, "k_scale": torch.ones(2, 1)}, TypeError, "one per layer"),
-        ({"dtype": E4M3, "k_scale": "2"}, TypeError, "expected numbers, got str"),
-        ({"dtype": E4M3, "k_scale": True}, TypeError, "expected numbers, got bool"),
+        ({"dtype": E4M3, "k_scale": "2"}, TypeError, "k_scale: expected a number or a one-element tensor, got str"),
+        ({"dtype": E4M3, "k_scale": True}, TypeError, "k_scale: expected a number or a one-element tensor, got bool"),
     ],
 )
 def test_bad_scales_are_refused_by_name(options, error, message):

@@ -210,11 +210,7 @@ def _broadcast(query: Tensor, key: Tensor, value: Tensor, grouped: bool) -> tupl
     (dim -3) are grouped instead (:func:`_group_heads`), and only the dims before them
     broadcast.
     """
-    if query.dim() == key.dim() == value.dim() == 4 and query.shape[0] == key.shape[0] == value.shape[0]:
-        hq, hk, hv = query.shape[1], key.shape[1], value.shape[1]
-        if hk == hv and (hq == hk or (grouped and hk and hq % hk == 0)):
-            return query, key, value  # the usual call, (b, h, L, E) each: nothing to broadcast or group (4 µs saved)
-    shapes = [tuple(x.shape) for x in (query, key, value)]  # the caller's, for a message
+    given = (query, key, value)  # the caller's, for a message
     if grouped:
         key, value = _group_heads(query, key, value)
     keep = 3 if grouped else 2  # trailing dims that are each tensor's own
@@ -229,6 +225,7 @@ def _broadcast(query: Tensor, key: Tensor, value: Tensor, grouped: bool) -> tupl
         except RuntimeError as e:
             grouping = not grouped and _groups(query, key, value)
             hint = "; set enable_gqa=True for grouped-query attention" if grouping else ""
+            shapes = [tuple(x.shape) for x in given]
             raise RuntimeError(f"query {shapes[0]}, key {shapes[1]}, value {shapes[2]}: "
                                f"{e}{hint}") from None  # fmt: skip
         raise
@@ -252,7 +249,7 @@ def _group_heads(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Ten
                              f"{tuple(x.shape)}: Dimension out of range (expected to be in range of "
                              f"[{-x.dim()}, {x.dim() - 1}], but got -3)")  # fmt: skip
     hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
-    if hq == hk == hv:
+    if hk == hv and hq and hk and hq % hk == 0:  # one count dividing query's: nothing to repeat
         return key, value
     bad = [f"{name}: {h} heads" for name, h in (("key", hk), ("value", hv)) if h == 0 or hq % h]
     if bad:  # PyTorch's message, as it reads; a count of 0 it divides by (a crash for key, zeros for value)

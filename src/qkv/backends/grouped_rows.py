@@ -47,16 +47,10 @@ def grouping(q: Tensor, k: Tensor, v: Tensor, attn_mask, dropout: float, is_caus
              grouped: bool) -> str | None:  # fmt: skip
     """How ``sdpa._kernel`` meets grouped heads (``grouped``: ``h > g``): ``"rows"``, ``"gqa"`` or None (none).
 
-    With ``i = 1`` the ``x = h / g`` query heads that share a KV head can be ``x`` query rows of
-    that head, ``q (b, h, 1, d) -> (b, g, x, d)`` (a view: ``enable_gqa`` pairs query head
-    ``n`` with KV head ``n // x``), so the kernel reads each key once for all of them: a
-    decoding step of 8 rows over 1000 keys, 8 heads on 2, took 0.50 ms against 0.82 on an
-    Intel Xeon. Not everywhere: on the AMD EPYC Zen 4 the kernel's two- and three-row problems
-    cost more than its one-row ones save, so the form is timed once per size class
-    (:func:`faster`), from :data:`ROWS_ELEMENTS` repeated key elements (below, the views
-    cost more than ``enable_gqa``'s copy saves). Only where the rows can share the mask: none,
-    or one ``(b|1, 1, 1, j)`` for every head; not with dropout (its random draws are laid out
-    by the kernel's shapes) or on another device (its kernels take grouped heads natively).
+    Rows (the module docstring) where :func:`faster` finds them so, from :data:`ROWS_ELEMENTS` repeated key
+    elements, and only where the rows can share the mask: none, or one ``(b|1, 1, 1, j)`` for every
+    head; not with dropout (its random draws are laid out by the kernel's shapes) or off the CPU
+    (other devices' kernels take grouped heads natively).
     """
     if not grouped:
         return None
@@ -93,10 +87,10 @@ def _time(dtype, b: int, h: int, g: int, j: int, d: int, e: int, masked, scale) 
     k = torch.randn(b, g, j, d, generator=gen).to(dtype)
     v = torch.randn(b, g, j, e, generator=gen).to(dtype)
     mask = None
-    if masked is not None:
+    if masked is not None:  # every key seen: True (bool) or 0 (additive)
         mask_dtype, shared = masked
-        mask = torch.zeros(1 if shared else b, 1, 1, j, dtype=mask_dtype)
-        mask = mask == 0 if mask_dtype == torch.bool else mask
+        shape = (1 if shared else b, 1, 1, j)
+        mask = torch.ones(shape, dtype=torch.bool) if mask_dtype == torch.bool else torch.zeros(shape, dtype=mask_dtype)
 
     def rows():
         F.scaled_dot_product_attention(q.view(b, g, h // g, d), k, v, attn_mask=mask, scale=scale)

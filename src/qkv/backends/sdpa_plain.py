@@ -194,21 +194,14 @@ def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     return out if math.isfinite(float(out.sum())) else None
 
 
-def again(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
-    """:func:`run` for another call with the arguments the plan was made for but new tensors (a model's next
-    layer in the same forward), after the checks that can differ between such calls; else None.
-
-    The score, scale and mask are the plan's, so what is checked is the tensors: plain CPU
-    (or, unmasked, same-GPU) strided ``Tensor``s of the planned shapes and dtype, no gradient into a masked call, and
-    the mask's tensor not changed in place since. Whether a trace is running is not asked
-    again: within one eager forward it does not start (a traced forward's first layer made
-    no plan).
-    """
-    return run(decided, q, k, v) if fits(decided, q, k, v) else None
-
-
 def fits(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the plan may run these tensors: :func:`again`'s checks."""
+    """Whether a kept plan may :func:`run` a call with the arguments it was made for but new tensors (a model's
+    next layer in the same forward, a decoding loop's next step).
+
+    The score, scale and mask are the plan's (its key), so what is checked is the tensors: plain CPU
+    (or, unmasked, same-GPU) strided ``Tensor``s of the planned shapes and dtype, no gradient into a masked
+    call, and the mask's tensor not changed in place since.
+    """
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return False
     if (q.shape, k.shape, v.shape) != decided.shapes or q.dtype != decided.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -260,7 +253,7 @@ _PADDING = (Lengths, Starts)
 
 
 def _mask_tensor(mask: Dense | Lengths | Starts) -> Tensor:
-    """The one tensor a plan's mask reads (a Dense mask's, the padding's per-row one), whose version :func:`again` compares."""
+    """The one tensor a plan's mask reads (a Dense mask's, the padding's per-row one), whose version :func:`fits` compares."""
     return mask.tensors()[0][1]
 
 

@@ -52,7 +52,6 @@ import copy
 import importlib.util
 import random
 import statistics
-import time
 from typing import Callable
 
 import torch
@@ -145,12 +144,10 @@ def swapped(models: dict, batch: dict, settings: dict, repeats: int) -> dict[str
                     model.set_attn_implementation(impl)
                 calls = [(impl, _generate(m, batch, settings)) for impl, m in assigned.items()]
                 calls += [(f"{impl} prefill", _generate(m, batch, prefill)) for impl, m in assigned.items()]
-                shift = round_ % len(calls)  # each call first in turn, as interleaved rotates them
-                for name, call in calls[shift:] + calls[:shift]:
-                    start = time.perf_counter()
-                    call()
+                shift = round_ % len(calls)  # each call first in turn, as interleaved rotates its rounds
+                for name, seconds in interleaved(dict(calls[shift:] + calls[:shift]), 1, warmup=0).items():
                     if round_:
-                        times.setdefault(name, []).append(time.perf_counter() - start)
+                        times.setdefault(name, []).append(seconds)
     finally:
         for impl, model in models.items():
             model.set_attn_implementation(impl)

@@ -250,21 +250,12 @@ def _decoding_step(module: torch.nn.Module, query: Tensor, key: Tensor, value: T
         return None  # a keyword to refuse (the full path's message), or packed offsets
     if _weights_wanted(module, kwargs.get("output_attentions")):
         return None
-    # The first layer of a forward plans the call (sdpa_plain.plan); the others, same shapes and mask, reuse it.
-    # Measured in SmolLM2's greedy generate on the AMD EPYC Zen 4 (a left-padded batch of 4): a layer's call
-    # took 230-245 µs against sdpa's 177 µs, the kernel 125 of them: the checks, run from caches the model's
-    # matmuls have just emptied, cost more than where they run once.
-    # (kept by the scale, the one input `again` cannot check; it checks the tensors' shapes and dtype)
-    kept = mask.plans.get(scaling)
-    out = None if kept is None else sdpa_plain.again(kept, query, key, value)
-    if out is None:  # no plan yet, or this call is not one the kept plan may run: the lane's full checks
-        decided = sdpa_plain.plan(query, key, value, "scaled_dot", False, scaling, mask.for_call(1, key.shape[-2],
-                                                                                                    query.device))  # fmt: skip
-        if decided is None:
-            return None
-        if decided.mask_tensor is None or decided.mask_version is not None:  # (under inference_mode: read every call)
-            mask.plans[scaling] = decided
-        out = sdpa_plain.run(decided, query, key, value)
+    # The first layer of a forward plans the call; the others, same shapes and mask, reuse it (sdpa_plain keeps it on
+    # the forward's mask, which for_call makes once). Measured in SmolLM2's greedy generate on the AMD EPYC Zen 4 (a
+    # left-padded batch of 4): a layer's call took 230-245 µs against sdpa's 177 µs when every layer planned, the
+    # kernel 125 of them: the checks, run from caches the model's matmuls have just emptied, cost more than where
+    # they run once.
+    out = sdpa_plain.plain(query, key, value, "scaled_dot", False, scaling, mask.for_call(1, key.shape[-2], query.device))
     return None if out is None else out.transpose(1, 2).contiguous()
 
 

@@ -70,9 +70,6 @@ class LayerMask:
         self.mask = mask
         self.shape = shape
         self._calls: dict[tuple, Mask | None] = {}
-        #: a decoding step's plain-lane plans (``qkv.backends.sdpa_plain.Plan``) by the call's scale, made by the
-        #: forward's first layer and reused by the others (a layer of other shapes plans again)
-        self.plans: dict[float | None, object] = {}
 
     def for_call(self, i: int, j: int, device: torch.device) -> Mask | None:
         """The mask one layer call runs with, made once and shared by every layer of the forward.

@@ -218,17 +218,17 @@ class PagedKVCache:
         """``qkv.paged_attention`` of the step's queries ``q (T, h, d)`` over layer ``layer``'s pages (the step's
         plan, laid out by the first layer that runs it)."""
         self._current(step)
+        pages = self.layer(layer)
         if self._scales is not None:
             given = sorted({"k_scale", "v_scale"} & set(options))
             if given:
                 raise ValueError(f"{given[0]}: this cache holds its calibration scales (PagedKVCache(k_scale=..., "
                                  "v_scale=...)) and passes them itself")  # fmt: skip
-            self._pool(layer)  # the layer checked before it is read
             k_scale, v_scale = self._scales[layer]
             options = {**options, "k_scale": k_scale, "v_scale": v_scale}
         if step.plan is None:
-            return paged_attention(q, self.layer(layer), *step.table, **options)
-        return step.plan.run(q, self.layer(layer), **options)
+            return paged_attention(q, pages, *step.table, **options)
+        return step.plan.run(q, pages, **options)
 
     def layer(self, layer: int):
         """Layer ``layer``'s pages: FlashInfer's tuple ``(k_cache, v_cache)``, each ``(num_pages, P, g, d)``,

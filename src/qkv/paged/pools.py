@@ -12,13 +12,11 @@ measured on calibration data) brings them into range. The attention undoes the s
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 from torch import Tensor
 
 from .._args import positive_int
+from .options import calibration
 from .pages import empty
 
 
@@ -71,18 +69,17 @@ def scales(k_scale, v_scale, layers: int, dtype) -> list[tuple[float, float]] | 
 
 
 def _per_layer(name: str, x, layers: int) -> list[float]:
+    """``x`` for each layer: one scale for all, or one per layer (a sequence or a 1-d tensor), each read as
+    :func:`~.options.calibration` reads a call's, and positive (a token is stored divided by it)."""
     if x is None:
         return [1.0] * layers
-    if isinstance(x, Tensor):
-        if x.dim() > 1 or not (x.dtype.is_floating_point or x.dtype in (torch.int32, torch.int64)):
-            raise TypeError(f"{name}: expected a number, or one per layer, got a {x.dtype} tensor of shape {tuple(x.shape)}")
-        x = x.tolist()
-    values = list(x) if isinstance(x, (list, tuple)) else [x] * layers
+    if isinstance(x, Tensor) and x.dim() > 1:
+        raise TypeError(f"{name}: expected a number, or one per layer, got a tensor of shape {tuple(x.shape)}")
+    many = isinstance(x, (list, tuple)) or (isinstance(x, Tensor) and x.dim() == 1)
+    values = list(x) if many else [x] * layers
     if len(values) != layers:
         raise ValueError(f"{name}: expected a number, or one per layer ({layers}), got {len(values)}")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise TypeError(f"{name}: expected numbers, got {type(v).__name__}")
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"{name}: expected positive finite numbers (stored = value / scale), got {v!r}")
-    return [float(v) for v in values]
+    values = [calibration(name, v) for v in values]
+    if not all(v > 0 for v in values):
+        raise ValueError(f"{name}: expected positive numbers (stored = value / scale), got {values}")
+    return values
