@@ -372,3 +372,76 @@ def test_an_in_place_change_of_the_padding_rows_is_seen_by_the_lane():
         assert _again(decided, q, k, v) is None
         after = sdpa_plain.plain(q, k, v, "scaled_dot", False, None, mask)
     assert torch.equal(after[0], torch.zeros_like(after[0])) and torch.equal(after[1], sdpa_plain.run(decided, q, k, v)[1])
+
+
+def _spy_plans(monkeypatch) -> list:
+    """Record every :func:`sdpa_plain.plan` call (a kept plan's call makes none)."""
+    made, planned = [], sdpa_plain.plan
+
+    def spy(*args, **kwargs):
+        made.append(args)
+        return planned(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa_plain, "plan", spy)
+    return made
+
+
+def test_a_bool_tensor_mask_plans_once_per_shape_and_is_read_afresh_at_every_call(monkeypatch):
+    """The SDPA drop-in's padded decoding step: one plan for every call of its shapes, each call's own tensor read,
+    dead rows (every key hidden) included, as ``F.scaled_dot_product_attention`` reads them."""
+    made = _spy_plans(monkeypatch)
+    sdpa_plain._TENSOR_MASK_PLANS.clear()
+    q, k, v = _inputs(b=3, h=6, g=2, i=1, j=17)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for step in range(6):
+            m = torch.rand(3, 1, 1, 17, generator=gen) < 0.6
+            if step == 3:
+                m[1] = False  # a dead row: PyTorch's CPU kernel gives it 0, and so must the kept plan's call
+            got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            assert bool(got[1].any()) == (step != 3)
+    assert len(made) == 1, f"planned {len(made)} times for 6 calls of one shape"
+
+
+def test_a_kept_bool_tensor_plan_holds_no_tensor_and_declines_gradients_and_other_shapes(monkeypatch):
+    made = _spy_plans(monkeypatch)
+    sdpa_plain._TENSOR_MASK_PLANS.clear()
+    q, k, v = _inputs(i=1, j=9)
+    m = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    m[0, ..., :4] = False
+    with torch.no_grad():
+        qkv.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+    kept = list(sdpa_plain._TENSOR_MASK_PLANS.values())
+    assert len(kept) == 1 and kept[0].attn_mask is sdpa_plain.CALLERS_MASK and kept[0].mask_tensor is None
+    # a call that needs gradients takes the full path: the kept plan is not taken, and the lane declines it
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = qkv.scaled_dot_product_attention(qg, kg, vg, attn_mask=m, enable_gqa=True)
+    out.sum().backward()
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, attn_mask=m, enable_gqa=True).sum().backward()
+    for got, want in ((qg, qr), (kg, kr), (vg, vr)):
+        torch.testing.assert_close(got.grad, want.grad)
+    # a mask of another shape (one for every row) is planned anew, not run on the kept plan
+    with torch.no_grad():
+        wide = m[:1].expand(1, 4, 1, 9)
+        got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=wide, enable_gqa=True)
+        torch.testing.assert_close(got, torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=wide, enable_gqa=True), rtol=0, atol=0)  # fmt: skip
+    assert len(made) == 3  # the first call, the gradient call (declined), the other shape
+
+
+def test_a_nan_at_a_hidden_key_after_a_kept_bool_tensor_plan_never_reaches_the_output():
+    """The kept plan's call is checked as the lane's first: a non-finite output sends the call to the full path,
+    which zeroes the hidden keys (PyTorch's kernel gives the whole row nan)."""
+    sdpa_plain._TENSOR_MASK_PLANS.clear()
+    q, k, v = _inputs(i=1, j=9)
+    m = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    m[:, ..., 7:] = False
+    with torch.no_grad():
+        clean = qkv.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+        v[:, :, 8] = float("nan")
+        got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+    assert len(sdpa_plain._TENSOR_MASK_PLANS) == 1
+    torch.testing.assert_close(got, clean, rtol=0, atol=0)

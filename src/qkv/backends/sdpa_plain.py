@@ -62,7 +62,8 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     (a padded batch's, one tensor shared by a model's layers) that is not the causal
     square, given to the kernel as the full path gives it, rows that see no key given every
     key and zeroed after; what it takes is kept on the mask per tensor version (an in-place
-    change shows). Its output is checked as the full path checks an inference call's
+    change shows). A caller's bool tensor (SDPA's ``attn_mask``) is read afresh at every
+    call: its plan is kept by the tensor's shape only where the kernel takes it as it is. Its output is checked as the full path checks an inference call's
     (``hidden_keys.after``): a value that is not finite answers None, and the full path runs
     the call again on zeroed hidden keys. So is a decoding step's padding (one query a row):
     ``qkv.masks.lengths`` or ``starts`` on CPU rows, with or without ``causal`` (which hides
@@ -72,14 +73,21 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     plans = None if key is None else _plans_of(mask)
     kept = None if plans is None else plans.get(key)
     if kept is not None and fits(kept, q, k, v) and not tracing():
-        return run(kept, q, k, v)
+        return run(kept, q, k, v, mask)
     decided = plan(q, k, v, score, causal, scale, mask)
     if decided is None:
         return None
+    if type(mask) is Tensor:
+        # a caller's bool tensor: its plan is kept only where it holds nothing read from the tensor's values (the
+        # kernel takes the tensor as it is, its own dead rows 0), so a later call's tensor, read afresh, fits it
+        plans = plans if decided.attn_mask is mask and decided.live_rows is None and zeroes_dead_rows(q) else None
+        kept = decided._replace(attn_mask=CALLERS_MASK, mask_tensor=None, mask_version=None)
+    else:
+        kept = decided
     if plans is not None:
         if len(plans) >= PLANS_KEPT:
             del plans[next(iter(plans))]
-        plans[key] = decided
+        plans[key] = kept
     return run(decided, q, k, v)
 
 
@@ -87,8 +95,15 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
 #: shapes and dtype, the score's kind, ``causal`` and the scale. A loop calling with new tensors of the same
 #: shapes (a decoding loop's layers) checks them with :func:`fits` (0.5 µs) instead of planning again (5-8 µs).
 #: A masked call's plans are kept on its ``qkv.masks`` object (they hold its tensors: they live as long as
-#: it does); a bool tensor's are not kept (SDPA reads its ``attn_mask`` at every call).
+#: it does).
 _PLANS: dict[tuple, Plan] = {}
+#: Plans of recent calls with a caller's bool tensor (SDPA's ``attn_mask``), by the same and the tensor's shape:
+#: only those that hold no tensor and nothing read from its values (:data:`CALLERS_MASK` in their place), since
+#: SDPA reads ``attn_mask`` afresh at every call, a write through numpy or ``.data`` included. A padded decoding
+#: step through the SDPA drop-in planned at every call spent 10-15 µs on it, most of what it adds to the kernel.
+_TENSOR_MASK_PLANS: dict[tuple, Plan] = {}
+#: What a kept plan holds for its mask where the mask is the call's own bool tensor, passed to the kernel as it is.
+CALLERS_MASK = object()
 #: Plans kept per mask (and unmasked): a model's calls of a few shapes (a prefill and its steps).
 PLANS_KEPT = 8
 
@@ -100,13 +115,19 @@ def _plan_key(q, k, v, score, causal, scale, mask) -> tuple | None:
         return None  # (no sizes to key on: the full path's message)
     if not (scale is None or type(scale) is float) or not (type(score) is str or type(score) in (Dot, ScaledDot)):
         return None  # (a tensor scale is not hashed; other scores never take the lane)
-    return q.shape, k.shape, v.shape, q.dtype, score if type(score) is str else type(score), causal, scale
+    key = q.shape, k.shape, v.shape, q.dtype, score if type(score) is str else type(score), causal, scale
+    if type(mask) is Tensor:  # (the device and layout too: a plan is for a strided CPU tensor)
+        return (*key, mask.shape, mask.dtype, mask.is_cpu, mask.layout)
+    return key
 
 
 def _plans_of(mask: object) -> dict | None:
-    """Where a call's plans are kept: :data:`_PLANS` unmasked, on a ``qkv.masks`` object, else nowhere."""
+    """Where a call's plans are kept: :data:`_PLANS` unmasked, :data:`_TENSOR_MASK_PLANS` with a bool tensor,
+    on a ``qkv.masks`` object, else nowhere."""
     if mask is None:
         return _PLANS
+    if type(mask) is Tensor:
+        return _TENSOR_MASK_PLANS
     if not isinstance(mask, Mask):
         return None
     plans = getattr(mask, "_lane_plans", None)
@@ -183,12 +204,13 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
                 None if tensor is None else version(tensor))  # fmt: skip
 
 
-def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor, mask: object = None) -> Tensor | None:
     """The kernel's output for the call :func:`plan` decided, or None where it is not finite (the full path then
-    zeroes the hidden keys)."""
+    zeroes the hidden keys); ``mask`` is the call's, which a plan holding :data:`CALLERS_MASK` passes as it is."""
     if decided.attn_mask is None:
         return _kernel(q, k, v, None, 0.0, decided.is_causal, decided.scale, decided.grouping)
-    out = _kernel(q, k, v, decided.attn_mask, 0.0, False, decided.scale, decided.grouping)
+    attn_mask = mask if decided.attn_mask is CALLERS_MASK else decided.attn_mask
+    out = _kernel(q, k, v, attn_mask, 0.0, False, decided.scale, decided.grouping)
     if decided.live_rows is not None:
         out = out * decided.live_rows
     return out if math.isfinite(float(out.sum())) else None
@@ -206,12 +228,13 @@ def fits(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
         return False
     if (q.shape, k.shape, v.shape) != decided.shapes or q.dtype != decided.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if not (q.is_cpu and k.is_cpu and v.is_cpu) and not (decided.mask_tensor is None and _on_one_gpu(q, k, v)):
+    if not (q.is_cpu and k.is_cpu and v.is_cpu) and not (decided.attn_mask is None and _on_one_gpu(q, k, v)):
         return False
     if q.is_nested or q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided:
         return False
-    if decided.mask_tensor is not None:
-        if decided.mask_version is None or version(decided.mask_tensor) != decided.mask_version:
+    if decided.attn_mask is not None:
+        if decided.mask_tensor is not None and (decided.mask_version is None
+                                                or version(decided.mask_tensor) != decided.mask_version):
             return False  # kept under inference_mode (no version), or changed in place since
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return False
