@@ -227,9 +227,10 @@ def _broadcast(query: Tensor, key: Tensor, value: Tensor, grouped: bool) -> tupl
     if grouped:
         key, value = _group_heads(query, key, value)
     keep = 3 if grouped else 2  # trailing dims that are each tensor's own
+    qs, ks, vs = query.shape, key.shape, value.shape
+    if len(qs) == len(ks) == len(vs) >= keep and qs[:-keep] == ks[:-keep] == vs[:-keep]:
+        return query, key, value  # the usual call: nothing broadcasts (torch.broadcast_shapes costs 10 µs)
     leads = [x.shape[: max(x.dim() - keep, 0)] for x in (query, key, value)]
-    if leads[0] == leads[1] == leads[2]:  # the usual call: nothing broadcasts (torch.broadcast_shapes costs 10 µs)
-        return query, key, value
     try:
         lead = torch.broadcast_shapes(*leads)
     except RuntimeError:
