@@ -15,6 +15,11 @@ iff ``ids_q[n, r] == ids_k[n, c]``; combined with ``causal()`` (or any mask) by 
                                  q3   .  .  .  1  .
                                  q4   .  .  .  1  1
 
+Where a document has other counts in ``ids_q`` and ``ids_k`` (cross-attention, a chunked
+prefill), ``causal()`` stays aligned to the whole call's bottom-right corner (``c <= r + j - i``), not to each
+document's: ``flash_attn_varlen_func``'s per-sequence alignment is ``qkv.varlen_attention``'s,
+or a ``mask_mod`` over positions inside each document (``from_mask_mod``).
+
 It is lazy: a tile whose query and key documents are disjoint is "empty" (skipped), one
 inside a single document "full", all from the ids' ends when they are sorted, in
 O(tile) memory. When each document's tokens are contiguous (:meth:`Documents.runs`), the
