@@ -12,7 +12,9 @@ length, ``d`` query/key size, ``e`` value size.
   or a lazy ``qkv.masks`` mask, which stays lazy) (``knockout.py``);
 * :class:`ScaleHeads` ``(scale)``: head ``h``'s logits times ``scale[h]`` (``scale.py``);
 * :class:`PatchPattern` ``(heads, rows, pattern)``: those weights replaced, ``α'V`` recomputed
-  for those rows only (``patch.py``).
+  for those rows only (``patch.py``);
+* :class:`PatchZ` ``(heads, rows, z)``: those heads' output ``z`` at those rows replaced, e.g.
+  by a clean run's recorded ``hook_z`` (``patch_z.py``).
 
 Edits compose as a list (``apply.py``); mask and logit edits keep qkv's memory-efficient
 engines. In transformers models loaded with ``attn_implementation="qkv"``, ``qkv.edit`` and
@@ -26,6 +28,9 @@ from .apply import attention, edited
 from .base import Call, Edit
 from .knockout import Knockout
 from .patch import PatchPattern
+from .patch_z import PatchZ
 from .scale import ScaleHeads
 
-__all__ = ["AblateHeads", "Call", "Edit", "Knockout", "PatchPattern", "ScaleHeads", "attention", "edited", "recorded"]
+__all__ = [
+    "AblateHeads", "Call", "Edit", "Knockout", "PatchPattern", "PatchZ", "ScaleHeads", "attention", "edited", "recorded",
+]  # fmt: skip

@@ -11,10 +11,14 @@ value size; ``H`` the number of ablated heads.
   head mask multiplies ``z_h`` by 0);
 * ``how="mean"``: ``z_h[n, r] ← mean over n', r' of z_h[n', r']``, the mean over the batch
   and the positions of this call (the mean ablation of the interpretability literature; some
-  average over the batch alone, per position: pass that mean as ``how=``), so the head keeps its
+  average over the batch alone, per position: patch that mean in with ``PatchZ``), so the head keeps its
   average contribution and loses what depends on the input. Padded positions count: pass
   a mean computed elsewhere (``how=`` a tensor ``(H, e)``, e.g. over a reference set
-  recorded with ``qkv.record``) to leave them out;
+  recorded with ``qkv.record``) to leave them out. With a KV cache a call holds only the new
+  positions, so its mean is not the sequence's (a decoding step of one token in a batch of
+  one: that token's own ``z``, no ablation at all), and the same ablation with and without
+  the cache would differ; the transformers integration refuses ``"mean"`` in a call with
+  cached keys. A tensor ``how=`` applies alike with and without the cache;
 * ``how=`` a tensor ``(H, e)`` (or ``(e,)``): that value, one row per ablated head.
 
 The attention itself runs unchanged on qkv's engines; the edit costs one pass over ``z``.
@@ -55,7 +59,7 @@ class AblateHeads(Edit):
         once_each("AblateHeads: heads", self.heads, heads.cpu(), "head")  # one row of how per head
         value = self.how.to(device=out.device, dtype=out.dtype)
         expected = (len(heads), out.shape[-1])
-        if value.dim() == 1:
+        if value.dim() == 1 and value.shape[0] == expected[1]:  # (e,): every ablated head alike (else the error below)
             value = value.expand(expected)
         if tuple(value.shape) != expected:
             raise ValueError(f"AblateHeads: how expected a tensor of shape {expected} (heads, e) or ({expected[1]},), got {tuple(self.how.shape)}")

@@ -77,7 +77,7 @@ def as_edits(edits: Edit | Sequence[Edit] | None) -> tuple[Edit, ...]:
     if not isinstance(found, (list, tuple)) or not all(isinstance(e, Edit) for e in found):
         kinds = type(edits).__name__ if not isinstance(edits, (list, tuple)) else [type(e).__name__ for e in edits]
         raise TypeError(
-            f"edits: expected a qkv.edits edit (AblateHeads, Knockout, ScaleHeads, PatchPattern) or a list of them, got {kinds}"
+            f"edits: expected a qkv.edits edit (AblateHeads, Knockout, ScaleHeads, PatchPattern, PatchZ) or a list of them, got {kinds}"
         )
     return tuple(found)
 
@@ -108,6 +108,15 @@ def indices(name: str, value: object, size: int) -> Tensor:
     return torch.where(index < 0, index + size, index)
 
 
+def rows_of(name: str, value: object, call: Call) -> Tensor:
+    """:func:`indices` of query rows in ``call``, whose error says that rows count within each call (generate's steps have one)."""
+    try:
+        return indices(name, value, call.rows)
+    except ValueError as error:
+        raise ValueError(f"{error}; rows count within each call, and this one has {call.rows} (a generate() "
+                         "decoding step has 1, so a patch of the prompt's rows fits the prompt's call only)") from None  # fmt: skip
+
+
 def once_each(name: str, value: object, index: Tensor, what: str) -> None:
     """Refuse ``index`` (from :func:`indices` of ``value``) naming one ``what`` twice: rows given per index would be ambiguous."""
     unique, counts = index.unique(return_counts=True)
@@ -126,3 +135,20 @@ def check_selection(name: str, value: object) -> None:
     if isinstance(value, (list, tuple)) and not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         kinds = sorted({type(x).__name__ for x in value if not isinstance(x, int) or isinstance(x, bool)})
         raise TypeError(f"{name}: expected an int, slice, range, list of ints or 1-d integer tensor, got a list holding {', '.join(kinds)}")
+
+
+def check_batch(name: str, given: Tensor, lead: tuple[int, ...], call: Call) -> None:
+    """Refuse a recorded tensor whose batch (its dims before the last three, ``lead``) does not broadcast to the call's.
+
+    A recording keeps its run's batch: one of 2 prompts patches a run of the same 2, or of
+    any batch as ``given[:1]`` (one row, put into every row alike); anything else would
+    end in a broadcasting error that names neither the edit nor the batch.
+    """
+    batch = tuple(call.q.shape[:-3])
+    try:
+        fits = torch.broadcast_shapes(lead, batch) == batch
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name}: {tuple(given.shape)} has batch {lead}, which does not broadcast to this call's "
+                         f"batch {batch}; record the same batch, or give one row ([:1]) to patch every row alike")  # fmt: skip

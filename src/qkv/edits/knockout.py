@@ -13,6 +13,14 @@ row whose every key is knocked out gives zero output (qkv's convention; eager gi
 The complement of a lazy mask stays lazy (:class:`Except`: each tile is the complement of
 the mask's tile, an "empty" tile is "full" and the reverse), so the engines keep skipping
 and unmasking whole tiles and never build the ``(i, j)`` mask of a long sequence.
+
+Under ``generate()`` with a KV cache the edit applies to every call, and a decoding step is
+one query row against every key so far. Masks aligned bottom-right (``qkv.masks.offsets``,
+``window``, ``causal``: ``Knockout(offsets(-1, -1))`` removes each token's edge to the one
+before it) and programs that read only ``kv_idx`` knock out the same edges with and without
+the cache. A ``from_mask_mod`` program that reads ``q_idx`` does not: it sees FlexAttention's
+positions within the call, so ``q_idx`` is 0 in every step. A dense tensor fits one call's
+``(i, j)`` only; one that does not broadcast to the call is refused, naming the call.
 """
 
 from __future__ import annotations
@@ -71,6 +79,18 @@ class Knockout(Edit):
         self.keep: Mask = Dense(~edges) if isinstance(edges, Tensor) else Except(edges)
 
     def prepare(self, call: Call) -> Call:
+        if isinstance(self.edges, Tensor):
+            target = (*call.q.shape[:-3], call.heads, call.rows, call.k.shape[-2])  # (..., h, i, j)
+            try:
+                fits = torch.broadcast_shapes(tuple(self.edges.shape), target) == target
+            except RuntimeError:
+                fits = False
+            if not fits:
+                raise ValueError(
+                    f"Knockout: edges of shape {tuple(self.edges.shape)} do not broadcast to this call's (..., h, i, j) = "
+                    f"{target}; a dense tensor fits one call (a generate() decoding step has 1 query row and every key "
+                    "so far): for any call give a lazy qkv.masks mask, e.g. offsets(lo, hi) of key - query positions"
+                )
         mask = as_mask(call.options.get("mask"))
         return call.with_options(mask=self.keep if mask is None else mask & self.keep)
 

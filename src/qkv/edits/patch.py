@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Call, Edit, check_selection, indices, once_each
+from .base import Call, Edit, check_batch, check_selection, indices, once_each, rows_of
 
 
 class PatchPattern(Edit):
@@ -40,15 +40,17 @@ class PatchPattern(Edit):
     def _chosen(self, call: Call) -> tuple[Tensor, Tensor]:
         """The patched heads and rows as index tensors, with ``pattern``'s shape checked against them."""
         heads = indices("PatchPattern: heads", self.heads, call.heads)
-        rows = indices("PatchPattern: rows", self.rows, call.rows)
+        rows = rows_of("PatchPattern: rows", self.rows, call)
         once_each("PatchPattern: heads", self.heads, heads, "head")  # one pattern per (head, row)
         once_each("PatchPattern: rows", self.rows, rows, "row")
         expected = (len(heads), len(rows), call.k.shape[-2])
         if tuple(self.pattern.shape[-3:]) != expected:
             raise ValueError(
                 f"PatchPattern: pattern expected shape (..., {expected[0]}, {expected[1]}, {expected[2]}) "
-                f"(heads, rows, j), got {tuple(self.pattern.shape)}"
+                f"(heads, rows, j), got {tuple(self.pattern.shape)}; this call has {call.rows} query rows and "
+                f"{expected[2]} keys (a generate() decoding step: 1 row, every key so far)"
             )
+        check_batch("PatchPattern: pattern", self.pattern, tuple(self.pattern.shape[:-3]), call)
         return heads, rows
 
     def finish(self, call: Call, out: Tensor) -> Tensor:

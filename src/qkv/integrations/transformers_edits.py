@@ -16,6 +16,9 @@ context-variable read and no other cost. Inside, it is ``qkv.edits.attention`` w
 layer's edits (``module.layer_idx`` is the layer), followed by the recording. A context
 variable, not a flag on the model, so threads and ``asyncio`` tasks running the same model
 see only their own edits, and leaving the block (even by an exception) restores the model.
+Edits apply to every call, a ``generate()`` decoding step included (one query row against
+the cached keys); ``AblateHeads(how="mean")``, whose mean there would be of the new token
+alone, is refused in a call with cached keys.
 
 Recordings are keyed with TransformerLens' names (Nanda & Bloom 2022), for the chosen
 heads and rows only (``qkv.edits.recorded``): ``blocks.{l}.attn.hook_attn_scores (b, H,
@@ -41,6 +44,7 @@ import torch
 from torch import Tensor
 
 from ..edits import recorded
+from ..edits.ablate import AblateHeads
 from ..edits.apply import edited
 from ..edits.base import Edit, as_edits, check_selection, indices
 from ..functional import attention
@@ -134,6 +138,8 @@ def output_weight(module: torch.nn.Module | None) -> Tensor:
 def _run(layer: int, sessions: tuple[_Session, ...], module, q: Tensor, k: Tensor, v: Tensor, **options):
     """``qkv.attention(q, k, v, **options)`` with ``layer``'s edits of every active block, then their recordings."""
     edits = tuple(e for s in sessions for e in s.edits.get(layer, ()))
+    if q.shape[-2] < k.shape[-2]:  # keys before this call's queries: a KV cache (the layers here are self-attention)
+        _refuse_mean_with_cache(layer, edits, q.shape[-2], k.shape[-2])
     result, call = edited(q, k, v, edits, **options)
     out = result[0] if isinstance(result, tuple) else result
     for session in sessions:
@@ -142,12 +148,30 @@ def _run(layer: int, sessions: tuple[_Session, ...], module, q: Tensor, k: Tenso
     return result
 
 
+def _refuse_mean_with_cache(layer: int, edits: tuple[Edit, ...], i: int, j: int) -> None:
+    """Refuse ``AblateHeads(how="mean")`` in a call with cached keys, where it would silently differ from no cache.
+
+    The mean runs over the call's own positions; with a KV cache those are only the new
+    ones (a ``generate()`` step: one token, whose mean in a batch of one is its own ``z``,
+    so the head is not ablated at all), while without the cache every step averages the
+    whole sequence again and re-runs the earlier positions with it. No per-call mean makes
+    the two agree; a fixed mean (``how=`` a tensor) does.
+    """
+    if any(isinstance(e, AblateHeads) and isinstance(e.how, str) and e.how == "mean" for e in edits):
+        raise ValueError(
+            f"AblateHeads(how='mean'): layer {layer} was called with {i} query rows against {j} keys, so the "
+            "earlier ones come from a KV cache and the mean would cover the new rows only (a generate() step: "
+            f"one token, its own z, no ablation); pass a fixed mean, how=rec['blocks.{layer}.attn.hook_z'][:, :, "
+            "heads].mean((0, 1)) of a qkv.record of the prompt (shape (heads, e)), or run without the cache (use_cache=False)"
+        )
+
+
 @contextlib.contextmanager
 def edit(model: torch.nn.Module, edits: Mapping[int, Edit | Sequence[Edit]]) -> Iterator[None]:
     """Apply ``edits`` (``{layer: edit or [edits]}``) to ``model``'s attention layers inside the block.
 
     ``model`` runs ``attn_implementation="qkv"``; the edits are ``qkv.edits`` objects
-    (``AblateHeads``, ``Knockout``, ``ScaleHeads``, ``PatchPattern``). Blocks nest: an inner
+    (``AblateHeads``, ``Knockout``, ``ScaleHeads``, ``PatchPattern``, ``PatchZ``). Blocks nest: an inner
     block's edits of a layer apply after the outer one's.
     """
     layers = _attention_layers(model, "edit")
