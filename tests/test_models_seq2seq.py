@@ -237,7 +237,7 @@ def test_bad_configs():
         Seq2SeqConfig(5, 0)
     with pytest.raises(ValueError, match=r"eos_id: expected an id in \[0, 5\), got 7"):
         Seq2SeqConfig(5, 5, eos_id=7)
-    with pytest.raises(ValueError, match="score: expected 'dot', 'general', 'concat' or 'location', got 'cosine'"):
+    with pytest.raises(ValueError, match=r"score: expected one of \('dot', 'scaled_dot', 'general', .*'location'\) \(Luong's four .*got 'cosine'"):
         LuongConfig(5, 5, score="cosine")
     with pytest.raises(ValueError, match="alignment: expected one of"):
         LuongConfig(5, 5, alignment="local")

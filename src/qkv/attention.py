@@ -325,7 +325,9 @@ class MultiHeadAttention(nn.Module):
             check_input("key", key, self.k_proj)
         if value is not key or self.v_proj.in_features != self.k_proj.in_features:
             check_input("value", value, self.v_proj)
-        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+        if key.shape[0] != query.shape[0]:  # (the memory of another batch: key's, whatever value is, as Attention says)
+            raise ValueError(f"key: expected batch {query.shape[0]} like query, got {key.shape[0]} (key {tuple(key.shape)})")
+        if key.shape[:2] != value.shape[:2]:
             raise ValueError(
                 f"value: expected batch and length matching key (b={key.shape[0]}, j={key.shape[1]}) "
                 f"and query batch {query.shape[0]}, got query {tuple(query.shape)}, key {tuple(key.shape)}, "

@@ -22,8 +22,12 @@ dot            qᵀk                                 :class:`Dot`
 scaled_dot     qᵀk / √d                            :class:`ScaledDot`
 general        qᵀ W k   (bilinear)                 :class:`Bilinear`
 concat         vᵀ tanh(W_q q + W_k k)  (additive)  :class:`Additive`
-location       (W_a q)_j   (query alone)           :class:`Location`
+location       (W_a q + b)_j   (query alone)       :class:`Location`
 =============  ==================================  ===========================
+
+Two learned offsets go beyond the papers: :class:`Location` adds ``b (L,)`` by default
+(``bias=False`` is Luong's ``softmax(W_a h_t)``), :class:`Additive` adds one to ``W_q q``
+only when asked (``bias=True``; the default is Bahdanau's and Luong's formula).
 
 Keras' layers add two without projections (``qkv.interop_keras`` copies them):
 :class:`LearnedScaleDot` (``s·qᵀk``, a learned scalar ``s``: ``Attention(use_scale=True)``) and
@@ -185,7 +189,10 @@ class Location(Score):
     """Luong's location score: ``a = softmax(W_a q)``, from the query alone, over at most ``max_len`` keys.
 
     ``W_a (L, dq)``; the logit for key ``j`` is the ``j``-th output. Keys' contents are not
-    looked at, only their positions, so ``j`` may not exceed ``max_len``.
+    looked at, only their positions, so ``j`` may not exceed ``max_len``; a call with
+    ``j < L`` keys is the length-``L`` softmax with positions ``j ..`` masked. With
+    ``bias=True`` (the default) a learned ``b (L,)`` is added, ``softmax(W_a q + b)``: a
+    prior over positions that Luong's formula does not have; ``bias=False`` is the paper's.
     """
 
     name = "location"

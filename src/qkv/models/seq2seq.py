@@ -82,6 +82,11 @@ class Seq2SeqConfig:
             )
 
 
+#: The score names :class:`LuongConfig` takes: Luong's dot, general, concat and location, and the ``qkv.scores``
+#: names of the same (scaled dot; bilinear for general; additive and mlp for concat).
+LUONG_SCORES = ("dot", "scaled_dot", "general", "bilinear", "concat", "additive", "mlp", "location")
+
+
 @dataclass(frozen=True)
 class LuongConfig(Seq2SeqConfig):
     """:class:`Seq2SeqConfig` plus Luong's choices of score, alignment and input feeding."""
@@ -94,8 +99,9 @@ class LuongConfig(Seq2SeqConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.score not in ("dot", "scaled_dot", "general", "bilinear", "concat", "additive", "mlp", "location"):
-            raise ValueError(f"score: expected 'dot', 'general', 'concat' or 'location', got {self.score!r}")
+        if self.score not in LUONG_SCORES:
+            raise ValueError(f"score: expected one of {LUONG_SCORES} (Luong's four and their qkv.scores aliases), "
+                             f"got {self.score!r}")  # fmt: skip
         if self.alignment not in ALIGNMENTS:
             raise ValueError(f"alignment: expected one of {ALIGNMENTS}, got {self.alignment!r}")
         positive_int("window", self.window)
