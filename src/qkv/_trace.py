@@ -17,16 +17,39 @@ from torch import Tensor
 
 
 def tracing() -> bool:
-    """True while ``torch.compile``, ``torch.export`` or ``torch.jit.trace`` trace the current call.
+    """True while ``torch.compile``, ``torch.export`` or ``torch.jit.trace`` trace the current call,
+    or a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ``jvp``) runs it.
 
     ``torch.jit.trace`` runs on real tensors, but what it records is the ops: a value read on
     the host would be frozen into the trace as a constant, a custom autograd function or a
     one-time probe run inside it breaks the recording (PyTorch's ``unordered_map::at``, a
-    crash), so a traced call takes the public ops there too.
+    crash), so a traced call takes the public ops there too. Under a ``torch.func`` transform
+    the tensors are wrappers: ``vmap``'s hold a value per batch entry, none to read (``.item()``
+    raises), and a probe's random draw is refused inside it, so a transformed call takes the
+    public ops as well.
     """
     compiler = torch.compiler
     return bool(compiler.is_compiling() or (hasattr(compiler, "is_exporting") and compiler.is_exporting())
-                or torch._C._get_tracing_state() is not None)  # fmt: skip
+                or torch._C._get_tracing_state() is not None or _transformed())  # fmt: skip
+
+
+def opaque_functions_refused() -> bool:
+    """True where qkv's custom autograd functions must not run: under ``torch.jit.trace`` or a ``torch.func`` transform.
+
+    ``torch.jit.trace`` records such a function as one opaque op whose arguments other than
+    tensors are constants of the trace, and the chunked engines' request object carries the
+    call's tensors: the trace replayed the example's q, k and v at every later call (the
+    example's answer, silently, for any input). ``torch.func`` refuses an autograd function
+    without ``setup_context``. ``torch.compile`` and ``torch.export`` trace into them: not these.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._get_tracing_state() is not None or _transformed()
+
+
+def _transformed() -> bool:
+    # a torch.func transform is active (its interpreter stack is empty otherwise): ~0.1 µs
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def version(x: Tensor) -> int | None:

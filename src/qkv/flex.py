@@ -54,8 +54,9 @@ Under ``torch.compile(fullgraph=True)``, ``torch.export`` and on ``meta`` tensor
 with a ``score_mod`` works as :func:`qkv.attention`'s does (``qkv.score_mods`` says which
 functions fail under export, and why). A ``block_mask``
 does not trace: ``qkv.masks.FlexBlocks`` reads the block lists' values on the host to skip
-blocks ("could not guard on data-dependent expression" under export); on ``meta`` tensors it
-works. A ``mask_mod`` given as ``qkv.masks.from_mask_mod`` traces.
+blocks ("could not guard on data-dependent expression" under export and ``fullgraph=True``; a
+plain ``torch.compile`` breaks the graph there); on ``meta`` tensors it works, and ``torch.jit.trace``
+keeps its lists as constants. A ``mask_mod`` given as ``qkv.masks.from_mask_mod`` traces.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ from torch import Tensor
 from .functional import attention
 from .masks import documents, from_mask_mod
 from .masks.programs import FlexBlocks
+
+#: Stands in for flex's stub of a sliced block mask where a torch lacks it (made once: dynamo cannot trace ``object()``).
+_NO_STUB = object()
 
 
 def flex_attention(
@@ -139,14 +143,14 @@ def flex_attention(
 
         # a sliced BlockMask (``bm[0]``) carries a stub for its mask_mod: flex refuses it before reading any
         # list, so here too, even where every listed block is full and the stub would never run
-        if block_mask.mask_mod is getattr(torch_flex, "_sliced_mask_mod_error", object()):
+        if block_mask.mask_mod is getattr(torch_flex, "_sliced_mask_mod_error", _NO_STUB):
             raise RuntimeError("block_mask: cannot use mask_mod from a sliced BlockMask; set its mask_mod to the "
                                "original BlockMask's (bm[0].mask_mod = bm.mask_mod)")  # fmt: skip
         # flex's rule; a meta query (shape inference, qkv.explain) may take a block mask of any device
         if query.device != block_mask.kv_num_blocks.device and query.device.type != "meta":
             raise RuntimeError(f"block_mask: expected it on the query's device {query.device}, got it on "
                                f"{block_mask.kv_num_blocks.device}")  # fmt: skip
-        batch, heads = query.shape[:2]
+        batch, heads = (int(n) for n in query.shape[:2])  # (jit.trace reads a size as a 0-d tensor)
         large = getattr(torch_flex, "_LARGE_SPARSE_BLOCK_SIZE", None)
         if large is not None and tuple(block_mask.BLOCK_SIZE) == (large, large):
             # flex's "no-op" block mask (``_create_empty_block_mask``): one block of 2^30 on each side,

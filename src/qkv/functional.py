@@ -103,6 +103,7 @@ def attention(
             return out
     if unknown:
         _unknown_keywords(unknown)
+    q, k, v = autocast_inputs(q, k, v)
     req = checks.request(
         q, k, v, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
         dropout=dropout, return_weights=return_weights, generator=generator, sinks=sinks,
@@ -125,6 +126,29 @@ def attention(
     if return_lse:
         results.append(req.restore(lse))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def autocast_inputs(q: object, k: object, v: object) -> tuple:
+    """``q, k, v`` in ``torch.autocast``'s dtype where it is on for their device, as it casts SDPA's inputs.
+
+    Autocast casts ``F.scaled_dot_product_attention``'s floating inputs (not float64) to its
+    dtype, so the plain lane's calls ran in bfloat16 under ``autocast("cpu", torch.bfloat16)``;
+    qkv's engines and the reference are no op autocast knows, so a call with ALiBi, sinks or a
+    ``score_mod`` stayed float32: a call's dtype depended on its options, and
+    ``qkv.flex_attention`` with a ``score_mod`` answered float32 where flex answers bfloat16.
+    """
+    if not isinstance(q, Tensor) or not _autocast_on(q.device.type):
+        return q, k, v
+    to = torch.get_autocast_dtype(q.device.type)
+    return tuple(x.to(to) if isinstance(x, Tensor) and x.is_floating_point() and x.dtype not in (to, torch.float64)
+                 else x for x in (q, k, v))  # fmt: skip
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know ("meta")
+        return False
 
 
 _SDPA, _FLASH, _FLEX, _MHA = "F.scaled_dot_product_attention", "flash_attn_func", "flex_attention", "nn.MultiheadAttention.forward"
@@ -311,7 +335,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
     kwargs.setdefault("dropout", 0.0)
     kwargs.setdefault("return_weights", False)
     weights_for = kwargs.pop("weights_for", None)
-    req = checks.request(q, k, v, **kwargs)
+    req = checks.request(*autocast_inputs(q, k, v), **kwargs)
     if weights_for is not None:
         req = replace(req, weights_for=_weights_for(weights_for, req))
     impl, passed_over = backends.choose(req, backend)

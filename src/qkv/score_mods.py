@@ -50,7 +50,8 @@ under ``torch.vmap`` as flex's own, since no values can be probed; under
   strict: "requires_grad_() inside a functorch transform"). ``torch.compile`` traces it.
   Where one call with broadcast index tensors gives the whole tile, as it does for such
   look-ups, declare it, ``fn.broadcasts = True`` (as :class:`SoftCap` does), and it exports.
-* ``torch.jit.trace`` with a ``score_mod``: use ``torch.export``.
+* ``torch.jit.trace`` with a ``score_mod`` not declared elementwise (``fn.broadcasts = True``,
+  as :class:`SoftCap` is): jit cannot trace ``torch.vmap``; use ``torch.export``.
 * The arguments of ``fn`` are not checked while tracing (:func:`check`).
 """
 

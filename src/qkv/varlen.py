@@ -26,6 +26,11 @@ Each sequence runs as an ordinary call of its own (``backends.segments``): the w
 ``Σ sq·sk``, a sequence's result does not depend on its neighbours, and every mechanism of
 ``qkv.attention`` applies to it. Checked against a per-sequence loop of the formula
 (``tests/test_varlen.py``) and flash-attn's ``attention_ref`` (``tests/test_varlen_dialect_audit.py``).
+
+The offsets are read on the host, where the calls are sized: ``torch.compile`` breaks the graph
+there (``fullgraph=True`` and ``torch.export`` refuse: "could not guard on data-dependent
+expression"), and ``torch.jit.trace`` keeps them as constants. A traced packed batch is
+``qkv.attention`` with ``mask=qkv.masks.documents(ids) & qkv.masks.causal()``, ``ids`` an input.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from ._trace import concrete
 from ._args import probability
 from .backends.segments import Segment, run_segments
 from .backends.tiling.framing import Block, frame_score_mod
+from .functional import autocast_inputs
 from .masks import Window
 from .positional import ALiBi
 from .score_mods import SoftCap
@@ -111,7 +117,7 @@ def varlen_attention(
                                     sinks=sinks)  # fmt: skip
             return _answer(out, lse, return_lse, return_attn_probs)
         k, v = (gather_pages(x, block_table, cu_k) for x in (k, v))  # what the engine has no form for: packed
-    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, h, t, ·): views
+    q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in autocast_inputs(q, k, v))  # (1, h, t, ·): views
     req = checks.request(
         q4, k4, v4, score="scaled_dot", mask=None, bias=None, causal=False, scale=softmax_scale, dropout=dropout_p,
         return_weights=False, generator=generator, sinks=sinks, score_mod=score_mod,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._trace import tracing
+from .._trace import opaque_functions_refused, tracing
 from . import engines
 from .request import Request, bias_needs_grad
 
@@ -30,6 +30,10 @@ selects_weights = True
 
 
 def supports(req: Request) -> str | None:
+    if opaque_functions_refused():
+        # the engines run inside a custom autograd function (``engines.call``), which jit.trace
+        # would freeze with this call's tensors and torch.func refuses (qkv._trace says how)
+        return "torch.jit.trace or a torch.func transform runs the call, which cannot take the engines' autograd function"
     if req.score_mod is not None and tracing():
         # the module docstring says why; the reference's materialised (b, h, i, j) logits are
         # what a traced graph of public ops would hold anyway

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .. import score_mods
 from .._bools import all_along, any_along
-from .._trace import concrete
+from .._trace import concrete, tracing
 from ..masks import Tile
 from .request import Request, repeat_kv
 
@@ -78,8 +78,10 @@ def weights_and_lse(req: Request, with_lse: bool = True) -> tuple[Tensor, Tensor
         e = torch.cat((e, column.expand(*e.shape[:-1], 1)), dim=-1)
     lse = torch.logsumexp(e, dim=-1) if with_lse else None  # before the weights may overwrite e
     # e is this call's own tensor: without gradients the weights overwrite it (a second (b, h, i, j)
-    # tensor would be fresh memory, faulted in page by page at every call)
-    w = torch.softmax(e, dim=-1) if torch.is_grad_enabled() and e.requires_grad else torch.softmax(e, -1, out=e)
+    # tensor would be fresh memory, faulted in page by page at every call); not under tracing or
+    # torch.func (vmap has no batching rule for softmax's out=; a compiler plans the memory itself)
+    overwrite = not (torch.is_grad_enabled() and e.requires_grad) and not tracing()
+    w = torch.softmax(e, -1, out=e) if overwrite else torch.softmax(e, dim=-1)
     if req.sinks is not None:
         w = w[..., :-1]
     if allowed is not None:

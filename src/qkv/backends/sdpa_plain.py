@@ -69,10 +69,15 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     ``qkv.masks.lengths`` or ``starts`` on CPU rows, with or without ``causal`` (which hides
     nothing from the last position), given to the kernel as its whole ``(b, 1, 1, j)`` tile.
     """
+    if tracing():
+        # compile, export, jit.trace and torch.func take the full path (plan refuses them too), and before any
+        # plan is looked up: a key of the call's sizes made dynamo guard on them (a compiled decoding step
+        # recompiled at every token, and a dynamic length was specialised)
+        return None
     key = _plan_key(q, k, v, score, causal, scale, mask)
     plans = None if key is None else _plans_of(mask)
     kept = None if plans is None else plans.get(key)
-    if kept is not None and fits(kept, q, k, v) and not tracing():
+    if kept is not None and fits(kept, q, k, v):
         return run(kept, q, k, v, mask)
     decided = plan(q, k, v, score, causal, scale, mask)
     if decided is None:
