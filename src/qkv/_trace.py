@@ -4,16 +4,21 @@ Imports nothing from qkv, so every layer may use it.
 
 Reading a value on the host (``bool(t)``, ``int(t)``, ``.item()``) is a synchronisation in
 eager mode and impossible while ``torch.compile`` or ``torch.export`` trace a call (the
-tensors are fakes with a shape and no data), or for ``meta`` tensors. Code that branches on
-a value to save work at run time (skipping tiles no key of a padded batch reaches) asks
-:func:`concrete` first and takes its branch-free formulation otherwise; both give the same
-result.
+tensors are fakes with a shape and no data), under ``torch.vmap`` (a value per batch entry),
+or for ``meta`` tensors; under ``torch.jit.trace`` the value read would be frozen into the
+trace. Code that branches on a value to save work at run time (skipping tiles no key of a
+padded batch reaches) asks :func:`concrete` first and takes its branch-free formulation
+otherwise; both give the same result.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+#: Why a path that reads values on the host or runs private kernels declines a call while :func:`tracing`.
+TRACED = "torch.compile, torch.export, torch.jit.trace or a torch.func transform runs the call (traced graphs use public ops)"
 
 
 def tracing() -> bool:

@@ -149,7 +149,8 @@ def _shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
             raise ValueError(f"{name}: expected leading (batch) dims {tuple(lead)} like q, got {tuple(xs[:-3])}")
 
 
-def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+def broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` without growing it."""
     if len(shape) > len(target):
         return False
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
@@ -193,13 +194,13 @@ def _mask(mask: Mask, target: tuple[int, ...], q: Tensor) -> None:
         _dense_shape(tuple(mask.mask.shape), target)
         return
     batch = tuple(mask.batch_shape())
-    if not _broadcasts((*batch, 1, 1), target):
+    if not broadcasts((*batch, 1, 1), target):
         needs = _needs((*batch, 1, 1), target)
         raise ValueError(f"mask: {mask.describe()}; {needs}: a mask broadcasts to {_names(target)} = {target}")
 
 
 def _dense_shape(shape: tuple[int, ...], target: tuple[int, ...]) -> None:
-    if _broadcasts(shape, target):
+    if broadcasts(shape, target):
         return
     message = f"mask: expected shape broadcastable to {_names(target)} = {target}, got {shape}"
     if len(shape) == 2 and len(target) >= 4 and shape == (target[-4], target[-1]):
@@ -210,7 +211,7 @@ def _dense_shape(shape: tuple[int, ...], target: tuple[int, ...]) -> None:
             "mask=keep[:, None, None, :], or lazily as qkv.masks.lengths(keep.sum(-1)) for right padding "
             "(qkv.masks.starts(first_real_key) for left padding)"
         )
-    if len(shape) == 3 and len(target) >= 4 and shape[0] in (1, target[-4]) and _broadcasts(shape[-2:], target[-2:]):
+    if len(shape) == 3 and len(target) >= 4 and shape[0] in (1, target[-4]) and broadcasts(shape[-2:], target[-2:]):
         # a (b, i, j) mask, nn.MultiheadAttention's 3-d layout without its heads: qkv's dims are (b, h, i, j)
         message += "; a 3-d (b, i, j) mask goes in as mask[:, None] (one for every head)"
     raise ValueError(message)
@@ -241,7 +242,7 @@ def _bias(bias: Tensor | LazyBias | None, target: tuple[int, ...], q: Tensor) ->
         raise TypeError(f"bias: expected a floating-point tensor, got {bias.dtype}")
     if bias.device != q.device:
         raise ValueError(f"bias: expected device {q.device} like q, got {bias.device}")
-    if not _broadcasts(tuple(bias.shape), target):
+    if not broadcasts(tuple(bias.shape), target):
         raise ValueError(f"bias: expected shape broadcastable to {target}, got {tuple(bias.shape)}")
     return bias
 

@@ -24,7 +24,7 @@ from ._trace import concrete
 from .backends import engines, hidden_keys, sdpa_plain
 from .backends.tiling.lse import merge_all
 from .masks import Mask
-from .module_inputs import KERAS_NAMES
+from .module_inputs import KERAS_NAMES, autocast_on
 from .positional import LazyBias
 from .scores import Score
 
@@ -136,19 +136,14 @@ def autocast_inputs(q: object, k: object, v: object) -> tuple:
     qkv's engines and the reference are no op autocast knows, so a call with ALiBi, sinks or a
     ``score_mod`` stayed float32: a call's dtype depended on its options, and
     ``qkv.flex_attention`` with a ``score_mod`` answered float32 where flex answers bfloat16.
+    The one rule for every entry: :func:`attention`'s full path (its plain lane calls SDPA,
+    which autocast casts itself), :func:`explain`, and ``varlen_attention``, paged or packed.
     """
-    if not isinstance(q, Tensor) or not _autocast_on(q.device.type):
+    if not isinstance(q, Tensor) or not autocast_on(q.device.type):
         return q, k, v
     to = torch.get_autocast_dtype(q.device.type)
     return tuple(x.to(to) if isinstance(x, Tensor) and x.is_floating_point() and x.dtype not in (to, torch.float64)
                  else x for x in (q, k, v))  # fmt: skip
-
-
-def _autocast_on(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type autocast does not know ("meta")
-        return False
 
 
 _SDPA, _FLASH, _FLEX, _MHA = "F.scaled_dot_product_attention", "flash_attn_func", "flex_attention", "nn.MultiheadAttention.forward"

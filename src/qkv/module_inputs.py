@@ -97,7 +97,7 @@ def input_dtype(name: str, x: Tensor, weight: Tensor | None) -> None:
         return
     if not x.dtype.is_floating_point:
         raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype} (token ids go through an embedding first)")
-    if not weight.dtype.is_floating_point or _autocast(x.device.type):
+    if not weight.dtype.is_floating_point or autocast_on(x.device.type):
         return
     raise TypeError(
         f"{name}: dtype {x.dtype} differs from the module's parameters ({weight.dtype}); call .to({x.dtype}) "
@@ -105,7 +105,8 @@ def input_dtype(name: str, x: Tensor, weight: Tensor | None) -> None:
     )
 
 
-def _autocast(device_type: str) -> bool:
+def autocast_on(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type`` (False for a device type it does not know)."""
     try:
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:  # a device type autocast does not know ("meta")

@@ -112,6 +112,7 @@ def varlen_attention(
         _check_paged_call(q, k, v, sinks, dropout_p, score_mod, alibi_slopes)
         check_pages(k, v, block_table, cu_k)
         if in_place(k, v, causal=causal, window=(left, right), alibi_slopes=alibi_slopes):
+            q, k, v = autocast_inputs(q, k, v)  # as the packed path's below (the pools too, where not in its dtype)
             out, lse = paged_varlen(q, k, v, cu_q, cu_k, block_table, causal=causal, window=(left, right),
                                     softcap=float(softcap), scale=softmax_scale, alibi_slopes=alibi_slopes,
                                     sinks=sinks)  # fmt: skip

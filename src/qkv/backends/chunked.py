@@ -13,7 +13,10 @@ A call with a ``score_mod`` that ``torch.compile`` or ``torch.export`` traces is
 reference backend (public ops, autograd's own backward), as traced graphs get
 ``F.scaled_dot_product_attention`` instead of the fused CPU kernel
 (``backends.tiling.flash_cpu``): the score_mod engines are Python tile loops
-on threads inside a custom autograd function, which dynamo cannot put in one graph.
+on threads inside a custom autograd function, which dynamo cannot put in one graph. Under
+``torch.jit.trace`` and ``torch.func`` transforms every call is left to it
+(``qkv._trace.opaque_functions_refused``): jit.trace would keep that function's request, this
+call's tensors, as a constant, and torch.func refuses it.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .. import score_mods
-from .._trace import tracing
+from .._trace import TRACED, tracing
 from .request import Request, bias_needs_grad
 from .tiling import flex_lowering
 
@@ -64,7 +64,7 @@ def supports(req: Request) -> str | None:
     if not ENABLED:
         return "qkv.backends.flex_gpu.ENABLED is False"
     if tracing():
-        return "torch.compile / torch.export is tracing the call (traced graphs use public ops)"
+        return TRACED
     if (reason := environment(req.q.device)) is not None:
         return reason
     if not req.score.dot_form:

@@ -234,8 +234,8 @@ def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor, mask: object = None) -> 
         return _kernel(q, k, v, None, 0.0, decided.is_causal, decided.scale, decided.grouping)
     attn_mask = mask if decided.attn_mask is CALLERS_MASK else decided.attn_mask
     out = _kernel(q, k, v, attn_mask, 0.0, False, decided.scale, decided.grouping)
-    if decided.live_rows is not None:
-        out = out * decided.live_rows
+    if decided.live_rows is not None:  # (in the kernel's dtype: under autocast its ones must not promote the output)
+        out = out * decided.live_rows.to(out.dtype)
     return out if math.isfinite(float(out.sum())) else None
 
 

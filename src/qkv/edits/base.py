@@ -23,6 +23,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ..checks import broadcasts
+
 
 @dataclass(frozen=True)
 class Call:
@@ -137,18 +139,14 @@ def check_selection(name: str, value: object) -> None:
         raise TypeError(f"{name}: expected an int, slice, range, list of ints or 1-d integer tensor, got a list holding {', '.join(kinds)}")
 
 
-def check_batch(name: str, given: Tensor, lead: tuple[int, ...], call: Call) -> None:
-    """Refuse a recorded tensor whose batch (its dims before the last three, ``lead``) does not broadcast to the call's.
+def check_batch(name: str, given: Tensor, call: Call) -> None:
+    """Refuse a recorded tensor whose batch (its dims before the last three) does not broadcast to the call's.
 
     A recording keeps its run's batch: one of 2 prompts patches a run of the same 2, or of
     any batch as ``given[:1]`` (one row, put into every row alike); anything else would
     end in a broadcasting error that names neither the edit nor the batch.
     """
-    batch = tuple(call.q.shape[:-3])
-    try:
-        fits = torch.broadcast_shapes(lead, batch) == batch
-    except RuntimeError:
-        fits = False
-    if not fits:
+    lead, batch = tuple(given.shape[:-3]), tuple(call.q.shape[:-3])
+    if not broadcasts(lead, batch):
         raise ValueError(f"{name}: {tuple(given.shape)} has batch {lead}, which does not broadcast to this call's "
                          f"batch {batch}; record the same batch, or give one row ([:1]) to patch every row alike")  # fmt: skip

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..checks import broadcasts
 from ..masks import Dense, Mask, State, Tile, as_mask
 from .base import Call, Edit
 
@@ -81,11 +82,7 @@ class Knockout(Edit):
     def prepare(self, call: Call) -> Call:
         if isinstance(self.edges, Tensor):
             target = (*call.q.shape[:-3], call.heads, call.rows, call.k.shape[-2])  # (..., h, i, j)
-            try:
-                fits = torch.broadcast_shapes(tuple(self.edges.shape), target) == target
-            except RuntimeError:
-                fits = False
-            if not fits:
+            if not broadcasts(tuple(self.edges.shape), target):
                 raise ValueError(
                     f"Knockout: edges of shape {tuple(self.edges.shape)} do not broadcast to this call's (..., h, i, j) = "
                     f"{target}; a dense tensor fits one call (a generate() decoding step has 1 query row and every key "

@@ -50,7 +50,7 @@ class PatchPattern(Edit):
                 f"(heads, rows, j), got {tuple(self.pattern.shape)}; this call has {call.rows} query rows and "
                 f"{expected[2]} keys (a generate() decoding step: 1 row, every key so far)"
             )
-        check_batch("PatchPattern: pattern", self.pattern, tuple(self.pattern.shape[:-3]), call)
+        check_batch("PatchPattern: pattern", self.pattern, call)
         return heads, rows
 
     def finish(self, call: Call, out: Tensor) -> Tensor:

@@ -54,7 +54,7 @@ class PatchZ(Edit):
                 f"hook_z records it, got {tuple(self.z.shape)}; this call has {call.rows} query rows and "
                 f"{call.heads} heads (a generate() decoding step: 1 row)"
             )
-        check_batch("PatchZ: z", self.z, tuple(self.z.shape[:-3]), call)
+        check_batch("PatchZ: z", self.z, call)
         given = self.z.to(device=out.device, dtype=out.dtype).transpose(-3, -2)  # (..., H, R, e)
         heads, rows = heads.to(out.device), rows.to(out.device)
         out = out.clone()  # the caller's output stays as computed

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from .._args import positive_int, probability
 from ..attention import Attention
-from ..scores import Additive, Location, make
+from ..scores import ALIASES, Additive, Location, make
 from .checks import check_ids, check_lengths, check_rows, check_tokens
 from .decoding import Decoded, beam_search, greedy
 from .luong import ALIGNMENTS, LuongAlignment, padding_mask
@@ -82,9 +82,9 @@ class Seq2SeqConfig:
             )
 
 
-#: The score names :class:`LuongConfig` takes: Luong's dot, general, concat and location, and the ``qkv.scores``
-#: names of the same (scaled dot; bilinear for general; additive and mlp for concat).
-LUONG_SCORES = ("dot", "scaled_dot", "general", "bilinear", "concat", "additive", "mlp", "location")
+#: The score names :class:`LuongConfig` takes, every ``qkv.scores`` name: Luong's dot, general, concat and location,
+#: their aliases (bilinear for general; additive and mlp for concat) and the scaled dot.
+LUONG_SCORES = tuple(ALIASES)
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class LuongConfig(Seq2SeqConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.score not in LUONG_SCORES:
-            raise ValueError(f"score: expected one of {LUONG_SCORES} (Luong's four and their qkv.scores aliases), "
+            raise ValueError(f"score: expected one of {LUONG_SCORES} (Luong's four and qkv.scores' other names), "
                              f"got {self.score!r}")  # fmt: skip
         if self.alignment not in ALIGNMENTS:
             raise ValueError(f"alignment: expected one of {ALIGNMENTS}, got {self.alignment!r}")

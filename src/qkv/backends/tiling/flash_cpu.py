@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..._trace import tracing
+from ..._trace import TRACED, tracing
 
 _op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _op_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -58,7 +58,7 @@ _probed: dict[torch.dtype, bool] = {}
 def unusable(x: Tensor) -> str | None:
     """None when a call on tensors like ``x`` may use the fused CPU kernel, else why not."""
     if tracing():
-        return "torch.compile / torch.export is tracing the call (traced graphs use public ops)"
+        return TRACED
     if x.device.type != "cpu":
         return f"the fused CPU kernel needs CPU tensors, got {x.device.type}"
     if not works(x.dtype):
