@@ -9,7 +9,7 @@ import torch
 
 import qkv
 from qkv import scores
-from qkv.edits import Knockout, PatchPattern, PatchZ
+from qkv.edits import AblateHeads, Knockout, PatchPattern, PatchZ
 from qkv.models.seq2seq import LUONG_SCORES
 
 BF16 = torch.bfloat16
@@ -101,3 +101,19 @@ def test_a_dense_knockout_of_another_call_is_refused_and_one_that_broadcasts_run
 
 def test_luong_takes_every_score_name_and_only_those():
     assert set(LUONG_SCORES) == set(scores.ALIASES)
+
+
+def test_a_mean_ablation_in_qkvs_own_cached_decoding_step_is_refused_as_in_transformers():
+    """``mha.attention.edits`` with ``AblateHeads(how="mean")`` and a ``KVCache``: a step's mean was its own token's
+    ``z`` (no ablation), silently unlike the same run without the cache; the prefill (no earlier keys) still runs."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(16, 4).eval()
+    mha.attention.edits = [AblateHeads([1], how="mean")]
+    x = torch.randn(1, 5, 16)
+    cache = qkv.KVCache()
+    with torch.no_grad():
+        torch.testing.assert_close(mha(x[:, :4], causal=True, cache=cache), mha(x[:, :4], causal=True))
+        with pytest.raises(ValueError, match=r"MultiHeadAttention was called with 1 query rows against 5 keys"):
+            mha(x[:, 4:], causal=True, cache=cache)
+        mha.attention.edits = [AblateHeads([1], how=torch.zeros(1, 4))]  # a fixed mean: alike with and without
+        torch.testing.assert_close(mha(x[:, 4:], causal=True, cache=cache)[:, -1], mha(x, causal=True)[:, -1])

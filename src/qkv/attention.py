@@ -28,6 +28,7 @@ from . import score_mods
 from ._args import positive_int as _positive
 from ._args import probability
 from .edits import attention as edited_attention
+from .edits.ablate import refuse_mean_with_cache
 from .functional import attention, foreign_call
 from .masks import Mask
 from .module_inputs import (MODULE_NAMES, batch_first, check_input, check_layer_cache, memory_held, seq2seq_mask,
@@ -328,11 +329,8 @@ class MultiHeadAttention(nn.Module):
         if key.shape[0] != query.shape[0]:  # (the memory of another batch: key's, whatever value is, as Attention says)
             raise ValueError(f"key: expected batch {query.shape[0]} like query, got {key.shape[0]} (key {tuple(key.shape)})")
         if key.shape[:2] != value.shape[:2]:
-            raise ValueError(
-                f"value: expected batch and length matching key (b={key.shape[0]}, j={key.shape[1]}) "
-                f"and query batch {query.shape[0]}, got query {tuple(query.shape)}, key {tuple(key.shape)}, "
-                f"value {tuple(value.shape)}"
-            )
+            raise ValueError(f"value: expected batch and length matching key (b={key.shape[0]}, j={key.shape[1]}), "
+                             f"got query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")  # fmt: skip
         cross = cache is not None and key is not query and not hasattr(cache, "attend")
         if cross and memory_held(cache, key):
             # the memory's keys and values are in the cache: project no rows, update() appends
@@ -362,6 +360,8 @@ class MultiHeadAttention(nn.Module):
             if (pos_bias := self.positional.bias()) is not None:
                 extra["bias"] = pos_bias
         if cache is not None:
+            if not cross and cache.length and getattr(self.attention, "edits", None) is not None:  # (before the update)
+                refuse_mean_with_cache(self.attention.edits, "MultiHeadAttention", q.shape[-2], cache.length + q.shape[-2], "or no cache")
             k, v = cache.update(k, v)
             if cross:
                 cache.from_memory = True  # filled: later calls read it (KVCache.reset clears it)

@@ -17,8 +17,9 @@ value size; ``H`` the number of ablated heads.
   recorded with ``qkv.record``) to leave them out. With a KV cache a call holds only the new
   positions, so its mean is not the sequence's (a decoding step of one token in a batch of
   one: that token's own ``z``, no ablation at all), and the same ablation with and without
-  the cache would differ; the transformers integration refuses ``"mean"`` in a call with
-  cached keys. A tensor ``how=`` applies alike with and without the cache;
+  the cache would differ; ``MultiHeadAttention`` with a cache and the transformers
+  integration refuse ``"mean"`` in a call with cached keys (:func:`refuse_mean_with_cache`).
+  A tensor ``how=`` applies alike with and without the cache;
 * ``how=`` a tensor ``(H, e)`` (or ``(e,)``): that value, one row per ablated head.
 
 The attention itself runs unchanged on qkv's engines; the edit costs one pass over ``z``.
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import Call, Edit, check_selection, indices, once_each
+from .base import Call, Edit, as_edits, check_selection, indices, once_each
 
 
 class AblateHeads(Edit):
@@ -68,3 +69,21 @@ class AblateHeads(Edit):
     def __repr__(self) -> str:
         how = f"tensor{tuple(self.how.shape)}" if isinstance(self.how, Tensor) else repr(self.how)
         return f"AblateHeads({self.heads!r}, how={how})"
+
+
+def refuse_mean_with_cache(edits, who: str, i: int, j: int, instead: str) -> None:
+    """Refuse ``AblateHeads(how="mean")`` in a self-attention call with cached keys, where it would silently
+    differ from the same run without the cache.
+
+    The mean runs over the call's own positions; with a KV cache those are only the new ones
+    (a decoding step: one token, whose mean in a batch of one is its own ``z``, so the head
+    is not ablated at all), while without the cache every step averages the whole sequence
+    again. No per-call mean makes the two agree; a fixed mean (``how=`` a tensor) does.
+    ``who`` was called with ``i`` query rows against ``j`` keys; ``instead`` is its other way out.
+    """
+    if any(isinstance(e, AblateHeads) and isinstance(e.how, str) and e.how == "mean" for e in as_edits(edits)):
+        raise ValueError(f"AblateHeads(how='mean'): {who} was called with {i} query rows against {j} keys, so the "
+                         "earlier keys come from a KV cache and the mean would cover the new rows only (a decoding "
+                         "step: one token, its own z, no ablation); pass a fixed mean, how= a tensor (heads, e) such "
+                         f"as a recorded z's mean over the prompt, {instead}")  # fmt: skip
+

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ..edits import recorded
-from ..edits.ablate import AblateHeads
+from ..edits.ablate import refuse_mean_with_cache
 from ..edits.apply import edited
 from ..edits.base import Edit, as_edits, check_selection, indices
 from ..functional import attention
@@ -139,31 +139,15 @@ def _run(layer: int, sessions: tuple[_Session, ...], module, q: Tensor, k: Tenso
     """``qkv.attention(q, k, v, **options)`` with ``layer``'s edits of every active block, then their recordings."""
     edits = tuple(e for s in sessions for e in s.edits.get(layer, ()))
     if q.shape[-2] < k.shape[-2]:  # keys before this call's queries: a KV cache (the layers here are self-attention)
-        _refuse_mean_with_cache(layer, edits, q.shape[-2], k.shape[-2])
+        refuse_mean_with_cache(edits, f"layer {layer}", q.shape[-2], k.shape[-2],
+                               f"e.g. how=rec['blocks.{layer}.attn.hook_z'][:, :, heads].mean((0, 1)) of a qkv.record of "
+                               "the prompt, or run without the cache (use_cache=False)")  # fmt: skip
     result, call = edited(q, k, v, edits, **options)
     out = result[0] if isinstance(result, tuple) else result
     for session in sessions:
         if session.recording is not None and layer in session.recording.layers:
             session.recording.take(layer, call, edits, out, module)
     return result
-
-
-def _refuse_mean_with_cache(layer: int, edits: tuple[Edit, ...], i: int, j: int) -> None:
-    """Refuse ``AblateHeads(how="mean")`` in a call with cached keys, where it would silently differ from no cache.
-
-    The mean runs over the call's own positions; with a KV cache those are only the new
-    ones (a ``generate()`` step: one token, whose mean in a batch of one is its own ``z``,
-    so the head is not ablated at all), while without the cache every step averages the
-    whole sequence again and re-runs the earlier positions with it. No per-call mean makes
-    the two agree; a fixed mean (``how=`` a tensor) does.
-    """
-    if any(isinstance(e, AblateHeads) and isinstance(e.how, str) and e.how == "mean" for e in edits):
-        raise ValueError(
-            f"AblateHeads(how='mean'): layer {layer} was called with {i} query rows against {j} keys, so the "
-            "earlier ones come from a KV cache and the mean would cover the new rows only (a generate() step: "
-            f"one token, its own z, no ablation); pass a fixed mean, how=rec['blocks.{layer}.attn.hook_z'][:, :, "
-            "heads].mean((0, 1)) of a qkv.record of the prompt (shape (heads, e)), or run without the cache (use_cache=False)"
-        )
 
 
 @contextlib.contextmanager
