@@ -150,3 +150,22 @@ def check_batch(name: str, given: Tensor, call: Call) -> None:
     if not broadcasts(lead, batch):
         raise ValueError(f"{name}: {tuple(given.shape)} has batch {lead}, which does not broadcast to this call's "
                          f"batch {batch}; record the same batch, or give one row ([:1]) to patch every row alike")  # fmt: skip
+
+
+def check_patch(edit: str, heads: object, rows: object, name: str, given: object, layout: str) -> None:
+    """A patch's arguments: ``heads`` and ``rows`` selections, and ``given`` (its ``name``) a float tensor of at
+    least 3 dims laid out as ``layout`` says."""
+    check_selection(f"{edit}: heads", heads)
+    check_selection(f"{edit}: rows", rows)
+    if not isinstance(given, Tensor) or not given.dtype.is_floating_point or given.dim() < 3:
+        got = f"{given.dtype} of shape {tuple(given.shape)}" if isinstance(given, Tensor) else type(given).__name__
+        raise TypeError(f"{edit}: {name} expected a float tensor {layout}, got {got}")
+
+
+def patched(edit: str, heads: object, rows: object, call: Call) -> tuple[Tensor, Tensor]:
+    """The heads and query rows a patch names in ``call``, as index tensors, each named once (one patch per pair)."""
+    head_index, row_index = indices(f"{edit}: heads", heads, call.heads), rows_of(f"{edit}: rows", rows, call)
+    once_each(f"{edit}: heads", heads, head_index, "head")
+    once_each(f"{edit}: rows", rows, row_index, "row")
+    return head_index, row_index
+

@@ -23,26 +23,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Call, Edit, check_batch, check_selection, indices, once_each, rows_of
+from .base import Call, Edit, check_batch, check_patch, patched
 
 
 class PatchPattern(Edit):
     """Replace the attention weights of ``heads`` at query ``rows`` by ``pattern (..., H, R, j)``; recompute those rows."""
 
     def __init__(self, heads, rows, pattern: Tensor):
-        check_selection("PatchPattern: heads", heads)
-        check_selection("PatchPattern: rows", rows)
-        if not isinstance(pattern, Tensor) or not pattern.dtype.is_floating_point or pattern.dim() < 3:
-            got = f"{pattern.dtype} of shape {tuple(pattern.shape)}" if isinstance(pattern, Tensor) else type(pattern).__name__
-            raise TypeError(f"PatchPattern: pattern expected a float tensor (..., heads, rows, j), got {got}")
+        check_patch("PatchPattern", heads, rows, "pattern", pattern, "(..., heads, rows, j)")
         self.heads, self.rows, self.pattern = heads, rows, pattern
 
     def _chosen(self, call: Call) -> tuple[Tensor, Tensor]:
         """The patched heads and rows as index tensors, with ``pattern``'s shape checked against them."""
-        heads = indices("PatchPattern: heads", self.heads, call.heads)
-        rows = rows_of("PatchPattern: rows", self.rows, call)
-        once_each("PatchPattern: heads", self.heads, heads, "head")  # one pattern per (head, row)
-        once_each("PatchPattern: rows", self.rows, rows, "row")
+        heads, rows = patched("PatchPattern", self.heads, self.rows, call)
         expected = (len(heads), len(rows), call.k.shape[-2])
         if tuple(self.pattern.shape[-3:]) != expected:
             raise ValueError(

@@ -28,25 +28,18 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .base import Call, Edit, check_batch, check_selection, indices, once_each, rows_of
+from .base import Call, Edit, check_batch, check_patch, patched
 
 
 class PatchZ(Edit):
     """Replace the output ``z`` of ``heads`` at query ``rows`` by ``z (..., R, H, e)``, in ``hook_z``'s order."""
 
     def __init__(self, heads, rows, z: Tensor):
-        check_selection("PatchZ: heads", heads)
-        check_selection("PatchZ: rows", rows)
-        if not isinstance(z, Tensor) or not z.dtype.is_floating_point or z.dim() < 3:
-            got = f"{z.dtype} of shape {tuple(z.shape)}" if isinstance(z, Tensor) else type(z).__name__
-            raise TypeError(f"PatchZ: z expected a float tensor (..., rows, heads, e), as hook_z records it, got {got}")
+        check_patch("PatchZ", heads, rows, "z", z, "(..., rows, heads, e), as hook_z records it")
         self.heads, self.rows, self.z = heads, rows, z
 
     def finish(self, call: Call, out: Tensor) -> Tensor:
-        heads = indices("PatchZ: heads", self.heads, call.heads)
-        rows = rows_of("PatchZ: rows", self.rows, call)
-        once_each("PatchZ: heads", self.heads, heads, "head")  # one given z per (head, row)
-        once_each("PatchZ: rows", self.rows, rows, "row")
+        heads, rows = patched("PatchZ", self.heads, self.rows, call)
         expected = (len(rows), len(heads), out.shape[-1])
         if tuple(self.z.shape[-3:]) != expected:
             raise ValueError(
