@@ -4,6 +4,8 @@ Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length
 length, ``d`` query/key size, ``e`` value size; ``t`` packed tokens, ``P`` page size.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -117,3 +119,33 @@ def test_a_mean_ablation_in_qkvs_own_cached_decoding_step_is_refused_as_in_trans
             mha(x[:, 4:], causal=True, cache=cache)
         mha.attention.edits = [AblateHeads([1], how=torch.zeros(1, 4))]  # a fixed mean: alike with and without
         torch.testing.assert_close(mha(x[:, 4:], causal=True, cache=cache)[:, -1], mha(x, causal=True)[:, -1])
+
+
+def test_sigmoid_attention_traces_and_transforms_on_public_ops():
+    """``SigmoidAttention``'s tile function was recorded by ``jit.trace`` as one opaque op (PyTorch crashed:
+    ``unordered_map::at``) and refused by ``torch.func``: both now run its tiles in public ops, equal to eager."""
+    from qkv.variants.sigmoid import sigmoid_attention
+
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(16, 4, positional=qkv.ALiBi(4), attention=qkv.SigmoidAttention(length=9)).double()
+    x, other = torch.randn(2, 9, 16, dtype=torch.float64), torch.randn(2, 9, 16, dtype=torch.float64)
+    class Causal(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, t):
+            return self.inner(t, causal=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # (shape checks read as constants: the trace's shapes)
+        traced = torch.jit.trace(Causal(mha), (x,), check_trace=False)
+    torch.testing.assert_close(traced(other), mha(other, causal=True), rtol=1e-12, atol=1e-12)
+    q, k, v = (torch.randn(3, 2, 7, 4, dtype=torch.float64) for _ in range(3))
+    mask = qkv.masks.lengths(torch.tensor([7, 5, 0]))
+    batched = torch.func.vmap(lambda a, b, c: sigmoid_attention(a, b, c, causal=True))(q, k, v)
+    torch.testing.assert_close(batched, sigmoid_attention(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
+    grad = torch.func.grad(lambda a: sigmoid_attention(a, k, v, mask=mask).square().sum())(q)
+    q_ = q.clone().requires_grad_()
+    sigmoid_attention(q_, k, v, mask=mask).square().sum().backward()
+    torch.testing.assert_close(grad, q_.grad, rtol=1e-12, atol=1e-12)

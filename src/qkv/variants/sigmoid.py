@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import checks
+from .._trace import opaque_functions_refused
 from ..backends.request import Request
 from ..backends.tiling.tiles import NEG_INF, BiasSource, dense_tile, grouped, live_tiles, sum_to
 from ..masks import Mask, Tile
@@ -96,7 +97,10 @@ def sigmoid_attention(
     block_i, block_j = _blocks(req)
     plan = _Plan(req.mask, lazy, req.scale, offset, block_i, block_j)
     params = [] if lazy is None else list(lazy.parameters())
-    out = req.restore(SigmoidTiles.apply(plan, q, k, v, dense, *params))
+    if opaque_functions_refused():  # jit.trace or torch.func: the same tiles in public ops, differentiated by autograd
+        out = req.restore(_public_forward(plan, q, k, v, dense))
+    else:
+        out = req.restore(SigmoidTiles.apply(plan, q, k, v, dense, *params))
     if not return_weights:
         return out
     return out, req.restore(_weights(plan, q, k, dense))
@@ -122,6 +126,28 @@ def _logits(plan: _Plan, q5: Tensor, k5: Tensor, bias: BiasSource, dense: Tensor
     if state == "partial":
         s = s.masked_fill(~plan.mask.tile(t), NEG_INF)
     return s
+
+
+def _public_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, dense: Tensor | None) -> Tensor:
+    """:class:`SigmoidTiles`' forward in public ops, no in-place write: each block of rows summed over its tiles.
+
+    For ``torch.jit.trace``, which records an autograd function as one opaque op holding this
+    call's tensors (PyTorch crashes tracing this one), and ``torch.func``, which refuses one
+    without ``setup_context`` and a batched in-place write. Autograd keeps each tile's weights
+    for the backward: ``(h, i, j)`` memory, the cost of a traced graph.
+    """
+    i_len, j_len, g = q.shape[-2], k.shape[-2], k.shape[-3]
+    acc = torch.promote_types(v.dtype, torch.float32)
+    q5, k5, v5 = grouped(q, k, v)
+    bias = BiasSource(plan.lazy, i_len, j_len, q.device)
+    sums: dict[int, Tensor] = {}
+    for t, state in live_tiles(plan.mask, plan.block_i, plan.block_j, i_len, j_len, q.device):
+        p = torch.sigmoid(_logits(plan, q5, k5, bias, dense, t, state))
+        pv = (p.to(v.dtype).unflatten(-3, (g, -1)) @ v5[..., t.j0 : t.j1, :]).flatten(-4, -3).to(acc)
+        sums[t.i0] = pv if t.i0 not in sums else sums[t.i0] + pv
+    empty = lambda rows: torch.zeros((*q.shape[:-2], rows, v.shape[-1]), dtype=acc, device=v.device)  # noqa: E731
+    blocks = [sums.get(i0, empty(min(plan.block_i, i_len - i0))) for i0 in range(0, i_len, plan.block_i)]
+    return torch.cat(blocks, dim=-2).to(v.dtype) if blocks else empty(0).to(v.dtype)
 
 
 class SigmoidTiles(torch.autograd.Function):
