@@ -360,7 +360,7 @@ class MultiHeadAttention(nn.Module):
             if (pos_bias := self.positional.bias()) is not None:
                 extra["bias"] = pos_bias
         if cache is not None:
-            if not cross and cache.length and getattr(self.attention, "edits", None) is not None:  # (before the update)
+            if getattr(self.attention, "edits", None) is not None and not cross and cache.length:  # (edits first: rare)
                 refuse_mean_with_cache(self.attention.edits, "MultiHeadAttention", q.shape[-2], cache.length + q.shape[-2], "or no cache")
             k, v = cache.update(k, v)
             if cross:

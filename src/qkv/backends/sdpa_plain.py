@@ -63,7 +63,8 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     square, given to the kernel as the full path gives it, rows that see no key given every
     key and zeroed after; what it takes is kept on the mask per tensor version (an in-place
     change shows). A caller's bool tensor (SDPA's ``attn_mask``) is read afresh at every
-    call: its plan is kept by the tensor's shape only where the kernel takes it as it is. Its output is checked as the full path checks an inference call's
+    call: its plan is kept by the tensor's shape only where the kernel takes it as it is.
+    Its output is checked as the full path checks an inference call's
     (``hidden_keys.after``): a value that is not finite answers None, and the full path runs
     the call again on zeroed hidden keys. So is a decoding step's padding (one query a row):
     ``qkv.masks.lengths`` or ``starts`` on CPU rows, with or without ``causal`` (which hides
@@ -82,17 +83,15 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     decided = plan(q, k, v, score, causal, scale, mask)
     if decided is None:
         return None
-    if type(mask) is Tensor:
+    callers = type(mask) is Tensor
+    if callers and not (decided.attn_mask is mask and decided.live_rows is None and zeroes_dead_rows(q)):
         # a caller's bool tensor: its plan is kept only where it holds nothing read from the tensor's values (the
         # kernel takes the tensor as it is, its own dead rows 0), so a later call's tensor, read afresh, fits it
-        plans = plans if decided.attn_mask is mask and decided.live_rows is None and zeroes_dead_rows(q) else None
-        kept = decided._replace(attn_mask=CALLERS_MASK, mask_tensor=None, mask_version=None)
-    else:
-        kept = decided
+        plans = None
     if plans is not None:
         if len(plans) >= PLANS_KEPT:
             _evict_oldest(plans)
-        plans[key] = kept
+        plans[key] = decided._replace(attn_mask=CALLERS_MASK, mask_tensor=None, mask_version=None) if callers else decided
     return run(decided, q, k, v)
 
 

@@ -168,4 +168,3 @@ def patched(edit: str, heads: object, rows: object, call: Call) -> tuple[Tensor,
     once_each(f"{edit}: heads", heads, head_index, "head")
     once_each(f"{edit}: rows", rows, row_index, "row")
     return head_index, row_index
-
