@@ -23,12 +23,14 @@ bias``) has a hand-written derivative, ``1 - tanh²``, applied to ``dS`` in plac
 autograd. The tile holds ``z = stretch·x/c`` (the factor rides on the tile's product), and
 ``tanh(z / stretch)`` is PyTorch's ``tanh`` (stretch 1) or, where ``torch.tanh`` is slow
 (4 to 8 ns per element on the AMD EPYC this loop was tuned on), ``E / (E + 2)`` with
-``E = expm1(z)`` (stretch 2): about half the cost there, and accurate to a few ulp. Every
+``E = expm1(z)`` (stretch 2): about half the cost there, and accurate to a few ulp; for
+half-precision inputs also ``2σ(z) - 1`` (stretch 2), whose absolute error ``c·2⁻²³`` near 0
+is far below their rounding (``tile_math.forms``). Every
 exponential is of a non-positive argument (a logit minus the running maximum, or minus the
 log-sum-exp), where ``exp(a) = σ(a) / (1 - σ(a))`` is exact to 3 ulp and twice as fast as
 ``torch.exp`` where ``sigmoid`` is fast. The faster forms differ by CPU (on an Intel Xeon,
 ``expm1`` costs five times ``exp``), so ``tile_math.forms`` times them once per process.
-The faster ``2σ(z) - 1`` is not used: it cancels as ``z → 0``, an absolute error of
+For float32 inputs the faster ``2σ(z) - 1`` is not used: it cancels as ``z → 0``, an absolute error of
 ``c·2⁻²⁴`` on every logit, tens of times plain float32's for Gemma's ``c = 50``. A capped
 logit lies in ``[-c, c]``, so for caps up to 59 (float32) the forward subtracts a constant
 instead of a running row maximum (``tiling.cap_range.fixed_base``): one pass and the rescaling saved per tile.

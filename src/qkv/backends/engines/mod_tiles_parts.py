@@ -102,13 +102,13 @@ def operands(plan: ModPlan, q: Tensor, k: Tensor, v: Tensor) -> Operands:
     """
     acc = torch.promote_types(q.dtype, torch.float32)
     mm = tile_math.matmul_dtype(q.dtype, q.device)
-    forms = tile_math.forms(q.device)
+    forms = tile_math.forms(q.device, q.dtype)
     factor = plan.scale if plan.cap is None else forms.stretch * plan.scale / plan.cap
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     # a shift-invariant bias's profile in acc once: each tile is then one copy (the row flip)
     # of it, not a float64 copy and a conversion
     bias = BiasSource(plan.bias, q.shape[-2], k.shape[-2], q.device, dtype=acc)
-    clamp = plan.cap is not None and not forms.library_tanh and cap_range.needs_clamp(plan.bias is not None, q, k, factor)
+    clamp = plan.cap is not None and forms.expm1_tanh and cap_range.needs_clamp(plan.bias is not None, q, k, factor)
     return Operands(q, k, v, mm, acc, factor, bias, forms, clamp)
 
 
