@@ -113,7 +113,7 @@ def forms(device: torch.device, dtype: torch.dtype = torch.float32) -> Forms:
     a capped logit ``c·tanh`` is off by up to ``c·2⁻²³`` absolutely (6·10⁻⁶ for Gemma's
     ``c = 50``), which float32 inputs do not tolerate (their logits are exact to ``2⁻²⁴``
     relatively) and half-precision ones do, many times over: their output carries
-    ``2⁻⁹`` (bfloat16) or ``2⁻¹²`` (float16) relative rounding, and the attention written
+    ``2⁻⁸`` (bfloat16) or ``2⁻¹¹`` (float16) relative rounding, and the attention written
     out in their dtype rounds every logit and weight so.
     """
     if device.type != "cpu" or tracing():
