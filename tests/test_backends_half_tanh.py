@@ -44,7 +44,7 @@ def test_the_form_is_chosen_for_half_precision_inputs_only(monkeypatch, dtype, f
     assert not tile_math.forms(torch.device("meta"), dtype).half_tanh  # off the CPU: PyTorch's kernels
 
 
-def test_the_choice_is_timed_once_and_a_near_tie_keeps_the_full_precision_form(monkeypatch):
+def test_the_sigmoid_form_must_win_by_the_margin_a_near_tie_keeps_the_full_precision_form(monkeypatch):
     timed = tile_math._sigmoid_tanh_faster.__wrapped__  # the cached function's body: timed afresh
     for times, want in [((1.0, 0.5), True), ((1.0, 0.95), False), ((1.0, 2.0), False)]:
         monkeypatch.setattr(tile_math, "best_times", lambda *calls, t=times: list(t))
