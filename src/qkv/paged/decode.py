@@ -24,6 +24,7 @@ A request with no visible key gets ``out = 0``, ``lse = -inf``.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -31,19 +32,19 @@ from torch import Tensor
 from .._trace import concrete
 from ..backends.tiling import tile_math
 from . import decode_fused
-from .items import Items, layout, tile_keys
+from .items import Items, Layout, layout, tile_keys
 from .options import Options
 from .table import PageTable
 
 
-def decode(q: Tensor, qpos: Tensor, plan: Items, table: PageTable, pages, opts: Options,
+def decode(q: Tensor, qpos: Callable[[], Tensor], plan: Items, table: PageTable, pages, opts: Options,
            memo: dict | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``(out (n, h, e), lse (n, h))`` of queries ``q (n, h, d)`` at positions ``qpos (n,)`` over the items ``plan``,
+    """``(out (n, h, e), lse (n, h))`` of queries ``q (n, h, d)`` at positions ``qpos() (n,)`` over the items ``plan``,
     both in float32 (or wider).
 
     ``memo`` keeps what the table alone decides (the layout, the masks of unfilled slots) for
     the next layer of the same step. A score_mod is not applied here (the front sends such
-    calls one request at a time).
+    calls one request at a time). The positions are asked for only where an option reads them.
     """
     n, h, d = q.shape
     g = pages.kv_heads
@@ -51,19 +52,19 @@ def decode(q: Tensor, qpos: Tensor, plan: Items, table: PageTable, pages, opts: 
     memo = {} if memo is None else memo
     key = ("layout", pages.page_size, tile_keys(pages), str(q.device))
     if key not in memo:
-        where = layout(plan, table, pages.page_size, tile_keys(pages), n, q.device)
-        row = where.owner.clamp(max=n - 1)  # a filler block (owner n) gets some query: its result is dropped
-        memo[key] = where, row, qpos.index_select(0, row), {}
-    where, row, qpos_at, masks = memo[key]
+        memo[key] = layout(plan, table, pages.page_size, tile_keys(pages), n, q.device), {}
+    where, masks = memo[key]
     if not where.tiles:
         return q.new_zeros(n, h, pages.value_dim), torch.full((n, h), float("-inf"), dtype=acc, device=q.device)
-    q_at = q.view(n, g, h // g, d).index_select(0, row)
-    if decode_fused.usable(q, pages, opts):
+    q_at = q.view(n, g, h // g, d).index_select(0, where.row)
+    fused = decode_fused.usable(q, pages, opts)
+    qpos_at = qpos().index_select(0, where.row) if not (fused and decode_fused.plain(opts)) else None
+    if fused:
         items_out, items_lse = decode_fused.attend(q_at, qpos_at, where, pages, opts, masks)
-        out, lse = merge_by_owner(items_out, items_lse.to(acc), where.owner, n)
+        out, lse = merge_by_owner(items_out, items_lse.to(acc), where.owner, n, where)
         # the step's output, a fifth of the items', is what is checked: right after the kernel's pass
         # over the pages every operation runs from cold caches (0.07 ms to sum the items' outputs)
-        if not math.isfinite(float(out.sum())):
+        if not math.isfinite(float(out.sum())):  # unseen slots that held nan or inf, or a merge whose shift overflowed
             items_out, items_lse = decode_fused.repair(q_at, qpos_at, where, pages, opts, masks, items_out, items_lse)
             out, lse = merge_by_owner(items_out, items_lse.to(acc), where.owner, n)
     else:
@@ -74,12 +75,20 @@ def decode(q: Tensor, qpos: Tensor, plan: Items, table: PageTable, pages, opts: 
     return out.reshape(n, h, -1), lse.reshape(n, h)  # in float32 for half q: the caller may merge it with a prefix
 
 
-def merge_by_owner(out: Tensor, lse: Tensor, owner: Tensor, n: int) -> tuple[Tensor, Tensor]:
+def merge_by_owner(out: Tensor, lse: Tensor, owner: Tensor, n: int, shift: Layout | None = None) -> tuple[Tensor, Tensor]:
     """``(out (n, g, x, e), lse (n, g, x))``: items' ``out (I, g, x, e)``, ``lse (I, g, x)`` merged per owner
     ``(I,)`` (owner ``n``: dropped); an owner with no finite ``lse`` gets 0 and -inf.
 
-    Few operations: a step's merge ran as long as a fifth of its kernel call once caches were
-    cold. Sums go by ``index_add_``, row by row, so a nan in one request's items stays in its
+    Each item's weight is ``e^(lse_c - m)`` with ``m`` its owner's largest ``lse``; given a
+    ``shift`` (the step's :class:`Layout`, every request with an item), ``m`` is instead the
+    ``lse`` of the owner's last item, which holds the query's own key and so is finite: three
+    operations fewer (a step's merge ran as long as a tenth of its kernel call from cold caches,
+    where each operation costs 15-25 µs). Weights are then ``e^(lse_c - lse_last)``, the last
+    item's exactly 1: any shift keeps the quotient's relative accuracy, and one that overflows
+    (an item whose ``lse`` exceeds the last's by more than ``log(float max)``, 88 in float32)
+    makes the output inf or nan, which the caller checks and then merges here without it.
+
+    Sums go by ``index_add_``, row by row, so a nan in one request's items stays in its
     own row (a batched product with one-hot rows would carry ``0 · nan`` into every row, and
     measured 3x slower besides). The largest ``lse`` is clamped to the dtype's lowest (not
     -inf), so an owner without a seen key gets weights ``e^-inf = 0``, ``out = 0 / tiny = 0``
@@ -90,13 +99,18 @@ def merge_by_owner(out: Tensor, lse: Tensor, owner: Tensor, n: int) -> tuple[Ten
     # index_add ran this merge 2.5x slower on that layout than on a contiguous copy (0.36 ms
     # against 0.15 for a 32-request step)
     lse = lse.contiguous()
-    top = torch.full((n + 1, *lse.shape[1:]), float("-inf"), dtype=lse.dtype, device=lse.device)
-    top = top.scatter_reduce_(0, owner.view(-1, 1, 1).expand_as(lse), lse, "amax").clamp_(min=info.min)
-    w = torch.exp(lse - top.index_select(0, owner))  # (I, g, x)
-    den = torch.zeros_like(top).index_add_(0, owner, w)[:n]
+    if shift is not None and shift.final is not None:
+        w = torch.exp(lse - lse.index_select(0, shift.shift))  # (I, g, x)
+        top = lse.index_select(0, shift.final)
+    else:
+        top = torch.full((n + 1, *lse.shape[1:]), float("-inf"), dtype=lse.dtype, device=lse.device)
+        top = top.scatter_reduce_(0, owner.view(-1, 1, 1).expand_as(lse), lse, "amax").clamp_(min=info.min)
+        w = torch.exp(lse - top.index_select(0, owner))
+        top = top[:n]
+    den = torch.zeros((n + 1, *lse.shape[1:]), dtype=lse.dtype, device=lse.device).index_add_(0, owner, w)[:n]
     num = torch.zeros((n + 1, *out.shape[1:]), dtype=lse.dtype, device=out.device)
     num = num.index_add_(0, owner, w[..., None] * out)[:n]
-    return num / den.clamp(min=info.tiny)[..., None], top[:n] + torch.log(den)
+    return num / den.clamp(min=info.tiny)[..., None], top + torch.log(den)
 
 
 def attend(q: Tensor, qpos: Tensor, K: Tensor, V: Tensor, base: Tensor, keys: Tensor, opts: Options) -> tuple[Tensor, Tensor]:

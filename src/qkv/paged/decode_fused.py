@@ -48,7 +48,7 @@ def attend(q: Tensor, qpos: Tensor, where: Layout, pages, opts: Options, masks: 
     against the slot's keys and values in ``pages``, one kernel call per tile. ``masks`` keeps the plain
     masks (no window, no ALiBi) for the next layer of the same step. An output that is not finite is
     left as the kernel gave it: see :func:`repair`."""
-    if not _plain(opts):
+    if not plain(opts):
         mask, any_seen = _masks(q, qpos, where, opts)
     else:  # the table alone decides them
         if q.dtype not in masks:
@@ -61,7 +61,7 @@ def attend(q: Tensor, qpos: Tensor, where: Layout, pages, opts: Options, masks: 
         outs.append(out)
         lses.append(lse)
     out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
-    if _plain(opts):  # an item without a key is a filler, whose owner the merge drops
+    if plain(opts):  # an item without a key is a filler, whose owner the merge drops
         return out, lse
     return out, torch.where(any_seen, lse, float("-inf"))  # the kernel's lse is 0 for a row with no key
 
@@ -70,17 +70,18 @@ def repair(q: Tensor, qpos: Tensor, where: Layout, pages, opts: Options, masks: 
            lse: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`attend`'s ``(out, lse)`` with the items whose output is not finite run again, their unseen keys and
     values zeroed (masked slots that held nan or inf); a nan at a seen key stays."""
-    mask = masks[q.dtype][0] if _plain(opts) else _masks(q, qpos, where, opts)[0]
+    mask = masks[q.dtype][0] if plain(opts) else _masks(q, qpos, where, opts)[0]
     return _without_unseen(q, where, pages, mask, opts, out, lse)
 
 
 def _masks(q: Tensor, qpos: Tensor, where: Layout, opts: Options) -> tuple[Tensor, Tensor]:
-    """The kernel's additive masks ``(M, 1 or g, 1 or x, L)`` and whether a row sees any key ``(M, 1 or g, 1 or x)``:
+    """The kernel's additive masks ``(M, 1 or g, 1 or x, L)`` and whether a row sees any key ``(M, 1 or g, 1 or x)``
+    (None without a window or ALiBi: a filler is the only item without a key):
     -inf on an unfilled slot or a key outside the window, ALiBi's ``slope · (kp - qp)`` on a seen key."""
     M, L = where.keys.shape[0], where.item_keys
     dtype, device = flash_cpu.mask_dtype(q), q.device
-    if _plain(opts):
-        return _first_keys(L, dtype, device).index_select(0, where.keys).view(M, 1, 1, L), (where.keys > 0).view(M, 1, 1)
+    if plain(opts):
+        return _first_keys(L, dtype, device).index_select(0, where.keys).view(M, 1, 1, L), None  # every item sees a key
     kpos = (where.base[:, None] + torch.arange(L, device=device)).view(M, 1, 1, L)
     qpos = qpos.view(M, 1, 1, 1)
     seen = (torch.arange(L, device=device) < where.keys[:, None]).view(M, 1, 1, L)
@@ -93,7 +94,7 @@ def _masks(q: Tensor, qpos: Tensor, where: Layout, opts: Options) -> tuple[Tenso
     return torch.where(seen, mask, float("-inf")), seen.any(-1)
 
 
-def _plain(opts: Options) -> bool:
+def plain(opts: Options) -> bool:
     """No window and no ALiBi: the mask is the unfilled slots alone (causal hides nothing from a decoding step)."""
     return opts.window_left < 0 and opts.alibi_slopes is None
 

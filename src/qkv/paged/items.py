@@ -60,6 +60,7 @@ class Items:
     base: list[int]  # the position of its first key in the request
     keys: list[int]  # keys filled, from its first
     block: list[int] | None  # its aligned block's id (first page // S), or None: not read as views
+    last: list[int]  # its request's last item (the one holding the query's own position)
 
     @property
     def aligned(self) -> bool:
@@ -79,19 +80,20 @@ def items(steps: list[int], skip: list[int], table: PageTable, num_pages: int) -
     P = table.page_size
     S = item_pages(P)
     L = S * P
-    entry, owner, base, keys, spans = [], [], [], [], []
+    entry, owner, base, keys, spans, last = [], [], [], [], [], []
     for n, (r, k) in enumerate(zip(steps, skip)):
         first, pages, kv_len = table.page_start[r] + k, table.page_count[r] - k, table.kv_len[r]
         if pages <= 0:
             continue
         count = -(-pages // S)
         spans.append((first, pages))
+        last.extend([len(entry) + count - 1] * count)
         entry.extend(range(first, first + pages, S))
         owner.extend([n] * count)
         base.extend(range(k * P, (k + pages) * P, L))
         keys.extend([L] * (count - 1))
         keys.append(kv_len - (k + (count - 1) * S) * P)  # the last item: up to the request's last key
-    return Items(S, entry, owner, base, keys, _aligned(table, entry, spans, S, num_pages))
+    return Items(S, entry, owner, base, keys, _aligned(table, entry, spans, S, num_pages), last)
 
 
 def _aligned(table: PageTable, entry: list[int], spans: list[tuple[int, int]], S: int, num_pages: int) -> list[int] | None:
@@ -124,6 +126,9 @@ class Layout:
     keys: torch.Tensor  # (M,) keys filled, from its first (0 for a filler)
     tiles: list[tuple[int, int, tuple[int, int]]]  # slots a .. b - 1 and their pages: a range, or rows of ``ids``
     ids: torch.Tensor | None  # (M, S) page ids of copied items (unnamed: page 0), None for views
+    row: torch.Tensor  # (M,) the query row the slot reads: its owner's (a filler's: row 0, its result dropped)
+    shift: torch.Tensor  # (M,) the slot of its owner's last item (a filler's: slot 0), whose lse the merge subtracts
+    final: torch.Tensor | None  # (n,) each request's last slot; None where a request has no item
 
     def read(self, tile: tuple[int, int, tuple[int, int]], pages) -> tuple[torch.Tensor, torch.Tensor]:
         """``K, V (b - a, g, L, d)`` of a tile: views of a range of aligned blocks, or a copy of its items' pages."""
@@ -138,7 +143,7 @@ class Layout:
 def layout(plan: Items, table: PageTable, page_size: int, tile_keys: int | None, n: int, device) -> Layout:
     """Where each item is read: ranges of the pool where ``plan`` is aligned, at most ``tile_keys`` keys a
     range (None: unbounded, the pages' ``blocks`` are views), else copies of :func:`copy_tile_keys` keys a tile."""
-    return _views(plan, page_size, tile_keys, n, device) if plan.aligned else _copies(plan, table, page_size, device)
+    return _views(plan, page_size, tile_keys, n, device) if plan.aligned else _copies(plan, table, page_size, n, device)
 
 
 def tile_keys(pages) -> int | None:
@@ -164,6 +169,7 @@ def _views(plan: Items, P: int, keys: int | None, n: int, device) -> Layout:
     block = [plan.block[i] for i in order]
     most = None if keys is None else max(1, keys // (S * P))  # blocks of a copied or dequantised tile
     owner, base, keys, tiles = [], [], [], []
+    slot = [0] * len(order)  # each item's slot
     start = 0
     while start < len(block):  # a range of named blocks with small gaps, no longer than a dequantised tile may be
         stop = start + 1
@@ -176,23 +182,41 @@ def _views(plan: Items, P: int, keys: int | None, n: int, device) -> Layout:
         base += [0] * (hi - lo)
         keys += [0] * (hi - lo)
         for i in order[start:stop]:
-            slot = at + plan.block[i] - lo
-            owner[slot], base[slot], keys[slot] = plan.owner[i], plan.base[i], plan.keys[i]
+            slot[i] = at + plan.block[i] - lo
+            owner[slot[i]], base[slot[i]], keys[slot[i]] = plan.owner[i], plan.base[i], plan.keys[i]
         tiles.append((at, len(owner), (lo * S, hi * S)))
         start = stop
-    return Layout(S * P, *_longs(owner, base, keys, device=device), tiles, None)
+    return _laid_out(plan, S * P, owner, base, keys, slot, n, device, tiles, None)
 
 
-def _copies(plan: Items, table: PageTable, P: int, device) -> Layout:
+def _copies(plan: Items, table: PageTable, P: int, n: int, device) -> Layout:
     S = plan.S
     per_tile = max(1, copy_tile_keys(torch.device(device)) // (S * P))
-    entry, owner, base, keys = _longs(plan.entry, plan.owner, plan.base, plan.keys, device=table.indices.device)
+    entry, keys = _longs(plan.entry, plan.keys, device=table.indices.device)
     at = entry[:, None] + torch.arange(S, device=entry.device)  # (I, S) places in the page list
     named = torch.arange(S, device=entry.device) * P < keys[:, None]  # the owner's pages, not the next request's
     ids = torch.where(named, table.indices[at.clamp(max=table.indices.numel() - 1)], 0)  # unnamed: page 0, never seen
     I = len(plan.entry)
     tiles = [(a, min(I, a + per_tile), (0, 0)) for a in range(0, I, per_tile)]
-    return Layout(S * P, owner.to(device), base.to(device), keys.to(device), tiles, ids)
+    return _laid_out(plan, S * P, plan.owner, plan.base, plan.keys, range(I), n, device, tiles, ids)
+
+
+def _laid_out(plan: Items, L: int, owner: list[int], base: list[int], keys: list[int], slot, n: int, device,
+              tiles: list, ids: torch.Tensor | None) -> Layout:  # fmt: skip
+    """The :class:`Layout` of slots ``owner``, ``base``, ``keys`` (fillers' owner ``n``), item ``i`` at ``slot[i]``:
+    with each slot's query row and the slot of its owner's last item, in one host-to-tensor conversion."""
+    final = [0] * (n + 1)  # a filler's shift: slot 0 (its result is dropped)
+    named = [False] * n
+    for i, j in enumerate(plan.last):
+        if i == j:
+            final[plan.owner[i]] = slot[i]
+            named[plan.owner[i]] = True
+    shift = [final[o] for o in owner]
+    row = [o if o < n else 0 for o in owner]
+    M = len(owner)
+    every = longs([*owner, *base, *keys, *row, *shift, *final[:n]], device)
+    parts = [every[k * M : (k + 1) * M] for k in range(5)]
+    return Layout(L, *parts[:3], tiles, ids, *parts[3:], every[5 * M :] if all(named) else None)
 
 
 def _longs(*lists: list[int], device) -> tuple[torch.Tensor, ...]:

@@ -67,26 +67,30 @@ def _memo(memo: dict, key, make):
 
 def _steps(q: Tensor, steps: list[int], table: PageTable, memo: dict, pages, opts: Options) -> tuple[Tensor, Tensor]:
     """Decoding steps: shared leading pages once per group (a cascade), the rest in one pass."""
-    qpos = _memo(memo, ("qpos", str(q.device)), lambda: longs([table.kv_len[r] - 1 for r in steps], q.device))
+    def qpos() -> Tensor:  # only the options that read positions, and the written-out products, ask
+        return _memo(memo, ("qpos", str(q.device)), lambda: longs([table.kv_len[r] - 1 for r in steps], q.device))
+
     cascade = opts.window_left < 0
-    shared = _memo(memo, ("shared", cascade), lambda: _shared_prefixes(steps, table) if cascade else [])
+    whole = _memo(memo, ("items", pages.num_pages), lambda: items(steps, [0] * len(steps), table, pages.num_pages))
+    # aligned items name distinct blocks, so no two requests begin with the same page: nothing to share
+    shared = _memo(memo, ("shared", cascade), lambda: _shared_prefixes(steps, table) if cascade and not whole.aligned else [])
     skip = [0] * len(steps)  # leading pages attended with their group
     partials = []
     for members, count in shared:
         ids = table.pages(steps[members[0]])[:count]
         idx = torch.tensor(members, device=q.device)
-        partials.append((idx, *_prefix(q.index_select(0, idx), qpos.index_select(0, idx), ids, pages, opts,
+        partials.append((idx, *_prefix(q.index_select(0, idx), qpos().index_select(0, idx), ids, pages, opts,
                                        torch.tensor([steps[n] for n in members], device=q.device))))  # fmt: skip
         for n in members:
             skip[n] = count
-    plan = _memo(memo, ("items", cascade, pages.num_pages), lambda: items(steps, skip, table, pages.num_pages))
+    plan = whole if not shared else _memo(memo, ("items", cascade, pages.num_pages), lambda: items(steps, skip, table, pages.num_pages))
     runs = None
     if not plan.aligned and runs_usable(q, pages, opts):
         runs = _memo(memo, ("runs", cascade), lambda: runs_in(table, steps, skip))
     if runs is not None and sum(len(x) for x in runs) <= 2 * len(steps):  # few runs, not aligned: one call per run, on views
         out, lse = decode_runs(q, runs, [table.kv_len[r] for r in steps], pages, opts)
     else:
-        out, lse = decode(q, qpos, plan, table, pages, opts, _memo(memo, ("decode", cascade), dict))
+        out, lse = decode(q, qpos, plan, table, pages, opts, _memo(memo, ("decode", cascade, bool(shared)), dict))
     for idx, o, s in partials:
         merged_out, merged_lse = merge_all([out.index_select(0, idx), o.to(out.dtype)], [lse.index_select(0, idx), s.to(lse.dtype)])
         out = out.index_copy(0, idx, merged_out)
