@@ -21,11 +21,11 @@ from torch import Tensor
 
 from . import backends, checks
 from ._trace import concrete
-from .backends import engines, hidden_keys, sdpa_plain
+from .backends import alibi_reach, engines, hidden_keys, sdpa_plain
 from .backends.tiling.lse import merge_all
 from .masks import Mask
 from .module_inputs import KERAS_NAMES, autocast_on
-from .positional import LazyBias
+from .positional import ALiBi, LazyBias
 from .scores import Score
 
 
@@ -111,6 +111,9 @@ def attention(
     )  # fmt: skip
     if weights_for is not None:
         req = replace(req, weights_for=_weights_for(weights_for, req))
+    split = alibi_reach.runs(req, backend)
+    if split is not None:  # ALiBi's steep heads, each over the keys its weights can reach
+        return _by_reach(req, split)
     impl, _ = backends.choose(req, backend)
     if hidden_keys.needs_guard_first(req):  # already guarded by checks.request
         out, weights, lse = impl.run(req)
@@ -126,6 +129,24 @@ def attention(
     if return_lse:
         results.append(req.restore(lse))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _by_reach(req: backends.Request, runs: list) -> Tensor | tuple[Tensor, Tensor]:
+    """``req`` (ALiBi, see ``backends.alibi_reach``) as one call per run of heads, each run's heads over the keys
+    within its reach: ``out``, and ``lse`` where asked, joined along the heads in the caller's layout."""
+    causal = req.mask is not None
+    outs, lses = [], []
+    for run in runs:
+        result = attention(
+            req.q[:, run.a : run.b], req.k[:, run.ka : run.kb], req.v[:, run.ka : run.kb], score=req.score,
+            mask=alibi_reach.window(run, causal), bias=ALiBi(run.b - run.a, slopes=req.bias.slopes[run.a : run.b]),
+            scale=req.scale, sinks=None if req.sinks is None else req.sinks[run.a : run.b], return_lse=req.return_lse,
+        )  # fmt: skip
+        outs.append(result[0] if req.return_lse else result)
+        if req.return_lse:
+            lses.append(result[1])
+    out = req.restore(torch.cat(outs, 1))
+    return (out, req.restore(torch.cat(lses, 1))) if req.return_lse else out
 
 
 def autocast_inputs(q: object, k: object, v: object) -> tuple:
@@ -333,6 +354,12 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
     req = checks.request(*autocast_inputs(q, k, v), **kwargs)
     if weights_for is not None:
         req = replace(req, weights_for=_weights_for(weights_for, req))
+    split = alibi_reach.runs(req, backend)
+    if split is not None:
+        reach = ", ".join(f"heads {r.a}-{r.b - 1}: " + ("every key" if r.reach is None else f"offsets within {r.reach}")
+                          for r in split)  # fmt: skip
+        return (f"split by ALiBi's reach: {len(split)} calls ({reach}); keys past a head's reach weigh less than a "
+                "quarter of the output's rounding (qkv.backends.alibi_reach)")  # fmt: skip
     impl, passed_over = backends.choose(req, backend)
     head = f"backend: {impl.name}"
     kernel = getattr(impl, "kernel", None)  # what runs, in words, where a backend has several (CUDA's SDPA kernels)
