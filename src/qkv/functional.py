@@ -141,6 +141,7 @@ def _by_reach(req: backends.Request, runs: list) -> Tensor | tuple[Tensor, Tenso
             req.q[:, run.a : run.b], req.k[:, run.ka : run.kb], req.v[:, run.ka : run.kb], score=req.score,
             mask=alibi_reach.window(run, causal), bias=ALiBi(run.b - run.a, slopes=req.bias.slopes[run.a : run.b]),
             scale=req.scale, sinks=None if req.sinks is None else req.sinks[run.a : run.b], return_lse=req.return_lse,
+            backend="auto" if run.reach is None else alibi_reach.BACKEND,
         )  # fmt: skip
         outs.append(result[0] if req.return_lse else result)
         if req.return_lse:
@@ -356,8 +357,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> str:
         req = replace(req, weights_for=_weights_for(weights_for, req))
     split = alibi_reach.runs(req, backend)
     if split is not None:
-        reach = ", ".join(f"heads {r.a}-{r.b - 1}: " + ("every key" if r.reach is None else f"offsets within {r.reach}")
-                          for r in split)  # fmt: skip
+        reach = ", ".join(f"heads {r.a}-{r.b - 1}: " + ("every key" if r.reach is None else
+                          f"offsets within {r.reach}, backend {alibi_reach.BACKEND}") for r in split)  # fmt: skip
         return (f"split by ALiBi's reach: {len(split)} calls ({reach}); keys past a head's reach weigh less than a "
                 "quarter of the output's rounding (qkv.backends.alibi_reach)")  # fmt: skip
     impl, passed_over = backends.choose(req, backend)
