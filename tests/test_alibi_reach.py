@@ -111,3 +111,25 @@ def test_meta_tensors_are_left_whole_and_explain_names_the_split():
     assert _runs(q.to("meta"), k.to("meta"), v.to("meta"), bias=_steep(8)) is None
     said = qkv.explain(q, k, v, bias=_steep(8))
     assert said.startswith("split by ALiBi's reach") and "heads 0-0: offsets within" in said
+
+
+def test_one_slope_for_every_head_is_split_as_every_head():
+    """``ALiBi(1)`` broadcast over the query heads: each head gets that slope's window, none is dropped."""
+    q, k, v = _inputs(4, 2, 512, 512, torch.float64)
+    one = qkv.ALiBi(1, slopes=torch.tensor([8.0], dtype=torch.float64))
+    runs = _runs(q, k, v, bias=one)
+    assert runs is not None and runs[-1].b == 4
+    got = qkv.attention(q, k, v, bias=one)
+    torch.testing.assert_close(got, qkv.attention(q, k, v, bias=one, backend="reference"), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_a_nan_far_from_a_steep_heads_queries_reaches_the_output_as_in_the_whole_call(where):
+    """The whole call reads every key: a nan value or key at the far end gives nan (``0 · nan``); split, it would be
+    outside the window, so a head whose inputs are not finite is left whole."""
+    q, k, v = _inputs(8, 8, 1024, 1024, torch.float64)
+    {"k": k, "v": v}[where][0, 0, -1, 0] = float("nan")
+    got = qkv.attention(q, k, v, bias=_steep(8))
+    want = qkv.attention(q, k, v, bias=_steep(8), backend="reference")
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and bool(torch.isnan(got[0, 0, 0]).any())
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-12, atol=1e-12)

@@ -59,7 +59,9 @@ def attention(
         mask: bool, **True = may attend**, broadcastable to ``(..., h, i, j)``, or a lazy
             ``qkv.masks`` object (``causal()``, ``window(...)``, ``lengths(...)``, ``&``, ``|``).
         bias: float tensor broadcastable to ``(..., h, i, j)`` added to the logits, or a lazy
-            bias (``qkv.ALiBi``, ``qkv.RelativePositionBias``).
+            bias (``qkv.ALiBi``, ``qkv.RelativePositionBias``). With ALiBi, a steep head leaves
+            unread the keys whose weights are together below a quarter of the output's rounding
+            (``qkv.backends.alibi_reach``; ``qkv.explain`` says so; a named ``backend`` reads all).
         causal: add a causal mask aligned bottom-right (the last query sees every key).
         scale: factor on the score; default the score's own (``1/√d`` for scaled dot, else 1).
         dropout: probability of dropping a weight. Applied whenever > 0, like
@@ -135,11 +137,12 @@ def _by_reach(req: backends.Request, runs: list) -> Tensor | tuple[Tensor, Tenso
     """``req`` (ALiBi, see ``backends.alibi_reach``) as one call per run of heads, each run's heads over the keys
     within its reach: ``out``, and ``lse`` where asked, joined along the heads in the caller's layout."""
     causal = req.mask is not None
+    slopes = alibi_reach.head_slopes(req)
     outs, lses = [], []
     for run in runs:
         result = attention(
             req.q[:, run.a : run.b], req.k[:, run.ka : run.kb], req.v[:, run.ka : run.kb], score=req.score,
-            mask=alibi_reach.window(run, causal), bias=ALiBi(run.b - run.a, slopes=req.bias.slopes[run.a : run.b]),
+            mask=alibi_reach.window(run, causal), bias=ALiBi(run.b - run.a, slopes=slopes[run.a : run.b]),
             scale=req.scale, sinks=None if req.sinks is None else req.sinks[run.a : run.b], return_lse=req.return_lse,
             backend="auto" if run.reach is None else alibi_reach.BACKEND,
         )  # fmt: skip

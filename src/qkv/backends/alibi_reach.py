@@ -24,8 +24,9 @@ engines run block-locally. A head gets its window only where it leaves at most
 :data:`WINDOW_SHARE` of the head's query-key pairs (the windowed engines read blocks with
 margins); the split is left out of a call with ``backend=`` named, which reads every key.
 
-:func:`runs` decides it for a call, from two norms per head (one pass over ``q`` and ``k``,
-about a percent of the attention's time), and gives the runs of heads to attend apart: each
+:func:`runs` decides it for a call, from the largest norms per head (one pass over ``q``, ``k``
+and ``v``, about a percent of the attention's time; a head whose inputs hold a nan or inf is left
+whole, where they reach its output as they would without the split), and gives the runs of heads to attend apart: each
 head with its window, the heads no window narrows together. It answers None (one call as
 before) unless the call is ALiBi alone (no other mask than the causal one, no dropout,
 weights or score_mod, the dot or scaled-dot score) of float dtype on the CPU, with eager
@@ -97,6 +98,12 @@ def window(run: Run, causal: bool) -> Window | None:
     return Window(run.reach, 0 if causal else run.reach)
 
 
+def head_slopes(req: Request) -> torch.Tensor:
+    """``(h,)`` the slope of each query head: the bias's own, or its one slope for every head (an ``ALiBi(1)``)."""
+    slopes = req.bias.slopes
+    return slopes.expand(req.heads) if slopes.numel() == 1 else slopes
+
+
 def _plain(req: Request) -> bool:
     """ALiBi alone, where the bound holds and can be read: see the module docstring."""
     q = req.q
@@ -118,14 +125,17 @@ def _reach(req: Request) -> list[int | None] | None:
         wide = torch.promote_types(req.q.dtype, torch.float32)  # a bfloat16 norm would be 2^-8 off
         Q = torch.linalg.vector_norm(req.q, dim=-1, dtype=wide).amax((0, 2))  # (h,)
         K = torch.linalg.vector_norm(req.k, dim=-1, dtype=wide).amax((0, 2)).repeat_interleave(req.group)  # (h,)
-        bound = (2 * abs(req.scale) * Q.double() * K.double()).tolist()
-    slopes = req.bias.slopes.tolist()
+        # a nan or inf value among a head's keys reaches its output in the whole call (0 · nan); left whole, it still does
+        V = torch.linalg.vector_norm(req.v, dim=-1, dtype=wide).amax((0, 2)).repeat_interleave(req.group)  # (h,)
+        Q, K, V = Q.double(), K.double(), V.double()
+        bound = torch.where(torch.isfinite(Q * K * V), 2 * abs(req.scale) * Q * K, math.inf).tolist()
+    slopes = head_slopes(req).tolist()
     bits = 53 if req.q.dtype == torch.float64 else 24
     T = math.log(req.j) + (bits + 2) * math.log(2) + 1  # (+1: a margin over the norms' own rounding)
     reach: list[int | None] = []
     for b, m in zip(bound, slopes):
         if not math.isfinite(b) or m <= 0:
-            reach.append(None)  # an inf or nan among the inputs (theirs to show), or a flat head
+            reach.append(None)  # an inf or nan among the head's inputs (the whole call's to show), or a flat head
             continue
         D = math.ceil((b + T) / m)
         reach.append(D if D < req.j else None)
