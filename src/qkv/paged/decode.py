@@ -75,12 +75,12 @@ def decode(q: Tensor, qpos: Callable[[], Tensor], plan: Items, table: PageTable,
     return out.reshape(n, h, -1), lse.reshape(n, h)  # in float32 for half q: the caller may merge it with a prefix
 
 
-def merge_by_owner(out: Tensor, lse: Tensor, owner: Tensor, n: int, shift: Layout | None = None) -> tuple[Tensor, Tensor]:
+def merge_by_owner(out: Tensor, lse: Tensor, owner: Tensor, n: int, where: Layout | None = None) -> tuple[Tensor, Tensor]:
     """``(out (n, g, x, e), lse (n, g, x))``: items' ``out (I, g, x, e)``, ``lse (I, g, x)`` merged per owner
     ``(I,)`` (owner ``n``: dropped); an owner with no finite ``lse`` gets 0 and -inf.
 
-    Each item's weight is ``e^(lse_c - m)`` with ``m`` its owner's largest ``lse``; given a
-    ``shift`` (the step's :class:`Layout`, every request with an item), ``m`` is instead the
+    Each item's weight is ``e^(lse_c - m)`` with ``m`` its owner's largest ``lse``; given
+    ``where`` (the step's :class:`Layout`, every request with an item), ``m`` is instead the
     ``lse`` of the owner's last item, which holds the query's own key and so is finite: three
     operations fewer (a step's merge ran as long as a tenth of its kernel call from cold caches,
     where each operation costs 15-25 µs). Weights are then ``e^(lse_c - lse_last)``, the last
@@ -99,9 +99,9 @@ def merge_by_owner(out: Tensor, lse: Tensor, owner: Tensor, n: int, shift: Layou
     # index_add ran this merge 2.5x slower on that layout than on a contiguous copy (0.36 ms
     # against 0.15 for a 32-request step)
     lse = lse.contiguous()
-    if shift is not None and shift.final is not None:
-        w = torch.exp(lse - lse.index_select(0, shift.shift))  # (I, g, x)
-        top = lse.index_select(0, shift.final)
+    if where is not None and where.final is not None:
+        w = torch.exp(lse - lse.index_select(0, where.shift))  # (I, g, x)
+        top = lse.index_select(0, where.final)
     else:
         top = torch.full((n + 1, *lse.shape[1:]), float("-inf"), dtype=lse.dtype, device=lse.device)
         top = top.scatter_reduce_(0, owner.view(-1, 1, 1).expand_as(lse), lse, "amax").clamp_(min=info.min)

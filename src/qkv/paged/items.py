@@ -60,7 +60,6 @@ class Items:
     base: list[int]  # the position of its first key in the request
     keys: list[int]  # keys filled, from its first
     block: list[int] | None  # its aligned block's id (first page // S), or None: not read as views
-    last: list[int]  # its request's last item (the one holding the query's own position)
 
     @property
     def aligned(self) -> bool:
@@ -80,20 +79,19 @@ def items(steps: list[int], skip: list[int], table: PageTable, num_pages: int) -
     P = table.page_size
     S = item_pages(P)
     L = S * P
-    entry, owner, base, keys, spans, last = [], [], [], [], [], []
+    entry, owner, base, keys, spans = [], [], [], [], []
     for n, (r, k) in enumerate(zip(steps, skip)):
         first, pages, kv_len = table.page_start[r] + k, table.page_count[r] - k, table.kv_len[r]
         if pages <= 0:
             continue
         count = -(-pages // S)
         spans.append((first, pages))
-        last.extend([len(entry) + count - 1] * count)
         entry.extend(range(first, first + pages, S))
         owner.extend([n] * count)
         base.extend(range(k * P, (k + pages) * P, L))
         keys.extend([L] * (count - 1))
         keys.append(kv_len - (k + (count - 1) * S) * P)  # the last item: up to the request's last key
-    return Items(S, entry, owner, base, keys, _aligned(table, entry, spans, S, num_pages), last)
+    return Items(S, entry, owner, base, keys, _aligned(table, entry, spans, S, num_pages))
 
 
 def _aligned(table: PageTable, entry: list[int], spans: list[tuple[int, int]], S: int, num_pages: int) -> list[int] | None:
@@ -205,18 +203,15 @@ def _laid_out(plan: Items, L: int, owner: list[int], base: list[int], keys: list
               tiles: list, ids: torch.Tensor | None) -> Layout:  # fmt: skip
     """The :class:`Layout` of slots ``owner``, ``base``, ``keys`` (fillers' owner ``n``), item ``i`` at ``slot[i]``:
     with each slot's query row and the slot of its owner's last item, in one host-to-tensor conversion."""
-    final = [0] * (n + 1)  # a filler's shift: slot 0 (its result is dropped)
-    named = [False] * n
-    for i, j in enumerate(plan.last):
-        if i == j:
-            final[plan.owner[i]] = slot[i]
-            named[plan.owner[i]] = True
+    final = [-1] * n + [0]  # a filler's shift: slot 0 (its result is dropped)
+    for i, o in enumerate(plan.owner):  # a request's items are listed in order: its last one is seen last
+        final[o] = slot[i]
     shift = [final[o] for o in owner]
     row = [o if o < n else 0 for o in owner]
     M = len(owner)
     every = longs([*owner, *base, *keys, *row, *shift, *final[:n]], device)
     parts = [every[k * M : (k + 1) * M] for k in range(5)]
-    return Layout(L, *parts[:3], tiles, ids, *parts[3:], every[5 * M :] if all(named) else None)
+    return Layout(L, *parts[:3], tiles, ids, *parts[3:], every[5 * M :] if min(final) >= 0 else None)
 
 
 def _longs(*lists: list[int], device) -> tuple[torch.Tensor, ...]:
