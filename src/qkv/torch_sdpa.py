@@ -119,30 +119,22 @@ def _usual(query: object, key: object, value: object, attn_mask: Tensor | None, 
            grouped: bool) -> Tensor | None:  # fmt: skip
     """The usual call straight to ``qkv.attention``'s plain lane, or None: the checks below then run.
 
-    4-d tensors of one batch, heads that need no broadcast (equal, or grouped with
-    ``enable_gqa``), no mask or a bool ``(N|1, Hq|1, L|1, S)`` one, no dropout, no causal flag:
-    what the full path hands :func:`qkv.backends.sdpa_plain.plain` unchanged, so it goes there
-    first (not a masked call that records gradients: ``plain`` declines those). ``plain``
-    declines anything else it would not run as the full path does (a scale that is not
-    positive, dtypes that differ, an output a hidden key made non-finite), and the full path
-    answers with its checks and messages. A decoding step's call takes 10-20 µs here: the
-    checks this skips cost 2-5 µs of it.
+    The lane (:func:`qkv.backends.sdpa_plain.plain`) takes what the full path would hand it
+    unchanged, 4-d tensors of one batch with no mask or a bool ``(N|1, H|1, L|1, S)`` one, and
+    declines the rest (other ranks, broadcast batches, float masks, a scale that is not positive,
+    dtypes that differ, an output a hidden key made non-finite); the full path then answers with
+    its checks and messages. Two things only SDPA's call decides are settled here: query and
+    key head counts may differ only under ``enable_gqa`` (qkv groups them without a flag), and
+    a masked call that records gradients, which the lane declines, is planned once, by the full
+    path. A decoding step's call takes 10-20 µs here: the checks this skips cost 2-5 µs of it.
     """
-    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+    if type(query) is not Tensor or type(key) is not Tensor or query.dim() != 4 or key.dim() != 4:
         return None
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+    if not grouped and query.shape[1] != key.shape[1]:
+        return None  # PyTorch's broadcast of the heads, or its error
+    if attn_mask is not None and torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or getattr(value, "requires_grad", False)):  # fmt: skip
         return None
-    (b, hq, i, _), (kb, hk, j, _), (vb, hv, _, _) = query.shape, key.shape, value.shape
-    if kb != b or vb != b or hk != hv or not (hk == hq or (grouped and hk and hq % hk == 0)):
-        return None
-    if attn_mask is not None:
-        if attn_mask.dtype != torch.bool or attn_mask.dim() != 4:
-            return None
-        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-            return None  # the lane declines it (its hidden keys are guarded first): planned once, by the full path
-        mb, mh, mi, mj = attn_mask.shape
-        if mb not in (1, b) or mh not in (1, hq) or mi not in (1, i) or mj != j:
-            return None
     return sdpa_plain.plain(query, key, value, "scaled_dot", False, scale, attn_mask)
 
 

@@ -192,8 +192,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
         if not on_cpu:
             return None  # a GPU call's mask: the full path (flex, a lowered BlockMask, its guard)
         if type(mask) is Tensor:  # a caller's bool tensor (SDPA's attn_mask): read afresh at every call, as SDPA does
-            if mask.dtype != torch.bool:
-                return None  # (the full path's message)
+            if mask.dtype != torch.bool or mask.dim() != 4:
+                return None  # (a float mask, or one SDPA broadcasts from fewer dims: the full path, its messages)
             mask = Dense(mask)
         attn_mask = _plain_mask(mask, q, k, v, causal)
         if attn_mask is None:
