@@ -116,19 +116,24 @@ def attention(
     split = alibi_reach.runs(req, backend)
     if split is not None:  # ALiBi's steep heads, each over the keys its weights can reach
         return _by_reach(req, split)
+    return _run(req, backend)
+
+
+def _run(req: backends.Request, backend: str) -> Tensor | tuple[Tensor, ...]:
+    """A checked call on the backend ``choose`` picks: ``out``, and the weights and ``lse`` it asks for, in its layout."""
     impl, _ = backends.choose(req, backend)
     if hidden_keys.needs_guard_first(req):  # already guarded by checks.request
         out, weights, lse = impl.run(req)
     else:  # inference: padding holding NaN shows in the output; only then run again on zeroed keys
         out, weights, lse = hidden_keys.after(req, impl.run, impl.run(req))
     results = [req.restore(out)]
-    if return_weights:
+    if req.return_weights:
         if req.weights_for is not None and not getattr(impl, "selects_weights", False):
             heads, rows = req.weights_for
             weights = weights if heads is None else weights.index_select(1, heads.to(weights.device))
             weights = weights if rows is None else weights.index_select(2, rows.to(weights.device))
         results.append(req.restore(weights))
-    if return_lse:
+    if req.return_lse:
         results.append(req.restore(lse))
     return results[0] if len(results) == 1 else tuple(results)
 
@@ -140,12 +145,14 @@ def _by_reach(req: backends.Request, runs: list) -> Tensor | tuple[Tensor, Tenso
     slopes = alibi_reach.head_slopes(req)
     outs, lses = [], []
     for run in runs:
-        result = attention(
-            req.q[:, run.a : run.b], req.k[:, run.ka : run.kb], req.v[:, run.ka : run.kb], score=req.score,
-            mask=alibi_reach.window(run, causal), bias=ALiBi(run.b - run.a, slopes=slopes[run.a : run.b]),
-            scale=req.scale, sinks=None if req.sinks is None else req.sinks[run.a : run.b], return_lse=req.return_lse,
-            backend="auto" if run.reach is None else alibi_reach.BACKEND,
-        )  # fmt: skip
+        q, k, v = req.q[:, run.a : run.b], req.k[:, run.ka : run.kb], req.v[:, run.ka : run.kb]
+        bias = ALiBi(run.b - run.a, slopes=slopes[run.a : run.b])
+        sinks = None if req.sinks is None else req.sinks[run.a : run.b]
+        if run.reach is None:  # the call's own mask, already checked: its heads as they are (their reach not sought again)
+            result = _run(replace(req, q=q, k=k, v=v, bias=bias, sinks=sinks, layout=None), "auto")
+        else:  # a window of its own, checked (and its hidden keys guarded) as any call's mask
+            result = attention(q, k, v, score=req.score, mask=alibi_reach.window(run, causal), bias=bias,
+                               scale=req.scale, sinks=sinks, return_lse=req.return_lse, backend=alibi_reach.BACKEND)  # fmt: skip
         outs.append(result[0] if req.return_lse else result)
         if req.return_lse:
             lses.append(result[1])

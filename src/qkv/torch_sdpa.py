@@ -123,17 +123,22 @@ def _usual(query: object, key: object, value: object, attn_mask: Tensor | None, 
     unchanged, 4-d tensors of one batch with no mask or a bool ``(N|1, H|1, L|1, S)`` one, and
     declines the rest (other ranks, broadcast batches, float masks, a scale that is not positive,
     dtypes that differ, an output a hidden key made non-finite); the full path then answers with
-    its checks and messages. Two things only SDPA's call decides are settled here: query and
-    key head counts may differ only under ``enable_gqa`` (qkv groups them without a flag), and
-    a masked call that records gradients, which the lane declines, is planned once, by the full
-    path. A decoding step's call takes 10-20 µs here: the checks this skips cost 2-5 µs of it.
+    its checks and messages. What only SDPA's call decides is settled here, so that the lane
+    does not plan a call it must decline: batches and heads that the drop-in broadcasts or
+    regroups (a batch of one, key and value head counts that differ), query and key head counts
+    that differ without ``enable_gqa`` (qkv groups them without a flag), and a masked call
+    that records gradients (the lane guards none). A decoding step's call takes 10-20 µs
+    here: the checks this skips cost 2-5 µs of it.
     """
-    if type(query) is not Tensor or type(key) is not Tensor or query.dim() != 4 or key.dim() != 4:
+    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
         return None
-    if not grouped and query.shape[1] != key.shape[1]:
-        return None  # PyTorch's broadcast of the heads, or its error
-    if attn_mask is not None and torch.is_grad_enabled() and (
-            query.requires_grad or key.requires_grad or getattr(value, "requires_grad", False)):  # fmt: skip
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None
+    (b, hq, _, _), (kb, hk, _, _), (vb, hv, _, _) = query.shape, key.shape, value.shape
+    if kb != b or vb != b or hk != hv or not (hk == hq or grouped):
+        return None  # broadcast or regrouped by the drop-in, or PyTorch's broadcast of the heads (or its error)
+    if attn_mask is not None and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                                              or value.requires_grad):  # fmt: skip
         return None
     return sdpa_plain.plain(query, key, value, "scaled_dot", False, scale, attn_mask)
 
