@@ -75,6 +75,22 @@ def test_a_bias_far_below_zero_everywhere_keeps_every_row():
     assert torch.equal(d.without_negligible(1.0).profile, d.profile)
 
 
+@pytest.mark.parametrize("spread", [0.5, 1.0, 1.5])
+def test_a_profile_narrower_than_the_margin_is_kept_whole_and_the_cut_is_the_same(spread):
+    """A bias whose terms all lie within ``2·bound + 40`` of each other (T5's buckets) has none below the cut: the
+    profile comes back as it is, without the rows' maxima being sought; a wider one is cut as the rows' maxima say."""
+    bound = 3.0
+    t5 = qkv.RelativePositionBias(2, buckets=8, max_distance=16).requires_grad_(False)
+    with torch.no_grad():  # terms spread over `spread` times the margin
+        t5.embedding.weight.copy_(torch.linspace(0.0, -spread * (2 * bound + NEGLIGIBLE), 16).reshape(8, 2))
+    d = DiagonalMask(None, t5, 40, 40, torch.float32, "cpu")
+    cut = d.row_maxima().amin(-1, keepdim=True) - 2 * bound - NEGLIGIBLE
+    want = d.profile.masked_fill(d.profile < cut, float("-inf"))
+    kept = d.without_negligible(bound)
+    assert torch.equal(kept.profile, want)
+    assert (kept is d) == (spread <= 1.0)
+
+
 def _fused_plan_and_mask(q, k, bias, mask):
     req = qkv.checks.request(q, k, k, score="scaled_dot", mask=mask, bias=bias, causal=False, scale=None, dropout=0.0,
                              return_weights=False, score_mod=None)  # fmt: skip

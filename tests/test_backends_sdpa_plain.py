@@ -387,15 +387,16 @@ def _spy_plans(monkeypatch) -> list:
 
 
 def test_a_bool_tensor_mask_plans_once_per_shape_and_is_read_afresh_at_every_call(monkeypatch):
-    """The SDPA drop-in's padded decoding step: one plan for every call of its shapes, each call's own tensor read,
-    dead rows (every key hidden) included, as ``F.scaled_dot_product_attention`` reads them."""
+    """The SDPA drop-in's masked call of several queries (a decoding step's goes to PyTorch's kernel directly,
+    ``sdpa_direct``): one plan for every call of its shapes, each call's own tensor read, dead rows (every key
+    hidden) included, as ``F.scaled_dot_product_attention`` reads them."""
     made = _spy_plans(monkeypatch)
     sdpa_plain._TENSOR_MASK_PLANS.clear()
-    q, k, v = _inputs(b=3, h=6, g=2, i=1, j=17)
+    q, k, v = _inputs(b=3, h=6, g=2, i=4, j=17)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for step in range(6):
-            m = torch.rand(3, 1, 1, 17, generator=gen) < 0.6
+            m = torch.rand(3, 1, 4, 17, generator=gen) < 0.6
             if step == 3:
                 m[1] = False  # a dead row: PyTorch's CPU kernel gives it 0, and so must the kept plan's call
             got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
@@ -408,7 +409,7 @@ def test_a_bool_tensor_mask_plans_once_per_shape_and_is_read_afresh_at_every_cal
 def test_a_kept_bool_tensor_plan_holds_no_tensor_and_declines_gradients_and_other_shapes(monkeypatch):
     made = _spy_plans(monkeypatch)
     sdpa_plain._TENSOR_MASK_PLANS.clear()
-    q, k, v = _inputs(i=1, j=9)
+    q, k, v = _inputs(i=4, j=9)
     m = torch.ones(2, 1, 1, 9, dtype=torch.bool)
     m[0, ..., :4] = False
     with torch.no_grad():
@@ -436,7 +437,7 @@ def test_a_nan_at_a_hidden_key_after_a_kept_bool_tensor_plan_never_reaches_the_o
     """The kept plan's call is checked as the lane's first: a non-finite output sends the call to the full path,
     which zeroes the hidden keys (PyTorch's kernel gives the whole row nan)."""
     sdpa_plain._TENSOR_MASK_PLANS.clear()
-    q, k, v = _inputs(i=1, j=9)
+    q, k, v = _inputs(i=4, j=9)
     m = torch.ones(2, 1, 1, 9, dtype=torch.bool)
     m[:, ..., 7:] = False
     with torch.no_grad():

@@ -62,7 +62,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from .backends import sdpa_plain
+from .backends import sdpa_direct, sdpa_plain
 from .checks import one_zero_feature
 from .functional import attention
 from .masks import Mask, causal, offsets
@@ -82,8 +82,13 @@ def scaled_dot_product_attention(
     """``F.scaled_dot_product_attention``'s call, on qkv: ``(N…, Hq, L, Ev)``."""
     if (attn_mask is None or type(attn_mask) is Tensor) and is_causal is False and type(enable_gqa) is bool and (
             type(dropout_p) is float and dropout_p == 0.0 and (scale is None or type(scale) is float)):  # fmt: skip
-        out = _usual(query, key, value, attn_mask, scale, enable_gqa)
-        if out is not None:
+        if attn_mask is None:
+            out = sdpa_direct.unmasked(query, key, value, scale, enable_gqa)
+        else:
+            out = sdpa_direct.decoding_step(query, key, value, attn_mask, scale, enable_gqa)
+            if out is None:
+                out = _usual(query, key, value, attn_mask, scale, enable_gqa)
+        if out is not None and out is not sdpa_direct.NOT_FINITE:
             return out
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(flag, bool):

@@ -160,15 +160,14 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     keys' part for a saturating one, ``_split_block``), else None. No autograd graph.
     """
     i_len, j_len = q.shape[-2], k.shape[-2]
-    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-    lse = torch.full(q.shape[:-1], NEG_INF, dtype=mask_dtype(q), device=q.device)
+    out = lse = None  # made by the first block that does not cover every row (one call's own are the result)
     diagonal = fused_masks.diagonal_mask(plan, q, k)
     bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
     bound = None if diagonal is not None else fused_masks.logit_bound(plan, q, k)  # for each block's mask
     reach = far_reach(plan, diagonal)
     far_out = far_lse = None
     if reach is not None:  # learned T5 buckets: keep the far keys' part for the bias gradient
-        far_out, far_lse = torch.zeros_like(out), torch.full_like(lse, NEG_INF)
+        far_out, far_lse = _empty_rows(q, v)
         near, far = diagonal.clipped(hi=reach - 1), diagonal.clipped(lo=reach)
     whole = diagonal is not None and plan.mask is None and reach is None  # nothing to skip: one call
     for t in _blocks(plan, q, j_len, diagonal is not None, split=reach is not None, whole=whole):
@@ -193,9 +192,21 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
         if live is not None:
             o = o * live
             m = torch.where(live.squeeze(-1), m, NEG_INF)
+        if t.i1 - t.i0 == i_len:
+            out, lse = o, m.to(mask_dtype(q))
+            continue
+        if out is None:
+            out, lse = _empty_rows(q, v)
         out[..., rows, :] = o
         lse[..., rows] = m
+    if out is None:  # every row saw no key
+        out, lse = _empty_rows(q, v)
     return out, lse, Learned(lse, far_out, far_lse) if plan.learned else None
+
+
+def _empty_rows(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of rows that see no key: zeros, and ``-inf``."""
+    return q.new_zeros((*q.shape[:-1], v.shape[-1])), torch.full(q.shape[:-1], NEG_INF, dtype=mask_dtype(q), device=q.device)
 
 
 def fused_backward(

@@ -1,0 +1,127 @@
+"""The SDPA drop-in's unmasked call, handed to PyTorch's own kernel with nothing in between.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` queries, ``j`` keys,
+``d`` query/key size, ``e`` value size.
+
+``qkv.scaled_dot_product_attention(q, k, v)`` with no mask, no dropout and no causal flag hides
+no key, so none of what the drop-in adds to PyTorch's call applies (hidden keys' nans, rows that
+see no key, the caller's mask read lazily): its answer is ``F.scaled_dot_product_attention``'s,
+which is also what ``qkv.attention`` runs for it (the ``sdpa`` backend). A decoding step's call
+takes 10-20 µs in PyTorch's kernel, and the plain lane's plan, lookup and fit checks took 2-3 µs
+of it on top (1.22x); this door costs a few attribute reads, well under 1 µs.
+
+One choice is left: a one-query call with grouped heads may run them as query rows of their KV
+head (:mod:`.grouped_rows`, timed once per size class). Where that can pay (``i = 1``, grouped
+heads, at least ``ROWS_ELEMENTS`` repeated key elements), the answer is kept per call shape, so a
+decoding loop asks it once. Everything the door does not take (other ranks, broadcast batches
+or heads, a head size or key count of 0, a scale that is not finite, tensor subclasses, nested
+tensors) returns None and runs the drop-in's checks; so does a call PyTorch's kernel refuses
+(mixed dtypes or devices), whose message then comes from the drop-in, naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._trace import tracing
+from .grouped_rows import ROWS_ELEMENTS, grouping
+from .sdpa import _kernel, zeroes_dead_rows
+
+#: What :func:`unmasked` does with a call of this ``(q shape, k shape, v shape, dtype, enable_gqa)``: ``"plain"``
+#: (one head per KV head), ``"gqa"`` (``enable_gqa``), ``"rows"`` (grouped heads as query rows, where
+#: :func:`.grouped_rows.grouping` times them faster) or ``"no"`` (the drop-in's own path). A decoding loop's
+#: layers and steps share a few shapes: what the first call decides, the rest look up.
+_WAYS: dict[tuple, str] = {}
+#: Shapes kept at most (a server's decoding steps over many cache lengths): all dropped when full.
+WAYS_KEPT = 256
+
+
+def unmasked(query: object, key: object, value: object, scale: float | None, grouped: bool) -> Tensor | None:
+    """``F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=grouped)`` where the drop-in's
+    answer is exactly that (see the module docstring), in its fastest form; else None. ``scale`` is None or a
+    float, ``grouped`` a bool (the caller's checks)."""
+    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+        return None  # subclasses (fakes, parameters) and non-tensors: the drop-in's checks
+    if scale is not None and not math.isfinite(scale):
+        return None  # refused by the drop-in (PyTorch gives nan rows)
+    if torch.compiler.is_compiling():
+        return None  # no lookup keyed on sizes: a compiled decoding step would guard on them, recompiling each token
+    try:  # (a strided nested tensor has no shape to read: RuntimeError, as from a call PyTorch refuses)
+        call = (query.shape, key.shape, value.shape, query.dtype, grouped, None)
+        way = _WAYS.get(call) or _way(call, query, key, value, scale)
+        if way == "no":
+            return None
+        if way == "rows":
+            return _kernel(query, key, value, None, 0.0, False, scale, way)
+        return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=way == "gqa")
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return None  # mixed dtypes or devices, an integer dtype, a nested tensor: the drop-in's checks and messages
+
+
+def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, scale: float | None,
+                  grouped: bool) -> Tensor | object | None:  # fmt: skip
+    """The same for a one-query call with a bool ``attn_mask (b|1, h|1, 1, j)`` on the CPU in inference (a padded
+    decoding step), or None, or :data:`NOT_FINITE`.
+
+    PyTorch's CPU kernel gives a row that sees no key 0, as the drop-in does (probed per dtype,
+    :func:`.sdpa.zeroes_dead_rows`); what it does not do is keep a nan or inf in a hidden key or
+    value from the output (``0 · nan``): an output that is not all finite answers :data:`NOT_FINITE`, and the
+    drop-in's own path runs the call again without the hidden keys. That check, one sum, is
+    most of what this adds to the kernel.
+    """
+    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+        return None
+    if scale is not None and not math.isfinite(scale):
+        return None
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad)):  # fmt: skip
+        return None  # a differentiated call guards its hidden keys first: the drop-in's own path
+    try:
+        call = (query.shape, key.shape, value.shape, query.dtype, grouped, attn_mask.shape)
+        way = _WAYS.get(call) or _way(call, query, key, value, scale, attn_mask)
+        if way == "no" or attn_mask.dtype != torch.bool or not attn_mask.is_cpu:
+            return None
+        if way == "rows":
+            out = _kernel(query, key, value, attn_mask, 0.0, False, scale, way)
+        else:
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask, scale=scale, enable_gqa=way == "gqa")
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return None
+    return out if math.isfinite(float(out.sum())) else NOT_FINITE
+
+
+#: :func:`decoding_step`'s answer where the kernel's output is not all finite: the drop-in's own path runs the call
+#: (without the hidden keys), not the plain lane, which would run the same kernel call again.
+NOT_FINITE = object()
+
+
+def _way(call: tuple, query: Tensor, key: Tensor, value: Tensor, scale: float | None, mask: Tensor | None = None) -> str:
+    """:data:`_WAYS`' answer for a call of ``call``'s shapes, kept unless traced (no timing there: rows untimed)."""
+    (qs, ks, vs, dtype, grouped, ms), traced = call, tracing()
+    way = "no"
+    if len(qs) == 4 and len(ks) == 4 and len(vs) == 4:
+        (b, h, i, d), (kb, g, j, _) = qs, ks
+        if kb == b and vs[0] == b and vs[1] == g and vs[2] == j and j > 0 and d > 0 and g > 0:
+            # (else broadcast or regrouped by the drop-in, no keys: its zeros, no features: its logits of 0)
+            if g == h:
+                way = "plain"
+            elif grouped and h % g == 0:  # (else PyTorch's broadcast of the heads, or its error)
+                way = "gqa"
+    if way != "no" and ms is not None:  # a decoding step's mask, which the kernel takes as it is
+        if not (i == 1 and len(ms) == 4 and ms[0] in (1, b) and ms[1] in (1, h) and ms[2] == 1 and ms[3] == j
+                and query.is_cpu and zeroes_dead_rows(query)):  # fmt: skip
+            way = "no"
+    if way == "gqa" and i == 1 and b * h * j * d >= ROWS_ELEMENTS and not traced:
+        if not (key.dtype == value.dtype == dtype and key.device == value.device == query.device):
+            return "no"  # PyTorch refuses it: the drop-in's message (the probe must not time it)
+        if query.is_cpu and (ms is None or ms[1] == 1):  # (rows share one mask row per KV head)
+            way = grouping(query, key, value, mask, 0.0, False, scale, True)
+    if not traced:
+        if len(_WAYS) >= WAYS_KEPT:
+            _WAYS.clear()  # (each shape then decides again; grouping keeps its timed answers per size class)
+        _WAYS[call] = way
+    return way
