@@ -459,25 +459,32 @@ def test_decoder_family_matches_eager_in_logits_and_greedy_generation(family):
 
 @needs_transformers
 def test_padded_and_unpadded_generation_take_the_plain_lane_in_every_layer(monkeypatch):
-    """A padded prompt, its decoding steps and an unpadded prompt reach the kernel without a request
-    (``qkv.backends.sdpa_plain.run``): the padding mask is one Dense tensor per forward, the causal mask
-    ``causal=True``; each forward's second layer reuses the first layer's plan (kept on the forward's mask)."""
-    from qkv.backends import sdpa_plain
+    """A padded prompt, its decoding steps and an unpadded prompt reach the kernel without a request: a prompt
+    through the plain lane (``qkv.backends.sdpa_plain.run``: the padding mask is one Dense tensor per forward, the
+    causal mask ``causal=True``; the forward's second layer reuses the first layer's plan, kept on its mask), a
+    decoding step straight to PyTorch's kernel (``qkv.backends.sdpa_direct``: its mask's tensor, or none)."""
+    from qkv.backends import sdpa_direct, sdpa_plain
 
     model, ids, padding = _tiny("llama")
     model.set_attn_implementation("qkv")
-    taken, planned = [], []
+    taken, planned, direct = [], [], []
     run, plan = sdpa_plain.run, sdpa_plain.plan
+    step, unmasked = sdpa_direct.decoding_step, sdpa_direct.unmasked
     monkeypatch.setattr(sdpa_plain, "run", lambda *args: (lambda out: taken.append(out is not None) or out)(run(*args)))
     monkeypatch.setattr(sdpa_plain, "plan", lambda *args: planned.append(True) or plan(*args))
+    monkeypatch.setattr(sdpa_direct, "decoding_step", lambda *args: (lambda out: direct.append(("padded", type(out))) or out)(step(*args)))
+    monkeypatch.setattr(sdpa_direct, "unmasked", lambda *args: (lambda out: direct.append(("bare", type(out))) or out)(unmasked(*args)))
     settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=padding, **settings)  # prefill + 2 steps, 2 layers each
-        assert taken == [True] * 6, taken
-        assert len(planned) == 3, planned  # each forward's first layer: its second reuses the plan
+        assert taken == [True] * 2, taken
+        assert len(planned) == 1, planned  # the prompt's first layer: its second reuses the plan
+        assert direct == [("padded", torch.Tensor)] * 4, direct
         taken.clear()
+        direct.clear()
         model.generate(input_ids=ids[:1], **settings)
-        assert taken == [True] * 6, taken
+        assert taken == [True] * 2, taken
+        assert direct == [("bare", torch.Tensor)] * 4, direct
 
 
 def _decoding_step_inputs(seed=0):
@@ -508,6 +515,22 @@ def test_a_decoding_step_goes_straight_to_the_plain_lane_and_equals_the_full_pat
                                                             attn_mask=keep, scale=0.3).transpose(1, 2)  # fmt: skip
     torch.testing.assert_close(fast, want, atol=1e-6, rtol=0)
     assert torch.equal(fast, full)
+
+
+@needs_transformers
+def test_a_decoding_steps_nan_in_a_padded_slot_never_reaches_the_output():
+    """The step's padding holds a nan and an inf (a cache from ``torch.empty``): PyTorch's kernel would give those
+    rows nan; the step gives what it gives with the padded slots zeroed."""
+    from qkv.integrations import transformers as integration
+
+    q, k, v, mask = _decoding_step_inputs()
+    layer = _Layer(is_causal=True, groups=3)
+    clean, _ = integration.attention_forward(layer, q, k, v, mask, scaling=0.3)
+    k, v = k.clone(), v.clone()
+    k[1, :, 0], v[2, :, 6] = float("nan"), float("inf")  # row 1's padding starts 3 keys in, row 2's 7
+    dirty, _ = integration.attention_forward(layer, q, k, v, mask, scaling=0.3)
+    assert torch.isfinite(dirty).all()
+    torch.testing.assert_close(dirty, clean, atol=1e-6, rtol=0)
 
 
 @needs_transformers

@@ -67,7 +67,7 @@ import sys
 import torch
 from torch import Tensor
 
-from ..backends import sdpa_plain
+from ..backends import sdpa_direct, sdpa_plain
 from ..functional import attention
 from ..masks import Dense, Mask, Tile, Window, causal, window
 from ..score_mods import SoftCap
@@ -235,10 +235,10 @@ def _decoding_step(module: torch.nn.Module, query: Tensor, key: Tensor, value: T
                    dropout: float, scaling: float | None, extras: tuple, kwargs: dict) -> Tensor | None:  # fmt: skip
     """``out (b, 1, h, e)`` of a one-token step that asks for nothing but the model's own mask; else None.
 
-    ``generate()`` calls each layer once per new token, and such a call ends in
-    ``qkv.attention``'s plain-call lane (``qkv.backends.sdpa_plain.plain``) anyway: this goes
-    there straight, without the keyword checks, mask dispatch, packing and edit lookups of the
-    full path. Measured on the Intel Xeon (SmolLM2's shapes, a left-padded batch of 4): 6-8 µs
+    ``generate()`` calls each layer once per new token, and such a call ends in PyTorch's
+    kernel anyway: this goes there straight (``qkv.backends.sdpa_direct`` where the step's mask
+    is none or one bool tensor, else the plain lane, ``qkv.backends.sdpa_plain.plain``), without
+    the keyword checks, mask dispatch, packing and edit lookups of the full path. Measured on the Intel Xeon (SmolLM2's shapes, a left-padded batch of 4): 6-8 µs
     less per layer call, about 7% of it. Anything the full path would treat otherwise (a keyword to honour
     or to refuse, weights, ``softcap``, ``s_aux``, ``position_bias``, ``weights_for``, dropout,
     packed offsets, an active ``qkv.edit`` / ``qkv.record`` block, a call ``plain`` declines)
@@ -255,7 +255,20 @@ def _decoding_step(module: torch.nn.Module, query: Tensor, key: Tensor, value: T
     # left-padded batch of 4): a layer's call took 230-245 µs against sdpa's 177 µs when every layer planned, the
     # kernel 125 of them: the checks, run from caches the model's matmuls have just emptied, cost more than where
     # they run once.
-    out = sdpa_plain.plain(query, key, value, "scaled_dot", False, scaling, mask.for_call(1, key.shape[-2], query.device))
+    step_mask = mask.for_call(1, key.shape[-2], query.device)
+    # PyTorch's own kernel where its answer is qkv's (no mask, or a bool (b|1, 1, 1, j) tensor with the output
+    # checked finite: sdpa_direct), a few µs a layer less than the plain lane's plan lookup
+    grouped = query.shape[1] != key.shape[1]
+    if step_mask is None:
+        out = sdpa_direct.unmasked(query, key, value, scaling, grouped)
+    elif type(step_mask) is Dense and type(step_mask.mask) is Tensor:
+        out = sdpa_direct.decoding_step(query, key, value, step_mask.mask, scaling, grouped)
+    else:
+        out = None
+    if out is None:
+        out = sdpa_plain.plain(query, key, value, "scaled_dot", False, scaling, step_mask)
+    elif out is sdpa_direct.NOT_FINITE:
+        return None  # a hidden key's nan or inf: the full path, which zeroes the hidden keys
     return None if out is None else out.transpose(1, 2).contiguous()
 
 
