@@ -80,16 +80,18 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
 ) -> Tensor:
     """``F.scaled_dot_product_attention``'s call, on qkv: ``(N…, Hq, L, Ev)``."""
-    if (attn_mask is None or type(attn_mask) is Tensor) and is_causal is False and type(enable_gqa) is bool and (
-            type(dropout_p) is float and dropout_p == 0.0 and (scale is None or type(scale) is float)):  # fmt: skip
+    if is_causal is False and dropout_p == 0.0 and type(dropout_p) is float and type(enable_gqa) is bool and (
+            scale is None or type(scale) is float):  # fmt: skip
         if attn_mask is None:
             out = sdpa_direct.unmasked(query, key, value, scale, enable_gqa)
-        else:
+            if out is not None:
+                return out
+        elif type(attn_mask) is Tensor:
             out = sdpa_direct.decoding_step(query, key, value, attn_mask, scale, enable_gqa)
             if out is None:
                 out = _usual(query, key, value, attn_mask, scale, enable_gqa)
-        if out is not None and out is not sdpa_direct.NOT_FINITE:
-            return out
+            if out is not None and out is not sdpa_direct.NOT_FINITE:
+                return out
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(flag, bool):
             raise TypeError(f"scaled_dot_product_attention(): argument '{name}' must be bool, not {type(flag).__name__}")

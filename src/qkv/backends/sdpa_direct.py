@@ -36,6 +36,9 @@ from .sdpa import _kernel, zeroes_dead_rows
 #: :func:`.grouped_rows.grouping` times them faster) or ``"no"`` (the drop-in's own path). A decoding loop's
 #: layers and steps share a few shapes: what the first call decides, the rest look up.
 _WAYS: dict[tuple, str] = {}
+#: The two ways straight to ``F.scaled_dot_product_attention``: :func:`_way` stores these objects, which the
+#: lookup then compares by identity.
+_PLAIN, _GQA = "plain", "gqa"
 #: Shapes kept at most (a server's decoding steps over many cache lengths): all dropped when full.
 WAYS_KEPT = 256
 
@@ -53,11 +56,9 @@ def unmasked(query: object, key: object, value: object, scale: float | None, gro
     try:  # (a strided nested tensor has no shape to read: RuntimeError, as from a call PyTorch refuses)
         call = (query.shape, key.shape, value.shape, query.dtype, grouped, None)
         way = _WAYS.get(call) or _way(call, query, key, value, scale)
-        if way == "no":
-            return None
-        if way == "rows":
-            return _kernel(query, key, value, None, 0.0, False, scale, way)
-        return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=way == "gqa")
+        if way is _GQA or way is _PLAIN:
+            return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=way is _GQA)
+        return _kernel(query, key, value, None, 0.0, False, scale, way) if way == "rows" else None
     except (RuntimeError, TypeError, ValueError, IndexError):
         return None  # mixed dtypes or devices, an integer dtype, a nested tensor: the drop-in's checks and messages
 
@@ -88,7 +89,7 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
         if way == "rows":
             out = _kernel(query, key, value, attn_mask, 0.0, False, scale, way)
         else:
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask, scale=scale, enable_gqa=way == "gqa")
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask, scale=scale, enable_gqa=way is _GQA)
     except (RuntimeError, TypeError, ValueError, IndexError):
         return None
     return out if math.isfinite(float(out.sum())) else NOT_FINITE
@@ -108,18 +109,18 @@ def _way(call: tuple, query: Tensor, key: Tensor, value: Tensor, scale: float | 
         if kb == b and vs[0] == b and vs[1] == g and vs[2] == j and j > 0 and d > 0 and g > 0:
             # (else broadcast or regrouped by the drop-in, no keys: its zeros, no features: its logits of 0)
             if g == h:
-                way = "plain"
+                way = _PLAIN
             elif grouped and h % g == 0:  # (else PyTorch's broadcast of the heads, or its error)
-                way = "gqa"
+                way = _GQA
     if way != "no" and ms is not None:  # a decoding step's mask, which the kernel takes as it is
         if not (i == 1 and len(ms) == 4 and ms[0] in (1, b) and ms[1] in (1, h) and ms[2] == 1 and ms[3] == j
                 and query.is_cpu and zeroes_dead_rows(query)):  # fmt: skip
             way = "no"
-    if way == "gqa" and i == 1 and b * h * j * d >= ROWS_ELEMENTS and not traced:
+    if way is _GQA and i == 1 and b * h * j * d >= ROWS_ELEMENTS and not traced:
         if not (key.dtype == value.dtype == dtype and key.device == value.device == query.device):
             return "no"  # PyTorch refuses it: the drop-in's message (the probe must not time it)
         if query.is_cpu and (ms is None or ms[1] == 1):  # (rows share one mask row per KV head)
-            way = grouping(query, key, value, mask, 0.0, False, scale, True)
+            way = "rows" if grouping(query, key, value, mask, 0.0, False, scale, True) == "rows" else _GQA
     if not traced:
         if len(_WAYS) >= WAYS_KEPT:
             _WAYS.clear()  # (each shape then decides again; grouping keeps its timed answers per size class)
