@@ -3,13 +3,15 @@
 Shape legend: ``N`` batch, ``Hq`` query heads, ``H`` KV heads, ``L`` query length, ``S`` key length, ``E`` size.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import qkv
 from qkv import torch_sdpa
-from qkv.backends import grouped_rows, sdpa_direct, sdpa_plain
+from qkv.backends import sdpa_direct, sdpa_plain
 
 N, HQ, H, L, S, E = 2, 6, 3, 5, 9, 8
 
@@ -181,3 +183,16 @@ def test_other_masks_do_not_take_the_door(mask):
                  "float": torch.zeros(N, 1, 1, S, dtype=torch.float64),
                  "(S,)": torch.ones(S, dtype=torch.bool)}[mask]  # fmt: skip
     assert sdpa_direct.decoding_step(q, k, v, attn_mask, None, True) is None
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_traced_call_replays_pytorchs_answer_for_new_inputs(masked):
+    """``torch.jit.trace`` of the drop-in (sizes are tensors there, no way is kept from them): the trace answers new
+    inputs of its shapes as ``F.scaled_dot_product_attention`` does."""
+    kw = dict(attn_mask=_padding(2048), enable_gqa=True) if masked else dict(enable_gqa=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.jit.trace is deprecated, and says so; its tracer warns of sizes read)
+        traced = torch.jit.trace(lambda q, k, v: qkv.scaled_dot_product_attention(q, k, v, **kw),
+                                 _inputs(H, 1, 2048, dtype=torch.float32))  # fmt: skip
+        q, k, v = _inputs(H, 1, 2048, dtype=torch.float32, seed=3)
+        torch.testing.assert_close(traced(q, k, v), F.scaled_dot_product_attention(q, k, v, **kw))
