@@ -196,3 +196,24 @@ def test_a_traced_call_replays_pytorchs_answer_for_new_inputs(masked):
                                  _inputs(H, 1, 2048, dtype=torch.float32))  # fmt: skip
         q, k, v = _inputs(H, 1, 2048, dtype=torch.float32, seed=3)
         torch.testing.assert_close(traced(q, k, v), F.scaled_dot_product_attention(q, k, v, **kw))
+
+
+def test_a_padded_decoding_step_under_vmap_after_an_eager_one_of_its_shapes():
+    """The kept way of an eager call is found again under ``torch.func.vmap`` (its tensors show one sample's
+    shapes), where the output cannot be read to check it: the drop-in's own path answers, as PyTorch does."""
+    q, k, v = (torch.stack([x, x.flip(-2)]) for x in _inputs(H, 1))
+    keep = torch.stack([_padding(), _padding().flip(-1)])
+    want = torch.func.vmap(lambda *a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3], enable_gqa=True))(
+        q, k, v, keep)  # fmt: skip
+    qkv.scaled_dot_product_attention(q[0], k[0], v[0], attn_mask=keep[0], enable_gqa=True)  # eager: its way kept
+    got = torch.func.vmap(lambda *a: qkv.scaled_dot_product_attention(*a[:3], attn_mask=a[3], enable_gqa=True))(
+        q, k, v, keep)  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_strided_nested_tensor_with_a_mask_gets_the_drop_ins_message():
+    gen = torch.Generator().manual_seed(0)
+    nested = torch.nested.nested_tensor([torch.randn(HQ, 1, E, generator=gen) for _ in range(2)])
+    k = torch.randn(2, HQ, S, E, generator=gen)
+    with pytest.raises(NotImplementedError, match="query: a nested tensor"):
+        qkv.scaled_dot_product_attention(nested, k, k, attn_mask=torch.ones(1, 1, 1, S, dtype=torch.bool))

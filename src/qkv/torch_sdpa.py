@@ -139,8 +139,8 @@ def _usual(query: object, key: object, value: object, attn_mask: Tensor | None, 
     """
     if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
         return None
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        return None
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.is_nested or key.is_nested or value.is_nested:
+        return None  # (a strided nested tensor has no shape: the full path's message)
     (b, hq, _, _), (kb, hk, _, _), (vb, hv, _, _) = query.shape, key.shape, value.shape
     if kb != b or vb != b or hk != hv or not (hk == hq or grouped):
         return None  # broadcast or regrouped by the drop-in, or PyTorch's broadcast of the heads (or its error)

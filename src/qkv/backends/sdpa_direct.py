@@ -90,9 +90,10 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
             out = _kernel(query, key, value, attn_mask, 0.0, False, scale, way)
         else:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask, scale=scale, enable_gqa=way is _GQA)
+        # (inside the try: under torch.func.vmap a value cannot be read, a RuntimeError: the drop-in's own path)
+        return out if math.isfinite(float(out.sum())) else NOT_FINITE
     except (RuntimeError, TypeError, ValueError, IndexError):
         return None
-    return out if math.isfinite(float(out.sum())) else NOT_FINITE
 
 
 #: :func:`decoding_step`'s answer where the kernel's output is not all finite: the drop-in's own path runs the call
