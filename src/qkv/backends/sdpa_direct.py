@@ -1,4 +1,4 @@
-"""The SDPA drop-in's unmasked call, handed to PyTorch's own kernel with nothing in between.
+"""The SDPA drop-in's unmasked call and padded decoding step, handed to PyTorch's own kernel.
 
 Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` queries, ``j`` keys,
 ``d`` query/key size, ``e`` value size.
@@ -6,9 +6,12 @@ Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` queries, ``j
 ``qkv.scaled_dot_product_attention(q, k, v)`` with no mask, no dropout and no causal flag hides
 no key, so none of what the drop-in adds to PyTorch's call applies (hidden keys' nans, rows that
 see no key, the caller's mask read lazily): its answer is ``F.scaled_dot_product_attention``'s,
-which is also what ``qkv.attention`` runs for it (the ``sdpa`` backend). A decoding step's call
-takes 10-20 µs in PyTorch's kernel, and the plain lane's plan, lookup and fit checks took 2-3 µs
-of it on top (1.22x); this door costs a few attribute reads, well under 1 µs.
+which is also what ``qkv.attention`` runs for it (the ``sdpa`` backend). A padded decoding step
+(one query, a bool ``(b|1, h|1, 1, j)`` CPU mask, no gradient) needs one thing more, its output
+checked finite (:func:`decoding_step`). A decoding step's call takes 10-20 µs in PyTorch's
+kernel, and the plain lane's plan, lookup and fit checks took 2-3 µs of it on top (1.22x a bare
+step on the AMD EPYC Zen 5); this door reads the call's shapes and looks them up, 0.5-0.7 µs
+(1.05x), the padded step's check 1.1-1.3 µs more.
 
 One choice is left: a one-query call with grouped heads may run them as query rows of their KV
 head (:mod:`.grouped_rows`, timed once per size class). Where that can pay (``i = 1``, grouped
@@ -18,7 +21,6 @@ or heads, a head size or key count of 0, a scale that is not finite, tensor subc
 tensors) returns None and runs the drop-in's checks; so does a call PyTorch's kernel refuses
 (mixed dtypes or devices), whose message then comes from the drop-in, naming the argument.
 """
-
 from __future__ import annotations
 
 import math
@@ -31,7 +33,7 @@ from .._trace import tracing
 from .grouped_rows import ROWS_ELEMENTS, grouping
 from .sdpa import _kernel, zeroes_dead_rows
 
-#: What :func:`unmasked` does with a call of this ``(q shape, k shape, v shape, dtype, enable_gqa)``: ``"plain"``
+#: What a call of this ``(q shape, k shape, v shape, dtype, enable_gqa, mask shape or None)`` takes: ``"plain"``
 #: (one head per KV head), ``"gqa"`` (``enable_gqa``), ``"rows"`` (grouped heads as query rows, where
 #: :func:`.grouped_rows.grouping` times them faster) or ``"no"`` (the drop-in's own path). A decoding loop's
 #: layers and steps share a few shapes: what the first call decides, the rest look up.
@@ -82,9 +84,11 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
             query.requires_grad or key.requires_grad or value.requires_grad)):  # fmt: skip
         return None  # a differentiated call guards its hidden keys first: the drop-in's own path
     try:
+        if attn_mask.dtype != torch.bool or not attn_mask.is_cpu:
+            return None
         call = (query.shape, key.shape, value.shape, query.dtype, grouped, attn_mask.shape)
         way = _WAYS.get(call) or _way(call, query, key, value, scale, attn_mask)
-        if way == "no" or attn_mask.dtype != torch.bool or not attn_mask.is_cpu:
+        if way == "no":
             return None
         if way == "rows":
             out = _kernel(query, key, value, attn_mask, 0.0, False, scale, way)
