@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.backends import sdpa, sdpa_plain
+from qkv.backends import sdpa, sdpa_direct, sdpa_plain
 
 D = torch.float64
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -27,9 +27,11 @@ TOL = dict(rtol=1e-12, atol=1e-12)
 
 @pytest.fixture(autouse=True)
 def _fresh_plans(monkeypatch):
-    """Each test starts with no kept tensor-mask plan and a fresh dead-row probe (a probe another test ran under a
-    torch.func transform answers False for good, and no plan would then be kept)."""
+    """Each test starts with no kept tensor-mask plan (the lane's, nor a decoding step's way in the drop-in's door) and a
+    fresh dead-row probe (a probe another test ran under a torch.func transform answers False for good, and no plan
+    would then be kept)."""
     monkeypatch.setattr(sdpa_plain, "_TENSOR_MASK_PLANS", {})
+    monkeypatch.setattr(sdpa_direct, "_WAYS", {})
     monkeypatch.setattr(sdpa, "_ZERO_ROWS", {})
 
 
@@ -287,8 +289,10 @@ def test_scales_and_grouped_heads_of_one_mask_shape(planned):
                     want = _ref(q, k, v, m, scale=scale, enable_gqa=True)
                     for got in _both(q, k, v, m, scale=scale, enable_gqa=True):
                         torch.testing.assert_close(got, want, **TOL)
-    # one plan per (scale, mask shape), each taken again in the second round
-    assert len(planned) == 2 * len(shapes) and len(_kept()) == 2 * len(shapes)
+    # one lane plan per (scale, mask shape), each taken again in the second round; and the drop-in's door plans each
+    # mask shape once (its way is the shapes', whatever the scale), kept in the door, not the lane
+    assert len(planned) == 2 * len(shapes) + len(shapes) and len(_kept()) == 2 * len(shapes)
+    assert len(sdpa_direct._WAYS) == len(shapes)
 
 
 def test_grouped_heads_as_rows_with_a_broadcast_query_and_dead_rows(planned):
@@ -306,7 +310,9 @@ def test_grouped_heads_as_rows_with_a_broadcast_query_and_dead_rows(planned):
             q1 = q[:1]
             got = qkv.scaled_dot_product_attention(q1, k, v, attn_mask=m, enable_gqa=True)  # q broadcast over b
             torch.testing.assert_close(got, _ref(q1.expand(b, h, 1, d), k, v, m, enable_gqa=True), **TOL)
-    assert len(planned) == 1
+    # once per shape: the door's two (the step it runs, the broadcast query it leaves to the drop-in's own path), and
+    # the lane's for that broadcast call
+    assert len(planned) == 3
 
 
 @pytest.mark.parametrize("shape", [(7,), (), (5, 7), (1, 7), (4, 5, 7)])

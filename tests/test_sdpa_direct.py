@@ -59,7 +59,7 @@ def test_an_unmasked_call_is_pytorchs_own(case, no_other_path):
 def test_a_grouped_decoding_step_asks_its_way_once_per_shape(way, monkeypatch):
     asked = []
     monkeypatch.setattr(sdpa_direct, "_WAYS", {})
-    monkeypatch.setattr(sdpa_direct, "grouping", lambda *a: asked.append(a[0].dtype) or way)
+    monkeypatch.setattr(sdpa_plain, "grouping", lambda *a: asked.append(a[0].dtype) or way)
     q, k, v = _inputs(H, 1, 2048)
     for seed in range(3):  # a decoding loop's new tensors of the same shapes
         q, k, v = _inputs(H, 1, 2048, seed=seed)
@@ -69,6 +69,16 @@ def test_a_grouped_decoding_step_asks_its_way_once_per_shape(way, monkeypatch):
     qkv.scaled_dot_product_attention(*(x.float() for x in (q, k, v)), enable_gqa=True)
     assert asked == [torch.float64, torch.float32]
     assert sorted(sdpa_direct._WAYS.values()) == [way, way]
+
+
+def test_a_scale_the_lane_declines_does_not_decline_its_shape(monkeypatch):
+    """A call with a negative scale (PyTorch's answer, the drop-in's too) keeps the shape's way for calls without it."""
+    monkeypatch.setattr(sdpa_direct, "_WAYS", {})
+    q, k, v = _inputs()
+    for scale in (-0.5, None):
+        torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v, scale=scale),
+                                   F.scaled_dot_product_attention(q, k, v, scale=scale), rtol=1e-12, atol=1e-12)  # fmt: skip
+    assert list(sdpa_direct._WAYS.values()) == ["plain"]
 
 
 def test_the_kept_ways_are_bounded(monkeypatch):

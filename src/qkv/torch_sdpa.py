@@ -122,20 +122,21 @@ def scaled_dot_product_attention(
     return attention(query, key, value, mask=mask, bias=bias, scale=scale, dropout=dropout_p)
 
 
-def _usual(query: object, key: object, value: object, attn_mask: Tensor | None, scale: float | None,
+def _usual(query: object, key: object, value: object, attn_mask: Tensor, scale: float | None,
            grouped: bool) -> Tensor | None:  # fmt: skip
-    """The usual call straight to ``qkv.attention``'s plain lane, or None: the checks below then run.
+    """A masked call (an unmasked one takes ``sdpa_direct``) straight to ``qkv.attention``'s plain lane, or None: the
+    checks below then run.
 
     The lane (:func:`qkv.backends.sdpa_plain.plain`) takes what the full path would hand it
-    unchanged, 4-d tensors of one batch with no mask or a bool ``(N|1, H|1, L|1, S)`` one, and
+    unchanged, 4-d tensors of one batch with a bool ``(N|1, H|1, L|1, S)`` mask, and
     declines the rest (other ranks, broadcast batches, float masks, a scale that is not positive,
     dtypes that differ, an output a hidden key made non-finite); the full path then answers with
     its checks and messages. What only SDPA's call decides is settled here, so that the lane
     does not plan a call it must decline: batches and heads that the drop-in broadcasts or
     regroups (a batch of one, key and value head counts that differ), query and key head counts
     that differ without ``enable_gqa`` (qkv groups them without a flag), and a masked call
-    that records gradients (the lane guards none). A decoding step's call takes 10-20 µs
-    here: the checks this skips cost 2-5 µs of it.
+    that records gradients (the lane guards none). A short masked call takes 10-20 µs here:
+    the checks this skips cost 2-5 µs of it.
     """
     if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
         return None
@@ -144,8 +145,7 @@ def _usual(query: object, key: object, value: object, attn_mask: Tensor | None, 
     (b, hq, _, _), (kb, hk, _, _), (vb, hv, _, _) = query.shape, key.shape, value.shape
     if kb != b or vb != b or hk != hv or not (hk == hq or grouped):
         return None  # broadcast or regrouped by the drop-in, or PyTorch's broadcast of the heads (or its error)
-    if attn_mask is not None and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                                              or value.requires_grad):  # fmt: skip
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return None
     return sdpa_plain.plain(query, key, value, "scaled_dot", False, scale, attn_mask)
 

@@ -15,8 +15,9 @@ step on the AMD EPYC Zen 5); this door reads the call's shapes and looks them up
 
 One choice is left: a one-query call with grouped heads may run them as query rows of their KV
 head (:mod:`.grouped_rows`, timed once per size class). Where that can pay (``i = 1``, grouped
-heads, at least ``ROWS_ELEMENTS`` repeated key elements), the answer is kept per call shape, so a
-decoding loop asks it once. Everything the door does not take (other ranks, broadcast batches
+heads, at least ``grouped_rows.ROWS_ELEMENTS`` repeated key elements), the plain lane's plan of
+the call decides it with its checks (``sdpa_plain.plan``), and the answer is kept per call shape,
+so a decoding loop asks once. Everything the door does not take (other ranks, broadcast batches
 or heads, a head size or key count of 0, a scale that is not finite, tensor subclasses, nested
 tensors) returns None and runs the drop-in's checks; so does a call PyTorch's kernel refuses
 (mixed dtypes or devices), whose message then comes from the drop-in, naming the argument.
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._trace import tracing
-from .grouped_rows import ROWS_ELEMENTS, grouping
+from . import sdpa_plain
 from .sdpa import _kernel, zeroes_dead_rows
 
 #: What a call of this ``(q shape, k shape, v shape, dtype, enable_gqa, mask shape or None)`` takes: ``"plain"``
@@ -57,7 +58,7 @@ def unmasked(query: object, key: object, value: object, scale: float | None, gro
         return None  # no lookup keyed on sizes: a compiled decoding step would guard on them, recompiling each token
     try:  # (a strided nested tensor has no shape to read: RuntimeError, as from a call PyTorch refuses)
         call = (query.shape, key.shape, value.shape, query.dtype, grouped, None)
-        way = _WAYS.get(call) or _way(call, query, key, value, scale)
+        way = _WAYS.get(call) or _way(call, query, key, value)
         if way is _GQA or way is _PLAIN:
             return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=way is _GQA)
         return _kernel(query, key, value, None, 0.0, False, scale, way) if way == "rows" else None
@@ -87,7 +88,7 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
         if attn_mask.dtype != torch.bool or not attn_mask.is_cpu:
             return None
         call = (query.shape, key.shape, value.shape, query.dtype, grouped, attn_mask.shape)
-        way = _WAYS.get(call) or _way(call, query, key, value, scale, attn_mask)
+        way = _WAYS.get(call) or _way(call, query, key, value, attn_mask)
         if way == "no":
             return None
         if way == "rows":
@@ -105,27 +106,17 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
 NOT_FINITE = object()
 
 
-def _way(call: tuple, query: Tensor, key: Tensor, value: Tensor, scale: float | None, mask: Tensor | None = None) -> str:
-    """:data:`_WAYS`' answer for a call of ``call``'s shapes, kept unless traced (no timing there: rows untimed)."""
-    (qs, ks, vs, dtype, grouped, ms), traced = call, tracing()
-    way = "no"
-    if len(qs) == 4 and len(ks) == 4 and len(vs) == 4:
-        (b, h, i, d), (kb, g, j, _) = qs, ks
-        if kb == b and vs[0] == b and vs[1] == g and vs[2] == j and j > 0 and d > 0 and g > 0:
-            # (else broadcast or regrouped by the drop-in, no keys: its zeros, no features: its logits of 0)
-            if g == h:
-                way = _PLAIN
-            elif grouped and h % g == 0:  # (else PyTorch's broadcast of the heads, or its error)
-                way = _GQA
-    if way != "no" and ms is not None:  # a decoding step's mask, which the kernel takes as it is
-        if not (i == 1 and len(ms) == 4 and ms[0] in (1, b) and ms[1] in (1, h) and ms[2] == 1 and ms[3] == j
-                and query.is_cpu and zeroes_dead_rows(query)):  # fmt: skip
-            way = "no"
-    if way is _GQA and i == 1 and b * h * j * d >= ROWS_ELEMENTS and not traced:
-        if not (key.dtype == value.dtype == dtype and key.device == value.device == query.device):
-            return "no"  # PyTorch refuses it: the drop-in's message (the probe must not time it)
-        if query.is_cpu and (ms is None or ms[1] == 1):  # (rows share one mask row per KV head)
-            way = "rows" if grouping(query, key, value, mask, 0.0, False, scale, True) == "rows" else _GQA
+def _way(call: tuple, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None) -> str:
+    """:data:`_WAYS`' answer for a call of ``call``'s shapes, from the plain lane's own plan of it (its checks and its
+    choice of grouped rows), kept unless traced (the lane plans nothing there). The plan is made with the default
+    scale: the way is the shapes', and a scale the lane declines (not positive) must not decline them for others."""
+    (qs, ks, _, _, grouped, _), traced = call, tracing()
+    step = mask is None or (len(qs) == 4 and qs[2] == 1)  # (a mask is taken only on a decoding step: not planned else)
+    decided = sdpa_plain.plan(query, key, value, "scaled_dot", False, None, mask) if step else None
+    takes = decided is not None and (qs[1] == ks[1] or grouped) and (  # (qkv groups heads unasked; SDPA needs the flag)
+        # a decoding step's mask, which the kernel takes as it is: nothing read from its values, so kept by shape
+        mask is None or (decided.attn_mask is mask and decided.live_rows is None and zeroes_dead_rows(query)))
+    way = "no" if not takes else "rows" if decided.grouping == "rows" else _GQA if decided.grouping == "gqa" else _PLAIN
     if not traced:
         if len(_WAYS) >= WAYS_KEPT:
             _WAYS.clear()  # (each shape then decides again; grouping keeps its timed answers per size class)
