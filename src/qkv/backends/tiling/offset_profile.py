@@ -140,7 +140,10 @@ class DiagonalMask:
         if self.profile.dtype == torch.float64 or not self.i_len:
             return self
         finite = self.profile[torch.isfinite(self.profile)]
-        if not finite.numel() or float(finite.amax() - finite.amin()) <= 2.0 * logit_bound + NEGLIGIBLE:
+        if not finite.numel():
+            return self
+        low, high = torch.aminmax(finite)
+        if float(high - low) <= 2.0 * logit_bound + NEGLIGIBLE:
             return self  # no term lies that far below any other (T5's buckets): none can be under the floor below
         best = self.row_maxima()  # (h|1, i)
         live = torch.isfinite(best)
