@@ -302,3 +302,47 @@ def test_a_row_with_a_plus_inf_logit_has_lse_plus_inf_as_flex():
     _, got_lse = qkv.flex_attention(q, k, v, score_mod=mod, enable_gqa=True, return_lse=True)
     assert torch.isposinf(want_lse).all()
     assert torch.equal(got_lse, want_lse)
+
+
+def test_a_zero_d_tensor_scale_is_read_as_its_number_as_flex_reads_it():
+    """flex's eager forward multiplies by a 0-d tensor ``scale``; qkv refused any tensor."""
+    q, k, v = _inputs()
+    want = _flex(q, k, v, enable_gqa=True, scale=torch.tensor(0.5))
+    torch.testing.assert_close(qkv.flex_attention(q, k, v, enable_gqa=True, scale=torch.tensor(0.5)), want,
+                               rtol=1e-12, atol=1e-12)  # fmt: skip
+    with pytest.raises(TypeError, match=r"scale"):
+        qkv.flex_attention(q, k, v, enable_gqa=True, scale=torch.tensor([0.5, 0.5]))
+
+
+@pytest.mark.parametrize("empty", ["queries", "batch"])  # (no heads: flex divides by the KV heads)
+def test_an_lse_without_elements_is_none_as_flex_answers_it(empty):
+    """flex's ``_finalize_outputs`` drops an lse with no element (``return_lse`` and ``AuxRequest(lse=True)``);
+    qkv answered an empty tensor."""
+    q, k, v = _inputs()
+    q, k, v = {"queries": (q[:, :, :0], k, v), "batch": (q[:0], k[:0], v[:0])}[empty]
+    gqa = True
+    theirs, ours = _flex(q, k, v, enable_gqa=gqa, return_lse=True), qkv.flex_attention(q, k, v, enable_gqa=gqa, return_lse=True)
+    assert theirs[1] is None and ours[1] is None and ours[0].shape == theirs[0].shape
+    request = flex.AuxRequest(lse=True)
+    assert qkv.flex_attention(q, k, v, enable_gqa=gqa, return_aux=request)[1].lse is None
+    assert _flex(q, k, v, enable_gqa=gqa, return_aux=request)[1].lse is None
+
+
+@pytest.mark.parametrize("case", ["kv_batch", "value_heads", "backend_and_force"])
+def test_what_flex_refuses_as_a_runtime_error_is_one_here(case):
+    """flex raises ``RuntimeError`` for K/V batches that do not broadcast (under a block mask), value heads other than
+    key's and ``BACKEND`` with ``FORCE_USE_FLEX_ATTENTION``; qkv raised ``ValueError`` (it still is one)."""
+    q, k, v = _inputs()
+    kw = dict(enable_gqa=True)
+    if case == "kv_batch":
+        k, v = _inputs(kv_batch=3)[1:]
+        kw["block_mask"] = flex.create_block_mask(MASK_MODS["causal"][0], B, None, L, S, device="cpu")
+    elif case == "value_heads":
+        v = torch.cat([v, v], 1)
+    else:
+        kw["kernel_options"] = {"BACKEND": "TRITON", "FORCE_USE_FLEX_ATTENTION": True}
+    match = {"kv_batch": r"key: Bq and Bkv must broadcast", "value_heads": r"value: expected 2 heads like key",
+             "backend_and_force": r"kernel_options: BACKEND"}[case]  # fmt: skip
+    _refused_alike(lambda: _flex(q, k, v, **kw), lambda: qkv.flex_attention(q, k, v, **kw), match)
+    with pytest.raises(ValueError, match=match):
+        qkv.flex_attention(q, k, v, **kw)

@@ -247,6 +247,17 @@ def test_pad_input_takes_any_integer_sizes(make):
     assert torch.equal(out, qkv.pad_input(x, torch.tensor([0, 4, 5]), 2, 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int64])
+def test_pad_input_takes_positions_of_any_integer_dtype(dtype):
+    """flash-attn's ``pad_input`` writes ``output[indices] = values``, which takes int32 positions (a server's index
+    buffers often are); ``index_copy`` alone refuses anything but int64."""
+    x = torch.randn(3, 4)
+    out = qkv.pad_input(x, torch.tensor([0, 4, 5], dtype=dtype), 2, 3)
+    want = torch.zeros(6, 4)
+    want[torch.tensor([0, 4, 5])] = x
+    assert torch.equal(out, want.reshape(2, 3, 4))
+
+
 def test_unpad_and_pad_pass_gradients_as_flash_attns_index_functions():
     x = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])

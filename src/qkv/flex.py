@@ -14,7 +14,8 @@ lists fall into independent runs along the diagonal (packed documents) runs as o
 call per run (``FlexBlocks.diagonal_groups``, the segments backend); and ``score_mod`` is
 evaluated as flex evaluates it (0-d indices). ``return_lse`` /
 ``return_aux=AuxRequest(lse=True)`` give the natural-log log-sum-exp ``(B, Hq, L)``,
-differentiable. ``kernel_options`` tune flex's Triton kernels and are accepted and
+differentiable (None where it has no element, as flex answers); ``scale`` may be a 0-d tensor
+without grad, read as its number. ``kernel_options`` tune flex's Triton kernels and are accepted and
 ignored, but those flex refuses are refused (a ``BACKEND`` outside its list, ``BACKEND`` with
 ``FORCE_USE_FLEX_ATTENTION``, ``OUTPUT_LOGSUMEXP`` / ``OUTPUT_MAX``). Key and value may have
 batch 1 under a larger query batch only with a block mask of the query's batch, as in flex
@@ -25,7 +26,9 @@ sliced block mask (``bm[0]``, its ``mask_mod`` a stub) and one on another device
 query's are refused up front, as flex refuses them. What flex refuses as not implemented (a
 rank other than 4, nested tensors, ``AuxRequest(max_scores=True)``, which flex computes on
 CUDA only) raises ``NotImplementedError`` here too (:class:`FlexNotImplemented`, a ``ValueError``
-as well). The output is laid out in the query's stride order, as flex's is (a query made by
+as well), and what it refuses as ``RuntimeError`` (K/V batches that do not broadcast, value heads
+other than key's, ``BACKEND`` with ``FORCE_USE_FLEX_ATTENTION``) a ``RuntimeError``
+(:class:`FlexRuntimeError`, also a ``ValueError``). The output is laid out in the query's stride order, as flex's is (a query made by
 ``transpose(1, 2)`` gives an output whose ``transpose(1, 2)`` is contiguous). A block mask's
 lists of fewer leading dims than ``(B, H)`` (``BlockMask.from_kv_blocks`` takes ``(nq,)``)
 broadcast from the right. Checked against flex's own CPU forward in the test suite, random
@@ -102,6 +105,8 @@ def flex_attention(
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise FlexNotImplemented(f"{name}: expected a 4-d tensor (B, H, length, size), as flex_attention does, got {got}")
     hq, hkv = query.shape[1], key.shape[1]
+    if value.shape[1] != hkv:  # flex's product of the weights and the value: a broadcast error
+        raise FlexRuntimeError(f"value: expected {hkv} heads like key, got {value.shape[1]}")
     if not enable_gqa and hq != hkv:
         raise ValueError(
             f"key: expected query and key/value to have the same number of heads but got Hq={hq} and Hkv={hkv}; "
@@ -129,7 +134,8 @@ def flex_attention(
                 f"batch size, but got Bq={bq}, Bkv={bkv}, B_block_mask={block_mask.kv_num_blocks.shape[0]}."
             )
         if key.shape[0] != 1:
-            raise ValueError(f"key: expected batch {query.shape[0]} like query, or 1 (shared), got {key.shape[0]}")
+            raise FlexRuntimeError(f"key: Bq and Bkv must broadcast: expected batch {query.shape[0]} like query, or 1 "
+                                   f"(shared), got {key.shape[0]}")  # fmt: skip
         key, value = key.expand(query.shape[0], *key.shape[1:]), value.expand(query.shape[0], *value.shape[1:])
     elif value.shape[0] == 1 != query.shape[0]:  # flex broadcasts a value of batch 1 under key's (its ``expand``)
         value = value.expand(query.shape[0], *value.shape[1:])
@@ -163,16 +169,30 @@ def flex_attention(
             groups = mask.diagonal_groups()
             if groups is not None:  # block-diagonal (packed documents): one ordinary call per group
                 mask = documents(groups.to(query.device)) & mask
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else _scale(scale)
     result = attention(query, key, value, mask=mask, scale=scale, score_mod=score_mod, return_lse=want_lse)
     out, lse = result if want_lse else (result, None)
     out = _in_query_layout(out, query)
+    if lse is not None and lse.numel() == 0:
+        lse = None  # no query row (L, B or Hq of 0): flex answers None for an empty lse (its ``_finalize_outputs``)
     if not want_lse:
         return out if return_aux is None else (out, _aux(None))  # flex answers (out, AuxOutput()) to any AuxRequest
     if return_aux is not None:
         return out, _aux(lse)
     return out, lse
+
+
+def _scale(scale: object) -> object:
+    """``scale`` as flex reads it: a 0-d tensor that records no gradient is its number (flex's eager forward multiplies
+    by it); anything else goes to :func:`qkv.attention`, which checks it."""
+    if isinstance(scale, Tensor) and scale.dim() == 0 and not scale.requires_grad:
+        return scale.item()
+    return scale
+
+
+class FlexRuntimeError(RuntimeError, ValueError):
+    """What flex refuses as ``RuntimeError`` (K/V batches that do not broadcast to the query's, value heads other
+    than key's, ``BACKEND`` with ``FORCE_USE_FLEX_ATTENTION``); a ``ValueError`` too, as qkv's argument errors are."""
 
 
 class FlexNotImplemented(NotImplementedError, ValueError):
@@ -240,8 +260,8 @@ def _check_kernel_options(kernel_options) -> None:
         raise TypeError(f"kernel_options: expected a dict or None, got {type(kernel_options).__name__} ({e})") from e
     if "BACKEND" in options:
         if options.get("FORCE_USE_FLEX_ATTENTION", False):
-            raise ValueError("kernel_options: BACKEND cannot be combined with the legacy FORCE_USE_FLEX_ATTENTION; "
-                             "drop FORCE_USE_FLEX_ATTENTION")  # fmt: skip
+            raise FlexRuntimeError("kernel_options: BACKEND cannot be combined with the legacy FORCE_USE_FLEX_ATTENTION; "
+                                   "drop FORCE_USE_FLEX_ATTENTION")  # fmt: skip
         from torch.nn.attention import flex_attention as torch_flex
 
         backends = typing.get_args(getattr(torch_flex, "_Backend", None)) or _BACKENDS

@@ -288,7 +288,8 @@ def unpad_input(hidden_states: Tensor, attention_mask: Tensor,
     ``(packed (t, ...), indices (t,), cu_seqlens (b + 1,) int32, max_seqlen, seqused (b,) int32)``:
     the kept tokens in order, their flat positions in ``(b·s)``, the offsets for
     :func:`varlen_attention` and the longest sequence (both counting used and unused tokens),
-    and each sequence's used tokens.
+    and each sequence's used tokens. These five are flash-attn 2.7's and later's; 2.6 and earlier
+    returned the first four (code written for those reads ``unpad_input(...)[:4]``).
     """
     if not isinstance(hidden_states, Tensor) or hidden_states.dim() < 2:
         got = tuple(hidden_states.shape) if isinstance(hidden_states, Tensor) else type(hidden_states).__name__
@@ -344,4 +345,5 @@ def pad_input(hidden_states: Tensor, indices: Tensor, batch: int, seqlen: int) -
                 f"position {high}; pass the (b, s) of the batch unpad_input packed"
             )
     out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
-    return out.index_copy(0, indices, hidden_states).reshape(batch, seqlen, *hidden_states.shape[1:])
+    # int32 positions too (flash-attn's ``output[indices] = values`` takes any integer dtype; index_copy only int64)
+    return out.index_copy(0, indices.long(), hidden_states).reshape(batch, seqlen, *hidden_states.shape[1:])
