@@ -362,6 +362,24 @@ def test_a_plan_refuses_a_call_it_was_not_made_for():
         qkv.paged.PagedPlan(*table, num_pages=2, page_size=4)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("mix", ["prefill and steps", "steps"])
+def test_a_plan_is_the_table_when_it_was_made_whatever_the_caller_writes_into_its_buffer_after(dtype, mix):
+    """An int64 ``kv_indices`` was kept as the caller's own tensor: refilled after the plan, a later run read the old
+    pages where the first run had laid them out and the new ones elsewhere (prefill rows; other options)."""
+    qo_lens = [1, 3, 1] if mix == "prefill and steps" else [1, 1, 1]
+    q, cache, table = build(qo_lens, [20, 9, 13], 4, seed=8, spare=12)
+    ids = table[2].to(dtype)
+    planned = (table[0], table[1], ids, table[3])
+    want_window = literal(q, cache, planned, window_left=3)
+    want = literal(q, cache, planned)
+    plan = qkv.paged.PagedPlan(*planned, num_pages=cache.shape[0], page_size=4)
+    torch.testing.assert_close(plan.run(q, cache, window_left=3, return_lse=True), want_window, rtol=1e-12, atol=1e-12)
+    ids.copy_(ids.flip(0))  # the caller's buffer refilled for another step
+    torch.testing.assert_close(plan.run(q, cache, window_left=3, return_lse=True), want_window, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(plan.run(q, cache, return_lse=True), want, rtol=1e-12, atol=1e-12)
+
+
 def test_items_are_views_only_where_each_is_consecutive_pages_from_a_block_boundary():
     """A break in the page ids inside an item, an item off a block boundary or a block two items name: copies."""
     from qkv.paged.items import items
@@ -511,3 +529,36 @@ def test_float32_slopes_as_flashinfer_takes_them_keep_a_float64_calls_precision(
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     with pytest.raises(TypeError, match="alibi_slopes: expected a floating-point tensor"):
         paged(q, cache, table, alibi=torch.tensor([1, 2, 3, 4]))
+
+
+@pytest.mark.parametrize("P", [1, 16])
+@pytest.mark.parametrize("case", ["causal", "not causal", "window", "alibi", "soft cap", "sinks", "score_mod"])
+def test_values_of_another_size_than_the_keys_as_flashinfers_head_dim_vo(P, case):
+    """FlashInfer's paged prefill takes ``(k_cache, v_cache)`` of different head sizes (``head_dim_vo``); qkv refused
+    them. Values of size ``E < D`` padded with zero columns to ``D`` give the same weights: the answer is the first
+    ``E`` columns of that call's, which :func:`literal` computes."""
+    E = 5
+    gen = torch.Generator().manual_seed(P)
+    kv_lens = [1, 0, *torch.randint(1, 300, (4,), generator=gen).tolist()]
+    for qo_lens in ([1, 0, 0, 1, 1, min(kv_lens[-1], 37)], [1, 0, 1, 1, 1, 1]):  # a ragged call; decoding steps alone
+        q, cache, table = build(qo_lens, kv_lens, P, seed=P)
+        cache[:, 1, ..., E:] = 0
+        got = paged(q, (cache[:, 0], cache[:, 1, ..., :E].contiguous()), table, **CASES[case])
+        want = literal(q, cache, table, **CASES[case])
+        assert got[0].shape == (q.shape[0], H, E)
+        torch.testing.assert_close(got[0], want[0][..., :E], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
+
+
+def test_a_paged_kv_cache_holds_values_of_their_own_size():
+    cache = qkv.PagedKVCache(8, 4, G, D, value_dim=3, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    cache.add("a")
+    step = cache.plan({"a": 6})
+    k, v = torch.randn(6, G, D, generator=gen, dtype=torch.float64), torch.randn(6, G, 3, generator=gen, dtype=torch.float64)
+    q = torch.randn(6, H, D, generator=gen, dtype=torch.float64)
+    cache.write(0, step, k, v)
+    want = qkv.attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal=True)
+    torch.testing.assert_close(cache.attend(0, step, q), want[0].transpose(0, 1), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"value_dim: int8 \(quantized=True\)"):
+        qkv.PagedKVCache(8, 4, G, D, value_dim=3, quantized=True)

@@ -504,3 +504,28 @@ def test_a_value_beyond_float8_s_range_is_saturated_when_written(fp8):
     top = torch.finfo(fp8).max
     assert keys[1, 0, 0] == top and keys[2, 0, 1] == -top
     assert not cache.attend(0, step, torch.randn(3, 2, 8)).isnan().any()
+
+
+def test_numpy_numbers_are_taken_for_window_left_and_the_latent_scale():
+    """FlashInfer takes any int for ``window_left`` and any float for MLA's ``sm_scale``; numpy's were refused."""
+    np = pytest.importorskip("numpy")
+    q, cache, table = table_of([1, 3], [9, 6], 4)
+    close(qkv.paged_attention(q, cache, *table, window_left=np.int64(3), return_lse=True),
+          reference(q, cache, table, window_left=3))  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    ckv, kpe = torch.randn(4, 4, 6, generator=gen, dtype=torch.float64), torch.randn(4, 4, 2, generator=gen, dtype=torch.float64)
+    q_nope, q_pe = torch.randn(1, 2, 6, generator=gen, dtype=torch.float64), torch.randn(1, 2, 2, generator=gen, dtype=torch.float64)
+    args = (q_nope, q_pe, ckv, kpe, torch.tensor([0, 1]), torch.tensor([0, 2]), torch.tensor([3, 1]), torch.tensor([6]))
+    assert torch.equal(qkv.paged_latent_attention(*args, sm_scale=np.float32(0.25)),
+                       qkv.paged_latent_attention(*args, sm_scale=0.25))  # fmt: skip
+
+
+def test_float8_latents_are_refused_by_name():
+    """FlashInfer's MLA reads a float8 latent cache; qkv does not, and said "give q the cache's dtype", advice that
+    then failed inside PyTorch ("Promotion for Float8 Types is not supported")."""
+    ckv, kpe = torch.zeros(4, 4, 6).to(torch.float8_e4m3fn), torch.zeros(4, 4, 2).to(torch.float8_e4m3fn)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        q_nope, q_pe = torch.zeros(1, 2, 6).to(dtype), torch.zeros(1, 2, 2).to(dtype)
+        with pytest.raises(TypeError, match=r"ckv_cache, kpe_cache: torch.float8_e4m3fn latents .* not supported"):
+            qkv.paged_latent_attention(q_nope, q_pe, ckv, kpe, torch.tensor([0, 1]), torch.tensor([0, 1]),
+                                       torch.tensor([0]), torch.tensor([3]), sm_scale=0.3)  # fmt: skip

@@ -50,7 +50,8 @@ def paged_attention(
     it every query sees every key, as in FlashInfer). ``causal`` defaults to True, where
     FlashInfer's prefill plan defaults to False. ``kv_cache``:
     ``(num_pages, 2, P, g, d)`` (keys at ``[:, 0]``, values at ``[:, 1]``), a tuple
-    ``(k_cache, v_cache)`` of ``(num_pages, P, g, d)`` (FlashInfer's two NHD forms), or an
+    ``(k_cache, v_cache)`` of ``(num_pages, P, g, d)`` and ``(num_pages, P, g, e)`` (FlashInfer's two NHD
+    forms; values of another size, as its ``head_dim_vo``, run off the fused kernel), or an
     :class:`qkv.paged.Int8Pages`; ``kv_layout="HND"``: pages ``(g, P, d)`` in either form
     (FlashInfer's wrapper argument: shapes alone cannot tell the two apart). Request ``r``'s
     pages are ``kv_indices[kv_indptr[r] : kv_indptr[r + 1]]`` in order, the last holding
@@ -76,8 +77,8 @@ def paged_attention(
     """
     pages = as_pages(kv_cache, kv_layout, getattr(q, "dtype", None))
     check_q(q, pages)
-    plan = PagedPlan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=pages.num_pages,
-                     page_size=pages.page_size, device=pages.device, total_q=q.shape[0])  # fmt: skip
+    plan = PagedPlan.once(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=pages.num_pages,
+                          page_size=pages.page_size, device=pages.device, total_q=q.shape[0])  # fmt: skip
     return plan.run(q, pages, causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                     sinks=sinks, score_mod=score_mod, alibi_slopes=alibi_slopes, return_lse=return_lse,
                     k_scale=k_scale, v_scale=v_scale)  # fmt: skip

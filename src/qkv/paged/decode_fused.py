@@ -38,9 +38,10 @@ from .options import Options
 
 
 def usable(q: Tensor, pages, opts: Options) -> bool:
-    """Whether the fused kernel can compute the logits: no soft cap or score_mod, pages in ``q``'s dtype."""
+    """Whether the fused kernel can compute the logits: no soft cap or score_mod, pages in ``q``'s dtype, values of
+    the keys' size (the kernel takes one head size)."""
     return (opts.soft_cap <= 0 and opts.score_mod is None and pages.dtype == q.dtype
-            and flash_cpu.unusable(q) is None)  # fmt: skip
+            and pages.value_dim == pages.head_dim and flash_cpu.unusable(q) is None)  # fmt: skip
 
 
 def attend(q: Tensor, qpos: Tensor, where: Layout, pages, opts: Options, masks: dict) -> tuple[Tensor, Tensor]:

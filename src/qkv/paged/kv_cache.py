@@ -378,6 +378,6 @@ class PagedKVCache:
         indices = [p for r, c in zip(requests, counts) for p in self._pages[r][:c]]
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
         table = (as_long(qo), as_long(kv), as_long(indices), as_long(last))
-        plan = PagedPlan(*table, num_pages=self.num_pages, page_size=self.page_size, device=dev, total_q=qo[-1])
+        plan = PagedPlan.once(*table, num_pages=self.num_pages, page_size=self.page_size, device=dev, total_q=qo[-1])
         return Step(tuple(requests), *table, as_long(page), as_long(offset), as_long(positions), plan,
                     tuple(self._admitted[r] for r in requests), self._frees, self._copies, self)  # fmt: skip

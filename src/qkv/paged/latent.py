@@ -24,6 +24,8 @@ lie; otherwise a tile of pages is joined into one copy as it is read.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -176,6 +178,10 @@ def paged_latent_attention(
     to ``out`` for the layer's values (``qkv.MultiHeadLatentAttention``).
     """
     pages = LatentPages(ckv_cache, kpe_cache)
+    if pages.dtype.is_floating_point and pages.dtype.itemsize == 1:
+        raise TypeError(f"ckv_cache, kpe_cache: {pages.dtype} latents (FlashInfer's float8 MLA cache) are not supported; "
+                        "keep them in float16, bfloat16, float32 or float64 (float8 caches of keys and values: "
+                        "qkv.paged_attention)")  # fmt: skip
     c, r = pages.latent_dim, pages.rope_dim
     if not isinstance(q_nope, Tensor) or not isinstance(q_pe, Tensor) or q_nope.dim() != 3 or q_pe.dim() != 3:
         got = [tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__ for x in (q_nope, q_pe)]
@@ -187,7 +193,7 @@ def paged_latent_attention(
         )
     if q_nope.dtype != q_pe.dtype:
         raise TypeError(f"q_pe: expected q_nope's dtype {q_nope.dtype}, got {q_pe.dtype}")
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):  # (numpy's floats too)
         raise TypeError(f"sm_scale: expected a float (MLA's 1/√(head size before absorption)), got {sm_scale!r}")
     kv_indptr, kv_indices, last = _fit(kv_indptr, kv_indices, kv_len, pages.page_size)
     result = paged_attention(torch.cat((q_nope, q_pe), -1), pages, qo_indptr, kv_indptr, kv_indices, last,

@@ -72,8 +72,9 @@ def options(q: Tensor, *, causal, window_left, logits_soft_cap, sm_scale, alibi_
     h, d = q.shape[1], q.shape[2]
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+    if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral) or window_left < -1:
         raise ValueError(f"window_left: expected -1 (no window) or a number of keys >= 0, got {window_left!r}")
+    window_left = int(window_left)  # (numpy's integers too, as FlashInfer takes any int)
     for name, x in (("logits_soft_cap", logits_soft_cap), ("sm_scale", sm_scale)):
         if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Real)):
             raise TypeError(f"{name}: expected a number, got {type(x).__name__}")

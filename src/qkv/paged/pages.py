@@ -3,8 +3,8 @@
 Shape legend: ``n`` pages read, ``P`` page size, ``g`` KV heads, ``d`` key size, ``e`` value size.
 
 FlashInfer's two NHD layouts: one tensor ``kv_cache (num_pages, 2, P, g, d)`` (keys at
-``[:, 0]``, values at ``[:, 1]``), or a tuple ``(k_cache, v_cache)``, each ``(num_pages, P, g,
-d)``; with ``kv_layout="HND"`` (FlashInfer's other layout, named because shapes alone cannot tell
+``[:, 0]``, values at ``[:, 1]``), or a tuple ``(k_cache, v_cache)``, ``(num_pages, P, g, d)``
+and ``(num_pages, P, g, e)`` (values of another size, as FlashInfer's ``head_dim_vo``); with ``kv_layout="HND"`` (FlashInfer's other layout, named because shapes alone cannot tell
 it: ``P == g`` reads either way) each page is ``(g, P, d)``, read as a transposed view. In the tuple form a run of consecutive pages is one contiguous block of keys, which the
 decoding pass reads as one matrix (``qkv.paged.decode``); ``qkv.PagedKVCache`` keeps its pages
 that way. The attention reads a tile of pages at a time, never a request's whole cache as one
@@ -23,7 +23,8 @@ import copy
 import torch
 from torch import Tensor
 
-_SHAPE = "(num_pages, 2, page_size, kv_heads, head_dim) or a tuple (k_cache, v_cache) of (num_pages, page_size, kv_heads, head_dim)"
+_SHAPE = ("(num_pages, 2, page_size, kv_heads, head_dim) or a tuple (k_cache, v_cache) of (num_pages, page_size, "
+          "kv_heads, head_dim) and (num_pages, page_size, kv_heads, value_dim)")
 
 
 class FloatPages:
@@ -36,9 +37,10 @@ class FloatPages:
             if len(kv_cache) != 2 or not all(isinstance(x, Tensor) for x in kv_cache):
                 raise TypeError(f"kv_cache: expected {_SHAPE}, got a {type(kv_cache).__name__} of {len(kv_cache)}")
             k, v = kv_cache
-            if k.dim() != 4 or v.shape != k.shape:
-                raise ValueError(f"kv_cache: expected k_cache and v_cache of one shape (num_pages, page_size, kv_heads, "
-                                 f"head_dim), got {tuple(k.shape)} and {tuple(v.shape)}")  # fmt: skip
+            if k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+                raise ValueError(f"kv_cache: expected k_cache (num_pages, page_size, kv_heads, head_dim) and v_cache "
+                                 f"(num_pages, page_size, kv_heads, value_dim) of the same first three sizes, got "
+                                 f"{tuple(k.shape)} and {tuple(v.shape)}")  # fmt: skip
         elif isinstance(kv_cache, Tensor):
             if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
                 raise ValueError(f"kv_cache: expected {_SHAPE} (FlashInfer's NHD layouts), got {tuple(kv_cache.shape)}")
@@ -54,7 +56,7 @@ class FloatPages:
                             f"{v.dtype} on {v.device}")  # fmt: skip
         self.keys, self.values = k, v
         self.num_pages, self.page_size, self.kv_heads, self.head_dim = k.shape
-        self.value_dim = self.head_dim
+        self.value_dim = v.shape[3]
         #: the dtype reads give (the engine computes in it): the pages' own, or q's for float8 pages
         self.dtype, self.device = k.dtype, k.device
         #: whether :meth:`blocks` gives views (each pool's pages one after the other) rather than copies
@@ -157,7 +159,9 @@ def as_pages(kv_cache, kv_layout: str = "NHD", read_as: torch.dtype | None = Non
     return FloatPages(kv_cache, kv_layout, read_as)
 
 
-def empty(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, device) -> FloatPages:
-    """Zeroed pages in the tuple form: keys and values in pools of their own."""
-    shape = (num_pages, page_size, kv_heads, head_dim)
-    return FloatPages((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
+def empty(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, device,
+          value_dim: int | None = None) -> FloatPages:  # fmt: skip
+    """Zeroed pages in the tuple form: keys and values in pools of their own (values of ``value_dim``, default ``head_dim``)."""
+    shape = (num_pages, page_size, kv_heads)
+    return FloatPages((torch.zeros(*shape, head_dim, dtype=dtype, device=device),
+                       torch.zeros(*shape, value_dim or head_dim, dtype=dtype, device=device)))  # fmt: skip

@@ -13,6 +13,7 @@ run and kept: the later layers pay only for their own keys and values.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -26,10 +27,34 @@ from .table import page_table
 
 class PagedPlan:
     """FlashInfer's page table for one step: ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``
-    over a pool of ``num_pages`` pages of ``page_size`` (see :func:`qkv.paged_attention`)."""
+    over a pool of ``num_pages`` pages of ``page_size`` (see :func:`qkv.paged_attention`).
+
+    The plan is the table as it is when the plan is made: the offsets and lengths are read then,
+    and ``kv_indices`` is copied where it would otherwise be the caller's own buffer (an int64
+    tensor on the cache's device), so a buffer the caller refills for the next step does not
+    change this step's plan (every run reads the pages the plan named; a new table needs a new
+    plan, as FlashInfer's ``plan``).
+    """
 
     def __init__(self, qo_indptr: Tensor, kv_indptr: Tensor, kv_indices: Tensor, kv_last_page_len: Tensor, *,
                  num_pages: int, page_size: int, device="cpu", total_q: int | None = None):  # fmt: skip
+        self._setup(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages, page_size, device, total_q)
+        indices = self.table.indices
+        if isinstance(kv_indices, Tensor) and indices.numel() and (
+                indices.untyped_storage().data_ptr() == kv_indices.untyped_storage().data_ptr()):  # fmt: skip
+            self.table = replace(self.table, indices=indices.clone())
+
+    @classmethod
+    def once(cls, qo_indptr: Tensor, kv_indptr: Tensor, kv_indices: Tensor, kv_last_page_len: Tensor, *,
+             num_pages: int, page_size: int, device="cpu", total_q: int | None = None) -> PagedPlan:  # fmt: skip
+        """A plan over the index tensors as they are, not copied: for a caller that runs it before they can change
+        (:func:`qkv.paged_attention`) or owns them (``qkv.PagedKVCache``'s steps)."""
+        plan = cls.__new__(cls)
+        plan._setup(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages, page_size, device, total_q)
+        return plan
+
+    def _setup(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int, device,
+               total_q: int | None) -> None:  # fmt: skip
         if total_q is None:
             last = qo_indptr[-1:].tolist() if isinstance(qo_indptr, Tensor) else []
             total_q = int(last[0]) if last else 0

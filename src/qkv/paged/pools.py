@@ -33,7 +33,10 @@ def make(num_pages: int, page_size: int, kv_heads: int, head_dim: int, layers: i
                         "q); quantized= (int8) and latent_dim= (MLA) pools take float16, bfloat16, float32 or "
                         "float64")  # fmt: skip
     if value_dim not in (None, head_dim):
-        raise ValueError(f"value_dim: FlashInfer's layout holds keys and values of one size ({head_dim}), got {value_dim}")
+        positive_int("value_dim", value_dim)
+        if quantized or latent_dim is not None:
+            raise ValueError(f"value_dim: int8 (quantized=True) and MLA (latent_dim=) pages hold values of the keys' size "
+                             f"({head_dim}), got {value_dim}")  # fmt: skip
     if latent_dim is not None:  # MLA: one latent [c^KV; k^R] per token, its first latent_dim the value
         positive_int("latent_dim", latent_dim)
         if kv_heads != 1 or latent_dim > head_dim or quantized:
@@ -48,7 +51,7 @@ def make(num_pages: int, page_size: int, kv_heads: int, head_dim: int, layers: i
         from .quant import Int8Pages
 
         return [Int8Pages(num_pages, page_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(layers)]
-    return [empty(num_pages, page_size, kv_heads, head_dim, dtype, device) for _ in range(layers)]
+    return [empty(num_pages, page_size, kv_heads, head_dim, dtype, device, value_dim) for _ in range(layers)]
 
 
 def float8(dtype) -> bool:

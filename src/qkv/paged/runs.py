@@ -41,7 +41,8 @@ def usable(q: Tensor, pages, opts: Options) -> bool:
     plain = opts.soft_cap <= 0 and opts.alibi_slopes is None and opts.score_mod is None and opts.window_left < 0
     # half-precision runs would give outputs rounded apart before their merge (the items convert a tile to float32)
     full = pages.dtype not in (torch.float16, torch.bfloat16)
-    return plain and full and flash_cpu.unusable(q) is None and pages.dtype == q.dtype
+    same = pages.value_dim == pages.head_dim  # (the kernel takes one head size)
+    return plain and full and same and flash_cpu.unusable(q) is None and pages.dtype == q.dtype
 
 
 def runs_in(table: PageTable, steps: list[int], skip: list[int]) -> list[list[tuple[int, int, int]]]:
