@@ -324,7 +324,7 @@ def test_every_score_trains_per_head(name):
         (lambda: qkv.MultiHeadAttention(12, 2)(torch.randn(2, 5, 12), torch.randn(1, 7, 12)), ValueError,
          r"key: expected batch 2 like query, got 1 \(key \(1, 7, 12\)\)"),
         (lambda: qkv.MultiHeadAttention(12, 2)(torch.randn(2, 5, 12), torch.randn(2, 7, 12), torch.randn(2, 6, 12)),
-         ValueError, r"value: expected batch and length matching key \(b=2, j=7\)"),
+         ValueError, r"value: expected batch and length matching key \(b, j = \(2, 7\)\)"),
         (lambda: qkv.MultiHeadAttention(12, 2)([1.0]), TypeError, r"query: expected a tensor \(b, length, 12\), got list"),
         (lambda: qkv.Attention()(torch.randn(2, 5, 4), torch.randn(1, 7, 4)), ValueError,
          r"key: expected batch 2 like query, got 1"),

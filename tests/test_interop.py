@@ -155,7 +155,7 @@ def test_sequence_first_module_keeps_its_layout():
     torch.testing.assert_close(torch.autograd.grad(y_q, x, dy)[0], torch.autograd.grad(y_t, x, dy)[0])
     kv = torch.randn(J, B, DIM, dtype=torch.float64)  # cross-attention, keys longer than queries
     torch.testing.assert_close(ours(x, kv, kv), theirs(x, kv, kv, need_weights=False)[0])
-    with pytest.raises(ValueError, match=r"query: expected shape \(length, b, dim\) \(batch_first=False\)"):
+    with pytest.raises(ValueError, match=r"query: expected shape \(length, b, \d+\) \(batch_first=False\)"):
         ours(x[0, 0])  # 1-d: neither batched nor unbatched
 
 
@@ -274,3 +274,35 @@ def test_unbatched_inputs_as_pytorch_takes_them(batch_first):
     torch.testing.assert_close(y_q, y_t)
     torch.testing.assert_close(w_q, w_t)
     torch.testing.assert_close(ours(x), theirs(x, x, x)[0])  # self-attention
+
+
+def test_a_frozen_module_gives_a_frozen_copy_parameter_by_parameter():
+    theirs = nn.MultiheadAttention(DIM, 3, kdim=8, vdim=5, batch_first=True)
+    theirs.in_proj_bias.requires_grad_(False)
+    theirs.q_proj_weight.requires_grad_(False)
+    ours = qkv.MultiHeadAttention.from_torch(theirs)
+    learned = {name for name, p in ours.named_parameters() if p.requires_grad}
+    assert learned == {"k_proj.weight", "v_proj.weight", "out_proj.weight", "out_proj.bias"}
+    theirs = nn.MultiheadAttention(DIM, 3).requires_grad_(False)
+    assert not any(p.requires_grad for p in qkv.MultiHeadAttention.from_torch(theirs).parameters())
+
+
+def test_a_subclass_with_its_own_forward_and_a_dropout_of_one_are_refused_by_name():
+    """``torch.ao.nn.quantizable.MultiheadAttention`` is an ``nn.MultiheadAttention`` whose forward reads
+    ``linear_Q/K/V``: the copy of ``in_proj_weight`` silently gave other outputs (0.57 apart)."""
+    quantizable = pytest.importorskip("torch.ao.nn.quantizable")
+    with pytest.raises(TypeError, match=r"module: .*MultiheadAttention computes its own forward"):
+        qkv.MultiHeadAttention.from_torch(quantizable.MultiheadAttention(DIM, 3))
+    with pytest.raises(ValueError, match=r"module: dropout=1.0 drops every weight"):
+        qkv.MultiHeadAttention.from_torch(nn.MultiheadAttention(DIM, 3, dropout=1.0))
+
+
+def test_a_sequence_first_module_names_shapes_as_they_were_given():
+    """The checks ran after the inputs were transposed: ``(5, 2, 13)`` was reported as ``(2, 5, 13)`` "batch first"."""
+    ours = qkv.MultiHeadAttention(DIM, 3, batch_first=False)
+    with pytest.raises(ValueError, match=rf"query: expected shape \(length, b, {DIM}\) \(batch_first=False\), got \(5, 2, 13\)"):
+        ours(torch.randn(5, 2, 13))
+    with pytest.raises(ValueError, match=r"key: expected batch 2 like query, got 3 \(key \(7, 3, 12\)\)"):
+        ours(torch.randn(5, 2, DIM), torch.randn(7, 3, DIM))
+    with pytest.raises(ValueError, match=r"value: .* \(j, b = \(7, 2\)\), got query \(5, 2, 12\), key \(7, 2, 12\), value \(6, 2, 12\)"):
+        ours(torch.randn(5, 2, DIM), torch.randn(7, 2, DIM), torch.randn(6, 2, DIM))

@@ -31,7 +31,7 @@ from .edits import attention as edited_attention
 from .edits.ablate import refuse_mean_with_cache
 from .functional import attention, foreign_call
 from .masks import Mask
-from .module_inputs import (MODULE_NAMES, batch_first, check_input, check_layer_cache, memory_held, seq2seq_mask,
+from .module_inputs import (MODULE_NAMES, checked_inputs, check_layer_cache, memory_held, seq2seq_mask,
                             squeeze_dims)
 from .positional import LazyBias, Positional
 from .projection import Linear
@@ -319,18 +319,8 @@ class MultiHeadAttention(nn.Module):
             y, weights = result if return_weights else (result, None)
             y = y[0] if self.batch_first else y[:, 0]
             return (y, weights[0]) if return_weights else y
-        if not self.batch_first:  # (length, b, dim) -> (b, length, dim): views, one per distinct input
-            query, key, value = batch_first(query, key, value)
-        check_input("query", query, self.q_proj)
-        if key is not query or self.k_proj.in_features != self.q_proj.in_features:  # else one input, checked once
-            check_input("key", key, self.k_proj)
-        if value is not key or self.v_proj.in_features != self.k_proj.in_features:
-            check_input("value", value, self.v_proj)
-        if key.shape[0] != query.shape[0]:  # (the memory of another batch: key's, whatever value is, as Attention says)
-            raise ValueError(f"key: expected batch {query.shape[0]} like query, got {key.shape[0]} (key {tuple(key.shape)})")
-        if key.shape[:2] != value.shape[:2]:
-            raise ValueError(f"value: expected batch and length matching key (b={key.shape[0]}, j={key.shape[1]}), "
-                             f"got query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")  # fmt: skip
+        # checked in the caller's layout, then (length, b, dim) -> (b, length, dim): views, one per distinct input
+        query, key, value = checked_inputs(query, key, value, (self.q_proj, self.k_proj, self.v_proj), self.batch_first)
         cross = cache is not None and key is not query and not hasattr(cache, "attend")
         if cross and memory_held(cache, key):
             # the memory's keys and values are in the cache: project no rows, update() appends

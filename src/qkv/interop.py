@@ -19,9 +19,10 @@ Where the two differ, and how to call qkv for the same result:
 * PyTorch returns weights averaged over heads by default; qkv returns ``(b, h, i, j)``
   per head (``weights.mean(1)`` is PyTorch's). In training with dropout PyTorch's weights
   are the dropped ones; qkv's are before dropout (its output is the same in expectation).
-* A query whose keys are all masked: PyTorch's default call (``need_weights=True``) gives
-  NaN; its ``need_weights=False`` call and qkv give the output projection's bias (the
-  attention is zeros).
+* A query whose keys are all masked: PyTorch gives NaN in its default call
+  (``need_weights=True``) and on its fast path (``_native_multi_head_attention``: eval mode
+  without gradients, self-attention, batch first); its other ``need_weights=False`` calls and qkv
+  give the output projection's bias (the attention is zeros).
 * ``batch_first=False`` modules (PyTorch's default) take ``(i, b, dim)``; so does the qkv
   module :func:`from_torch` makes from one (``batch_first=False``). Its weights stay
   ``(b, h, i, j)``; unbatched ``(i, dim)`` inputs give ``(i, dim)`` and per-head ``(h, i, j)``.
@@ -39,10 +40,18 @@ def from_torch(cls, module: nn.MultiheadAttention):
     """Build ``cls`` (``qkv.MultiHeadAttention``) with ``module``'s weights; outputs then match.
 
     The copy keeps ``module``'s layout: ``batch_first=False`` (PyTorch's default) gives a
-    module that takes and returns ``(i, b, dim)`` as ``module`` does.
+    module that takes and returns ``(i, b, dim)`` as ``module`` does, and each parameter's
+    ``requires_grad`` (a frozen module gives a frozen copy).
     """
     if not isinstance(module, nn.MultiheadAttention):
         raise TypeError(f"module: expected torch.nn.MultiheadAttention, got {type(module).__name__}")
+    if type(module).forward is not nn.MultiheadAttention.forward:
+        # (torch.ao.nn.quantizable.MultiheadAttention computes with linear_Q/K/V, not the in_proj weights copied here)
+        raise TypeError(f"module: {type(module).__module__}.{type(module).__name__} computes its own forward, from "
+                        "weights other than nn.MultiheadAttention's; expected torch.nn.MultiheadAttention itself")  # fmt: skip
+    if not 0.0 <= module.dropout < 1.0:
+        raise ValueError(f"module: dropout={module.dropout} drops every weight in training; qkv.MultiHeadAttention "
+                         "takes a dropout in [0, 1)")  # fmt: skip
     if module.bias_k is not None or module.add_zero_attn:
         raise ValueError(
             "module: add_bias_kv and add_zero_attn append extra keys; qkv.MultiHeadAttention has no equivalent"
@@ -68,5 +77,12 @@ def from_torch(cls, module: nn.MultiheadAttention):
             ours.k_proj.bias.copy_(bk)
             ours.v_proj.bias.copy_(bv)
             ours.out_proj.bias.copy_(module.out_proj.bias)
+    source = {"out_proj.weight": "out_proj.weight", "out_proj.bias": "out_proj.bias"}  # ours: theirs
+    for x in "qkv":
+        source[f"{x}_proj.weight"] = "in_proj_weight" if module._qkv_same_embed_dim else f"{x}_proj_weight"
+        source[f"{x}_proj.bias"] = "in_proj_bias"
+    theirs = dict(module.named_parameters())
+    for name, p in ours.named_parameters():
+        p.requires_grad_(theirs[source[name]].requires_grad)
     ours.train(module.training)
     return ours
