@@ -369,3 +369,81 @@ def test_recording_rows_past_a_calls_own_rows_says_why(gpt2):
     with pytest.raises(ValueError, match=r"record: rows.*; layer 0 was called with 1 query rows \(each decoding step"):
         with torch.no_grad(), qkv.record(model, rows=[4]):
             model(input_ids=ids[:, :1])
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny Llama for generate() (2 layers, 4 heads on 2 KV heads), float64, qkv's attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    return LlamaForCausalLM._from_config(config, attn_implementation="qkv").double().eval()
+
+
+def _generated(model, edits, **options):
+    prompt = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), qkv.edit(model, edits):
+        out = model.generate(prompt, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                             pad_token_id=0, **options)  # fmt: skip
+    return torch.stack(out.scores)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_a_static_cache_knocks_out_the_edges_a_dynamic_cache_does(llama):
+    """A static cache's keys run to its size: a mask aligned to the last key (``offsets(-1, -1)``, each token's edge to
+    the one before) hit the unfilled slots instead, 0.157 away from the run without a cache."""
+    from qkv.masks import offsets
+
+    edits = {0: Knockout(offsets(-1, -1)), 1: [Knockout(offsets(-2, -2)), AblateHeads([1])]}
+    want = _generated(llama, edits, use_cache=False)
+    assert not torch.allclose(want, _generated(llama, {}, use_cache=False))  # the edits change the tokens' scores
+    torch.testing.assert_close(_generated(llama, edits, cache_implementation="static"), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(_generated(llama, edits), want, rtol=0, atol=1e-12)
+    prompt = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), qkv.edit(llama, {0: AblateHeads(1, how="mean")}), qkv.record(llama, layers=0) as rec:
+        llama.generate(prompt, max_new_tokens=1, do_sample=False, cache_implementation="static", pad_token_id=0)
+    assert rec["blocks.0.attn.hook_pattern"].shape == (1, 4, 5, 5)  # the prompt's keys (mean ablation: no cache yet)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_a_hybrid_models_layers_are_its_attention_layers():
+    """Mamba and convolution mixers carry a ``layer_idx`` too: an edit of one was accepted and ran nowhere, and
+    Falcon-H1 (Mamba and attention under one index) was refused as an encoder-decoder."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Lfm2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"])  # fmt: skip
+    model = Lfm2ForCausalLM._from_config(config, attn_implementation="qkv").double().eval()
+    ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"edit: layers \[0\] are not attention layers of this model, expected indices in \[1\]"):
+        with qkv.edit(model, {0: AblateHeads([0])}):
+            pass
+    with torch.no_grad():
+        plain = model(ids).logits
+        with qkv.edit(model, {-1: AblateHeads([0, 1, 2, 3])}), qkv.record(model, layers=-1) as rec:
+            ablated = model(ids).logits
+        with qkv.record(model, layers=slice(0, 3)) as every:
+            model(ids)
+    assert not torch.allclose(plain, ablated) and list(rec) == list(every)[:3] and "blocks.1.attn.hook_z" in rec
+    assert torch.equal(rec["blocks.1.attn.hook_z"], torch.zeros_like(rec["blocks.1.attn.hook_z"]))
+    with pytest.raises(ValueError, match=r"record: layers \[2\] are not attention layers"):
+        with qkv.record(model, layers=[1, 2]):
+            pass
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_blocks_left_out_of_order_leave_no_edit_behind(gpt2):
+    """``ContextVar.reset`` of the inner block's token put the outer block's session back after the outer had left."""
+    model, _ = gpt2
+    ids = torch.arange(6)[None]
+    with torch.no_grad():
+        plain = model(ids).last_hidden_state
+        outer, inner = qkv.edit(model, {0: AblateHeads([0, 1, 2, 3])}), qkv.record(model, layers=1)
+        outer.__enter__()
+        inner.__enter__()
+        outer.__exit__(None, None, None)
+        inner.__exit__(None, None, None)
+        assert torch.equal(model(ids).last_hidden_state, plain)

@@ -201,6 +201,12 @@ def attention_forward(
         if out is not None:
             return out, None
     _check_keywords(kwargs)
+    run = edits_runner(module)  # qkv.attention, or it with the edits and recordings of qkv.edit / qkv.record
+    filled = getattr(attention_mask, "filled", None)
+    if run is not attention and filled is not None and key.shape[-2] == attention_mask.shape[-1]:
+        # a static cache's slots after the last query, which no query sees: edits and recordings get the keys a
+        # dynamic cache holds, so that masks aligned to the last key (Knockout(offsets(...))) align as there
+        key, value, attention_mask = key[..., : filled.shape[-1], :], value[..., : filled.shape[-1], :], filled
     mask, bias = _mask_and_bias(module, attention_mask, query.shape[-2], key.shape[-2], is_causal, sliding_window,
                                 query.device)  # fmt: skip
     mask = with_documents(mask, documents_for(query, key, kwargs, mask))  # a packed batch: one call per sequence
@@ -221,7 +227,6 @@ def attention_forward(
             "weights_for: selects which of the weights output_attentions returns, so it needs "
             "output_attentions=True (in the call or the model's config), got False"
         )
-    run = edits_runner(module)  # qkv.attention, or it with the edits and recordings of qkv.edit / qkv.record
     result = run(
         query, key, value, mask=mask, bias=bias, scale=scaling, dropout=float(dropout),
         return_weights=weights_wanted, weights_for=weights_for,

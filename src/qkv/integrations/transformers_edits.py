@@ -16,6 +16,12 @@ context-variable read and no other cost. Inside, it is ``qkv.edits.attention`` w
 layer's edits (``module.layer_idx`` is the layer), followed by the recording. A context
 variable, not a flag on the model, so threads and ``asyncio`` tasks running the same model
 see only their own edits, and leaving the block (even by an exception) restores the model.
+A thread started inside a block (``Thread(target=model.generate)`` with a streamer) runs
+the model unedited: open the block inside the thread's function. In a hybrid model (Mamba or
+convolution layers beside attention) the layers are the attention layers' own indices.
+Under a static cache (``cache_implementation="static"``) edits and recordings see the keys
+up to the last query's position, as a dynamic cache holds them (the cache's unfilled slots,
+which no query sees, are left out), so masks aligned to the last key align alike.
 Edits apply to every call, a ``generate()`` decoding step included (one query row against
 the cached keys); ``AblateHeads(how="mean")``, whose mean there would be of the new token
 alone, is refused in a call with cached keys.
@@ -98,7 +104,7 @@ class Recording(Mapping):
             rows = None if self.rows is None else indices("record: rows", self.rows, call.rows)
         except ValueError as error:  # rows count within each call: generate's later calls have one
             raise ValueError(f"{error}; layer {layer} was called with {call.rows} query rows (each decoding step of "
-                             "generate() has one: rows=[-1] records every call's last row)") from None  # fmt: skip
+                             "generate() has one: rows=[-1] records each call's last row, the recording keeping the last call's)") from None  # fmt: skip
         with torch.no_grad():  # a recording is a look: no graph is kept alive by it
             built = {
                 "attn_scores": lambda: recorded.scores(call, heads, rows),
@@ -165,19 +171,15 @@ def edit(model: torch.nn.Module, edits: Mapping[int, Edit | Sequence[Edit]]) -> 
     if odd:  # True == 1: a bool key would edit layer 1, silently
         raise TypeError(f"edit: layers are int indices, got {odd}")
     known = sorted(set(layers.values()))
-    # a negative index counts from the last layer, as record's layers=-1 does
-    at = {layer: layer + len(known) if isinstance(layer, int) and -len(known) <= layer < 0 else layer for layer in edits}
+    # a negative index counts from the last attention layer, as record's layers=-1 does
+    at = {layer: known[layer] if -len(known) <= layer < 0 else layer for layer in edits}
     unknown = [layer for layer in edits if at[layer] not in known]
     if unknown:
         raise ValueError(f"edit: layers {unknown} are not attention layers of this model, expected indices in {known}")
     if len(set(at.values())) < len(at):
         raise ValueError(f"edit: layers {list(edits)} name one layer twice (a negative index counts from the last)")
-    session = _Session(layers, edits={at[layer]: as_edits(e) for layer, e in edits.items()})
-    token = _ACTIVE.set((*_ACTIVE.get(), session))
-    try:
+    with _active(_Session(layers, edits={at[layer]: as_edits(e) for layer, e in edits.items()})):
         yield
-    finally:
-        _ACTIVE.reset(token)
 
 
 @contextlib.contextmanager
@@ -192,7 +194,7 @@ def record(model: torch.nn.Module, layers=None, heads=None, rows=None, hooks: Se
     """
     found = _attention_layers(model, "record")
     known = sorted(set(found.values()))
-    chosen = set(known) if layers is None else set(indices("record: layers", layers, len(known)).tolist())
+    chosen = _recorded_layers(layers, known)
     for name, value in (("record: heads", heads), ("record: rows", rows)):
         if value is not None:
             check_selection(name, value)
@@ -200,15 +202,51 @@ def record(model: torch.nn.Module, layers=None, heads=None, rows=None, hooks: Se
     if wrong:
         raise ValueError(f"record: hooks expected a list from {list(HOOKS + OPTIONAL)}, got {list(hooks) if not isinstance(hooks, str) else hooks!r}")
     recording = Recording(chosen, heads, rows, tuple(hooks))
-    token = _ACTIVE.set((*_ACTIVE.get(), _Session(found, recording=recording)))
-    try:
+    with _active(_Session(found, recording=recording)):
         yield recording
+
+
+@contextlib.contextmanager
+def _active(session: _Session) -> Iterator[None]:
+    """``session`` among the active ones inside the block. Leaving removes it alone: blocks left out of order
+    (``__exit__`` called by hand) leave no other block's session behind, as resetting the variable's token would."""
+    _ACTIVE.set((*_ACTIVE.get(), session))
+    try:
+        yield
     finally:
-        _ACTIVE.reset(token)
+        _ACTIVE.set(tuple(s for s in _ACTIVE.get() if s is not session))
+
+
+def _recorded_layers(layers, known: list[int]) -> set[int]:
+    """``record``'s ``layers`` as layer indices, ``known`` the attention layers' (ascending): where every layer attends
+    (``0 .. n - 1``), as Python indexes a list of them; in a hybrid model, ints name attention layers (a negative one
+    counts from the last of them) and a slice or range keeps the attention layers inside it."""
+    if layers is None:
+        return set(known)
+    if known == list(range(len(known))):
+        return set(indices("record: layers", layers, len(known)).tolist())
+    if isinstance(layers, (slice, range)):
+        inside = set(range(known[-1] + 1)[layers] if isinstance(layers, slice) else layers) & set(known)
+        if not inside:
+            raise ValueError(f"record: layers {layers!r} hold no attention layer of this model; its attention layers are {known}")
+        return inside
+    check_selection("record: layers", layers)
+    given = [layers] if isinstance(layers, int) else layers.reshape(-1).tolist() if isinstance(layers, Tensor) else list(layers)
+    at = [known[x] if -len(known) <= x < 0 else x for x in given]
+    wrong = [x for x, y in zip(given, at) if y not in known]
+    if wrong or not at:
+        raise ValueError(f"record: layers {wrong} are not attention layers of this model, expected indices in {known}")
+    return set(at)
 
 
 def _attention_layers(model: torch.nn.Module, caller: str) -> dict[int, int]:
-    """``{id(module): layer}`` for every attention module of ``model`` (those with an integer ``layer_idx``)."""
+    """``{id(module): layer}`` for every attention module of ``model``: those with an integer ``layer_idx`` whose class
+    names attention (``...Attention``, ``...Attn``), or all with one where none does.
+
+    A hybrid model's other mixers carry a ``layer_idx`` too (Jamba's and Bamba's Mamba, LFM2's
+    short convolutions, Qwen3-Next's gated delta nets, Falcon-H1's Mamba beside the attention of
+    the same layer): counted as attention layers, an edit of one ran nowhere, silently.
+    """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{caller}: expected a transformers model (a torch.nn.Module), got {type(model).__name__}")
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -219,6 +257,8 @@ def _attention_layers(model: torch.nn.Module, caller: str) -> dict[int, int]:
             '(or call model.set_attn_implementation("qkv"))'
         )
     named = [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)]
+    attending = [(name, m) for name, m in named if any(word in type(m).__name__.lower() for word in ("attention", "attn"))]
+    named = attending or named
     if not named:
         raise ValueError(f"{caller}: found no attention layers (modules with an integer layer_idx) in {type(model).__name__}")
     seen: dict[int, str] = {}

@@ -66,9 +66,12 @@ class LayerMask:
 
     ndim = 4
 
-    def __init__(self, mask: Mask, shape: tuple[int, int, int, int]):
+    def __init__(self, mask: Mask, shape: tuple[int, int, int, int], filled: LayerMask | None = None):
         self.mask = mask
         self.shape = shape
+        #: where the keys run past the last query's position under a causal mask (a static cache's unfilled
+        #: slots, which no query sees), the mask of the keys before them: ``filled.shape[-1]`` keys
+        self.filled = filled
         self._calls: dict[tuple, Mask | None] = {}
 
     def for_call(self, i: int, j: int, device: torch.device) -> Mask | None:
@@ -134,9 +137,17 @@ def mask_interface(
 
     if isinstance(attention_mask, LayerMask):
         return attention_mask
-    shape = (batch_size, 1, q_length, kv_length)
-    return LayerMask(_build(masking_utils, batch_size, q_length, kv_length, q_offset, kv_offset,
-                            mask_function, attention_mask, local_size, device, kwargs), shape)  # fmt: skip
+
+    def build(j: int) -> Mask:
+        return _build(masking_utils, batch_size, q_length, j, q_offset, kv_offset, mask_function, attention_mask,
+                      local_size, device, kwargs)  # fmt: skip
+
+    filled = int(q_offset) + q_length - int(kv_offset)  # keys up to the last query's position
+    kind = (describe(mask_function or masking_utils.causal_mask_function) or (None, None))[0]
+    before = None
+    if kind in ("causal", "sliding_causal") and 0 < filled < kv_length:
+        before = LayerMask(build(filled), (batch_size, 1, q_length, filled))
+    return LayerMask(build(kv_length), (batch_size, 1, q_length, kv_length), before)
 
 
 def _build(masking_utils, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
