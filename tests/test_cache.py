@@ -220,6 +220,13 @@ def test_decoder_cache_builds_streaming_layers_and_a_language_model_decodes_with
         DecoderCache(2, max_len=4, layer_cache=KVCache)
     with pytest.raises(TypeError, match="layer_cache: expected a factory of qkv.cache.KVCache, got list"):
         DecoderCache(2, layer_cache=list)
+    lm = CausalLM(LMConfig(vocab=20, dim=16, heads=4, layers=2, positional="learned", max_len=8)).eval()
+    streaming = DecoderCache(2, layer_cache=lambda: StreamingCache(sink_tokens=2, window=6))
+    with pytest.raises(ValueError, match=r"cache: a StreamingCache ranks its keys anew .* learned position embeddings"):
+        lm(torch.randint(20, (1, 1)), cache=streaming)  # (each new token was placed one past its rank, then failed)
+    shared = KVCache()  # every layer appending to one cache: 2 layers held 6 keys after 3 tokens, silently
+    with pytest.raises(ValueError, match="layer_cache: expected a factory that builds a new cache on each call"):
+        DecoderCache(2, layer_cache=lambda: shared)
 
 
 def test_latent_cache_stores_both_parts_in_one_buffer():
@@ -280,6 +287,21 @@ def test_a_cross_attention_cache_is_filled_once_from_the_memory_and_reused(max_l
     assert not cache.from_memory
     mha(x[:, :1], memory[:, :2], cache=cache)
     assert cache.length == 2
+
+
+@pytest.mark.parametrize("positional", ["rotary", "alibi"])
+def test_a_cross_attention_cache_with_a_positional_answers_as_the_call_without_it(positional):
+    """The memory's keys are cut to none once held: rotary then aligned the query to zero keys (position -1) from the
+    second step on, 0.06-0.13 away from the same call without a cache."""
+    pos = qkv.Rotary(2) if positional == "rotary" else qkv.ALiBi(8)
+    mha = qkv.MultiHeadAttention(16, 8, kv_heads=2, positional=pos).double().eval()
+    x, memory = torch.randn(2, 4, 16, dtype=torch.float64), torch.randn(2, 5, 16, dtype=torch.float64)
+    cache = KVCache()
+    for t in range(4):
+        torch.testing.assert_close(mha(x[:, t : t + 1], memory, cache=cache), mha(x[:, t : t + 1], memory), **TOL)
+    cache.reset()
+    torch.testing.assert_close(mha(x[:, :3], memory, cache=cache), mha(x[:, :3], memory), **TOL)
+    torch.testing.assert_close(mha(x[:, 1:3], memory, cache=cache), mha(x[:, 1:3], memory), **TOL)
 
 
 def test_a_cross_attention_cache_refuses_self_attention_keys_and_a_different_memory():

@@ -31,8 +31,8 @@ from .edits import attention as edited_attention
 from .edits.ablate import refuse_mean_with_cache
 from .functional import attention, foreign_call
 from .masks import Mask
-from .module_inputs import (MODULE_NAMES, checked_inputs, check_layer_cache, memory_held, seq2seq_mask,
-                            squeeze_dims)
+from .module_inputs import (MODULE_NAMES, checked_inputs, check_layer_cache, memory_held, memory_positions,
+                            seq2seq_mask, squeeze_dims)
 from .positional import LazyBias, Positional
 from .projection import Linear
 from .scores import Score, make
@@ -290,8 +290,8 @@ class MultiHeadAttention(nn.Module):
           and later calls attend to what it holds without projecting ``memory`` again (as
           transformers' ``EncoderDecoderCache`` and fairseq's ``static_kv`` do). Later calls
           must pass a memory of the same batch and length, whose values are not read;
-          ``c.reset()`` before a new memory. A positional module rotates at position 0 here,
-          as the same call without a cache does. Give each its own cache (a
+          ``c.reset()`` before a new memory. A positional module places the memory at
+          positions 0 .. j - 1 and the queries at its last ones, as the same call without a cache does. Give each its own cache (a
           ``qkv.cache.DecoderCache`` holds both kinds per layer); a cache of the other kind
           is refused, and so is a ``StreamingCache``, which would evict memory keys.
 
@@ -346,6 +346,8 @@ class MultiHeadAttention(nn.Module):
                 start = 0 if cache is None or cross else cache.length
                 placed = getattr(self.attention, "positions", None)  # a shard's rows stand elsewhere than 0 .. i-1
                 where = {} if placed is None else {"positions": placed(q, k, start)}
+                if cross and cache is not None and k.shape[-2] == 0 and cache.length:  # the memory's keys held, rotated
+                    where = {"positions": memory_positions(q, cache)}
                 q, k = self.positional.rotate(q, k, start, **where)
             if (pos_bias := self.positional.bias()) is not None:
                 extra["bias"] = pos_bias

@@ -257,6 +257,10 @@ class LatentCache(KVCache):
                 raise ValueError(f"{name}: expected (b, 1, n, ·), got {got}")
         if self._rank is not None and c_kv.shape[-1] != self._rank:
             raise ValueError(f"c_kv: expected latent size {self._rank} like the cached one, got {tuple(c_kv.shape)}")
+        if self._k is not None and (c_kv.shape[0] != self._k.shape[0] or k_rope.shape[-1] != self._k.shape[-1] - self._rank):
+            raise ValueError(f"c_kv, k_rope: expected (b, 1, ·, d_c), (b, 1, ·, d_R) = ({self._k.shape[0]}, 1, ·, {self._rank}), "
+                             f"({self._k.shape[0]}, 1, ·, {self._k.shape[-1] - self._rank}) like the cached ones, got "
+                             f"{tuple(c_kv.shape)} and {tuple(k_rope.shape)}; reset() the cache for another batch")  # fmt: skip
         self._rank = c_kv.shape[-1]
         both = torch.cat((c_kv, k_rope), dim=-1)
         super().update(both, both[..., :0])  # the values slot stays empty: one buffer holds both
@@ -307,6 +311,9 @@ class DecoderCache:
             raise ValueError("max_len: give it to the caches layer_cache builds, not to both")
         make = (lambda: KVCache(max_len)) if layer_cache is None else layer_cache
         self.self_attn = [make() for _ in range(layers)]
+        if len({id(cache) for cache in self.self_attn}) < layers:  # one cache for every layer: each appends to it
+            raise ValueError("layer_cache: expected a factory that builds a new cache on each call, got one that returned "
+                             "the same cache twice (every layer would append its keys to it)")  # fmt: skip
         for cache in self.self_attn:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"layer_cache: expected a factory of qkv.cache.KVCache, got {type(cache).__name__}")

@@ -209,3 +209,11 @@ def batch_first(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tens
     k = q if key is query else flip(key)
     v = k if value is key else flip(value)
     return q, k, v
+
+
+def memory_positions(q: Tensor, cache) -> tuple[Tensor, Tensor]:
+    """Where a cross-attention call's queries ``q (b, h, i, d)`` stand against a memory whose keys ``cache`` holds
+    (rotated when it was filled; none given now): the last ``i`` of its positions, as the call without a cache has
+    them, and no key positions."""
+    j = cache.length
+    return torch.arange(j - q.shape[-2], j, device=q.device), torch.arange(0, device=q.device)
