@@ -43,8 +43,9 @@ def paper_buckets(x, rotation, factors):
     return bucket
 
 
-def union_of_rounds(q, rotations, chunk, factors=None):
-    """∪_r {(p, t): same bucket in round r, and t's chunk is p's or the one before, after sorting by (bucket, position)}."""
+def union_of_rounds(q, rotations, chunk, factors=None, mask=None):
+    """∪_r {(p, t): same bucket in round r, and t's chunk is p's or the one before, after sorting by (bucket, position)};
+    a token whose key ``mask`` hides from every query (padding) sits in a bucket after every other."""
     b, h, n, _ = q.shape
     size = min(chunk, n)
     union = torch.zeros(b, h, n, n, dtype=torch.bool)
@@ -54,6 +55,8 @@ def union_of_rounds(q, rotations, chunk, factors=None):
             bucket = torch.zeros(b, h, n, dtype=torch.long)
         else:
             bucket = paper_buckets(q, rotations[r], factors)
+        if mask is not None:
+            bucket = torch.where(~mask.any(-2).expand(b, h, n), math.prod(factors), bucket)
         for x in range(b):
             for y in range(h):
                 order = sorted(range(n), key=lambda t: (int(bucket[x, y, t]), t))
@@ -99,11 +102,12 @@ def test_many_buckets_and_rounds_equal_softmax_over_the_union(is_causal, masked)
     n = 13
     q, k, v = inputs(n)
     module = LSHAttention(D, n_buckets=4, n_hashes=3, chunk_size=3, seed=1).eval()  # eval: no redraw
-    allowed = union_of_rounds(q, module.rotations, 3)
     mask = None
     if masked:  # any bool mask works, here padding plus a query-dependent pattern
         gen = torch.Generator().manual_seed(4)
         mask = (torch.rand(B, 1, n, n, generator=gen) < 0.8) & (torch.arange(n) < torch.tensor([[n], [9]]))[:, None, None, :]
+    allowed = union_of_rounds(q, module.rotations, 3, mask=mask)
+    if masked:
         allowed = allowed & mask
     if is_causal:
         allowed = allowed & causal(n)
@@ -112,6 +116,22 @@ def test_many_buckets_and_rounds_equal_softmax_over_the_union(is_causal, masked)
     torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
     torch.testing.assert_close(weights, want_weights, atol=1e-10, rtol=0)
     assert 0 < allowed.float().mean() < 1  # the test really is sparse
+
+
+@pytest.mark.parametrize("fill", [1.0, float("nan"), float("inf")])
+def test_padding_moves_no_chunk_and_a_padded_row_equals_the_row_alone(fill):
+    """Padded tokens were hashed and sorted with the real ones: what padding held moved real rows by 1.84, and a nan
+    or inf there reached 56 of 384 real outputs (shared QK: a token's key is its query, which nothing zeroed)."""
+    n, real = 16, 11
+    q, k, v = inputs(n)
+    module = LSHAttention(D, n_buckets=4, n_hashes=2, chunk_size=3, seed=2).eval()
+    keep = (torch.arange(n) < real).view(1, 1, 1, n)
+    padded = q.clone()
+    padded[:, :, real:] = fill * torch.randn(B, H, n - real, D, dtype=q.dtype)
+    out = module(padded, k, v, mask=keep)  # (k: its shape only; the keys are the queries)
+    alone = module(q[:, :, :real], k[:, :, :real], v[:, :, :real])
+    torch.testing.assert_close(out[:, :, :real], alone, atol=1e-12, rtol=0)
+    assert torch.equal(out[:, :, real:], torch.zeros_like(out[:, :, real:]))  # a padded row sees no key
 
 
 @pytest.mark.parametrize("factors", [(8,), (2, 4), (4, 2, 6)])
