@@ -111,6 +111,30 @@ def test_key_padding_drops_empty_landmarks():
     assert weights[1, :, :, 5:].abs().max() == 0
 
 
+@pytest.mark.parametrize("fill", [100.0, float("nan")])
+def test_self_attentions_padded_positions_are_no_query_landmarks(fill):
+    """With as many queries as keys the padded positions were still averaged into the query landmarks: what padding
+    held moved real rows by 1.47, and a nan there made every output nan (the paper's code masks Q)."""
+    q, k, v = inputs(10)
+    keep = torch.arange(10)[None, :] < torch.tensor([10, 7])[:, None]  # batch 1: a segment part padding, one all
+    module = NystromAttention(4, pinv_iterations=40)
+    out = module(q, k, v, mask=keep[:, None, None, :])
+    padded = q.clone()
+    padded[1, :, 7:] = fill
+    moved = module(padded, k, v, mask=keep[:, None, None, :])
+    torch.testing.assert_close(moved[1, :, :7], out[1, :, :7], atol=1e-12, rtol=0)
+    torch.testing.assert_close(moved[0], out[0], atol=0, rtol=0)
+    # the paper's formula, landmarks of real positions only (the all-padding one dropped from both sides)
+    s, kn = D**-0.5, keep[1]
+    for m in range(H):
+        qm, km, vm = q[1, m], repeat(k)[1, m], repeat(v)[1, m]
+        q_marks = torch.stack([x for x in landmarks(qm, [3, 2, 3, 2], kn) if x is not None])
+        k_marks = torch.stack([x for x in landmarks(km, [3, 2, 3, 2], kn) if x is not None])
+        f, a = (s * qm @ k_marks.T).softmax(-1), (s * q_marks @ k_marks.T).softmax(-1)
+        bt = (s * q_marks @ km.T).masked_fill(~kn, float("-inf")).softmax(-1)
+        torch.testing.assert_close(out[1, m], f @ torch.linalg.pinv(a) @ bt @ vm, atol=1e-7, rtol=0)
+
+
 def test_all_keys_padded_gives_zeros():
     q, k, v = inputs(5, 7, dtype=torch.float32)
     q.requires_grad_(True)

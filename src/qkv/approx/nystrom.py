@@ -28,7 +28,11 @@ its own landmark, ``Ã = F̃ = B̃`` is the exact softmax matrix ``A`` and ``A A
 method is exact up to the convergence of the pseudo-inverse.
 
 Masks: key padding is honoured by leaving padded keys out of the key landmarks (a landmark
-whose segment is all padding is dropped from ``F̃`` and ``Ã``) and out of ``B̃``. Landmarks
+whose segment is all padding is dropped from ``F̃`` and ``Ã``) and out of ``B̃``. With as many
+queries as keys the call is self-attention's, and its padded positions are left out of the query
+landmarks too (the paper's code masks ``Q``), so what padding holds (a nan included) reaches no
+real row; a cross-attention of equal lengths then takes its query landmarks over the positions
+whose keys are kept. Landmarks
 average over the whole sequence, so ``causal=True`` and masks that vary with the query
 raise ``ValueError``.
 
@@ -103,9 +107,12 @@ def _landmarks(q: Tensor, k: Tensor, num_landmarks: int, pinv_iterations: int, k
     """``(Q̃ (b, h, m, d), K̃ (b, h, m, d), valid (b, h, m) | None, Ã⁺ (b, h, m, m))``: the
     segment-mean landmarks (keys' means over kept keys only) and the pseudo-inverse of
     ``Ã = softmax(s Q̃ K̃ᵀ)`` over the valid key landmarks."""
-    q_marks, _ = segment_means(q, min(num_landmarks, q.shape[-2]))
+    # as many queries as keys: self-attention, whose padded positions are no queries either (the paper's code masks Q)
+    q_marks, q_valid = segment_means(q, min(num_landmarks, q.shape[-2]), keep if q.shape[-2] == k.shape[-2] else None)
     k_marks, valid = segment_means(k, min(num_landmarks, k.shape[-2]), keep)
     a = masked_softmax(q_marks @ k_marks.transpose(-1, -2) * scale, None if valid is None else valid[:, :, None, :])
+    if q_valid is not None:  # a landmark of padding alone: its row of Ã zero (its column already is), so Ã⁺'s too
+        a = a.masked_fill(~q_valid[..., None], 0)
     # The iteration multiplies m x m matrices 3 * pinv_iterations times: run it in at least float32.
     a_pinv = iterative_pinv(a.to(torch.promote_types(a.dtype, torch.float32)), pinv_iterations).to(a.dtype)
     return q_marks, k_marks, valid, a_pinv
@@ -132,7 +139,7 @@ def nystrom_parts(
     keys_kept = None if keep is None else keep[:, :, None, :]
     f = masked_softmax(q @ (k_marks * scale).transpose(-1, -2), marks_kept)  # b h i m
     bt = masked_softmax(q_marks * scale @ k.transpose(-1, -2), keys_kept)  # b h m j
-    return f, a_pinv, bt
+    return f, a_pinv, bt  # (a query landmark of padding alone: Ã⁺'s column zero, its row of B̃ never read)
 
 
 def nystrom_attention(
