@@ -143,11 +143,14 @@ def favor_attention(
     v = repeat_kv(v, h)
     if keep is not None:
         keep = keep.expand(k.shape[0], h, k.shape[2])
-    phi_q = favor_features(q * root, projection, stabilize="row")
-    phi_k = favor_features(k * root, projection, stabilize="all", keep=keep)
-    out = kernel_attention(phi_q, phi_k, v, causal=causal, chunk_size=chunk_size)
+    # features in float32 at least: float16's exp flushed 60% of the key features to zero below the keys' max
+    # (e^-16.6), 0.49 off in a causal call (bfloat16 has float32's range, its features are rounded instead)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    phi_q = favor_features(q.to(acc) * root, projection, stabilize="row")
+    phi_k = favor_features(k.to(acc) * root, projection, stabilize="all", keep=keep)
+    out = kernel_attention(phi_q, phi_k, v.to(acc), causal=causal, chunk_size=chunk_size).to(q.dtype)
     if return_weights:
-        return out, kernel_attention_weights(phi_q, phi_k, causal=causal)
+        return out, kernel_attention_weights(phi_q, phi_k, causal=causal).to(q.dtype)
     return out
 
 
