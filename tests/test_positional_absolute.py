@@ -72,7 +72,9 @@ def test_bad_arguments_name_themselves():
         SinusoidalEncoding(4)(torch.zeros(1, 2, 4), start=-1)
     with pytest.raises(ValueError, match="dim: expected a positive int, got 0"):
         SinusoidalEncoding(0)
-    with pytest.raises(ValueError, match="base: expected a number > 1"):
+    with pytest.raises(ValueError, match="base: expected a finite number > 1"):
         SinusoidalEncoding(4, base=1)
+    with pytest.raises(ValueError, match="base: expected a finite number > 1"):
+        SinusoidalEncoding(4, base=float("nan"))
     with pytest.raises(ValueError, match="max_len: expected a positive int"):
         LearnedPositionalEmbedding(0, 4)

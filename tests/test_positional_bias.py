@@ -130,8 +130,9 @@ def test_relative_position_bias_gets_gradients():
     ("make", "message"),
     [
         (lambda: alibi_slopes(0), r"heads: expected a positive int, got 0"),
-        (lambda: RelativePositionBias(2, buckets=2), r"buckets: expected at least 4 buckets and max_distance > 0, got buckets=2"),
-        (lambda: RelativePositionBias(2, buckets=16, max_distance=4), r"max_distance > 4, got buckets=16, max_distance=4"),
+        (lambda: RelativePositionBias(2, buckets=2), r"buckets: expected at least 4 buckets \(bidirectional\), got 2"),
+        (lambda: RelativePositionBias(2, buckets=16, max_distance=4),
+         r"max_distance: expected more than the 4 distances with a bucket each \(buckets=16\), got 4"),
     ],
 )  # fmt: skip
 def test_bias_errors(make, message):

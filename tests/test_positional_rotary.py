@@ -102,8 +102,13 @@ def test_bad_arguments_name_themselves():
         Rotary(8).rotate(torch.zeros(1, 1, 2, 6), torch.zeros(1, 1, 2, 8))
     with pytest.raises(ValueError, match="start: expected a non-negative int"):
         Rotary(8).rotate(torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8), start=-2)
-    with pytest.raises(ValueError, match="base: expected a number > 1"):
-        Rotary(8, base=0.5)
+    for base in (0.5, float("nan"), float("inf")):  # (nan gave nan outputs; inf zeroed every frequency but one)
+        with pytest.raises(ValueError, match="base: expected a finite number > 1"):
+            Rotary(8, base=base)
+    x = torch.zeros(2, 2, 4, 8)
+    for positions in (torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]]), torch.tensor([3])):  # broadcast along the frequencies
+        with pytest.raises(ValueError, match=r"positions: expected one per row of x \(4,\)"):
+            Rotary(8).rotate_at(x, positions)
 
 
 def test_angles_are_position_times_frequency():

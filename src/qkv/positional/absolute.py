@@ -21,6 +21,8 @@ the test suite.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -63,8 +65,8 @@ class SinusoidalEncoding(nn.Module):
     def __init__(self, dim: int, *, base: float = 10000.0):
         super().__init__()
         self.dim = positive_int("dim", dim)
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or base <= 1:
-            raise ValueError(f"base: expected a number > 1, got {base!r}")
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
+            raise ValueError(f"base: expected a finite number > 1, got {base!r}")
         self.base = float(base)
 
     def encoding(self, length: int, start: int = 0, *, dtype=torch.float32, device="cpu") -> Tensor:

@@ -109,11 +109,12 @@ class RelativePositionBias(LazyBias):
         for name, value in (("heads", heads), ("buckets", buckets), ("max_distance", max_distance)):
             positive_int(name, value)
         per_direction = buckets // 2 if bidirectional else buckets
-        if per_direction < 2 or max_distance <= per_direction // 2:
-            raise ValueError(
-                f"buckets: expected at least {4 if bidirectional else 2} buckets and "
-                f"max_distance > {per_direction // 2}, got buckets={buckets}, max_distance={max_distance}"
-            )
+        if per_direction < 2:
+            raise ValueError(f"buckets: expected at least {4 if bidirectional else 2} buckets "
+                             f"({'bidirectional' if bidirectional else 'one direction'}), got {buckets}")  # fmt: skip
+        if max_distance <= per_direction // 2:  # (T5's log bucketing divides by log(max_distance / exact))
+            raise ValueError(f"max_distance: expected more than the {per_direction // 2} distances with a bucket each "
+                             f"(buckets={buckets}), got {max_distance}")  # fmt: skip
         self.heads, self.buckets, self.max_distance, self.bidirectional = heads, buckets, max_distance, bidirectional
         self.embedding = nn.Embedding(buckets, heads)
         # T5 initialises this like any embedding; small values keep the start close to no bias.

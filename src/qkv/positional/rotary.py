@@ -25,6 +25,8 @@ Checked in the test suite against the complex-number form.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -78,8 +80,8 @@ class Rotary(Positional):
         positive_int("rotary_dim", rotary_dim)
         if rotary_dim % 2 or rotary_dim > dim_head:
             raise ValueError(f"rotary_dim: expected an even number at most dim_head={dim_head}, got {rotary_dim}")
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or base <= 1:
-            raise ValueError(f"base: expected a number > 1, got {base!r}")
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
+            raise ValueError(f"base: expected a finite number > 1, got {base!r}")
         self.rotary_dim, self.base, self.interleaved = rotary_dim, float(base), bool(interleaved)
 
     def rotate(
@@ -113,6 +115,11 @@ class Rotary(Positional):
 
     def rotate_at(self, x: Tensor, positions: Tensor) -> Tensor:
         """Rotate ``x (..., n, d)`` as if its rows stood at ``positions (n,)``."""
+        if not isinstance(positions, Tensor) or positions.shape != (x.shape[-2],):
+            # a (b, n) tensor (transformers' position_ids) would broadcast along the frequencies, silently wrong
+            got = tuple(positions.shape) if isinstance(positions, Tensor) else type(positions).__name__
+            raise ValueError(f"positions: expected one per row of x ({x.shape[-2]},), got {got}; rotary depends on "
+                             "distances only, so rows of a batch share their positions")  # fmt: skip
         return apply_rotary(x, rotary_angles(positions, self.rotary_dim, self.base), interleaved=self.interleaved)
 
     def extra_repr(self) -> str:
