@@ -132,6 +132,11 @@ def test_low_precision_follows_the_flash_rule(dtype):
     [
         (lambda: qkv.DifferentialAttention(5), "dim_head: expected an even size"),
         (lambda: qkv.DifferentialAttention(4, layer=0), "layer: expected a positive int, got 0"),
+        (lambda: qkv.DifferentialAttention(4, eps=-1e-5), r"eps: expected a positive number"),  # (gave nan outputs)
+        # pairs (c, c + d) across the halves: Q1·K1 depended on absolute positions (0.862 at (3, 1), -1.919 at (13, 11))
+        (lambda: qkv.MultiHeadAttention(16, 2, attention=qkv.DifferentialAttention(8),
+                                        positional=qkv.Rotary(8, interleaved=False)),
+         r"positional: Rotary\(interleaved=False\) pairs channel c with c \+ 4, across the 2 parts"),
         (lambda: qkv.DifferentialAttention(4)(torch.randn(1, 1, 2, 6), torch.randn(1, 1, 2, 6), torch.randn(1, 1, 2, 4)),
          r"q: DifferentialAttention\(dim_head=4\) expects head size 4"),
         (lambda: differential_attention(torch.randn(1, 1, 2, 5), torch.randn(1, 1, 2, 5), torch.randn(1, 1, 2, 4), 0.5),
@@ -141,3 +146,24 @@ def test_low_precision_follows_the_flash_rule(dtype):
 def test_errors(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("rotary", [dict(), dict(interleaved=False, rotary_dim=4)], ids=["interleaved", "half"])
+def test_rotary_on_the_halves_keeps_relative_positions(rotary):
+    """What MultiHeadAttention takes (pairs inside each half) gives the same weights for every shift of the positions."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(16, 2, attention=qkv.DifferentialAttention(8), positional=qkv.Rotary(8, **rotary))
+    mha = mha.double().eval()
+    x = torch.randn(1, 5, 16, dtype=torch.float64)
+    _, shifted = mha.attention(*_heads(mha, x, 7), causal=True, return_weights=True)
+    _, plain = mha.attention(*_heads(mha, x, 0), causal=True, return_weights=True)
+    torch.testing.assert_close(shifted, plain, rtol=0, atol=1e-12)
+
+
+def _heads(mha, x, start):
+    q = mha.q_proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+    k = mha.k_proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+    v = mha.v_proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+    q, k = mha.positional.rotate(q, k, start)
+    return q, k, v
+

@@ -208,6 +208,8 @@ def test_inputs_without_heads_and_alibi_in_multi_head_attention():
     [
         (lambda: qkv.SigmoidAttention(length=4, logit_bias=-1.0), "logit_bias: give length"),
         (lambda: qkv.SigmoidAttention(length=0), "length: expected a positive int, got 0"),
+        (lambda: qkv.SigmoidAttention(logit_bias=float("nan")), "logit_bias: expected a finite number or None"),
+        (lambda: qkv.SigmoidAttention(scale="x"), "scale: expected a finite number or None"),
         (lambda: sigmoid_attention(*_inputs(), logit_bias=float("nan")), "logit_bias: expected a finite float"),
         (lambda: sigmoid_attention(*_inputs(), mask=torch.ones(3, 3, dtype=torch.bool)), "mask: expected shape"),
     ],

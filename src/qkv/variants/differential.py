@@ -17,7 +17,11 @@ backend, mask and bias works, memory-bounded and with a backward), combined line
 ``(A1 − λ A2) V = A1 V − λ A2 V``; no ``(i, j)`` map is built unless weights are asked
 for. In the paper a head has ``2d`` query/key and ``2d`` value channels, so
 ``MultiHeadAttention(dim, heads, dim_head=2 * d, attention=DifferentialAttention(2 * d))``
-with ``heads = dim / (2 d)`` is its layout. Checked against the formula written with
+with ``heads = dim / (2 d)`` is its layout. A ``Rotary`` on such heads rotates pairs of channels
+within each half only where it is ``interleaved`` (the default; the module refuses the
+half-split layout, whose pairs cross the halves): each half then keeps relative positions, the
+first half taking the higher frequencies and the second the lower, where the paper's code
+rotates each half with all of them. Checked against the formula written with
 materialised softmaxes in float64 in the test suite.
 """
 
@@ -88,6 +92,7 @@ class DifferentialAttention(nn.Module):
     """
 
     accepts_bias = True  # positional biases (ALiBi, T5) are added to both maps
+    head_parts = 2  # q and k of a head are [Q1; Q2] (MultiHeadAttention refuses a Rotary whose pairs cross them)
 
     def __init__(self, dim_head: int, *, dim_value_head: int | None = None, layer: int = 1, eps: float = 1e-5,
                  backend: str = "auto"):  # fmt: skip
@@ -96,6 +101,8 @@ class DifferentialAttention(nn.Module):
         if dim_head % 2:
             raise ValueError(f"dim_head: expected an even size (two halves of d each), got {dim_head}")
         e = dim_head if dim_value_head is None else positive_int("dim_value_head", dim_value_head)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+            raise ValueError(f"eps: expected a positive number (the RMSNorm's), got {eps!r}")  # (a negative one gave nan)
         self.dim_head, self.layer, self.backend = dim_head, layer, backend
         self.lambda_init = lambda_init(layer)
         d = dim_head // 2

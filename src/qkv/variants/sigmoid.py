@@ -252,6 +252,9 @@ class SigmoidAttention(nn.Module):
             if isinstance(length, bool) or not isinstance(length, int) or length < 1:
                 raise ValueError(f"length: expected a positive int, got {length!r}")
             logit_bias = -math.log(length)
+        for name, value in (("logit_bias", logit_bias), ("scale", scale)):  # (checked here, not at the first forward)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+                raise ValueError(f"{name}: expected a finite number or None, got {value!r}")
         self.logit_bias, self.scale = logit_bias, scale
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, causal: bool = False,
