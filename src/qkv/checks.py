@@ -244,6 +244,8 @@ def _bias(bias: Tensor | LazyBias | None, target: tuple[int, ...], q: Tensor) ->
         raise ValueError(f"bias: expected device {q.device} like q, got {bias.device}")
     if not broadcasts(tuple(bias.shape), target):
         raise ValueError(f"bias: expected shape broadcastable to {target}, got {tuple(bias.shape)}")
+    if bias.dim() < 2:  # a (j,) row or one value: as (1, j) / (1, 1), the least rank the engines' tiles read
+        bias = bias.reshape((1,) * (2 - bias.dim()) + tuple(bias.shape))
     return bias
 
 

@@ -42,6 +42,7 @@ from .. import score_mods
 from .._trace import TRACED, tracing
 from .request import Request, bias_needs_grad
 from .tiling import flex_lowering
+from .tiling.sinks import finite
 
 name = "flex"
 selects_weights = False
@@ -183,6 +184,7 @@ def forward(req: Request, flex, kernel_options: dict | None = None) -> tuple[Ten
         acc = torch.promote_types(out.dtype, torch.float32)
         sink = req.sinks.to(acc)[None, :, None]  # (1, h, 1)
         lse = lse.to(acc)
-        out = (out.to(acc) * torch.sigmoid(lse - sink)[..., None]).to(req.v.dtype)  # the keys' share of the row
-        lse = torch.logaddexp(lse, sink)
+        total = torch.logaddexp(lse, sink)
+        out = (out.to(acc) * torch.exp(lse - finite(total))[..., None]).to(req.v.dtype)  # the keys' share of the row
+        lse = total
     return out, None, (lse if req.return_lse else None)

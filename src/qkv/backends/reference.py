@@ -8,7 +8,8 @@ length, ``j`` key length, ``d`` query/key size, ``e`` value size.
     out_i = Σ_j α_ij v_j                                 ((b, h, i, e))
 
 Masked logits are filled with ``finfo.min`` (not -inf, which turns a fully masked row into
-NaN); such rows are then multiplied by zero, so their output, weights and gradients are 0.
+NaN); such rows are then multiplied by zero, so their output, weights and gradients are 0. A
+``-inf`` from a bias or a ``score_mod`` hides its key as the mask does.
 Half-precision inputs are softmaxed in float32. Works in float64: it is the oracle every
 other backend is tested against. Memory is O(i·j) (O(i·j·n) for the additive score).
 """
@@ -50,9 +51,11 @@ def logits(req: Request) -> tuple[Tensor, Tensor | None]:
         e = e + bias.to(e.dtype)
     if req.score_mod is not None:
         e = score_mods.apply(req.score_mod, e, tile)
-    allowed = None
-    if req.mask is not None:
-        allowed = req.mask.tile(tile)
+    allowed = None if req.mask is None else req.mask.tile(tile)
+    if req.bias is not None or req.score_mod is not None:  # a -inf term hides its key as the mask does
+        seen = ~torch.isneginf(e)  # (a row of them only: softmax of -inf alone is nan)
+        allowed = seen if allowed is None else allowed & seen
+    if allowed is not None:
         e = e.masked_fill(~allowed, torch.finfo(e.dtype).min)
     return e, allowed
 
@@ -88,8 +91,10 @@ def weights_and_lse(req: Request, with_lse: bool = True) -> tuple[Tensor, Tensor
         live = any_along(allowed, -1, keepdim=True)
         if not (concrete(live) and live.device.type == "cpu" and bool(all_along(live.flatten(), 0))):
             w = w * live  # rows with no key: zero weights (a pass over them, skipped where every row has a key)
-        if req.sinks is None and lse is not None:  # finfo.min logits are not "no key": the row has no mass
-            lse = lse.masked_fill(~live.squeeze(-1).expand(lse.shape), float("-inf"))
+        if lse is not None:  # finfo.min logits are not "no key": the row's mass is its sink's, or none
+            dead = ~live.squeeze(-1).expand(lse.shape)
+            rest = float("-inf") if req.sinks is None else req.sinks.to(lse.dtype).reshape(-1, 1).expand(lse.shape)
+            lse = torch.where(dead, rest, lse)
     return w, lse
 
 

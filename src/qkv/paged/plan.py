@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ..backends.tiling.sinks import finite
 from .options import calibration, options
 from .pages import as_pages
 from .route import run as route
@@ -88,7 +89,7 @@ class PagedPlan:
             if sinks is not None:
                 sink = sinks.to(lse.dtype)[None, :]
                 total = torch.logaddexp(lse, sink)
-                out = (out.to(lse.dtype) * torch.exp(lse - total)[..., None]).to(out.dtype)
+                out = (out.to(lse.dtype) * torch.exp(lse - finite(total))[..., None]).to(out.dtype)  # (no key, -inf sink: 0)
                 lse = total
             if v_scale is not None:  # FlashInfer scales the output after its kernel; the lse is not scaled
                 out = (out.to(lse.dtype) * v_scale).to(out.dtype)

@@ -100,13 +100,14 @@ def _lse_grads(engine, req: Request, lse: Tensor, d_lse: Tensor, saved: object) 
     which is what any engine's backward gives for values that are one column of ones, an
     output of zeros and ``d_out = d_lse``: ``dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)) = P ∘ d_lse``
     (the values' own gradient is then discarded). One more backward pass, of head size 1,
-    run only when the log-sum-exp is differentiated.
+    run only when the log-sum-exp is differentiated, without dropout (which acts after the lse).
     """
     b, h, i_len = lse.shape
     ones = req.v.new_ones((*req.v.shape[:-1], 1))
     zeros = lse.new_zeros((b, h, i_len, 1))
     adapt = getattr(engine, "saved_for_lse", None)  # what the engine kept, for those values
-    grads = engine.backward(replace(req, v=ones), zeros, lse, d_lse[..., None], saved if adapt is None else adapt(saved),
+    # dropout=0: the lse is dropout's input (the weights before it), so its gradient is the undropped P's
+    grads = engine.backward(replace(req, v=ones, dropout=0.0), zeros, lse, d_lse[..., None], saved if adapt is None else adapt(saved),
                             req.q.dtype)  # fmt: skip
     return replace(grads, v=torch.zeros_like(req.v))
 

@@ -72,9 +72,13 @@ def block_mask(plan: FusedPlan, t: Tile, bias: BiasSource, dtype: torch.dtype,
             add = torch.where(allowed, torch.zeros((), dtype=dtype), fill)
         else:
             add = add.masked_fill(~allowed, NEG_INF)
-    if bound is not None and plan.bias is not None:
-        best = add.amax(-1, keepdim=True)  # -inf on rows with no key here: nothing dropped
-        add = add.masked_fill(add < best - (2.0 * bound + NEGLIGIBLE), NEG_INF)
+    if plan.bias is not None:
+        best = add.amax(-1, keepdim=True)  # -inf on rows with no key here (a -inf bias hides a key as a mask does)
+        dead = torch.isneginf(best)
+        if bool(dead.any()):  # the kernel gives such a row lse 0: the caller sets it to -inf
+            live = ~dead
+        if bound is not None:  # nothing dropped on a row with no key
+            add = add.masked_fill(add < best - (2.0 * bound + NEGLIGIBLE), NEG_INF)
     return add, live
 
 

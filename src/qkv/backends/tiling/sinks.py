@@ -30,6 +30,12 @@ def per_head(sinks: Tensor, lse: Tensor) -> Tensor:
     return sinks.to(lse.dtype).reshape(-1, 1)
 
 
+def finite(total: Tensor) -> Tensor:
+    """``lse_total`` with ``-inf`` (a row with no key under a sink of ``-inf``: no mass at all) read as 0, so that
+    ``exp(x - total)`` of such a row is ``exp(-inf) = 0``, not ``exp(-inf + inf) = nan``, and so is its gradient."""
+    return total.masked_fill(torch.isneginf(total), 0.0)
+
+
 def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     """``(out_total, lse_total)`` from ``out (b, h, i, e)`` and ``lse (b, h, i)`` (``-inf``: no key).
 
@@ -38,7 +44,7 @@ def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]
     """
     s = per_head(sinks, lse)
     total = torch.logaddexp(lse, s)
-    share = torch.exp(lse - total)  # σ(lse - s): the keys' part of the row's mass
+    share = torch.exp(lse - finite(total))  # σ(lse - s): the keys' part of the row's mass
     return out * share[..., None].to(out.dtype), total
 
 
@@ -46,11 +52,11 @@ def grad(out: Tensor, lse: Tensor, d_out: Tensor, sinks: Tensor) -> Tensor:
     """``d s_h = -Σ exp(s_h - lse_total) · rowsum(dO ∘ O_total)``, summed over batch and rows, in ``sinks.dtype``."""
     acc = lse.dtype
     delta = torch.einsum("...e,...e->...", d_out.to(acc), out.to(acc))  # D, via bmm: no (b, h, i, e) product
-    mass = torch.exp(per_head(sinks, lse) - lse)  # the sink's weight in each row
+    mass = torch.exp(per_head(sinks, lse) - finite(lse))  # the sink's weight in each row
     return (-(mass * delta)).sum((0, 2)).to(sinks.dtype)
 
 
 def lse_grad(lse: Tensor, d_lse: Tensor, sinks: Tensor) -> Tensor:
     """The sinks' gradient through the total ``lse``: ``d s_h = Σ d_lse · exp(s_h - lse_total)``, in ``sinks.dtype``."""
-    mass = torch.exp(per_head(sinks, lse) - lse)  # ∂ logaddexp(lse_keys, s) / ∂ s: the sink's weight
+    mass = torch.exp(per_head(sinks, lse) - finite(lse))  # ∂ logaddexp(lse_keys, s) / ∂ s: the sink's weight
     return (mass * d_lse.to(lse.dtype)).sum((0, 2)).to(sinks.dtype)
