@@ -45,7 +45,7 @@ def paper_buckets(x, rotation, factors):
 
 def union_of_rounds(q, rotations, chunk, factors=None, mask=None):
     """∪_r {(p, t): same bucket in round r, and t's chunk is p's or the one before, after sorting by (bucket, position)};
-    a token whose key ``mask`` hides from every query (padding) sits in a bucket after every other."""
+    a token a key padding ``mask (b|1, h|1, 1, j)`` hides sits in a bucket after every other."""
     b, h, n, _ = q.shape
     size = min(chunk, n)
     union = torch.zeros(b, h, n, n, dtype=torch.bool)
@@ -55,7 +55,7 @@ def union_of_rounds(q, rotations, chunk, factors=None, mask=None):
             bucket = torch.zeros(b, h, n, dtype=torch.long)
         else:
             bucket = paper_buckets(q, rotations[r], factors)
-        if mask is not None:
+        if mask is not None and mask.shape[-2] == 1:
             bucket = torch.where(~mask.any(-2).expand(b, h, n), math.prod(factors), bucket)
         for x in range(b):
             for y in range(h):
@@ -132,6 +132,23 @@ def test_padding_moves_no_chunk_and_a_padded_row_equals_the_row_alone(fill):
     alone = module(q[:, :, :real], k[:, :, :real], v[:, :, :real])
     torch.testing.assert_close(out[:, :, :real], alone, atol=1e-12, rtol=0)
     assert torch.equal(out[:, :, real:], torch.zeros_like(out[:, :, real:]))  # a padded row sees no key
+
+
+def test_a_key_an_edge_mask_hides_from_every_query_keeps_its_tokens_row():
+    """An ``(i, j)`` mask hides edges: a token whose key no query may take (attend to no BOS) keeps its own query in
+    its bucket and chunk, and its key, never read, may hold a nan."""
+    n = 9
+    q, k, v = inputs(n)
+    module = LSHAttention(D, n_buckets=4, n_hashes=2, chunk_size=3, seed=3).eval()
+    mask = torch.ones(1, 1, n, n, dtype=torch.bool)
+    mask[..., 0] = False
+    allowed = union_of_rounds(q, module.rotations, 3, mask=mask) & mask
+    want, _ = self_masked_softmax(q, repeat(v), allowed)
+    out = module(q, k, v, mask=mask)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+    assert out[:, :, 0].abs().amax() > 0  # the token's own row still attends
+    q[:, :, 0] = float("nan")  # its query is its own row's: the other rows never read its key
+    assert torch.isfinite(module(q, k, v, mask=mask)[:, :, 1:]).all()
 
 
 @pytest.mark.parametrize("factors", [(8,), (2, 4), (4, 2, 6)])

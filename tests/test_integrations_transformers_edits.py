@@ -435,6 +435,21 @@ def test_a_hybrid_models_layers_are_its_attention_layers():
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_a_linear_attention_layer_named_attention_is_not_an_attention_layer():
+    """MiniMax's lightning (linear) attention has a layer_idx and "Attention" in its name, but never calls the
+    attention functions: an edit of it was accepted and changed nothing."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    config = MiniMaxConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+                           layer_types=["linear_attention", "full_attention"])  # fmt: skip
+    model = MiniMaxForCausalLM._from_config(config, attn_implementation="qkv").eval()
+    with pytest.raises(ValueError, match=r"edit: layers \[0\] are not attention layers of this model, expected indices in \[1\]"):
+        with qkv.edit(model, {0: AblateHeads([0])}):
+            pass
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
 def test_blocks_left_out_of_order_leave_no_edit_behind(gpt2):
     """``ContextVar.reset`` of the inner block's token put the outer block's session back after the outer had left."""
     model, _ = gpt2

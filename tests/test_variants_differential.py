@@ -136,7 +136,10 @@ def test_low_precision_follows_the_flash_rule(dtype):
         # pairs (c, c + d) across the halves: Q1·K1 depended on absolute positions (0.862 at (3, 1), -1.919 at (13, 11))
         (lambda: qkv.MultiHeadAttention(16, 2, attention=qkv.DifferentialAttention(8),
                                         positional=qkv.Rotary(8, interleaved=False)),
-         r"positional: Rotary\(interleaved=False\) pairs channel c with c \+ 4, across the 2 parts"),
+         r"positional: Rotary\(.*interleaved=False\) rotates pairs of channels across the parts of 4"),
+        # an odd half: the interleaved pair (d - 1, d) crosses it (0.151 when the positions moved by 7)
+        (lambda: qkv.MultiHeadAttention(12, 2, attention=qkv.DifferentialAttention(6), positional=qkv.Rotary(6)),
+         r"positional: Rotary\(.*\) rotates pairs of channels across the parts of 3"),
         (lambda: qkv.DifferentialAttention(4)(torch.randn(1, 1, 2, 6), torch.randn(1, 1, 2, 6), torch.randn(1, 1, 2, 4)),
          r"q: DifferentialAttention\(dim_head=4\) expects head size 4"),
         (lambda: differential_attention(torch.randn(1, 1, 2, 5), torch.randn(1, 1, 2, 5), torch.randn(1, 1, 2, 4), 0.5),

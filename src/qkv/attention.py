@@ -244,11 +244,11 @@ class MultiHeadAttention(nn.Module):
                 f"positional: {type(positional).__name__} adds a bias to the logits, which the mechanism "
                 f"{type(attention).__name__} cannot take; use qkv.positional.Rotary or exact attention"
             )
-        parts = getattr(attention, "head_parts", 1)  # differential attention: each head's q and k are halves
-        if parts > 1 and not getattr(positional, "interleaved", True) and positional.rotary_dim > dim_head // parts:
-            raise ValueError(f"positional: Rotary(interleaved=False) pairs channel c with c + {positional.rotary_dim // 2}, "
-                             f"across the {parts} parts of {type(attention).__name__}'s heads, whose logits then depend "
-                             "on absolute positions; use interleaved=True, or rotary_dim <= the size of one part")  # fmt: skip
+        part = dim_head // getattr(attention, "head_parts", 1)  # differential attention: each head's q and k are halves
+        if part < dim_head and getattr(positional, "rotary_dim", 0) > part and (not positional.interleaved or part % 2):
+            raise ValueError(f"positional: {positional!r} rotates pairs of channels across the parts of {part} of "
+                             f"{type(attention).__name__}'s heads, whose logits then depend on absolute positions; "
+                             "use interleaved=True with an even part, or rotary_dim <= the size of one part")  # fmt: skip
         self.attention = attention
         for name, slot in (("qk_norm", qk_norm), ("gate", gate)):
             if slot is not None and not isinstance(slot, nn.Module):

@@ -311,12 +311,12 @@ class DecoderCache:
             raise ValueError("max_len: give it to the caches layer_cache builds, not to both")
         make = (lambda: KVCache(max_len)) if layer_cache is None else layer_cache
         self.self_attn = [make() for _ in range(layers)]
-        if len({id(cache) for cache in self.self_attn}) < layers:  # one cache for every layer: each appends to it
-            raise ValueError("layer_cache: expected a factory that builds a new cache on each call, got one that returned "
-                             "the same cache twice (every layer would append its keys to it)")  # fmt: skip
         for cache in self.self_attn:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"layer_cache: expected a factory of qkv.cache.KVCache, got {type(cache).__name__}")
+        if len({id(cache) for cache in self.self_attn}) < layers:  # one cache for every layer: each appends to it
+            raise ValueError("layer_cache: expected a factory that builds a new cache on each call, got one that returned "
+                             "the same cache twice (every layer would append its keys to it)")  # fmt: skip
         self.cross = [KVCache() for _ in range(layers)]
 
     def __len__(self) -> int:

@@ -51,10 +51,11 @@ token changes the chunks and, with ``n_buckets > 1``, the earlier outputs (the R
 chunking; a causal LM trained with it reads its whole sequence at once and cannot be run token
 by token with a cache). A length that is not a
 multiple of ``chunk_size`` is padded with tokens that sort last, in a bucket of their own;
-so is a token whose key the mask hides from every query (a padded batch's padding): whatever it
-holds then moves no other token's chunk, and a right-padded row's real outputs are those of the
+so is a token a key padding mask ``(b|1, h|1, 1, j)`` hides (a padded batch's padding): whatever
+it holds then moves no other token's chunk, and a right-padded row's real outputs are those of the
 row alone. Such a token's own row sees only its bucket's keys, all hidden: 0, as a row that sees
-no key.
+no key. (A mask of ``(i, j)`` hides edges: a key it hides from every query keeps its token's
+query in its own bucket, and so its place in the chunks.)
 
 Randomness: the rotations are a buffer drawn from the module's generator (``seed`` or
 ``generator``, reproducible). The paper hashes with fresh rotations at every step; here
@@ -180,8 +181,10 @@ def _lsh_attention(q, v, rotations, factors, chunk_size, mask, causal, scale, re
     qf = F.pad(q.reshape(b * h, n, d), (0, w - d)) if w != d else q.reshape(b * h, n, d)
     vf = F.pad(v.reshape(b * h, n, e), (0, w - e)) if w != e else v.reshape(b * h, n, e)
     results, weights = [], []
-    # keys no query sees (padding): in the padding bucket, their keys zeroed (a nan there never reaches a product)
+    # keys no query sees: zeroed (a nan there never reaches a product); a key padding mask's (b|1, h|1, 1, j), whose
+    # hidden keys are whole tokens, not edges some query may not take, also sorts them into the padding bucket
     hidden = None if mask is None else ~mask.any(-2).expand(b, h, n).reshape(b * h, n)
+    padding = hidden if mask is not None and mask.shape[-2] == 1 else None
     final = q.new_empty(b * h, n, e) if bufs.enabled else None  # written block by block
     for i0 in range(0, b * h, step):
         m = min(step, b * h - i0)
@@ -189,8 +192,8 @@ def _lsh_attention(q, v, rotations, factors, chunk_size, mask, causal, scale, re
         buckets = torch.full((m, rounds, length), math.prod(factors), dtype=torch.long, device=q.device)  # padding last
         hashed = hash_buckets(qb.detach().reshape(m * n, w)[:, :d].to(hash_dtype), rot, factors)  # r (m n)
         buckets[:, :, :n] = hashed.view(rounds, m, n).transpose(0, 1)
-        if hidden is not None:
-            buckets[:, :, :n].masked_fill_(hidden[i0 : i0 + m, None, :], math.prod(factors))
+        if padding is not None:
+            buckets[:, :, :n].masked_fill_(padding[i0 : i0 + m, None, :], math.prod(factors))
         sorted_buckets, order = sort_buckets(buckets)  # m r length: slot -> position
         lo, hi = interval_bounds(sorted_buckets, size, causal, math.prod(factors) + 1)  # + the padding bucket
         code = window_codes(sorted_buckets, order, size) if rounds > 1 else None

@@ -34,6 +34,14 @@ def supports(req: Request) -> str | None:
 
 def logits(req: Request) -> tuple[Tensor, Tensor | None]:
     """The masked logits ``(b, h, i, j)`` (float32 or wider) and the dense mask (None if unmasked)."""
+    e, allowed, _ = _logits(req)
+    return e, allowed
+
+
+def _logits(req: Request) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """:func:`logits`, and with a bias or a ``score_mod`` the rows with no key ``(b, h, i, 1)`` (else None): those
+    whose largest logit is a masked one's or ``-inf`` (a ``-inf`` term hides its key as the mask does; a row of
+    them alone would make the softmax nan)."""
     qp, kp = req.score.prepare(req.q, req.k)
     if qp.dtype in (torch.float16, torch.bfloat16):
         # Half-precision logits lose too much before the softmax: combine the prepared q and k
@@ -52,12 +60,14 @@ def logits(req: Request) -> tuple[Tensor, Tensor | None]:
     if req.score_mod is not None:
         e = score_mods.apply(req.score_mod, e, tile)
     allowed = None if req.mask is None else req.mask.tile(tile)
-    if req.bias is not None or req.score_mod is not None:  # a -inf term hides its key as the mask does
-        seen = ~torch.isneginf(e)  # (a row of them only: softmax of -inf alone is nan)
-        allowed = seen if allowed is None else allowed & seen
     if allowed is not None:
         e = e.masked_fill(~allowed, torch.finfo(e.dtype).min)
-    return e, allowed
+    dead = None
+    if (req.bias is not None or req.score_mod is not None) and e.shape[-1]:  # (no keys: the empty call's answer)
+        dead = e.amax(-1, keepdim=True) <= torch.finfo(e.dtype).min  # one pass, (b, h, i, 1) kept
+        if not (concrete(dead) and dead.device.type == "cpu" and not bool(dead.any())):
+            e = e.masked_fill(dead, torch.finfo(e.dtype).min)  # -inf rows as masked ones: a softmax without nan
+    return e, allowed, dead
 
 
 def weights(req: Request) -> Tensor:
@@ -75,7 +85,7 @@ def weights_and_lse(req: Request, with_lse: bool = True) -> tuple[Tensor, Tensor
 
     A row with no allowed key and no sink has ``lse = -inf``.
     """
-    e, allowed = logits(req)
+    e, allowed, dead = _logits(req)
     if req.sinks is not None:
         column = req.sinks.to(e.dtype).reshape(-1, 1, 1)
         e = torch.cat((e, column.expand(*e.shape[:-1], 1)), dim=-1)
@@ -87,8 +97,8 @@ def weights_and_lse(req: Request, with_lse: bool = True) -> tuple[Tensor, Tensor
     w = torch.softmax(e, -1, out=e) if overwrite else torch.softmax(e, dim=-1)
     if req.sinks is not None:
         w = w[..., :-1]
-    if allowed is not None:
-        live = any_along(allowed, -1, keepdim=True)
+    if allowed is not None or dead is not None:
+        live = ~dead if dead is not None else any_along(allowed, -1, keepdim=True)
         if not (concrete(live) and live.device.type == "cpu" and bool(all_along(live.flatten(), 0))):
             w = w * live  # rows with no key: zero weights (a pass over them, skipped where every row has a key)
         if lse is not None:  # finfo.min logits are not "no key": the row's mass is its sink's, or none

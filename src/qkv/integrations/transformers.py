@@ -202,8 +202,8 @@ def attention_forward(
             return out, None
     _check_keywords(kwargs)
     run = edits_runner(module)  # qkv.attention, or it with the edits and recordings of qkv.edit / qkv.record
-    filled = getattr(attention_mask, "filled", None)
-    if run is not attention and filled is not None and key.shape[-2] == attention_mask.shape[-1]:
+    filled = getattr(attention_mask, "filled", None) if run is not attention else None  # (made on first use)
+    if filled is not None and key.shape[-2] == attention_mask.shape[-1]:
         # a static cache's slots after the last query, which no query sees: edits and recordings get the keys a
         # dynamic cache holds, so that masks aligned to the last key (Knockout(offsets(...))) align as there
         key, value, attention_mask = key[..., : filled.shape[-1], :], value[..., : filled.shape[-1], :], filled

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -240,12 +241,14 @@ def _recorded_layers(layers, known: list[int]) -> set[int]:
 
 
 def _attention_layers(model: torch.nn.Module, caller: str) -> dict[int, int]:
-    """``{id(module): layer}`` for every attention module of ``model``: those with an integer ``layer_idx`` whose class
-    names attention (``...Attention``, ``...Attn``), or all with one where none does.
+    """``{id(module): layer}`` for every attention module of ``model``: those with an integer ``layer_idx`` whose
+    forward calls transformers' attention functions (``ALL_ATTENTION_FUNCTIONS``, which hands the call to
+    qkv), else (source not readable) those whose class names attention, else all with a ``layer_idx``.
 
     A hybrid model's other mixers carry a ``layer_idx`` too (Jamba's and Bamba's Mamba, LFM2's
-    short convolutions, Qwen3-Next's gated delta nets, Falcon-H1's Mamba beside the attention of
-    the same layer): counted as attention layers, an edit of one ran nowhere, silently.
+    short convolutions, Qwen3-Next's gated delta nets, MiniMax's lightning attention, Falcon-H1's
+    Mamba beside the attention of the same layer): counted as attention layers, an edit of one
+    ran nowhere, silently.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{caller}: expected a transformers model (a torch.nn.Module), got {type(model).__name__}")
@@ -257,8 +260,9 @@ def _attention_layers(model: torch.nn.Module, caller: str) -> dict[int, int]:
             '(or call model.set_attn_implementation("qkv"))'
         )
     named = [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)]
+    calling = [(name, m) for name, m in named if _calls_attention_functions(type(m))]
     attending = [(name, m) for name, m in named if any(word in type(m).__name__.lower() for word in ("attention", "attn"))]
-    named = attending or named
+    named = calling or attending or named
     if not named:
         raise ValueError(f"{caller}: found no attention layers (modules with an integer layer_idx) in {type(model).__name__}")
     seen: dict[int, str] = {}
@@ -272,3 +276,14 @@ def _attention_layers(model: torch.nn.Module, caller: str) -> dict[int, int]:
             )
         seen[m.layer_idx] = name
     return {id(m): m.layer_idx for _, m in named}
+
+
+@functools.cache
+def _calls_attention_functions(cls: type) -> bool:
+    """Whether ``cls.forward`` reads transformers' attention functions (``ALL_ATTENTION_FUNCTIONS``): False where its
+    source cannot be read."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+

@@ -66,13 +66,20 @@ class LayerMask:
 
     ndim = 4
 
-    def __init__(self, mask: Mask, shape: tuple[int, int, int, int], filled: LayerMask | None = None):
+    def __init__(self, mask: Mask, shape: tuple[int, int, int, int], before: Callable[[], LayerMask] | None = None):
         self.mask = mask
         self.shape = shape
-        #: where the keys run past the last query's position under a causal mask (a static cache's unfilled
-        #: slots, which no query sees), the mask of the keys before them: ``filled.shape[-1]`` keys
-        self.filled = filled
+        self._before, self._filled = before, None
         self._calls: dict[tuple, Mask | None] = {}
+
+    @property
+    def filled(self) -> LayerMask | None:
+        """Where the keys run past the last query's position under a causal mask (a static cache's unfilled slots,
+        which no query sees), the mask of the keys before them (``filled.shape[-1]`` keys), made on first use (by an
+        edited call); else None."""
+        if self._filled is None and self._before is not None:
+            self._filled = self._before()
+        return self._filled
 
     def for_call(self, i: int, j: int, device: torch.device) -> Mask | None:
         """The mask one layer call runs with, made once and shared by every layer of the forward.
@@ -142,11 +149,12 @@ def mask_interface(
         return _build(masking_utils, batch_size, q_length, j, q_offset, kv_offset, mask_function, attention_mask,
                       local_size, device, kwargs)  # fmt: skip
 
-    filled = int(q_offset) + q_length - int(kv_offset)  # keys up to the last query's position
+    q_offset, kv_offset = int(q_offset), int(kv_offset)  # (read once: a device's offsets sync at each read)
+    filled = q_offset + q_length - kv_offset  # keys up to the last query's position
     kind = (describe(mask_function or masking_utils.causal_mask_function) or (None, None))[0]
     before = None
     if kind in ("causal", "sliding_causal") and 0 < filled < kv_length:
-        before = LayerMask(build(filled), (batch_size, 1, q_length, filled))
+        before = lambda: LayerMask(build(filled), (batch_size, 1, q_length, filled))  # noqa: E731
     return LayerMask(build(kv_length), (batch_size, 1, q_length, kv_length), before)
 
 

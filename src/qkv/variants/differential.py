@@ -19,7 +19,7 @@ for. In the paper a head has ``2d`` query/key and ``2d`` value channels, so
 ``MultiHeadAttention(dim, heads, dim_head=2 * d, attention=DifferentialAttention(2 * d))``
 with ``heads = dim / (2 d)`` is its layout. A ``Rotary`` on such heads rotates pairs of channels
 within each half only where it is ``interleaved`` (the default; the module refuses the
-half-split layout, whose pairs cross the halves): each half then keeps relative positions, the
+half-split layout, and an odd half, whose pairs cross the halves): each half then keeps relative positions, the
 first half taking the higher frequencies and the second the lower, where the paper's code
 rotates each half with all of them. Checked against the formula written with
 materialised softmaxes in float64 in the test suite.
@@ -28,6 +28,7 @@ materialised softmaxes in float64 in the test suite.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor, nn
@@ -101,7 +102,7 @@ class DifferentialAttention(nn.Module):
         if dim_head % 2:
             raise ValueError(f"dim_head: expected an even size (two halves of d each), got {dim_head}")
         e = dim_head if dim_value_head is None else positive_int("dim_value_head", dim_value_head)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
             raise ValueError(f"eps: expected a positive number (the RMSNorm's), got {eps!r}")  # (a negative one gave nan)
         self.dim_head, self.layer, self.backend = dim_head, layer, backend
         self.lambda_init = lambda_init(layer)

@@ -32,6 +32,7 @@ the test suite.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -253,7 +254,9 @@ class SigmoidAttention(nn.Module):
                 raise ValueError(f"length: expected a positive int, got {length!r}")
             logit_bias = -math.log(length)
         for name, value in (("logit_bias", logit_bias), ("scale", scale)):  # (checked here, not at the first forward)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                raise TypeError(f"{name}: expected a finite number or None, got {type(value).__name__}")
+            if value is not None and not math.isfinite(value):
                 raise ValueError(f"{name}: expected a finite number or None, got {value!r}")
         self.logit_bias, self.scale = logit_bias, scale
 
