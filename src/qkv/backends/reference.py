@@ -40,8 +40,8 @@ def logits(req: Request) -> tuple[Tensor, Tensor | None]:
 
 def _logits(req: Request) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """:func:`logits`, and with a bias or a ``score_mod`` the rows with no key ``(b, h, i, 1)`` (else None): those
-    whose largest logit is a masked one's or ``-inf`` (a ``-inf`` term hides its key as the mask does; a row of
-    them alone would make the softmax nan)."""
+    whose logits are all masked or ``-inf`` (a ``-inf`` term hides its key as the mask does; a row of them alone
+    would make the softmax nan). A finite logit, however low (a float mask's ``finfo.min``), is a key's."""
     qp, kp = req.score.prepare(req.q, req.k)
     if qp.dtype in (torch.float16, torch.bfloat16):
         # Half-precision logits lose too much before the softmax: combine the prepared q and k
@@ -60,13 +60,14 @@ def _logits(req: Request) -> tuple[Tensor, Tensor | None, Tensor | None]:
     if req.score_mod is not None:
         e = score_mods.apply(req.score_mod, e, tile)
     allowed = None if req.mask is None else req.mask.tile(tile)
-    if allowed is not None:
-        e = e.masked_fill(~allowed, torch.finfo(e.dtype).min)
-    dead = None
-    if (req.bias is not None or req.score_mod is not None) and e.shape[-1]:  # (no keys: the empty call's answer)
-        dead = e.amax(-1, keepdim=True) <= torch.finfo(e.dtype).min  # one pass, (b, h, i, 1) kept
-        if not (concrete(dead) and dead.device.type == "cpu" and not bool(dead.any())):
-            e = e.masked_fill(dead, torch.finfo(e.dtype).min)  # -inf rows as masked ones: a softmax without nan
+    lowest = torch.finfo(e.dtype).min
+    if (req.bias is None and req.score_mod is None) or not e.shape[-1]:  # (no keys: the empty call's answer)
+        return (e if allowed is None else e.masked_fill(~allowed, lowest)), allowed, None
+    if allowed is not None:  # -inf here, so that a row of masked and -inf logits alone has no finite one
+        e = e.masked_fill(~allowed, float("-inf"))
+    dead = torch.isneginf(e.amax(-1, keepdim=True))  # one pass, (b, h, i, 1) kept
+    if not (concrete(dead) and dead.device.type == "cpu" and not bool(dead.any())):
+        e = e.masked_fill(dead, lowest)  # rows of no key as masked ones: a softmax without nan, zeroed after
     return e, allowed, dead
 
 
