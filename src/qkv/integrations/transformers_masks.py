@@ -151,9 +151,9 @@ def mask_interface(
 
     q_offset, kv_offset = int(q_offset), int(kv_offset)  # (read once: a device's offsets sync at each read)
     filled = q_offset + q_length - kv_offset  # keys up to the last query's position
-    kind = (describe(mask_function or masking_utils.causal_mask_function) or (None, None))[0]
     before = None
-    if kind in ("causal", "sliding_causal") and 0 < filled < kv_length:
+    if 0 < filled < kv_length and (describe(mask_function or masking_utils.causal_mask_function) or ("",))[0] in (
+            "causal", "sliding_causal"):  # fmt: skip
         before = lambda: LayerMask(build(filled), (batch_size, 1, q_length, filled))  # noqa: E731
     return LayerMask(build(kv_length), (batch_size, 1, q_length, kv_length), before)
 
