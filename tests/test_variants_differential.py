@@ -132,7 +132,7 @@ def test_low_precision_follows_the_flash_rule(dtype):
     [
         (lambda: qkv.DifferentialAttention(5), "dim_head: expected an even size"),
         (lambda: qkv.DifferentialAttention(4, layer=0), "layer: expected a positive int, got 0"),
-        (lambda: qkv.DifferentialAttention(4, eps=-1e-5), r"eps: expected a positive number"),  # (gave nan outputs)
+        (lambda: qkv.DifferentialAttention(4, eps=-1e-5), r"eps: expected a finite number > 0, got -1e-05"),  # (gave nan outputs)
         # pairs (c, c + d) across the halves: Q1·K1 depended on absolute positions (0.862 at (3, 1), -1.919 at (13, 11))
         (lambda: qkv.MultiHeadAttention(16, 2, attention=qkv.DifferentialAttention(8),
                                         positional=qkv.Rotary(8, interleaved=False)),

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 
 def positive_int(name: str, value: object) -> int:
     """``value`` if it is an int >= 1, else ``ValueError`` naming the argument."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return value
+
+
+def finite_number(name: str, value: object, *, above: float | None = None) -> float:
+    """``value`` as a float if it is a finite real number (numpy's too), greater than ``above`` where given, else
+    ``TypeError``/``ValueError`` naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a finite number, got {type(value).__name__}")
+    if not math.isfinite(value) or (above is not None and not value > above):
+        raise ValueError(f"{name}: expected a finite number{'' if above is None else f' > {above:g}'}, got {value!r}")
+    return float(value)
 
 
 def probability(name: str, value: object) -> float:

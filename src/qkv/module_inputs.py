@@ -78,19 +78,23 @@ def check_input(name: str, x: Tensor, projection: nn.Module, first: bool = True)
     """Checks an input of ``projection`` (an ``nn.Linear``): a tensor ``(b, length, in_features)`` of its dtype
     (``(length, b, in_features)`` where not ``first``, a ``batch_first=False`` module's)."""
     size = projection.in_features
-    layout = f"(b, length, {size}) (batch first)" if first else f"(length, b, {size}) (batch_first=False)"
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a tensor {layout.split(' (')[0]}, got {type(x).__name__}")
+        raise TypeError(f"{name}: expected a tensor {_layout(size, first)[0]}, got {type(x).__name__}")
     if x.dim() != 3 or x.shape[-1] != size:
         order = " (qkv's order is (query, key, value); Keras' is (query, value, key))" if name != "query" else ""
-        raise ValueError(f"{name}: expected shape {layout}, got {tuple(x.shape)}{order}")
+        raise ValueError(f"{name}: expected shape {' '.join(_layout(size, first))}, got {tuple(x.shape)}{order}")
     input_dtype(name, x, getattr(projection, "weight", None))
+
+
+def _layout(size: int, first: bool) -> tuple[str, str]:
+    """An input's shape and its layout's name, for messages (made only when one is raised: a step checks its inputs)."""
+    return (f"(b, length, {size})", "(batch first)") if first else (f"(length, b, {size})", "(batch_first=False)")
 
 
 def checked_inputs(query: Tensor, key: Tensor, value: Tensor, projections: tuple, first: bool) -> tuple[Tensor, Tensor, Tensor]:
     """A multi-head module's ``query``, ``key``, ``value`` checked against their projections ``(W^Q, W^K, W^V)`` in the
     caller's layout (``first``: batch first, else ``(length, b, dim)``), then as ``(b, length, dim)`` views."""
-    (wq, wk, wv), shapes = projections, tuple(tuple(x.shape) if isinstance(x, Tensor) else None for x in (query, key, value))
+    wq, wk, wv = projections
     check_input("query", query, wq, first)
     if key is not query or wk.in_features != wq.in_features:  # else one input, checked once
         check_input("key", key, wk, first)
@@ -98,10 +102,11 @@ def checked_inputs(query: Tensor, key: Tensor, value: Tensor, projections: tuple
         check_input("value", value, wv, first)
     b = 0 if first else 1  # (the memory of another batch: key's, whatever value is, as Attention says)
     if key.shape[b] != query.shape[b]:
-        raise ValueError(f"key: expected batch {query.shape[b]} like query, got {key.shape[b]} (key {shapes[1]})")
+        raise ValueError(f"key: expected batch {query.shape[b]} like query, got {key.shape[b]} (key {tuple(key.shape)})")
     if key.shape[:2] != value.shape[:2]:
         raise ValueError(f"value: expected batch and length matching key ({'b, j' if first else 'j, b'} = "
-                         f"{tuple(key.shape[:2])}), got query {shapes[0]}, key {shapes[1]}, value {shapes[2]}")  # fmt: skip
+                         f"{tuple(key.shape[:2])}), got query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                         f"value {tuple(value.shape)}")  # fmt: skip
     return (query, key, value) if first else batch_first(query, key, value)
 
 

@@ -21,12 +21,10 @@ the test suite.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
-from .._args import positive_int
+from .._args import finite_number, positive_int
 
 
 def sinusoidal(
@@ -65,9 +63,7 @@ class SinusoidalEncoding(nn.Module):
     def __init__(self, dim: int, *, base: float = 10000.0):
         super().__init__()
         self.dim = positive_int("dim", dim)
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
-            raise ValueError(f"base: expected a finite number > 1, got {base!r}")
-        self.base = float(base)
+        self.base = finite_number("base", base, above=1)
 
     def encoding(self, length: int, start: int = 0, *, dtype=torch.float32, device="cpu") -> Tensor:
         """The ``(length, dim)`` encodings of positions ``start .. start + length - 1``."""

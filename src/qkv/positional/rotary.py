@@ -25,12 +25,10 @@ Checked in the test suite against the complex-number form.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from .._args import positive_int
+from .._args import finite_number, positive_int
 from .base import Positional
 
 
@@ -80,9 +78,8 @@ class Rotary(Positional):
         positive_int("rotary_dim", rotary_dim)
         if rotary_dim % 2 or rotary_dim > dim_head:
             raise ValueError(f"rotary_dim: expected an even number at most dim_head={dim_head}, got {rotary_dim}")
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
-            raise ValueError(f"base: expected a finite number > 1, got {base!r}")
-        self.rotary_dim, self.base, self.interleaved = rotary_dim, float(base), bool(interleaved)
+        base = finite_number("base", base, above=1)
+        self.rotary_dim, self.base, self.interleaved = rotary_dim, base, bool(interleaved)
 
     def rotate(
         self, q: Tensor, k: Tensor, start: int = 0, positions: tuple[Tensor, Tensor] | None = None

@@ -28,12 +28,11 @@ materialised softmaxes in float64 in the test suite.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 from torch import Tensor, nn
 
-from .._args import positive_int
+from .._args import finite_number, positive_int
 from ..functional import attention
 from ..masks import Mask
 from ..positional import LazyBias
@@ -102,8 +101,7 @@ class DifferentialAttention(nn.Module):
         if dim_head % 2:
             raise ValueError(f"dim_head: expected an even size (two halves of d each), got {dim_head}")
         e = dim_head if dim_value_head is None else positive_int("dim_value_head", dim_value_head)
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
-            raise ValueError(f"eps: expected a positive number (the RMSNorm's), got {eps!r}")  # (a negative one gave nan)
+        eps = finite_number("eps", eps, above=0)  # (the RMSNorm's: a negative one gave nan)
         self.dim_head, self.layer, self.backend = dim_head, layer, backend
         self.lambda_init = lambda_init(layer)
         d = dim_head // 2

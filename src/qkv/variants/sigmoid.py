@@ -32,13 +32,13 @@ the test suite.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from .. import checks
+from .._args import finite_number
 from .._trace import opaque_functions_refused
 from ..backends.request import Request
 from ..backends.tiling.tiles import NEG_INF, BiasSource, dense_tile, grouped, live_tiles, sum_to
@@ -253,12 +253,9 @@ class SigmoidAttention(nn.Module):
             if isinstance(length, bool) or not isinstance(length, int) or length < 1:
                 raise ValueError(f"length: expected a positive int, got {length!r}")
             logit_bias = -math.log(length)
-        for name, value in (("logit_bias", logit_bias), ("scale", scale)):  # (checked here, not at the first forward)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-                raise TypeError(f"{name}: expected a finite number or None, got {type(value).__name__}")
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"{name}: expected a finite number or None, got {value!r}")
-        self.logit_bias, self.scale = logit_bias, scale
+        # (checked here, not at the first forward)
+        self.logit_bias = None if logit_bias is None else finite_number("logit_bias", logit_bias)
+        self.scale = None if scale is None else finite_number("scale", scale)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None, causal: bool = False,
                 bias: Tensor | LazyBias | None = None, return_weights: bool = False):  # fmt: skip
