@@ -42,7 +42,7 @@ from .. import score_mods
 from .._trace import TRACED, tracing
 from .request import Request, bias_needs_grad
 from .tiling import flex_lowering
-from .tiling.sinks import finite
+from .tiling.sinks import with_sinks
 
 name = "flex"
 selects_weights = False
@@ -180,11 +180,8 @@ def forward(req: Request, flex, kernel_options: dict | None = None) -> tuple[Ten
     )  # fmt: skip
     out, lse = (result[0], result[1].lse) if want_lse else (result, None)
     out = out[..., : low.e]
-    if req.sinks is not None:
+    if req.sinks is not None:  # the keys' share of each row, in float32 at least
         acc = torch.promote_types(out.dtype, torch.float32)
-        sink = req.sinks.to(acc)[None, :, None]  # (1, h, 1)
-        lse = lse.to(acc)
-        total = torch.logaddexp(lse, sink)
-        out = (out.to(acc) * torch.exp(lse - finite(total))[..., None]).to(req.v.dtype)  # the keys' share of the row
-        lse = total
+        out, lse = with_sinks(out.to(acc), lse.to(acc), req.sinks)
+        out = out.to(req.v.dtype)
     return out, None, (lse if req.return_lse else None)

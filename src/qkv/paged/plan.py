@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..backends.tiling.sinks import finite
+from ..backends.tiling.sinks import with_sinks
 from .options import calibration, options
 from .pages import as_pages
 from .route import run as route
@@ -86,11 +86,9 @@ class PagedPlan:
 
         def forward() -> tuple[Tensor, Tensor]:
             out, lse = route(q, self.table, self.memo, pages, opts)
-            if sinks is not None:
-                sink = sinks.to(lse.dtype)[None, :]
-                total = torch.logaddexp(lse, sink)
-                out = (out.to(lse.dtype) * torch.exp(lse - finite(total))[..., None]).to(out.dtype)  # (no key, -inf sink: 0)
-                lse = total
+            if sinks is not None:  # (rows are (T, h): the merge's (h, T) view)
+                merged, total = with_sinks(out.to(lse.dtype).transpose(0, 1), lse.T, sinks)
+                out, lse = merged.transpose(0, 1).to(out.dtype), total.T
             if v_scale is not None:  # FlashInfer scales the output after its kernel; the lse is not scaled
                 out = (out.to(lse.dtype) * v_scale).to(out.dtype)
             return out, lse
