@@ -103,9 +103,8 @@ def weights_and_lse(req: Request, with_lse: bool = True) -> tuple[Tensor, Tensor
         if not (concrete(live) and live.device.type == "cpu" and bool(all_along(live.flatten(), 0))):
             w = w * live  # rows with no key: zero weights (a pass over them, skipped where every row has a key)
         if lse is not None:  # finfo.min logits are not "no key": the row's mass is its sink's, or none
-            dead = ~live.squeeze(-1).expand(lse.shape)
             rest = float("-inf") if req.sinks is None else req.sinks.to(lse.dtype).reshape(-1, 1).expand(lse.shape)
-            lse = torch.where(dead, rest, lse)
+            lse = torch.where(live.squeeze(-1).expand(lse.shape), lse, rest)
     return w, lse
 
 

@@ -172,8 +172,7 @@ def edit(model: torch.nn.Module, edits: Mapping[int, Edit | Sequence[Edit]]) -> 
     if odd:  # True == 1: a bool key would edit layer 1, silently
         raise TypeError(f"edit: layers are int indices, got {odd}")
     known = sorted(set(layers.values()))
-    # a negative index counts from the last attention layer, as record's layers=-1 does
-    at = {layer: known[layer] if -len(known) <= layer < 0 else layer for layer in edits}
+    at = {layer: _layer(layer, known) for layer in edits}
     unknown = [layer for layer in edits if at[layer] not in known]
     if unknown:
         raise ValueError(f"edit: layers {unknown} are not attention layers of this model, expected indices in {known}")
@@ -218,6 +217,12 @@ def _active(session: _Session) -> Iterator[None]:
         _ACTIVE.set(tuple(s for s in _ACTIVE.get() if s is not session))
 
 
+def _layer(index: int, known: list[int]) -> int:
+    """A layer index as ``edit`` and ``record`` read it: itself, or a negative one counted from the last of the
+    attention layers ``known`` (ascending)."""
+    return known[index] if -len(known) <= index < 0 else index
+
+
 def _recorded_layers(layers, known: list[int]) -> set[int]:
     """``record``'s ``layers`` as layer indices, ``known`` the attention layers' (ascending): where every layer attends
     (``0 .. n - 1``), as Python indexes a list of them; in a hybrid model, ints name attention layers (a negative one
@@ -233,7 +238,7 @@ def _recorded_layers(layers, known: list[int]) -> set[int]:
         return inside
     check_selection("record: layers", layers)
     given = [layers] if isinstance(layers, int) else layers.reshape(-1).tolist() if isinstance(layers, Tensor) else list(layers)
-    at = [known[x] if -len(known) <= x < 0 else x for x in given]
+    at = [_layer(x, known) for x in given]
     wrong = [x for x, y in zip(given, at) if y not in known]
     if wrong or not at:
         raise ValueError(f"record: layers {wrong} are not attention layers of this model, expected indices in {known}")

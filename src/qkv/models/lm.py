@@ -110,7 +110,8 @@ class CausalLM(nn.Module):
         ``cache``, ``ids`` are the new tokens only and their positions start at ``cache.length``.
         """
         start = getattr(cache, "positions", None)  # a paged serving step: each token's own position
-        if self.embed.position is not None and getattr((getattr(cache, "self_attn", None) or [None])[0], "positions_in_cache", False):
+        layer_caches = getattr(cache, "self_attn", None) or [None]  # (a DecoderCache's; a paged step has none)
+        if self.embed.position is not None and getattr(layer_caches[0], "positions_in_cache", False):
             raise ValueError(f"cache: a StreamingCache ranks its keys anew as it evicts them, which {self.embed.kind} "
                              "position embeddings, added to the tokens before the cache, cannot follow; use "
                              "positional='rotary', 'alibi' or 'none'")  # fmt: skip
