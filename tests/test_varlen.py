@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 import qkv
 
+from flash_ref import allowed
+
 H, G, D, E = 6, 3, 11, 13
 
 
@@ -59,13 +61,7 @@ def oracle(q, k, v, cu_q, cu_k, *, causal=False, window=(-1, -1), softcap=0.0, a
                              for rr in range(sq) for cc in range(sk)]).reshape(sq, sk) if sq * sk else logits[hh]
                 for hh in range(H)
             ])  # fmt: skip
-        allowed = torch.ones(sq, sk, dtype=torch.bool)
-        right = 0 if causal else window[1]
-        if window[0] >= 0:
-            allowed &= col >= diag - window[0]
-        if right >= 0:
-            allowed &= col <= diag + right
-        logits = logits.masked_fill(~allowed, -math.inf)
+        logits = logits.masked_fill(~allowed(sq, sk, causal, window), -math.inf)
         if sinks is not None:
             logits = torch.cat((logits, sinks.reshape(H, 1, 1).expand(H, sq, 1)), -1)
         lse = torch.logsumexp(logits, -1)  # (h, sq)

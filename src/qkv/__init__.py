@@ -9,7 +9,8 @@ See docs/DESIGN.md for the layers; every name exported here is public and stable
 
 from importlib.metadata import PackageNotFoundError as _NotInstalled, version as _installed_version
 
-from . import approx, backends, blocks, cache, edits, masks, models, paged, positional, score_mods, scores, tasks, variants
+from . import approx, backends, blocks, cache, edits, flash_attn, masks, models, paged, positional, score_mods, scores, tasks
+from . import variants
 from .attention import Attention, MultiHeadAttention
 from .blocks import Decoder, Encoder, TransformerDecoderLayer, TransformerEncoderLayer
 from .feed_forward import FeedForward
@@ -64,6 +65,7 @@ __all__ = [
     "edit",
     "edits",
     "explain",
+    "flash_attn",
     "flex_attention",
     "masks",
     "merge",

@@ -118,22 +118,46 @@ def varlen_attention(
                                     sinks=sinks)  # fmt: skip
             return _answer(out, lse, return_lse, return_attn_probs)
         k, v = (gather_pages(x, block_table, cu_k) for x in (k, v))  # what the engine has no form for: packed
+    spans_q = [(a, b - a) for a, b in zip(cu_q, cu_q[1:])]
+    spans_k = [(a, b - a) for a, b in zip(cu_k, cu_k[1:])]
+    out, lse = packed_spans(q, k, v, spans_q, spans_k, window=(left, right), softcap=float(softcap),
+                            alibi_slopes=alibi_slopes, score_mod=score_mod, sinks=sinks, scale=softmax_scale,
+                            dropout=dropout_p, generator=generator, return_lse=return_lse or return_attn_probs)  # fmt: skip
+    return _answer(out, lse, return_lse, return_attn_probs)
+
+
+def packed_spans(q: Tensor, k: Tensor, v: Tensor, spans_q: list[tuple[int, int]], spans_k: list[tuple[int, int]], *,
+                 window: tuple[int | None, int | None], softcap: float, alibi_slopes: Tensor | None,
+                 score_mod: Callable | None, sinks: Tensor | None, scale: float | None, dropout: float,
+                 generator: torch.Generator | None, return_lse: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """``(out (total_q, h, e), lse (h, total_q) | None)``: sequence ``s``'s queries, rows ``spans_q[s] = (start, n)`` of
+    ``q``, against its keys, rows ``spans_k[s]`` of ``k`` and ``v``, with flash-attn's per-sequence semantics.
+
+    Key spans may lie anywhere in ``k`` (a KV cache's rows, flattened, with gaps between them);
+    rows of ``q`` no span names get zeros.
+    """
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in autocast_inputs(q, k, v))  # (1, h, t, ·): views
     req = checks.request(
-        q4, k4, v4, score="scaled_dot", mask=None, bias=None, causal=False, scale=softmax_scale, dropout=dropout_p,
-        return_weights=False, generator=generator, sinks=sinks, score_mod=score_mod,
-        return_lse=return_lse or return_attn_probs,
+        q4, k4, v4, score="scaled_dot", mask=None, bias=None, causal=False, scale=scale, dropout=dropout,
+        return_weights=False, generator=generator, sinks=sinks, score_mod=score_mod, return_lse=return_lse,
     )  # fmt: skip
-    slopes = _slopes(alibi_slopes, req.heads, len(cu_q) - 1, q.device)
+    slopes = _slopes(alibi_slopes, req.heads, len(spans_q), q.device)
+    left, right = window
     segments = []
-    for s in range(len(cu_q) - 1):
-        block = Block(cu_q[s], cu_q[s + 1] - cu_q[s], cu_k[s], cu_k[s + 1] - cu_k[s], req.i, req.j)
-        mask = None if left is None and right is None else Window(left, right)
+    for s, ((q0, sq), (k0, sk)) in enumerate(zip(spans_q, spans_k)):
+        block = Block(q0, sq, k0, sk, req.i, req.j)
+        mask = window_mask(left, right, sq, sk)
         row = None if slopes is None else slopes[min(s, len(slopes) - 1)]
-        bias, mod = _logit_terms(row, float(softcap), score_mod, s, block.jt - block.it)
+        bias, mod = _logit_terms(row, softcap, score_mod, s, block.jt - block.it)
         segments.append(Segment(0, block, mask, bias, mod))
-    out, lse = run_segments(req, segments, packed=True)  # (total_q, h, e), (h, total_q)
-    return _answer(out, lse, return_lse, return_attn_probs)
+    return run_segments(req, segments, packed=True)  # (total_q, h, e), (h, total_q)
+
+
+def window_mask(left: int | None, right: int | None, sq: int, sk: int) -> Window | None:
+    """A sequence's ``Window(left, right)`` of ``sq`` queries over ``sk`` keys, or None where it hides no key (a
+    decoding step's causal mask): the call then runs the plain kernel."""
+    hides = (left is not None and left < sk - 1) or (right is not None and right < sq - 1)
+    return Window(left, right) if hides else None
 
 
 def _check_scalars(deterministic: object, return_attn_probs: object, softcap: object, softmax_scale: object,

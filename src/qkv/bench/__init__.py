@@ -74,6 +74,7 @@ SUITES: dict[str, str] = {
     "serving": "qkv.bench.serving",
     "edits": "qkv.bench.edits",
     "sdpa": "qkv.bench.sdpa_dialect",
+    "flash-attn": "qkv.bench.flash_dialect",
     "padded": "qkv.bench.padded",
 }
 #: Suites run when ``--suite`` is not given.

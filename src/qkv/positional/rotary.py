@@ -41,10 +41,15 @@ def rotary_angles(positions: Tensor, rotary_dim: int, base: float = 10000.0) -> 
 
 def apply_rotary(x: Tensor, angles: Tensor, *, interleaved: bool = True) -> Tensor:
     """Rotate the first ``r = 2 · angles.shape[-1]`` dims of ``x (..., n, d)`` by ``angles (n, r/2)``."""
-    r = 2 * angles.shape[-1]
     # cos/sin in float64, then cast: in float32 the angle m·θ_0 = m is exact but its sine
     # would be rounded differently in the full and the cached pass.
-    cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
+    return rotate_pairs(x, torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype), interleaved=interleaved)
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = True) -> Tensor:
+    """Rotate the first ``r = 2 · cos.shape[-1]`` dims of ``x (..., d)`` pair by pair by the given ``cos, sin (..., r/2)``,
+    which broadcast against ``x``'s leading dims; the other dims pass through."""
+    r = 2 * cos.shape[-1]
     rot, rest = x[..., :r], x[..., r:]
     if interleaved:
         a, b = rot[..., 0::2], rot[..., 1::2]
