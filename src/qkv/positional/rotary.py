@@ -30,6 +30,7 @@ from torch import Tensor
 
 from .._args import finite_number, positive_int
 from .base import Positional
+from .rope_scaling import frequencies, scaling_settings
 
 
 def rotary_angles(positions: Tensor, rotary_dim: int, base: float = 10000.0) -> Tensor:
@@ -72,10 +73,14 @@ class Rotary(Positional):
             default all of them). GPT-NeoX rotates a quarter.
         base: the wavelength base of the frequencies (10000 in the paper).
         interleaved: pair dims ``(2k, 2k+1)`` as in the paper (True) or ``(k, k + r/2)``.
+        scaling: frequencies stretched for longer contexts, as a Hugging Face config's
+            ``rope_scaling`` gives them: ``{"rope_type": "linear" | "dynamic" | "yarn" | "llama3",
+            "factor": ..., ...}`` (``qkv.positional.rope_scaling``); None: the paper's.
     """
 
     def __init__(
-        self, dim_head: int, *, rotary_dim: int | None = None, base: float = 10000.0, interleaved: bool = True
+        self, dim_head: int, *, rotary_dim: int | None = None, base: float = 10000.0, interleaved: bool = True,
+        scaling: dict | None = None,
     ):
         super().__init__()
         self.dim_head = positive_int("dim_head", dim_head)
@@ -85,6 +90,10 @@ class Rotary(Positional):
             raise ValueError(f"rotary_dim: expected an even number at most dim_head={dim_head}, got {rotary_dim}")
         base = finite_number("base", base, above=1)
         self.rotary_dim, self.base, self.interleaved = rotary_dim, base, bool(interleaved)
+        self.scaling = scaling_settings(scaling, base)
+        # (dynamic NTK's frequencies follow each call's positions; the others are fixed)
+        fixed = self.scaling["rope_type"] != "dynamic"
+        self._fixed = frequencies(rotary_dim, base, self.scaling) if fixed else None
 
     def rotate(
         self, q: Tensor, k: Tensor, start: int = 0, positions: tuple[Tensor, Tensor] | None = None
@@ -122,10 +131,17 @@ class Rotary(Positional):
             got = tuple(positions.shape) if isinstance(positions, Tensor) else type(positions).__name__
             raise ValueError(f"positions: expected one per row of x ({x.shape[-2]},), got {got}; rotary depends on "
                              "distances only, so rows of a batch share their positions")  # fmt: skip
-        return apply_rotary(x, rotary_angles(positions, self.rotary_dim, self.base), interleaved=self.interleaved)
+        if self.scaling["rope_type"] == "default":
+            return apply_rotary(x, rotary_angles(positions, self.rotary_dim, self.base), interleaved=self.interleaved)
+        theta, factor = self._fixed or frequencies(self.rotary_dim, self.base, self.scaling,
+                                                   int(positions.max()) + 1 if positions.numel() else None)  # fmt: skip
+        angles = positions.to(torch.float64)[:, None] * theta.to(positions.device)[None, :]
+        cos, sin = (torch.cos(angles) * factor).to(x.dtype), (torch.sin(angles) * factor).to(x.dtype)
+        return rotate_pairs(x, cos, sin, interleaved=self.interleaved)
 
     def extra_repr(self) -> str:
+        scaled = "" if self.scaling["rope_type"] == "default" else f", scaling={self.scaling}"
         return (
             f"dim_head={self.dim_head}, rotary_dim={self.rotary_dim}, base={self.base:g}, "
-            f"interleaved={self.interleaved}"
+            f"interleaved={self.interleaved}{scaled}"
         )
