@@ -306,3 +306,56 @@ def test_a_sequence_first_module_names_shapes_as_they_were_given():
         ours(torch.randn(5, 2, DIM), torch.randn(7, 3, DIM))
     with pytest.raises(ValueError, match=r"value: .* \(j, b = \(7, 2\)\), got query \(5, 2, 12\), key \(7, 2, 12\), value \(6, 2, 12\)"):
         ours(torch.randn(5, 2, DIM), torch.randn(7, 2, DIM), torch.randn(6, 2, DIM))
+
+
+@pytest.mark.parametrize("kv_heads, kdim, vdim, bias, batch_first", [
+    (8, None, None, True, True), (2, None, None, True, True), (1, 48, 40, False, False), (4, None, 24, True, False),
+])  # fmt: skip
+def test_to_torch_gives_pytorchs_module_with_the_same_outputs_and_gradients(kv_heads, kdim, vdim, bias, batch_first):
+    """Grouped K/V heads become PyTorch's heads with each K/V head's weights repeated: the same function."""
+    torch.manual_seed(0)
+    ours = qkv.MultiHeadAttention(64, 8, kv_heads=kv_heads, kdim=kdim, vdim=vdim, bias=bias, batch_first=batch_first)
+    ours = ours.double()
+    theirs = ours.to_torch()
+    assert isinstance(theirs, nn.MultiheadAttention) and theirs.batch_first == batch_first
+    assert theirs.in_proj_weight is None if (kdim or vdim) else theirs.in_proj_weight.dtype == torch.float64
+    b, i, j = 3, 5, 7
+    x = torch.randn(b, i, 64, dtype=torch.float64)
+    mem_k, mem_v = torch.randn(b, j, kdim or 64, dtype=torch.float64), torch.randn(b, j, vdim or 64, dtype=torch.float64)
+    if not batch_first:
+        x, mem_k, mem_v = (t.transpose(0, 1) for t in (x, mem_k, mem_v))
+    causal = torch.ones(i, j, dtype=torch.bool).tril(j - i)
+    want = ours(x, mem_k, mem_v, mask=causal)
+    got, _ = theirs(x, mem_k, mem_v, attn_mask=~causal, need_weights=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    cot = torch.randn_like(want)
+    want.backward(cot)
+    got, _ = theirs(x, mem_k, mem_v, attn_mask=~causal, need_weights=False)
+    got.backward(cot)
+    torch.testing.assert_close(theirs.out_proj.weight.grad, ours.out_proj.weight.grad, rtol=0, atol=1e-11)
+    back = qkv.MultiHeadAttention.from_torch(theirs)  # and back: PyTorch's heads, the same function
+    torch.testing.assert_close(back(x, mem_k, mem_v, mask=causal), want, rtol=0, atol=1e-12)
+
+
+def test_to_torch_keeps_mode_dropout_and_frozen_parameters():
+    ours = qkv.MultiHeadAttention(32, 4, dropout=0.25).eval()
+    ours.k_proj.weight.requires_grad_(False)
+    ours.out_proj.bias.requires_grad_(False)
+    theirs = ours.to_torch()
+    assert not theirs.training and theirs.dropout == 0.25
+    assert theirs.in_proj_weight.requires_grad  # (q and v still learn: the packed tensor learns)
+    assert not theirs.out_proj.bias.requires_grad and theirs.out_proj.weight.requires_grad
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: qkv.MultiHeadAttention(64, 8, positional=qkv.Rotary(8)), "this module has positional"),
+    (lambda: qkv.MultiHeadAttention(64, 8, score_mod=qkv.SoftCap(30.0)), "this module has score_mod"),
+    (lambda: qkv.MultiHeadAttention(64, 8, qk_norm=qkv.QKNorm(8)), "this module has qk_norm"),
+    (lambda: qkv.MultiHeadAttention(64, 8, score="dot"), "score=Dot"),
+    (lambda: qkv.MultiHeadAttention(64, 8, attention=qkv.approx.Performer(8, seed=0)), "attention=Performer"),
+    (lambda: qkv.MultiHeadAttention(64, 8, dim_head=16), r"dim / heads = 8 wide"),
+    (lambda: qkv.MultiHeadAttention(64, 8, dim_value_head=4), r"dim / heads = 8 wide"),
+])  # fmt: skip
+def test_to_torch_refuses_what_pytorchs_module_cannot_hold_by_name(make, match):
+    with pytest.raises(ValueError, match=match):
+        make().to_torch()

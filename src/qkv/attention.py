@@ -233,12 +233,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("score: give the score to the mechanism passed as attention=, not to both")
         elif score_mod is not None:
             raise ValueError("score_mod: give it to the mechanism passed as attention=, not to both")
-        elif (
-            positional is not None
-            and positional.bias() is not None
-            and not isinstance(attention, Attention)
-            and not getattr(attention, "accepts_bias", False)
-        ):
+        elif positional is not None and positional.bias() is not None and not isinstance(attention, Attention) and (
+                not getattr(attention, "accepts_bias", False)):  # fmt: skip
             # Approximate mechanisms never form the (i, j) logits, so there is nothing to add a bias to.
             raise ValueError(
                 f"positional: {type(positional).__name__} adds a bias to the logits, which the mechanism "
@@ -262,6 +258,12 @@ class MultiHeadAttention(nn.Module):
         from .interop import from_torch
 
         return from_torch(cls, module)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """This module as ``nn.MultiheadAttention`` with the same weights, where PyTorch's can hold it (``qkv.interop``)."""
+        from .interop import to_torch
+
+        return to_torch(self)
 
     @classmethod
     def from_keras(cls, layer) -> MultiHeadAttention:

@@ -1,4 +1,4 @@
-"""Conversion from ``torch.nn.MultiheadAttention`` to ``qkv.MultiHeadAttention``.
+"""Conversion between ``torch.nn.MultiheadAttention`` and ``qkv.MultiHeadAttention``, both ways.
 
 Shape legend: ``h`` heads, ``d`` per-head size, ``dim`` the model size ``= h·d``.
 
@@ -28,6 +28,12 @@ Where the two differ, and how to call qkv for the same result:
   ``(b, h, i, j)``; unbatched ``(i, dim)`` inputs give ``(i, dim)`` and per-head ``(h, i, j)``.
 * PyTorch's keywords (``attn_mask``, ``key_padding_mask``, ``need_weights``, ...) are
   answered with qkv's names (``MultiHeadAttention.forward``'s error).
+
+Back to PyTorch (:func:`to_torch`, ``mha.to_torch()``) for a module PyTorch can hold: scaled
+dot-product attention of ``h`` heads of ``dim / h`` (values too), no positional encoding,
+``score_mod``, ``qk_norm``, gate, edits or other mechanism. Grouped K/V heads
+(``kv_heads < heads``) are PyTorch's ``h`` heads with each K/V head's weights repeated for
+the query heads that read it: the same outputs, ``h / g`` times the K/V projection's size.
 """
 
 from __future__ import annotations
@@ -86,3 +92,59 @@ def from_torch(cls, module: nn.MultiheadAttention):
         p.requires_grad_(theirs[source[name]].requires_grad)
     ours.train(module.training)
     return ours
+
+
+def to_torch(module) -> nn.MultiheadAttention:
+    """``nn.MultiheadAttention`` with ``module``'s weights (a ``qkv.MultiHeadAttention``); outputs then match.
+
+    Its ``batch_first``, dropout, dtype, device, training mode and each parameter's
+    ``requires_grad`` are kept; grouped K/V heads are repeated (see the module docstring).
+    """
+    from .attention import Attention  # (a room above: imported on use, as from_torch's caller imports this one)
+    from .scores import ScaledDot
+
+    attention = module.attention
+    plain = type(attention) is Attention and type(attention.score) is ScaledDot
+    extras = {"positional": module.positional, "qk_norm": module.qk_norm, "gate": module.gate,
+              "score_mod": getattr(attention, "score_mod", None), "edits": getattr(attention, "edits", None)}  # fmt: skip
+    given = [name for name, value in extras.items() if value is not None]
+    if not plain or given:
+        what = given[0] if given else f"attention={type(attention).__name__}, score={getattr(attention, 'score', None)!r}"
+        raise ValueError(f"module: nn.MultiheadAttention computes scaled dot-product attention with no other term; "
+                         f"this module has {what}")  # fmt: skip
+    dim, heads, d = module.dim, module.heads, module.dim_head
+    if d * heads != dim or module.dim_value_head != d:
+        raise ValueError(f"module: nn.MultiheadAttention's heads are dim / heads = {dim / heads:g} wide, queries, keys "
+                         f"and values; this module's are {d} (dim_head) and {module.dim_value_head} (dim_value_head)")  # fmt: skip
+    has_bias = module.q_proj.bias is not None
+    weight = module.out_proj.weight
+    theirs = nn.MultiheadAttention(dim, heads, dropout=attention.dropout, bias=has_bias, kdim=module.k_proj.in_features,
+                                   vdim=module.v_proj.in_features, batch_first=module.batch_first,
+                                   device=weight.device, dtype=weight.dtype)  # fmt: skip
+    repeat = heads // module.kv_heads
+
+    def per_query_head(x):  # (g·d, ...) -> (h·d, ...): K/V head c's rows for query heads c·repeat .. (c+1)·repeat - 1
+        return x.unflatten(0, (module.kv_heads, d)).repeat_interleave(repeat, 0).flatten(0, 1)
+
+    wq, wk, wv = module.q_proj.weight, per_query_head(module.k_proj.weight), per_query_head(module.v_proj.weight)
+    with torch.no_grad():
+        if theirs._qkv_same_embed_dim:
+            theirs.in_proj_weight.copy_(torch.cat((wq, wk, wv)))
+        else:
+            theirs.q_proj_weight.copy_(wq)
+            theirs.k_proj_weight.copy_(wk)
+            theirs.v_proj_weight.copy_(wv)
+        theirs.out_proj.weight.copy_(weight)
+        if has_bias:
+            theirs.in_proj_bias.copy_(torch.cat((module.q_proj.bias, per_query_head(module.k_proj.bias),
+                                                 per_query_head(module.v_proj.bias))))  # fmt: skip
+            theirs.out_proj.bias.copy_(module.out_proj.bias)
+    ours = dict(module.named_parameters())
+    packed = ("q_proj", "k_proj", "v_proj")
+    for name, p in theirs.named_parameters():  # a packed tensor learns if any of the parameters it holds does
+        sources = {"in_proj_weight": [f"{x}.weight" for x in packed], "in_proj_bias": [f"{x}.bias" for x in packed],
+                   "q_proj_weight": ["q_proj.weight"], "k_proj_weight": ["k_proj.weight"],
+                   "v_proj_weight": ["v_proj.weight"]}.get(name, [name])  # fmt: skip
+        p.requires_grad_(any(ours[source].requires_grad for source in sources))
+    theirs.train(module.training)
+    return theirs
