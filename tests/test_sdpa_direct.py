@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import qkv
 from qkv import torch_sdpa
 from qkv.backends import sdpa_direct, sdpa_plain
+from qkv.backends.sdpa import _kernel as sdpa_kernel
 
 N, HQ, H, L, S, E = 2, 6, 3, 5, 9, 8
 
@@ -227,3 +228,24 @@ def test_a_strided_nested_tensor_with_a_mask_gets_the_drop_ins_message():
     k = torch.randn(2, HQ, S, E, generator=gen)
     with pytest.raises(NotImplementedError, match="query: a nested tensor"):
         qkv.scaled_dot_product_attention(nested, k, k, attn_mask=torch.ones(1, 1, 1, S, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_way_is_kept_per_device_kind_so_a_meta_call_neither_declines_nor_takes_a_cpu_shape(masked, monkeypatch):
+    """A meta call of some shapes keeps "no" (the lane plans nothing there): a CPU call of the same shapes still takes
+    the door; and a CPU call's grouped rows (PyTorch's CPU kernel) never reach a meta call of those shapes."""
+    monkeypatch.setattr(sdpa_direct, "_WAYS", {})
+    monkeypatch.setattr(sdpa_plain, "grouping", lambda *a: "rows")
+    q, k, v = _inputs(H, 1, 64)
+    mask = _padding(64) if masked else None
+    meta = [x.to("meta") for x in (q, k, v)]
+    meta_mask = None if mask is None else mask.to("meta")
+    qkv.scaled_dot_product_attention(*meta, attn_mask=meta_mask, enable_gqa=True)  # keeps "no" for the meta kind
+    calls = []
+    monkeypatch.setattr(sdpa_direct, "_kernel", lambda *a: calls.append(a[0].device.type) or sdpa_kernel(*a))
+    got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert calls == ["cpu"]  # the CPU call took its own way, grouped rows
+    out = qkv.scaled_dot_product_attention(*meta, attn_mask=meta_mask, enable_gqa=True)  # and the meta one not
+    assert out.device.type == "meta" and calls == ["cpu"]

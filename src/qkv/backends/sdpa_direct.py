@@ -34,7 +34,7 @@ from .._trace import tracing
 from . import sdpa_plain
 from .sdpa import _kernel, zeroes_dead_rows
 
-#: What a call of this ``(q shape, k shape, v shape, dtype, enable_gqa, mask shape or None)`` takes: ``"plain"``
+#: What a call of this ``(q shape, k shape, v shape, dtype, enable_gqa, mask shape or None, device kind)`` takes: ``"plain"``
 #: (one head per KV head), ``"gqa"`` (``enable_gqa``), ``"rows"`` (grouped heads as query rows, where
 #: :func:`.grouped_rows.grouping` times them faster) or ``"no"`` (the drop-in's own path). A decoding loop's
 #: layers and steps share a few shapes: what the first call decides, the rest look up.
@@ -57,7 +57,7 @@ def unmasked(query: object, key: object, value: object, scale: float | None, gro
     if torch.compiler.is_compiling():
         return None  # no lookup keyed on sizes: a compiled decoding step would guard on them, recompiling each token
     try:  # (a strided nested tensor has no shape to read: RuntimeError, as from a call PyTorch refuses)
-        call = (query.shape, key.shape, value.shape, query.dtype, grouped, None)
+        call = (query.shape, key.shape, value.shape, query.dtype, grouped, None, *_where(query))
         way = _WAYS.get(call) or _way(call, query, key, value)
         if way is _GQA or way is _PLAIN:
             return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=way is _GQA)
@@ -87,7 +87,7 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
     try:
         if attn_mask.dtype != torch.bool or not attn_mask.is_cpu:
             return None
-        call = (query.shape, key.shape, value.shape, query.dtype, grouped, attn_mask.shape)
+        call = (query.shape, key.shape, value.shape, query.dtype, grouped, attn_mask.shape, *_where(query))
         way = _WAYS.get(call) or _way(call, query, key, value, attn_mask)
         if way == "no":
             return None
@@ -106,11 +106,18 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
 NOT_FINITE = object()
 
 
+def _where(query: Tensor) -> tuple[bool, bool, bool]:
+    """The device kind a call's way is kept for (the way is decided per device: a meta call's "no" must not send a CPU
+    call of its shapes through the checks, nor a CPU call's grouped rows send a GPU or meta call to the CPU kernel);
+    three flags, a third of the time of ``query.device.type``."""
+    return query.is_cpu, query.is_meta, query.is_cuda
+
+
 def _way(call: tuple, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None) -> str:
     """:data:`_WAYS`' answer for a call of ``call``'s shapes, from the plain lane's own plan of it (its checks and its
     choice of grouped rows), kept unless traced (the lane plans nothing there). The plan is made with the default
     scale: the way is the shapes', and a scale the lane declines (not positive) must not decline them for others."""
-    (qs, ks, _, _, grouped, _), traced = call, tracing()
+    (qs, ks, _, _, grouped, _, *_), traced = call, tracing()
     step = mask is None or (len(qs) == 4 and qs[2] == 1)  # (a mask is taken only on a decoding step: not planned else)
     decided = sdpa_plain.plan(query, key, value, "scaled_dot", False, None, mask) if step else None
     takes = decided is not None and (qs[1] == ks[1] or grouped) and (  # (qkv groups heads unasked; SDPA needs the flag)
