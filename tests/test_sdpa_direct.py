@@ -249,3 +249,15 @@ def test_a_way_is_kept_per_device_kind_so_a_meta_call_neither_declines_nor_takes
     assert calls == ["cpu"]  # the CPU call took its own way, grouped rows
     out = qkv.scaled_dot_product_attention(*meta, attn_mask=meta_mask, enable_gqa=True)  # and the meta one not
     assert out.device.type == "meta" and calls == ["cpu"]
+
+
+def test_a_call_declined_for_its_mixed_dtypes_does_not_decline_its_shapes(monkeypatch):
+    """Mixed dtypes are PyTorch's error, answered by the drop-in's checks; a later call of the same shapes in one dtype
+    still takes the door (it once went through the checks after such a call: an order-dependent failure)."""
+    monkeypatch.setattr(sdpa_direct, "_WAYS", {})
+    q, k, v = _inputs()
+    with pytest.raises(RuntimeError, match="dtype"):
+        qkv.scaled_dot_product_attention(q, k.float(), v.float())
+    monkeypatch.setattr(torch_sdpa, "_validate", lambda *a: (_ for _ in ()).throw(AssertionError("the checks ran")))
+    torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v),
+                               rtol=1e-12, atol=1e-12)  # fmt: skip
