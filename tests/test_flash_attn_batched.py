@@ -149,3 +149,58 @@ def test_gqa_heads_read_their_group():
     for i in range(H):
         alone = fa.flash_attn_func(q[:, :, i : i + 1], k[:, :, i // (H // G)][:, :, None], v[:, :, i // (H // G)][:, :, None])
         torch.testing.assert_close(out[:, :, i : i + 1], alone, rtol=0, atol=1e-14)
+
+
+def test_numpy_scalars_and_0d_tensors_are_read_as_flash_attns_bindings_read_them():
+    import numpy as np
+
+    q, k, v = (x.detach() for x in inputs(2, 5, 7))
+    want = fa.flash_attn_func(q, k, v, causal=True, softmax_scale=0.25, window_size=(3, 0), return_attn_probs=True)
+    got = fa.flash_attn_func(q, k, v, causal=np.bool_(True), softmax_scale=np.float32(0.25), dropout_p=np.float64(0.0),
+                             window_size=np.array([3, 0]), return_attn_probs=torch.tensor(True))  # fmt: skip
+    torch.testing.assert_close(got[:2], want[:2], rtol=0, atol=0)
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    flat = [x.reshape(10, *x.shape[2:]) for x in (q, k[:, :5], v[:, :5])]
+    torch.testing.assert_close(qkv.varlen_attention(*flat, cu, cu, causal=np.bool_(True), softcap=np.float32(2.0)),
+                               qkv.varlen_attention(*flat, cu, cu, causal=True, softcap=2.0), rtol=0, atol=0)  # fmt: skip
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        fa.flash_attn_func(q, k, v, causal=torch.tensor([True, False]))
+    with pytest.raises(TypeError, match="softmax_scale: expected a number"):
+        fa.flash_attn_func(q, k, v, softmax_scale=torch.tensor(0.25, requires_grad=True))
+
+
+def test_bert_padding_has_flash_attns_gathers_and_their_gradients():
+    from qkv.flash_attn.bert_padding import (index_first_axis, index_put_first_axis, pad_input, unpad_input,
+                                             unpad_input_for_concatenated_sequences)  # fmt: skip
+
+    x = torch.randn(6, 3, 2, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([4, 0, 5], dtype=torch.int32)
+    rows = index_first_axis(x, idx)
+    assert torch.equal(rows, x[[4, 0, 5]])
+    (g,) = torch.autograd.grad((rows * torch.arange(18.0).view(3, 3, 2)).sum(), x)
+    want = torch.zeros(6, 3, 2, dtype=torch.float64)
+    want[[4, 0, 5]] = torch.arange(18.0, dtype=torch.float64).view(3, 3, 2)
+    assert torch.equal(g, want)
+    values = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    put = index_put_first_axis(values, idx, 6)
+    assert put.shape == (6, 2) and torch.equal(put[[4, 0, 5]], values) and put[[1, 2, 3]].abs().sum() == 0
+    (gv,) = torch.autograd.grad((put * torch.arange(12.0).view(6, 2)).sum(), values)
+    assert torch.equal(gv, torch.arange(12.0, dtype=torch.float64).view(6, 2)[[4, 0, 5]])
+    hidden = torch.randn(2, 4, 3)
+    packed, indices, cu, longest, used = unpad_input(hidden, torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))
+    assert torch.equal(pad_input(packed, indices, 2, 4)[1], hidden[1]) and cu.tolist() == [0, 2, 6] and longest == 4
+    # flash-attn's docstring example: rows of samples of 2 and 3, 3 and 2, and 6 tokens
+    hidden = torch.arange(3 * 6 * 2, dtype=torch.float32).view(3, 6, 2)
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [3, 2, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0]])
+    packed, indices, cu, longest = unpad_input_for_concatenated_sequences(hidden, lengths)
+    assert cu.tolist() == [0, 2, 5, 8, 10, 16] and cu.dtype == torch.int32 and longest == 6
+    assert indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, *range(12, 18)]
+    assert torch.equal(packed, hidden.flatten(0, 1)[indices])
+
+
+def test_flash_attns_modules_and_version_are_there():
+    from qkv.flash_attn import flash_attn_interface
+
+    assert fa.__version__ == "2.8.4"
+    for name in flash_attn_interface.__all__:
+        assert getattr(flash_attn_interface, name) is getattr(fa, name)

@@ -47,10 +47,7 @@ def reference(q, k_cache, v_cache, k, v, *, cos=None, sin=None, lens=None, rows=
             for t in range(new):
                 kc[where(n, lens[n] + t)] = kn[t]
                 vc[where(n, lens[n] + t)] = v[n, t]
-    left, right = window
-    right = 0 if causal else right
-    left, right = (-1 if side >= capacity else side for side in (left, right))
-    per_row = left >= 0 or right >= 0
+    per_row = causal or tuple(window) != (-1, -1)  # flash-attn's docstring: "if causal or local"
     outs, lses = [], []
     for n in range(b):
         qn = q[n]
@@ -104,8 +101,7 @@ def draw(seed):
     else:
         lens = None
     if not paged and rnd.random() < 0.3:
-        ends = [capacity if lens is None else n + new for n in (lens or [capacity] * b)]
-        pads = [rnd.randint(0, end) for end in ends]
+        pads = [rnd.randint(0, n) for n in (lens or [capacity] * b)]  # (at most the cache's length)
         extra["cache_leftpad"] = torch.tensor(pads, dtype=torch.int32)
         ref_extra["pads"] = pads
     k = randn(b, new, g, D) if new else None
@@ -233,6 +229,9 @@ def _call(**over):
     (dict(k_cache=torch.zeros(2, 8, 4, D), v_cache=torch.zeros(2, 8, 4, E)), ValueError, "4 key/value heads must divide"),
     (dict(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)), ValueError, "cache_batch_idx: rows 0 .. 2"),
     (dict(cache_leftpad=torch.tensor([0, 7], dtype=torch.int32)), ValueError, "cache_leftpad: expected 0 .."),
+    (dict(cache_leftpad=torch.tensor([0, 6], dtype=torch.int32)), ValueError, r"cache_seqlens \(\[3, 5\]\)"),
+    (dict(causal="yes"), TypeError, "causal: expected a bool"),
+    (dict(softmax_scale="0.1"), TypeError, "softmax_scale: expected a number"),
     (dict(cache_seqlens=torch.tensor([3.0, 5.0])), TypeError, "cache_seqlens: expected a 1-d integer tensor"),
     (dict(num_splits=-1), ValueError, "num_splits"),
     (dict(k_cache=torch.zeros(6, 4, 2, D), v_cache=torch.zeros(6, 4, 2, E), block_table=torch.tensor([[0, 1], [2, 3]]),
@@ -267,3 +266,17 @@ def test_a_contiguous_cache_is_read_as_pages_by_the_paged_engine_in_one_pass(mon
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
     torch.testing.assert_close((k_cache, v_cache), (want_k, want_v), rtol=0, atol=0)
 
+
+
+def test_numpy_scalars_and_0d_tensors_are_read_as_flash_attns_bindings_read_them():
+    import numpy as np
+
+    q, k_cache, v_cache, k, v, given, lens, extra, ref_extra, opts = draw(4)
+    kw = dict(cache_seqlens=given, window_size=opts["window"], **extra)
+    want = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, causal=True, softmax_scale=0.25,
+                                   return_softmax_lse=True, num_splits=1, **kw)  # fmt: skip
+    got = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, causal=np.bool_(True),
+                                  softmax_scale=torch.tensor(0.25), return_softmax_lse=np.array([True])[0],
+                                  num_splits=np.int64(1), **kw)  # fmt: skip
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.varlen import _window
+from qkv.flash_args import window as _window
 from qkv.varlen_paged import in_place
 
 H, D, E = 6, 5, 7  # e != d: flash-attn 2 needs e == d; qkv takes more, and the default scale is d's

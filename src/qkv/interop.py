@@ -41,6 +41,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .scores import ScaledDot
+
 
 def from_torch(cls, module: nn.MultiheadAttention):
     """Build ``cls`` (``qkv.MultiHeadAttention``) with ``module``'s weights; outputs then match.
@@ -94,17 +96,15 @@ def from_torch(cls, module: nn.MultiheadAttention):
     return ours
 
 
-def to_torch(module) -> nn.MultiheadAttention:
-    """``nn.MultiheadAttention`` with ``module``'s weights (a ``qkv.MultiHeadAttention``); outputs then match.
+def to_torch(module, default_mechanism: bool) -> nn.MultiheadAttention:
+    """``nn.MultiheadAttention`` with ``module``'s weights (a ``qkv.MultiHeadAttention`` whose mechanism is its
+    default ``qkv.Attention``, ``default_mechanism``); outputs then match.
 
     Its ``batch_first``, dropout, dtype, device, training mode and each parameter's
     ``requires_grad`` are kept; grouped K/V heads are repeated (see the module docstring).
     """
-    from .attention import Attention  # (a room above: imported on use, as from_torch's caller imports this one)
-    from .scores import ScaledDot
-
     attention = module.attention
-    plain = type(attention) is Attention and type(attention.score) is ScaledDot
+    plain = default_mechanism and type(attention.score) is ScaledDot
     extras = {"positional": module.positional, "qk_norm": module.qk_norm, "gate": module.gate,
               "score_mod": getattr(attention, "score_mod", None), "edits": getattr(attention, "edits", None)}  # fmt: skip
     given = [name for name, value in extras.items() if value is not None]

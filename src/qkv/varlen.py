@@ -20,7 +20,12 @@ the documented bias's by ``slope · (r + sk - sq)``: qkv keeps the docstring's).
 ``generator``; it takes more than flash-attn refuses (float32/64, ``e != d``, any head size,
 softcap with dropout, int64 offsets) and refuses what flash-attn would read wrongly (a
 ``max_seqlen`` below the longest sequence, offsets that do not end at the token count) or
-reads as "none" (a negative ``softcap``, a window side below -1).
+reads as "none" (a negative ``softcap``, a window side below -1). Where a window side is at
+least the key count and queries outnumber keys, flash-attn 2's kernel reads that side as
+unbounded (and an unbounded side next to a bounded one as the key count), which moves the
+top rows' keys away from its docstring's formula; qkv keeps the formula, which flash-attn's
+tests check (their windows are below the key count). Flags and numbers are read as
+flash-attn's bindings read them (``qkv.flash_args``: numpy scalars and 0-d tensors too).
 
 Each sequence runs as an ordinary call of its own (``backends.segments``): the work is
 ``Σ sq·sk``, a sequence's result does not depend on its neighbours, and every mechanism of
@@ -35,9 +40,6 @@ expression"), and ``torch.jit.trace`` keeps them as constants. A traced packed b
 
 from __future__ import annotations
 
-import math
-import operator
-
 from typing import Callable
 
 import torch
@@ -45,7 +47,7 @@ from torch import Tensor
 
 from . import checks
 from ._trace import concrete
-from ._args import probability
+from .flash_args import as_int, flag, scalars, window
 from .backends.segments import Segment, run_segments
 from .backends.tiling.framing import Block, frame_score_mod
 from .functional import autocast_inputs
@@ -106,8 +108,10 @@ def varlen_attention(
         if not isinstance(x, Tensor) or x.dim() != 3:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{name}: expected packed tokens (total, heads, size), got {got}")
-    left, right = _window(window_size, causal)
-    _check_scalars(deterministic, return_attn_probs, softcap, softmax_scale, dropout_p)
+    left, right = window(window_size, causal)
+    causal = flag("causal", causal)
+    deterministic, return_attn_probs, softcap, softmax_scale, dropout_p = scalars(
+        deterministic, return_attn_probs, softcap, softmax_scale, dropout_p)  # fmt: skip
     if paged:
         _check_paged_call(q, k, v, sinks, dropout_p, score_mod, alibi_slopes)
         check_pages(k, v, block_table, cu_k)
@@ -160,20 +164,6 @@ def window_mask(left: int | None, right: int | None, sq: int, sk: int) -> Window
     return Window(left, right) if hides else None
 
 
-def _check_scalars(deterministic: object, return_attn_probs: object, softcap: object, softmax_scale: object,
-                   dropout_p: object) -> None:  # fmt: skip
-    """flash-attn's flags and numbers, with flash-attn's names in the messages (checks.request says scale=, dropout=)."""
-    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 or math.isinf(softcap):
-        raise ValueError(f"softcap: expected a finite number >= 0 (0: no cap), got {softcap!r}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale)):  # fmt: skip
-        raise ValueError(f"softmax_scale: expected a finite number or None, got {softmax_scale!r}")
-    probability("dropout_p", dropout_p)
-
-
 def _answer(out: Tensor, lse: Tensor, return_lse: bool, return_attn_probs: bool):
     """``out``, ``(out, lse)`` with ``return_lse``, or flash-attn's ``(out, softmax_lse, S_dmask)``."""
     if return_attn_probs:
@@ -212,50 +202,17 @@ def _offsets(name: str, cu: object, x: Tensor | None, of: str) -> list[int]:
     return values
 
 
-def _as_int(x: object) -> int | None:
-    """``x`` as an int where flash-attn's C++ ``int`` would take it, else None.
-
-    Python and numpy ints and 0-d integer tensors pass (transformers hands flash-attn
-    ``position_ids.max() + 1``, a tensor; flash-attn's tests pass ``window_size`` as
-    ``torch.randint(0, seqlen_k, (2,))``); floats, bools and tensors of several numbers do not.
-    """
-    if isinstance(x, bool) or (isinstance(x, Tensor) and (x.dim() or x.dtype == torch.bool)):
-        return None
-    try:
-        return operator.index(x)  # (a 0-d tensor: one read, a sync on a GPU)
-    except TypeError:
-        return None
-
-
 def _max_seqlen(name: str, given: object, cu: list[int]) -> None:
-    """Check ``max_seqlen_*``: None, or any integer (:func:`_as_int`) at least the longest sequence."""
+    """Check ``max_seqlen_*``: None, or any integer (``flash_args.as_int``) at least the longest sequence."""
     if given is None:
         return
-    value = _as_int(given)
+    value = as_int(given)
     if value is None:
         got = f"a tensor of shape {tuple(given.shape)}, {given.dtype}" if isinstance(given, Tensor) else type(given).__name__
         raise TypeError(f"{name}: expected an int (or a 0-d integer tensor), got {got}")
     longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
     if value < longest:
         raise ValueError(f"{name}: expected an int at least the longest sequence, {longest}, got {value}")
-
-
-def _window(window_size: object, causal: object) -> tuple[int | None, int | None]:
-    """``(left, right)`` of each sequence's window (None: unbounded); ``causal`` sets ``right = 0``.
-
-    ``window_size`` is any pair of integers (:func:`_as_int`): a tuple, a list, a tensor or array of two.
-    """
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    try:  # (a set or a mapping has no order; a 0-d tensor no items)
-        items = [] if isinstance(window_size, (str, bytes, set, frozenset, dict)) else list(window_size)
-    except TypeError:
-        items = []
-    pair = [_as_int(w) for w in items]
-    if len(pair) != 2 or any(w is None or w < -1 for w in pair):
-        raise ValueError(f"window_size: expected (left, right), ints >= -1 (-1: unbounded), got {window_size!r}")
-    left, right = (None if w == -1 else w for w in pair)
-    return left, 0 if causal else right
 
 
 def _slopes(alibi_slopes: Tensor | None, heads: int, sequences: int, device) -> Tensor | None:
@@ -345,7 +302,7 @@ def pad_input(hidden_states: Tensor, indices: Tensor, batch: int, seqlen: int) -
     if not isinstance(hidden_states, Tensor) or hidden_states.dim() < 1:
         got = tuple(hidden_states.shape) if isinstance(hidden_states, Tensor) else type(hidden_states).__name__
         raise TypeError(f"hidden_states: expected a tensor (t, ...), got {got}")
-    sizes = (_as_int(batch), _as_int(seqlen))  # (numpy ints and 0-d tensors too, as flash-attn's rearrange takes)
+    sizes = (as_int(batch), as_int(seqlen))  # (numpy ints and 0-d tensors too, as flash-attn's rearrange takes)
     for name, size, given in (("batch", sizes[0], batch), ("seqlen", sizes[1], seqlen)):
         if size is None:
             raise TypeError(f"{name}: expected an int, got {type(given).__name__}")

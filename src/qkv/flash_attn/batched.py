@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from ..functional import attention
-from ..varlen import _check_scalars, _logit_terms, _slopes, _window, varlen_attention, window_mask
+from ..flash_args import scalars, window
+from ..varlen import _logit_terms, _slopes, varlen_attention, window_mask
 
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
@@ -68,10 +69,11 @@ def _one_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, a
     the mask, bias and modifier the varlen call gives each sequence, given once."""
     b, sq, h, _ = q.shape
     sk = k.shape[1]
-    left, right = _window(window_size, causal)
-    _check_scalars(deterministic, return_attn_probs, softcap, softmax_scale, dropout_p)
+    left, right = window(window_size, causal)
+    _, return_attn_probs, softcap, softmax_scale, dropout_p = scalars(
+        deterministic, return_attn_probs, softcap, softmax_scale, dropout_p)  # fmt: skip
     slopes = _slopes(alibi_slopes, h, b, q.device)
-    bias, mod = _logit_terms(None if slopes is None else slopes[0], float(softcap), None, 0, sk - sq)
+    bias, mod = _logit_terms(None if slopes is None else slopes[0], softcap, None, 0, sk - sq)
     result = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=window_mask(left, right, sq, sk),
                        bias=bias, score_mod=mod, scale=softmax_scale, dropout=dropout_p,
                        return_lse=return_attn_probs)  # fmt: skip

@@ -11,8 +11,8 @@ Its first ``cache_seqlens[n]`` keys are filled (all ``S``, or ``m · P``, withou
 
     positions  p = cache_seqlens[n] + t,  t < sn
     k_cache[n, p] = rotate(k[n, t], p),  v_cache[n, p] = v[n, t]           (in place, when k, v are given)
-    q'[n, t] = rotate(q[n, t], cache_seqlens[n] + t)   if causal or a window bounds a side
-               rotate(q[n, t], cache_seqlens[n])       otherwise (flash-attn's rule)
+    q'[n, t] = rotate(q[n, t], cache_seqlens[n] + t)   if causal or window_size != (-1, -1)
+               rotate(q[n, t], cache_seqlens[n])       otherwise (flash-attn's docstring)
     out[n] = attention(q'[n], keys cache_leftpad[n] .. cache_seqlens[n] + sn - 1)
 
 with flash-attn's per-sequence semantics (``qkv.varlen_attention``): bottom-right ``causal`` and
@@ -21,14 +21,20 @@ gives 0. ``rotate`` is RoPE with the given tables, ``cos, sin (seqlen_ro, r/2)``
 position: pairs ``(2i, 2i + 1)`` (``rotary_interleaved=True``) or ``(i, i + r/2)`` (GPT-NeoX's),
 the dims past ``r`` unchanged, computed in float32 (float64 for float64) and rounded to the
 input's dtype, as flash-attn's kernel does. Returns ``out (b, sq, h, e)`` and, with
-``return_softmax_lse``, ``lse (b, h, sq)`` (float32; -inf for a row that sees no key, where
-flash-attn 2 writes +inf).
+``return_softmax_lse``, ``lse (b, h, sq)`` (float32, float64 for float64 inputs; -inf for a
+row that sees no key, where flash-attn 2 writes +inf).
+
+flash-attn's kernel reads a window side at least the key count (here: the cache's capacity)
+as unbounded, and then the other side's unbounded one as the key count: with more queries
+than keys the top rows then see keys (or none) the docstring's formula does not give them,
+and a query is rotated at the cache's length. qkv keeps the docstring's formula and rule,
+which flash-attn's tests check (their windows are below the key count).
 
 As flash-attn's: forward only (computed without recording gradients: the output needs none);
 ``block_table`` takes no ``cache_batch_idx`` and no ``cache_leftpad``; rotary tables need new
 keys; ``k`` needs ``v`` and ``cache_seqlens``. Where flash-attn reads or writes past what it was
 given (new keys past the cache's capacity, a position past the rotary table, a page or cache row
-out of range, a left padding past the sequence's end) this raises, naming the argument. Wider
+out of range, a left padding past the cache's length) this raises, naming the argument. Wider
 than flash-attn: float32 and float64, any head size, any page size (flash-attn: a multiple of
 256), any even ``r`` (flash-attn: a multiple of 16), any integer dtype for the index tensors.
 ``num_splits`` is a GPU kernel's knob: checked, not used. When ``cache_batch_idx`` names a row
@@ -55,7 +61,8 @@ import torch
 from torch import Tensor
 
 from ..positional.rotary import rotate_pairs
-from ..varlen import _check_scalars, _slopes, _window, packed_spans, varlen_attention
+from ..flash_args import as_int, flag, scalars, window
+from ..varlen import _slopes, packed_spans, varlen_attention
 from ..paged import paged_attention
 from ..paged.table import longs
 from ..varlen_paged import in_place
@@ -93,17 +100,18 @@ def flash_attn_with_kvcache(
     if any(end > capacity for end in ends):
         raise ValueError(f"cache_seqlens: a sequence's {max(lens)} keys and {new} new ones do not fit the cache's "
                          f"{capacity} a sequence" + (" (block_table's pages)" if paged else ""))  # fmt: skip
-    pads = _leftpad(cache_leftpad, b, ends)
-    left, right = _window(window_size, causal)
-    _check_scalars(False, False, softcap, softmax_scale, 0.0)
-    for name, flag in (("rotary_interleaved", rotary_interleaved), ("return_softmax_lse", return_softmax_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+    pads = _leftpad(cache_leftpad, lens)
+    left, right = window(window_size, causal)
+    causal = flag("causal", causal)
+    _, _, softcap, softmax_scale, _ = scalars(False, False, softcap, softmax_scale, 0.0)
+    rotary_interleaved, return_softmax_lse = (flag(name, x) for name, x in (
+        ("rotary_interleaved", rotary_interleaved), ("return_softmax_lse", return_softmax_lse)))  # fmt: skip
+    splits = as_int(num_splits)
+    if splits is None or splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0: the kernel's choice), got {num_splits!r}")
-    # flash-attn rotates each query at its own position where a side of the window is bounded (causal: the right
-    # one), sides at least the cache's capacity counting as unbounded; otherwise every query at the cache's length
-    per_row = any(side is not None and side < capacity for side in (left, right))
+    # flash-attn's docstring: each query at its own position "if causal or local (i.e., window_size != (-1, -1))",
+    # else every query at the cache's length
+    per_row = left is not None or right is not None
     table = _rotary(rotary_cos, rotary_sin, q, k, d)
     with torch.no_grad():
         if table is not None:
@@ -125,14 +133,14 @@ def flash_attn_with_kvcache(
         elif table is not None:  # the table made here is well formed: the paged engine straight, no varlen checks
             pools, pointers = table
             out, lse = paged_attention(q_packed, pools, *pointers, causal=causal or right == 0,
-                                       window_left=-1 if left is None else left, logits_soft_cap=float(softcap),
+                                       window_left=-1 if left is None else left, logits_soft_cap=softcap,
                                        sm_scale=softmax_scale, alibi_slopes=alibi_slopes, return_lse=True)  # fmt: skip
             lse = lse.transpose(0, 1)
         else:
             spans_q = [(n * sq, sq) for n in range(b)]
             spans_k = [(row * capacity + pad, end - pad) for row, pad, end in zip(rows, pads, ends)]
             out, lse = packed_spans(q_packed, k_cache.flatten(0, 1), v_cache.flatten(0, 1), spans_q, spans_k,
-                                    window=(left, right), softcap=float(softcap), alibi_slopes=alibi_slopes,
+                                    window=(left, right), softcap=softcap, alibi_slopes=alibi_slopes,
                                     score_mod=None, sinks=None, scale=softmax_scale, dropout=0.0, generator=None,
                                     return_lse=True)  # fmt: skip
     out = out.reshape(b, sq, h, out.shape[-1])
@@ -267,12 +275,14 @@ def _lengths(cache_seqlens: object, b: int, capacity: int, new: int, device) -> 
     return lens
 
 
-def _leftpad(cache_leftpad: object, b: int, ends: list[int]) -> list[int]:
+def _leftpad(cache_leftpad: object, lens: list[int]) -> list[int]:
+    """Each sequence's first key: ``cache_leftpad``, at most its cache's length (flash-attn's kernel, whose cache then
+    starts after the new keys' first positions, writes only the new keys past the padding: refused here)."""
     if cache_leftpad is None:
-        return [0] * b
-    pads = _ints("cache_leftpad", cache_leftpad, b)
-    if any(not 0 <= p <= end for p, end in zip(pads, ends)):
-        raise ValueError(f"cache_leftpad: expected 0 .. each sequence's last key + 1 ({ends}), got {pads}")
+        return [0] * len(lens)
+    pads = _ints("cache_leftpad", cache_leftpad, len(lens))
+    if any(not 0 <= p <= n for p, n in zip(pads, lens)):
+        raise ValueError(f"cache_leftpad: expected 0 .. each sequence's cache_seqlens ({lens}), got {pads}")
     return pads
 
 
