@@ -359,3 +359,25 @@ def test_to_torch_keeps_mode_dropout_and_frozen_parameters():
 def test_to_torch_refuses_what_pytorchs_module_cannot_hold_by_name(make, match):
     with pytest.raises(ValueError, match=match):
         make().to_torch()
+
+
+def test_to_torch_refuses_a_subclass_with_its_own_forward_and_wrapped_projections():
+    class Halved(qkv.MultiHeadAttention):
+        def forward(self, *args, **kwargs):
+            return 0.5 * super().forward(*args, **kwargs)
+
+    with pytest.raises(ValueError, match="Halved computes its own forward"):
+        Halved(32, 4).to_torch()
+
+    class Wrapped(nn.Linear):  # a LoRA-style projection: its own forward over a weight it exposes
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    mha = qkv.MultiHeadAttention(32, 4)
+    mha.q_proj = Wrapped(32, 32)
+    with pytest.raises(ValueError, match="q_proj is a Wrapped that computes its own projection"):
+        mha.to_torch()
+    mha = qkv.MultiHeadAttention(32, 4)
+    torch.nn.utils.parametrizations.weight_norm(mha.k_proj)
+    with pytest.raises(ValueError, match="k_proj is a"):
+        mha.to_torch()

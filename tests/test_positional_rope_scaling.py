@@ -113,3 +113,38 @@ def test_no_scaling_is_the_papers_rope_and_older_configs_type_key_is_read():
 def test_bad_scaling_is_refused_by_name(scaling, error, match):
     with pytest.raises(error, match=match):
         Rotary(D, scaling=scaling)
+
+
+@pytest.mark.parametrize("extra", [
+    {"mscale": 0, "mscale_all_dim": 0.0, "beta_fast": 0},  # read as not given, as transformers reads them
+    {"truncate": None},  # a truth value: no truncation
+    {"mscale": 1.0, "mscale_all_dim": 0},
+])  # fmt: skip
+def test_yarn_reads_zeros_and_none_as_transformers(extra):
+    scheme = {**SCHEMES["yarn"], **extra}
+    theta, factor = frequencies(D, BASE, scaling_settings(scheme, BASE))
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config(scheme), "cpu")
+    torch.testing.assert_close(theta.float(), want, rtol=2e-6, atol=0)
+    assert factor == pytest.approx(want_factor, rel=1e-12)
+
+
+def test_a_transformers_5_dict_with_partial_rotary_factor_is_taken_where_it_agrees():
+    scheme = {**SCHEMES["llama3"], "partial_rotary_factor": 0.5}
+    config = LlamaConfig(hidden_size=4 * D, num_attention_heads=4, max_position_embeddings=4096,
+                         rope_parameters={**scheme, "rope_theta": BASE})  # fmt: skip
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    rotary = Rotary(D, rotary_dim=D // 2, base=BASE, scaling={**scheme, "rope_theta": BASE})
+    torch.testing.assert_close(rotary._fixed[0].float(), want, rtol=2e-6, atol=0)
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0.5 differs from rotary_dim / dim_head = 1"):
+        Rotary(D, base=BASE, scaling=scheme)
+
+
+def test_dynamic_ntk_reads_the_sequence_length_never_a_shard_or_a_serving_steps():
+    rotary = Rotary(D, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16})
+    q, k = torch.randn(1, 2, 3, D, dtype=torch.float64), torch.randn(1, 2, 3, D, dtype=torch.float64)
+    q_rot, k_rot = rotary.rotate(q, k, start=40)  # a cache of 40 and 3 new keys: a sequence of 43
+    torch.testing.assert_close(k_rot, rotary.rotate_at(k, torch.arange(40, 43), length=43), rtol=0, atol=0)
+    grown = Rotary(D, base=10000.0 * (2.0 * 43 / 16 - 1) ** (D / (D - 2)))  # the base dynamic NTK grows to at 43
+    torch.testing.assert_close(q_rot, grown.rotate_at(q, torch.arange(40, 43)), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="dynamic NTK scaling reads its sequence's length"):
+        rotary.rotate(q, k, positions=(torch.arange(3), torch.arange(3)))

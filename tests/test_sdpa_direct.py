@@ -261,3 +261,13 @@ def test_a_call_declined_for_its_mixed_dtypes_does_not_decline_its_shapes(monkey
     monkeypatch.setattr(torch_sdpa, "_validate", lambda *a: (_ for _ in ()).throw(AssertionError("the checks ran")))
     torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v),
                                rtol=1e-12, atol=1e-12)  # fmt: skip
+
+
+def test_a_call_declined_for_a_sparse_input_does_not_decline_its_shapes(monkeypatch):
+    monkeypatch.setattr(sdpa_direct, "_WAYS", {})
+    q, k, v = _inputs()
+    with pytest.raises((RuntimeError, NotImplementedError, TypeError)):
+        qkv.scaled_dot_product_attention(q.to_sparse(), k, v)
+    monkeypatch.setattr(torch_sdpa, "_validate", lambda *a: (_ for _ in ()).throw(AssertionError("the checks ran")))
+    torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v),
+                               rtol=1e-12, atol=1e-12)  # fmt: skip

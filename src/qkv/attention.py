@@ -263,7 +263,7 @@ class MultiHeadAttention(nn.Module):
         """This module as ``nn.MultiheadAttention`` with the same weights, where PyTorch's can hold it (``qkv.interop``)."""
         from .interop import to_torch
 
-        return to_torch(self, type(self.attention) is Attention)
+        return to_torch(self, type(self.attention) is Attention, type(self).forward is MultiHeadAttention.forward)
 
     @classmethod
     def from_keras(cls, layer) -> MultiHeadAttention:

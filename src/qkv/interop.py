@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .projection import Linear
 from .scores import ScaledDot
 
 
@@ -96,13 +97,25 @@ def from_torch(cls, module: nn.MultiheadAttention):
     return ours
 
 
-def to_torch(module, default_mechanism: bool) -> nn.MultiheadAttention:
+def to_torch(module, default_mechanism: bool, own_forward: bool) -> nn.MultiheadAttention:
     """``nn.MultiheadAttention`` with ``module``'s weights (a ``qkv.MultiHeadAttention`` whose mechanism is its
-    default ``qkv.Attention``, ``default_mechanism``); outputs then match.
+    default ``qkv.Attention``, ``default_mechanism``, and whose forward is the class's, ``own_forward``); outputs
+    then match.
 
     Its ``batch_first``, dropout, dtype, device, training mode and each parameter's
     ``requires_grad`` are kept; grouped K/V heads are repeated (see the module docstring).
     """
+    from torch.nn.utils import parametrize
+
+    if not own_forward:
+        raise ValueError(f"module: {type(module).__name__} computes its own forward, which nn.MultiheadAttention "
+                         "would not; expected qkv.MultiHeadAttention itself")  # fmt: skip
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        proj = getattr(module, name)
+        if type(proj) not in (nn.Linear, Linear) or parametrize.is_parametrized(proj) or (
+                not isinstance(proj._parameters.get("weight"), nn.Parameter)):  # fmt: skip
+            raise ValueError(f"module: {name} is a {type(proj).__name__} that computes its own projection (a wrapper, "
+                             "a parametrization or a weight hook); nn.MultiheadAttention holds a plain weight and bias")  # fmt: skip
     attention = module.attention
     plain = default_mechanism and type(attention.score) is ScaledDot
     extras = {"positional": module.positional, "qk_norm": module.qk_norm, "gate": module.gate,

@@ -124,9 +124,11 @@ def _way(call: tuple, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | 
         # a decoding step's mask, which the kernel takes as it is: nothing read from its values, so kept by shape
         mask is None or (decided.attn_mask is mask and decided.live_rows is None and zeroes_dead_rows(query)))
     way = "no" if not takes else "rows" if decided.grouping == "rows" else _GQA if decided.grouping == "gqa" else _PLAIN
-    # a call whose tensors differ in dtype or device is declined for that, not for its shapes: kept, its "no" would
-    # send later calls of those shapes through the checks (a kept way meets such a call as PyTorch's error, caught)
-    mixed = any(x.dtype != query.dtype or x.device != query.device for x in (key, value))
+    # a call whose tensors differ in dtype or device, or are not dense, is declined for that, not for its shapes: kept,
+    # its "no" would send later calls of those shapes through the checks (a kept way meets such a call as PyTorch's
+    # error, caught)
+    mixed = any(x.dtype != query.dtype or x.device != query.device or x.layout != torch.strided
+                for x in (query, key, value))  # fmt: skip
     if not traced and not (way == "no" and mixed):
         if len(_WAYS) >= WAYS_KEPT:
             _WAYS.clear()  # (each shape then decides again; grouping keeps its timed answers per size class)

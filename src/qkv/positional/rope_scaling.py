@@ -9,8 +9,10 @@ Plain RoPE turns pair ``k`` by ``θ_k = base^(-2k / r)`` per position. A model t
 checkpoint's setting is passed as it is:
 
 * ``"linear"`` (position interpolation, Chen et al. 2023): ``θ_k / s``;
-* ``"dynamic"`` (dynamic NTK): the base grows with the sequence, ``n = max(positions) + 1``
-  (at least ``L``): ``base · (s·n/L - (s - 1))^(r / (r - 2))``;
+* ``"dynamic"`` (dynamic NTK): the base grows with the sequence, ``n`` its positions (the
+  cache's and the new ones; at least ``L``): ``base · (s·n/L - (s - 1))^(r / (r - 2))``. Keys
+  cached under a shorter ``n`` keep their angles, as in transformers; rows standing elsewhere
+  (a rank's shard, a serving step's requests) do not hold ``n`` and are refused;
 * ``"yarn"`` (Peng et al. 2023, "YaRN"): pair ``k`` interpolated (``θ_k / s``) where its
   wavelength is long, kept where short, a linear ramp between the pairs that turn
   ``beta_fast`` (32) and ``beta_slow`` (1) times over ``L`` positions; and the rotated dims
@@ -44,12 +46,15 @@ SCHEMES = {
 }  # fmt: skip
 
 
-def scaling_settings(scaling: dict | None, base: float) -> dict:
+def scaling_settings(scaling: dict | None, base: float, rotated: float = 1.0) -> dict:
     """``scaling`` checked: ``{"rope_type": name, setting: value}`` with every setting its scheme reads.
 
-    ``"type"`` is read as ``"rope_type"`` (older configs), ``"rope_theta"`` must equal ``base``
-    where present (newer configs carry it), and a setting the scheme does not read is refused:
-    silently ignoring one would run another scheme than the checkpoint's.
+    ``"type"`` is read as ``"rope_type"`` (older configs); ``"rope_theta"`` must equal ``base``
+    and ``"partial_rotary_factor"`` the rotated share of the head, ``rotated`` (transformers 5's
+    dicts carry both); a setting the scheme does not read is refused: silently ignoring one
+    would run another scheme than the checkpoint's. YaRN's ``beta_fast``, ``beta_slow``,
+    ``mscale`` and ``mscale_all_dim`` read 0 (or None) as not given, and ``truncate`` as a truth
+    value, as transformers reads them.
     """
     if scaling is None:
         return {"rope_type": "default"}
@@ -64,6 +69,10 @@ def scaling_settings(scaling: dict | None, base: float) -> dict:
     theta = given.pop("rope_theta", None)
     if theta is not None and not math.isclose(float(theta), base):
         raise ValueError(f"scaling: rope_theta {theta} differs from base={base}; pass base={theta}")
+    share = given.pop("partial_rotary_factor", None)
+    if share is not None and not math.isclose(float(share), rotated, abs_tol=1e-9):
+        raise ValueError(f"scaling: partial_rotary_factor {share} differs from rotary_dim / dim_head = {rotated:g}; "
+                         "pass rotary_dim = dim_head · partial_rotary_factor")  # fmt: skip
     required, optional = SCHEMES[kind]
     missing = [name for name in required if given.get(name) is None]
     if missing:
@@ -75,7 +84,9 @@ def scaling_settings(scaling: dict | None, base: float) -> dict:
     unknown = sorted(set(given) - set(required) - set(optional))
     if unknown:
         raise ValueError(f"scaling: rope_type {kind!r} reads {sorted((*required, *optional))}, not {unknown}")
-    settings = {"rope_type": kind, **optional, **{k: v for k, v in given.items() if v is not None}}
+    zero_is_unset = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")  # transformers: `get(...) or default`
+    given = {k: v for k, v in given.items() if not (k in zero_is_unset and v == 0)}
+    settings = {"rope_type": kind, **optional, **{k: v for k, v in given.items() if v is not None or k == "truncate"}}
     for name, value in settings.items():
         if name in ("rope_type", "truncate") or value is None:
             continue

@@ -90,7 +90,7 @@ class Rotary(Positional):
             raise ValueError(f"rotary_dim: expected an even number at most dim_head={dim_head}, got {rotary_dim}")
         base = finite_number("base", base, above=1)
         self.rotary_dim, self.base, self.interleaved = rotary_dim, base, bool(interleaved)
-        self.scaling = scaling_settings(scaling, base)
+        self.scaling = scaling_settings(scaling, base, rotary_dim / dim_head)
         # (dynamic NTK's frequencies follow each call's positions; the others are fixed)
         fixed = self.scaling["rope_type"] != "dynamic"
         self._fixed = frequencies(rotary_dim, base, self.scaling) if fixed else None
@@ -117,15 +117,20 @@ class Rotary(Positional):
                 if not isinstance(pos, Tensor) or pos.shape != (x.shape[-2],):
                     got = tuple(pos.shape) if isinstance(pos, Tensor) else type(pos).__name__
                     raise ValueError(f"positions: expected ({x.shape[-2]},) positions for {name}, got {got}")
+            if self.scaling["rope_type"] == "dynamic":  # a shard's, or several requests' positions
+                raise ValueError("positions: dynamic NTK scaling reads its sequence's length, which rows standing "
+                                 "elsewhere (a rank's shard, a serving step's requests) do not hold; use linear, yarn "
+                                 "or llama3 scaling there")  # fmt: skip
             return self.rotate_at(q, q_pos.to(q.device)), self.rotate_at(k, k_pos.to(k.device))
         i, j = q.shape[-2], k.shape[-2]
         # bottom-right: the last query stands at the last key's position, start + j - 1
         q_pos = torch.arange(start + j - i, start + j, device=q.device)
         k_pos = torch.arange(start, start + j, device=q.device)
-        return self.rotate_at(q, q_pos), self.rotate_at(k, k_pos)
+        return self.rotate_at(q, q_pos, length=start + j), self.rotate_at(k, k_pos, length=start + j)
 
-    def rotate_at(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Rotate ``x (..., n, d)`` as if its rows stood at ``positions (n,)``."""
+    def rotate_at(self, x: Tensor, positions: Tensor, length: int | None = None) -> Tensor:
+        """Rotate ``x (..., n, d)`` as if its rows stood at ``positions (n,)`` of one sequence of ``length`` positions
+        (read by dynamic NTK scaling only; default ``max(positions) + 1``)."""
         if not isinstance(positions, Tensor) or positions.shape != (x.shape[-2],):
             # a (b, n) tensor (transformers' position_ids) would broadcast along the frequencies, silently wrong
             got = tuple(positions.shape) if isinstance(positions, Tensor) else type(positions).__name__
@@ -133,8 +138,9 @@ class Rotary(Positional):
                              "distances only, so rows of a batch share their positions")  # fmt: skip
         if self.scaling["rope_type"] == "default":
             return apply_rotary(x, rotary_angles(positions, self.rotary_dim, self.base), interleaved=self.interleaved)
-        theta, factor = self._fixed or frequencies(self.rotary_dim, self.base, self.scaling,
-                                                   int(positions.max()) + 1 if positions.numel() else None)  # fmt: skip
+        if self._fixed is None and length is None:
+            length = int(positions.max()) + 1 if positions.numel() else None
+        theta, factor = self._fixed or frequencies(self.rotary_dim, self.base, self.scaling, length)
         angles = positions.to(torch.float64)[:, None] * theta.to(positions.device)[None, :]
         cos, sin = (torch.cos(angles) * factor).to(x.dtype), (torch.sin(angles) * factor).to(x.dtype)
         return rotate_pairs(x, cos, sin, interleaved=self.interleaved)
