@@ -163,3 +163,18 @@ def test_gradients_reach_every_matrix():
 def test_errors(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+def test_a_deepseek_yarn_rotary_scales_the_softmax_as_deepseeks_mla():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    v3 = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    mla = qkv.MultiHeadLatentAttention(64, 4, dim_head=16, rope_dim=8, rotary=qkv.Rotary(8, scaling=v3))
+    assert mla.scale == pytest.approx(yarn_apply_mscale(v3, 24 ** -0.5), rel=1e-12)
+    assert mla.scale == pytest.approx(24 ** -0.5 * (0.1 * math.log(40.0) + 1) ** 2, rel=1e-12)
+    unset = qkv.Rotary(8, scaling={**v3, "mscale_all_dim": 0})  # (0: not given, as transformers reads it)
+    plain = qkv.MultiHeadLatentAttention(64, 4, dim_head=16, rope_dim=8, rotary=unset)
+    assert plain.scale == pytest.approx(yarn_apply_mscale({**v3, "mscale_all_dim": 0}, 24 ** -0.5), rel=1e-15)
+    assert plain.scale == pytest.approx(24 ** -0.5, rel=1e-15) and transformers.__version__
