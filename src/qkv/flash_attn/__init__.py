@@ -28,4 +28,6 @@ from .flash_attn_interface import (
 #: The flash-attn release whose functions these follow.
 __version__ = "2.8.4"
 
-__all__ = ["bert_padding", "flash_attn_interface", *flash_attn_interface.__all__]
+__all__ = ["bert_padding", "flash_attn_func", "flash_attn_interface", "flash_attn_kvpacked_func",
+           "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]  # fmt: skip
