@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from qkv.flash_attn import flash_attn_with_kvcache
-from qkv.paged import paged_attention as PAGED
+from qkv.varlen_paged import paged_varlen as PAGED
 
 from flash_ref import rope, sequence
 
@@ -251,7 +251,7 @@ def test_a_contiguous_cache_is_read_as_pages_by_the_paged_engine_in_one_pass(mon
     import qkv.flash_attn.kvcache as kvcache
 
     calls = []
-    monkeypatch.setattr(kvcache, "paged_attention", lambda *a, **kw: calls.append(a) or PAGED(*a, **kw))
+    monkeypatch.setattr(kvcache, "paged_varlen", lambda *a, **kw: calls.append(a) or PAGED(*a, **kw))
     gen = torch.Generator().manual_seed(8)
     b, S, g = 3, 32, 2
     q = torch.randn(b, 1, H, D, generator=gen, dtype=torch.float64)

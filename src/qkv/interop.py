@@ -86,10 +86,7 @@ def from_torch(cls, module: nn.MultiheadAttention):
             ours.k_proj.bias.copy_(bk)
             ours.v_proj.bias.copy_(bv)
             ours.out_proj.bias.copy_(module.out_proj.bias)
-    source = {"out_proj.weight": "out_proj.weight", "out_proj.bias": "out_proj.bias"}  # ours: theirs
-    for x in "qkv":
-        source[f"{x}_proj.weight"] = "in_proj_weight" if module._qkv_same_embed_dim else f"{x}_proj_weight"
-        source[f"{x}_proj.bias"] = "in_proj_bias"
+    source = _their_names(module._qkv_same_embed_dim)
     theirs = dict(module.named_parameters())
     for name, p in ours.named_parameters():
         p.requires_grad_(theirs[source[name]].requires_grad)
@@ -153,11 +150,17 @@ def to_torch(module, default_mechanism: bool, own_forward: bool) -> nn.Multihead
                                                  per_query_head(module.v_proj.bias))))  # fmt: skip
             theirs.out_proj.bias.copy_(module.out_proj.bias)
     ours = dict(module.named_parameters())
-    packed = ("q_proj", "k_proj", "v_proj")
+    names = _their_names(theirs._qkv_same_embed_dim)
     for name, p in theirs.named_parameters():  # a packed tensor learns if any of the parameters it holds does
-        sources = {"in_proj_weight": [f"{x}.weight" for x in packed], "in_proj_bias": [f"{x}.bias" for x in packed],
-                   "q_proj_weight": ["q_proj.weight"], "k_proj_weight": ["k_proj.weight"],
-                   "v_proj_weight": ["v_proj.weight"]}.get(name, [name])  # fmt: skip
-        p.requires_grad_(any(ours[source].requires_grad for source in sources))
+        p.requires_grad_(any(ours[mine].requires_grad for mine, their in names.items() if their == name))
     theirs.train(module.training)
     return theirs
+
+
+def _their_names(packed: bool) -> dict[str, str]:
+    """``{qkv's parameter: nn.MultiheadAttention's that holds it}``; ``packed``: W^Q, W^K, W^V in one ``in_proj_weight``."""
+    names = {"out_proj.weight": "out_proj.weight", "out_proj.bias": "out_proj.bias"}
+    for x in "qkv":
+        names[f"{x}_proj.weight"] = "in_proj_weight" if packed else f"{x}_proj_weight"
+        names[f"{x}_proj.bias"] = "in_proj_bias"
+    return names

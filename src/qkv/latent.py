@@ -47,6 +47,7 @@ from .cache import KVCache, LatentCache
 from .functional import attention
 from .masks import Mask
 from .positional import Rotary
+from .positional.rope_scaling import softmax_factor
 from .projection import Linear
 
 
@@ -112,12 +113,7 @@ class MultiHeadLatentAttention(nn.Module):
         """``1 / √(d + r)``: the logits are those of the ``d + r``-sized heads, absorbed or not; under a YaRN rotary
         with ``mscale_all_dim`` (DeepSeek-V2/V3's configs), times ``(0.1 · mscale_all_dim · ln s + 1)²`` for its factor
         ``s > 1``, as DeepSeek's MLA (and transformers' ``yarn_apply_mscale``) scales the softmax."""
-        scale = 1.0 / math.sqrt(self.dim_head + self.rope_dim)
-        settings = self.rotary.scaling
-        m, s = settings.get("mscale_all_dim"), settings.get("factor", 1.0)
-        if settings["rope_type"] == "yarn" and m and s > 1:
-            scale *= (0.1 * m * math.log(s) + 1.0) ** 2
-        return scale
+        return softmax_factor(self.rotary.scaling) / math.sqrt(self.dim_head + self.rope_dim)
 
     def latent(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The per-token state of ``x (b, j, dim)``: ``c^KV (b, 1, j, c)`` and the unrotated ``W^KR x (b, 1, j, r)``."""

@@ -43,9 +43,9 @@ promised).
 
 Sequences run as flash-attn's varlen call: paged caches as ``varlen_attention(...,
 block_table=...)``, which reads the pages where they lie (``qkv.varlen_paged``). A contiguous
-cache whose capacity :data:`PAGE_KEYS` divides is read as pages too, views of its rows handed
-to ``qkv.paged_attention`` with a table made here, so that every sequence's keys are read in
-one pass of the fused kernel (a step of 32 requests of 64 to 2048 keys in a cache of 2048,
+cache whose capacity :data:`PAGE_KEYS` divides is read as pages too: views of its rows and a
+``block_table`` made here, run by the same paged path (``varlen_paged.paged_varlen``), so that
+every sequence's keys are read in one pass of the fused kernel (a step of 32 requests of 64 to 2048 keys in a cache of 2048,
 warm: 0.68-0.72x a Python loop of SDPA over the filled keys, where one call a sequence took
 1.5-1.8x; from cold caches 1.10x, the paged step's host work then counting). Left padding,
 or a window or bias the paged engine has no form for, runs one call a sequence over views of
@@ -55,7 +55,7 @@ float64 in the test suite.
 
 from __future__ import annotations
 
-import operator
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -63,9 +63,7 @@ from torch import Tensor
 from ..positional.rotary import rotate_pairs
 from ..flash_args import as_int, flag, scalars, window
 from ..varlen import _slopes, packed_spans, varlen_attention
-from ..paged import paged_attention
-from ..paged.table import longs
-from ..varlen_paged import in_place
+from ..varlen_paged import in_place, paged_varlen
 
 
 def flash_attn_with_kvcache(
@@ -95,7 +93,7 @@ def flash_attn_with_kvcache(
     caches = _caches(q, k_cache, v_cache, paged)
     rows, capacity = _rows(b, k_cache, block_table, cache_batch_idx, cache_leftpad)
     new = _new_keys(b, k, v, caches)
-    lens = _lengths(cache_seqlens, b, capacity, new, k_cache.device)
+    lens = _lengths(cache_seqlens, b, capacity, new)
     ends = [n + new for n in lens]
     if any(end > capacity for end in ends):
         raise ValueError(f"cache_seqlens: a sequence's {max(lens)} keys and {new} new ones do not fit the cache's "
@@ -112,30 +110,29 @@ def flash_attn_with_kvcache(
     # flash-attn's docstring: each query at its own position "if causal or local (i.e., window_size != (-1, -1))",
     # else every query at the cache's length
     per_row = left is not None or right is not None
-    table = _rotary(rotary_cos, rotary_sin, q, k, d)
+    turns = _rotary(rotary_cos, rotary_sin, q, k, d)
     with torch.no_grad():
-        if table is not None:
-            q = _rotated(q, table, lens, sq if per_row else 1, rotary_interleaved)
+        if turns is not None:
+            q = _rotated(q, turns, lens, sq if per_row else 1, rotary_interleaved)
         if k is not None:
-            k = k if table is None else _rotated(k, table, lens, new, rotary_interleaved)
+            k = k if turns is None else _rotated(k, turns, lens, new, rotary_interleaved)
             _write(k_cache, v_cache, k, v, rows, block_table, lens)
-        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.long) if sq else torch.zeros(b + 1, dtype=torch.long)
         q_packed = q.reshape(b * sq, h, d)
-        table = None
+        cu_q, cu_k = [n * sq for n in range(b + 1)], [0, *accumulate(ends)]
         _slopes(alibi_slopes, h, b, q.device)  # (checked here: the paged engine is handed them as they are)
+        # a contiguous cache's rows read as pages by the paged engine where it has a form for the call
+        pages = None
         if not paged and in_place(k_cache, v_cache, causal=causal, window=(left, right), alibi_slopes=alibi_slopes):
-            table = _as_pages(k_cache, v_cache, rows, pads, ends, sq)
-        if paged:
-            cu_k = torch.tensor([0, *torch.tensor(ends, dtype=torch.long).cumsum(0).tolist()])
-            out, lse = varlen_attention(q_packed, k_cache, v_cache, cu_q, cu_k, None, None, 0.0, softmax_scale, causal,
-                                        window_size, softcap, alibi_slopes, block_table=block_table,
-                                        return_lse=True)  # fmt: skip
-        elif table is not None:  # the table made here is well formed: the paged engine straight, no varlen checks
-            pools, pointers = table
-            out, lse = paged_attention(q_packed, pools, *pointers, causal=causal or right == 0,
-                                       window_left=-1 if left is None else left, logits_soft_cap=softcap,
-                                       sm_scale=softmax_scale, alibi_slopes=alibi_slopes, return_lse=True)  # fmt: skip
-            lse = lse.transpose(0, 1)
+            pages = _as_pages(k_cache, v_cache, rows, pads, ends)
+        if paged:  # the caller's table: the varlen call checks it
+            out, lse = varlen_attention(q_packed, k_cache, v_cache, torch.tensor(cu_q), torch.tensor(cu_k), None, None,
+                                        0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                        block_table=block_table, return_lse=True)  # fmt: skip
+        elif pages is not None:  # a table made here: the paged call straight
+            k_pages, v_pages, rows_as_pages = pages
+            out, lse = paged_varlen(q_packed, k_pages, v_pages, cu_q, cu_k, rows_as_pages, causal=causal,
+                                    window=(left, right), softcap=softcap, scale=softmax_scale,
+                                    alibi_slopes=alibi_slopes, sinks=None)  # fmt: skip
         else:
             spans_q = [(n * sq, sq) for n in range(b)]
             spans_k = [(row * capacity + pad, end - pad) for row, pad, end in zip(rows, pads, ends)]
@@ -154,11 +151,10 @@ def flash_attn_with_kvcache(
 PAGE_KEYS = (256, 16)
 
 
-def _as_pages(k_cache: Tensor, v_cache: Tensor, rows: list[int], pads: list[int], ends: list[int], sq: int):
-    """A contiguous cache ``(B, S, g, ·)`` as pools of pages ``(B·S/P, P, g, ·)`` (views) and FlashInfer's table of
-    each sequence's row (``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``), so that the paged engine
-    reads every sequence's keys in one pass; None where the rows are not pages (left padding, a capacity no page
-    size divides, rows that are not one block of memory)."""
+def _as_pages(k_cache: Tensor, v_cache: Tensor, rows: list[int], pads: list[int], ends: list[int]):
+    """A contiguous cache ``(B, S, g, ·)`` as pools of pages ``(B·S/P, P, g, ·)`` (views) and the ``block_table`` that
+    names each sequence's row, so that the paged engine reads every sequence's keys in one pass; None where the rows
+    are not pages (left padding, a capacity no page size divides, rows that are not one block of memory)."""
     B, S = k_cache.shape[:2]
     P = next((p for p in PAGE_KEYS if S % p == 0), None)
     if P is None or any(pads) or not ends:
@@ -167,15 +163,8 @@ def _as_pages(k_cache: Tensor, v_cache: Tensor, rows: list[int], pads: list[int]
         pools = tuple(x.view(B * S // P, P, *x.shape[2:]) for x in (k_cache, v_cache))
     except RuntimeError:  # (strides that do not merge: the rows are read as views, one call a sequence)
         return None
-    counts = [-(-end // P) for end in ends]
-    indices = [row * (S // P) + j for row, count in zip(rows, counts) for j in range(count)]
-    kv_indptr = [0]
-    for count in counts:
-        kv_indptr.append(kv_indptr[-1] + count)
-    last = [end - (count - 1) * P if count else 1 for end, count in zip(ends, counts)]
-    qo_indptr = [n * sq for n in range(len(ends) + 1)]
-    pointers = tuple(longs(x) for x in (qo_indptr, kv_indptr, indices, last))
-    return pools, (*pointers[:2], pointers[2].to(k_cache.device), pointers[3])
+    width = max(1, max(-(-end // P) for end in ends))
+    return (*pools, torch.tensor(rows, dtype=torch.long)[:, None] * (S // P) + torch.arange(width))
 
 
 def _shape4(name: str, x: object, shape: str) -> tuple[int, int, int, int]:
@@ -255,7 +244,7 @@ def _new_keys(b: int, k: object, v: object, caches: tuple[int, int]) -> int:
     return k.shape[1]
 
 
-def _lengths(cache_seqlens: object, b: int, capacity: int, new: int, device) -> list[int]:
+def _lengths(cache_seqlens: object, b: int, capacity: int, new: int) -> list[int]:
     """Each sequence's filled keys before the call: ``cache_seqlens`` (an int or ``(b,)``), or the capacity."""
     if cache_seqlens is None:
         if new:
@@ -264,12 +253,10 @@ def _lengths(cache_seqlens: object, b: int, capacity: int, new: int, device) -> 
     if isinstance(cache_seqlens, Tensor):
         lens = _ints("cache_seqlens", cache_seqlens, b)
     else:
-        try:
-            lens = [operator.index(cache_seqlens)] * b if not isinstance(cache_seqlens, bool) else None
-        except TypeError:
-            lens = None
-        if lens is None:
+        one = as_int(cache_seqlens)
+        if one is None:
             raise TypeError(f"cache_seqlens: expected an int or a (batch,) integer tensor, got {cache_seqlens!r}")
+        lens = [one] * b
     if any(n < 0 for n in lens):
         raise ValueError(f"cache_seqlens: expected lengths >= 0, got {min(lens)}")
     return lens

@@ -46,6 +46,10 @@ SCHEMES = {
 }  # fmt: skip
 
 
+#: Plain RoPE's settings: the paper's frequencies.
+DEFAULT = {"rope_type": "default"}
+
+
 def scaling_settings(scaling: dict | None, base: float, rotated: float = 1.0) -> dict:
     """``scaling`` checked: ``{"rope_type": name, setting: value}`` with every setting its scheme reads.
 
@@ -57,7 +61,7 @@ def scaling_settings(scaling: dict | None, base: float, rotated: float = 1.0) ->
     value, as transformers reads them.
     """
     if scaling is None:
-        return {"rope_type": "default"}
+        return dict(DEFAULT)
     if not isinstance(scaling, dict):
         raise TypeError(f"scaling: expected a dict such as {{'rope_type': 'llama3', 'factor': 8.0, ...}}, got "
                         f"{type(scaling).__name__}")  # fmt: skip
@@ -139,9 +143,18 @@ def _yarn(theta: Tensor, r: int, base: float, factor: float, original: int, sett
     blended = theta / factor * ramp + theta * (1 - ramp)
     attention = settings["attention_factor"]
     if attention is None:
-        def mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
         m, m_all = settings["mscale"], settings["mscale_all_dim"]
         attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
     return blended, float(attention)
+
+
+def mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's length factor for a stretch of ``scale``: ``0.1 · m · ln s + 1`` (1 for ``s <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def softmax_factor(settings: dict) -> float:
+    """What DeepSeek's MLA multiplies its softmax scale by under these settings (transformers' ``yarn_apply_mscale``):
+    ``mscale(s, mscale_all_dim)²`` where a YaRN stretch gives ``mscale_all_dim``, else 1."""
+    m = settings.get("mscale_all_dim")
+    return mscale(settings["factor"], m) ** 2 if settings["rope_type"] == "yarn" and m else 1.0

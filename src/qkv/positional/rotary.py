@@ -30,21 +30,24 @@ from torch import Tensor
 
 from .._args import finite_number, positive_int
 from .base import Positional
-from .rope_scaling import frequencies, scaling_settings
+from .rope_scaling import DEFAULT, frequencies, scaling_settings
 
 
-def rotary_angles(positions: Tensor, rotary_dim: int, base: float = 10000.0) -> Tensor:
-    """``(n, r/2)`` float64 angles ``m θ_k`` for the positions ``m`` in ``positions (n,)``."""
-    k = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=positions.device)
-    theta = base ** (-k / rotary_dim)  # (r/2,)
-    return positions.to(torch.float64)[:, None] * theta[None, :]
+def rotary_angles(positions: Tensor, rotary_dim: int, base: float = 10000.0, theta: Tensor | None = None) -> Tensor:
+    """``(n, r/2)`` float64 angles ``m θ_k`` for the positions ``m`` in ``positions (n,)``; ``theta (r/2,)``: other
+    frequencies than the paper's (``rope_scaling``)."""
+    if theta is None:
+        theta = frequencies(rotary_dim, base, DEFAULT)[0]
+    return positions.to(torch.float64)[:, None] * theta.to(positions.device)[None, :]
 
 
-def apply_rotary(x: Tensor, angles: Tensor, *, interleaved: bool = True) -> Tensor:
-    """Rotate the first ``r = 2 · angles.shape[-1]`` dims of ``x (..., n, d)`` by ``angles (n, r/2)``."""
+def apply_rotary(x: Tensor, angles: Tensor, *, interleaved: bool = True, factor: float = 1.0) -> Tensor:
+    """Rotate the first ``r = 2 · angles.shape[-1]`` dims of ``x (..., n, d)`` by ``angles (n, r/2)``, their length
+    scaled by ``factor`` (YaRN's attention factor; 1: a rotation)."""
     # cos/sin in float64, then cast: in float32 the angle m·θ_0 = m is exact but its sine
     # would be rounded differently in the full and the cached pass.
-    return rotate_pairs(x, torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype), interleaved=interleaved)
+    cos, sin = torch.cos(angles) * factor, torch.sin(angles) * factor
+    return rotate_pairs(x, cos.to(x.dtype), sin.to(x.dtype), interleaved=interleaved)
 
 
 def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = True) -> Tensor:
@@ -136,14 +139,11 @@ class Rotary(Positional):
             got = tuple(positions.shape) if isinstance(positions, Tensor) else type(positions).__name__
             raise ValueError(f"positions: expected one per row of x ({x.shape[-2]},), got {got}; rotary depends on "
                              "distances only, so rows of a batch share their positions")  # fmt: skip
-        if self.scaling["rope_type"] == "default":
-            return apply_rotary(x, rotary_angles(positions, self.rotary_dim, self.base), interleaved=self.interleaved)
         if self._fixed is None and length is None:
             length = int(positions.max()) + 1 if positions.numel() else None
         theta, factor = self._fixed or frequencies(self.rotary_dim, self.base, self.scaling, length)
-        angles = positions.to(torch.float64)[:, None] * theta.to(positions.device)[None, :]
-        cos, sin = (torch.cos(angles) * factor).to(x.dtype), (torch.sin(angles) * factor).to(x.dtype)
-        return rotate_pairs(x, cos, sin, interleaved=self.interleaved)
+        angles = rotary_angles(positions, self.rotary_dim, theta=theta)
+        return apply_rotary(x, angles, interleaved=self.interleaved, factor=factor)
 
     def extra_repr(self) -> str:
         scaled = "" if self.scaling["rope_type"] == "default" else f", scaling={self.scaling}"
