@@ -75,6 +75,7 @@ SUITES: dict[str, str] = {
     "edits": "qkv.bench.edits",
     "sdpa": "qkv.bench.sdpa_dialect",
     "flash-attn": "qkv.bench.flash_dialect",
+    "flashinfer": "qkv.bench.flashinfer_dialect",
     "padded": "qkv.bench.padded",
 }
 #: Suites run when ``--suite`` is not given.

@@ -79,8 +79,16 @@ class Offsets(Mask):
 
 
 def offsets(lo: int | None, hi: int | None) -> Offsets:
-    """Each query sees the keys at offsets ``lo..hi`` from its bottom-right aligned position."""
-    return Offsets(lo, hi)
+    """Each query sees the keys at offsets ``lo..hi`` from its bottom-right aligned position.
+
+    A range that holds the query's own position (``lo <= 0 <= hi``) is a :class:`Window`, the same
+    keys, which the engines run block-locally (the kernel's own causal mask, tiles past the range
+    skipped): ``offsets(None, 0)`` is ``causal()``.
+    """
+    mask = Offsets(lo, hi)  # (its checks and messages)
+    if (lo is None or lo <= 0) and (hi is None or hi >= 0):
+        return Window(None if lo is None else -lo, hi)
+    return mask
 
 
 class Window(Offsets):

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..backends.tiling.lse import merge_all
 from ..functional import attention
-from ..masks import Offsets
+from ..masks import offsets
 from .options import Options
 
 #: Keys per tile of one request.
@@ -65,7 +65,7 @@ def _mask(opts: Options, qpos0: int, t: int, k0: int, L: int):
     top = qpos0 - k0 - (L - t)
     hi = top if opts.causal else None
     lo = top - opts.window_left if opts.window_left >= 0 else None
-    return None if hi is None and lo is None else Offsets(lo, hi)
+    return None if hi is None and lo is None else offsets(lo, hi)  # (a Window where it holds the diagonal)
 
 
 def score_mod(opts: Options, qpos: Tensor, k0: int, r: int | Tensor):

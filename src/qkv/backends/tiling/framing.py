@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ...masks import And, Dense, Documents, Lengths, Mask, Offsets, Or, Starts, Tile, Window
+from ...masks import And, Dense, Documents, Lengths, Mask, Offsets, Or, Starts, Tile, Window, offsets
 from ...positional import LazyBias
 from ...score_mods import SoftCap
 
@@ -100,9 +100,7 @@ def _frame(mask: Mask, block: Block, heads: tuple[int, int] | None = None) -> Ma
         shift = block.delta
         lo = None if mask.lo is None else mask.lo - shift
         hi = None if mask.hi is None else mask.hi - shift
-        if (lo is None or lo <= 0) and (hi is None or hi >= 0):
-            return Window(None if lo is None else -lo, hi)  # holds offset 0: keep the window fast paths
-        return Offsets(lo, hi)
+        return offsets(lo, hi)  # a Window where it holds offset 0: the window fast paths kept
     if kind is Lengths:
         return Lengths((mask.key_lengths - block.c0).clamp(min=0, max=block.jt))
     if kind is Starts:
