@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..paged.pages import as_pages
 from ..paged.plan import PagedPlan
-from .terms import check_layout, run, terms
+from .terms import Terms, check_layout, run, terms
 
 
 def dtype_of(x) -> torch.dtype:
@@ -73,8 +73,9 @@ class Planned:
         self._plans: dict[int, PagedPlan] = {}
 
     def run(self, q: Tensor, kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse=False, window_left=None, sinks=None):  # fmt: skip
-        """The planned attention of ``q (T, h, d)`` over ``kv_cache``; FlashInfer's checks of ``q`` and the cache first."""
+            return_lse=False, window_left=None, sinks=None, terms: Terms | None = None):  # fmt: skip
+        """The planned attention of ``q (T, h, d)`` over ``kv_cache``; FlashInfer's checks of ``q`` and the cache first.
+        ``terms``: this run's, where a wrapper takes one at run (``BatchAttention``'s soft cap)."""
         if self._table is None:
             raise RuntimeError("run: call plan(...) first (FlashInfer's wrappers plan a step before running it)")
         if window_left is not None and window_left != self.terms.window_left:
@@ -99,5 +100,5 @@ class Planned:
         if plan is None:
             plan = self._plans[pages.num_pages] = PagedPlan.once(*self._table, num_pages=pages.num_pages,
                                                                  page_size=self.page_size, device=pages.device)  # fmt: skip
-        return run(plan, q, pages, "NHD", self.terms, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+        return run(plan, q, pages, "NHD", self.terms if terms is None else terms, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
                    out=out, lse=lse, return_lse=return_lse, o_dtype=o_dtype)  # fmt: skip

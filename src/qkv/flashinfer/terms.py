@@ -121,7 +121,7 @@ def run(plan: PagedPlan, q: Tensor, kv_cache, kv_layout: str, t: Terms, *, q_sca
                               v_scale=v_scale)  # fmt: skip
     result = result.to(o_dtype) if o_dtype is not None else result
     base_2 = base_e / math.log(2.0)
-    result, base_2 = _into("out", out, result), _into("lse", lse, base_2)
+    result, base_2 = into("out", out, result), into("lse", lse, base_2)
     return (result, base_2) if return_lse else result
 
 
@@ -226,7 +226,7 @@ def _number(name: str, x) -> float:
     return float(x)
 
 
-def _into(name: str, buffer: Tensor | None, x: Tensor) -> Tensor:
+def into(name: str, buffer: Tensor | None, x: Tensor) -> Tensor:
     if buffer is None:
         return x
     if not isinstance(buffer, Tensor) or buffer.shape != x.shape:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ..backends.tiling.tile_math import Scratch
 from .attention import paged_attention
+from .table import by_lengths
 
 _SHAPES = "ckv_cache (num_pages, page_size, head_dim_ckv) and kpe_cache (num_pages, page_size, head_dim_kpe)"
 
@@ -195,41 +196,9 @@ def paged_latent_attention(
         raise TypeError(f"q_pe: expected q_nope's dtype {q_nope.dtype}, got {q_pe.dtype}")
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):  # (numpy's floats too)
         raise TypeError(f"sm_scale: expected a float (MLA's 1/√(head size before absorption)), got {sm_scale!r}")
-    kv_indptr, kv_indices, last = _fit(kv_indptr, kv_indices, kv_len, pages.page_size)
+    kv_indptr, kv_indices, last = by_lengths(kv_indptr, kv_indices, kv_len, pages.page_size)
     result = paged_attention(torch.cat((q_nope, q_pe), -1), pages, qo_indptr, kv_indptr, kv_indices, last,
                              causal=causal, sm_scale=float(sm_scale), return_lse=return_lse)  # fmt: skip
     out, lse = result if return_lse else (result, None)
     out = out[..., :c].contiguous()  # the value's rotary columns: not part of the output
     return (out, lse) if return_lse else out
-
-
-def _fit(kv_indptr: Tensor, kv_indices: Tensor, kv_len: Tensor, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """FlashInfer's MLA table as the page table reads it: ``(kv_indptr, kv_indices, kv_last_page_len)``.
-
-    Request ``r``'s keys are the first ``kv_len[r]`` slots of its pages, so it reads
-    ``⌈kv_len / P⌉`` of them; pages past those (held, not yet begun) are never read, as
-    FlashInfer's MLA scheduler bounds a request by ``kv_len`` alone, and are dropped here.
-    """
-    for name, x in (("kv_indptr", kv_indptr), ("kv_len", kv_len)):
-        if not isinstance(x, Tensor) or x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
-            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"{name}: expected a 1-d integer tensor, got {got}")
-    offsets = kv_indptr.long().cpu().tolist()
-    counts = [b - a for a, b in zip(offsets, offsets[1:])]
-    lengths = kv_len.long().cpu().tolist()
-    if len(lengths) != len(counts):
-        raise ValueError(f"kv_len: expected one length per request ({len(counts)}, from kv_indptr), got {len(lengths)}")
-    used, last = [], []
-    for r, (pages, n) in enumerate(zip(counts, lengths)):
-        if pages >= 0 and not 0 <= n <= pages * page_size:
-            raise ValueError(f"kv_len[{r}]: {n} keys but {pages} pages of {page_size} (expected 0 to {pages * page_size})")
-        need = -(-n // page_size) if pages >= 0 else pages
-        used.append(need)
-        last.append(n - (need - 1) * page_size if need > 0 else 1)  # no pages: the table reads no length
-    last = torch.tensor(last, dtype=torch.long)
-    readable = isinstance(kv_indices, Tensor) and offsets[:1] == [0] and min(counts, default=0) >= 0 and (
-        offsets[-1] <= kv_indices.numel())  # fmt: skip
-    if used == counts or not readable:  # (a malformed table is passed on whole: the page table names its fault)
-        return kv_indptr, kv_indices, last
-    keep = torch.cat([torch.arange(a, a + u) for a, u in zip(offsets, used)])
-    return torch.tensor([0, *torch.tensor(used).cumsum(0).tolist()]), kv_indices.index_select(0, keep.to(kv_indices.device)), last
