@@ -61,8 +61,12 @@ def test_deprecated_data_type_and_the_q_dtype_check():
     h, g, d, P = 4, 4, 8, 2
     ints = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(WORKSPACE)
-    wrapper.plan(ints([0, 1, 3]), ints([0, 1, 2]), ints([2, 1]), h, g, d, P, data_type=torch.float32)
     cache = torch.randn(3, 2, P, g, d)
+    # FlashInfer's data_type fills the dtypes left None: q_data_type defaults to float16, so alone it sets the cache's
+    wrapper.plan(ints([0, 1, 3]), ints([0, 1, 2]), ints([2, 1]), h, g, d, P, data_type=torch.float32)
+    with pytest.raises(ValueError, match="q_data_type torch.float16"):
+        wrapper.run(torch.randn(2, h, d), cache)
+    wrapper.plan(ints([0, 1, 3]), ints([0, 1, 2]), ints([2, 1]), h, g, d, P, data_type=torch.float32, q_data_type=None)
     assert wrapper.run(torch.randn(2, h, d), cache).shape == (2, h, d)
     with pytest.raises(ValueError, match="q_data_type"):
         wrapper.run(torch.randn(2, h, d, dtype=torch.float64), cache)

@@ -7,7 +7,9 @@ A state is an output ``v`` and its base-2 log-sum-exp ``s`` (FlashInfer's ``lse`
 ``qkv.merge``, which these call on ``s · ln 2``). The weights are computed in float32 (float64
 for float64 states), the output rounded once to ``v``'s dtype; a state with ``s = -inf`` weighs 0,
 and a row whose states are all ``-inf`` (or ``merge_states`` of no states) gives ``v = 0``,
-``s = -inf``, as FlashInfer's kernels (``attention/cascade.cuh``).
+``s = -inf``, as FlashInfer's kernels (``attention/cascade.cuh``); ``merge_states`` of one state
+passes it through as it is. FlashInfer's ``s`` is float32 whatever its input; here float64 states
+keep float64.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def merge_states(v: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     if v.shape[1] == 0:
         return v.new_zeros(v.shape[0], v.shape[2], v.shape[3]), s.new_full((s.shape[0], s.shape[2]), float("-inf"),
                                                                            dtype=_lse_dtype(s))  # fmt: skip
+    if v.shape[1] == 1:  # one state is the merge: passed through as it is, a row without keys too (cascade.cuh)
+        return v[:, 0].clone(), s[:, 0].to(_lse_dtype(s))
     return _merge(list(v.unbind(1)), list(s.unbind(1)), v.dtype)
 
 

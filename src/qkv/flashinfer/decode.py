@@ -6,7 +6,10 @@ Shape legend: ``B`` requests, ``h`` query heads, ``g`` KV heads, ``d`` head size
 ``run`` takes each layer's ``q (B, h, d)`` and cache and gives ``out (B, h, d)`` (and FlashInfer's
 base-2 ``lse (B, h)``). The table is checked and laid out once per plan, at the first run
 (:class:`qkv.paged.PagedPlan`): the later layers of a step pay only for their own keys. Request
-``b``'s query stands after its ``kv_len`` keys (position ``kv_len - 1``).
+``b``'s query stands after its ``kv_len`` keys (position ``kv_len - 1``). ``run(sinks=...)`` is applied as
+FlashInfer documents it (one logit per head, in the logits' units, joining each row's softmax and its
+``lse``); FlashInfer's default CUDA-core and fa2 kernels leave sinks out, its trtllm-gen and
+cute-dsl backends apply them.
 
 What selects a CUDA kernel or buffer (``float_workspace_buffer``, ``use_cuda_graph`` and its
 buffers, ``use_tensor_cores``, ``backend``, ``non_blocking``, ``fixed_split_size``,
@@ -17,52 +20,66 @@ result and qkv does not do (a custom kernel's ``jit_args`` or extra run argument
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 from torch import Tensor
 
-from .plans import Planned, dtype_of, refuse
+from .plans import Wrapper, dtype_of, refuse
+
+#: ``plan``'s arguments after ``page_size`` that FlashInfer still takes by position (with a deprecation warning).
+_LEGACY_POSITIONAL = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type",
+                      "o_data_type", "data_type", "sm_scale", "rope_scale", "rope_theta", "non_blocking",
+                      "block_tables", "seq_lens", "fixed_split_size", "disable_split_kv", "q_len_per_req")  # fmt: skip
 
 
-class BatchDecodeWithPagedKVCacheWrapper:
+class BatchDecodeWithPagedKVCacheWrapper(Wrapper):
     """Decoding steps of a batch over a paged KV cache, FlashInfer's wrapper (``kv_layout`` ``"NHD"`` or ``"HND"``)."""
 
     def __init__(self, float_workspace_buffer: Tensor | None = None, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
                  paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None, jit_kwargs=None):  # fmt: skip
-        refuse(jit_args=jit_args, jit_kwargs=jit_kwargs)
-        self._planned = Planned(kv_layout)
-        self._use_cuda_graph, self._use_tensor_cores = bool(use_cuda_graph), bool(use_tensor_cores)
+        super().__init__(kv_layout, use_cuda_graph, jit_args, jit_kwargs)
+        self._use_tensor_cores = bool(use_tensor_cores)
 
     @property
     def use_tensor_cores(self) -> bool:
         return self._use_tensor_cores
 
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return self._use_cuda_graph
-
-    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer, *args) -> None:
-        """FlashInfer's workspace buffers: nothing to reset on a CPU."""
-
     def plan(self, indptr: Tensor, indices: Tensor, last_page_len: Tensor, num_qo_heads: int, num_kv_heads: int,
-             head_dim: int, page_size: int, *, pos_encoding_mode: str = "NONE", window_left: int = -1,
+             head_dim: int, page_size: int, *legacy, **kwargs) -> None:
+        """Plan the step: the table, the heads, the terms and the dtypes ``run`` will be given (keywords as FlashInfer's;
+        the ones after ``page_size`` also by position, deprecated there, with its warning)."""
+        if legacy:
+            if len(legacy) > len(_LEGACY_POSITIONAL):
+                raise TypeError(f"BatchDecodeWithPagedKVCacheWrapper.plan() accepts at most {len(_LEGACY_POSITIONAL)} "
+                                f"deprecated optional positional arguments after page_size; got {len(legacy)}")  # fmt: skip
+            for name, value in zip(_LEGACY_POSITIONAL, legacy):
+                if name in kwargs:
+                    raise TypeError(f"BatchDecodeWithPagedKVCacheWrapper.plan() got multiple values for argument {name!r}")
+                kwargs[name] = value
+            warnings.warn("Passing optional arguments to BatchDecodeWithPagedKVCacheWrapper.plan() positionally is "
+                          "deprecated; pass them as keyword arguments instead.", DeprecationWarning, stacklevel=2)  # fmt: skip
+        self._plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kwargs)
+
+    def _plan(self, indptr: Tensor, indices: Tensor, last_page_len: Tensor, num_qo_heads: int, num_kv_heads: int,
+              head_dim: int, page_size: int, *, pos_encoding_mode: str = "NONE", window_left: int = -1,
              window_right: int = 0, logits_soft_cap=None, q_data_type="float16", kv_data_type=None,
              o_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
              non_blocking: bool = True, block_tables=None, seq_lens=None, fixed_split_size=None,
              disable_split_kv: bool = False, q_len_per_req: int = 1) -> None:  # fmt: skip
-        """Plan the step: the table, the heads, the terms and the dtypes ``run`` will be given.
-
-        ``data_type`` (deprecated in FlashInfer) is ``q_data_type`` and ``kv_data_type`` where those are
-        left at their defaults.
-        """
+        """``data_type`` (deprecated in FlashInfer) fills ``q_data_type`` and ``kv_data_type`` where they are None, as
+        FlashInfer's: ``q_data_type`` defaults to float16, so alone it sets the cache's dtype."""
         refuse(block_tables=block_tables, seq_lens=seq_lens)
         if window_right != 0:
             raise NotImplementedError(f"window_right: only 0 (keys up to the query) is supported, got {window_right!r}")
         if q_len_per_req != 1:
             raise NotImplementedError(f"q_len_per_req: one query per request here (BatchPrefillWithPagedKVCacheWrapper "
                                       f"takes any number), got {q_len_per_req!r}")  # fmt: skip
-        if data_type is not None and q_data_type == "float16" and kv_data_type is None:
-            q_data_type = kv_data_type = data_type
+        if data_type is not None:
+            q_data_type = data_type if q_data_type is None else q_data_type
+            kv_data_type = data_type if kv_data_type is None else kv_data_type
         batch = _length("indptr", indptr) - 1
         self._planned.plan(torch.arange(batch + 1, dtype=torch.int32), indptr, indices, last_page_len,
                            heads=(num_qo_heads, num_kv_heads), dims=(head_dim, head_dim), page_size=page_size,
@@ -70,7 +87,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                    None if o_data_type is None else dtype_of(o_data_type)),
                            causal=False, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
-                           rope_theta=rope_theta)  # fmt: skip
+                           rope_theta=rope_theta, rope_rounds=self._use_tensor_cores)  # fmt: skip
 
     def run(self, q: Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None,
@@ -89,9 +106,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return self._planned.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
                                  lse=lse, return_lse=return_lse, window_left=window_left, sinks=sinks)  # fmt: skip
 
-    def run_return_lse(self, q: Tensor, paged_kv_cache, *args, **kwargs):
-        """``run(..., return_lse=True)``."""
-        return self.run(q, paged_kv_cache, *args, **kwargs, return_lse=True)
+
+    def _forward(self, q: Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE", q_scale=None, k_scale=None,
+                 v_scale=None, window_left: int = -1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
+                 rope_theta=None, *, return_lse: bool = False):  # fmt: skip
+        """FlashInfer's deprecated call: these terms replace the plan's (for later runs too), then :meth:`run`."""
+        self._planned.restate(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                              logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                              rope_theta=rope_theta)  # fmt: skip
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+
+    forward = functools.partialmethod(_forward, return_lse=False)
+    forward_return_lse = functools.partialmethod(_forward, return_lse=True)
 
 
 def _length(name: str, x) -> int:

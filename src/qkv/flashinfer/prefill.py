@@ -7,38 +7,35 @@ Request ``r``'s queries are rows ``qo_indptr[r] : qo_indptr[r + 1]``, the last `
 ``kv_len`` positions; ``causal`` aligns them to the bottom right (FlashInfer's default is False),
 and a ``custom_mask`` (each request's ``(qo_len, kv_len)`` bools flattened, one after another) or
 its ``packed_custom_mask`` (``segment_packbits(..., bitorder="little")``'s bytes: what ``plan``
-packs a ``custom_mask`` into) replaces it. The ragged wrapper's keys ``k (n, g, d)`` are read as
+packs a ``custom_mask`` into, exactly that many) replaces it. FlashInfer's docstring names
+``packbits`` (one stream) for the packed form, and its kernel starts a given packed mask's request
+at the byte its bit offset names, which agrees with either layout for one request only: the
+segment layout is the one its own ``plan`` makes, and the one read here. The ragged wrapper's keys ``k (n, g, d)`` are read as
 pages of one slot where they lie (request ``r``'s rows ``kv_indptr[r] : kv_indptr[r + 1]``), so
-both wrappers are one plan over :func:`.terms.run`. Arguments that only pick a CUDA kernel or
+both wrappers are one plan over :func:`.terms.run`. The ragged wrapper's ``q_scale``, ``k_scale`` and
+``v_scale`` are applied as the paged wrapper's (FlashInfer reads them there only for an NVFP4 cache). Arguments that only pick a CUDA kernel or
 buffer are taken and change nothing; those that would change the result and qkv does not do
 are refused by name (see :mod:`.decode`).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from .plans import Planned, dtype_of, refuse
+from .plans import Wrapper, dtype_of, refuse
 
 
-class BatchPrefillWithPagedKVCacheWrapper:
+class BatchPrefillWithPagedKVCacheWrapper(Wrapper):
     """Prefill and append chunks of a batch over a paged KV cache, FlashInfer's wrapper."""
 
     def __init__(self, float_workspace_buffer: Tensor | None = None, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
                  paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto",
                  jit_args=None, jit_kwargs=None):  # fmt: skip
-        refuse(jit_args=jit_args, jit_kwargs=jit_kwargs)
-        self._planned = Planned(kv_layout)
-        self._use_cuda_graph = bool(use_cuda_graph)
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return self._use_cuda_graph
-
-    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer, *args) -> None:
-        """FlashInfer's workspace buffers: nothing to reset on a CPU."""
+        super().__init__(kv_layout, use_cuda_graph, jit_args, jit_kwargs)
 
     def plan(self, qo_indptr: Tensor, paged_kv_indptr: Tensor, paged_kv_indices: Tensor, paged_kv_last_page_len: Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int, head_dim_vo: int | None = None,
@@ -60,6 +57,18 @@ class BatchPrefillWithPagedKVCacheWrapper:
                            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                            rope_theta=rope_theta)  # fmt: skip
 
+    def _forward(self, q: Tensor, paged_kv_cache, causal: bool = False, pos_encoding_mode: str = "NONE",
+                 use_fp16_qk_reduction: bool = False, k_scale=None, v_scale=None, window_left: int = -1,
+                 logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None, *, return_lse: bool = False):  # fmt: skip
+        """FlashInfer's deprecated call: these terms replace the plan's (for later runs too), then :meth:`run`."""
+        self._planned.restate(causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                              logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                              rope_theta=rope_theta)  # fmt: skip
+        return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+
+    forward = functools.partialmethod(_forward, return_lse=False)
+    forward_return_lse = functools.partialmethod(_forward, return_lse=True)
+
     def run(self, q: Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, kv_cache_sf=None,
             skip_softmax_threshold_scale_factor=None, use_fp16_softmax=None, uses_spcompress=None):  # fmt: skip
@@ -69,30 +78,17 @@ class BatchPrefillWithPagedKVCacheWrapper:
         return self._planned.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
                                  lse=lse, return_lse=return_lse, window_left=window_left, sinks=sinks)  # fmt: skip
 
-    def run_return_lse(self, q: Tensor, paged_kv_cache, *args, **kwargs):
-        """``run(..., return_lse=True)``."""
-        return self.run(q, paged_kv_cache, *args, **kwargs, return_lse=True)
 
-
-class BatchPrefillWithRaggedKVCacheWrapper:
+class BatchPrefillWithRaggedKVCacheWrapper(Wrapper):
     """Prefill chunks of a batch over keys and values packed one request after another, FlashInfer's wrapper."""
 
     def __init__(self, float_workspace_buffer: Tensor | None = None, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
                  backend: str = "auto", jit_args=None, jit_kwargs=None):  # fmt: skip
-        refuse(jit_args=jit_args, jit_kwargs=jit_kwargs)
         if kv_layout != "NHD":
             raise NotImplementedError(f"kv_layout: the ragged wrapper's keys are read as (rows, num_kv_heads, dim), "
                                       f"'NHD'; got {kv_layout!r}")  # fmt: skip
-        self._planned = Planned(kv_layout)
-        self._use_cuda_graph = bool(use_cuda_graph)
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return self._use_cuda_graph
-
-    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer, *args) -> None:
-        """FlashInfer's workspace buffers: nothing to reset on a CPU."""
+        super().__init__(kv_layout, use_cuda_graph, jit_args, jit_kwargs)
 
     def plan(self, qo_indptr: Tensor, kv_indptr: Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
              head_dim_vo: int | None = None, custom_mask=None, packed_custom_mask=None, causal: bool = False,
@@ -121,20 +117,29 @@ class BatchPrefillWithRaggedKVCacheWrapper:
                            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                            rope_theta=rope_theta)  # fmt: skip
 
+    def _forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, pos_encoding_mode: str = "NONE",
+                 use_fp16_qk_reduction: bool = False, window_left: int = -1, logits_soft_cap=None, sm_scale=None,
+                 rope_scale=None, rope_theta=None, *, return_lse: bool = False):  # fmt: skip
+        """FlashInfer's deprecated call: these terms replace the plan's (for later runs too), then :meth:`run`."""
+        self._planned.restate(causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                              logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                              rope_theta=rope_theta)  # fmt: skip
+        return self.run(q, k, v, return_lse=return_lse)
+
+    forward = functools.partialmethod(_forward, return_lse=False)
+    forward_return_lse = functools.partialmethod(_forward, return_lse=True)
+
     def run(self, q: Tensor, k: Tensor, v: Tensor, *args, q_scale=None, k_scale=None, v_scale=None, o_scale=None,
             out=None, lse=None, return_lse: bool = False, enable_pdl=None, kv_cache_sf=None):  # fmt: skip
-        """``out (T, h, e)``, or ``(out, lse (T, h))`` (base 2): ``q (T, h, d)`` over ``k (n, g, d)``, ``v (n, g, e)``."""
-        refuse(args=args or None, o_scale=o_scale, kv_cache_sf=kv_cache_sf)
+        """``out (T, h, e)``, or ``(out, lse (T, h))`` (base 2): ``q (T, h, d)`` over ``k (n, g, d)``, ``v (n, g, e)``.
+        ``o_scale`` (a float8 output's scale, read by FlashInfer's cutlass backend only) changes nothing."""
+        refuse(args=args or None, kv_cache_sf=kv_cache_sf)
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[0] < self._rows:
                 got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
                 raise ValueError(f"{name}: expected (kv_indptr[-1] = {self._rows} or more rows, num_kv_heads, dim), got {got}")
         return self._planned.run(q, (k[:, None], v[:, None]), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                  out=out, lse=lse, return_lse=return_lse)  # fmt: skip
-
-    def run_return_lse(self, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs):
-        """``run(..., return_lse=True)``."""
-        return self.run(q, k, v, *args, **kwargs, return_lse=True)
 
 
 def _dtypes(q_data_type, kv_data_type, o_data_type) -> tuple:

@@ -28,14 +28,16 @@ def single_decode_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, kv_layout: str 
     """``out (h, e)``, or ``(out, lse (h,))``: one query ``q (h, d)`` standing after its ``j`` keys.
 
     ``k (j, g, d)``, ``v (j, g, e)`` (``kv_layout="HND"``: ``(g, j, d)``). The query sits at position
-    ``j - 1``; ``use_tensor_cores`` picks a CUDA kernel and changes nothing here.
+    ``j - 1``; ``use_tensor_cores`` picks FlashInfer's prefill kernel, which rounds the rotated q and k of
+    ``"ROPE_LLAMA"`` to their dtype (its decode kernel keeps them in float32), and changes nothing else.
     """
     if not isinstance(q, Tensor) or q.dim() != 2:
         raise ValueError(f"q: expected (num_qo_heads, head_dim), got {_shape(q)}")
     out = single_prefill_with_kv_cache(q[None], k, v, kv_layout=kv_layout, pos_encoding_mode=pos_encoding_mode,
                                        sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
                                        rope_scale=rope_scale, rope_theta=rope_theta, return_lse=return_lse,
-                                       k_scale=k_scale, v_scale=v_scale, _q_scale=q_scale)  # fmt: skip
+                                       k_scale=k_scale, v_scale=v_scale, _q_scale=q_scale,
+                                       _rope_rounds=use_tensor_cores)  # fmt: skip
     return (out[0][0], out[1][0]) if return_lse else out[0]
 
 
@@ -45,7 +47,7 @@ def single_prefill_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, scale_q=None, 
                                  use_fp16_qk_reduction: bool = False, sm_scale=None, window_left: int = -1,
                                  logits_soft_cap=None, rope_scale=None, rope_theta=None, backend: str = "auto",
                                  return_lse: bool = False, kv_cache_sf=None, k_scale=None, v_scale=None,
-                                 *, _q_scale=None):  # fmt: skip
+                                 *, _q_scale=None, _rope_rounds: bool = True):  # fmt: skip
     """``out (n, h, e)``, or ``(out, lse (n, h))``: queries ``q (n, h, d)``, the last ``n`` of ``j`` positions.
 
     ``k (j, g, d)``, ``v (j, g, e)`` (``kv_layout="HND"``: ``(g, j, d)``). ``causal``: the bottom-right
@@ -71,7 +73,11 @@ def single_prefill_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, scale_q=None, 
         raise ValueError(f"k, v: expected the same number of keys, at least one, got {k.shape[axis]} and {v.shape[axis]}")
     t = terms(causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
               logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-              custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, mask_lengths=[n * j])  # fmt: skip
+              custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, mask_lengths=[n * j],
+              rope_rounds=_rope_rounds)  # fmt: skip
+    if causal and j < n and custom_mask is None and packed_custom_mask is None:
+        raise ValueError(f"When mask_mode is set to MaskMode::kCausal, kv_len must be greater than or equal to qo_len, "
+                         f"got kv_len {j} and qo_len {n}")  # fmt: skip
     ints = functools.partial(torch.tensor, dtype=torch.int32)
     plan = PagedPlan.once(ints([0, n]), ints([0, 1]), ints([0]), ints([j]), num_pages=1, page_size=j, total_q=n,
                           device=k.device)  # fmt: skip

@@ -60,11 +60,12 @@ class Terms:
     rope_theta: float
     mask: Tensor | None  # custom mask bits, little-endian, request r's from byte mask_start[r]
     mask_start: list[int] | None
+    rope_rounds: bool = True  # rotated q and k rounded to their dtype (prefill kernels), or kept in float32 (decode's)
 
 
 def terms(*, causal=False, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, sm_scale=None,
           rope_scale=None, rope_theta=None, custom_mask=None, packed_custom_mask=None,
-          mask_lengths: list[int] | None = None) -> Terms:  # fmt: skip
+          mask_lengths: list[int] | None = None, rope_rounds: bool = True) -> Terms:  # fmt: skip
     """Checked terms; ``mask_lengths``: each request's ``qo_len · kv_len`` (the bits its mask segment holds)."""
     check_pos_encoding_mode(pos_encoding_mode)
     if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral) or window_left < -1:
@@ -78,7 +79,7 @@ def terms(*, causal=False, pos_encoding_mode="NONE", window_left=-1, logits_soft
     return Terms(bool(causal), pos_encoding_mode, int(window_left), cap,
                  None if sm_scale is None else _number("sm_scale", sm_scale),
                  1.0 if rope_scale is None else _number("rope_scale", rope_scale),
-                 1e4 if rope_theta is None else _number("rope_theta", rope_theta), mask, start)  # fmt: skip
+                 1e4 if rope_theta is None else _number("rope_theta", rope_theta), mask, start, rope_rounds)  # fmt: skip
 
 
 def check_pos_encoding_mode(mode) -> None:
@@ -89,6 +90,17 @@ def check_pos_encoding_mode(mode) -> None:
 def check_layout(kv_layout) -> None:
     if kv_layout not in LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {LAYOUTS}, got {kv_layout!r}")
+
+
+def expand_pages(kv_cache, kv_layout: str):
+    """A cache of one-slot pages given without their page axis (FlashInfer's ``_expand_4d`` / ``_expand_5d``: a
+    ``(num_pages, g, d)`` tuple or a ``(num_pages, 2, g, d)`` tensor) with it; any other cache as it is."""
+    axis = -3 if kv_layout == "NHD" else -2
+    if isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2 and all(isinstance(x, Tensor) and x.dim() == 3 for x in kv_cache):
+        return tuple(x.unsqueeze(axis) for x in kv_cache)
+    if isinstance(kv_cache, Tensor) and kv_cache.dim() == 4:
+        return kv_cache.unsqueeze(axis)
+    return kv_cache
 
 
 def get_alibi_slopes(n_heads: int, device=None) -> Tensor:
@@ -111,6 +123,15 @@ def run(plan: PagedPlan, q: Tensor, kv_cache, kv_layout: str, t: Terms, *, q_sca
     for name, x in (("q_scale", q_scale), ("k_scale", k_scale)):
         if (x := calibration(name, x)) is not None:  # FlashInfer folds both into sm_scale
             scale *= x
+    out_dtype = q.dtype if o_dtype is None else o_dtype
+    # FlashInfer accumulates in float32 and writes its output dtype: a wider output (or the decode kernel's float32
+    # rotation) is computed in it here, the pages converted a tile at a time as they are read
+    wide = out_dtype if out_dtype.itemsize > q.dtype.itemsize else None
+    if t.pos_encoding_mode == "ROPE_LLAMA" and not t.rope_rounds and q.dtype.itemsize < 4:
+        wide = torch.float32 if wide is None or wide.itemsize < 4 else wide
+    if wide is not None:
+        pages = as_pages(kv_cache, kv_layout, q.dtype)
+        kv_cache, kv_layout, q = pages.reading(wide), "NHD", q.to(wide)
     if t.pos_encoding_mode == "ROPE_LLAMA":
         q, kv_cache, plan = _rotated(q, kv_cache, kv_layout, plan, t)
         kv_layout = "NHD"
@@ -119,7 +140,7 @@ def run(plan: PagedPlan, q: Tensor, kv_cache, kv_layout: str, t: Terms, *, q_sca
                               logits_soft_cap=0.0 if alibi else t.logits_soft_cap, sm_scale=scale, sinks=sinks,
                               score_mod=_score_mod(t, table, q, scale), return_lse=True, kv_layout=kv_layout,
                               v_scale=v_scale)  # fmt: skip
-    result = result.to(o_dtype) if o_dtype is not None else result
+    result = result.to(out_dtype)
     base_2 = base_e / math.log(2.0)
     result, base_2 = into("out", out, result), into("lse", lse, base_2)
     return (result, base_2) if return_lse else result
@@ -160,18 +181,19 @@ def _rotated(q: Tensor, kv_cache, kv_layout: str, plan: PagedPlan, t: Terms):
     table, d = plan.table, q.shape[-1]
     theta = frequencies(d, t.rope_theta, DEFAULT)[0] / t.rope_scale
     starts = [k - n for k, n in zip(table.kv_len, table.qo_len)]
-    q_pos = torch.cat([torch.arange(n) + s for n, s in zip(table.qo_len, starts)]) if table.qo_len else torch.zeros(0)
-    q = _rope(q, q_pos.long().to(q.device), theta)
+    q_pos = torch.cat([torch.arange(n) + s for n, s in zip(table.qo_len, starts)]) if table.qo_len else torch.zeros(0, dtype=torch.long)
+    q = _rope(q, q_pos.long().to(q.device), theta)  # (in float32 already where the decode kernel keeps it so)
     pages = as_pages(kv_cache, kv_layout, q.dtype)
     K, V = pages.take(table.indices)  # (N, P, g, d): every entry's page, in the table's order
     P = table.page_size
-    entry = torch.cat([torch.arange(c) for c in table.page_count]) if table.page_count else torch.zeros(0)
+    entry = torch.cat([torch.arange(c) for c in table.page_count]) if table.page_count else torch.zeros(0, dtype=torch.long)
     k_pos = (entry.long()[:, None] * P + torch.arange(P)).reshape(-1).to(q.device)
     N, g = K.shape[0], K.shape[2]
     K = _rope(K.reshape(N * P, g, d), k_pos, theta).view(N, P, g, d)
-    starts_of = torch.tensor([*table.page_start, table.page_start[-1] + table.page_count[-1]] if table.page_count else [0])
-    rotated = PagedPlan.once(plan_qo_indptr(table), starts_of, torch.arange(N, device=q.device),
-                             torch.tensor(plan_last(table)), num_pages=N, page_size=P, device=q.device,
+    starts_of = torch.tensor([*table.page_start, table.page_start[-1] + table.page_count[-1]] if table.page_count else [0],
+                             dtype=torch.long)
+    rotated = PagedPlan.once(_qo_indptr(table), starts_of, torch.arange(N, device=q.device),
+                             torch.tensor(_last_page_len(table), dtype=torch.long), num_pages=N, page_size=P, device=q.device,
                              total_q=q.shape[0])  # fmt: skip
     return q, (K, V), rotated
 
@@ -182,12 +204,12 @@ def _rope(x: Tensor, positions: Tensor, theta: Tensor) -> Tensor:
     return apply_rotary(wide, rotary_angles(positions, x.shape[-1], theta=theta), interleaved=False).transpose(0, 1).to(x.dtype)
 
 
-def plan_qo_indptr(table) -> Tensor:
+def _qo_indptr(table) -> Tensor:
     """The table's ``qo_indptr`` again."""
-    return torch.tensor([*table.qo_start, table.qo_start[-1] + table.qo_len[-1]] if table.qo_len else [0])
+    return torch.tensor([*table.qo_start, table.qo_start[-1] + table.qo_len[-1]] if table.qo_len else [0], dtype=torch.long)
 
 
-def plan_last(table) -> list[int]:
+def _last_page_len(table) -> list[int]:
     """Each request's last page length again (any value for a request with no pages)."""
     P = table.page_size
     return [k - (c - 1) * P if c else 1 for k, c in zip(table.kv_len, table.page_count)]
@@ -204,10 +226,11 @@ def _mask_bits(custom_mask, packed_custom_mask, lengths: list[int] | None) -> tu
             got = (f"{packed_custom_mask.dtype} of shape {tuple(packed_custom_mask.shape)}"
                    if isinstance(packed_custom_mask, Tensor) else type(packed_custom_mask).__name__)  # fmt: skip
             raise TypeError(f"packed_custom_mask: expected a 1-d uint8 tensor (packbits' output), got {got}")
-        if packed_custom_mask.numel() < start[-1]:
+        if packed_custom_mask.numel() != start[-1]:
             raise ValueError(f"packed_custom_mask: the requests' qo_len · kv_len bits, each request's from a whole byte "
-                             f"(segment_packbits' layout), need {start[-1]} bytes, got {packed_custom_mask.numel()}")  # fmt: skip
-        return packed_custom_mask, start[:-1]
+                             f"(segment_packbits(..., bitorder='little'), what plan packs a custom_mask into), are "
+                             f"{start[-1]} bytes, got {packed_custom_mask.numel()}")  # fmt: skip
+        return packed_custom_mask.clone(), start[:-1]
     if not isinstance(custom_mask, Tensor):
         raise TypeError(f"custom_mask: expected a bool tensor, got {type(custom_mask).__name__}")
     if custom_mask.numel() != sum(lengths):
@@ -229,7 +252,8 @@ def _number(name: str, x) -> float:
 def into(name: str, buffer: Tensor | None, x: Tensor) -> Tensor:
     if buffer is None:
         return x
-    if not isinstance(buffer, Tensor) or buffer.shape != x.shape:
-        got = tuple(buffer.shape) if isinstance(buffer, Tensor) else type(buffer).__name__
-        raise ValueError(f"{name}: expected a tensor of shape {tuple(x.shape)} to write into, got {got}")
+    if not isinstance(buffer, Tensor) or (buffer.shape, buffer.dtype, buffer.device) != (x.shape, x.dtype, x.device):
+        got = f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}" if isinstance(buffer, Tensor) else type(buffer).__name__
+        raise ValueError(f"{name}: expected a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device} to write into, "
+                         f"got {got}")  # fmt: skip
     return buffer.copy_(x)
