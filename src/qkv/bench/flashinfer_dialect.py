@@ -161,7 +161,7 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     lines += table(["call", "against", "their ms", "qkv ms", "qkv / theirs"], rows)
     lines += ["", "The wrappers run `qkv.paged_attention` (the ragged one over pages of one row, read where they lie); "
               "a plan keeps its checked table, so later runs of a step pay only for their keys. Pages in order are read "
-              "as views, runs of a request's pages at a time; pages in a random order are copied a tile at a time first "
-              "(no run longer than a page), about three times the bytes the loop over contiguous caches moves."]
+              "as views, runs of a request's pages at a time; pages in a random order are copied a tile at a time before "
+              "the kernel reads them (no run longer than a page): the copy's reads and writes come on top of the kernel's."]
     lines += ["", "### Targets", ""] + targets.lines()
     return "\n".join(lines)
