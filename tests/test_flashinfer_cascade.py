@@ -74,3 +74,27 @@ def test_shapes_are_checked():
                                         mask=torch.ones(3))  # fmt: skip
     with pytest.raises(ValueError, match="num_states"):
         flashinfer.merge_states(torch.randn(2, 3, 4), torch.randn(2, 3))
+
+
+def test_a_two_level_cascade_is_each_request_over_its_shared_prefix_and_its_own_pages():
+    # FlashInfer's documented example, small: one shared prefix (upper level, all queries as one request), each
+    # request's own pages below (causal there); the result is each request over the prefix and its pages in order
+    torch.manual_seed(5)
+    P, g, h, d, batch = 4, 2, 4, 8, 3
+    K, V = torch.randn(12, P, g, d, dtype=torch.float64), torch.randn(12, P, g, d, dtype=torch.float64)
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    shared, own = [4, 9], [[0], [2, 5], [7]]
+    own_last = [3, 2, 4]
+    wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(2, torch.empty(0), "NHD")
+    wrapper.plan([ints([0, batch]), ints(list(range(batch + 1)))], [ints([0, 2]), ints([0, 1, 3, 4])],
+                 [ints(shared), ints([p for pages in own for p in pages])], [ints([P]), ints(own_last)],
+                 h, g, d, P, causal=True, q_data_type=torch.float64)  # fmt: skip
+    q = torch.randn(batch, h, d, dtype=torch.float64)
+    out = wrapper.run(q, torch.stack([K, V], 1))
+    for r in range(batch):
+        ids = torch.tensor(shared + own[r])
+        n = 2 * P + (len(own[r]) - 1) * P + own_last[r]
+        ref, _ = request(q[r : r + 1], K[ids].reshape(-1, g, d)[:n], V[ids].reshape(-1, g, d)[:n])
+        torch.testing.assert_close(out[r : r + 1], ref, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="one tensor per level"):
+        wrapper.plan([ints([0, batch])], [], [], [], h, g, d, P)

@@ -8,7 +8,7 @@ Serving code written for FlashInfer moves over by changing its import::
 ``BatchDecodeWithPagedKVCacheWrapper``, ``BatchPrefillWithPagedKVCacheWrapper`` and
 ``BatchPrefillWithRaggedKVCacheWrapper`` (``plan`` once a step, ``run`` per layer), ``BatchAttention`` (the
 holistic wrapper: a mixed batch, key counts in its plan), ``BatchMLAPagedAttentionWrapper`` (multi-head latent
-attention over its two page pools),
+attention over its two page pools), ``MultiLevelCascadeAttentionWrapper`` (shared prefixes in upper levels),
 ``single_decode_with_kv_cache`` and ``single_prefill_with_kv_cache``, the cascade merges
 (``merge_state``, ``merge_state_in_place``, ``merge_states``), the page bookkeeping
 (``append_paged_kv_cache``, ``get_batch_indices_positions``, ``get_seq_lens``), the mask bit packing
@@ -24,7 +24,7 @@ NVFP4 caches, float8 queries' per-head scales, multi-item scoring, skip-softmax 
 
 from . import attention, cascade, decode, mla, page, prefill, quantization, single
 from .attention import BatchAttention
-from .cascade import merge_state, merge_state_in_place, merge_states
+from .cascade import MultiLevelCascadeAttentionWrapper, merge_state, merge_state_in_place, merge_states
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .mla import BatchMLAPagedAttentionWrapper
 from .page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens
@@ -36,7 +36,7 @@ from .terms import get_alibi_slopes
 #: The FlashInfer release whose API and semantics these follow.
 __version__ = "0.6.18"
 
-__all__ = ["BatchAttention", "BatchDecodeWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper",
+__all__ = ["BatchAttention", "BatchDecodeWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper", "MultiLevelCascadeAttentionWrapper",
            "BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper", "append_paged_kv_cache",
            "attention", "cascade", "decode", "get_alibi_slopes", "get_batch_indices_positions", "get_seq_lens",
            "merge_state", "merge_state_in_place", "merge_states", "mla", "packbits", "page", "prefill",

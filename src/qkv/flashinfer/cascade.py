@@ -2,6 +2,10 @@
 
 Shape legend: ``n`` rows, ``k`` states per row, ``h`` heads, ``d`` value size.
 
+``MultiLevelCascadeAttentionWrapper`` is FlashInfer's cascade of page tables, each level's wrapper
+run and its state merged into the last level's, in place: a prefix shared by many requests sits
+in one upper level's pages once, attended by all their queries as one request.
+
 A state is an output ``v`` and its base-2 log-sum-exp ``s`` (FlashInfer's ``lse``); merging is
 ``s = log2 Σ 2^(s_k)``, ``v = Σ 2^(s_k - s) v_k``, exact (Milakov & Gimelshein 2018's rule, as
 ``qkv.merge``, which these call on ``s · ln 2``). The weights are computed in float32 (float64
@@ -20,8 +24,60 @@ import torch
 from torch import Tensor
 
 from ..backends.tiling.lse import merge_all
+from .prefill import BatchPrefillWithPagedKVCacheWrapper
 
 _LN2 = math.log(2.0)
+
+
+class MultiLevelCascadeAttentionWrapper:
+    """FlashInfer's multi-level cascade over one paged cache: ``num_levels`` tables planned together, run per layer."""
+
+    def __init__(self, num_levels: int, float_workspace_buffer: Tensor | None = None, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf_arr=None, paged_kv_indptr_buf_arr=None,
+                 paged_kv_indices_buf_arr=None, paged_kv_last_page_len_buf_arr=None):  # fmt: skip
+        if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
+            raise ValueError(f"num_levels: expected a positive int, got {num_levels!r}")
+        self._levels = [BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout, use_cuda_graph)
+                        for _ in range(num_levels)]  # fmt: skip
+        self._use_cuda_graph = bool(use_cuda_graph)
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffers, *args) -> None:
+        """FlashInfer's workspace buffers: nothing to reset on a CPU."""
+
+    def plan(self, qo_indptr_arr: list[Tensor], paged_kv_indptr_arr: list[Tensor], paged_kv_indices_arr: list[Tensor],
+             paged_kv_last_page_len: list[Tensor], num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             causal: bool = False, pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+             sm_scale=None, window_left: int = -1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+             q_data_type="float16", kv_data_type=None) -> None:  # fmt: skip
+        """Plan every level: level ``i``'s table from the ``i``-th tensor of each list; ``causal`` for the last level only."""
+        arrays = (qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len)
+        if any(not isinstance(a, (list, tuple)) or len(a) != len(self._levels) for a in arrays):
+            raise ValueError(f"qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len: "
+                             f"expected one tensor per level ({len(self._levels)}) in each")  # fmt: skip
+        for i, (level, *table) in enumerate(zip(self._levels, *arrays)):
+            level.plan(*table, num_qo_heads, num_kv_heads, head_dim, page_size,
+                       causal=causal if i == len(self._levels) - 1 else False, pos_encoding_mode=pos_encoding_mode,
+                       sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                       rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
+                       kv_data_type=kv_data_type)  # fmt: skip
+
+    begin_forward = plan
+
+    def run(self, q: Tensor, paged_kv_cache) -> Tensor:
+        """``out (T, h, d)``: the last level's attention merged with every upper level's, by their ``lse``."""
+        out, lse = self._levels[-1].run(q, paged_kv_cache, return_lse=True)
+        for level in self._levels[:-1]:
+            merge_state_in_place(out, lse, *level.run(q, paged_kv_cache, return_lse=True))
+        return out
+
+    forward = run
+
+    def end_forward(self) -> None:
+        """FlashInfer's older API: nothing to release."""
 
 
 def merge_state(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor) -> tuple[Tensor, Tensor]:

@@ -119,8 +119,8 @@ class Planned:
         if plan is None:
             plan = self._plans[pages.num_pages] = PagedPlan.once(*self._table, num_pages=pages.num_pages,
                                                                  page_size=self.page_size, device=pages.device)  # fmt: skip
-        return run(plan, q, pages, "NHD", self.terms if terms is None else terms, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                   out=out, lse=lse, return_lse=return_lse, o_dtype=o_dtype)  # fmt: skip
+        return run(plan, q, pages, "NHD", self.terms if terms is None else terms, q_scale=q_scale, k_scale=k_scale,
+                   v_scale=v_scale, sinks=sinks, out=out, lse=lse, return_lse=return_lse, o_dtype=o_dtype)  # fmt: skip
 
 
 def _size(name: str, n) -> int:
