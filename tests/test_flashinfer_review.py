@@ -47,12 +47,19 @@ def test_decode_plan_takes_flashinfers_deprecated_positional_arguments_and_names
     torch.testing.assert_close(windowed.double(), ref[None][0], atol=1e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="multiple values"):
         wrapper.plan(ints([0, 2]), ints([0, 1]), ints([3]), h, g, d, P, "NONE", pos_encoding_mode="ALIBI")
-    wrapper.begin_forward(ints([0, 2]), ints([0, 1]), ints([3]), h, g, d, P, q_data_type=torch.float32)
-    out, lse = wrapper.forward_return_lse(q, (k, v), "ALIBI")  # the deprecated call restates the plan's terms
-    ref, ref_lse = request(q, k.reshape(-1, g, d)[:7], v.reshape(-1, g, d)[:7], mode="ALIBI")
+    wrapper.begin_forward(ints([0, 2]), ints([0, 1]), ints([3]), h, g, d, P, pos_encoding_mode="ALIBI",
+                          logits_soft_cap=9.0, q_data_type=torch.float32)  # fmt: skip
+    # the deprecated call restates the values the plan's kernel takes (scale, cap), not what plan compiled into it
+    out, lse = wrapper.forward_return_lse(q, (k, v), "ALIBI", sm_scale=0.2, logits_soft_cap=3.0)
+    ref, ref_lse = request(q, k.reshape(-1, g, d)[:7], v.reshape(-1, g, d)[:7], mode="ALIBI", sm_scale=0.2, cap=3.0)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(wrapper.run(q, (k, v)), out)  # and for later runs, as FlashInfer keeps them
+    for change, match in (({"pos_encoding_mode": "NONE", "logits_soft_cap": 3.0}, "pos_encoding_mode"),
+                          ({"pos_encoding_mode": "ALIBI"}, "logits_soft_cap"),  # (FlashInfer's kernel: caps at 0)
+                          ({"pos_encoding_mode": "ALIBI", "logits_soft_cap": 3.0, "window_left": 2}, "window_left")):
+        with pytest.raises(ValueError, match=match):
+            wrapper.forward(q, (k, v), **change)
     assert wrapper.end_forward() is None
 
 
@@ -163,3 +170,69 @@ def test_the_decode_kernel_keeps_rotated_half_queries_and_keys_in_float32():
                                                           return_lse=True)  # fmt: skip
         errors[cores] = (lse.double() - ref_lse[0]).abs().max().item()
     assert errors[False] < 1e-5 < errors[True]
+
+
+def test_key_count_tables_read_from_their_first_offset():
+    # BatchAttention and MLA plans count keys: a table whose offsets start past 0 reads kv_indices from there on
+    torch.manual_seed(4)
+    P = 4
+    K, V = torch.randn(8, P, 1, 8, dtype=torch.float64), torch.randn(8, P, 1, 8, dtype=torch.float64)
+    q = torch.randn(1, 1, 8, dtype=torch.float64)
+    wrapper = flashinfer.BatchAttention()
+    wrapper.plan(ints([0, 1]), ints([1, 4]), ints([7, 2, 5, 6]), ints([5]), 1, 1, 8, 8, P, q_data_type=torch.float64,
+                 kv_data_type=torch.float64)  # fmt: skip
+    out, lse = wrapper.run(q, (K, V))
+    ids = torch.tensor([2, 5])
+    ref, ref_lse = request(q, K[ids].reshape(-1, 1, 8)[:5], V[ids].reshape(-1, 1, 8)[:5])
+    torch.testing.assert_close((out, lse), (ref, ref_lse), atol=1e-12, rtol=0)
+    mla = flashinfer.BatchMLAPagedAttentionWrapper()
+    mla.plan(ints([0, 1]), ints([1, 4]), ints([7, 2, 5, 6]), ints([5]), 1, 8, 0, P, False, 8**-0.5, torch.float64,
+             torch.float64)  # fmt: skip
+    torch.testing.assert_close(mla.run(q, q[..., :0], K[:, :, 0], K[:, :, 0, :0]),
+                               request(q, K[ids].reshape(-1, 1, 8)[:5], K[ids].reshape(-1, 1, 8)[:5])[0],
+                               atol=1e-12, rtol=0)  # fmt: skip
+    with pytest.raises(ValueError, match="kv_len_arr"):
+        wrapper.plan(ints([0, 1]), ints([0, 1]), ints([0]), ints([9]), 1, 1, 8, 8, P)
+
+
+def test_rope_takes_numpy_sizes_and_names_bad_positions():
+    q, k = torch.randn(4, 2, 8), torch.randn(4, 1, 8)
+    torch.testing.assert_close(flashinfer.apply_rope_pos_ids(q, k, torch.arange(4), rotary_dim=np.int64(4)),
+                               flashinfer.apply_rope_pos_ids(q, k, torch.arange(4), rotary_dim=4))  # fmt: skip
+    assert len(flashinfer.MultiLevelCascadeAttentionWrapper(np.int64(2))._levels) == 2
+    cache = torch.randn(10, 8)
+    with pytest.raises(ValueError, match="key: expected one row per query row"):
+        flashinfer.apply_rope_with_cos_sin_cache(torch.arange(4), q.view(4, 16), k[:3].view(3, 8), 8, cache)
+    with pytest.raises(ValueError, match="positions: expected 0 .. 9"):
+        flashinfer.apply_rope_with_cos_sin_cache(torch.tensor([0, 1, 2, 10]), q.view(4, 16), k.view(4, 8), 8, cache)
+    with pytest.raises(ValueError, match="positions: expected one position per row"):
+        flashinfer.apply_rope_with_cos_sin_cache(torch.arange(3), q.view(4, 16), k.view(4, 8), 8, cache)
+    for bad in (torch.arange(4).float(), torch.ones(4, dtype=torch.bool)):
+        with pytest.raises(TypeError, match="pos_ids: expected an int32 or int64"):
+            flashinfer.apply_rope_pos_ids(q, k, bad)
+    with pytest.raises(TypeError, match="offsets"):
+        flashinfer.apply_rope(q, k, torch.tensor([0, 4]), torch.tensor([1.5]))
+    with pytest.raises(TypeError, match="indptr"):
+        flashinfer.apply_rope(q, k, torch.tensor([0.0, 4.0]), torch.tensor([1]))
+
+
+def test_llama31_frequencies_at_a_low_factor_of_zero_are_flashinfers_clamped_blend():
+    q, k = torch.randn(3, 1, 16, dtype=torch.float64), torch.randn(3, 1, 16, dtype=torch.float64)
+    out, _ = flashinfer.apply_llama31_rope_pos_ids(q, k, torch.arange(3) * 50, low_freq_factor=0, high_freq_factor=4,
+                                                   old_context_len=64, rope_scale=8.0, rope_theta=1e4)  # fmt: skip
+    theta = 1e4 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    smooth = (64 * theta / (2 * math.pi) / 4).clamp(0, 1)
+    freq = (1 - smooth) * theta / 8 + smooth * theta
+    angle = (torch.arange(3) * 50).double()[:, None, None] * freq
+    a, b = q[..., :8], q[..., 8:]
+    want = torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], -1)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
+def test_profilers_are_refused_by_name():
+    with pytest.raises(NotImplementedError, match="use_profiler"):
+        flashinfer.BatchMLAPagedAttentionWrapper().plan(ints([0, 1]), ints([0, 1]), ints([0]), ints([1]), 1, 8, 0, 4,
+                                                        False, 0.3, torch.float32, torch.float32, use_profiler=True)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="use_profiler"):
+        flashinfer.BatchAttention().plan(ints([0, 1]), ints([0, 1]), ints([0]), ints([1]), 1, 1, 8, 8, 4,
+                                         use_profiler=True)  # fmt: skip

@@ -8,7 +8,8 @@ FlashInfer's holistic wrapper: ``plan`` takes the table with each request's key 
 of the last page's fill, and ``run`` always returns ``(out, lse)``, the base-2 ``lse``. The soft
 cap is ``run``'s (FlashInfer's ``plan`` only says whether one is used: a cap at run needs one at
 plan); a plan made with a cap and run without one is refused here, where FlashInfer's kernel would
-divide by it. Otherwise as :mod:`.prefill`'s wrappers, on the same plan (:mod:`.plans`).
+divide by it. ``out`` is ``(T, h, head_dim_vo)``, where FlashInfer allocates it like ``q`` (which holds it only when
+the two sizes agree). Otherwise as :mod:`.prefill`'s wrappers, on the same plan (:mod:`.plans`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..paged.table import by_lengths
-from .plans import Planned, dtype_of, refuse
+from .plans import Planned, dtype_of, no_profiler, refuse
 from .terms import terms
 
 
@@ -34,11 +35,11 @@ class BatchAttention:
              sm_scale=None, logits_soft_cap=None, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
              use_profiler: bool = False) -> None:  # fmt: skip
         """Plan the step: the table with each request's key count, heads and sizes, ``causal``, scale, dtypes."""
-        refuse(use_profiler=use_profiler or None)
+        no_profiler(use_profiler)
         if head_dim_qk > 256 or head_dim_vo > 256:
             raise ValueError(f"BatchAttention (holistic persistent kernel) does not support head_dim > 256 (got "
                              f"head_dim_qk={head_dim_qk}, head_dim_vo={head_dim_vo}).")  # fmt: skip
-        kv_indptr, kv_indices, last = by_lengths(kv_indptr, kv_indices, kv_len_arr, page_size)
+        kv_indptr, kv_indices, last = by_lengths(kv_indptr, kv_indices, kv_len_arr, page_size, "kv_len_arr")
         self._cap = 0.0 if logits_soft_cap is None else logits_soft_cap
         self._planned.plan(qo_indptr, kv_indptr, kv_indices, last, heads=(num_qo_heads, num_kv_heads),
                            dims=(head_dim_qk, head_dim_vo), page_size=page_size,

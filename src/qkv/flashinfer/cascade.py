@@ -19,6 +19,7 @@ keep float64.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import Tensor
@@ -35,10 +36,14 @@ class MultiLevelCascadeAttentionWrapper:
     def __init__(self, num_levels: int, float_workspace_buffer: Tensor | None = None, kv_layout: str = "NHD",
                  use_cuda_graph: bool = False, qo_indptr_buf_arr=None, paged_kv_indptr_buf_arr=None,
                  paged_kv_indices_buf_arr=None, paged_kv_last_page_len_buf_arr=None):  # fmt: skip
-        if isinstance(num_levels, bool) or not isinstance(num_levels, int) or num_levels < 1:
-            raise ValueError(f"num_levels: expected a positive int, got {num_levels!r}")
+        try:
+            levels = operator.index(num_levels)  # (numpy's ints too, as FlashInfer's range() takes them)
+        except TypeError:
+            raise TypeError(f"num_levels: expected an int, got {type(num_levels).__name__}") from None
+        if isinstance(num_levels, bool) or levels < 1:
+            raise ValueError(f"num_levels: expected a positive int, got {levels}")
         self._levels = [BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout, use_cuda_graph)
-                        for _ in range(num_levels)]  # fmt: skip
+                        for _ in range(levels)]  # fmt: skip
         self._use_cuda_graph = bool(use_cuda_graph)
 
     @property

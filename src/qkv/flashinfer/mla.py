@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..paged.latent import paged_latent_attention
-from .plans import dtype_of, refuse
+from .plans import dtype_of, no_profiler, refuse
 from .terms import into
 
 
@@ -42,6 +42,7 @@ class BatchMLAPagedAttentionWrapper:
              head_dim_ckv: int, head_dim_kpe: int, page_size: int, causal: bool, sm_scale: float, q_data_type,
              kv_data_type, use_profiler: bool = False) -> None:  # fmt: skip
         """Plan the step: the table (copied), heads and sizes, ``causal``, ``sm_scale`` and the dtypes ``run`` takes."""
+        no_profiler(use_profiler)
         if head_dim_kpe < 0:
             raise ValueError(f"head_dim_kpe must be >= 0, got {head_dim_kpe}.")
         tables = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)

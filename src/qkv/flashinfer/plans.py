@@ -37,6 +37,13 @@ def dtype_of(x) -> torch.dtype:
     raise TypeError(f"dtype: expected a torch.dtype or its name, got {x!r}")
 
 
+def no_profiler(use_profiler) -> None:
+    """FlashInfer's intra-kernel profiler (``use_profiler=True``) has no counterpart here: refused by name."""
+    if use_profiler:
+        raise NotImplementedError("use_profiler: FlashInfer's intra-kernel profiler times CUDA kernels; it has no CPU "
+                                  "counterpart (leave it False)")  # fmt: skip
+
+
 def refuse(**given) -> None:
     """Raise on each FlashInfer argument given a value that would change the result and that qkv does not implement."""
     for name, x in given.items():
@@ -86,10 +93,21 @@ class Planned:
         self._plans: dict[int, PagedPlan] = {}
 
     def restate(self, **term_kwargs) -> None:
-        """The plan's terms changed as FlashInfer's deprecated ``forward`` changes them (its custom mask kept)."""
-        given = terms(**term_kwargs)
-        self.terms = replace(given, mask=self.terms.mask, mask_start=self.terms.mask_start,
-                             rope_rounds=self.terms.rope_rounds)  # fmt: skip
+        """The plan's terms changed as FlashInfer's deprecated ``forward`` changes them: ``causal``, the scale, RoPE's
+        scale and base, and the values of a soft cap or window the plan has. What FlashInfer's ``plan`` compiled into
+        its kernel (the position encoding, whether a cap or a window is used), ``forward`` cannot change there (its
+        kernel ignores the new one, or caps at 0): such a call is refused here."""
+        given, planned = terms(**term_kwargs), self.terms
+        if given.pos_encoding_mode != planned.pos_encoding_mode:
+            raise ValueError(f"pos_encoding_mode: the plan's kernel uses {planned.pos_encoding_mode!r}; forward cannot "
+                             f"change it to {given.pos_encoding_mode!r} (plan again)")  # fmt: skip
+        if (given.logits_soft_cap > 0) != (planned.logits_soft_cap > 0):
+            raise ValueError(f"logits_soft_cap: the plan's kernel {'caps' if planned.logits_soft_cap > 0 else 'has no cap'}"
+                             f"; forward cannot switch the cap on or off (plan again), got {given.logits_soft_cap}")  # fmt: skip
+        if given.window_left >= 0 and planned.window_left < 0:
+            raise ValueError(f"window_left: the plan's kernel has no window; forward cannot add one (plan again), got "
+                             f"{given.window_left}")  # fmt: skip
+        self.terms = replace(given, mask=planned.mask, mask_start=planned.mask_start, rope_rounds=planned.rope_rounds)
 
     def run(self, q: Tensor, kv_cache, *, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, window_left=None, sinks=None, terms: Terms | None = None):  # fmt: skip

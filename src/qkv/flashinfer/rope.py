@@ -17,6 +17,9 @@ inputs), rounded to the inputs' dtype; the ``_inplace`` forms write ``q`` and ``
 
 from __future__ import annotations
 
+import math
+import operator
+
 import torch
 from torch import Tensor
 
@@ -95,7 +98,12 @@ def apply_rope_with_cos_sin_cache(positions: Tensor, query: Tensor, key: Tensor,
     if r % 2 or not 0 < r <= head_size:
         raise ValueError(f"cos_sin_cache: expected an even rotary_dim (its width) up to head_size = {head_size}, got {r}")
     heads = [_heads(name, x, head_size) for name, x in (("query", query), ("key", key))]
-    pos = _positions(positions, heads[0])
+    if heads[1].shape[0] != heads[0].shape[0]:
+        raise ValueError(f"key: expected one row per query row ({heads[0].shape[0]}), got {heads[1].shape[0]}")
+    pos = _positions(positions, heads[0], "positions")
+    if pos.numel() and not 0 <= int(pos.min()) <= int(pos.max()) < cos_sin_cache.shape[0]:
+        raise ValueError(f"positions: expected 0 .. {cos_sin_cache.shape[0] - 1} (cos_sin_cache's rows), got "
+                         f"{int(pos.min())} .. {int(pos.max())}")  # fmt: skip
     rows = cos_sin_cache.index_select(0, pos.to(cos_sin_cache.device))  # (n, r)
     cos, sin = rows[:, None, : r // 2], rows[:, None, r // 2 :]
     out = [_turn(x, cos, sin, not is_neox) for x in heads]
@@ -113,20 +121,26 @@ def _theta(q: Tensor, rotary_dim, base: float, scale: float) -> Tensor:
 
 
 def _llama31(q: Tensor, rotary_dim, base, scale, low, high, old) -> Tensor:
-    if not high > low > 0:
-        raise ValueError(f"low_freq_factor, high_freq_factor: expected 0 < low < high, got {low} and {high}")
-    settings = {"rope_type": "llama3", "factor": float(scale), "low_freq_factor": float(low),
-                "high_freq_factor": float(high), "original_max_position_embeddings": old}  # fmt: skip
-    return frequencies(_rotary_dim(q, rotary_dim), float(base), settings)[0]
+    """Llama 3.1's frequencies in FlashInfer's kernel's form (``pos_enc.cuh``): ``smooth = clamp((old / wavelength - low) /
+    (high - low), 0, 1)``, ``θ' = (1 - smooth) θ / scale + smooth θ`` (``"llama3"`` of ``rope_scaling`` where ``low > 0``;
+    defined at ``low = 0`` too)."""
+    if not high > low >= 0:
+        raise ValueError(f"low_freq_factor, high_freq_factor: expected 0 <= low < high, got {low} and {high}")
+    theta = frequencies(_rotary_dim(q, rotary_dim), float(base), DEFAULT)[0]
+    smooth = ((float(old) * theta / (2 * math.pi) - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * theta / float(scale) + smooth * theta
 
 
 def _rotary_dim(q: Tensor, rotary_dim) -> int:
     d = q.shape[-1] if isinstance(q, Tensor) and q.dim() == 3 else None
     if d is None:
         raise ValueError(f"q: expected (nnz, num_q_heads, head_dim), got {tuple(q.shape) if isinstance(q, Tensor) else q}")
-    r = d if rotary_dim is None else rotary_dim
-    if isinstance(r, bool) or not isinstance(r, int) or r % 2 or not 0 < r <= d:
-        raise ValueError(f"rotary_dim: expected an even number up to head_dim = {d}, got {rotary_dim!r}")
+    try:
+        r = d if rotary_dim is None else operator.index(rotary_dim)  # (numpy's ints too)
+    except TypeError:
+        raise TypeError(f"rotary_dim: expected an int, got {type(rotary_dim).__name__}") from None
+    if isinstance(rotary_dim, bool) or r % 2 or not 0 < r <= d:
+        raise ValueError(f"rotary_dim: expected an even number up to head_dim = {d}, got {r}")
     return r
 
 
@@ -146,6 +160,8 @@ def _turn(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
 
 def _ragged_positions(indptr: Tensor, offsets: Tensor, q: Tensor) -> Tensor:
     """Row ``i`` of request ``b`` at ``offsets[b] + i - indptr[b]``."""
+    _indices("indptr", indptr)
+    _indices("offsets", offsets)
     bounds = indptr.tolist()
     if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])) or bounds[-1] != q.shape[0]:
         raise ValueError(f"indptr: expected offsets from 0 rising to nnz = {q.shape[0]}, got {bounds[:8]}")
@@ -156,11 +172,18 @@ def _ragged_positions(indptr: Tensor, offsets: Tensor, q: Tensor) -> Tensor:
     return (torch.arange(q.shape[0]) + torch.repeat_interleave(first, counts)).to(q.device)
 
 
-def _positions(pos_ids: Tensor, q: Tensor) -> Tensor:
-    if not isinstance(pos_ids, Tensor) or pos_ids.shape != (q.shape[0],) or pos_ids.dtype.is_floating_point:
-        got = f"{pos_ids.dtype} {tuple(pos_ids.shape)}" if isinstance(pos_ids, Tensor) else type(pos_ids).__name__
-        raise ValueError(f"pos_ids: expected one integer position per row ({q.shape[0]},), got {got}")
+def _positions(pos_ids: Tensor, q: Tensor, name: str = "pos_ids") -> Tensor:
+    _indices(name, pos_ids)
+    if pos_ids.shape != (q.shape[0],):
+        raise ValueError(f"{name}: expected one position per row ({q.shape[0]},), got {tuple(pos_ids.shape)}")
     return pos_ids.to(q.device, torch.int64)
+
+
+def _indices(name: str, x) -> None:
+    """FlashInfer's kernels take int32 or int64 index tensors only (a float or bool one is no position)."""
+    if not isinstance(x, Tensor) or x.dtype not in (torch.int32, torch.int64):
+        got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+        raise TypeError(f"{name}: expected an int32 or int64 tensor, got {got}")
 
 
 def _heads(name: str, x: Tensor, head_size: int) -> Tensor:

@@ -121,34 +121,36 @@ def longs(xs: list[int], device="cpu") -> Tensor:
     return t if torch.device(device).type == "cpu" else t.to(device)
 
 
-def by_lengths(kv_indptr: Tensor, kv_indices: Tensor, kv_len: Tensor, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """A table that counts keys (FlashInfer's MLA and ``BatchAttention`` plans: ``kv_len``) as the page table reads it:
-    ``(kv_indptr, kv_indices, kv_last_page_len)``.
+def by_lengths(kv_indptr: Tensor, kv_indices: Tensor, kv_len: Tensor, page_size: int,
+               name: str = "kv_len") -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """A table that counts keys (FlashInfer's MLA and ``BatchAttention`` plans: ``kv_len``, named ``name`` in errors) as
+    the page table reads it: ``(kv_indptr, kv_indices, kv_last_page_len)``.
 
     Request ``r``'s keys are the first ``kv_len[r]`` slots of its pages, so it reads
     ``⌈kv_len / P⌉`` of them; pages past those (held, not yet begun) are never read, as
-    FlashInfer's schedulers bound a request by ``kv_len`` alone, and are dropped here.
+    FlashInfer's schedulers bound a request by ``kv_len`` alone, and are dropped here. Offsets that
+    do not start at 0 are read from ``kv_indices[kv_indptr[0]]`` on, as FlashInfer's kernels read them.
     """
-    for name, x in (("kv_indptr", kv_indptr), ("kv_len", kv_len)):
+    for label, x in (("kv_indptr", kv_indptr), (name, kv_len)):
         if not isinstance(x, Tensor) or x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
-            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"{name}: expected a 1-d integer tensor, got {got}")
+            got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{label}: expected a 1-d integer tensor, got {got}")
     offsets = kv_indptr.long().cpu().tolist()
     counts = [b - a for a, b in zip(offsets, offsets[1:])]
     lengths = kv_len.long().cpu().tolist()
     if len(lengths) != len(counts):
-        raise ValueError(f"kv_len: expected one length per request ({len(counts)}, from kv_indptr), got {len(lengths)}")
+        raise ValueError(f"{name}: expected one length per request ({len(counts)}, from kv_indptr), got {len(lengths)}")
     used, last = [], []
     for r, (pages, n) in enumerate(zip(counts, lengths)):
         if pages >= 0 and not 0 <= n <= pages * page_size:
-            raise ValueError(f"kv_len[{r}]: {n} keys but {pages} pages of {page_size} (expected 0 to {pages * page_size})")
+            raise ValueError(f"{name}[{r}]: {n} keys but {pages} pages of {page_size} (expected 0 to {pages * page_size})")
         need = -(-n // page_size) if pages >= 0 else pages
         used.append(need)
         last.append(n - (need - 1) * page_size if need > 0 else 1)  # no pages: the table reads no length
     last = torch.tensor(last, dtype=torch.long)
-    readable = isinstance(kv_indices, Tensor) and offsets[:1] == [0] and min(counts, default=0) >= 0 and (
+    readable = isinstance(kv_indices, Tensor) and offsets[:1] >= [0] and min(counts, default=0) >= 0 and (
         offsets[-1] <= kv_indices.numel())  # fmt: skip
-    if used == counts or not readable:  # (a malformed table is passed on whole: the page table names its fault)
+    if (used == counts and offsets[:1] == [0]) or not readable:  # (a malformed table is passed on whole: the page table names its fault)
         return kv_indptr, kv_indices, last
     keep = torch.cat([torch.arange(a, a + u) for a, u in zip(offsets, used)])
     return torch.tensor([0, *torch.tensor(used).cumsum(0).tolist()]), kv_indices.index_select(0, keep.to(kv_indices.device)), last
