@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..paged.pages import as_pages
-from .terms import check_layout
+from .terms import check_layout, into
 
 
 def get_seq_lens(kv_indptr: Tensor, kv_last_page_len: Tensor, page_size: int) -> Tensor:
@@ -44,7 +44,7 @@ def get_batch_indices_positions(append_indptr: Tensor, seq_lens: Tensor, nnz: in
     found_p = torch.zeros(nnz, dtype=torch.int32)
     found_b[index] = rows.to(torch.int32)
     found_p[index] = (index + first[rows]).to(torch.int32)
-    return _into("batch_indices", batch_indices, found_b.to(device)), _into("positions", positions, found_p.to(device))
+    return into("batch_indices", batch_indices, found_b.to(device)), into("positions", positions, found_p.to(device))
 
 
 def append_paged_kv_cache(append_key: Tensor, append_value: Tensor, batch_indices: Tensor, positions: Tensor,
@@ -71,11 +71,3 @@ def append_paged_kv_cache(append_key: Tensor, append_value: Tensor, batch_indice
     page = kv_indices.to("cpu", torch.int64)[start[b] + pos // P]
     pages.write(page, pos % P, append_key, append_value)
 
-
-def _into(name: str, buffer: Tensor | None, x: Tensor) -> Tensor:
-    if buffer is None:
-        return x
-    if not isinstance(buffer, Tensor) or buffer.shape != x.shape or buffer.dtype != torch.int32:
-        got = f"{buffer.dtype} of shape {tuple(buffer.shape)}" if isinstance(buffer, Tensor) else type(buffer).__name__
-        raise ValueError(f"{name}: expected an int32 tensor of shape {tuple(x.shape)} to write into, got {got}")
-    return buffer.copy_(x)

@@ -17,7 +17,6 @@ inputs), rounded to the inputs' dtype; the ``_inplace`` forms write ``q`` and ``
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -117,18 +116,16 @@ def apply_rope_with_cos_sin_cache_inplace(positions: Tensor, query: Tensor, key:
 
 
 def _theta(q: Tensor, rotary_dim, base: float, scale: float) -> Tensor:
-    return frequencies(_rotary_dim(q, rotary_dim), float(base), DEFAULT)[0] / float(scale)
+    return llama_theta(_rotary_dim(q, rotary_dim), base, scale)
 
 
 def _llama31(q: Tensor, rotary_dim, base, scale, low, high, old) -> Tensor:
-    """Llama 3.1's frequencies in FlashInfer's kernel's form (``pos_enc.cuh``): ``smooth = clamp((old / wavelength - low) /
-    (high - low), 0, 1)``, ``θ' = (1 - smooth) θ / scale + smooth θ`` (``"llama3"`` of ``rope_scaling`` where ``low > 0``;
-    defined at ``low = 0`` too)."""
+    """Llama 3.1's frequencies (``rope_scaling``'s ``"llama3"``, in the clamped form FlashInfer's kernel uses)."""
     if not high > low >= 0:
         raise ValueError(f"low_freq_factor, high_freq_factor: expected 0 <= low < high, got {low} and {high}")
-    theta = frequencies(_rotary_dim(q, rotary_dim), float(base), DEFAULT)[0]
-    smooth = ((float(old) * theta / (2 * math.pi) - low) / (high - low)).clamp(0.0, 1.0)
-    return (1 - smooth) * theta / float(scale) + smooth * theta
+    settings = {"rope_type": "llama3", "factor": float(scale), "low_freq_factor": float(low),
+                "high_freq_factor": float(high), "original_max_position_embeddings": old}  # fmt: skip
+    return frequencies(_rotary_dim(q, rotary_dim), float(base), settings)[0]
 
 
 def _rotary_dim(q: Tensor, rotary_dim) -> int:
@@ -148,8 +145,19 @@ def _rotate(q: Tensor, k: Tensor, positions: Tensor, rotary_dim, interleave: boo
     if not isinstance(k, Tensor) or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
         got = tuple(k.shape) if isinstance(k, Tensor) else type(k).__name__
         raise ValueError(f"k: expected ({q.shape[0]}, num_k_heads, {q.shape[-1]}) like q, got {got}")
+    return rotate(q, positions, theta, interleave), rotate(k, positions, theta, interleave)
+
+
+def llama_theta(rotary_dim: int, rope_theta: float, rope_scale: float) -> Tensor:
+    """``(r/2,)`` float64: FlashInfer's RoPE frequencies ``θ^(-2i/r) / rope_scale``."""
+    return frequencies(rotary_dim, float(rope_theta), DEFAULT)[0] / float(rope_scale)
+
+
+def rotate(x: Tensor, positions: Tensor, theta: Tensor, interleave: bool) -> Tensor:
+    """``x (n, heads, d)``, row ``i`` turned by ``positions[i] · θ`` (the first ``2 · len(θ)`` dims), in float32 at least,
+    rounded back to its dtype."""
     angles = positions.to(torch.float64)[:, None, None] * theta.to(positions.device)  # (n, 1, r/2)
-    return _turn(q, angles.cos(), angles.sin(), interleave), _turn(k, angles.cos(), angles.sin(), interleave)
+    return _turn(x, angles.cos(), angles.sin(), interleave)
 
 
 def _turn(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:

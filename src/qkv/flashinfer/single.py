@@ -33,11 +33,9 @@ def single_decode_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, kv_layout: str 
     """
     if not isinstance(q, Tensor) or q.dim() != 2:
         raise ValueError(f"q: expected (num_qo_heads, head_dim), got {_shape(q)}")
-    out = single_prefill_with_kv_cache(q[None], k, v, kv_layout=kv_layout, pos_encoding_mode=pos_encoding_mode,
-                                       sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                                       rope_scale=rope_scale, rope_theta=rope_theta, return_lse=return_lse,
-                                       k_scale=k_scale, v_scale=v_scale, _q_scale=q_scale,
-                                       _rope_rounds=use_tensor_cores)  # fmt: skip
+    t = dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+             sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, rope_rounds=use_tensor_cores)
+    out = _request(q[None], k, v, kv_layout, t, scales=(q_scale, k_scale, v_scale), return_lse=return_lse)
     return (out[0][0], out[1][0]) if return_lse else out[0]
 
 
@@ -46,8 +44,7 @@ def single_prefill_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, scale_q=None, 
                                  kv_layout: str = "NHD", pos_encoding_mode: str = "NONE",
                                  use_fp16_qk_reduction: bool = False, sm_scale=None, window_left: int = -1,
                                  logits_soft_cap=None, rope_scale=None, rope_theta=None, backend: str = "auto",
-                                 return_lse: bool = False, kv_cache_sf=None, k_scale=None, v_scale=None,
-                                 *, _q_scale=None, _rope_rounds: bool = True):  # fmt: skip
+                                 return_lse: bool = False, kv_cache_sf=None, k_scale=None, v_scale=None):  # fmt: skip
     """``out (n, h, e)``, or ``(out, lse (n, h))``: queries ``q (n, h, d)``, the last ``n`` of ``j`` positions.
 
     ``k (j, g, d)``, ``v (j, g, e)`` (``kv_layout="HND"``: ``(g, j, d)``). ``causal``: the bottom-right
@@ -61,9 +58,18 @@ def single_prefill_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, scale_q=None, 
         if x is not None:
             raise NotImplementedError(f"{name}: FlashInfer's float8 query and NVFP4 cache scales are not supported; "
                                       "k_scale and v_scale (a float8 cache's calibration) are")  # fmt: skip
-    check_layout(kv_layout)
     if not isinstance(q, Tensor) or q.dim() != 3:
         raise ValueError(f"q: expected (qo_len, num_qo_heads, head_dim), got {_shape(q)}")
+    t = dict(causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+             sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta, custom_mask=custom_mask,
+             packed_custom_mask=packed_custom_mask)
+    return _request(q, k, v, kv_layout, t, scales=(None, k_scale, v_scale), return_lse=return_lse, o_dtype=o_dtype)
+
+
+def _request(q: Tensor, k: Tensor, v: Tensor, kv_layout: str, term_kwargs: dict, *, scales: tuple, return_lse: bool,
+             o_dtype=None):  # fmt: skip
+    """The one request ``q (n, h, d)`` over its keys as one page of ``j`` slots; ``scales``: ``(q, k, v)``'s."""
+    check_layout(kv_layout)
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, Tensor) or x.dim() != 3:
             raise ValueError(f"{name}: expected (kv_len, num_kv_heads, dim) ({kv_layout}), got {_shape(x)}")
@@ -71,17 +77,15 @@ def single_prefill_with_kv_cache(q: Tensor, k: Tensor, v: Tensor, scale_q=None, 
     n, j = q.shape[0], k.shape[axis]
     if j == 0 or v.shape[axis] != j:
         raise ValueError(f"k, v: expected the same number of keys, at least one, got {k.shape[axis]} and {v.shape[axis]}")
-    t = terms(causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-              logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-              custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, mask_lengths=[n * j],
-              rope_rounds=_rope_rounds)  # fmt: skip
-    if causal and j < n and custom_mask is None and packed_custom_mask is None:
+    t = terms(mask_lengths=[n * j], **term_kwargs)
+    if t.causal and j < n and t.mask is None:
         raise ValueError(f"When mask_mode is set to MaskMode::kCausal, kv_len must be greater than or equal to qo_len, "
                          f"got kv_len {j} and qo_len {n}")  # fmt: skip
     ints = functools.partial(torch.tensor, dtype=torch.int32)
     plan = PagedPlan.once(ints([0, n]), ints([0, 1]), ints([0]), ints([j]), num_pages=1, page_size=j, total_q=n,
                           device=k.device)  # fmt: skip
-    return run(plan, q, (k[None], v[None]), kv_layout, t, q_scale=_q_scale, k_scale=k_scale, v_scale=v_scale,
+    q_scale, k_scale, v_scale = scales
+    return run(plan, q, (k[None], v[None]), kv_layout, t, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                return_lse=return_lse, o_dtype=o_dtype)  # fmt: skip
 
 

@@ -39,9 +39,8 @@ from torch import Tensor
 from ..paged.options import calibration
 from ..paged.pages import as_pages
 from ..paged.plan import PagedPlan
-from ..positional.rope_scaling import DEFAULT, frequencies
-from ..positional.rotary import apply_rotary, rotary_angles
 from .quantization import segment_packbits
+from .rope import llama_theta, rotate
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 LAYOUTS = ("NHD", "HND")
@@ -178,41 +177,16 @@ def _score_mod(t: Terms, table, q: Tensor, scale: float):
 
 def _rotated(q: Tensor, kv_cache, kv_layout: str, plan: PagedPlan, t: Terms):
     """q and a copy of the keys the table names rotated at their positions (Llama's RoPE), with the plan over that copy."""
-    table, d = plan.table, q.shape[-1]
-    theta = frequencies(d, t.rope_theta, DEFAULT)[0] / t.rope_scale
-    starts = [k - n for k, n in zip(table.kv_len, table.qo_len)]
-    q_pos = torch.cat([torch.arange(n) + s for n, s in zip(table.qo_len, starts)]) if table.qo_len else torch.zeros(0, dtype=torch.long)
-    q = _rope(q, q_pos.long().to(q.device), theta)  # (in float32 already where the decode kernel keeps it so)
-    pages = as_pages(kv_cache, kv_layout, q.dtype)
-    K, V = pages.take(table.indices)  # (N, P, g, d): every entry's page, in the table's order
-    P = table.page_size
-    entry = torch.cat([torch.arange(c) for c in table.page_count]) if table.page_count else torch.zeros(0, dtype=torch.long)
-    k_pos = (entry.long()[:, None] * P + torch.arange(P)).reshape(-1).to(q.device)
-    N, g = K.shape[0], K.shape[2]
-    K = _rope(K.reshape(N * P, g, d), k_pos, theta).view(N, P, g, d)
-    starts_of = torch.tensor([*table.page_start, table.page_start[-1] + table.page_count[-1]] if table.page_count else [0],
-                             dtype=torch.long)
-    rotated = PagedPlan.once(_qo_indptr(table), starts_of, torch.arange(N, device=q.device),
-                             torch.tensor(_last_page_len(table), dtype=torch.long), num_pages=N, page_size=P, device=q.device,
-                             total_q=q.shape[0])  # fmt: skip
-    return q, (K, V), rotated
-
-
-def _rope(x: Tensor, positions: Tensor, theta: Tensor) -> Tensor:
-    """``x (n, heads, d)`` rotated at ``positions (n,)``, Llama's halves, computed in float32 at least, rounded back."""
-    wide = x.to(torch.promote_types(x.dtype, torch.float32)).transpose(0, 1)  # (heads, n, d)
-    return apply_rotary(wide, rotary_angles(positions, x.shape[-1], theta=theta), interleaved=False).transpose(0, 1).to(x.dtype)
-
-
-def _qo_indptr(table) -> Tensor:
-    """The table's ``qo_indptr`` again."""
-    return torch.tensor([*table.qo_start, table.qo_start[-1] + table.qo_len[-1]] if table.qo_len else [0], dtype=torch.long)
-
-
-def _last_page_len(table) -> list[int]:
-    """Each request's last page length again (any value for a request with no pages)."""
-    P = table.page_size
-    return [k - (c - 1) * P if c else 1 for k, c in zip(table.kv_len, table.page_count)]
+    table = plan.table
+    theta = llama_theta(q.shape[-1], t.rope_theta, t.rope_scale)
+    q_pos = torch.cat([torch.arange(k - n, k) for n, k in zip(table.qo_len, table.kv_len)] or [torch.zeros(0, dtype=torch.long)])
+    q = rotate(q, q_pos.to(q.device), theta, interleave=False)  # (in float32 already where the decode kernel keeps it so)
+    K, V = as_pages(kv_cache, kv_layout, q.dtype).take(table.indices)  # (N, P, g, d): every entry's page, in order
+    N, P, g, d = K.shape
+    entry = torch.cat([torch.arange(c) for c in table.page_count] or [torch.zeros(0, dtype=torch.long)])
+    k_pos = (entry[:, None] * P + torch.arange(P)).reshape(-1).to(q.device)  # a key's place in its request
+    K = rotate(K.reshape(N * P, g, d), k_pos, theta, interleave=False).view(N, P, g, d)
+    return q, (K, V), PagedPlan.over_copy(plan)
 
 
 def _mask_bits(custom_mask, packed_custom_mask, lengths: list[int] | None) -> tuple[Tensor, list[int]]:

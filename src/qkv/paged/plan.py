@@ -54,6 +54,17 @@ class PagedPlan:
         plan._setup(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages, page_size, device, total_q)
         return plan
 
+    @classmethod
+    def over_copy(cls, plan: PagedPlan) -> PagedPlan:
+        """``plan``'s requests over a copy of the pages its table names, entry ``n`` of the table at page ``n``
+        (``pages.take(plan.table.indices)``): the table already checked, only its page ids renumbered."""
+        table = plan.table
+        copy = cls.__new__(cls)
+        copy.table = replace(table, indices=torch.arange(table.indices.numel(), device=table.indices.device))
+        copy.total_q, copy.num_pages, copy.page_size = plan.total_q, table.indices.numel(), plan.page_size
+        copy.memo = {}
+        return copy
+
     def _setup(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int, device,
                total_q: int | None) -> None:  # fmt: skip
         if total_q is None:

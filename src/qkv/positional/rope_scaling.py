@@ -119,12 +119,11 @@ def frequencies(rotary_dim: int, base: float, settings: dict, length: int | None
         grown = base * ((factor * n / original) - (factor - 1)) ** (r / (r - 2)) if r > 2 else base
         return grown**-exponents, 1.0
     if kind == "llama3":
-        low, high = original / settings["low_freq_factor"], original / settings["high_freq_factor"]
-        wavelength = 2 * math.pi / theta
-        blend = (original / wavelength - settings["low_freq_factor"]) / (
-            settings["high_freq_factor"] - settings["low_freq_factor"])  # fmt: skip
-        mid = (1 - blend) * theta / factor + blend * theta
-        return torch.where(wavelength > low, theta / factor, torch.where(wavelength < high, theta, mid)), 1.0
+        # the blend clamped to [0, 1] is transformers' three ranges exactly (0 past L / low_freq_factor: θ / s; 1 below
+        # L / high_freq_factor: θ), written as FlashInfer's kernel writes it, which also holds at low_freq_factor = 0
+        low, high = settings["low_freq_factor"], settings["high_freq_factor"]
+        blend = ((original * theta / (2 * math.pi) - low) / (high - low)).clamp(0.0, 1.0)
+        return (1 - blend) * theta / factor + blend * theta, 1.0
     return _yarn(theta, r, base, factor, original, settings)
 
 
