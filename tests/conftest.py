@@ -2,7 +2,8 @@
 and more threads only spin-wait on a shared 2-core machine), fixed seeds, and the oneDNN
 routes taken wherever they apply (``qkv._probe``: a timing probe would make the route, and
 the float rounding, depend on how busy the machine is; ``tests/test_probe.py`` tests it), and
-an inductor cache per CPU capability."""
+an inductor cache per CPU capability; and no page table's plan kept from one test to the next
+(``qkv.paged.recent``: a test that patches how a plan is made must see its patch used)."""
 
 import os
 import tempfile
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from qkv import _probe
+from qkv.paged import recent
 
 torch.set_num_threads(1)
 # inductor's on-disk cache is keyed without ATEN_CPU_CAPABILITY: kernels built under one
@@ -25,6 +27,7 @@ _probe.set_route("onednn")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    recent.forget()
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ def test_quick_section_has_every_table_and_target():
     for heading in ("A decoding step", "A ragged batch", "A shared prompt", "Float8 pages", "Multi-head latent attention",
                     "Targets"):  # fmt: skip
         assert heading in text
-    for target in ("paged / loop of SDPA", "paged / SDPA padded", "int8 cache: bytes per token", "in one call / separate calls"):
+    for target in ("average call) / loop of SDPA", "average call) / SDPA padded", "int8 cache: bytes per token", "in one call / separate calls"):
         assert target in text
     assert any(line.startswith("  decode:") for line in said)
     latent = next(line for line in said if line.startswith("  latent:"))

@@ -271,3 +271,19 @@ def test_a_call_declined_for_a_sparse_input_does_not_decline_its_shapes(monkeypa
     monkeypatch.setattr(torch_sdpa, "_validate", lambda *a: (_ for _ in ()).throw(AssertionError("the checks ran")))
     torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v),
                                rtol=1e-12, atol=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("where", ["key", "value"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("heads", [HQ, H])
+def test_no_value_that_is_not_finite_in_a_padded_slot_reaches_a_decoding_steps_output(dtype, where, bad, heads):
+    """The door checks its output for nan alone: every kind of non-finite hidden entry, in a key or a value, either
+    makes a nan (then the drop-in's own path answers without the hidden keys) or does no harm."""
+    q, k, v = (x.to(dtype) for x in _inputs(heads, 1))
+    (k if where == "key" else v)[0, :, 1, 2] = bad  # a slot of the first row's left padding
+    got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=_padding(), enable_gqa=heads != HQ)
+    want = torch.cat([F.scaled_dot_product_attention(q[:1], k[:1, :, 3:], v[:1, :, 3:], enable_gqa=heads != HQ),
+                      F.scaled_dot_product_attention(q[1:], k[1:], v[1:], enable_gqa=heads != HQ)])  # fmt: skip
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -11,7 +11,7 @@ which is also what ``qkv.attention`` runs for it (the ``sdpa`` backend). A padde
 checked finite (:func:`decoding_step`). A decoding step's call takes 10-20 µs in PyTorch's
 kernel, and the plain lane's plan, lookup and fit checks took 2-3 µs of it on top (1.22x a bare
 step on the AMD EPYC Zen 5); this door reads the call's shapes and looks them up, 0.5-0.7 µs
-(1.05x), the padded step's check 1.1-1.3 µs more.
+(1.05x), the padded step's check for nan 0.8 µs more.
 
 One choice is left: a one-query call with grouped heads may run them as query rows of their KV
 head (:mod:`.grouped_rows`, timed once per size class). Where that can pay (``i = 1``, grouped
@@ -34,10 +34,12 @@ from .._trace import tracing
 from . import sdpa_plain
 from .sdpa import _kernel, zeroes_dead_rows
 
-#: What a call of this ``(q shape, k shape, v shape, dtype, enable_gqa, mask shape or None, device kind)`` takes: ``"plain"``
+#: What a call of this ``(q shape, k shape, v shape, dtype, enable_gqa, mask shape or None, device)`` takes: ``"plain"``
 #: (one head per KV head), ``"gqa"`` (``enable_gqa``), ``"rows"`` (grouped heads as query rows, where
 #: :func:`.grouped_rows.grouping` times them faster) or ``"no"`` (the drop-in's own path). A decoding loop's
-#: layers and steps share a few shapes: what the first call decides, the rest look up.
+#: layers and steps share a few shapes: what the first call decides, the rest look up. Kept per device: a meta
+#: call's "no" must not send a CPU call of its shapes through the checks, nor a CPU call's grouped rows send a GPU
+#: or meta call to the CPU kernel.
 _WAYS: dict[tuple, str] = {}
 #: The two ways straight to ``F.scaled_dot_product_attention``: :func:`_way` stores these objects, which the
 #: lookup then compares by identity.
@@ -57,7 +59,7 @@ def unmasked(query: object, key: object, value: object, scale: float | None, gro
     if torch.compiler.is_compiling():
         return None  # no lookup keyed on sizes: a compiled decoding step would guard on them, recompiling each token
     try:  # (a strided nested tensor has no shape to read: RuntimeError, as from a call PyTorch refuses)
-        call = (query.shape, key.shape, value.shape, query.dtype, grouped, None, *_where(query))
+        call = (query.shape, key.shape, value.shape, query.dtype, grouped, None, query.device)
         way = _WAYS.get(call) or _way(call, query, key, value)
         if way is _GQA or way is _PLAIN:
             return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=way is _GQA)
@@ -74,7 +76,7 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
     PyTorch's CPU kernel gives a row that sees no key 0, as the drop-in does (probed per dtype,
     :func:`.sdpa.zeroes_dead_rows`); what it does not do is keep a nan or inf in a hidden key or
     value from the output (``0 · nan``): an output that is not all finite answers :data:`NOT_FINITE`, and the
-    drop-in's own path runs the call again without the hidden keys. That check, one sum, is
+    drop-in's own path runs the call again without the hidden keys. That check (:func:`_no_nan`) is
     most of what this adds to the kernel.
     """
     if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
@@ -87,7 +89,7 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
     try:
         if attn_mask.dtype != torch.bool or not attn_mask.is_cpu:
             return None
-        call = (query.shape, key.shape, value.shape, query.dtype, grouped, attn_mask.shape, *_where(query))
+        call = (query.shape, key.shape, value.shape, query.dtype, grouped, attn_mask.shape, query.device)
         way = _WAYS.get(call) or _way(call, query, key, value, attn_mask)
         if way == "no":
             return None
@@ -96,28 +98,35 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
         else:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask, scale=scale, enable_gqa=way is _GQA)
         # (inside the try: under torch.func.vmap a value cannot be read, a RuntimeError: the drop-in's own path)
-        return out if math.isfinite(float(out.sum())) else NOT_FINITE
+        return out if _no_nan(out) else NOT_FINITE
     except (RuntimeError, TypeError, ValueError, IndexError):
         return None
 
 
-#: :func:`decoding_step`'s answer where the kernel's output is not all finite: the drop-in's own path runs the call
+def _no_nan(out: Tensor) -> bool:
+    """Whether ``out`` holds no nan: ``torch.equal`` of a tensor with itself, which PyTorch's CPU kernel answers by
+    scanning it for nan, stopping at the first (0.8 µs for a decoding step's output, against 1.5 for a sum read on
+    the host).
+
+    Nan is what a hidden key or value that is not finite brings, and the only thing: its weight is
+    exactly 0 (a bool mask adds -inf to its logit), so a nan or infinite value gives ``0 · inf``
+    or ``0 · nan``, nan; a key that is not finite gives a logit of nan, ``+inf`` or ``-inf``, and with the
+    mask's ``-inf`` added, nan, nan (``inf - inf``) or ``-inf``, a weight of 0 that does no harm. An
+    infinite output with no nan comes from keys the query sees, and is PyTorch's answer too.
+    """
+    return torch.equal(out, out)
+
+
+#: :func:`decoding_step`'s answer where the kernel's output holds a nan: the drop-in's own path runs the call
 #: (without the hidden keys), not the plain lane, which would run the same kernel call again.
 NOT_FINITE = object()
-
-
-def _where(query: Tensor) -> tuple[bool, bool, bool]:
-    """The device kind a call's way is kept for (the way is decided per device: a meta call's "no" must not send a CPU
-    call of its shapes through the checks, nor a CPU call's grouped rows send a GPU or meta call to the CPU kernel);
-    three flags, a third of the time of ``query.device.type``."""
-    return query.is_cpu, query.is_meta, query.is_cuda
 
 
 def _way(call: tuple, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None) -> str:
     """:data:`_WAYS`' answer for a call of ``call``'s shapes, from the plain lane's own plan of it (its checks and its
     choice of grouped rows), kept unless traced (the lane plans nothing there). The plan is made with the default
     scale: the way is the shapes', and a scale the lane declines (not positive) must not decline them for others."""
-    (qs, ks, _, _, grouped, _, *_), traced = call, tracing()
+    (qs, ks, _, _, grouped, _, _), traced = call, tracing()
     step = mask is None or (len(qs) == 4 and qs[2] == 1)  # (a mask is taken only on a decoding step: not planned else)
     decided = sdpa_plain.plan(query, key, value, "scaled_dot", False, None, mask) if step else None
     takes = decided is not None and (qs[1] == ks[1] or grouped) and (  # (qkv groups heads unasked; SDPA needs the flag)

@@ -1,6 +1,7 @@
 """Paged KV caches for serving: FlashInfer's page tables, many requests in one call.
 
-``qkv.paged_attention`` (:mod:`.attention`) attends each request's queries to its pages, a
+``qkv.paged_attention`` (:mod:`.attention`) attends each request's queries to its pages (the plans of
+the last tables it was given kept while their values repeat, :mod:`.recent`), a
 ``qkv.paged.PagedPlan`` (:mod:`.plan`) the same for every layer of a step, its table laid out once;
 ``qkv.PagedKVCache`` (:mod:`.kv_cache`) hands out and frees the pages and writes the page
 tables (``qkv.paged.OutOfPages`` when the pool is full); ``qkv.paged.Int8Pages`` (:mod:`.quant`) holds the pages in int8, read a tile at a time;

@@ -19,7 +19,8 @@ from typing import Callable
 from torch import Tensor
 
 from .pages import as_pages
-from .plan import PagedPlan, check_q
+from .plan import check_q
+from .recent import plan_for
 
 
 def paged_attention(
@@ -68,8 +69,10 @@ def paged_attention(
     tensors): the logits are
     ``sm_scale · k_scale · q·k`` (and the ``lse`` theirs), the output is multiplied by ``v_scale``.
 
-    One call is one :class:`qkv.paged.PagedPlan` run once; a model whose layers share a step's
-    table makes the plan once and runs it per layer.
+    One call is a :class:`qkv.paged.PagedPlan` of the table run once; the plans of the last few
+    tables a thread gave are kept and reused while the four index tensors hold the same values
+    (compared entry by entry: a model's layers calling this with their step's table plan once,
+    ``qkv.paged.recent``). A caller may also make the plan itself and run it per layer.
 
     Forward only, as FlashInfer's paged kernels: with gradients enabled and an input that
     requires them the call runs and its outputs join autograd's graph, but a backward through
@@ -77,8 +80,8 @@ def paged_attention(
     """
     pages = as_pages(kv_cache, kv_layout, getattr(q, "dtype", None))
     check_q(q, pages)
-    plan = PagedPlan.once(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=pages.num_pages,
-                          page_size=pages.page_size, device=pages.device, total_q=q.shape[0])  # fmt: skip
+    plan = plan_for(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=pages.num_pages,
+                    page_size=pages.page_size, device=pages.device, total_q=q.shape[0])  # fmt: skip
     return plan.run(q, pages, causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                     sinks=sinks, score_mod=score_mod, alibi_slopes=alibi_slopes, return_lse=return_lse,
                     k_scale=k_scale, v_scale=v_scale)  # fmt: skip
