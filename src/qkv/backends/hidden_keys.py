@@ -27,7 +27,8 @@ mask and ``causal()``). Then, by what the call is:
   the mask to the logits keeps a NaN logit's row NaN, ``qkv.backends.engines.mod_tiles``
   selecting the masked logits away before it counts a row as empty), so a finite output is
   the answer, for the cost of one sum over it; otherwise the call runs again with the exact
-  hidden keys zeroed. A one-token decoding step over a long padded cache thus pays nothing
+  hidden keys zeroed. A mask of offset ranges alone under which some row reaches every key (a
+  causal call, a window) hides none: no sum (:func:`ranges_hide_none`). A one-token decoding step over a long padded cache thus pays nothing
   for reading its padding.
 
 Either way a hidden key's gradient is 0 (no output depends on it).
@@ -149,6 +150,14 @@ def guard(req: Request) -> Request:
     return req if hidden is None else zeroed(req, hidden)
 
 
+def ranges_hide_none(req: Request) -> bool:
+    """Whether the call's mask is offset ranges alone (causal, windows, their ``&``), no tensor bias, and some row
+    reaches every key: nothing hidden, known from the sizes (no tensor built, no value read)."""
+    if isinstance(req.bias, Tensor) or req.mask is None:
+        return False
+    return all(p.offset_bounds() is not None for p in conjuncts(req.mask)) and req.mask.hidden_keys(req.i, req.j) is None
+
+
 def every_hidden_key(req: Request) -> Tensor | None:
     """The exact hidden keys: :func:`hidden_keys` where it names them all (:func:`named_exactly`, no tile
     evaluated), else :func:`exact_hidden_keys`."""
@@ -195,6 +204,8 @@ def needs_guard_first(req: Request) -> bool:
 def after(req: Request, run: Callable[[Request], tuple], result: tuple) -> tuple:
     """After an inference call: ``result`` when its output is finite, else ``run`` again on :func:`zeroed` inputs."""
     if req.mask is None and not isinstance(req.bias, Tensor):  # nothing can hide a key
+        return result
+    if ranges_hide_none(req):  # a causal call, a window, a chunk after its cache: no sum over the output to read
         return result
     if math.isfinite(float(result[0].detach().sum())):
         return result

@@ -4,7 +4,8 @@ Shape legend: ``t`` the request's queries, ``L`` keys in a tile, ``h`` query hea
 heads, ``d`` key size, ``e`` value size, ``P`` page size.
 
 A request's queries ``q (t, h, d)`` sit at positions ``kv_len - t .. kv_len - 1``. Its pages
-are read :data:`TILE_KEYS` keys at a time (one copy of those pages; never its whole cache),
+are read :data:`TILE_KEYS` keys at a time (views where its pages are consecutive ids, as a
+ragged batch's rows or a reserved run are; else one copy of those pages; never its whole cache),
 each tile runs as an ordinary :func:`qkv.attention` call with its causal and window limits
 as an offset mask and ALiBi, the soft cap and the score_mod as one score_mod reading the
 tile's true positions, and the tiles' ``(out, lse)`` are merged exactly (``qkv.merge``'s rule).
@@ -24,8 +25,10 @@ from .options import Options
 TILE_KEYS = 4096
 
 
-def request(q: Tensor, kv_len: int, page_ids: Tensor, pages, opts: Options, r: int) -> tuple[Tensor, Tensor]:
-    """``(out (t, h, e), lse (t, h))`` of request ``r``'s queries against its ``kv_len`` keys in ``page_ids``."""
+def request(q: Tensor, kv_len: int, page_ids: Tensor, pages, opts: Options, r: int,
+            first: int | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(out (t, h, e), lse (t, h))`` of request ``r``'s queries against its ``kv_len`` keys in ``page_ids``;
+    ``first``: the first of them where they are consecutive ids (read as views), else None (copied)."""
     t, h, _ = q.shape
     P = pages.page_size
     qpos0 = kv_len - t
@@ -34,12 +37,13 @@ def request(q: Tensor, kv_len: int, page_ids: Tensor, pages, opts: Options, r: i
     dtype = torch.promote_types(q.dtype, torch.float32) if page_ids.numel() > per_tile else q.dtype
     q = q.to(dtype)
     outs, lses = [], []
-    for first in range(0, page_ids.numel(), per_tile):
-        k0 = first * P
+    for start in range(0, page_ids.numel(), per_tile):  # (K, V below: (n, P, g, d))
+        k0 = start * P
         L = min(per_tile * P, kv_len - k0)
         if opts.window_left >= 0 and k0 + L - 1 < qpos0 - opts.window_left:
             continue  # the tile ends before the first query's window begins
-        K, V = pages.take(page_ids[first : first + per_tile])  # (n, P, g, d)
+        n = min(per_tile, page_ids.numel() - start)
+        K, V = pages.take(page_ids[start : start + n]) if first is None else pages.range(first + start, first + start + n)
         K = K.reshape(-1, *K.shape[2:])[:L].permute(1, 0, 2)[None]  # (1, g, L, d)
         V = V.reshape(-1, *V.shape[2:])[:L].permute(1, 0, 2)[None]
         K, V = K.to(dtype), V.to(dtype)

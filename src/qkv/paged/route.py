@@ -41,8 +41,9 @@ def run(q: Tensor, table: PageTable, memo: dict, pages, opts: Options) -> tuple[
     if steps and len(steps) == T:  # every row a decoding step, request after request: q as it is
         o, s = _steps(q, steps, table, memo, pages, opts)
         return o.to(q.dtype), s.to(acc)
-    out = q.new_zeros(T, h, pages.value_dim)
-    lse = torch.full((T, h), float("-inf"), dtype=acc, device=q.device)
+    # every row is written below (qo_indptr covers them all, each request's rows by its own call): no fill
+    out = q.new_empty(T, h, pages.value_dim)
+    lse = torch.empty((T, h), dtype=acc, device=q.device)
     if steps:
         rows = torch.tensor([table.qo_start[r] for r in steps], device=q.device)
         o, s = _steps(q.index_select(0, rows), steps, table, memo, pages, opts)
@@ -53,7 +54,7 @@ def run(q: Tensor, table: PageTable, memo: dict, pages, opts: Options) -> tuple[
         if table.qo_len[r] == 0 or r in stepped:
             continue
         rows = slice(table.qo_start[r], table.qo_start[r] + table.qo_len[r])
-        o, s = request(q[rows], table.kv_len[r], table.pages(r), pages, opts, r)
+        o, s = request(q[rows], table.kv_len[r], table.pages(r), pages, opts, r, table.first_of_range(r))
         out[rows] = o.to(out.dtype)
         lse[rows] = s.to(acc)
     return out, lse

@@ -18,6 +18,7 @@ every query sees all of them.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_right
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -46,6 +47,17 @@ class PageTable:
         """Where page ids stop being consecutive: each ``b`` with ``indices[b] != indices[b - 1] + 1``, ascending."""
         ids = self.indices
         return [b + 1 for b in torch.diff(ids).ne_(1).nonzero().view(-1).tolist()] if ids.numel() > 1 else []
+
+    def first_of_range(self, r: int) -> int | None:
+        """Request ``r``'s first page id where its pages are consecutive ids (a range of the pool, readable as
+        views), else None (no pages, or a break between two of them)."""
+        a, n = self.page_start[r], self.page_count[r]
+        if n == 0:
+            return None
+        after = bisect_right(self.breaks, a)  # the first break past its first entry
+        if after < len(self.breaks) and self.breaks[after] < a + n:
+            return None
+        return int(self.indices[a])
 
     def pages(self, r: int) -> Tensor:
         """Request ``r``'s page ids, in order: ``(pages,)``."""

@@ -161,7 +161,8 @@ def fused_forward(plan: FusedPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     """
     i_len, j_len = q.shape[-2], k.shape[-2]
     out = lse = None  # made by the first block that does not cover every row (one call's own are the result)
-    diagonal = fused_masks.diagonal_mask(plan, q, k)
+    # (a causal square is the kernel's own flag: no offset profile to build)
+    diagonal = None if plan.causal_square else fused_masks.diagonal_mask(plan, q, k)
     bias = None if diagonal is not None else BiasSource(plan.bias, i_len, j_len, q.device)
     bound = None if diagonal is not None else fused_masks.logit_bound(plan, q, k)  # for each block's mask
     reach = far_reach(plan, diagonal)

@@ -1,0 +1,111 @@
+"""A ragged prefill's reads: a request's consecutive pages as views, no output filled twice, no sum over a causal
+output; each against the same attention written out alone (``test_paged_attention.literal``), float64 to 1e-12.
+
+Shape legend: ``T`` query rows, ``h`` query heads, ``g`` KV heads, ``d`` head size, ``P`` page size.
+"""
+
+import pytest
+import torch
+from test_paged_attention import D, G, H, literal
+
+import qkv
+from qkv import checks
+from qkv.backends import hidden_keys
+from qkv.paged import pages as pages_module
+from qkv.paged.table import page_table
+
+
+def _ranged(qo_lens, kv_lens, P, gap=2, seed=0):
+    """Each request's pages one consecutive run of ids, runs ``gap`` pages apart, in a shuffled request order."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // P) for n in kv_lens]
+    starts, at = [], 0
+    for c in counts:
+        starts.append(at)
+        at += c + gap
+    cache = torch.randn(at + 1, 2, P, G, D, generator=gen, dtype=torch.float64)
+    indices = [p for s, c in zip(starts, counts) for p in range(s, s + c)]
+    indptr = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    last = [n - (c - 1) * P if c else 1 for n, c in zip(kv_lens, counts)]
+    q = torch.randn(sum(qo_lens), H, D, generator=gen, dtype=torch.float64)
+    qo = [0, *torch.tensor(qo_lens).cumsum(0).tolist()]
+    return q, cache, tuple(torch.tensor(x) for x in (qo, indptr, indices, last))
+
+
+def test_first_of_range_names_runs_of_consecutive_ids_only():
+    ids = torch.tensor([4, 5, 6, 9, 2, 3, 7, 7])
+    table = page_table(4, 16, 4, torch.tensor([0, 1, 2, 3, 4]), torch.tensor([0, 3, 4, 6, 8]), ids,
+                       torch.tensor([4, 4, 4, 4]), torch.device("cpu"))  # fmt: skip
+    assert [table.first_of_range(r) for r in range(4)] == [4, 9, 2, None]  # 7, 7: a repeat is not a run
+    empty = page_table(1, 16, 4, torch.tensor([0, 1]), torch.tensor([0, 0]), ids, torch.tensor([1]), torch.device("cpu"))
+    assert empty.first_of_range(0) is None
+
+
+@pytest.mark.parametrize("P", [1, 4, 16])
+@pytest.mark.parametrize("form", ["one tensor", "two pools", "HND"])
+def test_prefill_chunks_over_consecutive_pages_are_read_as_views_and_equal_each_request_alone(P, form, monkeypatch):
+    qo_lens, kv_lens = [5, 0, 7, 3, 2], [9, 4, 7, 40, 13]  # prefill chunks (a decoding step reads items)
+    q, cache, table = _ranged(qo_lens, kv_lens, P)
+    monkeypatch.setattr(pages_module.FloatPages, "take", lambda *a: pytest.fail("a consecutive run was copied"))
+    given = {"one tensor": cache, "two pools": (cache[:, 0].contiguous(), cache[:, 1].contiguous()),
+             "HND": cache.transpose(-2, -3).contiguous()}[form]  # fmt: skip
+    for kw in ({}, {"window_left": 3}, {"causal": False}):
+        got = qkv.paged_attention(q, given, *table, return_lse=True, kv_layout="HND" if form == "HND" else "NHD", **kw)
+        want = literal(q, cache, table, causal=kw.get("causal", True), window_left=kw.get("window_left", -1))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_views_longer_than_a_tile_are_merged_as_copies_were(monkeypatch):
+    from qkv.paged import requests
+
+    monkeypatch.setattr(requests, "TILE_KEYS", 16)  # several tiles a request
+    q, cache, table = _ranged([6, 20], [50, 37], 4)
+    got = qkv.paged_attention(q, cache, *table, return_lse=True)
+    for a, b in zip(got, literal(q, cache, table)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_every_row_is_written_though_the_output_starts_unfilled(monkeypatch):
+    """Requests with no queries, no keys, and more queries than keys (rows before the first key see nothing): each row
+    is its request's, even where the buffer held garbage."""
+    real = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: real(self, *a, **kw).fill_(float("nan")))
+    q, cache, table = _ranged([3, 0, 4, 2], [0, 5, 2, 9], 4)
+    got = qkv.paged_attention(q, cache, *table, return_lse=True)
+    want = literal(q, cache, table)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _request(i, j, mask, bias=None):
+    q, k, v = torch.randn(1, 2, i, 4), torch.randn(1, 2, j, 4), torch.randn(1, 2, j, 4)
+    return checks.request(q, k, v, score="scaled_dot", mask=mask, bias=bias, causal=False, scale=None, dropout=0.0,
+                          return_weights=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("i, j, make, hides", [
+    (6, 6, lambda: qkv.masks.causal(), False),
+    (3, 9, lambda: qkv.masks.causal(), False),  # a chunk after its cache: the last query sees every key
+    (6, 6, lambda: qkv.masks.window(2, 0), False),
+    (3, 9, lambda: qkv.masks.offsets(None, -6), True),  # PyTorch's top-left is_causal: keys from 3 on hidden
+    (3, 9, lambda: qkv.masks.window(1, 0), True),  # keys before the first query's window
+    (6, 6, lambda: qkv.masks.lengths(torch.tensor([4])), True),
+    (6, 6, lambda: qkv.masks.lengths(torch.tensor([4])) & qkv.masks.causal(), True),
+])  # fmt: skip
+def test_offset_ranges_that_hide_no_key_skip_the_outputs_check(i, j, make, hides):
+    assert hidden_keys.ranges_hide_none(_request(i, j, make())) is not hides
+
+
+def test_a_tensor_bias_is_always_checked():
+    assert not hidden_keys.ranges_hide_none(_request(6, 6, qkv.masks.causal(), bias=torch.zeros(1, 1, 6, 6)))
+
+
+def test_a_causal_inference_call_reads_no_sum_of_its_output(monkeypatch):
+    real = torch.Tensor.sum
+    sums = []
+    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **kw: sums.append(self.shape) or real(self, *a, **kw))
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    with torch.no_grad():
+        out = qkv.attention(q, k, v, causal=True)
+    assert (1, 4, 64, 8) not in sums and torch.isfinite(out).all()
