@@ -262,3 +262,21 @@ def test_padding_and_offset_ranges_name_their_hidden_keys_exactly():
     assert not named(qkv.masks.as_mask(torch.ones(1, 1, N, 1, dtype=torch.bool)) & qkv.masks.causal())
     ids = torch.zeros(1, N, dtype=torch.long)
     assert not named(qkv.masks.documents(ids, ids) & qkv.masks.causal())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["key", "value"])
+@pytest.mark.parametrize("backend", ["auto", "chunked", "reference"])
+def test_every_kind_of_non_finite_padding_shows_as_nan_or_does_no_harm(bad, where, backend):
+    """The inference check scans the output for nan alone (``hidden_keys.no_nan``): a hidden nan, +inf or -inf, in a key
+    or a value, either turns into nan there (and the call runs again without it) or never mattered."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, n, N, D, generator=g) for n in (H, G, G))
+    poisoned = (k if where == "key" else v).clone()
+    poisoned[0, :, 20] = bad  # row 0 is padded from 15 on
+    k2, v2 = (poisoned, v) if where == "key" else (k, poisoned)
+    mask = qkv.masks.lengths(LENGTHS)
+    with torch.no_grad():
+        got = qkv.attention(q[:, :, -1:], k2, v2, mask=mask, backend=backend)
+        want = qkv.attention(q[:, :, -1:], k, v, mask=mask, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -22,6 +22,7 @@ from .._trace import tracing, version
 from ..masks import Dense, Lengths, Mask, Starts, Tile, Window
 from ..scores import Dot, ScaledDot
 from .grouped_rows import grouping
+from .hidden_keys import no_nan
 from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel, zeroes_dead_rows
 from .tiling import flash_cpu
 
@@ -235,7 +236,7 @@ def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor, mask: object = None) -> 
     out = _kernel(q, k, v, attn_mask, 0.0, False, decided.scale, decided.grouping)
     if decided.live_rows is not None:  # (in the kernel's dtype: under autocast its ones must not promote the output)
         out = out * decided.live_rows.to(out.dtype)
-    return out if math.isfinite(float(out.sum())) else None
+    return out if no_nan(out) else None  # (a hidden key's nan or inf shows as nan: hidden_keys.no_nan)
 
 
 def fits(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
