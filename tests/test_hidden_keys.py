@@ -280,3 +280,16 @@ def test_every_kind_of_non_finite_padding_shows_as_nan_or_does_no_harm(bad, wher
         got = qkv.attention(q[:, :, -1:], k2, v2, mask=mask, backend=backend)
         want = qkv.attention(q[:, :, -1:], k, v, mask=mask, backend="reference")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_whose_seen_logits_all_overflow_to_minus_inf_gives_its_hidden_keys_no_weight():
+    """The reference engine masked with the lowest float where a call had no bias: a row whose seen logits were all
+    -inf (q·k overflowing) then weighed its hidden keys, and a hidden inf value made the output inf, no nan to see."""
+    q = torch.full((1, 1, 1, 4), 1e20)
+    k = torch.full((1, 1, 8, 4), -1e20)  # finite keys whose products overflow float32 to -inf
+    v = torch.randn(1, 1, 8, 4)
+    v[..., 4:, :] = float("inf")  # the padding's values
+    mask = qkv.masks.lengths(torch.tensor([4]))
+    with torch.no_grad():
+        out, w = qkv.attention(q, k, v, mask=mask, return_weights=True, backend="reference")
+    assert torch.equal(w, torch.zeros_like(w)) and torch.equal(out, torch.zeros_like(out))

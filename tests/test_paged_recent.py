@@ -109,3 +109,21 @@ def test_a_traced_call_keeps_nothing(monkeypatch):
     monkeypatch.setattr(module, "tracing", lambda: True)
     qkv.paged_attention(q, cache, *table)
     assert not getattr(module._local, "plans", [])
+
+
+def test_a_buffers_unread_tail_is_neither_kept_nor_compared(monkeypatch):
+    """FlashInfer's kv_indices is a buffer longer than the table: a kept plan held a copy of all of it, and a change in
+    its unread tail made a new plan (a 16 MB buffer: 61 MiB kept, each call 3x slower)."""
+    made = _plans_made(monkeypatch)
+    q, cache, table = build([1, 1, 1], [20, 9, 13], 4, seed=9)
+    used = table[2].numel()
+    buffer = torch.full((used + 10_000,), 7, dtype=table[2].dtype)
+    buffer[:used] = table[2]
+    for tail in (7, 3):
+        buffer[used:] = tail
+        _close(qkv.paged_attention(q, cache, table[0], table[1], buffer, table[3], return_lse=True), literal(q, cache, table))
+    assert len(made) == 1
+    assert recent._local.plans[0][1][2].numel() == used  # the entries read, not the buffer
+    buffer[0] = (int(buffer[0]) + 1) % cache.shape[0]  # an entry the table names: a new plan
+    qkv.paged_attention(q, cache, table[0], table[1], buffer, table[3])
+    assert len(made) == 2

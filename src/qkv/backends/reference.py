@@ -39,9 +39,9 @@ def logits(req: Request) -> tuple[Tensor, Tensor | None]:
 
 
 def _logits(req: Request) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """:func:`logits`, and with a bias or a ``score_mod`` the rows with no key ``(b, h, i, 1)`` (else None): those
-    whose logits are all masked or ``-inf`` (a ``-inf`` term hides its key as the mask does; a row of them alone
-    would make the softmax nan). A finite logit, however low (a float mask's ``finfo.min``), is a key's."""
+    """:func:`logits`, and with a mask, a bias or a ``score_mod`` the rows with no key ``(b, h, i, 1)`` (else None):
+    those whose logits are all masked or ``-inf`` (a ``-inf`` term hides its key as the mask does; a row of them
+    alone would make the softmax nan). A finite logit, however low (a float mask's ``finfo.min``), is a key's."""
     qp, kp = req.score.prepare(req.q, req.k)
     if qp.dtype in (torch.float16, torch.bfloat16):
         # Half-precision logits lose too much before the softmax: combine the prepared q and k
@@ -61,8 +61,10 @@ def _logits(req: Request) -> tuple[Tensor, Tensor | None, Tensor | None]:
         e = score_mods.apply(req.score_mod, e, tile)
     allowed = None if req.mask is None else req.mask.tile(tile)
     lowest = torch.finfo(e.dtype).min
-    if (req.bias is None and req.score_mod is None) or not e.shape[-1]:  # (no keys: the empty call's answer)
-        return (e if allowed is None else e.masked_fill(~allowed, lowest)), allowed, None
+    if (req.bias is None and req.score_mod is None and allowed is None) or not e.shape[-1]:  # (no keys: the empty call's answer)
+        return e, allowed, None
+    # masked keys at -inf, never at a finite lowest: where a row's seen logits are all -inf (q·k overflowed), a finite
+    # fill would make the hidden keys its largest and give them the row's weights (and a hidden inf value the output)
     if allowed is not None:  # -inf here, so that a row of masked and -inf logits alone has no finite one
         e = e.masked_fill(~allowed, float("-inf"))
     dead = torch.isneginf(e.amax(-1, keepdim=True))  # one pass, (b, h, i, 1) kept

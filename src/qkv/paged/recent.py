@@ -9,7 +9,8 @@ the requests' pages into items and laying them out: 0.3-0.5 ms of a 32-request s
 ms, measured from cold caches on an AMD EPYC Zen 5) at every layer. So the call keeps the
 plans of the last :data:`KEPT` tables it was given and reuses one when the four index
 tensors hold the same values as when it was made (compared element by element, ``torch.equal``:
-a few µs for thousands of entries), for the same pool geometry and query count. The plan is a
+a few µs for thousands of entries; of ``kv_indices`` the entries the table names, not a buffer's
+unread tail), for the same pool geometry and query count. The plan is a
 function of those values alone, so a reused plan gives the result a new one would, and any
 changed entry, however it was written (in place, through a numpy view of the buffer, or into
 a new tensor), makes a new plan.
@@ -45,20 +46,32 @@ def plan_for(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_pages: i
     geometry = (num_pages, page_size, total_q)
     kept: list = _local.__dict__.setdefault("plans", [])
     for n, (seen_geometry, seen, plan) in enumerate(kept):
-        if seen_geometry == geometry and all(_same(a, b) for a, b in zip(seen, given)):
+        if seen_geometry == geometry and _same_table(seen, given):
             if n:  # the most recent first: a step's layers ask for the same table in a row
                 kept.insert(0, kept.pop(n))
             return plan
-    # the plan's own copy of kv_indices (the constructor's), and copies of all four to compare the next call's with
     plan = PagedPlan(*given, num_pages=num_pages, page_size=page_size, device=device, total_q=total_q)
-    kept.insert(0, (geometry, tuple(x.clone() for x in given), plan))
+    # copies to compare the next call's with: of kv_indices only the entries the plan read (a buffer's tail is not)
+    used = plan.table.indices.numel()
+    seen = (qo_indptr.clone(), kv_indptr.clone(), kv_indices[:used].clone(), kv_last_page_len.clone())
+    kept.insert(0, (geometry, seen, plan))
     del kept[KEPT:]
     return plan
 
 
-def _same(seen: Tensor, given: Tensor) -> bool:
-    """The same dtype (a float table is refused by the plan, never matched by an integer one) and the same values."""
-    return seen.dtype == given.dtype and seen.shape == given.shape and torch.equal(seen, given)
+def _same_table(seen: tuple[Tensor, ...], given: tuple[Tensor, ...]) -> bool:
+    """Whether ``given`` holds the kept values: the same dtypes (a float table is refused by the plan, never matched by
+    an integer one), the offsets and last-page lengths whole, and the entries of ``kv_indices`` the plan read (FlashInfer's
+    buffers run past ``kv_indptr[-1]``, a tail no plan reads nor keeps)."""
+    for n, (a, b) in enumerate(zip(seen, given)):
+        if a.dtype != b.dtype or b.dim() != 1:
+            return False
+        if n == 2:  # kv_indices: its first entries, as many as were read
+            if b.numel() < a.numel() or not torch.equal(a, b[: a.numel()]):
+                return False
+        elif a.shape != b.shape or not torch.equal(a, b):
+            return False
+    return True
 
 
 def forget() -> None:

@@ -45,7 +45,10 @@ class Scratch:
         n = math.prod(shape)
         buf = self.bufs.get(name)
         if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = self.bufs[name] = torch.empty(n, dtype=dtype, device=self.device)
+            # a normal tensor even when made in inference mode: a buffer kept between calls (Int8Pages' runs) is
+            # written in place by a later call outside it, which an inference tensor refuses
+            with torch.inference_mode(False):
+                buf = self.bufs[name] = torch.empty(n, dtype=dtype, device=self.device)
         return buf[:n].view(shape)
 
 
@@ -127,6 +130,11 @@ def forms(device: torch.device, dtype: torch.dtype = torch.float32) -> Forms:
 @functools.cache
 def _timed_forms() -> Forms:
     """Time each function both ways on a 1 MiB tile (the size of the loop's passes) and keep the faster."""
+    with torch.inference_mode(False), torch.no_grad():  # the first call may come from inference mode: normal tensors
+        return _time_forms()
+
+
+def _time_forms() -> Forms:
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(8, 128, 256, generator=gen) * 4
     a = -torch.rand(8, 128, 256, generator=gen) * 20
@@ -140,16 +148,20 @@ def _timed_forms() -> Forms:
         torch.sigmoid(a, out=out)
         out.div_(torch.sub(1.0, out, out=den))
 
-    with torch.no_grad():
-        tanh_lib, tanh_own, exp_lib, exp_own = best_times(
-            lambda: torch.tanh(z, out=out), expm1_form, lambda: exp_floored(a), sigmoid_form
-        )
+    tanh_lib, tanh_own, exp_lib, exp_own = best_times(
+        lambda: torch.tanh(z, out=out), expm1_form, lambda: exp_floored(a), sigmoid_form
+    )
     return Forms(library_tanh=tanh_own * FORMS_MARGIN >= tanh_lib, library_exp=exp_own * FORMS_MARGIN >= exp_lib)
 
 
 @functools.cache
 def _sigmoid_tanh_faster(library_tanh: bool) -> bool:
     """Whether ``2σ(z) - 1`` (with its scaling pass, as :func:`capped_` runs it) beats the chosen full-precision form."""
+    with torch.inference_mode(False), torch.no_grad():  # (as _timed_forms)
+        return _time_sigmoid_tanh(library_tanh)
+
+
+def _time_sigmoid_tanh(library_tanh: bool) -> bool:
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(8, 128, 256, generator=gen) * 4
     out, den = torch.empty_like(z), torch.empty_like(z)
@@ -161,8 +173,7 @@ def _sigmoid_tanh_faster(library_tanh: bool) -> bool:
     def sigmoid_form():
         capped_(out.copy_(z), base, 30.0, den, Forms(library_tanh, False, half_tanh=True), clamp=False)
 
-    with torch.no_grad():
-        full, half = best_times(chosen, sigmoid_form)
+    full, half = best_times(chosen, sigmoid_form)
     return half * FORMS_MARGIN < full
 
 
