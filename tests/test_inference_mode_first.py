@@ -1,10 +1,11 @@
 """A first call under ``torch.inference_mode()`` (a serving loop's), then the same call outside it.
 
 The one-time probes (``tile_math``'s timed forms) made their tensors in the caller's mode and
-then timed in-place operations outside inference mode, and ``Int8Pages`` kept scratch buffers
-made in inference mode that a later call wrote in place: both raised "Inplace update to
-inference tensor outside InferenceMode". Each case runs in a fresh process, where no probe has
-run yet.
+then timed in-place operations outside inference mode, and buffers kept between calls
+(``Int8Pages``' scratch and half-filled pages, ``KVCache(max_len=...)``'s preallocated keys)
+were made in inference mode and written in place by a later call: each raised "Inplace update
+to inference tensor outside InferenceMode". The probes' cases run in a fresh process, where no
+probe has run yet.
 """
 
 import subprocess
@@ -43,3 +44,39 @@ def test_a_first_call_in_inference_mode_leaves_later_calls_working(case):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_an_int8_cache_prefilled_in_inference_mode_takes_the_next_step_outside_it():
+    """A half-filled page's full-precision copy was made in the caller's mode, so the next write outside inference mode
+    raised (a fork in inference mode too)."""
+    import torch
+
+    import qkv
+
+    cache = qkv.PagedKVCache(16, 4, 2, 8, quantized=True)
+    cache.add("a")
+    with torch.inference_mode():
+        step = cache.plan({"a": 6})  # page 0 full, page 1 half full
+        cache.write(0, step, torch.randn(6, 2, 8), torch.randn(6, 2, 8))
+        cache.fork("a", "b")
+    with torch.no_grad():
+        step = cache.plan({"a": 1, "b": 1})
+        cache.write(0, step, torch.randn(2, 2, 8), torch.randn(2, 2, 8))
+        assert cache.attend(0, step, torch.randn(2, 4, 8)).shape == (2, 4, 8)
+
+
+@pytest.mark.parametrize("beams", [False, True])
+def test_a_preallocated_kv_cache_filled_in_inference_mode_takes_the_next_token_outside_it(beams):
+    import torch
+
+    import qkv
+
+    mha = qkv.MultiHeadAttention(dim=16, heads=2).eval()
+    cache = qkv.KVCache(max_len=16)
+    x = torch.randn(2, 5, 16)
+    with torch.inference_mode():
+        mha(x, cache=cache, causal=True)
+        if beams:
+            cache.reorder(torch.tensor([1, 1]))
+    with torch.no_grad():
+        assert mha(torch.randn(2, 1, 16), cache=cache, causal=True).shape == (2, 1, 16)

@@ -151,7 +151,7 @@ def test_the_way_a_function_is_evaluated_is_decided_once(monkeypatch):
     s = torch.randn(1, 2, 3, 4)
     for _ in range(3):
         score_mods.apply(elementwise, s, Tile.whole(3, 4))
-    assert len(probes) == 1 and _mods._modes[id(elementwise)][1] is True
+    assert len(probes) == 1 and [exact for slot, (_, exact) in _mods._modes.items() if slot[0] == id(elementwise)] == [True]
     score_mods.apply(qkv.SoftCap(2.0), s, Tile.whole(3, 4))  # declared elementwise: no probe
     assert len(probes) == 1
 
@@ -397,3 +397,18 @@ def test_closure_tensors_rule():
     assert ids(global_reader) == [id(HEAD_WEIGHT)]
     assert ids(qkv.SoftCap(2.0)) == []
     assert ids(lambda s, b, h, qi, ki: s * torch.ones(())) == []
+
+
+def test_a_score_mods_evaluation_learned_on_a_batch_of_one_is_learned_again_on_a_wider_batch():
+    """Whether one broadcast call gives the tile was probed once per function, on the first call's grid: a batch of one
+    cannot show a mistake along the batch, and the answer was reused for a batch of two (an error of 1.05)."""
+    temp = torch.tensor([1.0, 0.25])
+
+    def per_row_temperature(score, b, h, q_idx, kv_idx):  # right under flex's vmap, wrong broadcast (a sum over b)
+        return score * temp[b].sum()
+
+    q, k, v = (torch.randn(2, 2, 64, 16) for _ in range(3))
+    qkv.attention(q[:1], k[:1], v[:1], score_mod=per_row_temperature)
+    out = qkv.attention(q, k, v, score_mod=per_row_temperature)
+    want = torch.softmax(q @ k.mT / 4 * temp.view(2, 1, 1, 1), -1) @ v
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -38,7 +38,7 @@ from ._trace import concrete, tracing
 
 #: How many functions' answers are kept (the oldest is forgotten first).
 CACHE = 1024
-_modes: OrderedDict[int, tuple[object, bool]] = OrderedDict()  # id -> (function, broadcast is exact)
+_modes: OrderedDict[tuple, tuple[object, bool]] = OrderedDict()  # (id, wide axes) -> (function, broadcast is exact)
 
 
 def evaluate(fn: Callable, score: Tensor | None, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
@@ -96,14 +96,17 @@ def _broadcasts(fn, score, b, h, q, kv) -> bool:
         # depend on this cache (dynamo would guard on it and recompile as it changes); a
         # traced vmap leaves batched ops in the graph, not its per-call Python overhead
         return False
-    known = _modes.get(id(key))
+    # an answer holds for grids as wide as the one probed: an axis of one index (a batch of 1) shows no mistake
+    # along it, so a call with more rows there is probed again
+    slot = (id(key), len(b) > 1, len(h) > 1, len(q) > 1, len(kv) > 1)
+    known = _modes.get(slot)
     if known is not None and known[0] is key:
-        _modes.move_to_end(id(key))
+        _modes.move_to_end(slot)
         return known[1]
     if not concrete(b) or (score is not None and not concrete(score)):
         return False  # no values to compare (meta tensors): flex's way, always right
     exact = _probe(fn, score, b, h, q, kv)
-    _modes[id(key)] = (key, exact)
+    _modes[slot] = (key, exact)
     if len(_modes) > CACHE:
         _modes.popitem(last=False)
     return exact

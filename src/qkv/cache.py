@@ -108,8 +108,9 @@ class KVCache:
                 )
             if self._k is None:
                 b, g, _, d = k.shape
-                self._k = k.new_zeros(b, g, self.max_len, d)
-                self._v = v.new_zeros(b, g, self.max_len, v.shape[-1])
+                with torch.inference_mode(False):  # a normal buffer even from inference mode: later steps write it
+                    self._k = k.new_zeros(b, g, self.max_len, d)
+                    self._v = v.new_zeros(b, g, self.max_len, v.shape[-1])
             # writes into the buffer: meant for inference (under autograd use max_len=None)
             self._k[:, :, self._length : self._length + n] = k
             self._v[:, :, self._length : self._length + n] = v
@@ -119,7 +120,8 @@ class KVCache:
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows ``index (b',)`` (beam search: follow the surviving hypotheses)."""
         if self._k is not None:
-            self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
+            with torch.inference_mode(False):  # (as update's buffer: a preallocated one is written in place later)
+                self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
 
     def reset(self) -> None:
         """Forget everything (the buffer is reallocated on the next update; a memory is read again)."""

@@ -49,6 +49,10 @@ class MaskMod(Mask):
         self.mask_mod, self.B, self.H = mask_mod, B, H
         self._last: dict[int, tuple] = {}  # thread id -> (tile key, its evaluation): one per thread
 
+    def dense(self, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tensor:
+        """The whole mask, the caller's own tensor (the last tile evaluated is kept for the next call)."""
+        return super().dense(i_len, j_len, device).clone()
+
     def tile(self, t: Tile) -> Tensor:
         # traced (torch.compile, torch.export): no host state; the graph evaluates the program at each tile
         thread = None if tracing() else threading.get_ident()
@@ -115,6 +119,10 @@ class FlexBlocks(Mask):
         self._mod = MaskMod(block_mask.mask_mod, batch if B == 1 and batch else B, heads if H == 1 and heads else H)
         self._kept = _kept_for(block_mask)
         self.states, self._host = self._kept.states, self._kept.host  # (B, H, nq, nk) int8: 0 not listed, 1 partial, 2 full
+
+    def dense(self, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tensor:
+        """The whole mask, the caller's own tensor (the tiles the engines read are kept for later calls)."""
+        return super().dense(i_len, j_len, device).clone()
 
     def _blocks(self, t: Tile) -> Tensor:
         qb = slice(t.i0 // self.q_block, (t.i1 - 1) // self.q_block + 1)

@@ -4,7 +4,8 @@ A ``mask_mod`` such as ``lambda b, h, q, kv: ids[q] == ids[kv]`` reads tensors i
 (closure cells) or names it looks up (module globals). Its answer for a tile is fixed while
 those stay the same objects with the same contents; a tensor changed in place bumps its
 version counter (``Tensor._version``), and rebinding a name changes the object found. The
-fingerprint lists, for every tensor reached, its identity and version, and for every plain
+fingerprint lists, for every tensor reached, the tensor itself (compared by identity, and held:
+its id cannot pass to another tensor while the fingerprint is kept) and its version, and for every plain
 value its value; it is None when the program reaches anything whose changes cannot be seen
 that way (a list, a dict, a module of weights): then nothing may be remembered between calls.
 A module's attributes that the program's code names (``cfg.ids``) are read like globals.
@@ -43,7 +44,7 @@ def fingerprint(fn: object) -> tuple | None:
             changes = version(x)
             if changes is None:
                 return None  # a tensor of torch.inference_mode: its in-place changes cannot be seen
-            found.append(("tensor", id(x), changes))
+            found.append(("tensor", _Same(x), changes))
         elif isinstance(x, _PLAIN):
             found.append(("value", x))
         elif isinstance(x, tuple):
@@ -58,6 +59,22 @@ def fingerprint(fn: object) -> tuple | None:
         else:
             return None  # a list, a dict, an nn.Module, an object: contents that change unseen
     return tuple(found)
+
+
+class _Same:
+    """A tensor a program reads, equal to another only if it is the same tensor: held, so that its id cannot pass to a
+    new tensor while a fingerprint naming it is kept (an id alone was reused by the next batch's tensor)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.tensor is self.tensor
+
+    def __hash__(self) -> int:
+        return id(self.tensor)
 
 
 def reads_argument(fn: object, index: int) -> bool:

@@ -218,11 +218,13 @@ class Int8Pages:
         """Page ``p``'s full-precision copy: zeros when it starts over, its dequantised values when a full page is rewritten.
 
         A page partly written has its residual already (a page with none is fresh or full)."""
-        if restart or self.filled[p] == 0:
-            self.filled[p] = self._written[p] = 0
-            self.residual[p] = torch.zeros(2, *self.keys.shape[1:], dtype=self.dtype, device=self.device)
-        elif p not in self.residual:
-            self.residual[p] = torch.cat(self._dequantise(slice(p, p + 1)))
+        # normal tensors even when made in inference mode: a later write outside it fills them in place
+        with torch.inference_mode(False):
+            if restart or self.filled[p] == 0:
+                self.filled[p] = self._written[p] = 0
+                self.residual[p] = torch.zeros(2, *self.keys.shape[1:], dtype=self.dtype, device=self.device)
+            elif p not in self.residual:
+                self.residual[p] = torch.cat(self._dequantise(slice(p, p + 1)))
         return self.residual[p]
 
     def _quantise(self, full: list[int]) -> None:
@@ -244,7 +246,8 @@ class Int8Pages:
             t[:, dst] = t[:, src]
         self.filled[dst], self._written[dst] = self.filled[src], self._written[src]
         if src in self.residual:
-            self.residual[dst] = self.residual[src].clone()
+            with torch.inference_mode(False):  # (as _residual: written in place later)
+                self.residual[dst] = self.residual[src].clone()
         else:
             self.residual.pop(dst, None)
 
