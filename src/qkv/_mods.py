@@ -16,8 +16,10 @@ when called once with broadcastable index tensors (``b (b, 1, 1, 1)``, ``h (h, 1
 for a table look-up). So the first time a function is met, both ways run on a small
 corner of the tile (at most 2 × 3 × 5 × 7 elements: distinct sizes, so that an index used
 on the wrong axis shows); where they agree the broadcast call is kept for that function,
-else vmap. The answer is cached per function (wrappers that only move indices, such as
-qkv's framing of a block, say so with ``__wrapped_mod__`` and share their function's).
+else vmap. The answer is cached per function and per which of the four axes had more than
+one index (a corner of a batch of one shows no mistake along the batch: a wider call is
+probed again); wrappers that only move indices, such as qkv's framing of a block, say so
+with ``__wrapped_mod__`` and share their function's.
 
 A function not yet known met on ``meta`` tensors (no values to probe) runs under vmap,
 and nothing is cached. While ``torch.compile`` or ``torch.export`` trace a call
