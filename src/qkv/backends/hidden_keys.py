@@ -25,11 +25,12 @@ mask and ``causal()``). Then, by what the call is:
 * **inference** (no gradient): :func:`after`, once the engine ran. A non-finite hidden
   value or key shows in the output (``0 · NaN`` in ``weights @ v``; an engine that adds
   the mask to the logits keeps a NaN logit's row NaN, ``qkv.backends.engines.mod_tiles``
-  selecting the masked logits away before it counts a row as empty), so a finite output is
-  the answer, for the cost of one scan of it for nan (:func:`no_nan`); otherwise the call runs again with the exact
-  hidden keys zeroed. A mask of offset ranges alone under which some row reaches every key (a
-  causal call, a window) hides none: no sum (:func:`ranges_hide_none`). A one-token decoding step over a long padded cache thus pays nothing
-  for reading its padding.
+  selecting the masked logits away before it counts a row as empty) as nan, so an output
+  without nan is the answer, for the cost of one scan of it (:func:`no_nan`); otherwise the
+  call runs again with the exact hidden keys zeroed. A mask of offset ranges alone under which
+  some row reaches every key (a causal call, a window) hides none: no scan
+  (:func:`ranges_hide_none`). A one-token decoding step over a long padded cache thus pays
+  nothing for reading its padding.
 
 Either way a hidden key's gradient is 0 (no output depends on it).
 
@@ -217,10 +218,10 @@ def needs_guard_first(req: Request) -> bool:
 
 
 def after(req: Request, run: Callable[[Request], tuple], result: tuple) -> tuple:
-    """After an inference call: ``result`` when its output is finite, else ``run`` again on :func:`zeroed` inputs."""
+    """After an inference call: ``result`` when its output holds no nan, else ``run`` again on :func:`zeroed` inputs."""
     if req.mask is None and not isinstance(req.bias, Tensor):  # nothing can hide a key
         return result
-    if ranges_hide_none(req):  # a causal call, a window, a chunk after its cache: no sum over the output to read
+    if ranges_hide_none(req):  # a causal call, a window, a chunk after its cache: no scan of the output
         return result
     if no_nan(result[0].detach()):
         return result

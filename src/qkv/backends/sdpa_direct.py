@@ -8,7 +8,7 @@ no key, so none of what the drop-in adds to PyTorch's call applies (hidden keys'
 see no key, the caller's mask read lazily): its answer is ``F.scaled_dot_product_attention``'s,
 which is also what ``qkv.attention`` runs for it (the ``sdpa`` backend). A padded decoding step
 (one query, a bool ``(b|1, h|1, 1, j)`` CPU mask, no gradient) needs one thing more, its output
-checked finite (:func:`decoding_step`). A decoding step's call takes 10-20 µs in PyTorch's
+checked for nan (:func:`decoding_step`). A decoding step's call takes 10-20 µs in PyTorch's
 kernel, and the plain lane's plan, lookup and fit checks took 2-3 µs of it on top (1.22x a bare
 step on the AMD EPYC Zen 5); this door reads the call's shapes and looks them up, 0.5-0.7 µs
 (1.05x), the padded step's check for nan 0.8 µs more.
@@ -76,7 +76,7 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
 
     PyTorch's CPU kernel gives a row that sees no key 0, as the drop-in does (probed per dtype,
     :func:`.sdpa.zeroes_dead_rows`); what it does not do is keep a nan or inf in a hidden key or
-    value from the output (``0 · nan``): an output that is not all finite answers :data:`NOT_FINITE`, and the
+    value from the output (``0 · nan``): an output that holds a nan answers :data:`NOT_FINITE`, and the
     drop-in's own path runs the call again without the hidden keys. That check (:func:`.hidden_keys.no_nan`) is
     most of what this adds to the kernel.
     """

@@ -66,7 +66,7 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     change shows). A caller's bool tensor (SDPA's ``attn_mask``) is read afresh at every
     call: its plan is kept by the tensor's shape only where the kernel takes it as it is.
     Its output is checked as the full path checks an inference call's
-    (``hidden_keys.after``): a value that is not finite answers None, and the full path runs
+    (``hidden_keys.after``): a nan (what a hidden key that is not finite brings) answers None, and the full path runs
     the call again on zeroed hidden keys. So is a decoding step's padding (one query a row):
     ``qkv.masks.lengths`` or ``starts`` on CPU rows, with or without ``causal`` (which hides
     nothing from the last position), given to the kernel as its whole ``(b, 1, 1, j)`` tile.
@@ -228,7 +228,7 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
 
 
 def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor, mask: object = None) -> Tensor | None:
-    """The kernel's output for the call :func:`plan` decided, or None where it is not finite (the full path then
+    """The kernel's output for the call :func:`plan` decided, or None where it holds a nan (the full path then
     zeroes the hidden keys); ``mask`` is the call's, which a plan holding :data:`CALLERS_MASK` passes as it is."""
     if decided.attn_mask is None:
         return _kernel(q, k, v, None, 0.0, decided.is_causal, decided.scale, decided.grouping)
@@ -236,7 +236,7 @@ def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor, mask: object = None) -> 
     out = _kernel(q, k, v, attn_mask, 0.0, False, decided.scale, decided.grouping)
     if decided.live_rows is not None:  # (in the kernel's dtype: under autocast its ones must not promote the output)
         out = out * decided.live_rows.to(out.dtype)
-    return out if no_nan(out) else None  # (a hidden key's nan or inf shows as nan: hidden_keys.no_nan)
+    return out if no_nan(out) else None
 
 
 def fits(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:

@@ -263,7 +263,7 @@ def _decoding_step(module: torch.nn.Module, query: Tensor, key: Tensor, value: T
     # they run once.
     step_mask = mask.for_call(1, key.shape[-2], query.device)
     # PyTorch's own kernel where its answer is qkv's (no mask, or a bool (b|1, 1, 1, j) tensor with the output
-    # checked finite: sdpa_direct), a few µs a layer less than the plain lane's plan lookup
+    # checked for nan: sdpa_direct), a few µs a layer less than the plain lane's plan lookup
     grouped = query.shape[1] != key.shape[1]
     if step_mask is None:
         out = sdpa_direct.unmasked(query, key, value, scaling, grouped)

@@ -33,7 +33,15 @@ from .base import Mask, State, Tile
 from .reads import fingerprint
 
 
-class MaskMod(Mask):
+class _KeptTiles(Mask):
+    """A mask whose tiles are kept for later calls (the engines read them as they are): ``dense`` gives a copy, the
+    caller's own to change."""
+
+    def dense(self, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tensor:
+        return super().dense(i_len, j_len, device).clone()
+
+
+class MaskMod(_KeptTiles):
     """``mask_mod(b, h, q_idx, kv_idx) -> bool`` over ``B`` batch rows and ``H`` heads (None: it reads neither)."""
 
     def __init__(self, mask_mod: Callable, B: int | None = None, H: int | None = None):
@@ -48,10 +56,6 @@ class MaskMod(Mask):
                 raise ValueError(f"{name}: expected a positive int or None (the mask does not depend on it), got {n!r}")
         self.mask_mod, self.B, self.H = mask_mod, B, H
         self._last: dict[int, tuple] = {}  # thread id -> (tile key, its evaluation): one per thread
-
-    def dense(self, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tensor:
-        """The whole mask, the caller's own tensor (the last tile evaluated is kept for the next call)."""
-        return super().dense(i_len, j_len, device).clone()
 
     def tile(self, t: Tile) -> Tensor:
         # traced (torch.compile, torch.export): no host state; the graph evaluates the program at each tile
@@ -102,7 +106,7 @@ def from_mask_mod(mask_mod: Callable, B: int | None = None, H: int | None = None
     return MaskMod(mask_mod, B, H)
 
 
-class FlexBlocks(Mask):
+class FlexBlocks(_KeptTiles):
     """torch's ``BlockMask``: its listed blocks, "full" ones unmasked and "partial" ones through its ``mask_mod``."""
 
     #: Up to this many partial blocks in a tile, the mask_mod runs on each alone (else on the whole tile).
@@ -119,10 +123,6 @@ class FlexBlocks(Mask):
         self._mod = MaskMod(block_mask.mask_mod, batch if B == 1 and batch else B, heads if H == 1 and heads else H)
         self._kept = _kept_for(block_mask)
         self.states, self._host = self._kept.states, self._kept.host  # (B, H, nq, nk) int8: 0 not listed, 1 partial, 2 full
-
-    def dense(self, i_len: int, j_len: int, device: torch.device | str = "cpu") -> Tensor:
-        """The whole mask, the caller's own tensor (the tiles the engines read are kept for later calls)."""
-        return super().dense(i_len, j_len, device).clone()
 
     def _blocks(self, t: Tile) -> Tensor:
         qb = slice(t.i0 // self.q_block, (t.i1 - 1) // self.q_block + 1)
