@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from qkv.flash_attn import flash_attn_with_kvcache
-from qkv.varlen_paged import paged_varlen as PAGED
 
 from flash_ref import rope, sequence
 
@@ -249,9 +248,11 @@ def test_errors_name_the_argument(over, error, match):
 def test_a_contiguous_cache_is_read_as_pages_by_the_paged_engine_in_one_pass(monkeypatch):
     """A decoding step over a cache whose capacity a page size divides runs as one paged call, not one call a sequence."""
     import qkv.flash_attn.kvcache as kvcache
+    from qkv.paged import PagedPlan
 
-    calls = []
-    monkeypatch.setattr(kvcache, "paged_varlen", lambda *a, **kw: calls.append(a) or PAGED(*a, **kw))
+    calls, run = [], PagedPlan.run
+    monkeypatch.setattr(PagedPlan, "run", lambda *a, **kw: calls.append(a) or run(*a, **kw))
+    monkeypatch.setattr(kvcache, "packed_spans", None)  # (one call a sequence: not taken)
     gen = torch.Generator().manual_seed(8)
     b, S, g = 3, 32, 2
     q = torch.randn(b, 1, H, D, generator=gen, dtype=torch.float64)

@@ -356,15 +356,16 @@ def test_float8_pages_under_a_wider_q_equal_the_attention_over_the_pages_widened
 
 @pytest.mark.parametrize("fp8", FP8)
 def test_float8_pages_in_aligned_blocks_read_as_the_pages_widened(fp8, monkeypatch):
-    """``qkv.PagedKVCache`` hands out aligned blocks (the item pass reads them as one range); float8 pages there
-    are read a tile at a time, converted, and equal the reference over the pages widened."""
+    """``qkv.PagedKVCache`` hands out aligned blocks; requests grown side by side hold several (the item pass reads
+    them as ranges of blocks); float8 pages there are read a tile at a time, converted, and equal the reference
+    over the pages widened."""
     P = 4
     lengths = [70, 9, 130]
     cache = qkv.PagedKVCache(256, P, G, D, dtype=torch.float64)
     for r, n in enumerate(lengths):
         cache.add(r)
-        cache.reserve(r, n)
-    cache.plan({r: n for r, n in enumerate(lengths)})
+    cache.plan({r: min(n, 60) for r, n in enumerate(lengths)})  # a block of 16 pages each, then the rest after them
+    cache.plan({r: n - 60 for r, n in enumerate(lengths) if n > 60})
     pages = [cache.pages_of(r) for r in range(len(lengths))]
     counts = [len(ps) for ps in pages]
     table = (torch.arange(len(lengths) + 1, dtype=torch.int32),

@@ -204,6 +204,35 @@ def test_a_decoding_step_over_unaligned_runs_equals_the_item_pass(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_decoding_step_over_aligned_blocks_one_run_a_request_takes_the_runs_and_equals_the_item_pass(monkeypatch):
+    """Each request one run of pages from a block boundary (what ``reserve`` hands out): a kernel call per run, with
+    nothing to merge or mask, rather than the items; a request in two blocks apart still takes the items."""
+    from qkv.paged import route as paged
+    from qkv.paged.items import item_pages
+
+    S = item_pages(P)
+    gen = torch.Generator().manual_seed(7)
+    k_pool, v_pool = torch.randn(6 * S, P, G, D, generator=gen), torch.randn(6 * S, P, G, D, generator=gen)
+    q = torch.randn(4, H, D, generator=gen)
+    for firsts, want_runs in (([[0], [S], [2 * S], [4 * S]], True), ([[0], [S], [2 * S, 5 * S], [4 * S]], False)):
+        lengths = [37, 5, S * P + 9, 21]  # the third request more than one block
+        counts = [-(-n // P) for n in lengths]
+        indices = torch.tensor([f[min(t // S, len(f) - 1)] + t - S * min(t // S, len(f) - 1)
+                                for f, c in zip(firsts, counts) for t in range(c)])  # fmt: skip
+        table = (torch.arange(5), torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()]), indices,
+                 torch.tensor([n - (c - 1) * P for n, c in zip(lengths, counts)]))  # fmt: skip
+        used = []
+        run = paged.decode_runs
+        monkeypatch.setattr(paged, "decode_runs", lambda *a: used.append(1) or run(*a))
+        fast = qkv.paged_attention(q, (k_pool, v_pool), *table, return_lse=True)
+        assert bool(used) == want_runs
+        monkeypatch.setattr(paged, "runs_usable", lambda *a: False)
+        slow = qkv.paged_attention(q, (k_pool, v_pool), *table, return_lse=True)
+        monkeypatch.undo()
+        for a, b in zip(fast, slow):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_runs_of_a_table_are_its_maximal_runs_of_consecutive_pages_per_request():
     """The bisection over breaks gives what a walk over every page entry gives, skipped leading pages included."""
     from qkv.paged.runs import runs_in

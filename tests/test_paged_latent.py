@@ -76,17 +76,22 @@ def test_paged_latent_attention_equals_the_attention_written_out(P, one_buffer, 
 
 
 @pytest.mark.parametrize("one_buffer", [False, True], ids=["two pools", "one buffer"])
-@pytest.mark.parametrize(("starts", "read"), [([0, 16, 32, 64], "blocks"), ([1, 17, 34, 66], "runs")],
-                         ids=["aligned blocks", "unaligned runs"])  # fmt: skip
+@pytest.mark.parametrize(("starts", "read"), [
+    ([[0], [16], [32, 80], [64]], "blocks"),  # a request in two aligned blocks apart: items, read by blocks
+    ([[0], [16], [32], [64]], "runs"),  # one run a request, even from block boundaries: a kernel call each
+    ([[1], [17], [34], [66]], "runs"),
+], ids=["aligned blocks", "aligned runs", "unaligned runs"])  # fmt: skip
 def test_consecutive_pages_are_read_as_blocks_or_runs(one_buffer, starts, read, monkeypatch):
-    """Requests whose pages lie one after the other, as ``qkv.PagedKVCache`` hands them out: from block boundaries
-    (items of 16 pages read by ``blocks``), or from elsewhere (each run read by ``runs``)."""
+    """Requests whose pages lie one after the other, as ``qkv.PagedKVCache`` hands them out: each request one run
+    (read by ``runs``, a kernel call a run, nothing to merge), or requests in several aligned blocks (items of 16
+    pages read by ``blocks``). Each list of ``starts`` is where a request's runs of 16 pages (its last: the rest) begin."""
     P, kv_lens = 4, [30, 64, 100, 1]
     gen = torch.Generator().manual_seed(3)
     buf = torch.randn(96, P, C + R_DIM, generator=gen, dtype=torch.float64)
     ckv, kpe = (buf[..., :C], buf[..., C:]) if one_buffer else (buf[..., :C].contiguous(), buf[..., C:].contiguous())
     counts = [-(-n // P) for n in kv_lens]
-    indices = [p for s, c in zip(starts, counts) for p in range(s, s + c)]
+    indices = [firsts[min(t // 16, len(firsts) - 1)] + t - 16 * min(t // 16, len(firsts) - 1)
+               for firsts, c in zip(starts, counts) for t in range(c)]  # fmt: skip
     table = (torch.arange(5), torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()]), torch.tensor(indices),
              torch.tensor(kv_lens))  # fmt: skip
     q_nope = torch.randn(4, H, C, generator=gen, dtype=torch.float64)

@@ -92,12 +92,17 @@ def paged_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[in
     indices = _named_pages(block_table, counts).to(k.device)
     kv_indptr = torch.tensor([0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()])
     last = torch.tensor([b - a - (c - 1) * P if c else 1 for a, b, c in zip(cu_k, cu_k[1:], counts)])
-    out, lse = paged_attention(
-        q, (k, v), torch.tensor(cu_q), kv_indptr, indices, last, causal=causal or window[1] == 0,
-        window_left=-1 if window[0] is None else window[0], logits_soft_cap=softcap, sm_scale=scale,
-        sinks=sinks, alibi_slopes=alibi_slopes, return_lse=True,
-    )  # fmt: skip
+    out, lse = paged_attention(q, (k, v), torch.tensor(cu_q), kv_indptr, indices, last,
+                               **run_options(causal, window, softcap, scale, sinks, alibi_slopes))  # fmt: skip
     return out, lse.transpose(0, 1)
+
+
+def run_options(causal: bool, window: tuple[int | None, int | None], softcap: float, scale: float | None,
+                sinks: Tensor | None, alibi_slopes: Tensor | None) -> dict:  # fmt: skip
+    """flash-attn's options as ``qkv.paged_attention``'s (and ``PagedPlan.run``'s) keywords, with the ``lse``: a
+    window whose right side is 0 is causal, its left side ``window_left`` (None: -1, unbounded)."""
+    return dict(causal=causal or window[1] == 0, window_left=-1 if window[0] is None else window[0],
+                logits_soft_cap=softcap, sm_scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, return_lse=True)
 
 
 def _named_pages(block_table: Tensor, counts: list[int]) -> Tensor:

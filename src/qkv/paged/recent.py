@@ -28,6 +28,8 @@ import threading
 import torch
 from torch import Tensor
 
+from typing import Callable
+
 from .._trace import tracing
 from .plan import PagedPlan
 
@@ -46,15 +48,38 @@ def plan_for(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_pages: i
     geometry = (num_pages, page_size, total_q)
     kept: list = _local.__dict__.setdefault("plans", [])
     for n, (seen_geometry, seen, plan) in enumerate(kept):
-        if seen_geometry == geometry and _same_table(seen, given):
-            if n:  # the most recent first: a step's layers ask for the same table in a row
-                kept.insert(0, kept.pop(n))
-            return plan
+        if seen is not None and seen_geometry == geometry and _same_table(seen, given):
+            return _first(kept, n)
     plan = PagedPlan(*given, num_pages=num_pages, page_size=page_size, device=device, total_q=total_q)
     # copies to compare the next call's with: of kv_indices only the entries the plan read (a buffer's tail is not)
     used = plan.table.indices.numel()
     seen = (qo_indptr.clone(), kv_indptr.clone(), kv_indices[:used].clone(), kv_last_page_len.clone())
-    kept.insert(0, (geometry, seen, plan))
+    return _keep(kept, geometry, seen, plan)
+
+
+def plan_keyed(key: tuple, make: Callable[[], PagedPlan], device) -> PagedPlan:
+    """The plan kept under ``key``, host values that alone decide a table its caller builds from them (a contiguous
+    cache's rows read as pages: ``qkv.flash_attn``'s decoding step), or ``make()``'s, kept with the tables' plans:
+    no tensor is compared. Nothing kept off the CPU or while traced, as for :func:`plan_for`."""
+    if str(device) != "cpu" or tracing():
+        return make()
+    kept: list = _local.__dict__.setdefault("plans", [])
+    for n, (seen_key, seen, plan) in enumerate(kept):
+        if seen is None and seen_key == key:
+            return _first(kept, n)
+    return _keep(kept, key, None, make())
+
+
+def _first(kept: list, n: int) -> PagedPlan:
+    """Entry ``n``'s plan, the entry moved first: a step's layers ask for the same table in a row."""
+    if n:
+        kept.insert(0, kept.pop(n))
+    return kept[0][2]
+
+
+def _keep(kept: list, key: tuple, seen: tuple | None, plan: PagedPlan) -> PagedPlan:
+    """``plan`` kept first (under ``key`` and the table values ``seen``, None for a keyed plan), the oldest dropped."""
+    kept.insert(0, (key, seen, plan))
     del kept[KEPT:]
     return plan
 
