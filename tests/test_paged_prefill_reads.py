@@ -109,3 +109,43 @@ def test_a_causal_inference_call_reads_no_sum_of_its_output(monkeypatch):
     with torch.no_grad():
         out = qkv.attention(q, k, v, causal=True)
     assert (1, 4, 64, 8) not in sums and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_prefill_chunks_in_one_contiguous_pool_run_as_one_segmented_call_and_equal_each_request_alone(P, monkeypatch):
+    """Every chunk's pages one range of a contiguous pool (FlashInfer's ragged wrapper's one-row pages): one
+    segmented call for all of them, with or without the lse, beside decoding steps, requests of no query, no key,
+    or more queries than keys; the same rows as the attention written out per request."""
+    from qkv.paged import requests, route
+
+    qo_lens, kv_lens = [5, 0, 1, 9, 3, 2], [9, 4, 30, 7, 0, 13]  # a step, more queries than keys, a request of no key
+    q, cache, table = _ranged(qo_lens, kv_lens, P)
+    pools = (cache[:, 0].contiguous(), cache[:, 1].contiguous())
+    calls, single = [], requests.request
+    segmented = requests.run_segments
+    monkeypatch.setattr(requests, "run_segments", lambda *a, **kw: calls.append(1) or segmented(*a, **kw))
+    monkeypatch.setattr(route, "request", lambda *a, **kw: pytest.fail("a chunk ran alone") or single(*a, **kw))
+    for kw in ({}, {"window_left": 3}, {"causal": False}):
+        want = literal(q, cache, table, causal=kw.get("causal", True), window_left=kw.get("window_left", -1))
+        out, lse = qkv.paged_attention(q, pools, *table, return_lse=True, **kw)
+        alone = qkv.paged_attention(q, pools, *table, **kw)  # no lse asked: the segments need not compute one
+        torch.testing.assert_close(out, want[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, want[1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(alone, want[0], rtol=1e-12, atol=1e-12)
+        assert lse.is_contiguous()
+    assert len(calls) == 6
+
+
+def test_prefill_chunks_with_logit_terms_or_pages_apart_run_a_request_at_a_time(monkeypatch):
+    """A soft cap (or ALiBi, a score_mod) or a request whose pages are not one range: each chunk its own call."""
+    from qkv.paged import requests
+
+    qo_lens, kv_lens = [5, 3], [9, 40]
+    q, cache, table = _ranged(qo_lens, kv_lens, 4)
+    pools = (cache[:, 0].contiguous(), cache[:, 1].contiguous())
+    monkeypatch.setattr(requests, "run_segments", lambda *a, **kw: pytest.fail("segmented"))
+    got = qkv.paged_attention(q, pools, *table, logits_soft_cap=5.0)
+    torch.testing.assert_close(got, literal(q, cache, table, cap=5.0)[0], rtol=1e-12, atol=1e-12)
+    broken = (table[0], table[1], table[2].flip(0), table[3])  # the second request's pages out of order
+    got = qkv.paged_attention(q, pools, *broken)
+    torch.testing.assert_close(got, literal(q, cache, broken)[0], rtol=1e-12, atol=1e-12)

@@ -51,7 +51,7 @@ from .flash_args import as_int, flag, scalars, window
 from .backends.segments import Segment, run_segments
 from .backends.tiling.framing import Block, frame_score_mod
 from .functional import autocast_inputs
-from .masks import Window
+from .masks.positions import window_mask
 from .positional import ALiBi
 from .score_mods import SoftCap
 from .varlen_paged import check_pages, gather_pages, in_place, paged_varlen
@@ -155,13 +155,6 @@ def packed_spans(q: Tensor, k: Tensor, v: Tensor, spans_q: list[tuple[int, int]]
         bias, mod = _logit_terms(row, softcap, score_mod, s, block.jt - block.it)
         segments.append(Segment(0, block, mask, bias, mod))
     return run_segments(req, segments, packed=True)  # (total_q, h, e), (h, total_q)
-
-
-def window_mask(left: int | None, right: int | None, sq: int, sk: int) -> Window | None:
-    """A sequence's ``Window(left, right)`` of ``sq`` queries over ``sk`` keys, or None where it hides no key (a
-    decoding step's causal mask): the call then runs the plain kernel."""
-    hides = (left is not None and left < sk - 1) or (right is not None and right < sq - 1)
-    return Window(left, right) if hides else None
 
 
 def _answer(out: Tensor, lse: Tensor, return_lse: bool, return_attn_probs: bool):

@@ -32,7 +32,8 @@ from torch import Tensor
 
 from ..functional import attention
 from ..flash_args import scalars, window
-from ..varlen import _logit_terms, _slopes, varlen_attention, window_mask
+from ..masks.positions import window_mask
+from ..varlen import _logit_terms, _slopes, varlen_attention
 
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,

@@ -135,13 +135,16 @@ def run(plan: PagedPlan, q: Tensor, kv_cache, kv_layout: str, t: Terms, *, q_sca
         q, kv_cache, plan = _rotated(q, kv_cache, kv_layout, plan, t)
         kv_layout = "NHD"
     alibi = t.pos_encoding_mode == "ALIBI"
-    result, base_e = plan.run(q, kv_cache, causal=t.causal and t.mask is None, window_left=t.window_left,
-                              logits_soft_cap=0.0 if alibi else t.logits_soft_cap, sm_scale=scale, sinks=sinks,
-                              score_mod=_score_mod(t, table, q, scale), return_lse=True, kv_layout=kv_layout,
-                              v_scale=v_scale)  # fmt: skip
-    result = result.to(out_dtype)
-    base_2 = base_e / math.log(2.0)
-    result, base_2 = into("out", out, result), into("lse", lse, base_2)
+    wanted = return_lse or lse is not None  # (without it a prefill need not compute one: PyTorch's public kernel)
+    answer = plan.run(q, kv_cache, causal=t.causal and t.mask is None, window_left=t.window_left,
+                      logits_soft_cap=0.0 if alibi else t.logits_soft_cap, sm_scale=scale, sinks=sinks,
+                      score_mod=_score_mod(t, table, q, scale), return_lse=wanted, kv_layout=kv_layout,
+                      v_scale=v_scale)  # fmt: skip
+    result, base_e = answer if wanted else (answer, None)
+    result = into("out", out, result.to(out_dtype))
+    if not wanted:
+        return result
+    base_2 = into("lse", lse, base_e / math.log(2.0))
     return (result, base_2) if return_lse else result
 
 

@@ -117,6 +117,13 @@ def causal() -> Window:
     return Window(left=None, right=0)
 
 
+def window_mask(left: int | None, right: int | None, sq: int, sk: int) -> Window | None:
+    """A sequence's ``Window(left, right)`` of ``sq`` queries over ``sk`` keys (bottom-right aligned), or None where it
+    hides no key (a decoding step's causal mask): the call then runs the plain kernel."""
+    hides = (left is not None and left < sk - 1) or (right is not None and right < sq - 1)
+    return Window(left, right) if hides else None
+
+
 def window(left: int | None, right: int | None = 0) -> Window:
     """Sliding window: each query sees ``left`` keys before its position and ``right`` after.
 

@@ -9,6 +9,15 @@ ragged batch's rows or a reserved run are; else one copy of those pages; never i
 each tile runs as an ordinary :func:`qkv.attention` call with its causal and window limits
 as an offset mask and ALiBi, the soft cap and the score_mod as one score_mod reading the
 tile's true positions, and the tiles' ``(out, lse)`` are merged exactly (``qkv.merge``'s rule).
+
+Where every such request's pages are one range of a contiguous pool (FlashInfer's ragged
+wrapper's one-row pages, reserved runs) and nothing but causal limits and a window applies,
+:func:`packed` runs them as one segmented call instead (``backends.segments``, as
+``qkv.varlen_attention`` runs its sequences): the pool read as one key matrix, each request a
+segment of its rows against its range of keys, every output written once into one buffer
+(a request at a time, each output was copied from the kernel's head-major layout into the
+call's rows, and each call went through ``qkv.attention``'s checks: 1.03-1.16x the varlen call
+on an AMD EPYC Zen 5, four causal chunks of 96-704 tokens).
 """
 
 from __future__ import annotations
@@ -16,10 +25,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import checks
+from ..backends.segments import Segment, run_segments
+from ..backends.tiling.framing import Block
 from ..backends.tiling.lse import merge_all
 from ..functional import attention
 from ..masks import offsets
+from ..masks.positions import window_mask
 from .options import Options
+from .pages import FloatPages
+from .table import PageTable
 
 #: Keys per tile of one request.
 TILE_KEYS = 4096
@@ -58,6 +73,31 @@ def request(q: Tensor, kv_len: int, page_ids: Tensor, pages, opts: Options, r: i
         return q.new_zeros(t, h, e), torch.full((t, h), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32))
     out, lse = merge_all(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
     return out, lse
+
+
+def packed(q: Tensor, table: PageTable, chunks: list[int], pages, opts: Options,
+           lse: bool = True) -> tuple[Tensor, Tensor | None] | None:  # fmt: skip
+    """``(out (T, h, e), lse (T, h) | None)`` of requests ``chunks`` (each with queries and not a decoding step) in
+    one segmented call, other rows 0 and -inf; None where it does not apply: pages that are not one contiguous pool
+    in ``q``'s dtype, a request whose pages are not one range, or a soft cap, ALiBi or score_mod. Without ``lse``
+    none is computed: each segment may then run on PyTorch's public kernel, as ``qkv.varlen_attention`` does."""
+    if opts.soft_cap > 0 or opts.alibi_slopes is not None or opts.score_mod is not None:
+        return None
+    if type(pages) is not FloatPages or not pages.views or pages.converts or pages.dtype != q.dtype:
+        return None
+    firsts = [table.first_of_range(r) if table.kv_len[r] else 0 for r in chunks]
+    if any(first is None for first in firsts):
+        return None
+    P, g = pages.page_size, pages.kv_heads
+    K, V = (pool.view(-1, g, pool.shape[-1]).transpose(0, 1)[None] for pool in (pages.keys, pages.values))  # (1, g, N·P, ·)
+    req = checks.request(q.transpose(0, 1)[None], K, V, score="scaled_dot", mask=None, bias=None, causal=False,
+                         scale=opts.scale, dropout=0.0, return_weights=False, return_lse=lse)  # fmt: skip
+    left, right = (opts.window_left if opts.window_left >= 0 else None), (0 if opts.causal else None)
+    segments = [Segment(0, Block(table.qo_start[r], table.qo_len[r], first * P, table.kv_len[r], req.i, req.j),
+                        window_mask(left, right, table.qo_len[r], table.kv_len[r]), None, None)
+                for r, first in zip(chunks, firsts)]  # fmt: skip
+    out, lse_t = run_segments(req, segments, packed=True)  # (T, h, e), (h, T) | None
+    return out, None if lse_t is None else lse_t.transpose(0, 1).contiguous()
 
 
 def _mask(opts: Options, qpos0: int, t: int, k0: int, L: int):

@@ -25,14 +25,16 @@ from ..functional import attention
 from .decode import decode
 from .items import items
 from .options import Options
-from .requests import request, score_mod as positioned
+from .requests import packed, request, score_mod as positioned
 from .runs import decode_runs, runs_in
 from .runs import usable as runs_usable
 from .table import PageTable, longs
 
 
-def run(q: Tensor, table: PageTable, memo: dict, pages, opts: Options) -> tuple[Tensor, Tensor]:
-    """``(out (T, h, e), lse (T, h))`` of every request of ``table``; ``memo`` keeps what the table alone decides."""
+def run(q: Tensor, table: PageTable, memo: dict, pages, opts: Options, lse: bool = True) -> tuple[Tensor, Tensor | None]:
+    """``(out (T, h, e), lse (T, h))`` of every request of ``table``; ``memo`` keeps what the table alone decides.
+    Without ``lse`` (a call that returns none and merges none) prefill chunks run in one call that need not compute
+    it, and the ``lse`` returned may be None."""
     T, h, _ = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
     # a step is one query over at least one key (without causal a request may have none: its row stays 0, -inf)
@@ -41,18 +43,23 @@ def run(q: Tensor, table: PageTable, memo: dict, pages, opts: Options) -> tuple[
     if steps and len(steps) == T:  # every row a decoding step, request after request: q as it is
         o, s = _steps(q, steps, table, memo, pages, opts)
         return o.to(q.dtype), s.to(acc)
-    # every row is written below (qo_indptr covers them all, each request's rows by its own call): no fill
-    out = q.new_empty(T, h, pages.value_dim)
-    lse = torch.empty((T, h), dtype=acc, device=q.device)
+    stepped = set(steps)
+    chunks = [r for r in range(table.requests) if table.qo_len[r] and r not in stepped]
+    wanted = lse
+    together = packed(q, table, chunks, pages, opts, wanted) if chunks else None
+    if together is not None:  # every prefill chunk in one segmented call (its other rows 0 and -inf)
+        out, lse = together[0], (None if together[1] is None else together[1].to(acc))
+        chunks = []
+    else:  # every row is written below (qo_indptr covers them all, each request's rows by its own call): no fill
+        out = q.new_empty(T, h, pages.value_dim)
+        lse = torch.empty((T, h), dtype=acc, device=q.device)
     if steps:
         rows = torch.tensor([table.qo_start[r] for r in steps], device=q.device)
         o, s = _steps(q.index_select(0, rows), steps, table, memo, pages, opts)
         out.index_copy_(0, rows, o.to(out.dtype))
-        lse.index_copy_(0, rows, s.to(acc))
-    stepped = set(steps)
-    for r in range(table.requests):
-        if table.qo_len[r] == 0 or r in stepped:
-            continue
+        if lse is not None:
+            lse.index_copy_(0, rows, s.to(acc))
+    for r in chunks:
         rows = slice(table.qo_start[r], table.qo_start[r] + table.qo_len[r])
         o, s = request(q[rows], table.kv_len[r], table.pages(r), pages, opts, r, table.first_of_range(r))
         out[rows] = o.to(out.dtype)
