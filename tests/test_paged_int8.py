@@ -192,11 +192,37 @@ def test_run_buffers_are_kept_between_steps_and_grow_only_for_a_longer_run():
     torch.testing.assert_close(k, want_k[3].transpose(0, 1), rtol=0, atol=0)
     torch.testing.assert_close(v, want_v[3].transpose(0, 1), rtol=0, atol=0)
     buffer = pages._scratch.bufs["KV"].data_ptr()
-    pages.runs([(0, 1), (5, 1)])(1, P)
+    pages.runs([(5, 1), (0, 1)])(1, P)  # (descending: a run at a time)
     assert pages._scratch.bufs["KV"].data_ptr() == buffer  # kept
     k, _ = pages.runs([(2, 3)])(0, 3 * P - 1)  # a longer run: grown, and only the keys asked for
     assert k.shape == (G, 3 * P - 1, D)
     torch.testing.assert_close(k, want_k[2:5].reshape(3 * P, G, D)[: 3 * P - 1].transpose(0, 1), rtol=0, atol=0)
+
+
+def test_runs_that_follow_each_other_are_dequantised_together_and_each_reads_its_own_pages(monkeypatch):
+    """Ascending runs a few pages apart share one dequantisation (up to ``run_group_keys`` keys); a run before the
+    last, one further than ``RUN_GAP_PAGES`` or past the budget starts a new one; every read is its run's keys."""
+    from qkv.paged import quant
+
+    P, D = 4, 8
+    pages = Int8Pages(64, P, G, D, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(64 * P, 2, G, D, generator=gen, dtype=torch.float64)
+    pages.write(torch.arange(64).repeat_interleave(P), torch.arange(P).repeat(64), values[:, 0], values[:, 1])
+    pages.write(torch.tensor([63, 63]), torch.tensor([0, 1]), values[:2, 0], values[:2, 1])  # page 63 restarted: partial
+    want_k, want_v = pages.range(0, 64)
+    ranges = [(0, 2), (3, 1), (6, 4), (2, 1), (30, 2), (33, 31)]  # (page 63, partial, in the last)
+    widened, widen = [], Int8Pages._widen
+    monkeypatch.setattr(Int8Pages, "_widen", lambda self, a, c, partial: widened.append((a, c)) or widen(self, a, c, partial))
+    pages.run_group_keys = 16 * P  # groups of at most 16 pages
+    read = pages.runs(ranges)
+    for n, (p0, c) in enumerate(ranges):
+        count = c * P - n % 2  # (a last page read short)
+        k, v = read(n, count)
+        torch.testing.assert_close(k, want_k[p0 : p0 + c].reshape(c * P, G, D)[:count].transpose(0, 1), rtol=0, atol=0)
+        torch.testing.assert_close(v, want_v[p0 : p0 + c].reshape(c * P, G, D)[:count].transpose(0, 1), rtol=0, atol=0)
+    # 0-9 together; 2 is behind them; 30 lies more than RUN_GAP_PAGES past 2-3; 30-63 would pass the budget
+    assert widened == [(0, 10), (2, 1), (30, 2), (33, 31)] and quant.RUN_GAP_PAGES < 30 - 3
 
 
 def test_the_store_is_head_major_and_the_page_major_names_are_views_of_it():

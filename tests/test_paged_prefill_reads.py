@@ -149,3 +149,15 @@ def test_prefill_chunks_with_logit_terms_or_pages_apart_run_a_request_at_a_time(
     broken = (table[0], table[1], table[2].flip(0), table[3])  # the second request's pages out of order
     got = qkv.paged_attention(q, pools, *broken)
     torch.testing.assert_close(got, literal(q, cache, broken)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_v_scale_scales_the_output_when_no_lse_is_returned():
+    """``v_scale`` (FlashInfer's calibration) without ``return_lse``: a prefill chunk in one segmented call, and a
+    decoding batch with a request of no key, compute no lse, and the output is still scaled (it raised on the None)."""
+    for qo_lens, kv_lens in (([5, 3], [9, 40]), ([1, 1, 1], [7, 0, 12])):
+        q, cache, table = _ranged(qo_lens, kv_lens, 4)
+        pools = (cache[:, 0].contiguous(), cache[:, 1].contiguous())
+        want = literal(q, cache, table)[0]
+        torch.testing.assert_close(qkv.paged_attention(q, pools, *table, v_scale=2.5), 2.5 * want, rtol=1e-12, atol=1e-12)
+        out, lse = qkv.paged_attention(q, pools, *table, v_scale=2.5, return_lse=True)
+        torch.testing.assert_close(out, 2.5 * want, rtol=1e-12, atol=1e-12)

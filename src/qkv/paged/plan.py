@@ -101,7 +101,7 @@ class PagedPlan:
                 merged, total = with_sinks(out.to(lse.dtype).transpose(0, 1), lse.T, sinks)
                 out, lse = merged.transpose(0, 1).to(out.dtype), total.T
             if v_scale is not None:  # FlashInfer scales the output after its kernel; the lse is not scaled
-                out = (out.to(lse.dtype) * v_scale).to(out.dtype)
+                out = (out.to(torch.promote_types(out.dtype, torch.float32)) * v_scale).to(out.dtype)
             return out, lse
 
         tracked = _tracked(q, pages, sinks, alibi_slopes)
