@@ -45,9 +45,10 @@ Sequences run as flash-attn's varlen call: paged caches as ``varlen_attention(..
 block_table=...)``, which reads the pages where they lie (``qkv.varlen_paged``). A contiguous
 cache whose capacity :data:`PAGE_KEYS` divides is read as pages too: views of its rows and a
 page table made here, run by the same paged engine (a ``qkv.paged.PagedPlan``, kept for the
-step's other layers), so that every sequence's keys are read in one pass of the fused kernel (a step of 32 requests of 64 to 2048 keys in a cache of 2048,
-warm: 0.68-0.72x a Python loop of SDPA over the filled keys, where one call a sequence took
-1.5-1.8x; from cold caches 1.10x, the paged step's host work then counting). Left padding,
+step's other layers), so that every sequence's keys are read where they lie, a kernel call a row with nothing to merge
+(a step of 32 requests of 146 to 2047 keys in a cache of 2048, from cold caches on an AMD EPYC
+Zen 5: 0.78x a Python loop of SDPA over the filled keys and 0.55x SDPA over the padded cache,
+where one call a sequence through the varlen path took 1.5x the loop). Left padding,
 or a window or bias the paged engine has no form for, runs one call a sequence over views of
 its rows (``varlen.packed_spans``). Checked against the formula written per sequence in
 float64 in the test suite.

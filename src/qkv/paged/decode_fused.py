@@ -24,7 +24,9 @@ as it would in the attention written out).
 
 One kernel call per tile instead of one per request: measured on the Intel Xeon, 32 requests
 of 64 to 2048 keys took 2.2 ms in one call of 256-key items against 3.2 ms in 32 calls of
-SDPA's kernel over each request's contiguous keys.
+SDPA's kernel over each request's contiguous keys. Requests that are one run of pages each go
+to ``qkv.paged.runs`` instead (a call a run of the kernel's own grouped rows, nothing to merge
+or mask), which on the AMD EPYC Zen 5 ran such steps 7-22% faster than the items.
 """
 
 from __future__ import annotations

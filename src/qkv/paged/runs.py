@@ -3,9 +3,13 @@
 Shape legend: ``n`` requests in the step, ``h`` query heads, ``g`` KV heads, ``x = h / g``,
 ``d`` key size, ``e`` value size, ``P`` page size, ``L`` keys of a run.
 
-A page table whose requests hold a few runs of consecutive ids each, not starting on block
-boundaries (``qkv.PagedKVCache`` starts them there, and its steps go to the items of
-``qkv.paged.decode``: one kernel call for all requests). In the tuple form (keys and values in pools of their
+A page table whose requests are each one run of consecutive ids (a request ``qkv.PagedKVCache``
+reserved, a contiguous cache's rows), or hold a few runs not starting on block boundaries (runs
+that do start there, several to a request, go to the items of ``qkv.paged.decode``). One run a
+request needs no merge and no mask of unfilled slots: on the AMD EPYC Zen 5, from cold caches, 32
+reserved requests took 2.9 ms as runs against 3.1 ms as items in one tile of aligned blocks, and a
+contiguous cache's rows (cut by their unused slots into some 20 tiles of items) 3.6 against 4.6 ms.
+In the tuple form (keys and values in pools of their
 own) a run is one strided matrix ``(L, g, d)``, and PyTorch's fused CPU kernel
 (``backends.tiling.flash_cpu``) reads it where it lies: the ``x`` query heads that share a KV
 head become ``x`` query rows of that head, so grouped heads need no copy of the keys::
@@ -16,8 +20,8 @@ and a request's runs merge by their log-sum-exp (``qkv.merge``'s rule). One call
 costs about what one call of ``F.scaled_dot_product_attention`` on a contiguous cache costs,
 so a step of requests with few runs each runs at the speed of a loop over contiguous caches.
 Used for plain decoding steps (no soft-cap, ALiBi, window or score_mod); int8 pages are
-dequantised a run at a time into buffers the kernel reads from cache
-(``Int8Pages.runs``). The item pass (``qkv.paged.decode``) takes the rest. The host work of
+dequantised into buffers the kernel reads from cache, runs that follow each other in the pool
+together (``Int8Pages.runs``). The item pass (``qkv.paged.decode``) takes the rest. The host work of
 a step is a few operations per request: the runs come from one comparison over the page
 list, and the outputs are joined once at the end.
 """
