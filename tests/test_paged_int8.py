@@ -242,3 +242,31 @@ def test_the_store_is_head_major_and_the_page_major_names_are_views_of_it():
     assert torch.equal(V, pages.values[2:4].float() * pages.value_scale[2:4, ..., None])
     pages.copy_page(2, 5)  # writes through the store: the views see them
     assert torch.equal(pages.keys[5], pages.keys[2]) and torch.equal(pages.value_scale[5], pages.value_scale[2])
+
+
+def test_a_request_forked_inside_a_full_page_keeps_its_own_tokens_of_that_page_in_full_precision():
+    """Copy-on-write of a full, quantised page for a child forked inside it: the child's page becomes a partial one
+    (its tokens from the parent dequantised, the rest unwritten), its own later tokens are kept exactly, as an
+    unshared request's are, and the page is quantised once the child fills it (it was re-quantised at every write
+    with the parent's later tokens in its scales: 2e-2 off the written keys)."""
+    P, D = 16, 8
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(48, G, D, generator=gen, dtype=torch.float64) * torch.linspace(0.2, 3, 48, dtype=torch.float64)[:, None, None]
+    v = torch.randn(48, G, D, generator=gen, dtype=torch.float64)
+    cache = qkv.PagedKVCache(16, P, G, D, dtype=torch.float64, quantized=True)
+    cache.add("parent")
+    cache.write(0, cache.plan({"parent": 32}), k[:32], v[:32])  # two full pages, quantised
+    pool = cache.pools[0]
+    parent_page = cache.pages_of("parent")[1]
+    parent_k = pool.range(parent_page, parent_page + 1)[0][0]  # (P, g, d) as the parent reads it
+    cache.fork("parent", "child", length=20)  # 16 + 4 tokens: inside the parent's second page
+    for t in range(20, 31):
+        cache.write(0, cache.plan({"child": 1}), k[t : t + 1], v[t : t + 1])
+    page = cache.pages_of("child")[1]
+    assert page != parent_page and page in pool.residual and pool.filled[page] == 15
+    keys = pool.range(page, page + 1)[0][0]
+    torch.testing.assert_close(keys[:4], parent_k[:4], rtol=0, atol=0)  # the shared tokens, as the parent has them
+    torch.testing.assert_close(keys[4:15], k[20:31], rtol=0, atol=0)  # the child's own, exactly
+    cache.write(0, cache.plan({"child": 1}), k[31:32], v[31:32])
+    assert page not in pool.residual and pool.filled[page] == P  # full: quantised, over the child's tokens only
+    torch.testing.assert_close(pool.range(page, page + 1)[0][0, 4:], k[20:32], rtol=0.02, atol=0.02)

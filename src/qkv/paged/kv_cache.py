@@ -287,8 +287,9 @@ class PagedKVCache:
         last = pages[at]
         if self._refs[last] > 1:  # the other holders keep the original
             fresh = self._take(pages[at - 1] if at > 0 else None)
+            kept = self._length[request] - at * self.page_size  # the request's tokens in that page
             for pool in self.pools:
-                pool.copy_page(last, fresh)
+                pool.copy_page(last, fresh, kept)
             self._copies += 1
             self._copied[last] = self._copies
             self._refs[last] -= 1

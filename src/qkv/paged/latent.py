@@ -121,8 +121,9 @@ class LatentPages:
         self.ckv[page, offset] = k[:, : self.latent_dim]
         self.kpe[page, offset] = k[:, self.latent_dim :]
 
-    def copy_page(self, src: int, dst: int) -> None:
-        """Page ``dst`` becomes a copy of page ``src`` (copy-on-write of a shared page)."""
+    def copy_page(self, src: int, dst: int, tokens: int | None = None) -> None:
+        """Page ``dst`` becomes a copy of page ``src`` (copy-on-write of a shared page); ``tokens``, how many of its
+        first slots the copy's holder keeps, changes nothing here (the rest are rewritten before they are read)."""
         self.ckv[dst] = self.ckv[src]
         self.kpe[dst] = self.kpe[src]
 

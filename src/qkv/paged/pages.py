@@ -125,8 +125,9 @@ class FloatPages:
         self.keys[page, offset] = _stored(k, self.keys.dtype)
         self.values[page, offset] = _stored(v, self.values.dtype)
 
-    def copy_page(self, src: int, dst: int) -> None:
-        """Page ``dst`` becomes a copy of page ``src`` (copy-on-write of a shared page)."""
+    def copy_page(self, src: int, dst: int, tokens: int | None = None) -> None:
+        """Page ``dst`` becomes a copy of page ``src`` (copy-on-write of a shared page); ``tokens``, how many of its
+        first slots the copy's holder keeps, changes nothing here (the rest are rewritten before they are read)."""
         self.keys[dst] = self.keys[src]
         self.values[dst] = self.values[src]
 

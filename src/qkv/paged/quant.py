@@ -278,12 +278,24 @@ class Int8Pages:
         self._key_scale.index_copy_(1, ids, sK.transpose(0, 1))
         self._value_scale.index_copy_(1, ids, sV.permute(2, 0, 1))
 
-    def copy_page(self, src: int, dst: int) -> None:
-        """Page ``dst`` becomes a copy of page ``src`` (int8 data, scales, residual and filled count)."""
+    def copy_page(self, src: int, dst: int, tokens: int | None = None) -> None:
+        """Page ``dst`` becomes a copy of page ``src`` (int8 data, scales, residual and filled count).
+
+        ``tokens``: how many of its first slots the copy's holder keeps (a request forked inside a full page).
+        A full, quantised page then becomes a partial one again: those tokens, dequantised, in a full-precision
+        residual, the rest unwritten, so the holder's own tokens are stored as an unshared request's are, and
+        the page is quantised once they fill it (the copied int8 page, re-quantised at each write with the
+        other holder's later tokens in its scales, was 2e-2 off the written keys)."""
         for t in (self._keys, self._values, self._key_scale, self._value_scale):
             t[:, dst] = t[:, src]
         self.filled[dst], self._written[dst] = self.filled[src], self._written[src]
-        if src in self.residual:
+        if tokens is not None and tokens < self.page_size and src not in self.residual:
+            with torch.inference_mode(False):  # (as _residual: written in place later)
+                both = torch.cat(self._dequantise(slice(src, src + 1)))  # (2, P, g, d)
+                both[:, tokens:] = 0
+                self.residual[dst] = both
+            self.filled[dst], self._written[dst] = tokens, (1 << tokens) - 1
+        elif src in self.residual:
             with torch.inference_mode(False):  # (as _residual: written in place later)
                 self.residual[dst] = self.residual[src].clone()
         else:
