@@ -124,6 +124,26 @@ def test_steps_with_shared_prefixes_use_the_cascade_and_equal_the_definition():
     assert cache.used_pages < 5 * -(-15 // P)  # the prompt is stored once
 
 
+def test_a_shared_prompt_is_attended_once_per_step_for_every_request_that_shares_it(monkeypatch):
+    """The cascade: requests forked from one prompt read its full pages in one pass with all their queries (the
+    prefix), and only their own pages each; the step equals each request attended alone."""
+    from qkv.paged import route
+
+    cache = qkv.PagedKVCache(64, P, G, D, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(4)
+    keys, values = {}, {}
+    cache.add("root")
+    step_and_check(cache, {"root": 13}, keys, values, gen)  # three full pages and one token
+    for n in range(4):
+        cache.fork("root", n)
+        keys[n], values[n] = keys["root"].clone(), values["root"].clone()
+    passes, prefix = [], route._prefix
+    monkeypatch.setattr(route, "_prefix", lambda q, qpos, ids, *a: passes.append((q.shape[0], ids.tolist()))
+                        or prefix(q, qpos, ids, *a))  # fmt: skip
+    step_and_check(cache, {n: 1 for n in range(4)}, keys, values, gen)
+    assert passes == [(4, cache.pages_of("root")[:3])]  # one pass, the four queries, the prompt's full pages
+
+
 def test_running_out_of_pages_says_so_and_changes_nothing():
     cache = qkv.PagedKVCache(2, P, G, D)
     cache.add("a")

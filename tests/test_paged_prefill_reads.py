@@ -161,3 +161,72 @@ def test_v_scale_scales_the_output_when_no_lse_is_returned():
         torch.testing.assert_close(qkv.paged_attention(q, pools, *table, v_scale=2.5), 2.5 * want, rtol=1e-12, atol=1e-12)
         out, lse = qkv.paged_attention(q, pools, *table, v_scale=2.5, return_lse=True)
         torch.testing.assert_close(out, 2.5 * want, rtol=1e-12, atol=1e-12)
+
+
+def test_no_read_copies_or_dequantises_more_than_a_tile_of_a_long_request(monkeypatch):
+    """A request of 10,000 keys: its scattered pages copied, its consecutive int8 pages dequantised, and a shared
+    prompt of 8,992 keys (its pages scattered, or int8), each a bounded piece at a time (4096 keys; int8 runs 8192),
+    never the whole cache; the results equal the attention written out."""
+    from qkv.paged import Int8Pages
+    from qkv.paged.requests import TILE_KEYS
+
+    P, g, d, n = 16, 2, 8, 10_000
+    c = n // P
+    pieces = []
+
+    def counting(cls, name):
+        real = getattr(cls, name)
+
+        def read(self, *a):
+            out = real(self, *a)
+            pieces.append(out[0].numel() // (g * d))
+            return out
+
+        monkeypatch.setattr(cls, name, read)
+
+    counting(pages_module.FloatPages, "take")
+    counting(Int8Pages, "_widen")
+    counting(Int8Pages, "_dequantise")
+    gen = torch.Generator().manual_seed(3)
+    N = 2 * c + 40
+    cache = torch.randn(N, 2, P, g, d, generator=gen, dtype=torch.float64)
+    perm = torch.randperm(N, generator=gen).tolist()
+    int8 = Int8Pages(N, P, g, d, dtype=torch.float64)
+    int8.write(torch.arange(N).repeat_interleave(P), torch.arange(P).repeat(N), cache[:, 0].reshape(-1, g, d),
+               cache[:, 1].reshape(-1, g, d))  # fmt: skip
+    widened = torch.stack(int8.range(0, N), 1)  # (N, 2, P, g, d): what the int8 pages hold
+    shared = perm[: c - 62]  # a prompt of (c - 62) full pages, then each request's own 62
+    tables = {
+        "one request, scattered pages": ([perm[:c]], [1]),
+        "one request, consecutive pages": ([list(range(c))], [1]),
+        "a shared prompt, scattered": ([shared + perm[c : c + 62], shared + perm[c + 62 : c + 124]], [1, 1]),
+    }
+    for label, (lists, qo) in tables.items():
+        table = (torch.tensor([0, *torch.tensor(qo).cumsum(0).tolist()]),
+                 torch.tensor([0, *torch.tensor([len(x) for x in lists]).cumsum(0).tolist()]),
+                 torch.tensor([p for x in lists for p in x]), torch.full((len(lists),), P))  # fmt: skip
+        q = torch.randn(sum(qo), 4, d, generator=gen, dtype=torch.float64)
+        for kv, stored in ((cache, cache), (int8, widened)):
+            pieces.clear()
+            got = qkv.paged_attention(q, kv, *table)
+            want = _literal_small(q, stored, table)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+            limit = int8.run_group_keys if kv is int8 and "consecutive" in label else TILE_KEYS
+            assert max(pieces, default=0) <= limit, (label, type(kv).__name__, max(pieces))
+
+
+def _literal_small(q, cache, table):
+    """Each request alone, any head count: its pages concatenated, a softmax (``literal``'s, for these sizes)."""
+    qo, indptr, indices, last = table
+    P, g, d = cache.shape[2], cache.shape[3], cache.shape[4]
+    outs = []
+    for r in range(len(qo) - 1):
+        ids = indices[indptr[r] : indptr[r + 1]]
+        n = (len(ids) - 1) * P + int(last[r])
+        k = cache[ids, 0].reshape(-1, g, d)[:n].repeat_interleave(q.shape[1] // g, 1)
+        v = cache[ids, 1].reshape(-1, g, d)[:n].repeat_interleave(q.shape[1] // g, 1)
+        qr = q[qo[r] : qo[r + 1]]
+        s = torch.einsum("thd,khd->htk", qr, k) * d**-0.5
+        s = s + torch.where(torch.arange(n) <= torch.arange(n - len(qr), n)[:, None], 0.0, float("-inf"))
+        outs.append(torch.einsum("htk,khd->thd", s.softmax(-1), v))
+    return torch.cat(outs)

@@ -25,7 +25,7 @@ from ..functional import attention
 from .decode import decode
 from .items import items
 from .options import Options
-from .requests import packed, request, score_mod as positioned
+from .requests import TILE_KEYS, packed, request, score_mod as positioned
 from .runs import decode_runs, runs_in
 from .runs import usable as runs_usable
 from .table import PageTable, longs
@@ -134,12 +134,22 @@ def _shared_prefixes(steps: list[int], table: PageTable) -> list[tuple[list[int]
 
 
 def _prefix(q: Tensor, qpos: Tensor, ids: Tensor, pages, opts: Options, requests: Tensor) -> tuple[Tensor, Tensor]:
-    """``(out (n, h, e), lse (n, h))`` of ``n`` queries, each after the whole prefix, against the prefix's pages once."""
-    K, V = pages.take(ids)  # (c, P, g, d): every key of these full pages is seen by every query (causal holds)
+    """``(out (n, h, e), lse (n, h))`` of ``n`` queries, each after the whole prefix, against the prefix's pages once:
+    a tile of :data:`.requests.TILE_KEYS` keys at a time (views where the pages are consecutive ids and the pages
+    allow them, else a copy or dequantisation of the tile's pages, never the whole prefix), merged by LSE."""
     acc = torch.promote_types(q.dtype, torch.float32)  # merged with the rest: in float32, rounded once after it
-    q, K, V = q.to(acc), K.to(acc), V.to(acc)
-    K = K.reshape(-1, *K.shape[2:]).permute(1, 0, 2)[None]  # (1, g, c·P, d)
-    V = V.reshape(-1, *V.shape[2:]).permute(1, 0, 2)[None]
-    out, lse = attention(q.permute(1, 0, 2)[None], K, V, scale=opts.scale, score_mod=positioned(opts, qpos, 0, requests),
-                         return_lse=True)  # fmt: skip
-    return out[0].permute(1, 0, 2), lse[0].permute(1, 0)
+    P, count = pages.page_size, ids.numel()
+    per_tile = max(1, TILE_KEYS // P)
+    first = int(ids[0]) if count and bool((ids[1:] - ids[:-1] == 1).all()) else None  # consecutive: ranges
+    q_t = q.to(acc).permute(1, 0, 2)[None]  # (1, h, n, d)
+    outs, lses = [], []
+    for start in range(0, count, per_tile):  # every key of these full pages is seen by every query (causal holds)
+        n = min(per_tile, count - start)
+        K, V = pages.range(first + start, first + start + n) if first is not None else pages.take(ids[start : start + n])
+        K = K.to(acc).reshape(-1, *K.shape[2:]).permute(1, 0, 2)[None]  # (1, g, n·P, d)
+        V = V.to(acc).reshape(-1, *V.shape[2:]).permute(1, 0, 2)[None]
+        out, lse = attention(q_t, K, V, scale=opts.scale, score_mod=positioned(opts, qpos, start * P, requests),
+                             return_lse=True)  # fmt: skip
+        outs.append(out[0].permute(1, 0, 2))  # (n, h, e)
+        lses.append(lse[0].permute(1, 0))
+    return merge_all(outs, lses) if len(outs) > 1 else (outs[0], lses[0])

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ..backends.tiling import flash_cpu
 from ..backends.tiling.lse import merge_all
+from .items import TILE_KEYS
 from .options import Options
 from .pages import FloatPages
 from .table import PageTable
@@ -81,6 +82,9 @@ def decode_runs(q: Tensor, runs: list[list[tuple[int, int, int]]], kv_len: list[
     n, h, d = q.shape
     g, P = pages.kv_heads, pages.page_size
     acc = torch.promote_types(q.dtype, torch.float32)
+    if not pages.views:  # runs read as copies (dequantised, converted): a bounded piece at a time, merged by LSE
+        most = max(1, getattr(pages, "run_group_keys", TILE_KEYS) // P)
+        runs = [[(f + k, min(most, c - k), s + k) for f, c, s in rs for k in range(0, c, most)] for rs in runs]
     read = _reader(pages, [(first, count) for rs in runs for first, count, _ in rs])
     qs = q.contiguous().view(n, 1, g, h // g, d)  # the x query heads of a KV head are its x query rows
     forward, scale = flash_cpu.forward, opts.scale
