@@ -270,3 +270,46 @@ def test_a_request_forked_inside_a_full_page_keeps_its_own_tokens_of_that_page_i
     cache.write(0, cache.plan({"child": 1}), k[31:32], v[31:32])
     assert page not in pool.residual and pool.filled[page] == P  # full: quantised, over the child's tokens only
     torch.testing.assert_close(pool.range(page, page + 1)[0][0, 4:], k[20:32], rtol=0.02, atol=0.02)
+
+
+def _stored_keys(cache, r):
+    """Request ``r``'s keys as its int8 pages hold them (dequantised; partial pages as written)."""
+    pages = torch.tensor(cache.pages_of(r))
+    return cache.pools[0].take(pages)[0].reshape(-1, G, 8)[: cache.length(r)]
+
+
+@pytest.mark.parametrize("case", ["the parent freed", "the parent's later tokens, steps out of order",
+                                  "the parent copies first, steps out of order"])  # fmt: skip
+def test_a_forked_request_stores_its_own_tokens_as_an_unshared_request_does(case):
+    """After a fork inside a page, the child's tokens of that page are stored as an unshared request holding the
+    same tokens stores them, whoever holds the page (the child alone after the parent is freed, or after the parent
+    copied it away) and in whatever order its steps are written: slots the parent wrote past the fork point are not
+    counted as the child's (an int8 page was quantised with them in its scales: 2e-2 to 0.27 off)."""
+    P, D = 16, 8
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(48, G, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    later_k, later_v = (torch.randn(6, G, D, generator=gen, dtype=torch.float64) * 20 for _ in range(2))
+    cache = qkv.PagedKVCache(16, P, G, D, dtype=torch.float64, quantized=True)
+    cache.add("parent")
+    cache.write(0, cache.plan({"parent": 20 if case != "the parent freed" else 32}), *(
+        (k[:20], v[:20]) if case != "the parent freed" else (k[:32], v[:32])))  # fmt: skip
+    if case != "the parent freed":
+        cache.write(0, cache.plan({"parent": 6}), later_k, later_v)  # past the fork point
+    shared = _stored_keys(cache, "parent")[:20].clone()
+    shared_v = cache.pools[0].take(torch.tensor(cache.pages_of("parent")))[1].reshape(-1, G, D)[:20].clone()
+    cache.fork("parent", "child", length=20)
+    if case == "the parent freed":
+        cache.free("parent")
+    elif case == "the parent copies first, steps out of order":
+        cache.write(0, cache.plan({"parent": 1}), later_k[:1], later_v[:1])
+    first, second = cache.plan({"child": 1}), cache.plan({"child": 11})
+    twin = qkv.PagedKVCache(16, P, G, D, dtype=torch.float64, quantized=True)  # the same tokens, never shared
+    twin.add("alone")
+    twin.write(0, twin.plan({"alone": 20}), shared, shared_v)
+    twin_first, twin_second = twin.plan({"alone": 1}), twin.plan({"alone": 11})
+    order = [1, 0] if "out of order" in case else [0, 1]
+    tokens = [(k[20:21], v[20:21]), (k[21:32], v[21:32])]
+    for n in order:  # after each step (the page partial, then full): the same stored keys
+        cache.write(0, (first, second)[n], *tokens[n])
+        twin.write(0, (twin_first, twin_second)[n], *tokens[n])
+        torch.testing.assert_close(_stored_keys(cache, "child"), _stored_keys(twin, "alone"), rtol=0, atol=0)

@@ -282,18 +282,22 @@ class PagedKVCache:
         return request
 
     def _own_last_page(self, request: Hashable) -> None:
-        """Copy-on-write of the page holding the request's last token, when another request holds it too."""
+        """Copy-on-write of the page holding the request's last token, when another request holds it too; then the
+        page holds the request's tokens alone (slots past them that another holder wrote, before a fork's copy or
+        before it was freed, unwritten again: an int8 page is then quantised over the request's own tokens)."""
         pages, at = self._pages[request], (self._length[request] - 1) // self.page_size
         last = pages[at]
         if self._refs[last] > 1:  # the other holders keep the original
             fresh = self._take(pages[at - 1] if at > 0 else None)
-            kept = self._length[request] - at * self.page_size  # the request's tokens in that page
             for pool in self.pools:
-                pool.copy_page(last, fresh, kept)
+                pool.copy_page(last, fresh)
             self._copies += 1
             self._copied[last] = self._copies
             self._refs[last] -= 1
             pages[at] = fresh
+        kept = self._length[request] - at * self.page_size  # the request's tokens in that page, planned ones included
+        for pool in self.pools:
+            pool.keep_first(pages[at], kept)
 
     def reserve(self, request: Hashable, tokens: int) -> None:
         """Take the pages for ``request`` to reach ``tokens`` tokens now, in one run of consecutive ids where

@@ -125,11 +125,13 @@ class FloatPages:
         self.keys[page, offset] = _stored(k, self.keys.dtype)
         self.values[page, offset] = _stored(v, self.values.dtype)
 
-    def copy_page(self, src: int, dst: int, tokens: int | None = None) -> None:
-        """Page ``dst`` becomes a copy of page ``src`` (copy-on-write of a shared page); ``tokens``, how many of its
-        first slots the copy's holder keeps, changes nothing here (the rest are rewritten before they are read)."""
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page ``dst`` becomes a copy of page ``src`` (copy-on-write of a shared page)."""
         self.keys[dst] = self.keys[src]
         self.values[dst] = self.values[src]
+
+    def keep_first(self, page: int, tokens: int) -> None:
+        """Nothing to do: slots past a holder's ``tokens`` are rewritten before they are read (see ``Int8Pages``)."""
 
     @property
     def nbytes(self) -> int:

@@ -278,28 +278,35 @@ class Int8Pages:
         self._key_scale.index_copy_(1, ids, sK.transpose(0, 1))
         self._value_scale.index_copy_(1, ids, sV.permute(2, 0, 1))
 
-    def copy_page(self, src: int, dst: int, tokens: int | None = None) -> None:
-        """Page ``dst`` becomes a copy of page ``src`` (int8 data, scales, residual and filled count).
-
-        ``tokens``: how many of its first slots the copy's holder keeps (a request forked inside a full page).
-        A full, quantised page then becomes a partial one again: those tokens, dequantised, in a full-precision
-        residual, the rest unwritten, so the holder's own tokens are stored as an unshared request's are, and
-        the page is quantised once they fill it (the copied int8 page, re-quantised at each write with the
-        other holder's later tokens in its scales, was 2e-2 off the written keys)."""
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page ``dst`` becomes a copy of page ``src`` (int8 data, scales, residual and filled count)."""
         for t in (self._keys, self._values, self._key_scale, self._value_scale):
             t[:, dst] = t[:, src]
         self.filled[dst], self._written[dst] = self.filled[src], self._written[src]
-        if tokens is not None and tokens < self.page_size and src not in self.residual:
-            with torch.inference_mode(False):  # (as _residual: written in place later)
-                both = torch.cat(self._dequantise(slice(src, src + 1)))  # (2, P, g, d)
-                both[:, tokens:] = 0
-                self.residual[dst] = both
-            self.filled[dst], self._written[dst] = tokens, (1 << tokens) - 1
-        elif src in self.residual:
+        if src in self.residual:
             with torch.inference_mode(False):  # (as _residual: written in place later)
                 self.residual[dst] = self.residual[src].clone()
         else:
             self.residual.pop(dst, None)
+
+    def keep_first(self, page: int, tokens: int) -> None:
+        """Page ``page`` holds its first ``tokens`` slots for its one holder: slots after them that another holder
+        wrote (the request a fork's copy came from, or one freed since) are unwritten again.
+
+        A full, quantised page becomes a partial one: those tokens dequantised into a full-precision residual,
+        so the holder's own tokens are stored as an unshared request's are and the page is quantised once they
+        fill it. Without it the page counted the other holder's slots as written: a full page was re-quantised at
+        every write with the other's tokens in its scales (2e-2 off the written keys), a partial one reached
+        "full" before the holder had written its slots (0.27 off, its steps written out of order)."""
+        kept = (1 << tokens) - 1
+        if not self._written[page] & ~kept:
+            return  # nothing written past them
+        with torch.inference_mode(False):  # (as _residual: written in place later)
+            both = self.residual[page] if page in self.residual else torch.cat(self._dequantise(slice(page, page + 1)))
+            both[:, tokens:] = 0
+            self.residual[page] = both
+        self._written[page] &= kept
+        self.filled[page] = self._written[page].bit_count()
 
     def discard(self, page: int) -> None:
         """Page ``page`` is free: its full-precision residual goes now, and its next write starts it over.
