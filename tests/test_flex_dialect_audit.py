@@ -346,3 +346,20 @@ def test_what_flex_refuses_as_a_runtime_error_is_one_here(case):
     _refused_alike(lambda: _flex(q, k, v, **kw), lambda: qkv.flex_attention(q, k, v, **kw), match)
     with pytest.raises(ValueError, match=match):
         qkv.flex_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("query_dtype, kv_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                                   (torch.float32, torch.float64), (torch.float64, torch.float32)])  # fmt: skip
+def test_a_key_in_another_dtype_than_the_query_is_read_as_flex_reads_it(query_dtype, kv_dtype):
+    """flex's scores are the query and the key as given in float32 (float64 for a float64 query), the value is taken in
+    the query's dtype, the output given in it: a float32 key under a bfloat16 query is not rounded to bfloat16 first
+    (qkv rounded it, and its lse moved by 3e-3 where flex's own bfloat16 rounding is 6e-5)."""
+    q, _, _ = _inputs(query_dtype)
+    _, k, v = _inputs(kv_dtype, seed=1)
+    want, want_aux = _flex(q, k, v, enable_gqa=True, return_aux=flex.AuxRequest(lse=True))
+    got, got_lse = qkv.flex_attention(q, k, v, enable_gqa=True, return_lse=True)
+    assert got.dtype == want.dtype == query_dtype and got_lse.dtype == want_aux.lse.dtype
+    lse_tol = 1e-12 if query_dtype == torch.float64 else 2e-6  # the scores in the same working precision
+    torch.testing.assert_close(got_lse, want_aux.lse, rtol=lse_tol, atol=lse_tol)
+    out_tol = {torch.bfloat16: 2e-2, torch.float16: 2e-3}.get(query_dtype, lse_tol)  # flex rounds the weights first
+    torch.testing.assert_close(got, want, rtol=out_tol, atol=out_tol)

@@ -412,3 +412,22 @@ def test_a_score_mods_evaluation_learned_on_a_batch_of_one_is_learned_again_on_a
     out = qkv.attention(q, k, v, score_mod=per_row_temperature)
     want = torch.softmax(q @ k.mT / 4 * temp.view(2, 1, 1, 1), -1) @ v
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_score_mod_elementwise_only_below_some_index_is_probed_where_it_is_not(monkeypatch):
+    """The broadcast-or-vmap probe reads each axis's first and last indices of the first tile: a function that
+    reduces over an index only past some row (``q_idx.amax()`` where ``q_idx >= 8``) passed a probe of the first few
+    rows and was then computed with the tile's largest index on every row (lse 0.7 off)."""
+    monkeypatch.setattr(online_softmax, "TILE_ELEMENTS", 2 * H * 32 * 32)  # one tile holds every row
+    monkeypatch.setattr(mod_tiles, "TILE_ROWS", 32)
+    monkeypatch.setattr(mod_tiles, "TILE_COLS", 32)
+
+    def late_reduction(score, b, h, q_idx, kv_idx):  # under flex's vmap q_idx.amax() is the row's own index
+        return torch.where(q_idx >= 8, score + 0.125 * q_idx.amax(), score)
+
+    q, k, v = (torch.randn(1, 2, 24, 8, generator=torch.Generator().manual_seed(n), dtype=torch.float64) for n in range(3))
+    out, lse = qkv.attention(q, k, v, score_mod=late_reduction, return_lse=True)
+    rows = torch.arange(24, dtype=torch.float64)[:, None]
+    s = q @ k.mT / 8**0.5 + torch.where(rows >= 8, 0.125 * rows, 0.0)
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-12, atol=1e-12)

@@ -41,9 +41,13 @@ element: a block the block mask leaves out is never computed, as in flex's compi
 They differ only for a block mask whose lists are wrong for some heads or batch rows (made
 with ``B=None`` or ``H=None`` for a ``mask_mod`` that hides whole blocks from ``b = 0`` or
 ``h = 0`` only), or lists written by hand (``BlockMask.from_kv_blocks``), which qkv follows.
-Key and value in another dtype than the query's are computed in the query's, as flex does;
+Key and value in another dtype than the query's are read as flex reads them: the scores from
+the key as given in float32 (float64 for a float64 query), the value in the query's dtype, the
+output in the query's dtype;
 any ``AuxRequest`` is answered with ``(out, AuxOutput(...))``. A key or value every query is
 masked from never reaches the output (a nan or inf there is not read, where flex gives nan).
+A ``score_mod`` that returns ``+inf`` makes the row's output nan in both; its lse is nan here,
+``+inf`` in flex's eager forward.
 
 A block mask of any ``(B, H)`` is taken, as flex takes it (it checks ``B`` only under K/V of
 batch 1, above): of the call's batch and query heads, or of 1 (broadcast), as it is; made for
@@ -139,8 +143,16 @@ def flex_attention(
         key, value = key.expand(query.shape[0], *key.shape[1:]), value.expand(query.shape[0], *value.shape[1:])
     elif value.shape[0] == 1 != query.shape[0]:  # flex broadcasts a value of batch 1 under key's (its ``expand``)
         value = value.expand(query.shape[0], *value.shape[1:])
-    if key.dtype != query.dtype or value.dtype != query.dtype:  # flex computes in the query's dtype and answers in it
-        key, value = key.to(query.dtype), value.to(query.dtype)
+    answer_dtype = query.dtype
+    if value.dtype != query.dtype:  # flex weighs the value in the query's dtype (``value.to(query.dtype)``)
+        value = value.to(query.dtype)
+    if key.dtype != query.dtype:
+        # flex's scores are ``query.to(w) @ key.to(w)ᵀ`` in its working precision w (float64 for a float64 query, else
+        # float32): a key wider than the query is not rounded to the query's dtype first. So the call runs in w, the
+        # value as flex rounds it, and the output is given in the query's dtype (rounding the key to a bfloat16 query's
+        # dtype moved the lse by 3e-3)
+        work = torch.float64 if query.dtype == torch.float64 else torch.float32
+        query, key, value = query.to(work), key.to(work), value.to(work)
     mask = None
     if block_mask is not None:
         if not hasattr(block_mask, "kv_num_blocks") or not hasattr(block_mask, "mask_mod"):
@@ -172,7 +184,7 @@ def flex_attention(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else _scale(scale)
     result = attention(query, key, value, mask=mask, scale=scale, score_mod=score_mod, return_lse=want_lse)
     out, lse = result if want_lse else (result, None)
-    out = _in_query_layout(out, query)
+    out = _in_query_layout(out.to(answer_dtype), query)
     if lse is not None and lse.numel() == 0:
         lse = None  # no query row (L, B or Hq of 0): flex answers None for an empty lse (its ``_finalize_outputs``)
     if not want_lse:
