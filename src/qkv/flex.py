@@ -143,7 +143,7 @@ def flex_attention(
         key, value = key.expand(query.shape[0], *key.shape[1:]), value.expand(query.shape[0], *value.shape[1:])
     elif value.shape[0] == 1 != query.shape[0]:  # flex broadcasts a value of batch 1 under key's (its ``expand``)
         value = value.expand(query.shape[0], *value.shape[1:])
-    answer_dtype = query.dtype
+    answer_dtype = None  # the output's dtype where the call runs in another (autocast's answer is left as it is)
     if value.dtype != query.dtype:  # flex weighs the value in the query's dtype (``value.to(query.dtype)``)
         value = value.to(query.dtype)
     if key.dtype != query.dtype:
@@ -152,7 +152,7 @@ def flex_attention(
         # value as flex rounds it, and the output is given in the query's dtype (rounding the key to a bfloat16 query's
         # dtype moved the lse by 3e-3)
         work = torch.float64 if query.dtype == torch.float64 else torch.float32
-        query, key, value = query.to(work), key.to(work), value.to(work)
+        answer_dtype, query, key, value = query.dtype, query.to(work), key.to(work), value.to(work)
     mask = None
     if block_mask is not None:
         if not hasattr(block_mask, "kv_num_blocks") or not hasattr(block_mask, "mask_mod"):
@@ -184,7 +184,7 @@ def flex_attention(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else _scale(scale)
     result = attention(query, key, value, mask=mask, scale=scale, score_mod=score_mod, return_lse=want_lse)
     out, lse = result if want_lse else (result, None)
-    out = _in_query_layout(out.to(answer_dtype), query)
+    out = _in_query_layout(out if answer_dtype is None else out.to(answer_dtype), query)
     if lse is not None and lse.numel() == 0:
         lse = None  # no query row (L, B or Hq of 0): flex answers None for an empty lse (its ``_finalize_outputs``)
     if not want_lse:
