@@ -87,14 +87,20 @@ def paged_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[in
 
     Takes what :func:`check_pages` passed and :func:`in_place` accepted.
     """
-    P = k.shape[1]
-    counts = [-(-(b - a) // P) for a, b in zip(cu_k, cu_k[1:])]
+    counts, kv_indptr, last = page_counts([b - a for a, b in zip(cu_k, cu_k[1:])], k.shape[1])
     indices = _named_pages(block_table, counts).to(k.device)
-    kv_indptr = torch.tensor([0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()])
-    last = torch.tensor([b - a - (c - 1) * P if c else 1 for a, b, c in zip(cu_k, cu_k[1:], counts)])
     out, lse = paged_attention(q, (k, v), torch.tensor(cu_q), kv_indptr, indices, last,
                                **run_options(causal, window, softcap, scale, sinks, alibi_slopes))  # fmt: skip
     return out, lse.transpose(0, 1)
+
+
+def page_counts(lengths: list[int], P: int) -> tuple[list[int], Tensor, Tensor]:
+    """Sequences of ``lengths`` keys in pages of ``P``: each one's page count, and FlashInfer's ``kv_indptr (b + 1,)``
+    and ``kv_last_page_len (b,)`` (1 for a sequence of no key, whose table names no page)."""
+    counts = [-(-n // P) for n in lengths]
+    kv_indptr = torch.tensor([0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()])
+    last = torch.tensor([n - (c - 1) * P if c else 1 for n, c in zip(lengths, counts)])
+    return counts, kv_indptr, last
 
 
 def run_options(causal: bool, window: tuple[int | None, int | None], softcap: float, scale: float | None,

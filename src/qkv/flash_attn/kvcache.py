@@ -66,7 +66,7 @@ from ..flash_args import as_int, flag, scalars, window
 from ..varlen import _slopes, packed_spans, varlen_attention
 from ..paged.plan import PagedPlan
 from ..paged.recent import plan_keyed
-from ..varlen_paged import in_place, run_options
+from ..varlen_paged import in_place, page_counts, run_options
 
 
 def flash_attn_with_kvcache(
@@ -174,12 +174,11 @@ def _as_pages(k_cache: Tensor, v_cache: Tensor, rows: list[int], pads: list[int]
     device = k_cache.device
 
     def make() -> PagedPlan:
-        counts = torch.tensor([-(-end // P) for end in ends], dtype=torch.long)
-        kv_indptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        counts, kv_indptr, last = page_counts(ends, P)
         first = torch.tensor(rows, dtype=torch.long) * (S // P)  # each row's first page
         # entry t of row r's pages: first[r] + (t - kv_indptr[r])
-        kv_indices = torch.arange(int(kv_indptr[-1])) + torch.repeat_interleave(first - kv_indptr[:-1], counts)
-        last = torch.tensor([end - (c - 1) * P if c else 1 for end, c in zip(ends, counts.tolist())])
+        shift = torch.repeat_interleave(first - kv_indptr[:-1], torch.tensor(counts, dtype=torch.long))
+        kv_indices = torch.arange(int(kv_indptr[-1])) + shift
         qo_indptr = torch.arange(len(ends) + 1) * sq
         return PagedPlan(qo_indptr, kv_indptr, kv_indices.to(device), last, num_pages=B * S // P, page_size=P,
                          device=device, total_q=len(ends) * sq)  # fmt: skip

@@ -27,11 +27,12 @@ _SHAPE = ("(num_pages, 2, page_size, kv_heads, head_dim) or a tuple (k_cache, v_
           "kv_heads, head_dim) and (num_pages, page_size, kv_heads, value_dim)")
 
 
-def _items_view(pool: Tensor, p0: int, p1: int, S: int) -> Tensor:
-    """Pages ``p0 .. p1 - 1`` of a contiguous pool ``(num_pages, P, g, d)`` as ``(items, g, S·P, d)``, one view."""
+def key_view(pool: Tensor, first: int, items: int, keys: int, item_pages: int) -> Tensor:
+    """``(items, g, keys, d)``: ``items`` runs of ``item_pages`` consecutive pages of a contiguous pool ``(num_pages, P,
+    g, d)`` from page ``first``, the first ``keys`` keys of each, one strided view (keys step by ``g · d``)."""
     _, P, g, d = pool.shape
-    return pool.as_strided(((p1 - p0) // S, g, S * P, d), (S * P * g * d, d, g * d, 1),
-                           pool.storage_offset() + p0 * P * g * d)  # fmt: skip
+    return pool.as_strided((items, g, keys, d), (item_pages * P * g * d, d, g * d, 1),
+                           pool.storage_offset() + first * P * g * d)  # fmt: skip
 
 
 class FloatPages:
@@ -100,7 +101,8 @@ class FloatPages:
         a copy of these pages in the single-tensor form, whose keys and values alternate page by page, or of
         float8 pages."""
         if self.views:
-            return _items_view(self.keys, p0, p1, S), _items_view(self.values, p0, p1, S)
+            items, keys = (p1 - p0) // S, S * self.page_size
+            return key_view(self.keys, p0, items, keys, S), key_view(self.values, p0, items, keys, S)
 
         def items(pool: Tensor) -> Tensor:
             x = self._read(pool[p0:p1])

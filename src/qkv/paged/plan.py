@@ -96,7 +96,7 @@ class PagedPlan:
         v_scale = calibration("v_scale", v_scale)
 
         def forward() -> tuple[Tensor, Tensor]:
-            out, lse = route(q, self.table, self.memo, pages, opts, lse=return_lse or sinks is not None)
+            out, lse = route(q, self.table, self.memo, pages, opts, want_lse=return_lse or sinks is not None)
             if sinks is not None:  # (rows are (T, h): the merge's (h, T) view)
                 merged, total = with_sinks(out.to(lse.dtype).transpose(0, 1), lse.T, sinks)
                 out, lse = merged.transpose(0, 1).to(out.dtype), total.T

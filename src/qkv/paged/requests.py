@@ -57,11 +57,7 @@ def request(q: Tensor, kv_len: int, page_ids: Tensor, pages, opts: Options, r: i
         L = min(per_tile * P, kv_len - k0)
         if opts.window_left >= 0 and k0 + L - 1 < qpos0 - opts.window_left:
             continue  # the tile ends before the first query's window begins
-        n = min(per_tile, page_ids.numel() - start)
-        K, V = pages.take(page_ids[start : start + n]) if first is None else pages.range(first + start, first + start + n)
-        K = K.reshape(-1, *K.shape[2:])[:L].permute(1, 0, 2)[None]  # (1, g, L, d)
-        V = V.reshape(-1, *V.shape[2:])[:L].permute(1, 0, 2)[None]
-        K, V = K.to(dtype), V.to(dtype)
+        K, V = tile(pages, page_ids, first, start, min(per_tile, page_ids.numel() - start), L, dtype)
         out, lse = attention(
             q.permute(1, 0, 2)[None], K, V, mask=_mask(opts, qpos0, t, k0, L), scale=opts.scale,
             score_mod=score_mod(opts, torch.arange(qpos0, kv_len, device=q.device), k0, r), return_lse=True,
@@ -73,6 +69,17 @@ def request(q: Tensor, kv_len: int, page_ids: Tensor, pages, opts: Options, r: i
         return q.new_zeros(t, h, e), torch.full((t, h), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32))
     out, lse = merge_all(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
     return out, lse
+
+
+def tile(pages, page_ids: Tensor, first: int | None, start: int, n: int, L: int,
+         dtype: torch.dtype) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(K (1, g, L, d), V (1, g, L, e))`` in ``dtype``: the first ``L`` keys of pages ``start .. start + n - 1`` of
+    ``page_ids``, views of the pool from page ``first + start`` where the ids are consecutive (``first`` not None),
+    else one copy (or dequantisation) of those pages."""
+    K, V = pages.take(page_ids[start : start + n]) if first is None else pages.range(first + start, first + start + n)
+    K = K.reshape(-1, *K.shape[2:])[:L].permute(1, 0, 2)[None]
+    V = V.reshape(-1, *V.shape[2:])[:L].permute(1, 0, 2)[None]
+    return K.to(dtype), V.to(dtype)
 
 
 def packed(q: Tensor, table: PageTable, chunks: list[int], pages, opts: Options,

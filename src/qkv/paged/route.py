@@ -25,15 +25,16 @@ from ..functional import attention
 from .decode import decode
 from .items import items
 from .options import Options
-from .requests import TILE_KEYS, packed, request, score_mod as positioned
+from .requests import TILE_KEYS, packed, request, score_mod as positioned, tile
 from .runs import decode_runs, runs_in
 from .runs import usable as runs_usable
 from .table import PageTable, longs
 
 
-def run(q: Tensor, table: PageTable, memo: dict, pages, opts: Options, lse: bool = True) -> tuple[Tensor, Tensor | None]:
+def run(q: Tensor, table: PageTable, memo: dict, pages, opts: Options,
+        want_lse: bool = True) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """``(out (T, h, e), lse (T, h))`` of every request of ``table``; ``memo`` keeps what the table alone decides.
-    Without ``lse`` (a call that returns none and merges none) prefill chunks run in one call that need not compute
+    Without ``want_lse`` (a call that returns none and merges none) prefill chunks run in one call that need not compute
     it, and the ``lse`` returned may be None."""
     T, h, _ = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -45,8 +46,7 @@ def run(q: Tensor, table: PageTable, memo: dict, pages, opts: Options, lse: bool
         return o.to(q.dtype), s.to(acc)
     stepped = set(steps)
     chunks = [r for r in range(table.requests) if table.qo_len[r] and r not in stepped]
-    wanted = lse
-    together = packed(q, table, chunks, pages, opts, wanted) if chunks else None
+    together = packed(q, table, chunks, pages, opts, want_lse) if chunks else None
     if together is not None:  # every prefill chunk in one segmented call (its other rows 0 and -inf)
         out, lse = together[0], (None if together[1] is None else together[1].to(acc))
         chunks = []
@@ -145,9 +145,7 @@ def _prefix(q: Tensor, qpos: Tensor, ids: Tensor, pages, opts: Options, requests
     outs, lses = [], []
     for start in range(0, count, per_tile):  # every key of these full pages is seen by every query (causal holds)
         n = min(per_tile, count - start)
-        K, V = pages.range(first + start, first + start + n) if first is not None else pages.take(ids[start : start + n])
-        K = K.to(acc).reshape(-1, *K.shape[2:]).permute(1, 0, 2)[None]  # (1, g, n·P, d)
-        V = V.to(acc).reshape(-1, *V.shape[2:]).permute(1, 0, 2)[None]
+        K, V = tile(pages, ids, first, start, n, n * P, acc)  # (1, g, n·P, d): full pages
         out, lse = attention(q_t, K, V, scale=opts.scale, score_mod=positioned(opts, qpos, start * P, requests),
                              return_lse=True)  # fmt: skip
         outs.append(out[0].permute(1, 0, 2))  # (n, h, e)

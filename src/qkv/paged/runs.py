@@ -37,7 +37,7 @@ from ..backends.tiling import flash_cpu
 from ..backends.tiling.lse import merge_all
 from .items import TILE_KEYS
 from .options import Options
-from .pages import FloatPages
+from .pages import FloatPages, key_view
 from .table import PageTable
 
 
@@ -126,11 +126,10 @@ def _reader(pages, ranges: list[tuple[int, int]]):
 def _viewer(pool: Tensor):
     """``(first page, keys) -> (1, g, keys, d)``: a run of the pool ``(num_pages, P, g, d)`` as one strided view.
 
-    The pool's pages must each be contiguous and one after the other (the tuple form); then a
-    run's ``keys`` rows start at ``first · P`` and step by ``g · d``.
+    Where the pool's pages are each contiguous and one after the other (the tuple form), a view
+    (:func:`.pages.key_view`); else a copy of the run's pages.
     """
     num_pages, P, g, d = pool.shape
     if not pool.is_contiguous():
         return lambda first, keys: pool[first : first + -(-keys // P)].reshape(-1, g, d)[:keys].permute(1, 0, 2)[None]
-    base = pool.storage_offset()
-    return lambda first, keys: pool.as_strided((1, g, keys, d), (0, d, g * d, 1), base + first * P * g * d)
+    return lambda first, keys: key_view(pool, first, 1, keys, 0)
