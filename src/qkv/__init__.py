@@ -23,6 +23,7 @@ from .paged import PagedKVCache, paged_attention, paged_latent_attention
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
 from .score_mods import SoftCap
 from .torch_sdpa import scaled_dot_product_attention
+from .torch_varlen import varlen_attn, varlen_attn_out
 from .varlen import pad_input, unpad_input, varlen_attention
 from .variants import DifferentialAttention, OutputGate, QKNorm, SigmoidAttention
 
@@ -83,4 +84,6 @@ __all__ = [
     "unpad_input",
     "variants",
     "varlen_attention",
+    "varlen_attn",
+    "varlen_attn_out",
 ]

@@ -54,7 +54,7 @@ from .functional import autocast_inputs
 from .masks.positions import window_mask
 from .positional import ALiBi
 from .score_mods import SoftCap
-from .varlen_paged import check_pages, gather_pages, in_place, paged_varlen
+from .varlen_paged import gather_pages, in_place, paged_varlen, read_table
 
 
 def varlen_attention(
@@ -98,13 +98,13 @@ def varlen_attention(
     paged engine has no form for the call (``qkv.varlen_paged``); forward only, no dropout.
     """
     paged = block_table is not None
-    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, q, "q")
-    cu_k = _offsets("cu_seqlens_k", cu_seqlens_k, None if paged else k, "k")  # (pages: the table says where keys lie)
+    cu_q = read_offsets("cu_seqlens_q", cu_seqlens_q, q, "q")
+    cu_k = read_offsets("cu_seqlens_k", cu_seqlens_k, None if paged else k, "k")  # (pages: the table says where keys lie)
     if len(cu_q) != len(cu_k):
         raise ValueError(f"cu_seqlens_k: expected {len(cu_q)} offsets like cu_seqlens_q (b + 1), got {len(cu_k)}")
     for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
-        _max_seqlen(name, given, cu)
-    for name, x in (("q", q),) if paged else (("q", q), ("k", k), ("v", v)):  # (pages: check_pages)
+        check_max_seqlen(name, given, cu)
+    for name, x in (("q", q),) if paged else (("q", q), ("k", k), ("v", v)):  # (pages: read_table)
         if not isinstance(x, Tensor) or x.dim() != 3:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{name}: expected packed tokens (total, heads, size), got {got}")
@@ -114,20 +114,40 @@ def varlen_attention(
         deterministic, return_attn_probs, softcap, softmax_scale, dropout_p)  # fmt: skip
     if paged:
         _check_paged_call(q, k, v, sinks, dropout_p, score_mod, alibi_slopes)
-        check_pages(k, v, block_table, cu_k)
-        if in_place(k, v, causal=causal, window=(left, right), alibi_slopes=alibi_slopes):
-            q, k, v = autocast_inputs(q, k, v)  # as the packed path's below (the pools too, where not in its dtype)
-            out, lse = paged_varlen(q, k, v, cu_q, cu_k, block_table, causal=causal, window=(left, right),
-                                    softcap=float(softcap), scale=softmax_scale, alibi_slopes=alibi_slopes,
-                                    sinks=sinks)  # fmt: skip
-            return _answer(out, lse, return_lse, return_attn_probs)
-        k, v = (gather_pages(x, block_table, cu_k) for x in (k, v))  # what the engine has no form for: packed
-    spans_q = [(a, b - a) for a, b in zip(cu_q, cu_q[1:])]
-    spans_k = [(a, b - a) for a, b in zip(cu_k, cu_k[1:])]
-    out, lse = packed_spans(q, k, v, spans_q, spans_k, window=(left, right), softcap=float(softcap),
+        out, lse = run_paged(q, k, v, cu_q, cu_k, block_table, causal=causal, window=(left, right),
+                             softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, scale=softmax_scale,
+                             want_lse=return_lse or return_attn_probs)  # fmt: skip
+        return _answer(out, lse, return_lse, return_attn_probs)
+    out, lse = packed_spans(q, k, v, spans(cu_q), spans(cu_k), window=(left, right), softcap=float(softcap),
                             alibi_slopes=alibi_slopes, score_mod=score_mod, sinks=sinks, scale=softmax_scale,
                             dropout=dropout_p, generator=generator, return_lse=return_lse or return_attn_probs)  # fmt: skip
     return _answer(out, lse, return_lse, return_attn_probs)
+
+
+def run_paged(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], block_table: Tensor, *, causal: bool,
+              window: tuple[int | None, int | None], softcap: float, alibi_slopes: Tensor | None, sinks: Tensor | None,
+              scale: float | None, want_lse: bool = True) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """``(out (total_q, h, e), lse (h, total_q))`` of packed queries over pools of pages ``k``, ``v`` ``(num_blocks, P,
+    g, ·)``: sequence ``s``'s keys are the first ``cu_k[s + 1] - cu_k[s]`` of the pages its ``block_table`` row names.
+
+    The pages are read where they lie where the paged engine has a form for the call
+    (``qkv.varlen_paged``), else the keys the table names are gathered and run as packed
+    sequences. Without ``want_lse`` the ``lse`` may be None (not computed where that saves
+    work). Forward only; the offsets are read and checked by the caller, the pools here.
+    """
+    table = read_table(k, v, block_table, cu_q, cu_k)
+    if in_place(k, v, causal=causal, window=window, alibi_slopes=alibi_slopes):
+        q, k, v = autocast_inputs(q, k, v)  # as the packed path's (the pools too, where not in its dtype)
+        return paged_varlen(q, k, v, table, causal=causal, window=window, softcap=softcap, scale=scale,
+                            alibi_slopes=alibi_slopes, sinks=sinks, want_lse=want_lse)  # fmt: skip
+    k, v = (gather_pages(x, block_table, cu_k) for x in (k, v))  # what the engine has no form for: packed
+    return packed_spans(q, k, v, spans(cu_q), spans(cu_k), window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                        score_mod=None, sinks=sinks, scale=scale, dropout=0.0, generator=None, return_lse=want_lse)  # fmt: skip
+
+
+def spans(cu: list[int]) -> list[tuple[int, int]]:
+    """Offsets ``[0, a, b, …]`` as each sequence's ``(start, length)``."""
+    return [(a, b - a) for a, b in zip(cu, cu[1:])]
 
 
 def packed_spans(q: Tensor, k: Tensor, v: Tensor, spans_q: list[tuple[int, int]], spans_k: list[tuple[int, int]], *,
@@ -180,7 +200,7 @@ def _check_paged_call(q, k, v, sinks, dropout_p: float, score_mod, alibi_slopes)
         raise TypeError(f"alibi_slopes: expected a float tensor (h,) or (b, h), got {got}")
 
 
-def _offsets(name: str, cu: object, x: Tensor | None, of: str) -> list[int]:
+def read_offsets(name: str, cu: object, x: Tensor | None, of: str) -> list[int]:
     """Check ``cu_seqlens`` (1-d integers from 0, non-decreasing, ending at ``x``'s token count if given) and read it."""
     if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 1:
         got = tuple(cu.shape) if isinstance(cu, Tensor) else type(cu).__name__
@@ -195,7 +215,7 @@ def _offsets(name: str, cu: object, x: Tensor | None, of: str) -> list[int]:
     return values
 
 
-def _max_seqlen(name: str, given: object, cu: list[int]) -> None:
+def check_max_seqlen(name: str, given: object, cu: list[int]) -> None:
     """Check ``max_seqlen_*``: None, or any integer (``flash_args.as_int``) at least the longest sequence."""
     if given is None:
         return

@@ -223,8 +223,10 @@ def _mask(req: Request) -> tuple[Tensor | object | None, bool, Tensor | None]:
     if mask is None and req.bias is None:
         return None, False, None
     allowed = None if mask is None else mask.tile(tile)
-    if req.bias is None and _is_causal(allowed, req.i, req.j):
-        return None, True, None  # a program that computed the causal mask (a packed document's block mask)
+    # a program that computed the causal mask (a packed document's block mask); an offset range's shape is known
+    # without reading its tile: the causal one took the kernel's flag above
+    if req.bias is None and not isinstance(mask, Offsets) and _is_causal(allowed, req.i, req.j):
+        return None, True, None
     live_rows = None
     if allowed is not None and not zeroes_dead_rows(req.q):
         allowed, live_rows = _give_dead_rows_every_key(allowed, _dead_rows(mask, allowed, req), req.v.dtype)

@@ -76,6 +76,7 @@ SUITES: dict[str, str] = {
     "sdpa": "qkv.bench.sdpa_dialect",
     "flash-attn": "qkv.bench.flash_dialect",
     "flashinfer": "qkv.bench.flashinfer_dialect",
+    "varlen": "qkv.bench.varlen_dialect",
     "padded": "qkv.bench.padded",
 }
 #: Suites run when ``--suite`` is not given.

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..flash_attn import flash_attn_func, flash_attn_with_kvcache
 from .measure import call_or_step, evicting, interleaved
-from .report import Targets, table
+from .report import Targets, ms, same_answer, table
 
 NAME = "flash-attn"
 DESCRIPTION = "qkv.flash_attn (flash-attn's calls) against SDPA written for the same work on a CPU"
@@ -56,7 +56,7 @@ def _batched(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[li
         def ours(q=q, k=k, v=v):
             return flash_attn_func(q, k, v, causal=True)
 
-        _same(ours(), sdpa(), "flash_attn_func")
+        same_answer(ours(), sdpa(), "flash_attn_func", "SDPA")
         for mode in ("fwd", "fwd+bwd"):
             grad = mode == "fwd+bwd"
             for x in (q, k, v):
@@ -67,7 +67,7 @@ def _batched(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[li
             ratio = t["qkv"] / t["SDPA"]
             name = f"flash_attn_func, causal, b = {b}, s = {s}"
             say(f"  {name} {mode}: / SDPA {ratio:.3f}")
-            rows.append([name, mode, _ms(t["SDPA"]), _ms(t["qkv"]), f"{ratio:.3f}"])
+            rows.append([name, mode, ms(t["SDPA"]), ms(t["qkv"]), f"{ratio:.3f}"])
             targets.add(f"{name}, {mode}: time / SDPA on the same tensors ≤ 1.05", ratio, 1.05)
     return rows
 
@@ -105,28 +105,21 @@ def _decoding(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[l
         return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, cache_leftpad=pads, causal=True)
 
     with torch.no_grad():
-        _same(ours(), loop(), "flash_attn_with_kvcache")
-        _same(padded(), loop(), "the padded call")
+        same_answer(ours(), loop(), "flash_attn_with_kvcache", "SDPA")
+        same_answer(padded(), loop(), "the padded call", "SDPA")
         t = interleaved({"qkv": ours, "qkv, left padding": leftpad, "loop": loop, "padded": padded}, cfg["repeats"],
                         before=evicting(cfg is FULL))  # fmt: skip
     name = f"decoding step, {n} requests of {min(lens)}-{max(lens) + 1} keys, cache {S}"
     say(f"  {name}: / loop {t['qkv'] / t['loop']:.3f}, / padded {t['qkv'] / t['padded']:.3f}")
     targets.add(f"flash_attn_with_kvcache {name}: time / loop of SDPA ≤ 1.0", t["qkv"] / t["loop"], 1.0)
     targets.add(f"flash_attn_with_kvcache {name}: time / padded SDPA ≤ 0.6", t["qkv"] / t["padded"], 0.6)
-    return [[f"flash_attn_with_kvcache, {name}", _ms(t["loop"]), _ms(t["padded"]), _ms(t["qkv"]),
+    return [[f"flash_attn_with_kvcache, {name}", ms(t["loop"]), ms(t["padded"]), ms(t["qkv"]),
              f"{t['qkv'] / t['loop']:.3f}", f"{t['qkv'] / t['padded']:.3f}"],
-            ["the same with cache_leftpad = 1 (one call a request)", _ms(t["loop"]), _ms(t["padded"]),
-             _ms(t["qkv, left padding"]), f"{t['qkv, left padding'] / t['loop']:.3f}",
+            ["the same with cache_leftpad = 1 (one call a request)", ms(t["loop"]), ms(t["padded"]),
+             ms(t["qkv, left padding"]), f"{t['qkv, left padding'] / t['loop']:.3f}",
              f"{t['qkv, left padding'] / t['padded']:.3f}"]]  # fmt: skip
 
 
-def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
-        raise AssertionError(f"{what} differs from SDPA by {(got - want).abs().max():.2e}")
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f}"
 
 
 def section(quick: bool, say: Callable[[str], None]) -> str:

@@ -33,7 +33,7 @@ from ..flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithRag
 from ..paged import paged_attention
 from ..varlen import varlen_attention
 from .measure import evicting, interleaved
-from .report import Targets, table
+from .report import Targets, ms, same_answer, table
 
 NAME = "flashinfer"
 DESCRIPTION = "qkv.flashinfer (FlashInfer's wrappers) against SDPA and qkv's own calls for the same work on a CPU"
@@ -84,7 +84,7 @@ def _decoding(cfg: dict, say: Callable[[str], None], targets: Targets, shuffled:
 
     with torch.no_grad():
         for other, what in ((direct, "qkv.paged_attention"), (loop, "the loop of SDPA"), (padded, "the padded call")):
-            _same(ours(), other(), what)
+            same_answer(ours(), other(), "the FlashInfer wrapper", what)
         t = interleaved({"qkv": ours, "paged": direct, "loop": loop, "padded": padded}, cfg["repeats"],
                         before=evicting(cfg is FULL))  # fmt: skip
     name = f"decoding step, {n} requests of {min(lens)}-{max(lens)} keys, pages {'in a random order' if shuffled else 'in order'}"
@@ -94,10 +94,10 @@ def _decoding(cfg: dict, say: Callable[[str], None], targets: Targets, shuffled:
     if not shuffled:
         targets.add(f"BatchDecodeWithPagedKVCacheWrapper.run, {name}: time / loop of SDPA ≤ 1.0", ratios["loop"], 1.0)
         targets.add(f"BatchDecodeWithPagedKVCacheWrapper.run, {name}: time / padded SDPA ≤ 0.6", ratios["padded"], 0.6)
-    return [[f"BatchDecodeWithPagedKVCacheWrapper.run, {name}", "qkv.paged_attention", _ms(t["paged"]), _ms(t["qkv"]),
+    return [[f"BatchDecodeWithPagedKVCacheWrapper.run, {name}", "qkv.paged_attention", ms(t["paged"]), ms(t["qkv"]),
              f"{ratios['paged']:.3f}"],
-            ["", "loop of SDPA", _ms(t["loop"]), _ms(t["qkv"]), f"{ratios['loop']:.3f}"],
-            ["", "SDPA padded to the longest", _ms(t["padded"]), _ms(t["qkv"]), f"{ratios['padded']:.3f}"]]  # fmt: skip
+            ["", "loop of SDPA", ms(t["loop"]), ms(t["qkv"]), f"{ratios['loop']:.3f}"],
+            ["", "SDPA padded to the longest", ms(t["padded"]), ms(t["qkv"]), f"{ratios['padded']:.3f}"]]  # fmt: skip
 
 
 def _ragged(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[list[str]]:
@@ -124,26 +124,19 @@ def _ragged(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[lis
                           for a, b in zip(bounds, bounds[1:])])  # fmt: skip
 
     with torch.no_grad():
-        _same(ours(), varlen(), "qkv.varlen_attention")
-        _same(ours(), loop(), "the loop of SDPA")
+        same_answer(ours(), varlen(), "the FlashInfer wrapper", "qkv.varlen_attention")
+        same_answer(ours(), loop(), "the FlashInfer wrapper", "the loop of SDPA")
         t = interleaved({"qkv": ours, "varlen": varlen, "loop": loop}, cfg["repeats"])
     name = f"ragged prefill, {len(lens)} causal chunks of {min(lens)}-{max(lens)} tokens"
     say(f"  {name}: / varlen {t['qkv'] / t['varlen']:.3f}, / loop {t['qkv'] / t['loop']:.3f}")
     targets.add(f"BatchPrefillWithRaggedKVCacheWrapper.run, {name}: time / qkv.varlen_attention ≤ 1.05",
                 t["qkv"] / t["varlen"], 1.05)  # fmt: skip
     targets.add(f"BatchPrefillWithRaggedKVCacheWrapper.run, {name}: time / loop of SDPA ≤ 1.1", t["qkv"] / t["loop"], 1.1)
-    return [[f"BatchPrefillWithRaggedKVCacheWrapper.run, {name}", "qkv.varlen_attention", _ms(t["varlen"]), _ms(t["qkv"]),
+    return [[f"BatchPrefillWithRaggedKVCacheWrapper.run, {name}", "qkv.varlen_attention", ms(t["varlen"]), ms(t["qkv"]),
              f"{t['qkv'] / t['varlen']:.3f}"],
-            ["", "loop of SDPA, one call a chunk", _ms(t["loop"]), _ms(t["qkv"]), f"{t['qkv'] / t['loop']:.3f}"]]  # fmt: skip
+            ["", "loop of SDPA, one call a chunk", ms(t["loop"]), ms(t["qkv"]), f"{t['qkv'] / t['loop']:.3f}"]]  # fmt: skip
 
 
-def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
-        raise AssertionError(f"the FlashInfer wrapper differs from {what} by {(got - want).abs().max():.2e}")
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f}"
 
 
 def section(quick: bool, say: Callable[[str], None]) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 
 def table(header: list[str], rows: list[list[object]]) -> list[str]:
     """A markdown table as a list of lines."""
@@ -39,3 +41,14 @@ def figure_text(figure: float, bound: float, met: bool, higher: bool = False) ->
         if not math.isfinite(figure) or (shown >= bound if higher else shown <= bound) == met:
             return text
     return repr(figure)
+
+
+def ms(seconds: float) -> str:
+    """Seconds as milliseconds, two decimals."""
+    return f"{seconds * 1e3:.2f}"
+
+
+def same_answer(got: torch.Tensor, want: torch.Tensor, what: str, against: str) -> None:
+    """Raise unless ``got`` (``what``'s answer) is ``want`` (``against``'s) within 1e-4: a timing compares one answer."""
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+        raise AssertionError(f"{what} differs from {against} by {(got - want).abs().max():.2e}")

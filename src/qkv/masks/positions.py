@@ -39,13 +39,15 @@ class Offsets(Mask):
         self.lo, self.hi = lo, hi
 
     def tile(self, t: Tile) -> Tensor:
-        offset = t.diagonal
-        allowed = torch.ones_like(offset, dtype=torch.bool)
-        if self.lo is not None:
-            allowed &= offset >= self.lo
-        if self.hi is not None:
-            allowed &= offset <= self.hi
-        return allowed
+        # c - r - shift in [lo, hi] as c >= r + shift + lo and c <= r + shift + hi: each bound one broadcast
+        # comparison of a row and a column (bool out), never the (it, jt) int64 offsets (3-4x the time at i = 1000)
+        rows, cols = (t.rows + t.shift)[:, None], t.cols[None, :]
+        if self.lo is None and self.hi is None:
+            return torch.ones(t.i1 - t.i0, t.j1 - t.j0, dtype=torch.bool, device=t.device)
+        if self.lo is None:
+            return cols <= rows + self.hi
+        allowed = cols >= rows + self.lo
+        return allowed if self.hi is None else allowed.logical_and_(cols <= rows + self.hi)
 
     def state(self, t: Tile) -> State:
         first, last = t.offset_range()

@@ -51,7 +51,7 @@ class Tile:
     @property
     def diagonal(self) -> Tensor:
         """``(it, jt)`` long: ``col - row - (j_len - i_len)``; 0 on the causal diagonal, < 0 in the past."""
-        return self.cols[None, :] - self.rows[:, None] - self.shift
+        return (self.cols - self.shift)[None, :] - self.rows[:, None]  # (one pass over the (it, jt) result)
 
     def offset_range(self) -> tuple[int, int]:
         """Smallest and largest value of :attr:`diagonal` in this tile (no tensor built)."""
