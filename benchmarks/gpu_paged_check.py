@@ -12,6 +12,9 @@ The cases are the serving suite's (``qkv bench --suite serving``), made on the c
   P = 16) through ``qkv.paged_attention``, pages laid out as ``qkv.PagedKVCache`` lays them
   (keys and values in pools of their own: FlashInfer's tuple form); **decode, one-tensor
   cache** the same step on FlashInfer's ``(num_pages, 2, P, g, d)`` form;
+* **decode, varlen_attn with a block table**: the same step through ``qkv.varlen_attn``
+  (PyTorch's varlen dialect: ``block_table``, ``seqused_k``; float32, so qkv's engines, not
+  PyTorch's half-precision kernel);
 * **ragged**: 4 prefill chunks of 512 and ``R - 4`` decoding steps in one call;
 * **latent**: an MLA decoding step through ``qkv.paged_latent_attention`` (16 heads, c = 512,
   r = 64), the two caches halves of one buffer.
@@ -111,8 +114,18 @@ def cases(R: int, low: int, high: int, chunk: int, seed: int = 0) -> dict:
         q32 = torch.cat((q_nope, q_pe), -1).to(device, torch.float32)
         return lambda: [F.scaled_dot_product_attention(q32[r][None, None], k, k, scale=scale)[..., :C] for r, k in enumerate(keys)]
 
+    def varlen(device, dtype):  # the same step in PyTorch's varlen dialect: a block table and each request's key count
+        pools = (kv[:, 0].to(device, dtype).contiguous(), kv[:, 1].to(device, dtype).contiguous())
+        width = max(len(ps) for ps in pages)
+        table = torch.tensor([ps + [0] * (width - len(ps)) for ps in pages], dtype=torch.int32, device=device)
+        used = torch.tensor(lengths, dtype=torch.int32, device=device)
+        cu_q, q_ = torch.arange(R + 1, dtype=torch.int32, device=device), q.to(device, dtype)
+        return lambda: qkv.varlen_attn(q_, *pools, cu_q, None, 1, max(lengths), window_size=(-1, 0), enable_gqa=True,
+                                       seqused_k=used, block_table=table)  # fmt: skip
+
     return {
         "decode": (paged(kv, q, [1] * R, lengths, pages), loop(kv, q, lengths, pages)),
+        "decode, varlen_attn with a block table": (varlen, loop(kv, q, lengths, pages)),
         "decode, one-tensor cache": (paged(kv, q, [1] * R, lengths, pages, one_tensor=True), loop(kv, q, lengths, pages)),
         "ragged": (paged(kv_ragged, q_ragged, qo_ragged, ragged_lengths, ragged_pages), None),
         "latent": (latent_call, latent_loop),

@@ -16,7 +16,7 @@ def _script():
 def test_the_check_passes_on_the_cpu_and_prints_every_case(capsys):
     assert _script().main(["--device", "cpu", "--quick"]) == 0
     text = capsys.readouterr().out
-    for case in ("decode", "ragged", "latent"):
+    for case in ("decode", "decode, varlen_attn with a block table", "ragged", "latent"):
         assert f"| {case} | pass |" in text
 
 
