@@ -258,3 +258,29 @@ def test_a_padded_step_builds_no_causal_tile_and_finds_dead_rows_without_a_pass(
     assert built == (i > 1)  # a causal part that hides something (i > 1 here) is still built
     if dead_rows == "mended":
         assert searched == (0 in lengths)
+
+
+@pytest.mark.parametrize("mask, flag", [
+    (lambda n: qkv.masks.window(n - 1, 0), True), (lambda n: qkv.masks.window(4 * n, 0), True),
+    (lambda n: qkv.masks.causal() & qkv.masks.window(None, 4 * n), True),
+    (lambda n: qkv.masks.causal() & qkv.masks.offsets(-4 * n, 4 * n), True),
+    (lambda n: qkv.masks.window(n - 2, 0), False), (lambda n: qkv.masks.offsets(None, -1), False),
+], ids=["window n-1", "wide window", "causal & wide window", "causal & wide offsets", "window n-2", "strict past"])  # fmt: skip
+def test_an_offset_range_that_is_the_causal_square_runs_the_causal_flag_from_its_bounds(mask, flag, monkeypatch):
+    """A sliding window at least the prompt's length (a short prompt in a windowed model) is the causal square: the
+    kernel's flag, no mask tensor, known from the bounds (no tile compared); a narrower one keeps its tensor."""
+    q, k, v = _inputs(g=H, i=J)
+    seen = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal", False)))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(sdpa, "_is_causal", lambda *a: pytest.fail("an offset range's tile was compared"))
+    out = qkv.attention(q, k, v, mask=mask(J), backend="sdpa")
+    monkeypatch.undo()
+    assert seen[-1] == (flag, flag)
+    expected = qkv.attention(q, k, v, mask=mask(J), backend="reference")
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)

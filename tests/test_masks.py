@@ -215,6 +215,17 @@ def test_an_offset_range_holding_the_diagonal_is_a_window_for_the_engines_fast_p
     assert type(masks.offsets(1, 2)) is masks.Offsets and type(masks.offsets(None, -1)) is masks.Offsets
 
 
+def test_offsets_bounds_past_every_offset_are_unbounded_even_at_the_largest_int():
+    """A bound beyond the call's offsets is none: ``sys.maxsize`` too, which int64 arithmetic on the tile would wrap."""
+    import sys
+
+    for lo, hi, same in [(-2, sys.maxsize, (-2, None)), (-sys.maxsize, 1, (None, 1)), (-sys.maxsize, sys.maxsize, (None, None)),
+                         (-(10**12), 0, (None, 0))]:  # fmt: skip
+        for i, j in [(3, 5), (5, 3), (4, 4)]:
+            for t in (Tile.whole(i, j), Tile(1, i, 1, j, i, j)):
+                assert torch.equal(masks.offsets(lo, hi).tile(t), masks.offsets(*same).tile(t)), (lo, hi, i, j)
+
+
 def test_offsets_states_agree_with_their_tiles():
     for lo, hi in [(1, 2), (0, None), (None, -1), (-2, 3), (None, None)]:
         mask = masks.offsets(lo, hi)

@@ -222,9 +222,11 @@ def _mask(req: Request) -> tuple[Tensor | object | None, bool, Tensor | None]:
     mask = _without_full_offsets(mask, tile)
     if mask is None and req.bias is None:
         return None, False, None
+    if req.bias is None and isinstance(mask, Offsets) and _causal_square(mask, req.i, req.j):
+        return None, True, None  # (a window at least the call's length; causal() & a wide window): from its bounds
     allowed = None if mask is None else mask.tile(tile)
-    # a program that computed the causal mask (a packed document's block mask); an offset range's shape is known
-    # without reading its tile: the causal one took the kernel's flag above
+    # a program that computed the causal mask (a packed document's block mask); an offset range is known from its
+    # bounds above, without comparing its tile (a varlen call's sequences each have their own size)
     if req.bias is None and not isinstance(mask, Offsets) and _is_causal(allowed, req.i, req.j):
         return None, True, None
     live_rows = None
@@ -320,6 +322,12 @@ def _is_causal(allowed: Tensor, i: int, j: int) -> bool:
         _TRIL.clear()
         _TRIL[key] = torch.ones(i, i, dtype=torch.bool).tril()
     return torch.equal(allowed, _TRIL[key])
+
+
+def _causal_square(mask: Offsets, i: int, j: int) -> bool:
+    """True when the offset range is exactly the causal square: ``i == j``, keys up to the query (``hi == 0``) and
+    back to key 0 from the last row (``lo <= -(i - 1)``), as a sliding window at least the call's length is."""
+    return i == j and mask.hi == 0 and (mask.lo is None or mask.lo <= -(i - 1))
 
 
 def _give_dead_rows_every_key(allowed: Tensor, dead: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:

@@ -120,8 +120,6 @@ def _decoding(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[l
              f"{t['qkv, left padding'] / t['padded']:.3f}"]]  # fmt: skip
 
 
-
-
 def section(quick: bool, say: Callable[[str], None]) -> str:
     cfg = QUICK if quick else FULL
     targets = Targets()

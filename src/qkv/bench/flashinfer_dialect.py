@@ -137,8 +137,6 @@ def _ragged(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[lis
             ["", "loop of SDPA, one call a chunk", ms(t["loop"]), ms(t["qkv"]), f"{t['qkv'] / t['loop']:.3f}"]]  # fmt: skip
 
 
-
-
 def section(quick: bool, say: Callable[[str], None]) -> str:
     cfg = QUICK if quick else FULL
     targets = Targets()
