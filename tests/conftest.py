@@ -11,16 +11,18 @@ import tempfile
 import pytest
 import torch
 
-from qkv import _probe
-from qkv.paged import recent
-
-torch.set_num_threads(1)
 # inductor's on-disk cache is keyed without ATEN_CPU_CAPABILITY: kernels built under one
-# capability were loaded (and aborted) under another, so each capability gets its own cache
+# capability were loaded (and aborted, or gave garbage) under another, so each capability gets
+# its own cache, set before anything imports inductor (qkv does not; torch.nn.attention.varlen does)
 os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR",
     os.path.join(tempfile.gettempdir(), f"qkv-inductor-{torch.backends.cpu.get_cpu_capability().lower()}"),
 )
+
+from qkv import _probe  # noqa: E402
+from qkv.paged import recent  # noqa: E402
+
+torch.set_num_threads(1)
 _probe.set_route("onednn")
 
 

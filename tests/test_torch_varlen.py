@@ -197,8 +197,20 @@ def test_return_aux_and_num_splits_as_pytorch_takes_them():
     for splits in (1, 4, torch.tensor(2)):  # the CUDA kernel's split of the keys: nothing to change here
         assert torch.equal(varlen_attn(*args, enable_gqa=True, num_splits=splits), plain)
     vendor = pytest.importorskip("torch.nn.attention.varlen")
-    assert AuxRequest is vendor.AuxRequest  # code that imports PyTorch's passes it unchanged
+    out, lse = varlen_attn(*args, enable_gqa=True, return_aux=vendor.AuxRequest(lse=True))  # code that builds PyTorch's
+    assert lse.shape == (H, 9) and isinstance(varlen_attn(*args, enable_gqa=True, return_aux=vendor.AuxRequest()),
+                                              torch.Tensor)  # fmt: skip
     assert qkv.varlen_attn is varlen_attn and qkv.varlen_attn_out is varlen_attn_out
+
+
+def test_importing_qkv_imports_no_compiler():
+    """``torch.nn.attention.varlen`` imports ``torch._dynamo``: qkv's dialect does not import it, so ``import qkv`` stays
+    light and inductor's settings (its cache directory) are read when a program compiles, after it sets them."""
+    import subprocess
+    import sys
+
+    code = "import sys, qkv; assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_the_out_variant_writes_into_out_and_returns_it_without_a_gradient():
@@ -271,3 +283,56 @@ def test_on_cuda_half_precision_calls_pytorchs_own_kernel(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)
     with FakeTensorMode():
         assert torch_varlen._torch_kernel(torch.empty(8, 4, 64, dtype=torch.bfloat16, device="cuda")) is None
+
+
+def test_a_key_buffer_with_room_past_the_last_offset_is_read_as_the_kernel_reads_it():
+    lengths = [4, 5]
+    q, k, v = tokens(9, H, D, 0), tokens(16, G, D, 1), tokens(16, G, E, 2)  # 7 rows of room after the keys
+    out = varlen_attn(q, k, v, cu(lengths), cu(lengths), 5, 5, enable_gqa=True, window_size=(-1, 0))
+    want = oracle(q, k, v, spans(lengths), spans(lengths), window=(-1, 0))[0]
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="cu_seq_q: expected offsets from 0, non-decreasing, ending at query's 12"):
+        varlen_attn(tokens(12, H, D, 0), k, v, cu(lengths), cu(lengths), 5, 5, enable_gqa=True)  # rows left unwritten
+    with pytest.raises(ValueError, match="cu_seq_k: offsets reach row 9, past key's 8 rows"):
+        varlen_attn(q, k[:8], v[:8], cu(lengths), cu(lengths), 5, 5, enable_gqa=True)
+
+
+def test_num_splits_1_keeps_each_paged_sequence_bitwise_its_own_whatever_the_batch():
+    """PyTorch's promise for ``num_splits=1``: a decoding step's requests, read together otherwise, each run alone."""
+    gen = torch.Generator().manual_seed(4)
+    pool_k, pool_v = torch.randn(12, 16, G, D, generator=gen), torch.randn(12, 16, G, D, generator=gen)
+    q = torch.randn(3, H, D, generator=gen)
+    table = torch.tensor([[3, 7, 0, 0], [1, 2, 4, 5], [9, 0, 0, 0]], dtype=torch.int32)
+    used = torch.tensor([30, 61, 9], dtype=torch.int32)
+    call = dict(enable_gqa=True, window_size=(-1, 0), num_splits=1, return_aux=LSE)
+    with torch.no_grad():
+        alone = [varlen_attn(q[s : s + 1], pool_k, pool_v, cu([1]), None, 1, 61, seqused_k=used[s : s + 1],
+                             block_table=table[s : s + 1], **call) for s in range(3)]  # fmt: skip
+        for order in ([0, 1, 2], [2, 0, 1]):
+            out, lse = varlen_attn(q[order], pool_k, pool_v, cu([1, 1, 1]), None, 1, 61, seqused_k=used[order],
+                                   block_table=table[order], **call)  # fmt: skip
+            for n, s in enumerate(order):
+                assert torch.equal(out[n : n + 1], alone[s][0]) and torch.equal(lse[:, n : n + 1], alone[s][1])
+
+
+def test_an_empty_paged_batch_and_sequences_with_no_key_answer_as_the_packed_call_does():
+    with torch.no_grad():
+        none = varlen_attn(tokens(0, H, D, 0), torch.zeros(2, 4, G, D, dtype=torch.float64),
+                           torch.zeros(2, 4, G, E, dtype=torch.float64), cu([]), None, 0, 0, enable_gqa=True,
+                           seqused_k=torch.zeros(0, dtype=torch.int32), block_table=torch.zeros(0, 3, dtype=torch.int32))  # fmt: skip
+        assert none.shape == (0, H, E)
+        empty_pool = torch.zeros(0, 4, G, D, dtype=torch.float64)
+        out, lse = varlen_attn(tokens(2, H, D, 0), empty_pool, empty_pool, cu([1, 1]), None, 1, 0, enable_gqa=True,
+                               seqused_k=torch.zeros(2, dtype=torch.int32), block_table=torch.zeros(2, 1, dtype=torch.int32),
+                               return_aux=LSE)  # fmt: skip
+    assert torch.equal(out, torch.zeros(2, H, D, dtype=torch.float64)) and torch.isneginf(lse).all()
+
+
+def test_enable_gqa_is_read_as_pytorchs_bool_argument():
+    np = pytest.importorskip("numpy")
+    q, k = tokens(4, 6, 8, 0), tokens(4, 3, 8, 1)
+    want = varlen_attn(q, k, k, cu([4]), cu([4]), 4, 4, enable_gqa=True)
+    for given in (np.bool_(True), 1, torch.tensor(True)):
+        assert torch.equal(varlen_attn(q, k, k, cu([4]), cu([4]), 4, 4, enable_gqa=given), want)
+    with pytest.raises(TypeError, match="enable_gqa"):
+        varlen_attn(q, k, k, cu([4]), cu([4]), 4, 4, enable_gqa="yes")

@@ -9,7 +9,7 @@ PyTorch's ``varlen_attn`` runs flash attention's CUDA kernel and nothing else (o
 backward, so code moves over by changing an import::
 
     from torch.nn.attention.varlen import varlen_attn, AuxRequest
-    from qkv.torch_varlen import varlen_attn, AuxRequest
+    from qkv.torch_varlen import varlen_attn, AuxRequest      # (PyTorch's AuxRequest is taken too)
 
 Sequence ``s`` is query rows ``cu_seq_q[s] : cu_seq_q[s + 1]`` and key rows from ``cu_seq_k[s]``:
 ``sk = seqused_k[s]`` of them where ``seqused_k`` is given (a cache slot larger than its sequence),
@@ -26,8 +26,13 @@ gradients, PyTorch's ``RuntimeError`` ("seqused_k is an inference-only parameter
 read where they lie (``qkv.varlen.run_paged``). ``return_aux=AuxRequest(lse=True)`` returns
 ``(out, lse)`` with ``lse (H_q, T_q)`` in float32 (float64 for float64 inputs): what the kernel
 returns and PyTorch's fake op describes (its docstring says ``(T_q, H_q)``). ``num_splits`` (an
-int or None) only picks how the CUDA kernel splits keys: a CPU run is batch-invariant whatever it
-is (each sequence runs as its own call, ``qkv.varlen.packed_spans``, the same bits in any batch).
+int or None) picks how the CUDA kernel splits keys, and ``num_splits=1`` promises batch invariance:
+a sequence's bits do not depend on the others in the batch. Packed keys always give that here
+(each sequence runs as its own call, ``qkv.varlen.packed_spans``); a ``block_table`` call reads
+its decoding steps together (one pass over their pages, whose float32 results may move in the
+last bit with the batch), and with ``num_splits=1`` runs each sequence alone instead.
+``cu_seq_k`` may end before ``key``'s last row (a buffer with room to spare, as the kernel reads
+it); ``cu_seq_q`` must end at ``query``'s (the kernel leaves later rows unwritten).
 ``varlen_attn_out`` writes into ``out`` and returns it, with no gradient, as PyTorch's (its out
 variant has no autograd formula).
 
@@ -50,17 +55,20 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .flash_args import as_int, real, window
+from .flash_args import as_int, flag, real, window
 from .varlen import check_max_seqlen, packed_spans, read_offsets, run_paged, spans
 
-try:  # PyTorch's own, where it has one (2.9 and later): code that builds it passes it here unchanged
-    from torch.nn.attention.varlen import AuxRequest
-except ImportError:  # pragma: no cover - older PyTorch
 
-    class AuxRequest(NamedTuple):
-        """Which auxiliary outputs :func:`varlen_attn` returns: ``lse``, the log-sum-exp ``(H_q, T_q)``."""
 
-        lse: bool = False
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs :func:`varlen_attn` returns: ``lse``, the log-sum-exp ``(H_q, T_q)``.
+
+    PyTorch's own ``AuxRequest`` (the same one field) is taken as well. It is not imported here:
+    ``torch.nn.attention.varlen`` imports ``torch._dynamo`` (a second to ``import qkv``, and
+    inductor's settings read before a program sets them).
+    """
+
+    lse: bool = False
 
 
 def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor | None, max_q: int,
@@ -131,9 +139,11 @@ def _run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, want_lse: bool, sc
                          "it be None")  # fmt: skip
     starts = None
     if cu_seq_k is not None:  # (with block_table, read and checked, not used: the table says where the keys lie)
-        cu_k = read_offsets("cu_seq_k", cu_seq_k, key if used is None else None, "key")
+        cu_k = read_offsets("cu_seq_k", cu_seq_k, None, "key")
         if len(cu_k) != len(cu_q):
             raise ValueError(f"cu_seq_k: expected {len(cu_q)} offsets like cu_seq_q (b + 1), got {len(cu_k)}")
+        if not paged and cu_k[-1] > key.shape[0]:  # (rows past the last offset are room the kernel never reads)
+            raise ValueError(f"cu_seq_k: offsets reach row {cu_k[-1]}, past key's {key.shape[0]} rows")
         starts = spans(cu_k)
     lengths = [n for _, n in starts] if used is None else used
     for name, given, counts in (("max_q", max_q, [n for _, n in spans(cu_q)]), ("max_k", max_k, lengths)):
@@ -142,12 +152,13 @@ def _run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, want_lse: bool, sc
         check_max_seqlen(name, given, [0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()])
     causal = left is None and right == 0
     if paged:
+        options = dict(causal=causal, window=(left, right), softcap=0.0, alibi_slopes=None, sinks=None, scale=scale,
+                       want_lse=want_lse)  # fmt: skip
+        if as_int(num_splits) == 1:  # batch invariance asked for: each sequence alone
+            return _one_at_a_time(query, key, value, cu_q, used, block_table, options)
         cu_used = [0, *torch.tensor(used, dtype=torch.long).cumsum(0).tolist()]
-        return run_paged(query, key, value, cu_q, cu_used, block_table, causal=causal, window=(left, right),
-                         softcap=0.0, alibi_slopes=None, sinks=None, scale=scale, want_lse=want_lse)  # fmt: skip
-    if used is not None:  # each count within its sequence's span, the spans within key's rows
-        if starts and starts[-1][0] + starts[-1][1] > key.shape[0]:
-            raise ValueError(f"cu_seq_k: offsets reach row {starts[-1][0] + starts[-1][1]}, past key's {key.shape[0]}")
+        return run_paged(query, key, value, cu_q, cu_used, block_table, **options)
+    if used is not None:  # each count within its sequence's span
         for s, ((start, room), n) in enumerate(zip(starts, used)):
             if n > room:
                 raise ValueError(f"seqused_k: sequence {s} uses {n} keys, more than its {room} in cu_seq_k (rows "
@@ -155,6 +166,22 @@ def _run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, want_lse: bool, sc
         starts = [(start, n) for (start, _), n in zip(starts, used)]
     return packed_spans(query, key, value, spans(cu_q), starts, window=(left, right), softcap=0.0, alibi_slopes=None,
                         score_mod=None, sinks=None, scale=scale, dropout=0.0, generator=None, return_lse=want_lse)  # fmt: skip
+
+
+def _one_at_a_time(query: Tensor, key: Tensor, value: Tensor, cu_q: list[int], used: list[int], block_table: Tensor,
+                   options: dict) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """A paged call as one call a sequence (``num_splits=1``): each sequence's result is its own, whatever the batch.
+
+    Each sequence's queries are copied first: the CPU kernel's float32 sums moved in the last bit with where in memory
+    a query row began (its row in a batch), 1.8e-7 between the same request alone and third in a batch.
+    """
+    outs, lses = [], []
+    for s, n in enumerate(used):
+        rows = query[cu_q[s] : cu_q[s + 1]].clone()
+        out, lse = run_paged(rows, key, value, [0, rows.shape[0]], [0, n], block_table[s : s + 1], **options)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), (torch.cat(lses, 1) if options["want_lse"] else None)
 
 
 def _torch_kernel(query: object, name: str = "varlen_attn"):
@@ -189,8 +216,8 @@ def _check_heads(query: object, key: object, value: object, grouped: object, pag
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             shape = "(num_pages, page_size, H_kv, size) pages, with block_table" if want == 4 else "(T, heads, size)"
             raise ValueError(f"{name}: expected {shape}, got {got}")
-    if not isinstance(grouped, bool):
-        raise TypeError(f"enable_gqa: expected a bool, got {type(grouped).__name__}")
+    # as PyTorch's Python check and its op's bool argument read it: a bool, numpy's bool_, a 0-d bool tensor, 0 or 1
+    grouped = bool(grouped) if type(grouped) is int and grouped in (0, 1) else flag("enable_gqa", grouped)
     hq, hk = query.shape[1], key.shape[2 if paged else 1]
     if value.shape[:-1] != key.shape[:-1]:  # (PyTorch's kernel asks it too, in its own words)
         raise ValueError(f"value: expected {tuple(key.shape[:-1])} + (size,) like key, got {tuple(value.shape)}")

@@ -85,8 +85,8 @@ def read_table(k: Tensor, v: Tensor, block_table: object, cu_q: list[int], cu_k:
         raise ValueError(f"block_table: {block_table.shape[1]} blocks a row, but a sequence of {max(lengths)} keys needs "
                          f"{max(counts)} pages of {P}")  # fmt: skip
     named = _named_pages(block_table, counts)
-    low, high = (int(x) for x in torch.aminmax(named)) if named.numel() else (0, 0)  # (one read of both)
-    if not 0 <= low <= high < k.shape[0]:  # (a gather would be an IndexError)
+    low, high = (int(x) for x in torch.aminmax(named)) if named.numel() else (0, -1)  # (one read of both; none read)
+    if named.numel() and not 0 <= low <= high < k.shape[0]:  # (a gather would be an IndexError)
         raise ValueError(f"block_table: page ids must lie in 0 .. {k.shape[0] - 1} (k's num_blocks), got "
                          f"{low} .. {high}")  # fmt: skip
     table = Table(torch.tensor(cu_q, device=k.device), kv_indptr.to(k.device), named.to(k.device), last.to(k.device))
@@ -135,8 +135,8 @@ def page_counts(lengths: list[int], P: int) -> tuple[list[int], Tensor, Tensor]:
     """Sequences of ``lengths`` keys in pages of ``P``: each one's page count, and FlashInfer's ``kv_indptr (b + 1,)``
     and ``kv_last_page_len (b,)`` (1 for a sequence of no key, whose table names no page)."""
     counts = [-(-n // P) for n in lengths]
-    kv_indptr = torch.tensor([0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()])
-    last = torch.tensor([n - (c - 1) * P if c else 1 for n, c in zip(lengths, counts)])
+    kv_indptr = torch.tensor([0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()], dtype=torch.long)
+    last = torch.tensor([n - (c - 1) * P if c else 1 for n, c in zip(lengths, counts)], dtype=torch.long)  # (b = 0: long)
     return counts, kv_indptr, last
 
 
