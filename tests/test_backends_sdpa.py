@@ -161,6 +161,19 @@ def test_sdpa_dropout_keeps_the_expectation():
     torch.testing.assert_close(draws.mean(0), qkv.attention(q, k, v), atol=0.1, rtol=0)
 
 
+def _spy_on_the_kernel(monkeypatch) -> list[tuple[bool, bool]]:
+    """Each kernel call's ``(no attn_mask, is_causal)``, recorded as the backend calls it."""
+    seen = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal", False)))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    return seen
+
+
 @pytest.mark.parametrize("given", ["tril", "tril but one", "per batch row"])
 def test_a_mask_that_is_exactly_the_causal_square_runs_the_causal_kernel(given, monkeypatch):
     """A computed mask equal to the causal square takes ``is_causal`` (no mask tensor); any other keeps its tensor."""
@@ -170,14 +183,7 @@ def test_a_mask_that_is_exactly_the_causal_square_runs_the_causal_kernel(given, 
         allowed[3, 1] = False
     if given == "per batch row":
         allowed = allowed.expand(B, 1, J, J)
-    seen = []
-    kernel = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal", False)))
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    seen = _spy_on_the_kernel(monkeypatch)
     out = qkv.attention(q, k, v, mask=qkv.masks.Dense(allowed), backend="sdpa")
     monkeypatch.undo()
     assert seen == [(given != "tril but one", given != "tril but one")]
@@ -270,14 +276,7 @@ def test_an_offset_range_that_is_the_causal_square_runs_the_causal_flag_from_its
     """A sliding window at least the prompt's length (a short prompt in a windowed model) is the causal square: the
     kernel's flag, no mask tensor, known from the bounds (no tile compared); a narrower one keeps its tensor."""
     q, k, v = _inputs(g=H, i=J)
-    seen = []
-    kernel = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal", False)))
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    seen = _spy_on_the_kernel(monkeypatch)
     monkeypatch.setattr(sdpa, "_is_causal", lambda *a: pytest.fail("an offset range's tile was compared"))
     out = qkv.attention(q, k, v, mask=mask(J), backend="sdpa")
     monkeypatch.undo()

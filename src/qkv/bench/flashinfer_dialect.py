@@ -23,7 +23,6 @@ outputs compared first:
 
 from __future__ import annotations
 
-import random
 from typing import Callable
 
 import torch
@@ -33,6 +32,7 @@ from ..flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithRag
 from ..paged import paged_attention
 from ..varlen import varlen_attention
 from .measure import evicting, interleaved
+from .paged_step import D, G, H, P, decoding_step
 from .report import Targets, ms, same_answer, table
 
 NAME = "flashinfer"
@@ -40,47 +40,26 @@ DESCRIPTION = "qkv.flashinfer (FlashInfer's wrappers) against SDPA and qkv's own
 
 FULL = dict(requests=32, longest=2048, chunks=[512, 304, 704, 96], repeats=11)
 QUICK = dict(requests=3, longest=40, chunks=[16, 8], repeats=1)
-H, G, D, P = 8, 2, 64, 16
 
 
 def _decoding(cfg: dict, say: Callable[[str], None], targets: Targets, shuffled: bool) -> list[list[str]]:
-    rnd = random.Random(0)
-    gen = torch.Generator().manual_seed(0)
-    n = cfg["requests"]
-    lens = [rnd.randint(min(64, cfg["longest"]), cfg["longest"]) for _ in range(n)]
-    counts = [-(-length // P) for length in lens]
-    total = sum(counts)
-    K, V = torch.randn(total, P, G, D, generator=gen), torch.randn(total, P, G, D, generator=gen)
-    order = torch.randperm(total, generator=gen) if shuffled else torch.arange(total)
+    step = decoding_step(cfg["requests"], cfg["longest"], shuffled)
+    n, lens = len(step.lens), step.lens
+    counts = [len(ids) for ids in step.page_ids]
     kv_indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    indices = order.int()
+    indices = torch.cat(step.page_ids)
     last = torch.tensor([length - (c - 1) * P for length, c in zip(lens, counts)], dtype=torch.int32)
-    q = torch.randn(n, H, D, generator=gen)
-    own = [(K[ids].reshape(1, -1, G, D)[:, :length].transpose(1, 2).contiguous(),
-            V[ids].reshape(1, -1, G, D)[:, :length].transpose(1, 2).contiguous())
-           for ids, length in zip(order.split(counts), lens)]  # fmt: skip
-    longest = max(lens)
-    padded_k = torch.zeros(n, G, longest, D)
-    padded_v = torch.zeros(n, G, longest, D)
-    for r, (k, v) in enumerate(own):
-        padded_k[r, :, : lens[r]], padded_v[r, :, : lens[r]] = k[0], v[0]
-    keep = (torch.arange(longest)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+    q, K, V = step.q, step.k_pool, step.v_pool
     wrapper = BatchDecodeWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8))
     wrapper.plan(kv_indptr, indices, last, H, G, D, P, q_data_type=torch.float32)
     qo_indptr = torch.arange(n + 1, dtype=torch.int32)
+    loop, padded = step.loop, step.padded
 
     def ours():
         return wrapper.run(q, (K, V))
 
     def direct():
         return paged_attention(q, (K, V), qo_indptr, kv_indptr, indices, last)
-
-    def loop():
-        return torch.cat([F.scaled_dot_product_attention(q[r, None, :, None], k, v, enable_gqa=True)[:, :, 0]
-                          for r, (k, v) in enumerate(own)])  # fmt: skip
-
-    def padded():
-        return F.scaled_dot_product_attention(q[:, :, None], padded_k, padded_v, attn_mask=keep, enable_gqa=True)[:, :, 0]
 
     with torch.no_grad():
         for other, what in ((direct, "qkv.paged_attention"), (loop, "the loop of SDPA"), (padded, "the padded call")):

@@ -12,9 +12,10 @@ tensors, interleaved (:func:`qkv.bench.measure.interleaved`), outputs compared f
 * **packed prefill** — 8 sequences of 64 to 1024 tokens, causal (``window_size=(-1, 0)``)
   and a sliding window of 256 keys (``(256, 0)``), forward and forward + backward. Targets:
   ``≤ 1.05`` of the loop (no slower, within the medians' noise) and ``≤ 1.0`` of the padded call;
-* **decoding step over pages** — 32 requests of 64 to 2048 keys, one query each, pages of
-  16 tokens in a pool in order (``block_table``, ``seqused_k``), each call from cold caches as
-  a layer finds its own: against the loop over each request's keys and the padded call.
+* **decoding step over pages** — the FlashInfer suite's step (:mod:`.paged_step`: 32 requests
+  of 64 to 2048 keys, one query each, pages of 16 tokens in a pool in order), as ``block_table``
+  and ``seqused_k``, each call from cold caches as a layer finds its own: against the loop over
+  each request's contiguous keys and the padded call.
   Targets: the serving issue's, ``≤ 1.0`` of the loop and ``≤ 0.6`` of the padded call.
 """
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from ..torch_varlen import varlen_attn
 from .measure import call_or_step, evicting, interleaved
+from .paged_step import decoding_step
 from .report import Targets, ms, same_answer, table
 
 NAME = "varlen"
@@ -35,7 +37,7 @@ DESCRIPTION = "qkv.varlen_attn (PyTorch's varlen_attn, CUDA-only there) against 
 
 FULL = dict(sequences=8, shortest=64, longest=1024, windows=[(-1, 0), (256, 0)], requests=32, cache=2048, repeats=9)
 QUICK = dict(sequences=3, shortest=8, longest=24, windows=[(-1, 0)], requests=3, cache=40, repeats=1)
-H, G, D, P = 8, 2, 64, 16
+H, G, D = 8, 2, 64
 
 
 def _prefill(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[list[str]]:
@@ -87,36 +89,14 @@ def _prefill(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[li
 
 
 def _decoding(cfg: dict, say: Callable[[str], None], targets: Targets) -> list[list[str]]:
-    rnd = random.Random(0)  # the lengths of the FlashInfer suite's decoding step (146-2046 keys)
-    gen = torch.Generator().manual_seed(1)
-    n, longest = cfg["requests"], cfg["cache"]
-    lens = [rnd.randint(min(64, longest), longest) for _ in range(n)]
-    counts = [-(-length // P) for length in lens]
-    k_pool, v_pool = torch.randn(sum(counts), P, G, D, generator=gen), torch.randn(sum(counts), P, G, D, generator=gen)
-    table_ = torch.zeros(n, max(counts), dtype=torch.int32)
-    first = [0, *torch.tensor(counts).cumsum(0).tolist()]
-    for r, c in enumerate(counts):
-        table_[r, :c] = torch.arange(first[r], first[r] + c, dtype=torch.int32)
-    q = torch.randn(n, H, D, generator=gen)
+    step = decoding_step(cfg["requests"], cfg["cache"], shuffled=False)  # the FlashInfer suite's step, pages in order
+    n, lens, table_ = len(step.lens), step.lens, step.block_table()
     cu_q, used = torch.arange(n + 1, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
-    own = [(k_pool[first[r] : first[r] + c].reshape(-1, G, D)[: lens[r]].transpose(0, 1)[None],
-            v_pool[first[r] : first[r] + c].reshape(-1, G, D)[: lens[r]].transpose(0, 1)[None])
-           for r, c in enumerate(counts)]  # fmt: skip (views into the pool: the loop reads the same memory)
-    padded_k, padded_v = torch.zeros(n, G, longest, D), torch.zeros(n, G, longest, D)
-    for r, (k, v) in enumerate(own):
-        padded_k[r, :, : lens[r]], padded_v[r, :, : lens[r]] = k[0], v[0]
-    keep = (torch.arange(longest)[None, :] < used[:, None])[:, None, None, :]
+    loop, padded = step.loop, step.padded
 
     def ours():
-        return varlen_attn(q, k_pool, v_pool, cu_q, None, 1, longest, window_size=(-1, 0), enable_gqa=True,
-                           seqused_k=used, block_table=table_)  # fmt: skip
-
-    def loop():
-        return torch.cat([F.scaled_dot_product_attention(q[r, None, :, None], k, v, enable_gqa=True)[:, :, 0]
-                          for r, (k, v) in enumerate(own)])  # fmt: skip
-
-    def padded():
-        return F.scaled_dot_product_attention(q[:, :, None], padded_k, padded_v, attn_mask=keep, enable_gqa=True)[:, :, 0]
+        return varlen_attn(step.q, step.k_pool, step.v_pool, cu_q, None, 1, max(lens), window_size=(-1, 0),
+                           enable_gqa=True, seqused_k=used, block_table=table_)  # fmt: skip
 
     with torch.no_grad():
         same_answer(ours(), loop(), "qkv.varlen_attn", "the loop of SDPA")
