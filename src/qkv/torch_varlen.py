@@ -50,6 +50,7 @@ kernel there. Checked against a per-sequence float64 reference and PyTorch's tes
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -149,15 +150,14 @@ def _run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, want_lse: bool, sc
     for name, given, counts in (("max_q", max_q, [n for _, n in spans(cu_q)]), ("max_k", max_k, lengths)):
         if as_int(given) is None:
             raise TypeError(f"{name}: expected an int, the longest sequence's length, got {type(given).__name__}")
-        check_max_seqlen(name, given, [0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()])
+        check_max_seqlen(name, given, list(accumulate(counts, initial=0)))  # (host ints: no tensor a call)
     causal = left is None and right == 0
     if paged:
         options = dict(causal=causal, window=(left, right), softcap=0.0, alibi_slopes=None, sinks=None, scale=scale,
                        want_lse=want_lse)  # fmt: skip
         if as_int(num_splits) == 1:  # batch invariance asked for: each sequence alone
             return _one_at_a_time(query, key, value, cu_q, used, block_table, options)
-        cu_used = [0, *torch.tensor(used, dtype=torch.long).cumsum(0).tolist()]
-        return run_paged(query, key, value, cu_q, cu_used, block_table, **options)
+        return run_paged(query, key, value, cu_q, list(accumulate(used, initial=0)), block_table, **options)
     if used is not None:  # each count within its sequence's span
         for s, ((start, room), n) in enumerate(zip(starts, used)):
             if n > room:
