@@ -313,6 +313,9 @@ def test_num_splits_1_keeps_each_paged_sequence_bitwise_its_own_whatever_the_bat
                                    block_table=table[order], **call)  # fmt: skip
             for n, s in enumerate(order):
                 assert torch.equal(out[n : n + 1], alone[s][0]) and torch.equal(lse[:, n : n + 1], alone[s][1])
+        for rows in (table[:2], torch.cat([table, table[:1]])):  # a row a sequence, checked before the table is cut
+            with pytest.raises(ValueError, match=r"block_table: expected a row per sequence \(3\)"):
+                varlen_attn(q, pool_k, pool_v, cu([1, 1, 1]), None, 1, 61, seqused_k=used, block_table=rows, **call)
 
 
 def test_an_empty_paged_batch_and_sequences_with_no_key_answer_as_the_packed_call_does():
@@ -321,6 +324,11 @@ def test_an_empty_paged_batch_and_sequences_with_no_key_answer_as_the_packed_cal
                            torch.zeros(2, 4, G, E, dtype=torch.float64), cu([]), None, 0, 0, enable_gqa=True,
                            seqused_k=torch.zeros(0, dtype=torch.int32), block_table=torch.zeros(0, 3, dtype=torch.int32))  # fmt: skip
         assert none.shape == (0, H, E)
+        split = varlen_attn(tokens(0, H, D, 0), torch.zeros(2, 4, G, D, dtype=torch.float64),
+                            torch.zeros(2, 4, G, E, dtype=torch.float64), cu([]), None, 0, 0, enable_gqa=True,
+                            seqused_k=torch.zeros(0, dtype=torch.int32), block_table=torch.zeros(0, 3, dtype=torch.int32),
+                            num_splits=1)  # fmt: skip
+        assert split.shape == (0, H, E)
         empty_pool = torch.zeros(0, 4, G, D, dtype=torch.float64)
         out, lse = varlen_attn(tokens(2, H, D, 0), empty_pool, empty_pool, cu([1, 1]), None, 1, 0, enable_gqa=True,
                                seqused_k=torch.zeros(2, dtype=torch.int32), block_table=torch.zeros(2, 1, dtype=torch.int32),
@@ -332,7 +340,7 @@ def test_enable_gqa_is_read_as_pytorchs_bool_argument():
     np = pytest.importorskip("numpy")
     q, k = tokens(4, 6, 8, 0), tokens(4, 3, 8, 1)
     want = varlen_attn(q, k, k, cu([4]), cu([4]), 4, 4, enable_gqa=True)
-    for given in (np.bool_(True), 1, torch.tensor(True)):
+    for given in (np.bool_(True), 1, 2, 1.0, np.int64(1), torch.tensor(True), torch.tensor(1)):
         assert torch.equal(varlen_attn(q, k, k, cu([4]), cu([4]), 4, 4, enable_gqa=given), want)
     with pytest.raises(TypeError, match="enable_gqa"):
         varlen_attn(q, k, k, cu([4]), cu([4]), 4, 4, enable_gqa="yes")

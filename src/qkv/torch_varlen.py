@@ -50,6 +50,7 @@ kernel there. Checked against a per-sequence float64 reference and PyTorch's tes
 from __future__ import annotations
 
 import math
+import numbers
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -155,8 +156,10 @@ def _run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, want_lse: bool, sc
     if paged:
         options = dict(causal=causal, window=(left, right), softcap=0.0, alibi_slopes=None, sinks=None, scale=scale,
                        want_lse=want_lse)  # fmt: skip
-        if as_int(num_splits) == 1:  # batch invariance asked for: each sequence alone
-            return _one_at_a_time(query, key, value, cu_q, used, block_table, options)
+        if as_int(num_splits) == 1 and used and isinstance(block_table, Tensor) and block_table.dim() == 2:
+            if block_table.shape[0] != len(used):  # (read_table's check, before the table is cut into rows)
+                raise ValueError(f"block_table: expected a row per sequence ({len(used)}), got {block_table.shape[0]}")
+            return _one_at_a_time(query, key, value, cu_q, used, block_table, options)  # batch invariance: each alone
         return run_paged(query, key, value, cu_q, list(accumulate(used, initial=0)), block_table, **options)
     if used is not None:  # each count within its sequence's span
         for s, ((start, room), n) in enumerate(zip(starts, used)):
@@ -216,8 +219,10 @@ def _check_heads(query: object, key: object, value: object, grouped: object, pag
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             shape = "(num_pages, page_size, H_kv, size) pages, with block_table" if want == 4 else "(T, heads, size)"
             raise ValueError(f"{name}: expected {shape}, got {got}")
-    # as PyTorch's Python check and its op's bool argument read it: a bool, numpy's bool_, a 0-d bool tensor, 0 or 1
-    grouped = bool(grouped) if type(grouped) is int and grouped in (0, 1) else flag("enable_gqa", grouped)
+    # as PyTorch's Python check and its op's bool argument read it: any number (numpy's too) or 0-d tensor by its truth
+    if isinstance(grouped, numbers.Number) or (isinstance(grouped, Tensor) and grouped.dim() == 0):
+        grouped = bool(grouped)
+    grouped = flag("enable_gqa", grouped)  # (numpy's bool_ too; anything else is a TypeError naming the argument)
     hq, hk = query.shape[1], key.shape[2 if paged else 1]
     if value.shape[:-1] != key.shape[:-1]:  # (PyTorch's kernel asks it too, in its own words)
         raise ValueError(f"value: expected {tuple(key.shape[:-1])} + (size,) like key, got {tuple(value.shape)}")
