@@ -30,7 +30,8 @@ int or None) picks how the CUDA kernel splits keys, and ``num_splits=1`` promise
 a sequence's bits do not depend on the others in the batch. Packed keys always give that here
 (each sequence runs as its own call, ``qkv.varlen.packed_spans``); a ``block_table`` call reads
 its decoding steps together (one pass over their pages, whose float32 results may move in the
-last bit with the batch), and with ``num_splits=1`` runs each sequence alone instead.
+last bit with the batch), and with ``num_splits=1`` runs each sequence alone instead, on a copy of
+its queries (the kernel's sums moved with where a query row began in memory).
 ``cu_seq_k`` may end before ``key``'s last row (a buffer with room to spare, as the kernel reads
 it); ``cu_seq_q`` must end at ``query``'s (the kernel leaves later rows unwritten).
 ``varlen_attn_out`` writes into ``out`` and returns it, with no gradient, as PyTorch's (its out
@@ -38,8 +39,9 @@ variant has no autograd formula).
 
 Where this differs from PyTorch's CUDA kernel: it takes more (float32 and float64, ``D_v != D``,
 any head size); a query that sees no key gets zeros and ``lse = -inf`` (the kernel writes +inf);
-the returned ``lse`` carries a gradient (PyTorch's backward drops it); ``max_q`` or ``max_k`` below
-the longest sequence is refused (the kernel sizes its grid with them, leaving rows unwritten); a
+the returned ``lse`` carries a gradient (PyTorch's backward drops it); ``max_q`` below the longest
+sequence is refused (the kernel sizes its grid with it, leaving rows unwritten), and so is such a
+``max_k`` (the kernel's key splits and window bounds read it); a
 window side below -1 is refused (the kernel reads it as -1); and a window side at least the key
 count where queries outnumber keys keeps the formula above, as ``qkv.varlen_attention`` does and
 says why. On CUDA a float16 or bfloat16 call is PyTorch's own ``varlen_attn``, the fastest exact
