@@ -331,6 +331,15 @@ def test_flashinfers_keywords_are_answered_with_qkvs_names(keyword, says):
         qkv.attention(q, q, q, **{keyword: 1})
 
 
+@pytest.mark.parametrize("keyword, says", [("cu_seq_q", r"nothing: qkv.varlen_attn takes varlen_attn's arguments"),
+                                           ("return_aux", r"return_lse=True \(qkv.varlen_attn takes return_aux")])  # fmt: skip
+def test_pytorchs_varlen_keywords_are_answered_with_qkvs_names(keyword, says):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match=f"attention: {keyword}= is torch.nn.attention.varlen.varlen_attn's keyword; "
+                                        f"qkv.attention takes {says}"):  # fmt: skip
+        qkv.attention(q, q, q, **{keyword: None})
+
+
 @pytest.mark.parametrize("keyword, answer", [
     ("use_causal_mask", r"causal= \(aligned bottom-right; Keras' is top-left"),
     ("return_attention_scores", "return_weights="),

@@ -203,6 +203,8 @@ FOREIGN_NAMES = {
     "alibi_slopes": (_FLASH, "bias=qkv.ALiBi(h, slopes=alibi_slopes)"),
     "return_attn_probs": (_FLASH, "return_weights=True (and return_lse=True)"),
     "cu_seqlens_q": ("flash_attn_varlen_func", "nothing: qkv.varlen_attention takes flash_attn_varlen_func's arguments as they are"),
+    "cu_seq_q": ("torch.nn.attention.varlen.varlen_attn", "nothing: qkv.varlen_attn takes varlen_attn's arguments as they are"),
+    "return_aux": ("torch.nn.attention.varlen.varlen_attn", "return_lse=True (qkv.varlen_attn takes return_aux as it is)"),
     "block_mask": (_FLEX, "mask=qkv.masks.from_mask_mod(mask_mod) (qkv.flex_attention takes a BlockMask as it is)"),
     "key_padding_mask": (_MHA, "mask= (bool, True = may attend: ~key_padding_mask[:, None, None, :])"),
     "need_weights": (_MHA, "return_weights="),
