@@ -104,7 +104,7 @@ def attention(
         if out is not None:
             return out
     if unknown:
-        _unknown_keywords(unknown)
+        foreign_keywords(unknown, FOREIGN_NAMES, "attention", "qkv.attention")
     q, k, v = autocast_inputs(q, k, v)
     req = checks.request(
         q, k, v, score=score, mask=mask, bias=bias, causal=causal, scale=scale,
@@ -213,10 +213,6 @@ FOREIGN_NAMES = {
     "window_left": ("FlashInfer", "mask=qkv.masks.window(left, 0) (qkv.paged_attention takes window_left as it is)"),
     **{name: KERAS_NAMES[name] for name in ("use_causal_mask", "return_attention_scores", "attention_mask")},
 }
-
-
-def _unknown_keywords(unknown: dict) -> None:
-    foreign_keywords(unknown, FOREIGN_NAMES, "attention", "qkv.attention")
 
 
 def foreign_keywords(unknown: dict, names: dict[str, tuple[str, str]], callee: str, ours: str) -> None:
