@@ -125,8 +125,13 @@ def _top_left(req: Request) -> bool:
     ``i·j`` elements): measured on the Intel Xeon, ``i = 1024, j = 2048``, 1.23-1.28x the
     flag's time.
     """
-    mask = req.mask
-    return req.bias is None and isinstance(mask, Offsets) and mask.lo is None and mask.hi == req.i - req.j
+    return req.bias is None and isinstance(req.mask, Offsets) and _top_left_range(req.mask, req.i, req.j)
+
+
+def _top_left_range(mask: Offsets, i: int, j: int) -> bool:
+    """True when the offset range keeps exactly the keys ``c <= r``: its upper bound ``i - j``, and a lower bound, if
+    any, that reaches key 0 from the last query (``lo <= 1 - j``: a sliding window at least the call's length)."""
+    return mask.hi == i - j and (mask.lo is None or mask.lo <= 1 - j)
 
 
 def _lower_right(req: Request) -> bool:
@@ -207,23 +212,19 @@ def _mask(req: Request) -> tuple[Tensor | object | None, bool, Tensor | None]:
     mask of a one-token query after a cache, is dropped: the kernel then runs unmasked, its
     fastest path (a bool mask cost 2x the unmasked call for a 1 x 512 decoding step).
     """
-    mask = req.mask
+    tile = Tile.whole(req.i, req.j, req.q.device)
+    mask = _without_full_offsets(req.mask, tile)  # (causal() & a window wider than the call: causal())
     if isinstance(mask, Offsets):
-        whole = Tile.whole(req.i, req.j, req.q.device)
-        if mask.state(whole) == "full":
+        if mask.state(tile) == "full":
             mask = None
-        elif _top_left(req):
+        elif req.bias is None and _top_left_range(mask, req.i, req.j):
             return None, True, None
         elif _lower_right(req):
             from torch.nn.attention.bias import causal_lower_right
 
             return causal_lower_right(req.i, req.j), False, None
-    tile = Tile.whole(req.i, req.j, req.q.device)
-    mask = _without_full_offsets(mask, tile)
     if mask is None and req.bias is None:
         return None, False, None
-    if req.bias is None and isinstance(mask, Offsets) and _causal_square(mask, req.i, req.j):
-        return None, True, None  # (a window at least the call's length; causal() & a wide window): from its bounds
     allowed = None if mask is None else mask.tile(tile)
     # a program that computed the causal mask (a packed document's block mask); an offset range is known from its
     # bounds above, without comparing its tile (a varlen call's sequences each have their own size)
@@ -322,12 +323,6 @@ def _is_causal(allowed: Tensor, i: int, j: int) -> bool:
         _TRIL.clear()
         _TRIL[key] = torch.ones(i, i, dtype=torch.bool).tril()
     return torch.equal(allowed, _TRIL[key])
-
-
-def _causal_square(mask: Offsets, i: int, j: int) -> bool:
-    """True when the offset range is exactly the causal square: ``i == j``, keys up to the query (``hi == 0``) and
-    back to key 0 from the last row (``lo <= -(i - 1)``), as a sliding window at least the call's length is."""
-    return i == j and mask.hi == 0 and (mask.lo is None or mask.lo <= -(i - 1))
 
 
 def _give_dead_rows_every_key(allowed: Tensor, dead: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
