@@ -78,13 +78,13 @@ def test_a_kept_table_is_read_again_when_an_entry_changes_in_place():
     swapped in by the server) is read anew, and the call follows it."""
     q, (kc, vc), table, _, cu_q, cu_k = paged_case([3, 4], [9, 5])
     offsets_q, offsets_k = cu_q.tolist(), cu_k.tolist()
-    first = varlen_paged.read_table(kc, vc, table, offsets_q, offsets_k)
-    assert varlen_paged.read_table(kc, vc, table.clone(), offsets_q, offsets_k) is first  # the same values: kept
+    first = varlen_paged.plan_of(kc, vc, table, offsets_q, offsets_k)
+    assert varlen_paged.plan_of(kc, vc, table.clone(), offsets_q, offsets_k) is first  # the same values: kept
     with torch.no_grad():
         before = qkv.varlen_attention(q, kc, vc, cu_q, cu_k, causal=True, block_table=table)
         spare = (set(range(kc.shape[0])) - set(table.flatten().tolist())).pop()
         table[0, 1] = spare  # in place: sequence 0's second page is now another one
-        assert varlen_paged.read_table(kc, vc, table, offsets_q, offsets_k) is not first
+        assert varlen_paged.plan_of(kc, vc, table, offsets_q, offsets_k) is not first
         after = qkv.varlen_attention(q, kc, vc, cu_q, cu_k, causal=True, block_table=table)
         k, v = (varlen_paged.gather_pages(x, table, offsets_k) for x in (kc, vc))
         want = qkv.varlen_attention(q, k, v, cu_q, cu_k, causal=True)

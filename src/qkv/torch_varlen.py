@@ -159,7 +159,7 @@ def _run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, want_lse: bool, sc
         options = dict(causal=causal, window=(left, right), softcap=0.0, alibi_slopes=None, sinks=None, scale=scale,
                        want_lse=want_lse)  # fmt: skip
         if as_int(num_splits) == 1 and used and isinstance(block_table, Tensor) and block_table.dim() == 2:
-            if block_table.shape[0] != len(used):  # (read_table's check, before the table is cut into rows)
+            if block_table.shape[0] != len(used):  # (plan_of's check, before the table is cut into rows)
                 raise ValueError(f"block_table: expected a row per sequence ({len(used)}), got {block_table.shape[0]}")
             return _one_at_a_time(query, key, value, cu_q, used, block_table, options)  # batch invariance: each alone
         return run_paged(query, key, value, cu_q, list(accumulate(used, initial=0)), block_table, **options)

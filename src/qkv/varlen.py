@@ -54,7 +54,7 @@ from .functional import autocast_inputs
 from .masks.positions import window_mask
 from .positional import ALiBi
 from .score_mods import SoftCap
-from .varlen_paged import gather_pages, in_place, paged_varlen, read_table
+from .varlen_paged import gather_pages, in_place, paged_varlen, plan_of
 
 
 def varlen_attention(
@@ -104,7 +104,7 @@ def varlen_attention(
         raise ValueError(f"cu_seqlens_k: expected {len(cu_q)} offsets like cu_seqlens_q (b + 1), got {len(cu_k)}")
     for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
         check_max_seqlen(name, given, cu)
-    for name, x in (("q", q),) if paged else (("q", q), ("k", k), ("v", v)):  # (pages: read_table)
+    for name, x in (("q", q),) if paged else (("q", q), ("k", k), ("v", v)):  # (pages: plan_of)
         if not isinstance(x, Tensor) or x.dim() != 3:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{name}: expected packed tokens (total, heads, size), got {got}")
@@ -135,10 +135,10 @@ def run_paged(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int],
     sequences. Without ``want_lse`` the ``lse`` may be None (not computed where that saves
     work). Forward only; the offsets are read and checked by the caller, the pools here.
     """
-    table = read_table(k, v, block_table, cu_q, cu_k)
+    plan = plan_of(k, v, block_table, cu_q, cu_k)
     if in_place(k, v, causal=causal, window=window, alibi_slopes=alibi_slopes):
         q, k, v = autocast_inputs(q, k, v)  # as the packed path's (the pools too, where not in its dtype)
-        return paged_varlen(q, k, v, table, causal=causal, window=window, softcap=softcap, scale=scale,
+        return paged_varlen(q, k, v, plan, causal=causal, window=window, softcap=softcap, scale=scale,
                             alibi_slopes=alibi_slopes, sinks=sinks, want_lse=want_lse)  # fmt: skip
     k, v = (gather_pages(x, block_table, cu_k) for x in (k, v))  # what the engine has no form for: packed
     return packed_spans(q, k, v, spans(cu_q), spans(cu_k), window=window, softcap=softcap, alibi_slopes=alibi_slopes,

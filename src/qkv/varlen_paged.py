@@ -26,38 +26,21 @@ one copy of the ``Σ sk`` keys the table names), with the same results.
 
 from __future__ import annotations
 
-import threading
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
-from ._trace import tracing
-from .paged import paged_attention
-
-#: Tables :func:`read_table` keeps, per thread: a serving loop's decoding step and prefill calls.
-KEPT = 4
-
-_local = threading.local()
+from .paged import PagedPlan
+from .paged.recent import plan_keyed
 
 
-class Table(NamedTuple):
-    """A checked ``block_table`` as ``qkv.paged_attention``'s (FlashInfer's) page table, on the pools' device."""
-
-    qo_indptr: Tensor  # (b + 1,) the queries' offsets
-    kv_indptr: Tensor  # (b + 1,) each sequence's first entry in kv_indices
-    kv_indices: Tensor  # (Σ ⌈sk / P⌉,) long: the pages the sequences use, end to end
-    last: Tensor  # (b,) keys in each sequence's last page
-
-
-def read_table(k: Tensor, v: Tensor, block_table: object, cu_q: list[int], cu_k: list[int]) -> Table:
+def plan_of(k: Tensor, v: Tensor, block_table: object, cu_q: list[int], cu_k: list[int]) -> PagedPlan:
     """Check the pools ``(num_blocks, P, g, ·)`` and ``block_table (b, n)`` (a row a sequence, wide enough, ids in
-    range) and read the table as :class:`Table`.
+    range) and plan the call's table, FlashInfer's form of it (``qkv.paged.PagedPlan``).
 
-    A model's layers run one decoding step's table each: the last :data:`KEPT` tables read on the CPU are kept with a
-    copy of their values and given again while the offsets, the pools' geometry and the table's entries repeat
-    (compared element by element, as ``qkv.paged.recent`` keeps plans): reading a 32-request table took 0.18 ms of a
-    2.6 ms step, on an AMD EPYC Zen 5 between kernel calls. Nothing is kept off the CPU or while traced.
+    A model's layers run one step's table each: the plan is kept under the offsets, the pools'
+    geometry and the table's entries (``qkv.paged.recent.plan_keyed``, compared element by
+    element), so a step reads and checks its table once (0.18 ms of a 32-request step's 2.6 ms
+    when read at every layer, on an AMD EPYC Zen 5 between kernel calls).
     """
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, Tensor) or x.dim() != 4:
@@ -72,28 +55,23 @@ def read_table(k: Tensor, v: Tensor, block_table: object, cu_q: list[int], cu_k:
         raise TypeError(f"block_table: expected an integer tensor (b, max_num_blocks_per_seq), got {got}")
     if block_table.shape[0] != len(cu_k) - 1:
         raise ValueError(f"block_table: expected a row per sequence ({len(cu_k) - 1}), got {block_table.shape[0]}")
-    keep = block_table.is_cpu and k.is_cpu and not tracing()
-    key = (tuple(cu_q), tuple(cu_k), tuple(k.shape[:2]), block_table.dtype, tuple(block_table.shape))
-    kept: list = _local.__dict__.setdefault("tables", []) if keep else []
-    for n, (seen_key, seen, table) in enumerate(kept):
-        if seen_key == key and torch.equal(seen, block_table):
-            kept.insert(0, kept.pop(n))
-            return table
-    lengths, P = [b - a for a, b in zip(cu_k, cu_k[1:])], k.shape[1]
-    counts, kv_indptr, last = page_counts(lengths, P)
-    if max(counts, default=0) > block_table.shape[1]:
-        raise ValueError(f"block_table: {block_table.shape[1]} blocks a row, but a sequence of {max(lengths)} keys needs "
-                         f"{max(counts)} pages of {P}")  # fmt: skip
-    named = _named_pages(block_table, counts)
-    low, high = (int(x) for x in torch.aminmax(named)) if named.numel() else (0, -1)  # (one read of both; none read)
-    if named.numel() and not 0 <= low <= high < k.shape[0]:  # (a gather would be an IndexError)
-        raise ValueError(f"block_table: page ids must lie in 0 .. {k.shape[0] - 1} (k's num_blocks), got "
-                         f"{low} .. {high}")  # fmt: skip
-    table = Table(torch.tensor(cu_q, device=k.device), kv_indptr.to(k.device), named.to(k.device), last.to(k.device))
-    if keep:
-        kept.insert(0, (key, block_table.clone(), table))
-        del kept[KEPT:]
-    return table
+    num_pages, P = k.shape[:2]
+
+    def make() -> PagedPlan:
+        lengths = [b - a for a, b in zip(cu_k, cu_k[1:])]
+        counts, kv_indptr, last = page_counts(lengths, P)
+        if max(counts, default=0) > block_table.shape[1]:
+            raise ValueError(f"block_table: {block_table.shape[1]} blocks a row, but a sequence of {max(lengths)} keys "
+                             f"needs {max(counts)} pages of {P}")  # fmt: skip
+        named = _named_pages(block_table, counts)
+        low, high = (int(x) for x in torch.aminmax(named)) if named.numel() else (0, -1)  # (one read of both)
+        if named.numel() and not 0 <= low <= high < num_pages:  # (a gather would be an IndexError)
+            raise ValueError(f"block_table: page ids must lie in 0 .. {num_pages - 1} (k's num_blocks), got "
+                             f"{low} .. {high}")  # fmt: skip
+        return PagedPlan(torch.tensor(cu_q), kv_indptr, named.to(k.device), last, num_pages=num_pages, page_size=P,
+                         device=k.device, total_q=cu_q[-1])  # fmt: skip
+
+    return plan_keyed(("block table", tuple(cu_q), tuple(cu_k), num_pages, P), make, k.device, values=block_table)
 
 
 def in_place(k: Tensor, v: Tensor, *, causal: bool, window: tuple[int | None, int | None],
@@ -118,16 +96,15 @@ def gather_pages(pool: Tensor, block_table: Tensor, cu_k: list[int]) -> Tensor:
     return pool[pages, (position % P).to(pool.device)]
 
 
-def paged_varlen(q: Tensor, k: Tensor, v: Tensor, table: Table, *, causal: bool, window: tuple[int | None, int | None],
-                 softcap: float, scale: float | None, alibi_slopes: Tensor | None, sinks: Tensor | None,
-                 want_lse: bool = True) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def paged_varlen(q: Tensor, k: Tensor, v: Tensor, plan: PagedPlan, *, causal: bool,
+                 window: tuple[int | None, int | None], softcap: float, scale: float | None,
+                 alibi_slopes: Tensor | None, sinks: Tensor | None, want_lse: bool = True) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """``(out (t, h, e), lse (h, t))``: sequence ``s``'s queries ``q[cu_q[s] : cu_q[s + 1]]`` over its pages, read in place.
 
-    Takes the :class:`Table` :func:`read_table` read and a call :func:`in_place` accepted. Without ``want_lse`` the
-    ``lse`` is None.
+    Runs the plan :func:`plan_of` made, for a call :func:`in_place` accepted. Without ``want_lse`` the ``lse`` is None.
     """
     options = {**run_options(causal, window, softcap, scale, sinks, alibi_slopes), "return_lse": want_lse}
-    answer = paged_attention(q, (k, v), *table, **options)
+    answer = plan.run(q, (k, v), **options)
     return (answer[0], answer[1].transpose(0, 1)) if want_lse else (answer, None)
 
 

@@ -48,7 +48,7 @@ def plan_for(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_pages: i
     geometry = (num_pages, page_size, total_q)
     kept: list = _local.__dict__.setdefault("plans", [])
     for n, (seen_geometry, seen, plan) in enumerate(kept):
-        if seen is not None and seen_geometry == geometry and _same_table(seen, given):
+        if isinstance(seen, tuple) and seen_geometry == geometry and _same_table(seen, given):
             return _first(kept, n)
     plan = PagedPlan(*given, num_pages=num_pages, page_size=page_size, device=device, total_q=total_q)
     # copies to compare the next call's with: of kv_indices only the entries the plan read (a buffer's tail is not)
@@ -57,17 +57,23 @@ def plan_for(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, num_pages: i
     return _keep(kept, geometry, seen, plan)
 
 
-def plan_keyed(key: tuple, make: Callable[[], PagedPlan], device) -> PagedPlan:
+def plan_keyed(key: tuple, make: Callable[[], PagedPlan], device, values: Tensor | None = None) -> PagedPlan:
     """The plan kept under ``key``, host values that alone decide a table its caller builds from them (a contiguous
-    cache's rows read as pages: ``qkv.flash_attn``'s decoding step), or ``make()``'s, kept with the tables' plans:
-    no tensor is compared. Nothing kept off the CPU or while traced, as for :func:`plan_for`."""
-    if str(device) != "cpu" or tracing():
+    cache's rows read as pages: ``qkv.flash_attn``'s decoding step), and under ``values``' entries where given (a
+    ``block_table`` the table is read from: ``qkv.varlen_paged``; compared element by element with a copy, as
+    :func:`plan_for` compares its tables), or ``make()``'s, kept with the tables' plans. Nothing kept off the CPU or
+    while traced, as for :func:`plan_for`."""
+    if str(device) != "cpu" or tracing() or (values is not None and not (type(values) is Tensor and values.is_cpu)):
         return make()
+    if values is not None:
+        key = (*key, values.dtype, tuple(values.shape))  # (torch.equal below compares entries of one shape and dtype)
     kept: list = _local.__dict__.setdefault("plans", [])
     for n, (seen_key, seen, plan) in enumerate(kept):
-        if seen is None and seen_key == key:
+        if not isinstance(seen, tuple) and seen_key == key and (seen is None) == (values is None) and (
+                seen is None or torch.equal(seen, values)):  # fmt: skip
             return _first(kept, n)
-    return _keep(kept, key, None, make())
+    plan = make()  # (a call make() refuses keeps nothing)
+    return _keep(kept, key, None if values is None else values.clone(), plan)
 
 
 def _first(kept: list, n: int) -> PagedPlan:
@@ -77,8 +83,9 @@ def _first(kept: list, n: int) -> PagedPlan:
     return kept[0][2]
 
 
-def _keep(kept: list, key: tuple, seen: tuple | None, plan: PagedPlan) -> PagedPlan:
-    """``plan`` kept first (under ``key`` and the table values ``seen``, None for a keyed plan), the oldest dropped."""
+def _keep(kept: list, key: tuple, seen: tuple | Tensor | None, plan: PagedPlan) -> PagedPlan:
+    """``plan`` kept first (under ``key`` and the table values ``seen``: a tuple of the four index tensors, or a keyed
+    plan's tensor of values or None), the oldest dropped."""
     kept.insert(0, (key, seen, plan))
     del kept[KEPT:]
     return plan
