@@ -11,9 +11,12 @@ The packaged SmolLM2-135M-Instruct (transformers, gguf and accelerate needed), i
   while ``qkv.record`` keeps the pattern of two heads of one layer (every query row); and
   eager attention with ``output_attentions=True``, which keeps every layer's ``(h, n, n)``
   weights. Target: the recording's peak ≤ 1/8 of eager's;
-* **time** at ``n = 1024``: a plain qkv forward against the same forward with two heads of
-  each of three layers ablated (``AblateHeads``), interleaved. Target: the ablation ≤ 1.1×
-  the plain run.
+* **time** at ``n = 1024``, interleaved: a plain qkv forward; the same with two heads of each
+  of three layers ablated (``AblateHeads``); the same ablation written as TransformerLens hook
+  functions on ``hook_z`` (``qkv.hooks``); a hook function on one layer's ``hook_pattern``
+  (that layer composed with its ``(h, n, n)`` map); and eager attention, which composes every
+  layer so (as TransformerLens does). Targets: the ablations ≤ 1.1× the plain run; the pattern
+  hook ≤ 1.0× eager.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from .measure import interleaved, peak_memory
 from .report import Targets, table
 
 NAME = "edits"
-DESCRIPTION = "SmolLM2-135M: recording two heads and ablating heads inside qkv's fused attention, against eager"
+DESCRIPTION = "SmolLM2-135M: recording, ablating and hooking heads inside qkv's fused attention, against eager"
 
 FULL = dict(memory_tokens=4096, time_tokens=1024, repeats=5)
 QUICK = dict(memory_tokens=64, time_tokens=32, repeats=1)
@@ -115,11 +118,36 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
         with torch.no_grad(), qkv.edit(model, ablate):
             return model(ids)
 
-    t = interleaved({"plain": plain, "ablated": ablated}, cfg["repeats"])
-    say(f"  time at {cfg['time_tokens']} tokens: plain {t['plain'] * 1e3:.0f} ms, ablated {t['ablated'] * 1e3:.0f} ms")
+    def zero_heads(z, hook):  # TransformerLens' way: z (b, pos, head, d_head) changed in place
+        z[:, :, HEADS] = 0
+
+    z_hooks = [(f"blocks.{layer}.attn.hook_z", zero_heads) for layer in ABLATED_LAYERS]
+    pattern_hooks = [(f"blocks.{LAYER}.attn.hook_pattern", lambda p, hook: None)]
+    eager = _model("eager")
+
+    def hooked(hooks):
+        def run():
+            with torch.no_grad():
+                return qkv.run_with_hooks(model, ids, fwd_hooks=hooks)
+
+        return run
+
+    def composed_everywhere():
+        with torch.no_grad():
+            return eager(ids)
+
+    runs = {"plain": plain, "ablated": ablated, "hook_z ablation": hooked(z_hooks), "hook_pattern, one layer": hooked(pattern_hooks),
+            "eager": composed_everywhere}  # fmt: skip
+    t = interleaved(runs, cfg["repeats"])
+    say(f"  time at {cfg['time_tokens']} tokens: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items()))
     targets.add(f"ablating 2 heads in 3 layers at {cfg['time_tokens']} tokens: time / a plain qkv run ≤ 1.1", t["ablated"] / t["plain"], 1.1)
+    targets.add("the same ablation as hook_z hook functions (qkv.hooks): time / a plain qkv run ≤ 1.1",
+                t["hook_z ablation"] / t["plain"], 1.1)  # fmt: skip
+    targets.add("a hook function on one layer's hook_pattern: time / eager attention ≤ 1.0",
+                t["hook_pattern, one layer"] / t["eager"], 1.0)  # fmt: skip
     lines = head + [f"SmolLM2-135M-Instruct's base model, float32, no_grad; layer {LAYER}, heads {HEADS} recorded; "
-                    f"heads {HEADS} of layers {ABLATED_LAYERS} ablated.", ""]  # fmt: skip
+                    f"heads {HEADS} of layers {ABLATED_LAYERS} ablated (by qkv.edit, and by hook functions on hook_z); "
+                    f"an idle hook function on layer {LAYER}'s hook_pattern.", ""]  # fmt: skip
     lines += table(["case", f"peak above the loaded model, {n} tokens"],
                    [[k, f"{v['extra'] / 2**20:.0f} MiB"] for k, v in mem.items()]) + [""]  # fmt: skip
     lines += table(["case", f"ms at {cfg['time_tokens']} tokens"], [[k, f"{v * 1e3:.0f}"] for k, v in t.items()]) + [""]

@@ -58,6 +58,10 @@ class Call:
 class Edit:
     """Base class of edits; each subclass overrides the points it acts at (all default to no change)."""
 
+    #: True where :meth:`finish` only recomputes ``z`` from what :meth:`weights` put in (a patched pattern): a call
+    #: composed from its weights (hooks on the pattern, ``qkv.edits.hook_points``) has that ``z`` already.
+    recomputes_from_weights = False
+
     def prepare(self, call: Call) -> Call:
         """The call to run instead of ``call`` (its inputs or options changed)."""
         return call

@@ -29,6 +29,8 @@ from .base import Call, Edit, check_batch, check_patch, patched
 class PatchPattern(Edit):
     """Replace the attention weights of ``heads`` at query ``rows`` by ``pattern (..., H, R, j)``; recompute those rows."""
 
+    recomputes_from_weights = True
+
     def __init__(self, heads, rows, pattern: Tensor):
         check_patch("PatchPattern", heads, rows, "pattern", pattern, "(..., heads, rows, j)")
         self.heads, self.rows, self.pattern = heads, rows, pattern

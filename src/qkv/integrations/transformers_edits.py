@@ -45,15 +45,16 @@ import inspect
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from ..edits import recorded
+from ..edits import hook_points, recorded
 from ..edits.ablate import refuse_mean_with_cache
 from ..edits.apply import edited
-from ..edits.base import Edit, as_edits, check_selection, indices
+from ..edits.base import Call, Edit, as_edits, check_selection, indices
+from ..edits.hook_points import HookPoint, Hooked
 from ..functional import attention
 
 #: What ``qkv.record`` can build, TransformerLens' hook names.
@@ -70,6 +71,8 @@ class _Session:
     layers: dict[int, int]  # id(attention module) -> its layer index
     edits: dict[int, tuple[Edit, ...]] = field(default_factory=dict)  # layer -> its edits, in order
     recording: Recording | None = None
+    hooks: dict[int, list[tuple[str, str, HookPoint, Callable]]] = field(default_factory=dict)  # layer -> (dir, point, ...)
+    open: bool = True  # False once the block has ended: its backward hooks fire no more
 
 
 _ACTIVE: ContextVar[tuple[_Session, ...]] = ContextVar("qkv_transformers_edits", default=())
@@ -98,8 +101,14 @@ class Recording(Mapping):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, layer: int, call, edits: tuple[Edit, ...], out: Tensor, module: torch.nn.Module | None = None) -> None:
-        """Record what ``layer``'s edited call computed; ``out (b, h, i, e)`` is its ``z`` after the edits."""
+    def take(self, layer: int, call, edits: tuple[Edit, ...], out: Tensor, module: torch.nn.Module | None = None,
+             seen: Mapping[str, Tensor] | None = None) -> None:  # fmt: skip
+        """Record what ``layer``'s edited call computed; ``out (b, h, i, e)`` is its ``z`` after the edits (and hooks).
+
+        ``seen`` holds the ``(b, h, i, j)`` scores and pattern as hook functions left them, where a hook built them
+        (``qkv.hooks``): those are recorded, as TransformerLens' cache records what a hook returned.
+        """
+        seen = seen or {}
         heads = None if self.heads is None else indices("record: heads", self.heads, call.heads)
         try:
             rows = None if self.rows is None else indices("record: rows", self.rows, call.rows)
@@ -108,8 +117,8 @@ class Recording(Mapping):
                              "generate() has one: rows=[-1] records each call's last row, the recording keeping the last call's)") from None  # fmt: skip
         with torch.no_grad():  # a recording is a look: no graph is kept alive by it
             built = {
-                "attn_scores": lambda: recorded.scores(call, heads, rows),
-                "pattern": lambda: recorded.pattern(call, heads, rows, edits),
+                "attn_scores": lambda: _chosen(seen["attn_scores"], heads, rows) if "attn_scores" in seen else recorded.scores(call, heads, rows),
+                "pattern": lambda: _chosen(seen["pattern"], heads, rows) if "pattern" in seen else recorded.pattern(call, heads, rows, edits),
                 "z": lambda: recorded.z(out, heads, rows),
                 "result": lambda: recorded.result(recorded.z(out, None, rows), heads, output_weight(module)),
             }
@@ -149,11 +158,18 @@ def _run(layer: int, sessions: tuple[_Session, ...], module, q: Tensor, k: Tenso
         refuse_mean_with_cache(edits, f"layer {layer}", q.shape[-2], k.shape[-2],
                                f"e.g. how=rec['blocks.{layer}.attn.hook_z'][:, :, heads].mean((0, 1)) of a qkv.record of "
                                "the prompt, or run without the cache (use_cache=False)")  # fmt: skip
-    result, call = edited(q, k, v, edits, **options)
+    hooked = Hooked()
+    for session in sessions:  # an outer block's hooks run before an inner one's
+        for direction, point, hook_point, fn in session.hooks.get(layer, ()):
+            hooked.add(direction, point, hook_point, fn, functools.partial(getattr, session, "open"))
+    if hooked:
+        result, call, seen = hook_points.attention(Call(q, k, v, dict(options)), edits, hooked)
+    else:
+        (result, call), seen = edited(q, k, v, edits, **options), {}
     out = result[0] if isinstance(result, tuple) else result
     for session in sessions:
         if session.recording is not None and layer in session.recording.layers:
-            session.recording.take(layer, call, edits, out, module)
+            session.recording.take(layer, call, edits, out, module, seen)
     return result
 
 
@@ -214,7 +230,15 @@ def _active(session: _Session) -> Iterator[None]:
     try:
         yield
     finally:
+        session.open = False
         _ACTIVE.set(tuple(s for s in _ACTIVE.get() if s is not session))
+
+
+def _chosen(full: Tensor, heads: Tensor | None, rows: Tensor | None) -> Tensor:
+    """``full (..., h, i, j)`` at ``heads`` and ``rows`` (None: all)."""
+    if heads is not None:
+        full = full.index_select(-3, heads.to(full.device))
+    return full if rows is None else full.index_select(-2, rows.to(full.device))
 
 
 def _layer(index: int, known: list[int]) -> int:

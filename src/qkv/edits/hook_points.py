@@ -1,0 +1,174 @@
+"""Hook functions at an attention call's hook points, as TransformerLens runs them.
+
+Shape legend: ``b`` batch (any leading dims), ``h`` query heads, ``g`` KV heads, ``i`` query
+length, ``j`` key length, ``d`` query/key size, ``e`` value size.
+
+TransformerLens (Nanda & Bloom 2022) wraps each activation in a ``HookPoint``: a hook
+function ``fn(activation, hook=point)`` sees the tensor and either returns None (the tensor,
+perhaps changed in place, goes on) or a tensor that replaces it; several on one point run in
+the order they were added, each on the last one's result. A backward hook ``fn(grad,
+hook=point)`` sees the gradient of the loss with respect to that activation, and may return
+one to use instead. Four points of one call, each in TransformerLens' layout::
+
+    hook_v           (b, j, g, e)   the values as the call gets them ([batch, pos, head, d_head])
+    hook_attn_scores (b, h, i, j)   scale · q·k + bias, score_mod, -inf where the mask hides a key
+    hook_pattern     (b, h, i, j)   softmax of the scores (0 in a row that sees no key)
+    hook_z           (b, i, h, e)   each head's output before W_O ([batch, pos, head, d_head])
+
+:func:`attention` runs one call with them. With hooks at ``hook_v`` or ``hook_z`` alone it
+runs on qkv's engines (the call is unchanged between them); a hook at the scores or the
+pattern needs the ``(b, h, i, j)`` map, so that call is composed the way TransformerLens
+composes it (scores, softmax in float32 at least, ``pattern @ v``), the map kept for the
+hooks and for the gradient, and every other call keeps the engines.
+
+Edits (``qkv.edits``) of the same call apply first, at their own points: the scores a hook
+sees are those after a knockout or a temperature, the pattern after a patch, ``z`` after an
+ablation; a pattern hook's change to a patched row is kept (the row's ``z`` is computed from
+the pattern the hook returned).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from . import recorded
+from .apply import edited, selection
+from .base import Call, Edit
+
+#: The hook points of one attention call, in the order a forward reaches them.
+POINTS = ("v", "attn_scores", "pattern", "z")
+
+
+class HookPoint:
+    """What a hook function gets as ``hook``: the point's ``name``, its ``layer()`` and a ``ctx`` dict kept while hooked."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.ctx: dict = {}  # free for the hook functions, as TransformerLens' (kept for the whole hooks block)
+
+    def layer(self) -> int:
+        """The layer index of a ``blocks.{layer}.…`` name."""
+        return int(self.name.split(".")[1])
+
+    def __repr__(self) -> str:
+        return f"HookPoint(name={self.name!r})"
+
+
+class Hooked:
+    """The hook functions of one call: ``forward[point]`` and ``backward[point]`` lists, in the order they run.
+
+    A backward hook carries its block's ``is_open()``: as TransformerLens removes a block's
+    hooks when the block ends, a backward run after it fires none.
+    """
+
+    def __init__(self):
+        self.forward: dict[str, list[tuple[HookPoint, Callable]]] = {}
+        self.backward: dict[str, list[tuple[HookPoint, Callable, Callable[[], bool]]]] = {}
+
+    def add(self, direction: str, point: str, hook_point: HookPoint, fn: Callable, is_open: Callable[[], bool]) -> None:
+        """Run ``fn`` at ``point`` (one of :data:`POINTS`) in ``direction`` ``"fwd"`` or ``"bwd"`` (while ``is_open()``)."""
+        if direction == "fwd":
+            self.forward.setdefault(point, []).append((hook_point, fn))
+        else:
+            self.backward.setdefault(point, []).append((hook_point, fn, is_open))
+
+    def __bool__(self) -> bool:
+        return bool(self.forward or self.backward)
+
+    def at(self, point: str) -> bool:
+        """Whether any hook runs at ``point``."""
+        return point in self.forward or point in self.backward
+
+    def fire(self, point: str, tensor: Tensor) -> Tensor:
+        """``tensor`` through the forward hooks at ``point``, each on the last one's result; backward hooks attached."""
+        for hook_point, fn in self.forward.get(point, ()):
+            returned = fn(tensor, hook=hook_point)
+            if returned is not None:
+                tensor = _replacement(hook_point.name, tensor, returned)
+        if tensor.requires_grad:  # in inference nothing flows back, so nothing fires (as in TransformerLens)
+            for hook_point, fn, is_open in self.backward.get(point, ()):
+                tensor.register_hook(_on_gradient(hook_point, fn, is_open))
+        return tensor
+
+
+def attention(call: Call, edits: Sequence[Edit], hooked: Hooked):
+    """``(result, call, seen)``: the edited ``call`` run with ``hooked``'s functions at its points.
+
+    ``result`` is what ``qkv.attention`` returns for the call's options; ``call`` the edited
+    call that ran (values after ``hook_v``); ``seen`` the hooked ``(b, h, i, j)`` scores and
+    pattern where the map was built (``{"attn_scores": ..., "pattern": ...}``), for recordings.
+    """
+    if hooked.at("v"):
+        v = hooked.fire("v", call.v.transpose(-3, -2))  # (..., j, g, e), TransformerLens' [batch, pos, head, d_head]
+        call = Call(call.q, call.k, v.transpose(-3, -2), call.options)
+    seen: dict[str, Tensor] = {}
+    if hooked.at("attn_scores") or hooked.at("pattern"):
+        result, call = _composed(call, edits, hooked, seen)
+    else:
+        result, call = edited(call.q, call.k, call.v, edits, **call.options)
+    if hooked.at("z"):
+        parts = list(result) if isinstance(result, tuple) else [result]
+        z = hooked.fire("z", parts[0].transpose(-3, -2))  # (..., i, h, e)
+        parts[0] = z.transpose(-3, -2)
+        result = parts[0] if len(parts) == 1 else tuple(parts)
+    return result, call, seen
+
+
+def _composed(call: Call, edits: Sequence[Edit], hooked: Hooked, seen: dict):
+    """The call as TransformerLens composes it, with hooks on its scores and pattern: ``(result, call)``."""
+    for edit in edits:
+        call = edit.prepare(call)
+    options = call.options
+    scores = hooked.fire("attn_scores", recorded.scores(call, None, None))  # (..., h, i, j), float32 at least
+    sinks = options.get("sinks")
+    if sinks is None:
+        pattern = torch.softmax(scores, dim=-1)
+    else:  # one more logit per row, with no value: the sink's share is dropped after the softmax
+        column = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+        pattern = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    pattern = torch.where(pattern.isnan(), 0.0, pattern)  # a row that sees no key: 0, as TransformerLens sets it
+    for edit in edits:
+        pattern = edit.weights(call, pattern, None, None)
+    if options.get("dropout", 0.0) > 0:
+        pattern = torch.nn.functional.dropout(pattern, options["dropout"], training=True)
+    pattern = hooked.fire("pattern", pattern)
+    seen.update(attn_scores=scores, pattern=pattern)
+    v = call.v.repeat_interleave(call.heads // call.kv_heads, dim=-3)  # (..., h, j, e): head n reads KV head n // (h/g)
+    out = pattern.to(v.dtype) @ v  # (..., h, i, e)
+    for edit in edits:
+        if not edit.recomputes_from_weights:  # a patch's rows are already in the pattern (and the hook's change kept)
+            out = edit.finish(call, out)
+    if not options.get("return_weights"):
+        return out, call
+    heads, rows = selection(call)
+    weights = pattern if heads is None else pattern.index_select(-3, heads.to(pattern.device))
+    weights = weights if rows is None else weights.index_select(-2, rows.to(pattern.device))
+    return (out, weights.to(call.q.dtype)), call
+
+
+def _replacement(name: str, given: Tensor, returned: object) -> Tensor:
+    """A hook's returned tensor in ``given``'s place (its dtype and device); a shape that is not ``given``'s is refused."""
+    if not isinstance(returned, Tensor):
+        raise TypeError(f"{name}: a hook function returns None or a tensor, got {type(returned).__name__}")
+    if returned.shape != given.shape:
+        raise ValueError(f"{name}: a hook function returned shape {tuple(returned.shape)}, expected the shape it "
+                         f"was given, {tuple(given.shape)}")  # fmt: skip
+    return returned.to(device=given.device, dtype=given.dtype)
+
+
+def _on_gradient(hook_point: HookPoint, fn: Callable, is_open: Callable[[], bool]) -> Callable:
+    """A tensor hook running ``fn(grad, hook=hook_point)`` while ``is_open()``; what it returns replaces the gradient."""
+
+    def on_gradient(grad: Tensor):
+        if not is_open():
+            return None
+        returned = fn(grad, hook=hook_point)
+        return None if returned is None else _replacement(hook_point.name, grad, returned)
+
+    return on_gradient
+
+
+__all__ = ["POINTS", "HookPoint", "Hooked", "attention"]

@@ -1,0 +1,111 @@
+"""TransformerLens' hook functions in transformers models run with ``attn_implementation="qkv"``: ``qkv.hooks``.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``e`` value size.
+
+Code written for TransformerLens' ``model.hooks(fwd_hooks=..., bwd_hooks=...)`` and
+``model.run_with_hooks(...)`` runs on a transformers model unchanged but for the model
+becoming the first argument::
+
+    def knock_out_bos(pattern, hook):              # TransformerLens' signature: (activation, hook)
+        pattern[:, :, :, 0] = 0                    # changed in place: returning None keeps it
+    logits = qkv.run_with_hooks(model, ids, fwd_hooks=[("blocks.3.attn.hook_pattern", knock_out_bos)]).logits
+
+A hook is ``(name, fn)``: ``name`` one hook point's name or a function of a name that says
+``True`` for the points it wants; ``fn(activation, hook=point)`` returns None (the activation,
+perhaps changed in place, goes on) or a tensor of the activation's shape to use instead;
+``point.name``, ``point.layer()`` and ``point.ctx`` (a dict kept while the block lasts) are as
+TransformerLens' ``HookPoint``'s. Backward hooks ``fn(grad, hook=point)`` see the gradient at
+the point (and may return one to use instead) during a backward run inside the block.
+
+The points are those of each attention layer ``l`` (``qkv.edits.hook_points``):
+``blocks.{l}.attn.hook_v (b, j, g, e)``, ``hook_attn_scores (b, h, i, j)``, ``hook_pattern
+(b, h, i, j)``, ``hook_z (b, i, h, e)``. The query and key are not offered: transformers
+applies rotary embeddings before the attention function sees them, so they would be
+TransformerLens' ``hook_rot_q`` in one model and ``hook_q`` in another; nor the residual
+stream and MLP points, which are not attention's (PyTorch's ``register_forward_hook`` on the
+model's modules reaches those). A layer whose scores or pattern are hooked builds its ``(b,
+h, i, j)`` map, as TransformerLens builds every layer's; the other layers run on qkv's
+engines. Does not import transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from ..edits.hook_points import POINTS, HookPoint
+from .transformers_edits import _active, _attention_layers, _Session
+
+
+@contextlib.contextmanager
+def hooks(model: torch.nn.Module, fwd_hooks: Sequence = (), bwd_hooks: Sequence = ()) -> Iterator[torch.nn.Module]:
+    """Run ``fwd_hooks`` and ``bwd_hooks`` (``[(name or name filter, fn), ...]``) at ``model``'s attention hook points.
+
+    TransformerLens' ``model.hooks(fwd_hooks, bwd_hooks)``: yields the model; every hook is
+    removed when the block ends (a backward run after it fires no backward hook). Blocks nest
+    with each other and with ``qkv.edit`` and ``qkv.record``: at each point an outer block's
+    hooks run first, edits apply before hooks, and recordings show what the hooks left.
+    """
+    found = _attention_layers(model, "hooks")
+    names = {f"blocks.{layer}.attn.hook_{point}": (layer, point) for layer in sorted(set(found.values())) for point in POINTS}
+    session = _Session(found)
+    made: dict[str, HookPoint] = {}  # one HookPoint (and ctx) per name in the block
+    for direction, given in (("fwd", fwd_hooks), ("bwd", bwd_hooks)):
+        for name, fn in _pairs(f"{direction}_hooks", given):
+            for chosen in _matching(name, names, direction):
+                layer, point = names[chosen]
+                hook_point = made.setdefault(chosen, HookPoint(chosen))
+                session.hooks.setdefault(layer, []).append((direction, point, hook_point, fn))
+    with _active(session):
+        yield model
+
+
+def run_with_hooks(model: torch.nn.Module, *model_args, fwd_hooks: Sequence = (), bwd_hooks: Sequence = (), **model_kwargs):
+    """``model(*model_args, **model_kwargs)`` with ``fwd_hooks`` run at its attention hook points (TransformerLens').
+
+    As TransformerLens' ``run_with_hooks``, the hooks are removed when the forward returns, so
+    ``bwd_hooks`` given here never fire (a warning says so): run the backward inside a
+    :func:`hooks` block instead.
+    """
+    if bwd_hooks:
+        warnings.warn("run_with_hooks: the hooks are removed when the forward returns, before a backward pass can run, "
+                      "so bwd_hooks never fire; use `with qkv.hooks(model, bwd_hooks=...)` around the forward and the "
+                      "backward", stacklevel=2)  # fmt: skip
+    with hooks(model, fwd_hooks, bwd_hooks):
+        return model(*model_args, **model_kwargs)
+
+
+def _pairs(argument: str, given: Sequence) -> list[tuple[object, Callable]]:
+    """``given`` as a list of ``(name or filter, fn)``; anything else is a ``TypeError`` naming ``argument``."""
+    if isinstance(given, (str, dict)) or not isinstance(given, (list, tuple)):
+        raise TypeError(f"{argument}: expected a list of (hook name or name filter, hook function) pairs, got {type(given).__name__}")
+    pairs = []
+    for entry in given:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
+            raise TypeError(f"{argument}: expected (hook name or name filter, hook function) pairs, got {entry!r}")
+        name, fn = entry
+        if not callable(fn):
+            raise TypeError(f"{argument}: the hook for {name!r} is not callable: {fn!r}")
+        if not (isinstance(name, str) or callable(name)):
+            raise TypeError(f"{argument}: a hook name is a str or a function of a name returning bool, got {type(name).__name__}")
+        pairs.append((name, fn))
+    return pairs
+
+
+def _matching(name, names: dict, direction: str) -> list[str]:
+    """The hook points ``name`` (a point's name, or a filter of names) chooses, in layer order."""
+    if callable(name) and not isinstance(name, str):
+        return [known for known in names if name(known)]  # as TransformerLens, a filter choosing none adds nothing
+    if name in names:
+        return [name]
+    layers = sorted({layer for layer, _ in names.values()})
+    raise KeyError(
+        f"{direction}_hooks: {name!r} is not a hook point of this model's attention; qkv offers "
+        f"blocks.{{l}}.attn.hook_{{{', '.join(POINTS)}}} for layers l in {layers} (hook_q and hook_k are not "
+        "offered: the attention function sees them after any rotary embedding; the residual stream and MLPs are "
+        "reached by torch's register_forward_hook on the model's modules)"
+    )

@@ -1,0 +1,113 @@
+"""Tests of ``qkv.edits.hook_points``: one attention call run with hook functions at its points.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``d`` query/key size, ``e`` value size.
+
+Oracle: with hooks that change nothing, the call composed for scores and pattern hooks
+(softmax of the masked logits, ``pattern @ v``) equals ``qkv.attention`` on its engines, over
+masks, biases, sinks, a score_mod, grouped heads and returned weights, in float64.
+"""
+
+import pytest
+import torch
+
+import qkv
+from qkv.edits import Call, Knockout, ScaleHeads
+from qkv.edits.hook_points import HookPoint, Hooked, attention
+
+B, H, G, I, J, D, E = 2, 6, 3, 5, 7, 8, 4
+TOL = dict(atol=1e-12, rtol=0)
+
+
+def tensors(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, I, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, G, J, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, G, J, E, generator=gen, dtype=torch.float64)
+    return q, k, v
+
+
+def hooked(*points, fn=lambda t, hook: None, direction="fwd"):
+    found = Hooked()
+    for point in points:
+        found.add(direction, point, HookPoint(f"blocks.0.attn.hook_{point}"), fn, lambda: True)
+    return found
+
+
+OPTIONS = {
+    "causal": dict(mask=qkv.masks.causal()),
+    "padding": dict(mask=torch.tensor([[True] * 5 + [False] * 2, [True] * 7])[:, None, None, :]),
+    "bias": dict(bias=torch.randn(1, H, I, J, generator=torch.Generator().manual_seed(3), dtype=torch.float64)),
+    "sinks": dict(sinks=torch.linspace(-1.0, 2.0, H, dtype=torch.float64), mask=qkv.masks.causal()),
+    "softcap": dict(score_mod=qkv.SoftCap(2.0), scale=0.7),
+    "weights": dict(mask=qkv.masks.causal(), return_weights=True, weights_for={"heads": [1, 4], "rows": [0, 3]}),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_composed_call_with_idle_hooks_equals_the_engines(name):
+    q, k, v = tensors()
+    options = OPTIONS[name]
+    want = qkv.attention(q, k, v, **options)
+    got, call, seen = attention(Call(q, k, v, dict(options)), (), hooked("attn_scores", "pattern", "z", "v"))
+    if isinstance(want, tuple):
+        torch.testing.assert_close(got[0], want[0], **TOL)
+        torch.testing.assert_close(got[1], want[1], **TOL)
+    else:
+        torch.testing.assert_close(got, want, **TOL)
+    assert seen["pattern"].shape == (B, H, I, J) and seen["attn_scores"].shape == (B, H, I, J)
+
+
+def test_a_row_that_sees_no_key_is_zero_in_pattern_and_z():
+    q, k, v = tensors()
+    mask = torch.ones(B, 1, I, J, dtype=torch.bool)
+    mask[0, :, 2] = False  # row 2 of batch 0 sees nothing
+    got, _, seen = attention(Call(q, k, v, dict(mask=mask)), (), hooked("pattern"))
+    assert bool((seen["pattern"][0, :, 2] == 0).all()) and bool((got[0, :, 2] == 0).all())
+    assert bool(seen["attn_scores"][0, :, 2].isneginf().all())
+
+
+def test_edits_prepare_before_the_scores_hook():
+    q, k, v = tensors()
+    edges = torch.zeros(1, 1, I, J, dtype=torch.bool)
+    edges[..., 1] = True
+    scale = torch.linspace(0.5, 2.0, H, dtype=torch.float64)
+    seen = []
+    found = hooked("attn_scores", fn=lambda s, hook: seen.append(s.clone()))
+    got, _, _ = attention(Call(q, k, v, {}), (Knockout(edges), ScaleHeads(scale)), found)
+    want = qkv.edits.attention(q, k, v, [Knockout(edges), ScaleHeads(scale)])
+    torch.testing.assert_close(got, want, **TOL)
+    assert bool(seen[0][..., 1].isneginf().all())  # the knocked-out key, as the hook saw it
+
+
+def test_backward_hooks_fire_at_each_point_with_the_activations_gradient():
+    q, k, v = (t.requires_grad_() for t in tensors())
+    grads = {}
+    found = Hooked()
+    for point in ("v", "attn_scores", "pattern", "z"):
+        found.add("bwd", point, HookPoint(f"blocks.0.attn.hook_{point}"), lambda g, hook: grads.setdefault(hook.name, g), lambda: True)
+    out, _, seen = attention(Call(q, k, v, dict(mask=qkv.masks.causal())), (), found)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    (out * weight).sum().backward()
+    # d loss / d z in [batch, pos, head, d_head] is the weight transposed
+    torch.testing.assert_close(grads["blocks.0.attn.hook_z"], weight.transpose(1, 2), **TOL)
+    # d loss / d pattern = weight @ v_expandedᵀ
+    v_full = v.detach().repeat_interleave(H // G, dim=1)
+    torch.testing.assert_close(grads["blocks.0.attn.hook_pattern"], weight @ v_full.transpose(-1, -2), **TOL)
+    assert grads["blocks.0.attn.hook_v"].shape == (B, J, G, E) and grads["blocks.0.attn.hook_attn_scores"].shape == (B, H, I, J)
+
+
+def test_a_closed_blocks_backward_hooks_do_not_fire():
+    q, k, v = (t.requires_grad_() for t in tensors())
+    fired, is_open = [], [True]
+    found = Hooked()
+    found.add("bwd", "z", HookPoint("blocks.0.attn.hook_z"), lambda g, hook: fired.append(1), lambda: is_open[0])
+    out, _, _ = attention(Call(q, k, v, {}), (), found)
+    is_open[0] = False
+    out.sum().backward()
+    assert fired == []
+
+
+def test_hook_point_names_its_layer():
+    assert HookPoint("blocks.11.attn.hook_pattern").layer() == 11
+    assert repr(HookPoint("blocks.2.attn.hook_z")) == "HookPoint(name='blocks.2.attn.hook_z')"

@@ -1,0 +1,313 @@
+"""Tests of ``qkv.hooks`` and ``qkv.run_with_hooks``: TransformerLens' hook functions in transformers models.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` KV heads, ``i`` query length, ``j`` key
+length, ``e`` value size.
+
+Oracle: transformers' eager attention replaced by TransformerLens' composition of an
+attention layer (``abstract_attention.py``: values hooked, scores with ``-inf`` where the mask
+hides a key, hooked, softmax with NaN set to 0, pattern hooked, ``z = pattern @ v`` hooked in
+``[batch, pos, head, d_head]``), running the same hook functions, on float64 copies of the
+packaged all-MiniLM-L6-v2 (12 heads) and SmolLM2-135M (9 heads on 3 KV heads, causal).
+"""
+
+import copy
+import importlib.util
+import warnings
+
+import pytest
+import torch
+
+import qkv
+from qkv.edits import AblateHeads, PatchPattern
+from qkv.integrations import packaged
+from packaged_models import minilm_folder
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+LAYER, HEAD = 3, 5
+TOL = dict(atol=1e-9, rtol=0)  # float64 throughout
+SENTENCES = ["The cat sat on the mat.", "A longer sentence, so that the first one is padded on the right."]
+
+if HAS_TRANSFORMERS:
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.models.bert import modeling_bert
+    from transformers.models.llama import modeling_llama
+
+    from qkv.integrations.transformers import register
+
+    register()
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    folder = minilm_folder()
+    model = AutoModel.from_pretrained(folder, attn_implementation="qkv").eval().double()
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model, eager, tokenizer(SENTENCES, padding=True, return_tensors="pt")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not HAS_TRANSFORMERS or any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate")) or packaged.smollm2() is None:
+        pytest.skip("transformers, gguf, accelerate or the packaged SmolLM2-135M-Instruct missing")
+    from transformers import AutoModelForCausalLM
+
+    folder, gguf_file = packaged.smollm2()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, attn_implementation="qkv", dtype=torch.float32)
+    model = model.eval().double()
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    return model, eager
+
+
+class Point:
+    """TransformerLens' HookPoint as a hook function sees it: a name and its layer."""
+
+    def __init__(self, name):
+        self.name, self.ctx = name, {}
+
+    def layer(self):
+        return int(self.name.split(".")[1])
+
+
+def lens_attention(fwd, bwd=None, grads=None):
+    """An eager attention function that composes the layer as TransformerLens does, with hooks ``{name: [fn]}``."""
+
+    def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        def run(point, tensor):
+            name = f"blocks.{module.layer_idx}.attn.hook_{point}"
+            for fn in fwd.get(name, ()):
+                returned = fn(tensor, hook=Point(name))
+                tensor = tensor if returned is None else returned
+            for fn in (bwd or {}).get(name, ()):
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda g, fn=fn, name=name: fn(g, hook=Point(name)))
+            return tensor
+
+        group = query.shape[1] // key.shape[1]
+        value = run("v", value.transpose(1, 2)).transpose(1, 2)  # hooked as (b, j, g, e)
+        scores = query @ key.repeat_interleave(group, 1).transpose(-1, -2) * scaling
+        if attention_mask is not None:
+            allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = run("attn_scores", scores)
+        pattern = torch.softmax(scores, dim=-1)
+        pattern = run("pattern", torch.where(pattern.isnan(), 0.0, pattern))
+        z = run("z", (pattern @ value.repeat_interleave(group, 1)).transpose(1, 2))  # (b, i, h, e)
+        return z.contiguous(), pattern
+
+    return forward
+
+
+def lens(model, monkeypatch, module, fwd, bwd=None):
+    """``model`` (eager) running TransformerLens' composition with ``fwd`` / ``bwd`` hooks ``[(name, fn)]``."""
+    table = lambda pairs: {name: [fn for n, fn in pairs if n == name] for name, _ in pairs}
+    monkeypatch.setattr(module, "eager_attention_forward", lens_attention(table(fwd), table(bwd or [])))
+    return model
+
+
+def zero_head(pattern, hook):
+    pattern[:, HEAD] = 0  # in place, returning None: the change goes on
+
+
+def hidden(model, batch):
+    with torch.no_grad():
+        return model(**batch).last_hidden_state
+
+
+def real(batch):
+    return batch["attention_mask"].bool()
+
+
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("hook_pattern", zero_head),
+        ("hook_pattern", lambda p, hook: p * torch.linspace(0.5, 1.5, p.shape[-1], dtype=p.dtype)),  # a new tensor
+        ("hook_attn_scores", lambda s, hook: s + torch.arange(s.shape[-1], dtype=s.dtype) / 4),  # -inf stays -inf
+        ("hook_z", lambda z, hook: z.flip(1)),  # (b, i, h, e): positions reversed
+        ("hook_v", lambda v, hook: v * (1 + torch.arange(v.shape[2], dtype=v.dtype)[:, None])),  # (b, j, g, e)
+    ],
+    ids=["pattern-in-place", "pattern-returned", "scores", "z", "v"],
+)
+def test_each_hook_point_equals_transformer_lens_composition(minilm, monkeypatch, name, fn):
+    model, eager, batch = minilm
+    hooks = [(f"blocks.{LAYER}.attn.{name}", fn)]
+    with qkv.hooks(model, fwd_hooks=hooks):
+        ours = hidden(model, batch)
+    theirs = hidden(lens(eager, monkeypatch, modeling_bert, hooks), batch)
+    torch.testing.assert_close(ours[real(batch)], theirs[real(batch)], **TOL)
+    assert (ours - hidden(model, batch))[real(batch)].abs().max() > 1e-4  # the hook mattered, and ended with the block
+
+
+def test_hooks_see_transformer_lens_shapes_names_and_keep_ctx(minilm):
+    model, _, batch = minilm
+    b, n = batch["input_ids"].shape
+    seen = []
+
+    def look(tensor, hook):
+        seen.append((hook.name, hook.layer(), tuple(tensor.shape)))
+        hook.ctx["calls"] = hook.ctx.get("calls", 0) + 1
+
+    with qkv.hooks(model, fwd_hooks=[(lambda name: name.startswith("blocks.1."), look)]) as hooked:
+        assert hooked is model
+        hidden(model, batch)
+        hidden(model, batch)
+    points = ["v", "attn_scores", "pattern", "z"]
+    shapes = {"v": (b, n, 12, 32), "attn_scores": (b, 12, n, n), "pattern": (b, 12, n, n), "z": (b, n, 12, 32)}
+    assert seen == [(f"blocks.1.attn.hook_{p}", 1, shapes[p]) for p in points] * 2  # in forward order, each call
+
+
+def test_hooks_on_one_point_run_in_order_each_on_the_last_ones_result(minilm):
+    model, _, batch = minilm
+    got = []
+    first = lambda z, hook: z * 0 + 1
+    second = lambda z, hook: got.append(float(z.abs().max() - 1)) or z * 2
+    name = f"blocks.{LAYER}.attn.hook_z"
+    with qkv.hooks(model, fwd_hooks=[(name, first)]), qkv.hooks(model, fwd_hooks=[(name, second)]):
+        with qkv.record(model, layers=LAYER, hooks=["z"]) as rec:
+            hidden(model, batch)
+    assert got == [0.0]  # the inner block's hook saw the outer one's result
+    assert bool((rec[f"blocks.{LAYER}.attn.hook_z"] == 2).all())  # and the recording what the hooks left
+
+
+def test_only_a_layer_with_scores_or_pattern_hooks_builds_the_map(minilm, monkeypatch):
+    model, _, batch = minilm
+    built = []
+    scores = qkv.edits.recorded.scores
+    monkeypatch.setattr(qkv.edits.recorded, "scores", lambda *a: built.append(1) or scores(*a))
+    with qkv.hooks(model, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_z", lambda z, hook: None)]):
+        hidden(model, batch)
+    assert built == []  # z hooks keep qkv's engines
+    with qkv.hooks(model, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", zero_head)]):
+        hidden(model, batch)
+    assert built == [1]  # one layer of six composed
+
+
+def test_recording_shows_the_hooked_pattern(minilm):
+    model, eager, batch = minilm
+    with qkv.hooks(model, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", zero_head)]):
+        with qkv.record(model, layers=LAYER, heads=[HEAD, 0], rows=[1]) as rec:
+            hidden(model, batch)
+    pattern = rec[f"blocks.{LAYER}.attn.hook_pattern"]  # (b, 2, 1, j)
+    assert bool((pattern[:, 0] == 0).all()) and bool((pattern[:, 1].sum(-1) - 1).abs().max() < 1e-9)
+    with torch.no_grad():
+        clean = eager(**batch, output_attentions=True).attentions[LAYER]
+    torch.testing.assert_close(pattern[:, 1], clean[:, 0, 1:2], **TOL)
+
+
+def test_edits_apply_before_the_hooks(minilm, monkeypatch):
+    model, eager, batch = minilm
+    n = batch["input_ids"].shape[1]
+    patch = torch.full((1, 1, 1, n), 1.0 / n, dtype=torch.float64)  # head 0, row 2: uniform
+    seen = []
+    hooks = [(f"blocks.{LAYER}.attn.hook_pattern", lambda p, hook: seen.append(p[:, 0, 2].clone()) or p * 2)]
+    with qkv.edit(model, {LAYER: [PatchPattern(0, 2, patch), AblateHeads(HEAD)]}), qkv.hooks(model, fwd_hooks=hooks):
+        ours = hidden(model, batch)
+    torch.testing.assert_close(seen[0], patch[0, 0].expand(2, n), **TOL)  # the hook saw the patched row
+
+    def lens_edits(p, hook):  # the patch, then the hook's doubling; the ablation acts on z
+        p = p.clone()
+        p[:, 0, 2] = 1.0 / n
+        return p * 2
+
+    ablate = lambda z, hook: z.index_fill(2, torch.tensor([HEAD]), 0)
+    theirs = hidden(lens(eager, monkeypatch, modeling_bert, [(hooks[0][0], lens_edits), (f"blocks.{LAYER}.attn.hook_z", ablate)]), batch)
+    torch.testing.assert_close(ours[real(batch)], theirs[real(batch)], **TOL)
+
+
+def test_backward_hooks_see_transformer_lens_gradients_and_may_replace_them(minilm, monkeypatch):
+    model, eager, batch = minilm
+    name = f"blocks.{LAYER}.attn.hook_pattern"
+    ours, theirs = [], []
+    halve = lambda g, hook: g / 2
+
+    def loss(m):
+        embeddings = m.embeddings.word_embeddings
+        embeddings.weight.grad = None
+        (m(**batch).last_hidden_state[real(batch)] ** 2).sum().backward()
+        return embeddings.weight.grad.clone()
+
+    bwd = [(name, lambda g, hook: ours.append(g.clone())), (name, halve)]
+    with qkv.hooks(model, bwd_hooks=bwd):
+        our_grad = loss(model)
+    lens(eager, monkeypatch, modeling_bert, [], [(name, lambda g, hook: theirs.append(g.clone())), (name, halve)])
+    their_grad = loss(eager)
+    torch.testing.assert_close(ours[0], theirs[0], **TOL)  # (b, h, i, j): the gradient at the pattern
+    torch.testing.assert_close(our_grad, their_grad, **TOL)  # the halved gradient flowed on
+    assert (our_grad - loss(model)).abs().max() > 1e-6  # and the hooks ended with the block
+
+
+def test_backward_hooks_fire_only_inside_their_block(minilm):
+    model, _, batch = minilm
+    fired = []
+    with qkv.hooks(model, bwd_hooks=[(f"blocks.{LAYER}.attn.hook_z", lambda g, hook: fired.append(hook.name))]):
+        out = model(**batch).last_hidden_state.sum()
+    out.backward()  # after the block: its hooks are gone, as TransformerLens removes them
+    assert fired == []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qkv.run_with_hooks(model, **batch, bwd_hooks=[(f"blocks.{LAYER}.attn.hook_z", lambda g, hook: None)])
+    assert any("bwd_hooks never fire" in str(w.message) for w in caught)
+
+
+def test_run_with_hooks_returns_the_models_output(minilm):
+    model, _, batch = minilm
+    with qkv.hooks(model, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", zero_head)]):
+        want = hidden(model, batch)
+    with torch.no_grad():
+        got = qkv.run_with_hooks(model, **batch, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", zero_head)])
+    torch.testing.assert_close(got.last_hidden_state, want, **TOL)
+
+
+def test_wrong_hooks_are_refused_with_what_qkv_offers(minilm):
+    model, _, batch = minilm
+    with pytest.raises(KeyError, match=r"blocks.0.hook_resid_pre.*hook_\{v, attn_scores, pattern, z\}.*\[0, 1, 2, 3, 4, 5\]"):
+        with qkv.hooks(model, fwd_hooks=[("blocks.0.hook_resid_pre", zero_head)]):
+            pass
+    with pytest.raises(KeyError, match="hook_q and hook_k are not offered"):
+        qkv.run_with_hooks(model, **batch, fwd_hooks=[("blocks.0.attn.hook_q", zero_head)])
+    with pytest.raises(TypeError, match="pairs, got dict"):
+        qkv.run_with_hooks(model, **batch, fwd_hooks={"blocks.0.attn.hook_z": zero_head})
+    with pytest.raises(TypeError, match="not callable"):
+        qkv.run_with_hooks(model, **batch, fwd_hooks=[("blocks.0.attn.hook_z", "zero")])
+    with pytest.raises(ValueError, match=r"blocks.0.attn.hook_z: a hook function returned shape \(2, 12\)"):
+        qkv.run_with_hooks(model, **batch, fwd_hooks=[("blocks.0.attn.hook_z", lambda z, hook: z[:, 0, :, 0])])
+    with pytest.raises(TypeError, match="returns None or a tensor, got float"):
+        qkv.run_with_hooks(model, **batch, fwd_hooks=[("blocks.0.attn.hook_z", lambda z, hook: 1.0)])
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match='attn_implementation="qkv"'):
+        with qkv.hooks(eager, fwd_hooks=[("blocks.0.attn.hook_z", zero_head)]):
+            pass
+
+
+def test_grouped_heads_and_causal_mask_in_smollm2(smollm2, monkeypatch):
+    model, eager = smollm2
+    ids = torch.randint(100, 40000, (2, 11), generator=torch.Generator().manual_seed(0))
+    shapes = []
+
+    def hooks():
+        return [
+            ("blocks.7.attn.hook_v", lambda v, hook: shapes.append(tuple(v.shape)) or v * 1.5),  # (b, j, g = 3, e)
+            ("blocks.7.attn.hook_pattern", zero_head),
+            ("blocks.2.attn.hook_attn_scores", lambda s, hook: s / 2),
+        ]
+
+    with torch.no_grad(), qkv.hooks(model, fwd_hooks=hooks()):
+        ours = model(ids).logits
+    with torch.no_grad():
+        theirs = lens(eager, monkeypatch, modeling_llama, hooks()).to(torch.float64)(ids).logits
+    assert shapes == [(2, 11, 3, 64), (2, 11, 3, 64)]
+    torch.testing.assert_close(ours, theirs, atol=1e-7, rtol=0)  # eager's rotary tables in float32 in both
+    assert (ours - model(ids).logits.detach()).abs().max() > 1e-3
+
+
+def test_hooks_fire_at_every_decoding_step_of_generate(smollm2):
+    model, _ = smollm2
+    ids = torch.randint(100, 40000, (1, 6), generator=torch.Generator().manual_seed(1))
+    rows = []
+    with qkv.hooks(model, fwd_hooks=[("blocks.0.attn.hook_pattern", lambda p, hook: rows.append(tuple(p.shape)))]):
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert rows == [(1, 9, 6, 6), (1, 9, 1, 7), (1, 9, 1, 8)]  # the prompt, then one row a step against the cache
