@@ -311,3 +311,47 @@ def test_hooks_fire_at_every_decoding_step_of_generate(smollm2):
     with qkv.hooks(model, fwd_hooks=[("blocks.0.attn.hook_pattern", lambda p, hook: rows.append(tuple(p.shape)))]):
         model.generate(ids, max_new_tokens=3, do_sample=False)
     assert rows == [(1, 9, 6, 6), (1, 9, 1, 7), (1, 9, 1, 8)]  # the prompt, then one row a step against the cache
+
+
+def test_run_with_cache_holds_every_point_as_transformer_lens_keys_them(minilm, monkeypatch):
+    model, eager, batch = minilm
+    with torch.no_grad():
+        out, cache = qkv.run_with_cache(model, **batch)
+    assert len(cache) == 6 * 4 and set(cache) == {f"blocks.{l}.attn.hook_{p}" for l in range(6) for p in ("v", "attn_scores", "pattern", "z")}
+    torch.testing.assert_close(out.last_hidden_state, hidden(model, batch), **TOL)
+    with torch.no_grad():
+        weights = eager(**batch, output_attentions=True).attentions
+    for layer in (0, 5):
+        torch.testing.assert_close(cache["pattern", layer], weights[layer], **TOL)  # (name, layer) keys
+    assert cache["attn", -1] is cache["blocks.5.attn.hook_pattern"] and cache["attn_logits", 2] is cache["attn_scores", 2]
+    with qkv.record(model, layers=LAYER, hooks=("attn_scores", "z")) as rec:
+        hidden(model, batch)
+    torch.testing.assert_close(cache["attn_scores", LAYER], rec["attn_scores", LAYER], **TOL)
+    torch.testing.assert_close(cache["z", LAYER], rec["z", LAYER], **TOL)
+    assert not cache["z", 0].requires_grad
+
+
+def test_run_with_cache_names_filter_device_and_batch_dim(minilm):
+    model, _, batch = minilm
+    one = {key: value[:1] for key, value in batch.items()}
+    _, cache = qkv.run_with_cache(model, **one, names_filter=lambda name: name.endswith("hook_z"), remove_batch_dim=True)
+    assert sorted(cache) == [f"blocks.{l}.attn.hook_z" for l in range(6)] and cache["z", 0].shape == (one["input_ids"].shape[1], 12, 32)
+    _, cache = qkv.run_with_cache(model, **batch, names_filter=["blocks.1.attn.hook_v", "blocks.2.attn.hook_pattern"], device="cpu")
+    assert sorted(cache) == ["blocks.1.attn.hook_v", "blocks.2.attn.hook_pattern"]
+    _, cache = qkv.run_with_cache(model, **batch, names_filter="blocks.4.attn.hook_z")
+    assert list(cache) == ["blocks.4.attn.hook_z"]
+    with pytest.raises(KeyError, match="blocks.1.attn.hook_pattern.*not recorded"):
+        cache["pattern", 1]
+    with pytest.raises(ValueError, match="remove_batch_dim needs a batch of one"):
+        qkv.run_with_cache(model, **batch, names_filter="blocks.4.attn.hook_z", remove_batch_dim=True)
+    with pytest.raises(NotImplementedError, match="incl_bwd"):
+        qkv.run_with_cache(model, **batch, incl_bwd=True)
+    with pytest.raises(KeyError, match="names_filter: 'blocks.0.hook_resid_post' is not a hook point"):
+        qkv.run_with_cache(model, **batch, names_filter=["blocks.0.hook_resid_post"])
+
+
+def test_run_with_cache_inside_hooks_caches_what_the_hooks_left(minilm):
+    model, _, batch = minilm
+    with qkv.hooks(model, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", zero_head)]):
+        _, cache = qkv.run_with_cache(model, **batch, names_filter=f"blocks.{LAYER}.attn.hook_pattern")
+    assert bool((cache["pattern", LAYER][:, HEAD] == 0).all()) and bool((cache["pattern", LAYER][:, 0].sum(-1) > 0.99).all())

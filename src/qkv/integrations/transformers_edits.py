@@ -82,18 +82,38 @@ class Recording(Mapping):
     """The tensors recorded in a ``qkv.record`` block, a read-only dict keyed ``blocks.{l}.attn.hook_{name}``.
 
     ``heads`` and ``rows`` are the chosen indices (None: all) that the head and row axes of
-    every entry follow.
+    every entry follow. ``hooks`` names what each layer records: one tuple for all, or
+    ``{layer: tuple}``. As TransformerLens' ``ActivationCache``, an entry is also found by
+    ``(name, layer)``: ``rec["pattern", 3]`` (``"attn"`` for the pattern, ``"attn_logits"`` for
+    the scores; a negative layer counts from the model's last attention layer).
     """
 
-    def __init__(self, layers: set[int], heads, rows, hooks: tuple[str, ...]):
+    def __init__(self, layers: set[int], heads, rows, hooks: tuple[str, ...] | dict[int, tuple[str, ...]],
+                 known: Sequence[int] = ()):  # fmt: skip
         self.layers, self.heads, self.rows, self.hooks = layers, heads, rows, hooks
+        self._known = list(known)  # the model's attention layers, ascending (for negative layers in keys)
         self._entries: dict[str, Tensor] = {}
 
-    def __getitem__(self, key: str) -> Tensor:
+    def __getitem__(self, key: str | tuple) -> Tensor:
+        if isinstance(key, tuple):
+            key = self._named(key)
         try:
             return self._entries[key]
         except KeyError:
             raise KeyError(f"{key!r}: not recorded; recorded are {sorted(self._entries)}") from None
+
+    def _named(self, key: tuple) -> str:
+        """``(name, layer)`` as the entry's name, TransformerLens' ``get_act_name`` for attention's hooks."""
+        if len(key) != 2 or not isinstance(key[0], str) or isinstance(key[1], bool) or not isinstance(key[1], int):
+            raise KeyError(f"{key!r}: expected a name or (name, layer), e.g. ('pattern', 3)")
+        name, layer = key
+        name = {"attn": "pattern", "attn_logits": "attn_scores"}.get(name, name)
+        layer = _layer(layer, self._known) if self._known else layer
+        return f"blocks.{layer}.attn.hook_{name}"
+
+    def put(self, name: str, tensor: Tensor) -> None:
+        """Keep ``tensor`` as entry ``name`` (``qkv.run_with_cache``'s hook functions fill a recording so)."""
+        self._entries[name] = tensor
 
     def __iter__(self):
         return iter(self._entries)
@@ -122,7 +142,7 @@ class Recording(Mapping):
                 "z": lambda: recorded.z(out, heads, rows),
                 "result": lambda: recorded.result(recorded.z(out, None, rows), heads, output_weight(module)),
             }
-            for name in self.hooks:
+            for name in self.hooks.get(layer, ()) if isinstance(self.hooks, dict) else self.hooks:
                 self._entries[f"blocks.{layer}.attn.hook_{name}"] = built[name]().detach()
 
     def __repr__(self) -> str:
@@ -217,7 +237,7 @@ def record(model: torch.nn.Module, layers=None, heads=None, rows=None, hooks: Se
     wrong = [h for h in hooks if h not in HOOKS + OPTIONAL] if not isinstance(hooks, str) else [hooks]
     if wrong:
         raise ValueError(f"record: hooks expected a list from {list(HOOKS + OPTIONAL)}, got {list(hooks) if not isinstance(hooks, str) else hooks!r}")
-    recording = Recording(chosen, heads, rows, tuple(hooks))
+    recording = Recording(chosen, heads, rows, tuple(hooks), known)
     with _active(_Session(found, recording=recording)):
         yield recording
 

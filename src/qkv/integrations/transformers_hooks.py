@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..edits.hook_points import POINTS, HookPoint
-from .transformers_edits import _active, _attention_layers, _Session
+from .transformers_edits import Recording, _active, _attention_layers, _Session
 
 
 @contextlib.contextmanager
@@ -56,7 +56,7 @@ def hooks(model: torch.nn.Module, fwd_hooks: Sequence = (), bwd_hooks: Sequence 
     made: dict[str, HookPoint] = {}  # one HookPoint (and ctx) per name in the block
     for direction, given in (("fwd", fwd_hooks), ("bwd", bwd_hooks)):
         for name, fn in _pairs(f"{direction}_hooks", given):
-            for chosen in _matching(name, names, direction):
+            for chosen in _matching(name, names, sorted(set(found.values())), f"{direction}_hooks"):
                 layer, point = names[chosen]
                 hook_point = made.setdefault(chosen, HookPoint(chosen))
                 session.hooks.setdefault(layer, []).append((direction, point, hook_point, fn))
@@ -79,6 +79,44 @@ def run_with_hooks(model: torch.nn.Module, *model_args, fwd_hooks: Sequence = ()
         return model(*model_args, **model_kwargs)
 
 
+def run_with_cache(model: torch.nn.Module, *model_args, names_filter=None, device=None, remove_batch_dim: bool = False,
+                   **model_kwargs):  # fmt: skip
+    """``(output, cache)``: ``model(*model_args, **model_kwargs)`` and its attention hook points' activations.
+
+    TransformerLens' ``run_with_cache`` over the points of :func:`hooks`: ``names_filter`` None
+    (every point of every attention layer), a name, a list of names or a function of a name;
+    the cache is a :class:`~qkv.integrations.transformers_edits.Recording`, keyed by name or by
+    ``(name, layer)`` (``cache["pattern", 3]``), its tensors detached (moved to ``device`` if
+    given; with ``remove_batch_dim`` a batch of one loses that dim). Hooks of an enclosing
+    :func:`hooks` block run first, so the cache holds what they left. A layer whose scores or
+    pattern are cached is composed with its map, as TransformerLens composes every layer;
+    ``qkv.record`` keeps chosen heads and rows without it.
+    """
+    unsupported = [name for name in ("incl_bwd", "pos_slice") if model_kwargs.get(name) not in (None, False)]
+    if unsupported:
+        raise NotImplementedError(f"run_with_cache: {', '.join(unsupported)} not implemented; keep gradients with "
+                                  "qkv.hooks' bwd_hooks, and slice positions from the cache's tensors")  # fmt: skip
+    for name in ("incl_bwd", "pos_slice"):
+        model_kwargs.pop(name, None)
+    found = _attention_layers(model, "run_with_cache")
+    known = sorted(set(found.values()))
+    names = [f"blocks.{layer}.attn.hook_{point}" for layer in known for point in POINTS]
+    given = [names_filter] if names_filter is None or not isinstance(names_filter, (list, tuple)) else names_filter
+    chosen = names if names_filter is None else [n for g in given for n in _matching(g, names, known, "names_filter")]
+    cache = Recording(set(), None, None, (), known)
+    keep = lambda tensor, hook: cache.put(hook.name, tensor.detach())  # noqa: E731
+    with hooks(model, fwd_hooks=[(name, keep) for name in dict.fromkeys(chosen)]):
+        out = model(*model_args, **model_kwargs)
+    for name in list(cache):
+        tensor = cache[name] if device is None else cache[name].to(device)
+        if remove_batch_dim:
+            if tensor.shape[0] != 1:
+                raise ValueError(f"run_with_cache: remove_batch_dim needs a batch of one, got {name} of shape {tuple(tensor.shape)}")
+            tensor = tensor[0]
+        cache.put(name, tensor)
+    return out, cache
+
+
 def _pairs(argument: str, given: Sequence) -> list[tuple[object, Callable]]:
     """``given`` as a list of ``(name or filter, fn)``; anything else is a ``TypeError`` naming ``argument``."""
     if isinstance(given, (str, dict)) or not isinstance(given, (list, tuple)):
@@ -96,15 +134,14 @@ def _pairs(argument: str, given: Sequence) -> list[tuple[object, Callable]]:
     return pairs
 
 
-def _matching(name, names: dict, direction: str) -> list[str]:
-    """The hook points ``name`` (a point's name, or a filter of names) chooses, in layer order."""
+def _matching(name, names, layers: list[int], argument: str) -> list[str]:
+    """The hook points among ``names`` that ``name`` (a point's name, or a filter of names) chooses, in layer order."""
     if callable(name) and not isinstance(name, str):
         return [known for known in names if name(known)]  # as TransformerLens, a filter choosing none adds nothing
     if name in names:
         return [name]
-    layers = sorted({layer for layer, _ in names.values()})
     raise KeyError(
-        f"{direction}_hooks: {name!r} is not a hook point of this model's attention; qkv offers "
+        f"{argument}: {name!r} is not a hook point of this model's attention; qkv offers "
         f"blocks.{{l}}.attn.hook_{{{', '.join(POINTS)}}} for layers l in {layers} (hook_q and hook_k are not "
         "offered: the attention function sees them after any rotary embedding; the residual stream and MLPs are "
         "reached by torch's register_forward_hook on the model's modules)"
