@@ -71,8 +71,12 @@ class Point:
         return int(self.name.split(".")[1])
 
 
-def lens_attention(fwd, bwd=None, grads=None):
-    """An eager attention function that composes the layer as TransformerLens does, with hooks ``{name: [fn]}``."""
+def lens_attention(fwd, bwd=None, rotated=False):
+    """An eager attention function that composes the layer as TransformerLens does, with hooks ``{name: [fn]}``.
+
+    ``rotated``: the model has rotated query and key before this function (their points are
+    ``hook_rot_q``, ``hook_rot_k``).
+    """
 
     def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         def run(point, tensor):
@@ -86,7 +90,9 @@ def lens_attention(fwd, bwd=None, grads=None):
             return tensor
 
         group = query.shape[1] // key.shape[1]
-        value = run("v", value.transpose(1, 2)).transpose(1, 2)  # hooked as (b, j, g, e)
+        query = run("rot_q" if rotated else "q", query.transpose(1, 2)).transpose(1, 2)  # hooked as (b, i, h, d)
+        key = run("rot_k" if rotated else "k", key.transpose(1, 2)).transpose(1, 2)  # (b, j, g, d)
+        value = run("v", value.transpose(1, 2)).transpose(1, 2)  # (b, j, g, e)
         scores = query @ key.repeat_interleave(group, 1).transpose(-1, -2) * scaling
         if attention_mask is not None:
             allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
@@ -103,7 +109,8 @@ def lens_attention(fwd, bwd=None, grads=None):
 def lens(model, monkeypatch, module, fwd, bwd=None):
     """``model`` (eager) running TransformerLens' composition with ``fwd`` / ``bwd`` hooks ``[(name, fn)]``."""
     table = lambda pairs: {name: [fn for n, fn in pairs if n == name] for name, _ in pairs}
-    monkeypatch.setattr(module, "eager_attention_forward", lens_attention(table(fwd), table(bwd or [])))
+    rotated = module.__name__.endswith("llama")
+    monkeypatch.setattr(module, "eager_attention_forward", lens_attention(table(fwd), table(bwd or []), rotated))
     return model
 
 
@@ -128,8 +135,10 @@ def real(batch):
         ("hook_attn_scores", lambda s, hook: s + torch.arange(s.shape[-1], dtype=s.dtype) / 4),  # -inf stays -inf
         ("hook_z", lambda z, hook: z.flip(1)),  # (b, i, h, e): positions reversed
         ("hook_v", lambda v, hook: v * (1 + torch.arange(v.shape[2], dtype=v.dtype)[:, None])),  # (b, j, g, e)
+        ("hook_q", lambda q, hook: q * torch.linspace(0.0, 2.0, q.shape[2], dtype=q.dtype)[:, None]),  # (b, i, h, d)
+        ("hook_k", lambda k, hook: k.roll(1, dims=1)),  # (b, j, g, d): each key moved one position on
     ],
-    ids=["pattern-in-place", "pattern-returned", "scores", "z", "v"],
+    ids=["pattern-in-place", "pattern-returned", "scores", "z", "v", "q", "k"],
 )
 def test_each_hook_point_equals_transformer_lens_composition(minilm, monkeypatch, name, fn):
     model, eager, batch = minilm
@@ -154,8 +163,9 @@ def test_hooks_see_transformer_lens_shapes_names_and_keep_ctx(minilm):
         assert hooked is model
         hidden(model, batch)
         hidden(model, batch)
-    points = ["v", "attn_scores", "pattern", "z"]
-    shapes = {"v": (b, n, 12, 32), "attn_scores": (b, 12, n, n), "pattern": (b, 12, n, n), "z": (b, n, 12, 32)}
+    points = ["q", "k", "v", "attn_scores", "pattern", "z"]
+    shapes = {"q": (b, n, 12, 32), "k": (b, n, 12, 32), "v": (b, n, 12, 32), "attn_scores": (b, 12, n, n),
+              "pattern": (b, 12, n, n), "z": (b, n, 12, 32)}  # fmt: skip
     assert seen == [(f"blocks.1.attn.hook_{p}", 1, shapes[p]) for p in points] * 2  # in forward order, each call
 
 
@@ -263,11 +273,12 @@ def test_run_with_hooks_returns_the_models_output(minilm):
 
 def test_wrong_hooks_are_refused_with_what_qkv_offers(minilm):
     model, _, batch = minilm
-    with pytest.raises(KeyError, match=r"blocks.0.hook_resid_pre.*hook_\{v, attn_scores, pattern, z\}.*\[0, 1, 2, 3, 4, 5\]"):
+    with pytest.raises(KeyError, match=r"blocks.0.hook_resid_pre.*\{hook_q, hook_k, hook_v, hook_attn_scores, hook_pattern, "
+                                       r"hook_z\} for layers l in \[0, 1, 2, 3, 4, 5\]"):  # fmt: skip
         with qkv.hooks(model, fwd_hooks=[("blocks.0.hook_resid_pre", zero_head)]):
             pass
-    with pytest.raises(KeyError, match="hook_q and hook_k are not offered"):
-        qkv.run_with_hooks(model, **batch, fwd_hooks=[("blocks.0.attn.hook_q", zero_head)])
+    with pytest.raises(KeyError, match="hook_rot_q and hook_rot_k where the model rotates them"):
+        qkv.run_with_hooks(model, **batch, fwd_hooks=[("blocks.0.attn.hook_rot_q", zero_head)])
     with pytest.raises(TypeError, match="pairs, got dict"):
         qkv.run_with_hooks(model, **batch, fwd_hooks={"blocks.0.attn.hook_z": zero_head})
     with pytest.raises(TypeError, match="not callable"):
@@ -292,6 +303,8 @@ def test_grouped_heads_and_causal_mask_in_smollm2(smollm2, monkeypatch):
         return [
             ("blocks.7.attn.hook_v", lambda v, hook: shapes.append(tuple(v.shape)) or v * 1.5),  # (b, j, g = 3, e)
             ("blocks.7.attn.hook_pattern", zero_head),
+            ("blocks.4.attn.hook_rot_k", lambda k, hook: k.flip(1)),  # (b, j, g, d) after the rotary embedding
+            ("blocks.4.attn.hook_rot_q", lambda q, hook: q * 0.5),
             ("blocks.2.attn.hook_attn_scores", lambda s, hook: s / 2),
         ]
 
@@ -302,6 +315,8 @@ def test_grouped_heads_and_causal_mask_in_smollm2(smollm2, monkeypatch):
     assert shapes == [(2, 11, 3, 64), (2, 11, 3, 64)]
     torch.testing.assert_close(ours, theirs, atol=1e-7, rtol=0)  # eager's rotary tables in float32 in both
     assert (ours - model(ids).logits.detach()).abs().max() > 1e-3
+    with pytest.raises(KeyError, match=r"'blocks.0.attn.hook_q' is not a hook point.*\{hook_rot_q, hook_rot_k, hook_v"):
+        qkv.run_with_hooks(model, ids, fwd_hooks=[("blocks.0.attn.hook_q", zero_head)])
 
 
 def test_hooks_fire_at_every_decoding_step_of_generate(smollm2):
@@ -317,7 +332,8 @@ def test_run_with_cache_holds_every_point_as_transformer_lens_keys_them(minilm, 
     model, eager, batch = minilm
     with torch.no_grad():
         out, cache = qkv.run_with_cache(model, **batch)
-    assert len(cache) == 6 * 4 and set(cache) == {f"blocks.{l}.attn.hook_{p}" for l in range(6) for p in ("v", "attn_scores", "pattern", "z")}
+    points = ("q", "k", "v", "attn_scores", "pattern", "z")
+    assert len(cache) == 6 * 6 and set(cache) == {f"blocks.{l}.attn.hook_{p}" for l in range(6) for p in points}
     torch.testing.assert_close(out.last_hidden_state, hidden(model, batch), **TOL)
     with torch.no_grad():
         weights = eager(**batch, output_attentions=True).attentions

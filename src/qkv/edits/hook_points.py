@@ -8,23 +8,27 @@ function ``fn(activation, hook=point)`` sees the tensor and either returns None 
 perhaps changed in place, goes on) or a tensor that replaces it; several on one point run in
 the order they were added, each on the last one's result. A backward hook ``fn(grad,
 hook=point)`` sees the gradient of the loss with respect to that activation, and may return
-one to use instead. Four points of one call, each in TransformerLens' layout::
+one to use instead. The points of one call, each in TransformerLens' layout::
 
-    hook_v           (b, j, g, e)   the values as the call gets them ([batch, pos, head, d_head])
-    hook_attn_scores (b, h, i, j)   scale · q·k + bias, score_mod, -inf where the mask hides a key
-    hook_pattern     (b, h, i, j)   softmax of the scores (0 in a row that sees no key)
-    hook_z           (b, i, h, e)   each head's output before W_O ([batch, pos, head, d_head])
+    q                (b, i, h, d)   the queries as the call gets them ([batch, pos, head, d_head])
+    k                (b, j, g, d)   the keys as the call gets them
+    v                (b, j, g, e)   the values as the call gets them
+    attn_scores      (b, h, i, j)   scale · q·k + bias, score_mod, -inf where the mask hides a key
+    pattern          (b, h, i, j)   softmax of the scores (0 in a row that sees no key)
+    z                (b, i, h, e)   each head's output before W_O
 
-:func:`attention` runs one call with them. With hooks at ``hook_v`` or ``hook_z`` alone it
-runs on qkv's engines (the call is unchanged between them); a hook at the scores or the
-pattern needs the ``(b, h, i, j)`` map, so that call is composed the way TransformerLens
-composes it (scores, softmax in float32 at least, ``pattern @ v``), the map kept for the
-hooks and for the gradient, and every other call keeps the engines.
+(a caller names them: a model that rotates ``q`` and ``k`` before the call has
+TransformerLens' ``hook_rot_q`` and ``hook_rot_k`` there). :func:`attention` runs one call
+with them. With hooks at ``q``, ``k``, ``v`` or ``z`` alone it runs on qkv's engines; a hook
+at the scores or the pattern needs the ``(b, h, i, j)`` map, so that call is composed the way
+TransformerLens composes it (scores, softmax in float32 at least, ``pattern @ v``), the map
+kept for the hooks and for the gradient, and every other call keeps the engines.
 
-Edits (``qkv.edits``) of the same call apply first, at their own points: the scores a hook
-sees are those after a knockout or a temperature, the pattern after a patch, ``z`` after an
-ablation; a pattern hook's change to a patched row is kept (the row's ``z`` is computed from
-the pattern the hook returned).
+Edits (``qkv.edits``) of the same call act on the inputs as the ``q``, ``k``, ``v`` hooks left
+them, and before the later hooks at their own points: the scores a hook sees are those after
+a knockout or a temperature, the pattern after a patch, ``z`` after an ablation; a pattern
+hook's change to a patched row is kept (the row's ``z`` is computed from the pattern the hook
+returned).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from .apply import edited, selection
 from .base import Call, Edit
 
 #: The hook points of one attention call, in the order a forward reaches them.
-POINTS = ("v", "attn_scores", "pattern", "z")
+POINTS = ("q", "k", "v", "attn_scores", "pattern", "z")
 
 
 class HookPoint:
@@ -98,12 +102,14 @@ def attention(call: Call, edits: Sequence[Edit], hooked: Hooked):
     """``(result, call, seen)``: the edited ``call`` run with ``hooked``'s functions at its points.
 
     ``result`` is what ``qkv.attention`` returns for the call's options; ``call`` the edited
-    call that ran (values after ``hook_v``); ``seen`` the hooked ``(b, h, i, j)`` scores and
-    pattern where the map was built (``{"attn_scores": ..., "pattern": ...}``), for recordings.
+    call that ran (``q``, ``k``, ``v`` after their hooks); ``seen`` the hooked ``(b, h, i, j)``
+    scores and pattern where the map was built (``{"attn_scores": ..., "pattern": ...}``), for recordings.
     """
-    if hooked.at("v"):
-        v = hooked.fire("v", call.v.transpose(-3, -2))  # (..., j, g, e), TransformerLens' [batch, pos, head, d_head]
-        call = Call(call.q, call.k, v.transpose(-3, -2), call.options)
+    inputs = [call.q, call.k, call.v]
+    for n, point in enumerate(("q", "k", "v")):
+        if hooked.at(point):  # (..., pos, heads, size), TransformerLens' [batch, pos, head, d_head]
+            inputs[n] = hooked.fire(point, inputs[n].transpose(-3, -2)).transpose(-3, -2)
+    call = Call(*inputs, call.options)
     seen: dict[str, Tensor] = {}
     if hooked.at("attn_scores") or hooked.at("pattern"):
         result, call = _composed(call, edits, hooked, seen)

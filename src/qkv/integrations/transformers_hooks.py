@@ -19,19 +19,23 @@ TransformerLens' ``HookPoint``'s. Backward hooks ``fn(grad, hook=point)`` see th
 the point (and may return one to use instead) during a backward run inside the block.
 
 The points are those of each attention layer ``l`` (``qkv.edits.hook_points``):
-``blocks.{l}.attn.hook_v (b, j, g, e)``, ``hook_attn_scores (b, h, i, j)``, ``hook_pattern
-(b, h, i, j)``, ``hook_z (b, i, h, e)``. The query and key are not offered: transformers
-applies rotary embeddings before the attention function sees them, so they would be
-TransformerLens' ``hook_rot_q`` in one model and ``hook_q`` in another; nor the residual
-stream and MLP points, which are not attention's (PyTorch's ``register_forward_hook`` on the
-model's modules reaches those). A layer whose scores or pattern are hooked builds its ``(b,
-h, i, j)`` map, as TransformerLens builds every layer's; the other layers run on qkv's
-engines. Does not import transformers.
+``blocks.{l}.attn.hook_q (b, i, h, d)``, ``hook_k (b, j, g, d)``, ``hook_v (b, j, g, e)``,
+``hook_attn_scores (b, h, i, j)``, ``hook_pattern (b, h, i, j)``, ``hook_z (b, i, h, e)``. The
+query and key are what the attention function gets: where the layer rotates them first
+(Llama's ``position_embeddings``) they are TransformerLens' ``hook_rot_q`` and ``hook_rot_k``,
+and ``hook_q``/``hook_k`` are not offered. In a call with a KV cache ``hook_k`` and ``hook_v``
+see every key so far, and a change reaches that call, not the cache. The residual stream and
+MLP points are not attention's (PyTorch's ``register_forward_hook`` on the model's modules
+reaches those). A layer whose scores or pattern are hooked builds its ``(b, h, i, j)`` map, as
+TransformerLens builds every layer's; the other layers run on qkv's engines. Does not import
+transformers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import warnings
 from typing import Callable, Iterator, Sequence
 
@@ -51,12 +55,12 @@ def hooks(model: torch.nn.Module, fwd_hooks: Sequence = (), bwd_hooks: Sequence 
     hooks run first, edits apply before hooks, and recordings show what the hooks left.
     """
     found = _attention_layers(model, "hooks")
-    names = {f"blocks.{layer}.attn.hook_{point}": (layer, point) for layer in sorted(set(found.values())) for point in POINTS}
+    names = hook_names(model, found)
     session = _Session(found)
     made: dict[str, HookPoint] = {}  # one HookPoint (and ctx) per name in the block
     for direction, given in (("fwd", fwd_hooks), ("bwd", bwd_hooks)):
         for name, fn in _pairs(f"{direction}_hooks", given):
-            for chosen in _matching(name, names, sorted(set(found.values())), f"{direction}_hooks"):
+            for chosen in _matching(name, names, f"{direction}_hooks"):
                 layer, point = names[chosen]
                 hook_point = made.setdefault(chosen, HookPoint(chosen))
                 session.hooks.setdefault(layer, []).append((direction, point, hook_point, fn))
@@ -100,9 +104,9 @@ def run_with_cache(model: torch.nn.Module, *model_args, names_filter=None, devic
         model_kwargs.pop(name, None)
     found = _attention_layers(model, "run_with_cache")
     known = sorted(set(found.values()))
-    names = [f"blocks.{layer}.attn.hook_{point}" for layer in known for point in POINTS]
+    names = hook_names(model, found)
     given = [names_filter] if names_filter is None or not isinstance(names_filter, (list, tuple)) else names_filter
-    chosen = names if names_filter is None else [n for g in given for n in _matching(g, names, known, "names_filter")]
+    chosen = list(names) if names_filter is None else [n for g in given for n in _matching(g, names, "names_filter")]
     cache = Recording(set(), None, None, (), known)
     keep = lambda tensor, hook: cache.put(hook.name, tensor.detach())  # noqa: E731
     with hooks(model, fwd_hooks=[(name, keep) for name in dict.fromkeys(chosen)]):
@@ -134,15 +138,46 @@ def _pairs(argument: str, given: Sequence) -> list[tuple[object, Callable]]:
     return pairs
 
 
-def _matching(name, names, layers: list[int], argument: str) -> list[str]:
+def hook_names(model: torch.nn.Module, found: dict[int, int]) -> dict[str, tuple[int, str]]:
+    """``{name: (layer, point)}``, every hook point of ``model``'s attention layers (``found``: ``{id(module): layer}``).
+
+    The query and key points are named for what the attention function gets: ``hook_rot_q`` and
+    ``hook_rot_k`` where the layer's forward rotates them first (it takes ``position_embeddings``
+    or names a rotary embedding), ``hook_q`` and ``hook_k`` where it does not, neither where its
+    source cannot be read.
+    """
+    names = {}
+    for module in model.modules():
+        if id(module) not in found:
+            continue
+        layer, rotated = found[id(module)], _rotates(type(module))
+        query_key = {} if rotated is None else {"rot_q": "q", "rot_k": "k"} if rotated else {"q": "q", "k": "k"}
+        for name, point in {**query_key, **{p: p for p in POINTS if p not in ("q", "k")}}.items():
+            names[f"blocks.{layer}.attn.hook_{name}"] = (layer, point)
+    return dict(sorted(names.items(), key=lambda item: (item[1][0], POINTS.index(item[1][1]))))
+
+
+@functools.cache
+def _rotates(cls: type) -> bool | None:
+    """Whether ``cls.forward`` rotates queries and keys before the attention function; None where unreadable."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+    return "position_embeddings" in inspect.signature(cls.forward).parameters or "rotary" in source or "rope" in source.lower()
+
+
+def _matching(name, names: dict, argument: str) -> list[str]:
     """The hook points among ``names`` that ``name`` (a point's name, or a filter of names) chooses, in layer order."""
     if callable(name) and not isinstance(name, str):
         return [known for known in names if name(known)]  # as TransformerLens, a filter choosing none adds nothing
     if name in names:
         return [name]
+    offered = sorted({n.split(".")[-1] for n in names}, key=lambda n: POINTS.index(n.removeprefix("hook_").removeprefix("rot_")))
+    layers = sorted({layer for layer, _ in names.values()})
     raise KeyError(
-        f"{argument}: {name!r} is not a hook point of this model's attention; qkv offers "
-        f"blocks.{{l}}.attn.hook_{{{', '.join(POINTS)}}} for layers l in {layers} (hook_q and hook_k are not "
-        "offered: the attention function sees them after any rotary embedding; the residual stream and MLPs are "
-        "reached by torch's register_forward_hook on the model's modules)"
+        f"{argument}: {name!r} is not a hook point of this model's attention; qkv offers blocks.{{l}}.attn."
+        f"{{{', '.join(offered)}}} for layers l in {layers} (the query and key as the attention function gets them: "
+        "hook_rot_q and hook_rot_k where the model rotates them first; the residual stream and MLPs are reached by "
+        "torch's register_forward_hook on the model's modules)"
     )
