@@ -111,3 +111,37 @@ def test_a_closed_blocks_backward_hooks_do_not_fire():
 def test_hook_point_names_its_layer():
     assert HookPoint("blocks.11.attn.hook_pattern").layer() == 11
     assert repr(HookPoint("blocks.2.attn.hook_z")) == "HookPoint(name='blocks.2.attn.hook_z')"
+
+
+def test_a_row_that_sees_no_key_has_a_zero_gradient_not_nan():
+    q, k, v = (t.requires_grad_() for t in tensors())
+    mask = torch.ones(B, 1, I, J, dtype=torch.bool)
+    mask[0, :, 2] = False
+    delta = torch.zeros(B, H, I, J, dtype=torch.float64, requires_grad=True)
+    grads = []
+    found = hooked("attn_scores", fn=lambda s, hook: s + delta)
+    found.add("bwd", "attn_scores", HookPoint("blocks.0.attn.hook_attn_scores"), lambda g, hook: grads.append(g), lambda: True)
+    out, _, _ = attention(Call(q, k, v, dict(mask=mask)), (), found)
+    out.sum().backward()
+    assert bool(grads[0].isfinite().all()) and bool((grads[0][0, :, 2] == 0).all())
+    assert bool(delta.grad.isfinite().all()) and bool(q.grad.isfinite().all())
+
+
+def test_dropout_acts_after_the_pattern_hook_and_returned_weights_are_before_it():
+    q, k, v = tensors()
+    seen = []
+    found = hooked("pattern", fn=lambda p, hook: seen.append(p.clone()))
+    torch.manual_seed(0)
+    (out, weights), _, _ = attention(Call(q, k, v, dict(dropout=0.5, return_weights=True)), (), found)
+    want = qkv.attention_weights(q, k)
+    torch.testing.assert_close(weights, want, **TOL)  # as qkv.attention returns them: before dropout
+    torch.testing.assert_close(seen[0], want, **TOL)
+    assert (out - qkv.attention(q, k, v)).abs().max() > 1e-3  # dropout acted on the output
+
+
+def test_return_lse_is_refused_where_hooks_change_scores_or_pattern():
+    q, k, v = tensors()
+    with pytest.raises(ValueError, match="return_lse"):
+        attention(Call(q, k, v, dict(return_lse=True)), (), hooked("pattern"))
+    got, _, _ = attention(Call(q, k, v, dict(return_lse=True)), (), hooked("z"))  # the engines' lse, z hooked
+    torch.testing.assert_close(got[1], qkv.attention(q, k, v, return_lse=True)[1], **TOL)

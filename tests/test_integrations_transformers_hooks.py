@@ -10,6 +10,7 @@ hides a key, hooked, softmax with NaN set to 0, pattern hooked, ``z = pattern @ 
 packaged all-MiniLM-L6-v2 (12 heads) and SmolLM2-135M (9 heads on 3 KV heads, causal).
 """
 
+import contextlib
 import copy
 import importlib.util
 import warnings
@@ -61,56 +62,71 @@ def smollm2():
     return model, eager
 
 
-class Point:
-    """TransformerLens' HookPoint as a hook function sees it: a name and its layer."""
+class Point(torch.nn.Module):
+    """TransformerLens' ``HookPoint``, its mechanism copied: an identity module whose forward hooks run the hook
+    functions on its output and whose full backward hooks run the backward ones on its output's gradient."""
 
     def __init__(self, name):
+        super().__init__()
         self.name, self.ctx = name, {}
+
+    def forward(self, x):
+        return x
 
     def layer(self):
         return int(self.name.split(".")[1])
 
+    def add(self, fn, direction):
+        if direction == "fwd":
+            self.register_forward_hook(lambda module, args, output: fn(output, hook=self))
+        else:
+            def backward(module, grad_input, grad_output):
+                returned = fn(grad_output[0], hook=self)
+                return None if returned is None else (returned,)
 
-def lens_attention(fwd, bwd=None, rotated=False):
-    """An eager attention function that composes the layer as TransformerLens does, with hooks ``{name: [fn]}``.
+            self.register_full_backward_hook(backward)
+
+
+def lens_attention(fwd, bwd=(), rotated=False):
+    """An eager attention function that composes the layer as TransformerLens does, with hooks ``[(name, fn)]``.
 
     ``rotated``: the model has rotated query and key before this function (their points are
     ``hook_rot_q``, ``hook_rot_k``).
     """
+    points = {}
+
+    def run(name, tensor):
+        if name not in points:
+            points[name] = Point(name)
+            for direction, pairs in (("fwd", fwd), ("bwd", bwd)):
+                for n, fn in pairs:
+                    if n == name:
+                        points[name].add(fn, direction)
+        return points[name](tensor)
 
     def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        def run(point, tensor):
-            name = f"blocks.{module.layer_idx}.attn.hook_{point}"
-            for fn in fwd.get(name, ()):
-                returned = fn(tensor, hook=Point(name))
-                tensor = tensor if returned is None else returned
-            for fn in (bwd or {}).get(name, ()):
-                if tensor.requires_grad:
-                    tensor.register_hook(lambda g, fn=fn, name=name: fn(g, hook=Point(name)))
-            return tensor
-
+        at = lambda point: f"blocks.{module.layer_idx}.attn.hook_{point}"
         group = query.shape[1] // key.shape[1]
-        query = run("rot_q" if rotated else "q", query.transpose(1, 2)).transpose(1, 2)  # hooked as (b, i, h, d)
-        key = run("rot_k" if rotated else "k", key.transpose(1, 2)).transpose(1, 2)  # (b, j, g, d)
-        value = run("v", value.transpose(1, 2)).transpose(1, 2)  # (b, j, g, e)
+        query = run(at("rot_q" if rotated else "q"), query.transpose(1, 2)).transpose(1, 2)  # hooked as (b, i, h, d)
+        key = run(at("rot_k" if rotated else "k"), key.transpose(1, 2)).transpose(1, 2)  # (b, j, g, d)
+        value = run(at("v"), value.transpose(1, 2)).transpose(1, 2)  # (b, j, g, e)
         scores = query @ key.repeat_interleave(group, 1).transpose(-1, -2) * scaling
         if attention_mask is not None:
             allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
             scores = scores.masked_fill(~allowed, float("-inf"))
-        scores = run("attn_scores", scores)
+        scores = run(at("attn_scores"), scores)
         pattern = torch.softmax(scores, dim=-1)
-        pattern = run("pattern", torch.where(pattern.isnan(), 0.0, pattern))
-        z = run("z", (pattern @ value.repeat_interleave(group, 1)).transpose(1, 2))  # (b, i, h, e)
+        pattern = run(at("pattern"), torch.where(pattern.isnan(), 0.0, pattern))
+        z = run(at("z"), (pattern @ value.repeat_interleave(group, 1)).transpose(1, 2))  # (b, i, h, e)
         return z.contiguous(), pattern
 
     return forward
 
 
-def lens(model, monkeypatch, module, fwd, bwd=None):
+def lens(model, monkeypatch, module, fwd, bwd=()):
     """``model`` (eager) running TransformerLens' composition with ``fwd`` / ``bwd`` hooks ``[(name, fn)]``."""
-    table = lambda pairs: {name: [fn for n, fn in pairs if n == name] for name, _ in pairs}
     rotated = module.__name__.endswith("llama")
-    monkeypatch.setattr(module, "eager_attention_forward", lens_attention(table(fwd), table(bwd or []), rotated))
+    monkeypatch.setattr(module, "eager_attention_forward", lens_attention(fwd, bwd, rotated))
     return model
 
 
@@ -371,3 +387,104 @@ def test_run_with_cache_inside_hooks_caches_what_the_hooks_left(minilm):
     with qkv.hooks(model, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", zero_head)]):
         _, cache = qkv.run_with_cache(model, **batch, names_filter=f"blocks.{LAYER}.attn.hook_pattern")
     assert bool((cache["pattern", LAYER][:, HEAD] == 0).all()) and bool((cache["pattern", LAYER][:, 0].sum(-1) > 0.99).all())
+
+
+def test_backward_hooks_on_one_point_as_transformer_lens_runs_them(minilm, monkeypatch):
+    model, eager, batch = minilm
+    name = f"blocks.{LAYER}.attn.hook_z"
+    halve = lambda g, hook: g / 2
+
+    def grads(m, fwd, bwd, block=None):
+        m.embeddings.word_embeddings.weight.grad = None
+        seen = []
+        bwd = [(n, (lambda g, hook: seen.append(g.clone())) if fn is None else fn) for n, fn in bwd]
+        with block(m, fwd, bwd) if block else contextlib.nullcontext():
+            if not block:
+                lens(m, monkeypatch, modeling_bert, fwd, bwd)
+            (m(**batch).last_hidden_state[real(batch)] ** 2).sum().backward()
+        monkeypatch.undo()
+        return m.embeddings.word_embeddings.weight.grad.clone(), seen
+
+    double = lambda z, hook: z * 2
+    cases = [
+        ([], [(name, halve), (name, None)]),  # each sees the same gradient; the last non-None return wins
+        ([], [(name, halve), (name, halve)]),  # halved once, not twice
+        ([(name, double)], [(name, lambda g, hook: torch.ones_like(g))]),  # the return replaces the gradient
+    ]  # at the point's input, before the forward hook's doubling
+    for fwd, bwd in cases:
+        ours, our_seen = grads(model, fwd, bwd, block=lambda m, f, b: qkv.hooks(m, fwd_hooks=f, bwd_hooks=b))
+        theirs, their_seen = grads(eager, fwd, bwd)
+        torch.testing.assert_close(ours, theirs, **TOL)
+        assert len(our_seen) == len(their_seen)
+        for a, b in zip(our_seen, their_seen):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+def test_in_place_edits_never_reach_a_tensor_autograd_or_a_cache_keeps(minilm, smollm2):
+    model, _, batch = minilm
+    for point in ("q", "k", "v", "z"):
+        def zero_in_place(t, hook):
+            t[:, 0] = 0
+
+        with qkv.hooks(model, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_{point}", zero_in_place)]):
+            out = model(**batch).last_hidden_state
+        out.sum().backward()  # no "modified by an inplace operation"
+        with torch.no_grad(), qkv.hooks(model, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_{point}", lambda t, hook: t.index_fill(1, torch.tensor([0]), 0))]):
+            torch.testing.assert_close(out.detach(), model(**batch).last_hidden_state, **TOL)  # as a returned change
+    llm, _ = smollm2
+    ids = torch.randint(100, 40000, (1, 6), generator=torch.Generator().manual_seed(2))
+    for name in ("blocks.3.attn.hook_v", "blocks.3.attn.hook_rot_k"):
+        with pytest.raises(ValueError, match=r"come from the KV cache.*use_cache=False"):
+            with qkv.hooks(llm, fwd_hooks=[(name, lambda t, hook: t.mul_(2))]):
+                llm.generate(ids, max_new_tokens=2, do_sample=False)
+        with qkv.hooks(llm, fwd_hooks=[(name, lambda t, hook: t.mul_(2))]):
+            llm.generate(ids, max_new_tokens=2, do_sample=False, use_cache=False)
+
+
+@pytest.mark.parametrize("order", ["ablate-then-patch", "patch_z-then-patch"])
+def test_an_idle_pattern_hook_changes_no_edit(minilm, order):
+    model, _, batch = minilm
+    n = batch["input_ids"].shape[1]
+    patch = qkv.edits.PatchPattern(HEAD, [1, 2], torch.full((1, 1, 2, n), 1.0 / n, dtype=torch.float64))
+    first = AblateHeads(HEAD) if order == "ablate-then-patch" else qkv.edits.PatchZ(HEAD, [1, 2], torch.ones(1, 2, 1, 32, dtype=torch.float64))
+    with qkv.edit(model, {LAYER: [first, patch]}):
+        want = hidden(model, batch)
+        with qkv.hooks(model, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_pattern", lambda p, hook: None)]):
+            got = hidden(model, batch)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_ctx_lasts_across_blocks_until_contexts_are_cleared(minilm):
+    model, _, batch = minilm
+    name = f"blocks.{LAYER}.attn.hook_z"
+
+    def count(z, hook):
+        hook.ctx["n"] = hook.ctx.get("n", 0) + 1
+
+    for _ in range(3):
+        with torch.no_grad():
+            qkv.run_with_hooks(model, **batch, fwd_hooks=[(name, count)])
+    seen = []
+    with torch.no_grad():
+        qkv.run_with_hooks(model, **batch, fwd_hooks=[(name, lambda z, hook: seen.append(dict(hook.ctx)))], clear_contexts=True)
+        qkv.run_with_hooks(model, **batch, fwd_hooks=[(name, lambda z, hook: seen.append(dict(hook.ctx)))])
+    assert seen == [{"n": 3}, {}]  # as TransformerLens' HookPoint keeps it; cleared when asked
+
+
+def test_hooks_kept_after_the_block_until_reset_hooks(minilm):
+    model, _, batch = minilm
+    name = f"blocks.{LAYER}.attn.hook_z"
+    fired = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # kept hooks: no warning that bwd_hooks never fire
+            out = qkv.run_with_hooks(model, **batch, fwd_hooks=[(name, lambda z, hook: fired.append("fwd"))],
+                                     bwd_hooks=[(name, lambda g, hook: fired.append("bwd"))], reset_hooks_end=False)  # fmt: skip
+        out.last_hidden_state.sum().backward()
+        hidden(model, batch)  # the forward hook is still on the model
+        assert fired == ["fwd", "bwd", "fwd"]
+    finally:
+        qkv.reset_hooks(model)
+    out = model(**batch).last_hidden_state
+    out.sum().backward()
+    assert fired == ["fwd", "bwd", "fwd"]  # removed, backward hooks of the earlier graph included

@@ -18,7 +18,7 @@ from .cache import DecoderCache, KVCache, LatentCache, StreamingCache
 from .flex import flex_attention
 from .functional import attention, attention_weights, explain, merge
 from .integrations.transformers_edits import edit, record  # transformers models run with attn_implementation="qkv"
-from .integrations.transformers_hooks import hooks, run_with_cache, run_with_hooks  # TransformerLens' hook functions in them
+from .integrations.transformers_hooks import hooks, reset_hooks, run_with_cache, run_with_hooks  # TransformerLens' hook functions in them
 from .latent import MultiHeadLatentAttention
 from .paged import PagedKVCache, paged_attention, paged_latent_attention
 from .positional import ALiBi, LearnedPositionalEmbedding, RelativePositionBias, Rotary, SinusoidalEncoding
@@ -79,6 +79,7 @@ __all__ = [
     "paged_latent_attention",
     "positional",
     "record",
+    "reset_hooks",
     "run_with_cache",
     "run_with_hooks",
     "score_mods",

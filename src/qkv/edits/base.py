@@ -58,9 +58,6 @@ class Call:
 class Edit:
     """Base class of edits; each subclass overrides the points it acts at (all default to no change)."""
 
-    #: True where :meth:`finish` only recomputes ``z`` from what :meth:`weights` put in (a patched pattern): a call
-    #: composed from its weights (hooks on the pattern, ``qkv.edits.hook_points``) has that ``z`` already.
-    recomputes_from_weights = False
 
     def prepare(self, call: Call) -> Call:
         """The call to run instead of ``call`` (its inputs or options changed)."""
@@ -73,6 +70,11 @@ class Edit:
     def weights(self, call: Call, weights: Tensor, heads: Tensor | None, rows: Tensor | None) -> Tensor:
         """Weights ``(..., H, R, j)`` of heads ``heads`` and rows ``rows`` (None: all) as the edited call used them."""
         return weights
+
+    def with_weights(self, call: Call, weights: Tensor) -> Edit:
+        """This edit reading ``weights (..., h, i, j)``, the call's whole pattern as hook functions left it, where it
+        would read weights of its own (a patch recomputes its rows from them); the others are themselves."""
+        return self
 
 
 def as_edits(edits: Edit | Sequence[Edit] | None) -> tuple[Edit, ...]:

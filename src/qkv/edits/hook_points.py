@@ -47,11 +47,15 @@ POINTS = ("q", "k", "v", "attn_scores", "pattern", "z")
 
 
 class HookPoint:
-    """What a hook function gets as ``hook``: the point's ``name``, its ``layer()`` and a ``ctx`` dict kept while hooked."""
+    """What a hook function gets as ``hook``: the point's ``name``, its ``layer()`` and a ``ctx`` dict for the hooks.
+
+    As TransformerLens' ``HookPoint``, one object per point of a model, its ``ctx`` kept from
+    one run and one block to the next until contexts are cleared.
+    """
 
     def __init__(self, name: str):
         self.name = name
-        self.ctx: dict = {}  # free for the hook functions, as TransformerLens' (kept for the whole hooks block)
+        self.ctx: dict = {}
 
     def layer(self) -> int:
         """The layer index of a ``blocks.{layer}.…`` name."""
@@ -86,15 +90,32 @@ class Hooked:
         """Whether any hook runs at ``point``."""
         return point in self.forward or point in self.backward
 
-    def fire(self, point: str, tensor: Tensor) -> Tensor:
-        """``tensor`` through the forward hooks at ``point``, each on the last one's result; backward hooks attached."""
+    def fire(self, point: str, given: Tensor) -> Tensor:
+        """``given`` through the forward hooks at ``point``, each on the last one's result; backward hooks attached.
+
+        As TransformerLens' (a backward hook on a ``HookPoint`` module): every backward hook sees
+        the gradient with respect to what the forward hooks left, the same for each, and the last
+        one's non-None return replaces the gradient with respect to what the point was given.
+        """
+        tensor = given
         for hook_point, fn in self.forward.get(point, ()):
             returned = fn(tensor, hook=hook_point)
             if returned is not None:
                 tensor = _replacement(hook_point.name, tensor, returned)
-        if tensor.requires_grad:  # in inference nothing flows back, so nothing fires (as in TransformerLens)
-            for hook_point, fn, is_open in self.backward.get(point, ()):
-                tensor.register_hook(_on_gradient(hook_point, fn, is_open))
+        backward = self.backward.get(point, ())
+        if backward and tensor.requires_grad:  # in inference nothing flows back, so nothing fires (as in TransformerLens)
+            replaced: list[Tensor | None] = [None]
+
+            def seen(grad: Tensor) -> None:
+                replaced[0] = None
+                for hook_point, fn, is_open in backward:
+                    returned = fn(grad, hook=hook_point) if is_open() else None
+                    if returned is not None:
+                        replaced[0] = _replacement(hook_point.name, grad, returned)
+
+            tensor.register_hook(seen)
+            if given.requires_grad:  # registered after ``seen`` where they are one tensor, so it runs second
+                given.register_hook(lambda grad: replaced[0])
         return tensor
 
 
@@ -104,11 +125,13 @@ def attention(call: Call, edits: Sequence[Edit], hooked: Hooked):
     ``result`` is what ``qkv.attention`` returns for the call's options; ``call`` the edited
     call that ran (``q``, ``k``, ``v`` after their hooks); ``seen`` the hooked ``(b, h, i, j)``
     scores and pattern where the map was built (``{"attn_scores": ..., "pattern": ...}``), for recordings.
+    A hook gets its own copy of ``q``, ``k``, ``v`` and ``z`` (changing one in place changes
+    what the call reads next, never a KV cache's storage or a tensor autograd has saved).
     """
     inputs = [call.q, call.k, call.v]
     for n, point in enumerate(("q", "k", "v")):
         if hooked.at(point):  # (..., pos, heads, size), TransformerLens' [batch, pos, head, d_head]
-            inputs[n] = hooked.fire(point, inputs[n].transpose(-3, -2)).transpose(-3, -2)
+            inputs[n] = hooked.fire(point, inputs[n].transpose(-3, -2).clone()).transpose(-3, -2)
     call = Call(*inputs, call.options)
     seen: dict[str, Tensor] = {}
     if hooked.at("attn_scores") or hooked.at("pattern"):
@@ -117,36 +140,44 @@ def attention(call: Call, edits: Sequence[Edit], hooked: Hooked):
         result, call = edited(call.q, call.k, call.v, edits, **call.options)
     if hooked.at("z"):
         parts = list(result) if isinstance(result, tuple) else [result]
-        z = hooked.fire("z", parts[0].transpose(-3, -2))  # (..., i, h, e)
+        z = hooked.fire("z", parts[0].transpose(-3, -2).clone())  # (..., i, h, e); the engine keeps its output
         parts[0] = z.transpose(-3, -2)
         result = parts[0] if len(parts) == 1 else tuple(parts)
     return result, call, seen
 
 
 def _composed(call: Call, edits: Sequence[Edit], hooked: Hooked, seen: dict):
-    """The call as TransformerLens composes it, with hooks on its scores and pattern: ``(result, call)``."""
+    """The call as TransformerLens composes it, with hooks on its scores and pattern: ``(result, call)``.
+
+    Dropout (a model in training) acts after the pattern hook, so the hook, the returned weights
+    and a patch's rows see the weights before it, as ``qkv.attention`` returns them.
+    """
+    if call.options.get("return_lse"):
+        raise ValueError("return_lse: the log-sum-exp of hooked scores or a hooked pattern describes neither; "
+                         "hook the call without asking for it")  # fmt: skip
     for edit in edits:
         call = edit.prepare(call)
     options = call.options
     scores = hooked.fire("attn_scores", recorded.scores(call, None, None))  # (..., h, i, j), float32 at least
     sinks = options.get("sinks")
-    if sinks is None:
-        pattern = torch.softmax(scores, dim=-1)
+    if sinks is None:  # a row that sees no key: 0, as TransformerLens sets it, with a zero gradient (not NaN)
+        empty = scores.isneginf().all(dim=-1, keepdim=True)
+        pattern = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     else:  # one more logit per row, with no value: the sink's share is dropped after the softmax
         column = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
         pattern = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
-    pattern = torch.where(pattern.isnan(), 0.0, pattern)  # a row that sees no key: 0, as TransformerLens sets it
+    pattern = torch.where(pattern.isnan(), 0.0, pattern)  # a NaN a hook put in the scores: 0, as TransformerLens
     for edit in edits:
         pattern = edit.weights(call, pattern, None, None)
-    if options.get("dropout", 0.0) > 0:
-        pattern = torch.nn.functional.dropout(pattern, options["dropout"], training=True)
     pattern = hooked.fire("pattern", pattern)
     seen.update(attn_scores=scores, pattern=pattern)
+    used = pattern
+    if options.get("dropout", 0.0) > 0:
+        used = torch.nn.functional.dropout(pattern, options["dropout"], training=True)
     v = call.v.repeat_interleave(call.heads // call.kv_heads, dim=-3)  # (..., h, j, e): head n reads KV head n // (h/g)
-    out = pattern.to(v.dtype) @ v  # (..., h, i, e)
-    for edit in edits:
-        if not edit.recomputes_from_weights:  # a patch's rows are already in the pattern (and the hook's change kept)
-            out = edit.finish(call, out)
+    out = used.to(v.dtype) @ v  # (..., h, i, e)
+    for edit in edits:  # in order, as on the engines; a patch recomputes its rows from the pattern as hooked
+        out = edit.with_weights(call, pattern).finish(call, out)
     if not options.get("return_weights"):
         return out, call
     heads, rows = selection(call)
@@ -156,25 +187,13 @@ def _composed(call: Call, edits: Sequence[Edit], hooked: Hooked, seen: dict):
 
 
 def _replacement(name: str, given: Tensor, returned: object) -> Tensor:
-    """A hook's returned tensor in ``given``'s place (its dtype and device); a shape that is not ``given``'s is refused."""
+    """A hook's returned tensor in ``given``'s place, cast to its dtype and device; a shape not ``given``'s is refused."""
     if not isinstance(returned, Tensor):
         raise TypeError(f"{name}: a hook function returns None or a tensor, got {type(returned).__name__}")
     if returned.shape != given.shape:
         raise ValueError(f"{name}: a hook function returned shape {tuple(returned.shape)}, expected the shape it "
                          f"was given, {tuple(given.shape)}")  # fmt: skip
     return returned.to(device=given.device, dtype=given.dtype)
-
-
-def _on_gradient(hook_point: HookPoint, fn: Callable, is_open: Callable[[], bool]) -> Callable:
-    """A tensor hook running ``fn(grad, hook=hook_point)`` while ``is_open()``; what it returns replaces the gradient."""
-
-    def on_gradient(grad: Tensor):
-        if not is_open():
-            return None
-        returned = fn(grad, hook=hook_point)
-        return None if returned is None else _replacement(hook_point.name, grad, returned)
-
-    return on_gradient
 
 
 __all__ = ["POINTS", "HookPoint", "Hooked", "attention"]

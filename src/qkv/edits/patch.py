@@ -29,8 +29,6 @@ from .base import Call, Edit, check_batch, check_patch, patched
 class PatchPattern(Edit):
     """Replace the attention weights of ``heads`` at query ``rows`` by ``pattern (..., H, R, j)``; recompute those rows."""
 
-    recomputes_from_weights = True
-
     def __init__(self, heads, rows, pattern: Tensor):
         check_patch("PatchPattern", heads, rows, "pattern", pattern, "(..., heads, rows, j)")
         self.heads, self.rows, self.pattern = heads, rows, pattern
@@ -69,6 +67,11 @@ class PatchPattern(Edit):
         weights = weights.clone()
         weights[..., at_h.to(device)[:, None], at_r.to(device)[None, :], :] = part.expand(*weights.shape[:-3], *part.shape[-3:])
         return weights
+
+    def with_weights(self, call: Call, weights: Tensor) -> PatchPattern:
+        heads, rows = self._chosen(call)
+        mine = weights.index_select(-3, heads.to(weights.device)).index_select(-2, rows.to(weights.device))
+        return PatchPattern(self.heads, self.rows, mine)
 
     def __repr__(self) -> str:
         return f"PatchPattern({self.heads!r}, {self.rows!r}, pattern{tuple(self.pattern.shape)})"

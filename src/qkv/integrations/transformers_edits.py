@@ -76,6 +76,9 @@ class _Session:
 
 
 _ACTIVE: ContextVar[tuple[_Session, ...]] = ContextVar("qkv_transformers_edits", default=())
+#: Hook sessions kept after their block (``qkv.hooks(..., reset_hooks_end=False)``) until ``qkv.reset_hooks``: on the
+#: model, as TransformerLens keeps hooks on its modules, so every thread sees them.
+KEPT: list[_Session] = []
 
 
 class Recording(Mapping):
@@ -152,9 +155,9 @@ class Recording(Mapping):
 def runner(module: torch.nn.Module):
     """What ``attention_forward`` runs for ``module``: ``qkv.attention``, or it with the active edits and recordings."""
     sessions = _ACTIVE.get()
-    if not sessions:
+    if not sessions and not KEPT:
         return attention
-    mine = tuple(s for s in sessions if id(module) in s.layers)
+    mine = tuple(s for s in (*KEPT, *sessions) if id(module) in s.layers)  # kept hooks were added first
     return functools.partial(_run, mine[0].layers[id(module)], mine, module) if mine else attention
 
 
@@ -174,14 +177,20 @@ def output_weight(module: torch.nn.Module | None) -> Tensor:
 def _run(layer: int, sessions: tuple[_Session, ...], module, q: Tensor, k: Tensor, v: Tensor, **options):
     """``qkv.attention(q, k, v, **options)`` with ``layer``'s edits of every active block, then their recordings."""
     edits = tuple(e for s in sessions for e in s.edits.get(layer, ()))
-    if q.shape[-2] < k.shape[-2]:  # keys before this call's queries: a KV cache (the layers here are self-attention)
-        refuse_mean_with_cache(edits, f"layer {layer}", q.shape[-2], k.shape[-2],
-                               f"e.g. how=rec['blocks.{layer}.attn.hook_z'][:, :, heads].mean((0, 1)) of a qkv.record of "
-                               "the prompt, or run without the cache (use_cache=False)")  # fmt: skip
     hooked = Hooked()
     for session in sessions:  # an outer block's hooks run before an inner one's
         for direction, point, hook_point, fn in session.hooks.get(layer, ()):
             hooked.add(direction, point, hook_point, fn, functools.partial(getattr, session, "open"))
+    if q.shape[-2] < k.shape[-2]:  # keys before this call's queries: a KV cache (the layers here are self-attention)
+        if hooked.at("k") or hooked.at("v"):
+            raise ValueError(
+                f"hooks: layer {layer}'s keys and values before this call's {q.shape[-2]} queries come from the KV cache, "
+                "which holds them as computed, not as a hook on hook_k (hook_rot_k) or hook_v changed them (TransformerLens hooks each "
+                "token's key and value once, before caching it); run without the cache (use_cache=False)"
+            )
+        refuse_mean_with_cache(edits, f"layer {layer}", q.shape[-2], k.shape[-2],
+                               f"e.g. how=rec['blocks.{layer}.attn.hook_z'][:, :, heads].mean((0, 1)) of a qkv.record of "
+                               "the prompt, or run without the cache (use_cache=False)")  # fmt: skip
     if hooked:
         result, call, seen = hook_points.attention(Call(q, k, v, dict(options)), edits, hooked)
     else:

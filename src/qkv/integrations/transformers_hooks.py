@@ -14,17 +14,20 @@ becoming the first argument::
 A hook is ``(name, fn)``: ``name`` one hook point's name or a function of a name that says
 ``True`` for the points it wants; ``fn(activation, hook=point)`` returns None (the activation,
 perhaps changed in place, goes on) or a tensor of the activation's shape to use instead;
-``point.name``, ``point.layer()`` and ``point.ctx`` (a dict kept while the block lasts) are as
+``point.name``, ``point.layer()`` and ``point.ctx`` (a dict kept from one run to the next) are as
 TransformerLens' ``HookPoint``'s. Backward hooks ``fn(grad, hook=point)`` see the gradient at
-the point (and may return one to use instead) during a backward run inside the block.
+the point, the same for every hook there, and the last one's return replaces it (TransformerLens'
+backward hooks on a ``HookPoint`` module), during a backward run inside the block or while
+hooks kept by ``reset_hooks_end=False`` last (:func:`reset_hooks` removes them).
 
 The points are those of each attention layer ``l`` (``qkv.edits.hook_points``):
 ``blocks.{l}.attn.hook_q (b, i, h, d)``, ``hook_k (b, j, g, d)``, ``hook_v (b, j, g, e)``,
 ``hook_attn_scores (b, h, i, j)``, ``hook_pattern (b, h, i, j)``, ``hook_z (b, i, h, e)``. The
 query and key are what the attention function gets: where the layer rotates them first
 (Llama's ``position_embeddings``) they are TransformerLens' ``hook_rot_q`` and ``hook_rot_k``,
-and ``hook_q``/``hook_k`` are not offered. In a call with a KV cache ``hook_k`` and ``hook_v``
-see every key so far, and a change reaches that call, not the cache. The residual stream and
+and ``hook_q``/``hook_k`` are not offered. A hook gets its own copy of ``q``, ``k``, ``v`` and
+``z``; in a call with cached keys a hook on the keys or values is refused (the cache holds the
+earlier ones as computed, where TransformerLens hooks each once before caching it). The residual stream and
 MLP points are not attention's (PyTorch's ``register_forward_hook`` on the model's modules
 reaches those). A layer whose scores or pattern are hooked builds its ``(b, h, i, j)`` map, as
 TransformerLens builds every layer's; the other layers run on qkv's engines. Does not import
@@ -37,54 +40,92 @@ import contextlib
 import functools
 import inspect
 import warnings
+import weakref
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from ..edits.hook_points import POINTS, HookPoint
-from .transformers_edits import Recording, _active, _attention_layers, _Session
+from .transformers_edits import KEPT, Recording, _active, _attention_layers, _Session
+
+
+#: Each model's hook points, one object per name, so that a point's ``ctx`` lasts from one block to the next.
+_POINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
-def hooks(model: torch.nn.Module, fwd_hooks: Sequence = (), bwd_hooks: Sequence = ()) -> Iterator[torch.nn.Module]:
+def hooks(model: torch.nn.Module, fwd_hooks: Sequence = (), bwd_hooks: Sequence = (), reset_hooks_end: bool = True,
+          clear_contexts: bool = False) -> Iterator[torch.nn.Module]:  # fmt: skip
     """Run ``fwd_hooks`` and ``bwd_hooks`` (``[(name or name filter, fn), ...]``) at ``model``'s attention hook points.
 
-    TransformerLens' ``model.hooks(fwd_hooks, bwd_hooks)``: yields the model; every hook is
-    removed when the block ends (a backward run after it fires no backward hook). Blocks nest
-    with each other and with ``qkv.edit`` and ``qkv.record``: at each point an outer block's
-    hooks run first, edits apply before hooks, and recordings show what the hooks left.
+    TransformerLens' ``model.hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts)``:
+    yields the model; the hooks are removed when the block ends (a backward run after it fires
+    no backward hook), unless ``reset_hooks_end=False``, which keeps them on the model, for
+    every thread, until :func:`reset_hooks`; ``clear_contexts`` empties every hook point's
+    ``ctx`` when they are removed. Blocks nest with each other and with ``qkv.edit`` and
+    ``qkv.record``: at each point hooks kept on the model run first, then an outer block's,
+    edits apply before hooks, and recordings show what the hooks left.
     """
     found = _attention_layers(model, "hooks")
     names = hook_names(model, found)
+    points = _POINTS.setdefault(model, {})
     session = _Session(found)
-    made: dict[str, HookPoint] = {}  # one HookPoint (and ctx) per name in the block
     for direction, given in (("fwd", fwd_hooks), ("bwd", bwd_hooks)):
         for name, fn in _pairs(f"{direction}_hooks", given):
             for chosen in _matching(name, names, f"{direction}_hooks"):
                 layer, point = names[chosen]
-                hook_point = made.setdefault(chosen, HookPoint(chosen))
+                hook_point = points.setdefault(chosen, HookPoint(chosen))
                 session.hooks.setdefault(layer, []).append((direction, point, hook_point, fn))
-    with _active(session):
+    if not reset_hooks_end:
+        KEPT.append(session)
         yield model
+        return
+    try:
+        with _active(session):
+            yield model
+    finally:
+        if clear_contexts:
+            _clear_contexts(model)
 
 
-def run_with_hooks(model: torch.nn.Module, *model_args, fwd_hooks: Sequence = (), bwd_hooks: Sequence = (), **model_kwargs):
+def reset_hooks(model: torch.nn.Module, clear_contexts: bool = False) -> None:
+    """Remove the hooks kept on ``model`` by ``hooks(..., reset_hooks_end=False)`` (TransformerLens' ``reset_hooks``).
+
+    Blocks still open keep theirs until they end. ``clear_contexts`` also empties every hook
+    point's ``ctx``.
+    """
+    layers = set(_attention_layers(model, "reset_hooks"))
+    for session in [s for s in KEPT if set(s.layers) == layers]:
+        session.open = False  # its backward hooks fire no more
+        KEPT.remove(session)
+    if clear_contexts:
+        _clear_contexts(model)
+
+
+def run_with_hooks(model: torch.nn.Module, *model_args, fwd_hooks: Sequence = (), bwd_hooks: Sequence = (),
+                   reset_hooks_end: bool = True, clear_contexts: bool = False, **model_kwargs):  # fmt: skip
     """``model(*model_args, **model_kwargs)`` with ``fwd_hooks`` run at its attention hook points (TransformerLens').
 
     As TransformerLens' ``run_with_hooks``, the hooks are removed when the forward returns, so
-    ``bwd_hooks`` given here never fire (a warning says so): run the backward inside a
-    :func:`hooks` block instead.
+    ``bwd_hooks`` given here never fire (a warning says so) unless ``reset_hooks_end=False``
+    keeps them on the model until :func:`reset_hooks`.
     """
-    if bwd_hooks:
+    if bwd_hooks and reset_hooks_end:
         warnings.warn("run_with_hooks: the hooks are removed when the forward returns, before a backward pass can run, "
-                      "so bwd_hooks never fire; use `with qkv.hooks(model, bwd_hooks=...)` around the forward and the "
-                      "backward", stacklevel=2)  # fmt: skip
-    with hooks(model, fwd_hooks, bwd_hooks):
+                      "so bwd_hooks never fire; pass reset_hooks_end=False (then qkv.reset_hooks(model)) or use "
+                      "`with qkv.hooks(model, bwd_hooks=...)` around the forward and the backward", stacklevel=2)  # fmt: skip
+    with hooks(model, fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
         return model(*model_args, **model_kwargs)
 
 
+def _clear_contexts(model: torch.nn.Module) -> None:
+    """Empty the ``ctx`` of every hook point of ``model``."""
+    for point in _POINTS.get(model, {}).values():
+        point.ctx = {}
+
+
 def run_with_cache(model: torch.nn.Module, *model_args, names_filter=None, device=None, remove_batch_dim: bool = False,
-                   **model_kwargs):  # fmt: skip
+                   reset_hooks_end: bool = True, clear_contexts: bool = False, **model_kwargs):  # fmt: skip
     """``(output, cache)``: ``model(*model_args, **model_kwargs)`` and its attention hook points' activations.
 
     TransformerLens' ``run_with_cache`` over the points of :func:`hooks`: ``names_filter`` None
@@ -109,7 +150,7 @@ def run_with_cache(model: torch.nn.Module, *model_args, names_filter=None, devic
     chosen = list(names) if names_filter is None else [n for g in given for n in _matching(g, names, "names_filter")]
     cache = Recording(set(), None, None, (), known)
     keep = lambda tensor, hook: cache.put(hook.name, tensor.detach())  # noqa: E731
-    with hooks(model, fwd_hooks=[(name, keep) for name in dict.fromkeys(chosen)]):
+    with hooks(model, [(name, keep) for name in dict.fromkeys(chosen)], (), reset_hooks_end, clear_contexts):
         out = model(*model_args, **model_kwargs)
     for name in list(cache):
         tensor = cache[name] if device is None else cache[name].to(device)
