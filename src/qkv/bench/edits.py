@@ -95,7 +95,7 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
     from qkv.edits import AblateHeads
 
     cfg = QUICK if quick else FULL
-    head = ["## Edits: recording and ablating heads of SmolLM2-135M (`qkv bench --suite edits`)", ""]
+    head = ["## Edits: recording, ablating and hooking heads of SmolLM2-135M (`qkv bench --suite edits`)", ""]
     why = missing()
     if why is not None:
         say(f"  skipped: {why}")
