@@ -488,3 +488,18 @@ def test_hooks_kept_after_the_block_until_reset_hooks(minilm):
     out = model(**batch).last_hidden_state
     out.sum().backward()
     assert fired == ["fwd", "bwd", "fwd"]  # removed, backward hooks of the earlier graph included
+
+
+def test_hooks_kept_on_a_model_go_with_it(minilm):
+    import gc
+
+    from qkv.integrations.transformers_edits import KEPT
+
+    model, _, batch = minilm
+    other = copy.deepcopy(model)
+    with qkv.hooks(other, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_z", zero_head)], reset_hooks_end=False):
+        pass
+    assert len(KEPT) == 1
+    del other
+    gc.collect()
+    assert KEPT == []  # its layers' ids may name other modules from now on

@@ -64,7 +64,7 @@ HOOKS = ("attn_scores", "pattern", "z")
 OPTIONAL = ("result",)
 
 
-@dataclass
+@dataclass(eq=False)  # sessions are told apart by identity (two blocks with the same hooks are two)
 class _Session:
     """One ``qkv.edit`` or ``qkv.record`` block: the model's attention modules and what to do in them."""
 

@@ -78,6 +78,8 @@ def hooks(model: torch.nn.Module, fwd_hooks: Sequence = (), bwd_hooks: Sequence 
                 session.hooks.setdefault(layer, []).append((direction, point, hook_point, fn))
     if not reset_hooks_end:
         KEPT.append(session)
+        # the session names the layers by id(module): once the model is freed an id may name another module
+        weakref.finalize(model, _forget, session)
         yield model
         return
     try:
@@ -116,6 +118,13 @@ def run_with_hooks(model: torch.nn.Module, *model_args, fwd_hooks: Sequence = ()
                       "`with qkv.hooks(model, bwd_hooks=...)` around the forward and the backward", stacklevel=2)  # fmt: skip
     with hooks(model, fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
         return model(*model_args, **model_kwargs)
+
+
+def _forget(session: _Session) -> None:
+    """Drop a kept ``session`` (its model is being freed)."""
+    session.open = False
+    if session in KEPT:
+        KEPT.remove(session)
 
 
 def _clear_contexts(model: torch.nn.Module) -> None:
