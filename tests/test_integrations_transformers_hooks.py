@@ -20,8 +20,7 @@ import torch
 
 import qkv
 from qkv.edits import AblateHeads, PatchPattern
-from qkv.integrations import packaged
-from packaged_models import minilm_folder
+from packaged_models import minilm_pair, smollm2_pair
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 LAYER, HEAD = 3, 5
@@ -29,37 +28,20 @@ TOL = dict(atol=1e-9, rtol=0)  # float64 throughout
 SENTENCES = ["The cat sat on the mat.", "A longer sentence, so that the first one is padded on the right."]
 
 if HAS_TRANSFORMERS:
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.models.bert import modeling_bert
     from transformers.models.llama import modeling_llama
-
-    from qkv.integrations.transformers import register
-
-    register()
 
 
 @pytest.fixture(scope="module")
 def minilm():
-    folder = minilm_folder()
-    model = AutoModel.from_pretrained(folder, attn_implementation="qkv").eval().double()
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return model, eager, tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    model, eager, folder = minilm_pair()
+    return model, eager, AutoTokenizer.from_pretrained(folder)(SENTENCES, padding=True, return_tensors="pt")
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if not HAS_TRANSFORMERS or any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate")) or packaged.smollm2() is None:
-        pytest.skip("transformers, gguf, accelerate or the packaged SmolLM2-135M-Instruct missing")
-    from transformers import AutoModelForCausalLM
-
-    folder, gguf_file = packaged.smollm2()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, attn_implementation="qkv", dtype=torch.float32)
-    model = model.eval().double()
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    return model, eager
+    return smollm2_pair()
 
 
 class Point(torch.nn.Module):
