@@ -127,16 +127,17 @@ def test_a_row_that_sees_no_key_has_a_zero_gradient_not_nan():
     assert bool(delta.grad.isfinite().all()) and bool(q.grad.isfinite().all())
 
 
-def test_dropout_acts_after_the_pattern_hook_and_returned_weights_are_before_it():
+def test_dropout_acts_before_the_pattern_hook_as_in_transformer_lens_bridge():
     q, k, v = tensors()
     seen = []
     found = hooked("pattern", fn=lambda p, hook: seen.append(p.clone()))
     torch.manual_seed(0)
     (out, weights), _, _ = attention(Call(q, k, v, dict(dropout=0.5, return_weights=True)), (), found)
-    want = qkv.attention_weights(q, k)
-    torch.testing.assert_close(weights, want, **TOL)  # as qkv.attention returns them: before dropout
-    torch.testing.assert_close(seen[0], want, **TOL)
-    assert (out - qkv.attention(q, k, v)).abs().max() > 1e-3  # dropout acted on the output
+    torch.manual_seed(0)
+    dropped = torch.nn.functional.dropout(qkv.attention_weights(q, k), 0.5, training=True)
+    torch.testing.assert_close(seen[0], dropped, **TOL)  # the hook sees the weights after dropout
+    torch.testing.assert_close(weights, dropped, **TOL)  # and they are returned, as transformers' eager returns them
+    torch.testing.assert_close(out, dropped @ v.repeat_interleave(H // G, dim=1), **TOL)
 
 
 def test_return_lse_is_refused_where_hooks_change_scores_or_pattern():

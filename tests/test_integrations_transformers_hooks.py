@@ -474,14 +474,132 @@ def test_hooks_kept_after_the_block_until_reset_hooks(minilm):
 
 def test_hooks_kept_on_a_model_go_with_it(minilm):
     import gc
+    import weakref
 
     from qkv.integrations.transformers_edits import KEPT
 
     model, _, batch = minilm
     other = copy.deepcopy(model)
-    with qkv.hooks(other, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_z", zero_head)], reset_hooks_end=False):
+    captured = torch.zeros(3)
+    probe = weakref.ref(captured)
+    with qkv.hooks(other, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_z", lambda z, hook, t=captured, m=other: None)],
+                   reset_hooks_end=False):  # fmt: skip
         pass
     assert len(KEPT) == 1
-    del other
+    del other, captured
     gc.collect()
-    assert KEPT == []  # its layers' ids may name other modules from now on
+    assert len(KEPT) == 0 and probe() is None  # the model, its kept hooks and what they hold: freed together
+    kept = torch.zeros(3)
+    probe = weakref.ref(kept)
+    for _ in range(3):
+        qkv.run_with_hooks(model, **batch, fwd_hooks=[(f"blocks.{LAYER}.attn.hook_z", lambda z, hook, t=kept: None)],
+                           reset_hooks_end=False)  # fmt: skip
+        qkv.reset_hooks(model)
+    del kept
+    gc.collect()
+    assert len(KEPT) == 0 and probe() is None  # reset_hooks lets go of them
+
+
+def test_hooks_run_in_the_order_they_were_added(minilm):
+    model, _, batch = minilm
+    name, order = f"blocks.{LAYER}.attn.hook_z", []
+    try:
+        with qkv.hooks(model, fwd_hooks=[(name, lambda z, hook: order.append("outer"))]):
+            with qkv.hooks(model, fwd_hooks=[(name, lambda z, hook: order.append("kept"))], reset_hooks_end=False):
+                hidden(model, batch)
+            hidden(model, batch)
+        hidden(model, batch)
+    finally:
+        qkv.reset_hooks(model)
+    assert order == ["outer", "kept", "outer", "kept", "kept"]
+
+
+def test_reset_hooks_removes_every_hook_and_clears_contexts(minilm):
+    model, _, batch = minilm
+    name, fired = f"blocks.{LAYER}.attn.hook_z", []
+
+    def count(z, hook):
+        fired.append(hook.name)
+        hook.ctx["n"] = hook.ctx.get("n", 0) + 1
+
+    with qkv.hooks(model, fwd_hooks=[(name, count)]):
+        hidden(model, batch)
+        qkv.reset_hooks(model)  # as TransformerLens', the open block's hooks too
+        hidden(model, batch)
+    assert fired == [name]
+    seen = []
+    qkv.run_with_hooks(model, **batch, fwd_hooks=[(name, lambda z, hook: seen.append(dict(hook.ctx)))])
+    assert seen == [{}]  # contexts cleared, as TransformerLens' reset_hooks does by default
+    qkv.run_with_hooks(model, **batch, fwd_hooks=[(name, count)], reset_hooks_end=False)
+    model.set_attn_implementation("eager")
+    try:
+        qkv.reset_hooks(model)  # whatever the model runs now
+    finally:
+        model.set_attn_implementation("qkv")
+    hidden(model, batch)
+    assert fired == [name, name]
+
+
+def test_cache_keys_and_methods_as_transformer_lens_activation_cache(minilm):
+    model, _, batch = minilm
+    _, cache = qkv.run_with_cache(model, **batch)
+    full = cache["blocks.0.attn.hook_pattern"]
+    for key in ("pattern0", ("pattern", 0, "attn"), ("pattern", 0, "a"), ("attn", 0), ("pattern", -6), "attn0"):
+        assert cache[key] is full, key
+    assert cache["key", 2] is cache["k2"] is cache["blocks.2.attn.hook_k"] and cache["value", 1] is cache["v1a"]
+    assert cache["query", 0] is cache["blocks.0.attn.hook_q"]
+    with pytest.raises(KeyError, match="not attention's"):
+        cache["pattern", 0, "mlp"]
+    with pytest.raises(KeyError, match="resid_pre"):
+        cache["resid_pre", 0]
+    stacked = cache.stack_activation("pattern")
+    assert stacked.shape == (6, *full.shape) and stacked[4] is not None and bool((stacked[2] == cache["pattern", 2]).all())
+    assert cache.stack_activation("z", layer=2).shape[0] == 2
+    assert cache.to("cpu") is cache
+    with pytest.raises(ValueError, match="needs a batch of one"):
+        cache.remove_batch_dim()
+    _, one = qkv.run_with_cache(model, **{k: v[:1] for k, v in batch.items()}, names_filter="blocks.0.attn.hook_z")
+    assert one.remove_batch_dim()["z", 0].dim() == 3
+
+
+def test_names_filter_lists_leave_out_names_qkv_has_no_point_for(minilm):
+    model, _, batch = minilm
+    names = ["blocks.0.attn.hook_pattern", "blocks.0.hook_resid_post", "blocks.1.mlp.hook_post"]
+    _, cache = qkv.run_with_cache(model, **batch, names_filter=names)
+    assert list(cache) == ["blocks.0.attn.hook_pattern"]  # as TransformerLens' bridge: the others left out
+    with pytest.raises(KeyError, match="blocks.0.hook_resid_post' is not a hook point"):
+        qkv.run_with_cache(model, **batch, names_filter=names[1:])  # none of them: said, not an empty cache
+
+
+def test_kept_caching_hooks_move_and_unbatch_every_run(minilm):
+    model, _, batch = minilm
+    one = {k: v[:1] for k, v in batch.items()}
+    try:
+        _, cache = qkv.run_with_cache(model, **one, names_filter="blocks.0.attn.hook_z", device="cpu",
+                                      remove_batch_dim=True, reset_hooks_end=False)  # fmt: skip
+        first = cache["z", 0]
+        hidden(model, one)
+        assert cache["z", 0] is not first and cache["z", 0].shape == first.shape == (one["input_ids"].shape[1], 12, 32)
+    finally:
+        qkv.reset_hooks(model)
+
+
+def test_cross_attention_and_rotary_are_told_apart():
+    from transformers.models.bert import modeling_bert as bert
+    from transformers.models.detr import modeling_detr as detr
+    from transformers.models.gemma4 import modeling_gemma4 as gemma4
+    from transformers.models.parakeet import modeling_parakeet as parakeet
+
+    from qkv.integrations.transformers_edits import _crosses
+    from qkv.integrations.transformers_hooks import _rotates
+
+    assert _rotates(modeling_llama.LlamaAttention) and _rotates(gemma4.Gemma4VisionAttention)
+    assert not _rotates(bert.BertSelfAttention) and not _rotates(detr.DetrSelfAttention)
+    assert not _rotates(parakeet.ParakeetEncoderAttention)  # relative positions, not a rotation
+
+    class MllamaTextCrossAttention(torch.nn.Module):
+        pass
+
+    marked = torch.nn.Module()
+    marked.is_cross_attention = True
+    assert _crosses(MllamaTextCrossAttention()) and _crosses(marked) and not _crosses(torch.nn.Module())

@@ -149,8 +149,9 @@ def attention(call: Call, edits: Sequence[Edit], hooked: Hooked):
 def _composed(call: Call, edits: Sequence[Edit], hooked: Hooked, seen: dict):
     """The call as TransformerLens composes it, with hooks on its scores and pattern: ``(result, call)``.
 
-    Dropout (a model in training) acts after the pattern hook, so the hook, the returned weights
-    and a patch's rows see the weights before it, as ``qkv.attention`` returns them.
+    Dropout (a model in training) acts before the pattern hook, as in TransformerLens' bridge:
+    the hook and the returned weights see the weights after it, as transformers' eager returns
+    them (``qkv.attention`` returns them before).
     """
     if call.options.get("return_lse"):
         raise ValueError("return_lse: the log-sum-exp of hooked scores or a hooked pattern describes neither; "
@@ -169,13 +170,12 @@ def _composed(call: Call, edits: Sequence[Edit], hooked: Hooked, seen: dict):
     pattern = torch.where(pattern.isnan(), 0.0, pattern)  # a NaN a hook put in the scores: 0, as TransformerLens
     for edit in edits:
         pattern = edit.weights(call, pattern, None, None)
+    if options.get("dropout", 0.0) > 0:
+        pattern = torch.nn.functional.dropout(pattern, options["dropout"], training=True)
     pattern = hooked.fire("pattern", pattern)
     seen.update(attn_scores=scores, pattern=pattern)
-    used = pattern
-    if options.get("dropout", 0.0) > 0:
-        used = torch.nn.functional.dropout(pattern, options["dropout"], training=True)
     v = call.v.repeat_interleave(call.heads // call.kv_heads, dim=-3)  # (..., h, j, e): head n reads KV head n // (h/g)
-    out = used.to(v.dtype) @ v  # (..., h, i, e)
+    out = pattern.to(v.dtype) @ v  # (..., h, i, e)
     for edit in edits:  # in order, as on the engines; a patch recomputes its rows from the pattern as hooked
         out = edit.with_weights(call, pattern).finish(call, out)
     if not options.get("return_weights"):

@@ -42,6 +42,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
+import weakref
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -56,6 +58,7 @@ from ..edits.apply import edited
 from ..edits.base import Call, Edit, as_edits, check_selection, indices
 from ..edits.hook_points import HookPoint, Hooked
 from ..functional import attention
+from .lens_names import entry_name
 
 #: What ``qkv.record`` can build, TransformerLens' hook names.
 HOOKS = ("attn_scores", "pattern", "z")
@@ -73,12 +76,14 @@ class _Session:
     recording: Recording | None = None
     hooks: dict[int, list[tuple[str, str, HookPoint, Callable]]] = field(default_factory=dict)  # layer -> (dir, point, ...)
     open: bool = True  # False once the block has ended: its backward hooks fire no more
+    order: int = field(default_factory=itertools.count().__next__)  # sessions run in the order they were made
 
 
 _ACTIVE: ContextVar[tuple[_Session, ...]] = ContextVar("qkv_transformers_edits", default=())
-#: Hook sessions kept after their block (``qkv.hooks(..., reset_hooks_end=False)``) until ``qkv.reset_hooks``: on the
-#: model, as TransformerLens keeps hooks on its modules, so every thread sees them.
-KEPT: list[_Session] = []
+#: Hook sessions kept after their block (``qkv.hooks(..., reset_hooks_end=False)``) until ``qkv.reset_hooks``, seen by
+#: every thread, as TransformerLens keeps hooks on its modules. The model holds them (``transformers_hooks``); this set
+#: only finds them, so a model and the hooks kept on it are freed together.
+KEPT: weakref.WeakSet = weakref.WeakSet()
 
 
 class Recording(Mapping):
@@ -87,8 +92,10 @@ class Recording(Mapping):
     ``heads`` and ``rows`` are the chosen indices (None: all) that the head and row axes of
     every entry follow. ``hooks`` names what each layer records: one tuple for all, or
     ``{layer: tuple}``. As TransformerLens' ``ActivationCache``, an entry is also found by
-    ``(name, layer)``: ``rec["pattern", 3]`` (``"attn"`` for the pattern, ``"attn_logits"`` for
-    the scores; a negative layer counts from the model's last attention layer).
+    ``(name, layer)``, ``(name, layer, "attn")`` or a shorthand: ``rec["pattern", 3]``,
+    ``rec["pattern3"]`` (its aliases, a negative layer counting from the model's last attention
+    layer: ``lens_names``), and :meth:`to`, :meth:`remove_batch_dim` and
+    :meth:`stack_activation` are its methods.
     """
 
     def __init__(self, layers: set[int], heads, rows, hooks: tuple[str, ...] | dict[int, tuple[str, ...]],
@@ -98,21 +105,30 @@ class Recording(Mapping):
         self._entries: dict[str, Tensor] = {}
 
     def __getitem__(self, key: str | tuple) -> Tensor:
-        if isinstance(key, tuple):
-            key = self._named(key)
+        if not (isinstance(key, str) and key in self._entries):
+            key = entry_name(key, self._known)
         try:
             return self._entries[key]
         except KeyError:
             raise KeyError(f"{key!r}: not recorded; recorded are {sorted(self._entries)}") from None
 
-    def _named(self, key: tuple) -> str:
-        """``(name, layer)`` as the entry's name, TransformerLens' ``get_act_name`` for attention's hooks."""
-        if len(key) != 2 or not isinstance(key[0], str) or isinstance(key[1], bool) or not isinstance(key[1], int):
-            raise KeyError(f"{key!r}: expected a name or (name, layer), e.g. ('pattern', 3)")
-        name, layer = key
-        name = {"attn": "pattern", "attn_logits": "attn_scores"}.get(name, name)
-        layer = _layer(layer, self._known) if self._known else layer
-        return f"blocks.{layer}.attn.hook_{name}"
+    def to(self, device) -> Recording:
+        """Every entry moved to ``device``; returns the recording (TransformerLens' ``ActivationCache.to``)."""
+        self._entries = {name: x.to(device) for name, x in self._entries.items()}
+        return self
+
+    def remove_batch_dim(self) -> Recording:
+        """Every entry without its batch dim of 1; returns the recording (a batch of more than one is an error)."""
+        wide = {name: tuple(x.shape) for name, x in self._entries.items() if x.dim() == 0 or x.shape[0] != 1}
+        if wide:
+            raise ValueError(f"remove_batch_dim: needs a batch of one, got {wide}")
+        self._entries = {name: x[0] for name, x in self._entries.items()}
+        return self
+
+    def stack_activation(self, name: str, layer: int = -1) -> Tensor:
+        """``(layers, ...)``: entry ``name`` of every attention layer before ``layer`` (-1 or None: every one), stacked."""
+        chosen = self._known if layer in (-1, None) else [x for x in self._known if x < layer]
+        return torch.stack([self[(name, x)] for x in chosen])
 
     def put(self, name: str, tensor: Tensor) -> None:
         """Keep ``tensor`` as entry ``name`` (``qkv.run_with_cache``'s hook functions fill a recording so)."""
@@ -157,7 +173,7 @@ def runner(module: torch.nn.Module):
     sessions = _ACTIVE.get()
     if not sessions and not KEPT:
         return attention
-    mine = tuple(s for s in (*KEPT, *sessions) if id(module) in s.layers)  # kept hooks were added first
+    mine = tuple(sorted((s for s in (*KEPT, *sessions) if id(module) in s.layers), key=lambda s: s.order))
     return functools.partial(_run, mine[0].layers[id(module)], mine, module) if mine else attention
 
 
@@ -182,7 +198,7 @@ def _run(layer: int, sessions: tuple[_Session, ...], module, q: Tensor, k: Tenso
         for direction, point, hook_point, fn in session.hooks.get(layer, ()):
             hooked.add(direction, point, hook_point, fn, functools.partial(getattr, session, "open"))
     if q.shape[-2] < k.shape[-2]:  # keys before this call's queries: a KV cache (the layers here are self-attention)
-        if hooked.at("k") or hooked.at("v"):
+        if (hooked.at("k") or hooked.at("v")) and not _crosses(module):
             raise ValueError(
                 f"hooks: layer {layer}'s keys and values before this call's {q.shape[-2]} queries come from the KV cache, "
                 "which holds them as computed, not as a hook on hook_k (hook_rot_k) or hook_v changed them (TransformerLens hooks each "
@@ -261,6 +277,12 @@ def _active(session: _Session) -> Iterator[None]:
     finally:
         session.open = False
         _ACTIVE.set(tuple(s for s in _ACTIVE.get() if s is not session))
+
+
+def _crosses(module: torch.nn.Module | None) -> bool:
+    """Whether ``module`` is a cross-attention layer (its keys another sequence's, not a cache's): transformers marks
+    them ``is_cross_attention`` or names them so (Mllama's ``MllamaTextCrossAttention``)."""
+    return bool(getattr(module, "is_cross_attention", False)) or "crossattention" in type(module).__name__.lower()
 
 
 def _chosen(full: Tensor, heads: Tensor | None, rows: Tensor | None) -> Tensor:

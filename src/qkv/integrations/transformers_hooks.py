@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
 import warnings
 import weakref
 from typing import Callable, Iterator, Sequence
@@ -46,11 +47,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..edits.hook_points import POINTS, HookPoint
-from .transformers_edits import KEPT, Recording, _active, _attention_layers, _Session
+from .transformers_edits import _ACTIVE, KEPT, Recording, _active, _attention_layers, _Session
 
 
 #: Each model's hook points, one object per name, so that a point's ``ctx`` lasts from one block to the next.
 _POINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: The attribute of a model that holds the hook sessions kept on it (``reset_hooks_end=False``).
+_KEPT_ON_MODEL = "_qkv_kept_hooks"
 
 
 @contextlib.contextmanager
@@ -63,8 +66,8 @@ def hooks(model: torch.nn.Module, fwd_hooks: Sequence = (), bwd_hooks: Sequence 
     no backward hook), unless ``reset_hooks_end=False``, which keeps them on the model, for
     every thread, until :func:`reset_hooks`; ``clear_contexts`` empties every hook point's
     ``ctx`` when they are removed. Blocks nest with each other and with ``qkv.edit`` and
-    ``qkv.record``: at each point hooks kept on the model run first, then an outer block's,
-    edits apply before hooks, and recordings show what the hooks left.
+    ``qkv.record``: at each point hooks run in the order they were added, edits apply before
+    hooks, and recordings show what the hooks left.
     """
     found = _attention_layers(model, "hooks")
     names = hook_names(model, found)
@@ -77,9 +80,9 @@ def hooks(model: torch.nn.Module, fwd_hooks: Sequence = (), bwd_hooks: Sequence 
                 hook_point = points.setdefault(chosen, HookPoint(chosen))
                 session.hooks.setdefault(layer, []).append((direction, point, hook_point, fn))
     if not reset_hooks_end:
-        KEPT.append(session)
-        # the session names the layers by id(module): once the model is freed an id may name another module
-        weakref.finalize(model, _forget, session)
+        # held by the model, found through KEPT: freed with the model, whose layers' ids the session names
+        vars(model).setdefault(_KEPT_ON_MODEL, []).append(session)
+        KEPT.add(session)
         yield model
         return
     try:
@@ -90,16 +93,21 @@ def hooks(model: torch.nn.Module, fwd_hooks: Sequence = (), bwd_hooks: Sequence 
             _clear_contexts(model)
 
 
-def reset_hooks(model: torch.nn.Module, clear_contexts: bool = False) -> None:
-    """Remove the hooks kept on ``model`` by ``hooks(..., reset_hooks_end=False)`` (TransformerLens' ``reset_hooks``).
+def reset_hooks(model: torch.nn.Module, clear_contexts: bool = True) -> None:
+    """Remove every hook on ``model`` (TransformerLens' ``reset_hooks``): those kept by ``reset_hooks_end=False``, and
+    those of ``qkv.hooks`` blocks open in this thread, whose backward hooks fire no more either.
 
-    Blocks still open keep theirs until they end. ``clear_contexts`` also empties every hook
-    point's ``ctx``.
+    ``clear_contexts`` (True, as TransformerLens') also empties every hook point's ``ctx``.
     """
-    layers = set(_attention_layers(model, "reset_hooks"))
-    for session in [s for s in KEPT if set(s.layers) == layers]:
-        session.open = False  # its backward hooks fire no more
-        KEPT.remove(session)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"reset_hooks: expected a transformers model (a torch.nn.Module), got {type(model).__name__}")
+    for session in vars(model).pop(_KEPT_ON_MODEL, []):
+        session.open = False
+        KEPT.discard(session)
+    modules = {id(m) for m in model.modules()}
+    for session in _ACTIVE.get():
+        if session.hooks and set(session.layers) <= modules:
+            session.hooks, session.open = {}, False
     if clear_contexts:
         _clear_contexts(model)
 
@@ -118,13 +126,6 @@ def run_with_hooks(model: torch.nn.Module, *model_args, fwd_hooks: Sequence = ()
                       "`with qkv.hooks(model, bwd_hooks=...)` around the forward and the backward", stacklevel=2)  # fmt: skip
     with hooks(model, fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
         return model(*model_args, **model_kwargs)
-
-
-def _forget(session: _Session) -> None:
-    """Drop a kept ``session`` (its model is being freed)."""
-    session.open = False
-    if session in KEPT:
-        KEPT.remove(session)
 
 
 def _clear_contexts(model: torch.nn.Module) -> None:
@@ -155,19 +156,26 @@ def run_with_cache(model: torch.nn.Module, *model_args, names_filter=None, devic
     found = _attention_layers(model, "run_with_cache")
     known = sorted(set(found.values()))
     names = hook_names(model, found)
-    given = [names_filter] if names_filter is None or not isinstance(names_filter, (list, tuple)) else names_filter
-    chosen = list(names) if names_filter is None else [n for g in given for n in _matching(g, names, "names_filter")]
+    if names_filter is None:
+        chosen = list(names)
+    elif isinstance(names_filter, (list, tuple)):  # as TransformerLens, names it has no point for are left out,
+        chosen = [n for n in names_filter if n in names]  # unless none is one of its points
+        if names_filter and not chosen:
+            _matching(names_filter[0], names, "names_filter")  # the KeyError that says what qkv offers
+    else:
+        chosen = _matching(names_filter, names, "names_filter")
     cache = Recording(set(), None, None, (), known)
-    keep = lambda tensor, hook: cache.put(hook.name, tensor.detach())  # noqa: E731
-    with hooks(model, [(name, keep) for name in dict.fromkeys(chosen)], (), reset_hooks_end, clear_contexts):
-        out = model(*model_args, **model_kwargs)
-    for name in list(cache):
-        tensor = cache[name] if device is None else cache[name].to(device)
+
+    def keep(tensor, hook):  # as each forward reaches the point, so the cache is on ``device`` from the start
+        tensor = tensor.detach() if device is None else tensor.detach().to(device)
         if remove_batch_dim:
             if tensor.shape[0] != 1:
-                raise ValueError(f"run_with_cache: remove_batch_dim needs a batch of one, got {name} of shape {tuple(tensor.shape)}")
+                raise ValueError(f"run_with_cache: remove_batch_dim needs a batch of one, got {hook.name} of shape {tuple(tensor.shape)}")
             tensor = tensor[0]
-        cache.put(name, tensor)
+        cache.put(hook.name, tensor)
+
+    with hooks(model, [(name, keep) for name in dict.fromkeys(chosen)], (), reset_hooks_end, clear_contexts):
+        out = model(*model_args, **model_kwargs)
     return out, cache
 
 
@@ -209,12 +217,14 @@ def hook_names(model: torch.nn.Module, found: dict[int, int]) -> dict[str, tuple
 
 @functools.cache
 def _rotates(cls: type) -> bool | None:
-    """Whether ``cls.forward`` rotates queries and keys before the attention function; None where unreadable."""
+    """Whether ``cls.forward`` rotates queries and keys before the attention function (it calls an ``apply_…rotary…``
+    or ``apply_…rope…`` function: Llama's ``apply_rotary_pos_emb``, Gemma 4's ``apply_multidimensional_rope``; DETR's
+    additive ``position_embeddings`` are not a rotation); None where its source is unreadable."""
     try:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return None
-    return "position_embeddings" in inspect.signature(cls.forward).parameters or "rotary" in source or "rope" in source.lower()
+    return re.search(r"apply_\w*(rotary|rope)", source) is not None
 
 
 def _matching(name, names: dict, argument: str) -> list[str]:
