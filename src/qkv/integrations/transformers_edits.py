@@ -173,8 +173,14 @@ def runner(module: torch.nn.Module):
     sessions = _ACTIVE.get()
     if not sessions and not KEPT:
         return attention
-    mine = tuple(sorted((s for s in (*KEPT, *sessions) if id(module) in s.layers), key=lambda s: s.order))
-    return functools.partial(_run, mine[0].layers[id(module)], mine, module) if mine else attention
+    found = [s for s in (*KEPT, *sessions) if id(module) in s.layers]
+    if not found:
+        return attention
+    layer = found[0].layers[id(module)]
+    # only the blocks with something for this layer: the others' layers keep the plain call (a decoding step's door)
+    mine = tuple(sorted((s for s in found if layer in s.edits or layer in s.hooks or
+                         (s.recording is not None and layer in s.recording.layers)), key=lambda s: s.order))  # fmt: skip
+    return functools.partial(_run, layer, mine, module) if mine else attention
 
 
 def output_weight(module: torch.nn.Module | None) -> Tensor:
