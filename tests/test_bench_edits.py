@@ -16,4 +16,5 @@ def test_quick_section_measures_memory_and_time():
     text = edits.section(True, said.append)
     assert "recording 2 heads of one layer" in text and "ablating 2 heads in 3 layers" in text
     assert "hook_z hook functions (qkv.hooks)" in text and "one layer's hook_pattern: time / eager" in text
+    assert "every layer's hook_pattern: time / eager with output_attentions" in text
     assert any(line.startswith("  memory:") for line in said)

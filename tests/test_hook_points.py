@@ -146,3 +146,25 @@ def test_return_lse_is_refused_where_hooks_change_scores_or_pattern():
         attention(Call(q, k, v, dict(return_lse=True)), (), hooked("pattern"))
     got, _, _ = attention(Call(q, k, v, dict(return_lse=True)), (), hooked("z"))  # the engines' lse, z hooked
     torch.testing.assert_close(got[1], qkv.attention(q, k, v, return_lse=True)[1], **TOL)
+
+
+@pytest.mark.parametrize("mod", [None, qkv.SoftCap(2.0), lambda s, b, h, i, j: torch.tanh(s)], ids=["none", "softcap", "tanh"])
+def test_composed_gradients_equal_the_engines(mod):
+    q, k, v = (t.requires_grad_() for t in tensors())
+    options = dict(mask=qkv.masks.causal(), score_mod=mod)
+    got, _, _ = attention(Call(q, k, v, dict(options)), (), hooked("pattern"))
+    weight = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ours = torch.autograd.grad((got * weight).sum(), (q, k, v))
+    theirs = torch.autograd.grad((qkv.attention(q, k, v, **options) * weight).sum(), (q, k, v))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_a_16_bit_calls_scores_and_pattern_are_hooked_in_its_dtype():
+    q, k, v = (t.to(torch.bfloat16) for t in tensors())
+    seen = {}
+    found = hooked("attn_scores", "pattern", fn=lambda t, hook: seen.update({hook.name: t.dtype}))
+    out, _, _ = attention(Call(q, k, v, dict(mask=qkv.masks.causal())), (), found)
+    assert set(seen.values()) == {torch.bfloat16} and out.dtype == torch.bfloat16  # as TransformerLens' bridge
+    want = qkv.attention(q.double(), k.double(), v.double(), mask=qkv.masks.causal())
+    assert (out.double() - want).abs().max() < 0.05

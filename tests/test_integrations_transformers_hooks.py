@@ -603,3 +603,20 @@ def test_cross_attention_and_rotary_are_told_apart():
     marked = torch.nn.Module()
     marked.is_cross_attention = True
     assert _crosses(MllamaTextCrossAttention()) and _crosses(marked) and not _crosses(torch.nn.Module())
+
+
+def test_hooked_transformer_keywords_and_names_are_answered(minilm):
+    from qkv.integrations.lens_names import get_act_name
+
+    model, _, batch = minilm
+    with pytest.raises(TypeError, match="return_type is TransformerLens' HookedTransformer's.*logits"):
+        qkv.run_with_hooks(model, **batch, return_type="loss")
+    with pytest.raises(TypeError, match="prepend_bos"):
+        qkv.run_with_cache(model, **batch, prepend_bos=True)
+    assert get_act_name("pattern", 3) == "blocks.3.attn.hook_pattern" == get_act_name("attn3")
+    assert get_act_name("k", 6, "a") == "blocks.6.attn.hook_k" and get_act_name("blocks.1.attn.hook_z") == "blocks.1.attn.hook_z"
+    with pytest.raises(KeyError, match="'resid_pre' is not an attention point"):
+        get_act_name("resid_pre", 2)
+    seen = []
+    qkv.run_with_hooks(model, **batch, fwd_hooks=[(get_act_name("z", 2), lambda z, hook: seen.append(hook.name))])
+    assert seen == ["blocks.2.attn.hook_z"]

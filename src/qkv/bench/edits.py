@@ -14,9 +14,11 @@ The packaged SmolLM2-135M-Instruct (transformers, gguf and accelerate needed), i
 * **time** at ``n = 1024``, interleaved: a plain qkv forward; the same with two heads of each
   of three layers ablated (``AblateHeads``); the same ablation written as TransformerLens hook
   functions on ``hook_z`` (``qkv.hooks``); a hook function on one layer's ``hook_pattern``
-  (that layer composed with its ``(h, n, n)`` map); and eager attention, which composes every
-  layer so (as TransformerLens does). Targets: the ablations ≤ 1.1× the plain run; the pattern
-  hook ≤ 1.0× eager.
+  (that layer composed with its ``(h, n, n)`` map) and on every layer's; eager attention, which
+  composes every layer so (as TransformerLens does), and with ``output_attentions=True``, which
+  keeps every layer's weights as a hook on every pattern sees them. Targets: the ablations ≤
+  1.1× the plain run; the one-layer pattern hook ≤ 1.0× eager; every layer's ≤ 1.0× eager with
+  its weights.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
 
     z_hooks = [(f"blocks.{layer}.attn.hook_z", zero_heads) for layer in ABLATED_LAYERS]
     pattern_hooks = [(f"blocks.{LAYER}.attn.hook_pattern", lambda p, hook: None)]
+    every_pattern = [(lambda name: name.endswith("hook_pattern"), lambda p, hook: None)]
     eager = _model("eager")
 
     def hooked(hooks):
@@ -132,12 +135,16 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
 
         return run
 
-    def composed_everywhere():
-        with torch.no_grad():
-            return eager(ids)
+    def composed_everywhere(weights: bool):
+        def run():
+            with torch.no_grad():
+                return eager(ids, output_attentions=weights)
+
+        return run
 
     runs = {"plain": plain, "ablated": ablated, "hook_z ablation": hooked(z_hooks), "hook_pattern, one layer": hooked(pattern_hooks),
-            "eager": composed_everywhere}  # fmt: skip
+            "hook_pattern, every layer": hooked(every_pattern), "eager": composed_everywhere(False),
+            "eager, output_attentions": composed_everywhere(True)}  # fmt: skip
     t = interleaved(runs, cfg["repeats"])
     say(f"  time at {cfg['time_tokens']} tokens: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items()))
     targets.add(f"ablating 2 heads in 3 layers at {cfg['time_tokens']} tokens: time / a plain qkv run ≤ 1.1", t["ablated"] / t["plain"], 1.1)
@@ -145,9 +152,11 @@ def section(quick: bool, say: Callable[[str], None]) -> str:
                 t["hook_z ablation"] / t["plain"], 1.1)  # fmt: skip
     targets.add("a hook function on one layer's hook_pattern: time / eager attention ≤ 1.0",
                 t["hook_pattern, one layer"] / t["eager"], 1.0)  # fmt: skip
+    targets.add("a hook function on every layer's hook_pattern: time / eager with output_attentions ≤ 1.0",
+                t["hook_pattern, every layer"] / t["eager, output_attentions"], 1.0)  # fmt: skip
     lines = head + [f"SmolLM2-135M-Instruct's base model, float32, no_grad; layer {LAYER}, heads {HEADS} recorded; "
                     f"heads {HEADS} of layers {ABLATED_LAYERS} ablated (by qkv.edit, and by hook functions on hook_z); "
-                    f"an idle hook function on layer {LAYER}'s hook_pattern.", ""]  # fmt: skip
+                    f"an idle hook function on layer {LAYER}'s hook_pattern, and on every layer's.", ""]  # fmt: skip
     lines += table(["case", f"peak above the loaded model, {n} tokens"],
                    [[k, f"{v['extra'] / 2**20:.0f} MiB"] for k, v in mem.items()]) + [""]  # fmt: skip
     lines += table(["case", f"ms at {cfg['time_tokens']} tokens"], [[k, f"{v * 1e3:.0f}"] for k, v in t.items()]) + [""]

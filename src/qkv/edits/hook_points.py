@@ -159,23 +159,31 @@ def _composed(call: Call, edits: Sequence[Edit], hooked: Hooked, seen: dict):
     for edit in edits:
         call = edit.prepare(call)
     options = call.options
-    scores = hooked.fire("attn_scores", recorded.scores(call, None, None))  # (..., h, i, j), float32 at least
+    # (..., h, i, j): computed in float32 at least, hooked in the call's dtype (a 16-bit model's, as TransformerLens'
+    # bridge hands them over), the softmax again in float32 at least
+    scores = hooked.fire("attn_scores", recorded.scores(call, None, None).to(call.q.dtype))
     sinks = options.get("sinks")
-    if sinks is None:  # a row that sees no key: 0, as TransformerLens sets it, with a zero gradient (not NaN)
-        empty = scores.isneginf().all(dim=-1, keepdim=True)
-        pattern = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    logits = scores.float() if scores.dtype.itemsize < 4 else scores  # the softmax in float32 at least
+    if sinks is None:
+        empty = logits.amax(dim=-1, keepdim=True) == float("-inf")  # a row that sees no key
+        if bool(empty.any()):  # 0, as TransformerLens sets it, with a zero gradient (not the softmax's NaN)
+            pattern = torch.softmax(logits.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+        else:
+            pattern = torch.softmax(logits, dim=-1)
     else:  # one more logit per row, with no value: the sink's share is dropped after the softmax
-        column = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
-        pattern = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
-    pattern = torch.where(pattern.isnan(), 0.0, pattern)  # a NaN a hook put in the scores: 0, as TransformerLens
+        column = sinks.to(logits.dtype)[:, None, None].expand(*logits.shape[:-1], 1)
+        pattern = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+    # a NaN a hook put in the scores: 0, as TransformerLens; in place where no gradient needs the softmax's output (each
+    # fresh (b, h, i, j) tensor costs its first touch of memory, as much as the softmax itself on a CPU)
+    pattern = (pattern.nan_to_num_(0.0) if not pattern.requires_grad else torch.nan_to_num(pattern, nan=0.0)).to(scores.dtype)
     for edit in edits:
         pattern = edit.weights(call, pattern, None, None)
     if options.get("dropout", 0.0) > 0:
         pattern = torch.nn.functional.dropout(pattern, options["dropout"], training=True)
     pattern = hooked.fire("pattern", pattern)
     seen.update(attn_scores=scores, pattern=pattern)
-    v = call.v.repeat_interleave(call.heads // call.kv_heads, dim=-3)  # (..., h, j, e): head n reads KV head n // (h/g)
-    out = pattern.to(v.dtype) @ v  # (..., h, i, e)
+    grouped = pattern.to(call.v.dtype).unflatten(-3, (call.kv_heads, -1))  # (..., g, h/g, i, j): head n reads KV head
+    out = (grouped @ call.v.unsqueeze(-3)).flatten(-4, -3)  # n // (h/g), no copy of v; (..., h, i, e)
     for edit in edits:  # in order, as on the engines; a patch recomputes its rows from the pattern as hooked
         out = edit.with_weights(call, pattern).finish(call, out)
     if not options.get("return_weights"):

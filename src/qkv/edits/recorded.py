@@ -76,23 +76,31 @@ def pattern(call: Call, heads: Tensor | None, rows: Tensor | None, edits: Sequen
 
 
 def scores(call: Call, heads: Tensor | None, rows: Tensor | None) -> Tensor:
-    """``(..., H, R, j)``: the masked pre-softmax logits of ``heads`` at ``rows`` (None: all); dot-product scores only."""
+    """``(..., H, R, j)``: the masked pre-softmax logits of ``heads`` at ``rows`` (None: all); dot-product scores only.
+
+    Every head and row (a hook on the scores or pattern composing the call) is one product and
+    one tile of the mask: no gathered copy of ``q`` or ``k``, no mask row by row.
+    """
     score = call.options.get("score", "scaled_dot")
     if not (score in ("dot", "scaled_dot") if isinstance(score, str) else isinstance(score, Dot)):
         raise ValueError(f"attn_scores: recorded for dot-product scores ('dot', 'scaled_dot'), got score={score!r}")
     q, k = call.q, call.k
-    heads = torch.arange(call.heads) if heads is None else heads
-    rows = torch.arange(call.rows) if rows is None else rows
     i, j, d = call.rows, k.shape[-2], q.shape[-1]
     scale = call.options.get("scale")
     if scale is None:  # the score's own default, as qkv.attention takes it
         scale = 1 / math.sqrt(d) if score == "scaled_dot" or isinstance(score, ScaledDot) else 1.0
     group = call.heads // call.kv_heads
     dev = q.device
-    q = q.index_select(-3, heads.to(dev)).index_select(-2, rows.to(dev))  # (..., H, R, d)
-    k = k.index_select(-3, (heads // group).to(dev))  # (..., H, j, d)
     dtype = torch.promote_types(q.dtype, torch.float32)  # logits accumulate in float32 at least, as the engines do
-    s = scale * (q.to(dtype) @ k.to(dtype).transpose(-1, -2))
+    if heads is None and rows is None:  # (..., g, group, i, d) against (..., g, 1, d, j): head n reads KV head n // group
+        grouped = (q.to(dtype) * scale).unflatten(-3, (call.kv_heads, group))  # the scale on i·d numbers, not i·j
+        s = (grouped @ k.to(dtype).unsqueeze(-3).transpose(-1, -2)).flatten(-4, -3)
+    else:
+        heads = torch.arange(call.heads) if heads is None else heads
+        rows = torch.arange(i) if rows is None else rows
+        q = q.index_select(-3, heads.to(dev)).index_select(-2, rows.to(dev))  # (..., H, R, d)
+        k = k.index_select(-3, (heads // group).to(dev))  # (..., H, j, d)
+        s = scale * (q.to(dtype) @ k.to(dtype).transpose(-1, -2))
     bias = call.options.get("bias")
     if bias is not None:
         if not isinstance(bias, Tensor):
@@ -102,15 +110,23 @@ def scores(call: Call, heads: Tensor | None, rows: Tensor | None) -> Tensor:
     if score_mod is not None:
         lead = s.shape[:-3]
         flat = s.reshape(-1, *s.shape[-3:])  # (b, H, R, j): a score_mod sees one batch index
-        flat = _mods.evaluate(score_mod, flat, torch.arange(flat.shape[0], device=dev), heads.to(dev), rows.to(dev), torch.arange(j, device=dev))
+        at_heads = torch.arange(call.heads, device=dev) if heads is None else heads.to(dev)
+        at_rows = torch.arange(i, device=dev) if rows is None else rows.to(dev)
+        flat = _mods.evaluate(score_mod, flat, torch.arange(flat.shape[0], device=dev), at_heads, at_rows, torch.arange(j, device=dev))
         s = flat.reshape(*lead, *flat.shape[-3:])
     mask = as_mask(call.options.get("mask"))
     if call.options.get("causal"):
         mask = causal() if mask is None else causal() & mask
     if mask is not None:
-        tiles = [mask.tile(Tile(int(r), int(r) + 1, 0, j, i, j, dev)) for r in rows]  # (..., h|1, 1, j) each
-        allowed = _heads_of(torch.cat([t.expand(*t.shape[:-2], 1, j) for t in tiles], dim=-2), heads)
-        s = s.masked_fill(~allowed, float("-inf"))
+        if rows is None:
+            allowed = mask.tile(Tile(0, i, 0, j, i, j, dev))  # (..., h|1, i, j)
+        else:
+            tiles = [mask.tile(Tile(int(r), int(r) + 1, 0, j, i, j, dev)) for r in rows]  # (..., h|1, 1, j) each
+            allowed = torch.cat([t.expand(*t.shape[:-2], 1, j) for t in tiles], dim=-2)
+        hidden = ~_heads_of(allowed, heads)
+        # in place on this function's own product or sum (a fresh (h, i, j) tensor costs its first touch of memory); not
+        # on a score_mod's output that autograd may keep (tanh keeps it)
+        s = s.masked_fill_(hidden, float("-inf")) if score_mod is None or not s.requires_grad else s.masked_fill(hidden, float("-inf"))
     return s
 
 
@@ -139,13 +155,13 @@ def result(z_rows: Tensor, heads: Tensor | None, w_o: Tensor) -> Tensor:
     return torch.einsum("...rhe,dhe->...rhd", z_rows, w.to(z_rows.dtype))
 
 
-def _heads_of(x: Tensor, heads: Tensor) -> Tensor:
-    """``x (..., h|1, R, j)`` at ``heads``; a broadcast head dim (or none) stays as it is."""
-    return x.index_select(-3, heads.to(x.device)) if x.dim() >= 3 and x.shape[-3] > 1 else x
+def _heads_of(x: Tensor, heads: Tensor | None) -> Tensor:
+    """``x (..., h|1, R, j)`` at ``heads`` (None: all); a broadcast head dim (or none) stays as it is."""
+    return x.index_select(-3, heads.to(x.device)) if heads is not None and x.dim() >= 3 and x.shape[-3] > 1 else x
 
 
-def _rows_of(bias: Tensor, heads: Tensor, rows: Tensor) -> Tensor:
-    """A bias broadcastable to ``(..., h, i, j)``, at ``heads`` and ``rows`` (broadcast dims stay 1)."""
-    if bias.dim() >= 2 and bias.shape[-2] > 1:
+def _rows_of(bias: Tensor, heads: Tensor | None, rows: Tensor | None) -> Tensor:
+    """A bias broadcastable to ``(..., h, i, j)``, at ``heads`` and ``rows`` (None: all; broadcast dims stay 1)."""
+    if rows is not None and bias.dim() >= 2 and bias.shape[-2] > 1:
         bias = bias.index_select(-2, rows.to(bias.device))
     return _heads_of(bias, heads)

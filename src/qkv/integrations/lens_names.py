@@ -18,6 +18,16 @@ from typing import Sequence
 ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "query": "q", "key": "k", "value": "v"}
 #: Layer types that mean attention (TransformerLens' ``a``, ``attention``).
 ATTENTION = (None, "", "a", "attn", "attention")
+#: The attention points qkv hooks or records (``result``: ``qkv.record``'s per-head output).
+POINTS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z", "result")
+
+
+def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
+    """TransformerLens' ``utils.get_act_name`` for attention's points: ``get_act_name("pattern", 3)`` is
+    ``"blocks.3.attn.hook_pattern"`` (``"pattern3"``, ``"k6a"`` and full names too), for ``fwd_hooks`` names."""
+    if layer is None and layer_type is None:
+        return entry_name(name, ())
+    return entry_name((name, layer) if layer_type is None else (name, layer, layer_type), ())
 
 
 def entry_name(key: object, layers: Sequence[int]) -> str:
@@ -40,4 +50,8 @@ def entry_name(key: object, layers: Sequence[int]) -> str:
         if layer < -len(layers):
             raise KeyError(f"{key!r}: the model has {len(layers)} attention layers")
         layer = layers[layer]
-    return f"blocks.{layer}.attn.hook_{ALIASES.get(name, name)}"
+    name = ALIASES.get(name, name)
+    if name not in POINTS:
+        raise KeyError(f"{key!r}: {name!r} is not an attention point; qkv hooks and records {', '.join(POINTS)} (the "
+                       "residual stream and MLPs are reached by torch's register_forward_hook on the model's modules)")
+    return f"blocks.{layer}.attn.hook_{name}"

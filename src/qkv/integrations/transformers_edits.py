@@ -292,10 +292,12 @@ def _crosses(module: torch.nn.Module | None) -> bool:
 
 
 def _chosen(full: Tensor, heads: Tensor | None, rows: Tensor | None) -> Tensor:
-    """``full (..., h, i, j)`` at ``heads`` and ``rows`` (None: all)."""
+    """``full (..., h, i, j)`` at ``heads`` and ``rows`` (None: all), float32 at least as every recording's scores and
+    pattern (hooks see a 16-bit model's in its dtype)."""
     if heads is not None:
         full = full.index_select(-3, heads.to(full.device))
-    return full if rows is None else full.index_select(-2, rows.to(full.device))
+    full = full if rows is None else full.index_select(-2, rows.to(full.device))
+    return full.to(torch.promote_types(full.dtype, torch.float32))
 
 
 def _layer(index: int, known: list[int]) -> int:

@@ -124,6 +124,7 @@ def run_with_hooks(model: torch.nn.Module, *model_args, fwd_hooks: Sequence = ()
         warnings.warn("run_with_hooks: the hooks are removed when the forward returns, before a backward pass can run, "
                       "so bwd_hooks never fire; pass reset_hooks_end=False (then qkv.reset_hooks(model)) or use "
                       "`with qkv.hooks(model, bwd_hooks=...)` around the forward and the backward", stacklevel=2)  # fmt: skip
+    _refuse_lens_keywords("run_with_hooks", model_kwargs)
     with hooks(model, fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
         return model(*model_args, **model_kwargs)
 
@@ -153,6 +154,7 @@ def run_with_cache(model: torch.nn.Module, *model_args, names_filter=None, devic
                                   "qkv.hooks' bwd_hooks, and slice positions from the cache's tensors")  # fmt: skip
     for name in ("incl_bwd", "pos_slice"):
         model_kwargs.pop(name, None)
+    _refuse_lens_keywords("run_with_cache", model_kwargs)
     found = _attention_layers(model, "run_with_cache")
     known = sorted(set(found.values()))
     names = hook_names(model, found)
@@ -177,6 +179,20 @@ def run_with_cache(model: torch.nn.Module, *model_args, names_filter=None, devic
     with hooks(model, [(name, keep) for name in dict.fromkeys(chosen)], (), reset_hooks_end, clear_contexts):
         out = model(*model_args, **model_kwargs)
     return out, cache
+
+
+#: HookedTransformer's forward keywords, which a transformers model does not take.
+_LENS_KEYWORDS = ("return_type", "loss_per_token", "prepend_bos", "padding_side", "start_at_layer", "stop_at_layer",
+                  "past_kv_cache", "shortformer_pos_embed", "tokens")  # fmt: skip
+
+
+def _refuse_lens_keywords(caller: str, model_kwargs: dict) -> None:
+    """A ``TypeError`` naming HookedTransformer's keywords in ``model_kwargs``, which would fail deep in the model."""
+    found = [name for name in _LENS_KEYWORDS if name in model_kwargs]
+    if found:
+        raise TypeError(f"{caller}: {', '.join(found)} is TransformerLens' HookedTransformer's; a transformers model takes "
+                        "input_ids (and attention_mask) and returns an output object: read .logits, or pass labels= "
+                        "for .loss")  # fmt: skip
 
 
 def _pairs(argument: str, given: Sequence) -> list[tuple[object, Callable]]:
