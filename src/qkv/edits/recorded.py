@@ -125,8 +125,8 @@ def scores(call: Call, heads: Tensor | None, rows: Tensor | None) -> Tensor:
             allowed = torch.cat([t.expand(*t.shape[:-2], 1, j) for t in tiles], dim=-2)
         hidden = ~_heads_of(allowed, heads)
         # in place on this function's own product or sum (a fresh (h, i, j) tensor costs its first touch of memory); not
-        # on a score_mod's output that autograd may keep (tanh keeps it)
-        s = s.masked_fill_(hidden, float("-inf")) if score_mod is None or not s.requires_grad else s.masked_fill(hidden, float("-inf"))
+        # on a score_mod's output, which autograd may keep (tanh keeps it) or which may be a view of the caller's tensor
+        s = s.masked_fill_(hidden, float("-inf")) if score_mod is None else s.masked_fill(hidden, float("-inf"))
     return s
 
 
