@@ -1,23 +1,16 @@
 """``examples/long_context_lm.py``: sequence parallel x data parallel training equals one process, step by step."""
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from example_scripts import load
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "long_context_lm.py"
 TINY = ["--seq-len", "61", "--pairs", "4", "--queries", "3", "--vocab", "16", "--train", "64", "--batch", "4",
         "--steps", "4", "--dim", "16", "--heads", "2", "--layers", "2", "--dtype", "float64", "--log-every", "0"]  # fmt: skip
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("long_context_lm", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("long_context_lm", module)
-    spec.loader.exec_module(module)
-    return module
+    return load("long_context_lm")
 
 
 def run_example(group, argv):
