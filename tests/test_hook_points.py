@@ -160,11 +160,20 @@ def test_composed_gradients_equal_the_engines(mod):
         torch.testing.assert_close(a, b, **TOL)
 
 
-def test_a_16_bit_calls_scores_and_pattern_are_hooked_in_its_dtype():
-    q, k, v = (t.to(torch.bfloat16) for t in tensors())
+def test_a_16_bit_calls_pattern_is_hooked_in_its_dtype_and_its_scores_keep_their_range():
+    q, k, v = (t.to(torch.float16) for t in tensors())
+    bias = torch.zeros(1, 1, I, J, dtype=torch.float16)
+    bias[..., 0, :3] = -1e5  # -inf if the logits were rounded to float16 (it holds up to 65504)
     seen = {}
-    found = hooked("attn_scores", "pattern", fn=lambda t, hook: seen.update({hook.name: t.dtype}))
-    out, _, _ = attention(Call(q, k, v, dict(mask=qkv.masks.causal())), (), found)
-    assert set(seen.values()) == {torch.bfloat16} and out.dtype == torch.bfloat16  # as TransformerLens' bridge
-    want = qkv.attention(q.double(), k.double(), v.double(), mask=qkv.masks.causal())
-    assert (out.double() - want).abs().max() < 0.05
+    found = hooked("attn_scores", "pattern", fn=lambda t, hook: seen.update({hook.name.split("_", 1)[1]: t.dtype}))
+    out, _, _ = attention(Call(q, k, v, dict(bias=bias)), (), found)
+    assert seen == {"attn_scores": torch.float32, "pattern": torch.float16} and out.dtype == torch.float16
+    want = qkv.attention(q.double(), k.double(), v.double(), bias=bias.double())
+    assert (out.double() - want).abs().max() < 0.01  # row 0 included: its last keys still seen
+
+
+def test_a_call_with_no_keys_gives_an_empty_pattern():
+    q, k, v = tensors()
+    got, _, seen = attention(Call(q, k[..., :0, :], v[..., :0, :], {}), (), hooked("pattern"))
+    assert got.shape == (B, H, I, E) and seen["pattern"].shape == (B, H, I, 0)
+    torch.testing.assert_close(got, qkv.attention(q, k[..., :0, :], v[..., :0, :]), **TOL)

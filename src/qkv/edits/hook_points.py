@@ -21,8 +21,9 @@ one to use instead. The points of one call, each in TransformerLens' layout::
 TransformerLens' ``hook_rot_q`` and ``hook_rot_k`` there). :func:`attention` runs one call
 with them. With hooks at ``q``, ``k``, ``v`` or ``z`` alone it runs on qkv's engines; a hook
 at the scores or the pattern needs the ``(b, h, i, j)`` map, so that call is composed the way
-TransformerLens composes it (scores, softmax in float32 at least, ``pattern @ v``), the map
-kept for the hooks and for the gradient, and every other call keeps the engines.
+TransformerLens composes it (scores and softmax in float32 at least, the pattern in the call's
+dtype, ``pattern @ v``), the map kept for the hooks and for the gradient, and every other call
+keeps the engines.
 
 Edits (``qkv.edits``) of the same call act on the inputs as the ``q``, ``k``, ``v`` hooks left
 them, and before the later hooks at their own points: the scores a hook sees are those after
@@ -159,14 +160,14 @@ def _composed(call: Call, edits: Sequence[Edit], hooked: Hooked, seen: dict):
     for edit in edits:
         call = edit.prepare(call)
     options = call.options
-    # (..., h, i, j): computed in float32 at least, hooked in the call's dtype (a 16-bit model's, as TransformerLens'
-    # bridge hands them over), the softmax again in float32 at least
-    scores = hooked.fire("attn_scores", recorded.scores(call, None, None).to(call.q.dtype))
+    # (..., h, i, j) in float32 at least (a 16-bit model's logits rounded to its dtype lose range: a bias of -1e5 is
+    # -inf in float16), the softmax too; the pattern in the call's dtype, as TransformerLens' bridge and eager give it
+    scores = hooked.fire("attn_scores", recorded.scores(call, None, None))
     sinks = options.get("sinks")
-    logits = scores.float() if scores.dtype.itemsize < 4 else scores  # the softmax in float32 at least
+    logits = scores
     if sinks is None:
-        empty = logits.amax(dim=-1, keepdim=True) == float("-inf")  # a row that sees no key
-        if bool(empty.any()):  # 0, as TransformerLens sets it, with a zero gradient (not the softmax's NaN)
+        empty = logits.amax(dim=-1, keepdim=True) == float("-inf") if logits.shape[-1] else None  # a row that sees no key
+        if empty is not None and bool(empty.any()):  # 0, as TransformerLens sets it, with a zero gradient (not NaN)
             pattern = torch.softmax(logits.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
         else:
             pattern = torch.softmax(logits, dim=-1)
@@ -175,7 +176,8 @@ def _composed(call: Call, edits: Sequence[Edit], hooked: Hooked, seen: dict):
         pattern = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
     # a NaN a hook put in the scores: 0, as TransformerLens; in place where no gradient needs the softmax's output (each
     # fresh (b, h, i, j) tensor costs its first touch of memory, as much as the softmax itself on a CPU)
-    pattern = (pattern.nan_to_num_(0.0) if not pattern.requires_grad else torch.nan_to_num(pattern, nan=0.0)).to(scores.dtype)
+    pattern = pattern.nan_to_num_(0.0) if not pattern.requires_grad else torch.nan_to_num(pattern, nan=0.0)
+    pattern = pattern.to(call.q.dtype) if call.q.dtype.itemsize < 4 else pattern
     for edit in edits:
         pattern = edit.weights(call, pattern, None, None)
     if options.get("dropout", 0.0) > 0:
