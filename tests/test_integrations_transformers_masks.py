@@ -148,3 +148,23 @@ def test_padding_mask_lazy_forms_and_errors():
     assert repr(padding_mask(real, 2, kv_offset=2)) == "lengths([1, 2, 0])"
     with pytest.raises(ValueError, match=r"attention_mask: expected a 2-d padding mask \(b, j\), got shape \(2, 1, 4\)"):
         padding_mask(torch.ones(2, 1, 4), 4)
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_a_model_whose_attention_is_its_own_is_told_why_qkv_cannot_run_in_it(family):
+    pytest.importorskip("transformers")
+    from transformers import BloomConfig, BloomModel, MptConfig, MptModel
+
+    from qkv.integrations.transformers import register
+    from qkv.integrations.transformers_hooks import hooks
+
+    register()
+    config, cls = {"bloom": (BloomConfig(hidden_size=32, n_head=4, n_layer=1, vocab_size=100), BloomModel),
+                   "mpt": (MptConfig(d_model=32, n_heads=4, n_layers=1, vocab_size=100), MptModel)}[family]  # fmt: skip
+    model = cls._from_config(config, attn_implementation="qkv").eval()
+    assert model._supports_attention_backend is False  # transformers' own mark: it never calls the attention functions
+    with pytest.raises((TypeError, AttributeError), match="_supports_attention_backend=False.*'sdpa' or 'eager'"):
+        model(torch.randint(0, 100, (2, 5)))
+    with pytest.raises(ValueError, match="calls transformers. attention functions"):
+        with hooks(model):
+            pass

@@ -349,6 +349,9 @@ def _attention_layers(model: torch.nn.Module, caller: str) -> dict[int, int]:
         )
     named = [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)]
     calling = [(name, m) for name, m in named if _calls_attention_functions(type(m))]
+    if named and not calling and all(_readable(type(m)) for _, m in named):  # Bloom, MPT: attention of their own
+        raise ValueError(f"{caller}: no layer of {type(model).__name__} calls transformers' attention functions (its "
+                         "attention computes its own), so qkv never runs in it")  # fmt: skip
     attending = [(name, m) for name, m in named if any(word in type(m).__name__.lower() for word in ("attention", "attn"))]
     named = calling or attending or named
     if not named:
@@ -364,6 +367,16 @@ def _attention_layers(model: torch.nn.Module, caller: str) -> dict[int, int]:
             )
         seen[m.layer_idx] = name
     return {id(m): m.layer_idx for _, m in named}
+
+
+@functools.cache
+def _readable(cls: type) -> bool:
+    """Whether the source of ``cls.forward`` can be read."""
+    try:
+        inspect.getsource(cls.forward)
+        return True
+    except (OSError, TypeError):
+        return False
 
 
 @functools.cache

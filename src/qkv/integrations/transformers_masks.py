@@ -105,6 +105,27 @@ class LayerMask:
     def __repr__(self) -> str:
         return f"LayerMask({self.mask!r}, shape={self.shape})"
 
+    # A model whose attention does not call transformers' attention functions (Bloom, MPT: the class sets
+    # ``_supports_attention_backend = False``) still asks the mask interface for its mask, then reads it as a tensor:
+    # say why, where it would fail on an operator or an attribute of a tensor.
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(f"LayerMask has no {name!r}: {UNSUPPORTED}")
+
+    def _unsupported(self, *args):
+        raise TypeError(UNSUPPORTED)
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = _unsupported
+    __invert__ = __neg__ = _unsupported
+
+
+#: What a model that reads qkv's lazy mask as a tensor is told.
+UNSUPPORTED = ("attn_implementation='qkv' runs in the attention functions transformers hands a layer "
+               "(AttentionInterface), and this model's attention computes its own instead (its class sets "
+               "_supports_attention_backend=False), reading the mask as a tensor; load it with attn_implementation="
+               "'sdpa' or 'eager'")  # fmt: skip
+
 
 def _for_call(mask: Mask, i: int, j: int, device: torch.device) -> Mask | None:
     if isinstance(mask, Dense):
