@@ -164,16 +164,15 @@ def _composed(call: Call, edits: Sequence[Edit], hooked: Hooked, seen: dict):
     # -inf in float16), the softmax too; the pattern in the call's dtype, as TransformerLens' bridge and eager give it
     scores = hooked.fire("attn_scores", recorded.scores(call, None, None))
     sinks = options.get("sinks")
-    logits = scores
     if sinks is None:
-        empty = logits.amax(dim=-1, keepdim=True) == float("-inf") if logits.shape[-1] else None  # a row that sees no key
+        empty = scores.amax(dim=-1, keepdim=True) == float("-inf") if scores.shape[-1] else None  # a row that sees no key
         if empty is not None and bool(empty.any()):  # 0, as TransformerLens sets it, with a zero gradient (not NaN)
-            pattern = torch.softmax(logits.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+            pattern = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
         else:
-            pattern = torch.softmax(logits, dim=-1)
+            pattern = torch.softmax(scores, dim=-1)
     else:  # one more logit per row, with no value: the sink's share is dropped after the softmax
-        column = sinks.to(logits.dtype)[:, None, None].expand(*logits.shape[:-1], 1)
-        pattern = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+        column = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+        pattern = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
     # a NaN a hook put in the scores: 0, as TransformerLens; in place where no gradient needs the softmax's output (each
     # fresh (b, h, i, j) tensor costs its first touch of memory, as much as the softmax itself on a CPU)
     pattern = pattern.nan_to_num_(0.0) if not pattern.requires_grad else torch.nan_to_num(pattern, nan=0.0)

@@ -22,6 +22,12 @@ ATTENTION = (None, "", "a", "attn", "attention")
 POINTS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z", "result")
 
 
+def layer_of(index: int, layers: Sequence[int]) -> int:
+    """A layer index as qkv reads it: itself, or a negative one counted from the last of the attention ``layers``
+    (ascending); one out of their range stays as it is, for the caller to refuse."""
+    return layers[index] if -len(layers) <= index < 0 else index
+
+
 def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
     """TransformerLens' ``utils.get_act_name`` for attention's points: ``get_act_name("pattern", 3)`` is
     ``"blocks.3.attn.hook_pattern"`` (``"pattern3"``, ``"k6a"`` and full names too), for ``fwd_hooks`` names."""
@@ -47,9 +53,9 @@ def entry_name(key: object, layers: Sequence[int]) -> str:
     if kind not in ATTENTION:
         raise KeyError(f"{key!r}: layer type {kind!r} is not attention's; qkv hooks and records attention's points only")
     if layer < 0 and layers:
-        if layer < -len(layers):
+        layer = layer_of(layer, layers)
+        if layer < 0:
             raise KeyError(f"{key!r}: the model has {len(layers)} attention layers")
-        layer = layers[layer]
     name = ALIASES.get(name, name)
     if name not in POINTS:
         raise KeyError(f"{key!r}: {name!r} is not an attention point; qkv hooks and records {', '.join(POINTS)} (the "

@@ -58,7 +58,7 @@ from ..edits.apply import edited
 from ..edits.base import Call, Edit, as_edits, check_selection, indices
 from ..edits.hook_points import HookPoint, Hooked
 from ..functional import attention
-from .lens_names import entry_name
+from .lens_names import entry_name, layer_of
 
 #: What ``qkv.record`` can build, TransformerLens' hook names.
 HOOKS = ("attn_scores", "pattern", "z")
@@ -239,7 +239,7 @@ def edit(model: torch.nn.Module, edits: Mapping[int, Edit | Sequence[Edit]]) -> 
     if odd:  # True == 1: a bool key would edit layer 1, silently
         raise TypeError(f"edit: layers are int indices, got {odd}")
     known = sorted(set(layers.values()))
-    at = {layer: _layer(layer, known) for layer in edits}
+    at = {layer: layer_of(layer, known) for layer in edits}
     unknown = [layer for layer in edits if at[layer] not in known]
     if unknown:
         raise ValueError(f"edit: layers {unknown} are not attention layers of this model, expected indices in {known}")
@@ -300,12 +300,6 @@ def _chosen(full: Tensor, heads: Tensor | None, rows: Tensor | None) -> Tensor:
     return full.to(torch.promote_types(full.dtype, torch.float32))
 
 
-def _layer(index: int, known: list[int]) -> int:
-    """A layer index as ``edit`` and ``record`` read it: itself, or a negative one counted from the last of the
-    attention layers ``known`` (ascending)."""
-    return known[index] if -len(known) <= index < 0 else index
-
-
 def _recorded_layers(layers, known: list[int]) -> set[int]:
     """``record``'s ``layers`` as layer indices, ``known`` the attention layers' (ascending): where every layer attends
     (``0 .. n - 1``), as Python indexes a list of them; in a hybrid model, ints name attention layers (a negative one
@@ -321,7 +315,7 @@ def _recorded_layers(layers, known: list[int]) -> set[int]:
         return inside
     check_selection("record: layers", layers)
     given = [layers] if isinstance(layers, int) else layers.reshape(-1).tolist() if isinstance(layers, Tensor) else list(layers)
-    at = [_layer(x, known) for x in given]
+    at = [layer_of(x, known) for x in given]
     wrong = [x for x, y in zip(given, at) if y not in known]
     if wrong or not at:
         raise ValueError(f"record: layers {wrong} are not attention layers of this model, expected indices in {known}")
@@ -348,8 +342,8 @@ def _attention_layers(model: torch.nn.Module, caller: str) -> dict[int, int]:
             '(or call model.set_attn_implementation("qkv"))'
         )
     named = [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "layer_idx", None), int)]
-    calling = [(name, m) for name, m in named if _calls_attention_functions(type(m))]
-    if named and not calling and all(_readable(type(m)) for _, m in named):  # Bloom, MPT: attention of their own
+    calling = [(name, m) for name, m in named if "ALL_ATTENTION_FUNCTIONS" in (forward_source(type(m)) or "")]
+    if named and not calling and all(forward_source(type(m)) is not None for _, m in named):  # Bloom, MPT: their own
         raise ValueError(f"{caller}: no layer of {type(model).__name__} calls transformers' attention functions (its "
                          "attention computes its own), so qkv never runs in it")  # fmt: skip
     attending = [(name, m) for name, m in named if any(word in type(m).__name__.lower() for word in ("attention", "attn"))]
@@ -370,21 +364,11 @@ def _attention_layers(model: torch.nn.Module, caller: str) -> dict[int, int]:
 
 
 @functools.cache
-def _readable(cls: type) -> bool:
-    """Whether the source of ``cls.forward`` can be read."""
+def forward_source(cls: type) -> str | None:
+    """The source of ``cls.forward`` (None where it cannot be read): whether a layer calls transformers' attention
+    functions (``ALL_ATTENTION_FUNCTIONS``) and whether it rotates its queries and keys first are read from it."""
     try:
-        inspect.getsource(cls.forward)
-        return True
+        return inspect.getsource(cls.forward)
     except (OSError, TypeError):
-        return False
-
-
-@functools.cache
-def _calls_attention_functions(cls: type) -> bool:
-    """Whether ``cls.forward`` reads transformers' attention functions (``ALL_ATTENTION_FUNCTIONS``): False where its
-    source cannot be read."""
-    try:
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
+        return None
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import re
 import warnings
 import weakref
@@ -47,7 +46,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..edits.hook_points import POINTS, HookPoint
-from .transformers_edits import _ACTIVE, KEPT, Recording, _active, _attention_layers, _Session
+from .transformers_edits import _ACTIVE, KEPT, Recording, _active, _attention_layers, _Session, forward_source
 
 
 #: Each model's hook points, one object per name, so that a point's ``ctx`` lasts from one block to the next.
@@ -236,11 +235,8 @@ def _rotates(cls: type) -> bool | None:
     """Whether ``cls.forward`` rotates queries and keys before the attention function (it calls an ``apply_…rotary…``
     or ``apply_…rope…`` function: Llama's ``apply_rotary_pos_emb``, Gemma 4's ``apply_multidimensional_rope``; DETR's
     additive ``position_embeddings`` are not a rotation); None where its source is unreadable."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return None
-    return re.search(r"apply_\w*(rotary|rope)", source) is not None
+    source = forward_source(cls)
+    return None if source is None else re.search(r"apply_\w*(rotary|rope)", source) is not None
 
 
 def _matching(name, names: dict, argument: str) -> list[str]:
