@@ -209,6 +209,30 @@ def test_the_forms_are_timed_once_and_near_ties_go_to_pytorch(monkeypatch):
     assert tile_math.forms(torch.device("meta")) == tile_math.Forms(True, True)
 
 
+def test_the_forms_and_product_probes_time_on_one_intra_op_thread_as_the_tile_tasks_run(monkeypatch):
+    """Each tile task runs on one intra-op thread (``tiling.threads``): the probes time the forms there too, and
+    leave the caller's setting as it was (timed with torch's default threads, an Intel Xeon chose the slower exp)."""
+    seen = []
+
+    def record(*calls):
+        seen.append(torch.get_num_threads())
+        for call in calls:  # each form runs (in place, into the probe's buffers)
+            call()
+        return [1.0] * len(calls)
+
+    monkeypatch.setattr(tile_math, "best_times", record)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # (a test worker may run on one already: the probes must lower it themselves)
+    try:
+        TIMED_FORMS.__wrapped__()
+        tile_math._bf16_products_faster.__wrapped__()
+        tile_math._sigmoid_tanh_faster.__wrapped__(True)
+        assert seen == [1, 1, 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("mod", ["softcap", "sine"])
 def test_sinks_with_rows_that_see_no_key(mod):
     """Whole blocks of rows see nothing (no task runs them): output 0, all their mass the sink's; weights too."""

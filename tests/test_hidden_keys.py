@@ -89,6 +89,30 @@ def test_padding_holding_nan_or_inf_never_reaches_an_output_or_a_gradient(case, 
     _never_reached(q, bad, expected, _engines(mask, bias), case, lambda: dict(mask=make_mask(), bias=bias))
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_large_outputs_scan_for_nan_by_its_sum_still_keeps_padding_out(case, monkeypatch):
+    """Outputs above ``EQUAL_ELEMENTS`` are scanned by a sum instead of ``torch.equal``: nan padding still never shows."""
+    monkeypatch.setattr(hidden_keys, "EQUAL_ELEMENTS", 0)
+    make_mask, make_bias, side = CASES[case]
+    mask, bias = make_mask(), None if make_bias is None else make_bias()
+    q, bad, clean = _inputs(float("nan"), side)
+    expected = qkv.attention(q, *clean, mask=mask, bias=bias, backend="reference")
+    _never_reached(q, bad, expected, ["auto"], case, lambda: dict(mask=make_mask(), bias=bias))
+
+
+@pytest.mark.parametrize("numel", [hidden_keys.EQUAL_ELEMENTS, hidden_keys.EQUAL_ELEMENTS + 1, 2**20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_no_nan_finds_one_nan_anywhere_in_either_scan(numel, dtype):
+    out = torch.randn(numel, dtype=torch.float64).to(dtype)
+    assert hidden_keys.no_nan(out)
+    for at in (0, numel // 2, numel - 1):
+        poisoned = out.clone()
+        poisoned[at] = float("nan")
+        assert not hidden_keys.no_nan(poisoned), at
+    huge = torch.full((numel,), torch.finfo(dtype).max, dtype=dtype)  # a sum that overflows to inf is no nan
+    assert hidden_keys.no_nan(huge)
+
+
 def test_padding_through_the_sdpa_dialect_and_return_lse_and_weights():
     q, (k, v), clean = _inputs(float("nan"), "right")
     keep = _keep("right")[:, None, None, :]
