@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import qkv
 from qkv.backends import sdpa, sdpa_direct, sdpa_plain
+from qkv.backends.tiling import flash_cpu
 
 D = torch.float64
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -264,6 +265,8 @@ def test_inference_mode_tensors_and_masks_before_and_after_ordinary_calls():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 0.0), (torch.float16, 0.0)])
 def test_other_dtypes_of_the_same_shapes_get_their_own_plans(dtype, tol):
+    if not flash_cpu.works(dtype):  # (bfloat16 with ATEN_CPU_CAPABILITY below an AMX CPU's own): not sdpa's call
+        pytest.skip(f"torch's fused CPU kernel fails its {dtype} check on this CPU capability")
     b, h, i, j = 2, 4, 5, 7
     q, k, v = _inputs(b, h, h, i, j)
     masks = list(_strided_variants(b, h, i, j).values())[:4]
