@@ -225,11 +225,10 @@ def fit_compute(sides: tuple[int, ...] = (128, 256, 512), h: int = 8, d: int = 6
     the gradients added into ``dq``, ``dk``, ``dv``; the bookkeeping is most of ``c0``.
     """
     from .. import checks
+    from ..backends.tiling.threads import one_intra_op_thread
     from .blocks import Pieces, Work
 
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_intra_op_thread():
         xs, ts = [], []
         for side in sides:
             q, k, v = (torch.randn(1, h, side, n) for n in (d, d, e))
@@ -247,8 +246,6 @@ def fit_compute(sides: tuple[int, ...] = (128, 256, 512), h: int = 8, d: int = 6
                 times.append(time.perf_counter() - start)
             xs.append(side * side * h * (d + e))
             ts.append(statistics.median(times[1:]))
-    finally:
-        torch.set_num_threads(saved)
     c0, gamma = _line(xs, ts)
     return Compute(max(c0, 0.0), gamma)
 

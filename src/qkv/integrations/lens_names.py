@@ -14,12 +14,15 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
+from ..edits.hook_points import POINTS as CALL_POINTS
+
 #: TransformerLens' aliases of attention's activation names.
 ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "query": "q", "key": "k", "value": "v"}
 #: Layer types that mean attention (TransformerLens' ``a``, ``attention``).
 ATTENTION = (None, "", "a", "attn", "attention")
-#: The attention points qkv hooks or records (``result``: ``qkv.record``'s per-head output).
-POINTS = ("q", "k", "v", "rot_q", "rot_k", "attn_scores", "pattern", "z", "result")
+#: The attention points qkv hooks or records: one call's, the rotated q and k of a model that rotates them, and
+#: ``result`` (``qkv.record``'s per-head output).
+POINTS = (*CALL_POINTS, "rot_q", "rot_k", "result")
 
 
 def layer_of(index: int, layers: Sequence[int]) -> int:

@@ -18,7 +18,8 @@ thread accumulates, is the same from run to run.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -30,6 +31,18 @@ S = TypeVar("S")
 MIN_WORK = 2**21
 #: Threads to use; None: ``torch.get_num_threads()`` (the intra-op setting this replaces).
 THREADS: int | None = None
+
+
+@contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """``torch.set_num_threads(1)`` for the duration of a ``with`` block, as each tile task runs (the setting is
+    per thread): what times a tile's work (``tile_math``'s probes, the cost model's blocks) times it so."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def deal(costs: Sequence[float], n: int) -> list[list[int]]:

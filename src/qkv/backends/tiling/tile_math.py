@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +28,7 @@ from torch import Tensor
 
 from ..._probe import best_times
 from ..._trace import concrete, tracing
+from .threads import one_intra_op_thread
 from .tiles import NEG_INF
 
 
@@ -141,17 +140,6 @@ def _timed_forms() -> Forms:
     """
     with torch.inference_mode(False), torch.no_grad(), one_intra_op_thread():  # (the first call may come from
         return _time_forms()  # inference mode: normal tensors)
-
-
-@contextmanager
-def one_intra_op_thread() -> Iterator[None]:
-    """``torch.set_num_threads(1)`` for the duration of a ``with`` block (the setting is per thread)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _time_forms() -> Forms:
