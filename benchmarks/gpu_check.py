@@ -8,6 +8,7 @@ parity check and its timings).
     python benchmarks/gpu_check.py            # meant to take under 3 minutes on an H100
     python benchmarks/gpu_check.py --quick    # dispatch and parity only, no timings
     python benchmarks/gpu_check.py --cases ALiBi,documents    # only the cases whose names hold these
+    python benchmarks/gpu_check.py --cases "decoding,hidden keys"    # and the check of padding holding nan
 
 Most of the time is torch.compile building flex's kernels (about ten configurations,
 forward and backward; a second run reads inductor's on-disk cache). Each case prints its
@@ -93,6 +94,7 @@ class Case:
     fp32: bool = False  # also check float32 parity (each dtype compiles flex anew)
     dtypes: tuple = (torch.bfloat16,)
     also: tuple[str, ...] = ()  # other backends to check and time on the same call (forced)
+    lane: bool = False  # qkv.attention's plain-call lane must take it (no request built: backends.sdpa_plain)
 
 
 def master(shape, seed, scale=1.0):
@@ -161,16 +163,16 @@ def decode(dtype, reference):
 
 
 CASES = [
-    Case("causal", "backend: sdpa", causal, sdpa="flag"),
+    Case("causal", "backend: sdpa", causal, sdpa="flag", lane=True),
     Case("causal, i < j (i = 1024)", "backend: sdpa", causal, sdpa="lower_right", i=1024, heads=(H, H),
-         dtypes=(torch.bfloat16, torch.float32)),
+         dtypes=(torch.bfloat16, torch.float32), lane=True),
     Case("ALiBi, causal, GQA 8/2", "backend: flex", alibi_causal, fp32=True),
     Case("T5 buckets (learned), lengths", "backend: flex", t5_lengths),
     Case("SoftCap, documents & causal", "backend: flex", softcap_documents, sdpa_note="w/o soft cap"),
     Case("score_mod table (learned), window 256", "backend: flex", table_window, sdpa_note="w/o score_mod"),
     Case("sinks, dense bias (learned), causal, lse", "backend: flex", sinks_bias_lse, sdpa_note="w/o sinks", fp32=True),
     Case("documents & causal (mask only)", "backend: flex", documents_only, also=("segments",)),
-    Case("decoding step, lengths (i = 1)", "backend: sdpa", decode, i=1),
+    Case("decoding step, lengths (i = 1)", "backend: sdpa", decode, i=1, lane=True),
     Case("ALiBi, causal, float64", "backend: chunked", alibi_causal, sdpa=None, i=1024, j=1024, dtypes=(torch.float64,)),
 ]  # fmt: skip
 
@@ -252,6 +254,43 @@ def parity(case: Case, dtype, backend: str) -> tuple[bool, str]:
               for a, b, bound in zip(got, exact, bounds)]  # fmt: skip
     n = max(range(len(ratios)), key=ratios.__getitem__)
     return ratios[n] <= 1.0, f"{ratios[n]:.2f} ({labels[n]})"
+
+
+def hidden_keys_check(failures: list) -> str:
+    """Padding holding nan and inf (a cache made by ``torch.empty``) never reaches an output or a gradient.
+
+    bfloat16, right padding of ``lengths_b()``: a decoding step (the plain-call lane) and a
+    causal prefill (flex), each against the same call on finite padding. The output must be
+    equal bit for bit (the hidden keys are zeroed before the kernel on a GPU); the gradients
+    within one bfloat16 rounding of their largest value, a margin for a backward whose sums
+    may run in no fixed order: one run in four of a bit-for-bit check on an H200 found a
+    gradient not equal (the outputs were), and the runs after it found none. Two runs on
+    finite padding are compared too, to show how far the kernel's own runs differ.
+    """
+    said = []
+    for name, i in (("decoding step", 1), ("prefill", I)):
+        x64 = [master((B, H, i, D), 21), master((B, G, I, D), 22), master((B, G, I, D), 23)]
+        hidden = ~qkv.masks.lengths(lengths_b()).dense(1, I, DEV)[:, :, 0, :, None]  # (b, 1, j, 1)
+        runs = []
+        for spoil in (False, True, False):  # the last: the first again, how far two runs of one call differ
+            q, k, v = (x.to(torch.bfloat16) for x in x64)
+            if spoil:
+                k, v = torch.where(hidden, float("nan"), k), torch.where(hidden, float("inf"), v)
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            out = qkv.attention(q, k, v, mask=qkv.masks.lengths(lengths_b()), causal=True)
+            grads = torch.autograd.grad(out, [q, k, v], master(out.shape, 24).to(out.dtype))
+            runs.append([out.detach(), *grads])
+        finite = all(bool(torch.isfinite(x).all()) for x in runs[1])
+        off = [float((a.double() - b.double()).abs().max()) / max(largest(b), 1e-30) for a, b in zip(*runs[:2])]
+        again = max(float((a.double() - b.double()).abs().max()) / max(largest(b), 1e-30) for a, b in zip(runs[0], runs[2]))
+        same = finite and off[0] == 0 and max(off[1:]) <= 2.0**-8
+        said.append(f"{name} {'ok' if same else 'FAILED'} (gradients off by {max(off[1:]):.1e} of their largest; "
+                    f"two runs on finite padding by {again:.1e})")  # fmt: skip
+        if not same:
+            failures.append(f"hidden keys ({name}): nan/inf padding changed the output or a gradient "
+                            f"(finite: {finite}; off by, as a fraction of the largest value: out, dq, dk, dv = "
+                            f"{', '.join(f'{x:.1e}' for x in off)})")  # fmt: skip
+    return ", ".join(said)
 
 
 # --------------------------------------------------------------------------- timings
@@ -378,6 +417,10 @@ def main(argv=None) -> int:
             row["path"] = said.splitlines()[0].removeprefix("backend: ")
             if not said.startswith(case.expect):
                 failures.append(f"{case.name}: expected {case.expect!r}, qkv.explain says:\n{said}")
+            if case.lane and qkv.backends.sdpa_plain.plan(q, kv, kv, "scaled_dot", kw.get("causal", False), None,
+                                                          kw.get("mask")) is None:  # fmt: skip
+                failures.append(f"{case.name}: the plain-call lane declined it")
+            row["path"] += " [plain-call lane]" if case.lane else ""
             backend = case.expect.removeprefix("backend: ")
             dtypes = list(case.dtypes)
             if (case.fp32 or args.all_fp32) and torch.float32 not in dtypes and backend == "flex":
@@ -396,6 +439,11 @@ def main(argv=None) -> int:
             row["parity (err / bound)"] = f"ERROR {type(error).__name__}"
         row["s"] = time.perf_counter() - t0
         print(f"  {case.name}: {row.get('path', '?')}, {row.get('parity (err / bound)', '')} ({row['s']:.0f} s)", flush=True)
+    if not wanted or "hidden keys" in wanted:
+        try:
+            print(f"  hidden keys holding nan/inf: {hidden_keys_check(failures)}", flush=True)
+        except Exception as error:  # noqa: BLE001 (reported as a failure)
+            failures.append(f"hidden keys: {type(error).__name__}: {error}\n{traceback.format_exc(limit=-4)}")
     print()
     print(table(rows, case_notes={c.name: c.sdpa_note for c in CASES}))
     small = qkv.backends.flex_gpu._small_tiles

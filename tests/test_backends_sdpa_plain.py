@@ -298,7 +298,8 @@ def test_a_reused_plan_declines_what_its_checks_see():
                          ids=["default", "decoding step", "causal", "float64"])
 def test_an_unmasked_call_on_one_gpu_takes_the_lane_and_a_masked_one_does_not(case, monkeypatch):
     """On CUDA the full path runs an unmasked call on SDPA too, with nothing to guard: the lane skips its Python.
-    Meta tensors stand for one GPU's here (``_on_one_gpu`` answers for them); a mask keeps the full path."""
+    Meta tensors stand for one GPU's here (``_on_one_gpu`` answers for them); a mask keeps the full path, but for a
+    decoding step's lazy padding (``tests/test_backends_sdpa_plain_gpu.py``)."""
     monkeypatch.setattr(sdpa_plain, "_on_one_gpu", lambda q, k, v: q.is_meta and k.is_meta and v.is_meta)
     shape, call = _split(case)
     q, k, v = (x.to("meta") for x in _inputs(**shape))
@@ -306,8 +307,9 @@ def test_an_unmasked_call_on_one_gpu_takes_the_lane_and_a_masked_one_does_not(ca
     assert decided is not None and decided.attn_mask is None
     assert _again(decided, q, k, v).shape == q.shape
     assert sdpa_plain.plan(q, k, v, "scaled_dot", False, None, qkv.masks.causal()) is not None or q.shape[-2] != k.shape[-2]
-    for mask in (_padding(2, k.shape[-2], [3, 0]), qkv.masks.lengths(torch.tensor([3, 9]))):
-        assert sdpa_plain.plan(q, k, v, "scaled_dot", False, None, mask) is None
+    assert sdpa_plain.plan(q, k, v, "scaled_dot", False, None, _padding(2, k.shape[-2], [3, 0])) is None
+    padded = sdpa_plain.plan(q, k, v, "scaled_dot", False, None, qkv.masks.lengths(torch.tensor([3, 9])))
+    assert (padded is not None) == (q.shape[-2] == 1)
     assert sdpa_plain.plan(q, k, v.to(torch.float16), "scaled_dot", False, None) is None  # mixed dtypes: full message
 
 

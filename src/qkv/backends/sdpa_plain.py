@@ -19,10 +19,11 @@ import torch
 from torch import Tensor
 
 from .._trace import tracing, version
-from ..masks import Dense, Lengths, Mask, Starts, Tile, Window
+from ..masks import Dense, Mask, Window
 from ..scores import Dot, ScaledDot
 from .grouped_rows import grouping
 from .hidden_keys import no_nan
+from .plain_padding import PADDING, device_padding, mask_tensor, plain_padding
 from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel, zeroes_dead_rows
 from .tiling import flash_cpu
 
@@ -31,7 +32,7 @@ class Plan(NamedTuple):
     """What :func:`plan` decided for a plain call: the kernel's arguments, and what a call of the same shapes must match.
 
     A named tuple, not a dataclass: every plain call makes one, and a tuple is built in a
-    quarter of the time (0.3 µs against 1.0 for a frozen dataclass of these nine fields).
+    quarter of the time (0.3 µs against 1.0 for a frozen dataclass of nine fields).
     """
 
     shapes: tuple  # (q.shape, k.shape, v.shape)
@@ -43,11 +44,13 @@ class Plan(NamedTuple):
     grouping: str | None  # sdpa.grouping's: "rows", "gqa", or None (no grouped heads)
     mask_tensor: Tensor | None  # the Dense mask's tensor, and its version when planned (None: not kept)
     mask_version: int | None
+    gpu: bool = False  # planned for a CUDA call (a CPU call of the same shapes plans afresh, and the other way)
+    keys: tuple | None = None  # a GPU's padded step: (j0, j1, hidden (b, 1, jt, 1) or None, device): keys read, zeroed
 
 
 def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: object,
           mask: object = None) -> Tensor | None:  # fmt: skip
-    """The output of a plain CPU call straight from the kernel, or None when the call is not plain.
+    """The output of a plain call straight from the kernel, or None when the call is not plain.
 
     ``qkv.attention``'s first step, before any check is built: a call with ``(b, h, i, d)``
     tensors of one floating dtype on the CPU or one CUDA device, the dot or scaled-dot score,
@@ -70,6 +73,13 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     the call again on zeroed hidden keys. So is a decoding step's padding (one query a row):
     ``qkv.masks.lengths`` or ``starts`` on CPU rows, with or without ``causal`` (which hides
     nothing from the last position), given to the kernel as its whole ``(b, 1, 1, j)`` tile.
+
+    On one CUDA device, recording gradients or not, two more calls take the lane, as the full
+    path runs them there: a decoding step's padding (``lengths`` or ``starts``, the hidden
+    keys zeroed in copies of ``k`` and ``v`` before the kernel, no scan after:
+    ``plain_padding.device_padding``), and ``causal=True`` with ``i < j`` and no grouped heads
+    (PyTorch's ``causal_lower_right``). The H200's host spent 0.2-0.3 ms a call on the full
+    path's request and walk, against a kernel of 0.04-0.1.
     """
     if tracing():
         # compile, export, jit.trace and torch.func take the full path (plan refuses them too), and before any
@@ -174,9 +184,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
     dtype = q.dtype
     if k.dtype != dtype or v.dtype != dtype:
         return None
-    on_cpu = q.is_cpu and k.is_cpu and v.is_cpu  # (is_cpu: no device object)
-    if not on_cpu and not (_on_one_gpu(q, k, v) and dtype in DEVICE_DTYPES):
-        return None
+    gpu = _on_one_gpu(q, k, v)
+    if gpu and dtype not in DEVICE_DTYPES or not gpu and not (q.is_cpu and k.is_cpu and v.is_cpu):
+        return None  # (is_cpu: no device object)
     b, h, i, d = q.shape
     kb, g, j, kd = k.shape
     vb, vg, vj, _ = v.shape
@@ -184,14 +194,19 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
         return None
     if d == 0:
         return None  # no features: every logit is 0 and 1/√d has no value (the full path, see checks.request)
-    if on_cpu and (not dtype.is_floating_point or not flash_cpu.works(dtype)):
+    if not gpu and (not dtype.is_floating_point or not flash_cpu.works(dtype)):
         return None
     if type(mask) is Window and mask.left is None and mask.right == 0 and causal is False:
         mask, causal = None, True  # qkv.masks.causal() is causal=True (the same window, folded the same way)
-    attn_mask = None
-    if mask is not None:
-        if not on_cpu:
-            return None  # a GPU call's mask: the full path (flex, a lowered BlockMask, its guard)
+    attn_mask = keys = None
+    if mask is not None and gpu:
+        if type(mask) not in PADDING:
+            return None  # a GPU call's other masks: the full path (flex, a lowered BlockMask, its guard)
+        padding = device_padding(mask, q, k)
+        if padding is None:
+            return None
+        attn_mask, keys = padding
+    elif mask is not None:
         if type(mask) is Tensor:  # a caller's bool tensor (SDPA's attn_mask): read afresh at every call, as SDPA does
             if mask.dtype != torch.bool or mask.dim() != 4:
                 return None  # (a float mask, or one SDPA broadcasts from fewer dims: the full path, its messages)
@@ -202,7 +217,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
     if causal is True:
         is_causal = i == j and i > 1
         if i != 1 and not is_causal:
-            return None  # a mask tensor, or rows that see no key: the full path
+            if not gpu or not i < j or h != g or attn_mask is not None:
+                return None  # a mask tensor, or rows that see no key: the full path
+            attn_mask = (_lower_right(i, j), None)  # on a GPU: the kernel's bottom-right causal, as the full path runs it
     elif causal is False:
         is_causal = False
     else:
@@ -220,18 +237,27 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
         scale = default
     elif type(scale) is not float or not math.isfinite(scale) or scale <= 0:
         return None  # (a scale that is not positive: the full path, see checks.request)
-    tensor = _mask_tensor(mask) if attn_mask is not None else None
+    tensor = mask_tensor(mask) if mask is not None and attn_mask is not None else None
     attn_mask, live_rows = attn_mask if attn_mask is not None else (None, None)
     way = grouping(q, k, v, attn_mask, 0.0, is_causal, scale, h != g)  # a plan's calls share their shapes and mask
     return Plan((q.shape, k.shape, v.shape), dtype, attn_mask, live_rows, is_causal, scale, way, tensor,
-                None if tensor is None else version(tensor))  # fmt: skip
+                None if tensor is None else version(tensor), gpu, keys)  # fmt: skip
 
 
 def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor, mask: object = None) -> Tensor | None:
     """The kernel's output for the call :func:`plan` decided, or None where it holds a nan (the full path then
     zeroes the hidden keys); ``mask`` is the call's, which a plan holding :data:`CALLERS_MASK` passes as it is."""
+    if decided.keys is not None:  # a GPU's padded step: the keys some row sees, padding zeroed branch-free, no scan
+        j0, j1, hidden, _ = decided.keys  # (of the output: a host read stalls the stream)
+        if j1 - j0 != k.shape[-2]:
+            k, v = k[:, :, j0:j1], v[:, :, j0:j1]
+        if hidden is not None:
+            k, v = torch.where(hidden, 0.0, k), torch.where(hidden, 0.0, v)
     if decided.attn_mask is None:
         return _kernel(q, k, v, None, 0.0, decided.is_causal, decided.scale, decided.grouping)
+    if decided.gpu:
+        out = _kernel(q, k, v, decided.attn_mask, 0.0, False, decided.scale, decided.grouping)
+        return out if decided.live_rows is None else out * decided.live_rows.to(out.dtype)
     attn_mask = mask if decided.attn_mask is CALLERS_MASK else decided.attn_mask
     out = _kernel(q, k, v, attn_mask, 0.0, False, decided.scale, decided.grouping)
     if decided.live_rows is not None:  # (in the kernel's dtype: under autocast its ones must not promote the output)
@@ -244,32 +270,44 @@ def fits(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
     next layer in the same forward, a decoding loop's next step).
 
     The score, scale and mask are the plan's (its key), so what is checked is the tensors: plain CPU
-    (or, unmasked, same-GPU) strided ``Tensor``s of the planned shapes and dtype, no gradient into a masked
-    call, and the mask's tensor not changed in place since.
+    (or same-GPU, on the device of the plan's tensors) strided ``Tensor``s of the planned shapes and dtype,
+    no gradient into a masked CPU call, and the mask's tensor not changed in place since.
     """
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return False
     if (q.shape, k.shape, v.shape) != decided.shapes or q.dtype != decided.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if not (q.is_cpu and k.is_cpu and v.is_cpu) and not (decided.attn_mask is None and _on_one_gpu(q, k, v)):
-        return False
     if q.is_nested or q.layout != torch.strided or k.layout != torch.strided or v.layout != torch.strided:
         return False
+    if decided.gpu:
+        if not _on_one_gpu(q, k, v):
+            return False
+        if decided.keys is None:  # unmasked, or the kernel's causal_lower_right: nothing read from a tensor
+            return True
+        # a padded step's (padding zeroed, any gradient): planned on this device, its lengths unchanged since
+        return decided.keys[3] == q.device and _unchanged(decided)
+    if not (q.is_cpu and k.is_cpu and v.is_cpu):
+        return False
     if decided.attn_mask is not None:
-        if decided.mask_tensor is not None and (decided.mask_version is None
-                                                or version(decided.mask_tensor) != decided.mask_version):
-            return False  # kept under inference_mode (no version), or changed in place since
+        if decided.mask_tensor is not None and not _unchanged(decided):
+            return False
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return False
     return True
+
+
+def _unchanged(decided: Plan) -> bool:
+    """Whether the plan's mask tensor is as planned: kept with a version (none under ``inference_mode``) and not
+    changed in place since."""
+    return decided.mask_version is not None and version(decided.mask_tensor) == decided.mask_version
 
 
 def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -> tuple[Tensor, Tensor | None] | None:
     """``(attn_mask, live_rows)`` of a mask :func:`plain` may take (see there), as :func:`_mask` gives them; else None."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None  # a differentiated call guards its hidden keys first: the full path
-    if type(mask) in _PADDING:
-        return _plain_padding(mask, q, k)
+    if type(mask) in PADDING:
+        return plain_padding(mask, q, k)
     if type(mask) is not Dense or causal is not False:
         return None
     allowed = mask.mask
@@ -294,41 +332,11 @@ def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -
     return parts
 
 
-#: The lazy padding masks a decoding step takes the lane with: their whole ``(b, 1, 1, j)`` tile is small.
-_PADDING = (Lengths, Starts)
+def _lower_right(i: int, j: int) -> object:
+    """PyTorch's ``causal_lower_right(i, j)``: a GPU kernel's bottom-right causal flag, no ``(i, j)`` tensor."""
+    from torch.nn.attention.bias import causal_lower_right
 
-
-def _mask_tensor(mask: Dense | Lengths | Starts) -> Tensor:
-    """The one tensor a plan's mask reads (a Dense mask's, the padding's per-row one), whose version :func:`fits` compares."""
-    return mask.tensors()[0][1]
-
-
-def _plain_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor | None] | None:
-    """``(attn_mask (b, 1, 1, j), live_rows)`` of a decoding step's padding (one query a row); else None.
-
-    With one query a row, bottom-right ``causal`` hides no key (the query is the last key's
-    position), so the step's mask is the padding's whole tile, ``b · j`` bools: the full
-    path builds the same tensor for the kernel, after a request and the walk over the
-    backends that cost a padded decoding step 3x the kernel's time (a ``(4, 8, 1, 64)``
-    step over 64 keys: 110 µs against SDPA's 30). Kept on the mask per ``j``, dtype and the
-    per-row tensor's version, as a model's layers share one step's mask.
-    """
-    (b, _, i, _), j = q.shape, k.shape[-2]
-    rows = _mask_tensor(mask)
-    if i != 1 or type(rows) is not Tensor or rows.device.type != "cpu" or rows.shape != (b,):
-        return None  # (a batch of one broadcast, a GPU's rows: the full path)
-    mask.check(i, j)  # rows past the keys: the full path's own message
-    changes = version(rows)  # None under torch.inference_mode: nothing kept
-    key = (j, changes, q.dtype)
-    kept = getattr(mask, "_plain", None)
-    if changes is not None and kept is not None and kept[0] is rows and kept[1] == key:
-        return kept[2]
-    allowed = mask.tile(Tile.whole(1, j))  # (b, 1, 1, j)
-    dead = ~allowed.any(-1, keepdim=True)
-    parts = _give_dead_rows_every_key(allowed, dead if bool(dead.any()) else None, q.dtype)
-    if changes is not None:
-        mask._plain = (rows, key, parts)
-    return parts
+    return causal_lower_right(i, j)
 
 
 #: Dtypes a CUDA call takes the lane in: the ``sdpa`` backend's (flash and the efficient kernel, or
