@@ -162,6 +162,11 @@ def decode(dtype, reference):
     return {"mask": qkv.masks.lengths(lengths_b()), "causal": True}, []
 
 
+def decode_left_padded(dtype, reference):
+    """Left padding, a row of padding only (its start at j: it sees no key, its output 0) beside one that starts at 100."""
+    return {"mask": qkv.masks.starts(torch.tensor([I, 100], device=DEV)), "causal": True}, []
+
+
 CASES = [
     Case("causal", "backend: sdpa", causal, sdpa="flag", lane=True),
     Case("causal, i < j (i = 1024)", "backend: sdpa", causal, sdpa="lower_right", i=1024, heads=(H, H),
@@ -173,6 +178,8 @@ CASES = [
     Case("sinks, dense bias (learned), causal, lse", "backend: flex", sinks_bias_lse, sdpa_note="w/o sinks", fp32=True),
     Case("documents & causal (mask only)", "backend: flex", documents_only, also=("segments",)),
     Case("decoding step, lengths (i = 1)", "backend: sdpa", decode, i=1, lane=True),
+    Case("decoding step, starts, a row with no key (i = 1)", "backend: sdpa", decode_left_padded, i=1, lane=True,
+         sdpa=None),
     Case("ALiBi, causal, float64", "backend: chunked", alibi_causal, sdpa=None, i=1024, j=1024, dtypes=(torch.float64,)),
 ]  # fmt: skip
 

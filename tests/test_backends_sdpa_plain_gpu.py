@@ -56,29 +56,36 @@ def _spoil_padding(k, v, mask):
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("what", sorted(PADDING))
-def test_a_gpu_decoding_steps_padding_takes_the_lane_and_hidden_keys_never_reach_the_output(as_gpu, what, causal, grad):
-    q, k, v = _inputs()
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_gpu_decoding_steps_padding_takes_the_lane_and_hidden_keys_never_reach_the_output(as_gpu, what, causal,
+                                                                                            grad, dtype):  # fmt: skip
+    """The lane's output and gradients on padding holding nan and inf equal the reference's on finite padding."""
+    q, k, v = _inputs(dtype=dtype)
     mask = PADDING[what]()
     bad_k, bad_v = _spoil_padding(k, v, mask)
-    expected = qkv.attention(q, k, v, mask=mask, causal=causal, backend="reference")  # the clean inputs
+    exact = [x.double().requires_grad_(grad) for x in (q, k, v)]
+    expected = qkv.attention(*exact, mask=mask, causal=causal, backend="reference")  # the finite inputs, float64
     leaves = [x.clone().requires_grad_(grad) for x in (q, bad_k, bad_v)]
     decided = sdpa_plain.plan(*leaves, "scaled_dot", causal, None, mask)
     assert decided is not None and decided.gpu
     j0, j1, hidden, _ = decided.keys
     assert (j0, j1, hidden is not None) == READ[what]
     assert (decided.attn_mask is None) == (hidden is None)  # every key read is seen by every row: no mask at all
-    out = sdpa_plain.plain(*leaves, "scaled_dot", causal, None, mask)
-    assert out is not None and torch.isfinite(out).all()
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     dead = ~mask.tile(qkv.masks.Tile.whole(1, 9)).any(-1)[:, 0, 0]  # (b,) rows that see no key
+    if bool(dead.any()):  # given every key read (a GPU's kernel would give them nan) and zeroed after the kernel
+        assert decided.attn_mask[dead].all() and torch.equal(decided.live_rows[:, 0, 0, 0], (~dead).to(dtype))
+    else:
+        assert decided.live_rows is None
+    out = sdpa_plain.plain(*leaves, "scaled_dot", causal, None, mask)
+    assert out is not None and out.dtype == dtype and torch.isfinite(out).all()
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.double(), expected.detach(), **tol)
     assert torch.equal(out[dead], torch.zeros_like(out[dead]))
     if grad:
-        out.backward(torch.ones_like(out))
-        hidden = ~mask.tile(qkv.masks.Tile.whole(1, 9)).transpose(-1, -2)  # (b, 1, j, 1)
-        for x in leaves:
-            assert torch.isfinite(x.grad).all()
-        for x in leaves[1:]:  # a hidden key's gradient is 0
-            assert torch.equal(x.grad.masked_select(hidden), torch.zeros(int(hidden.sum()) * 2 * 8, dtype=x.dtype))
+        cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        got = torch.autograd.grad(out, leaves, cot.to(dtype))
+        for a, b in zip(got, torch.autograd.grad(expected, exact, cot)):  # hidden keys' gradients 0 in both
+            torch.testing.assert_close(a.double(), b, **tol)
 
 
 @pytest.mark.parametrize("what", ["lengths", "starts"])
@@ -96,6 +103,51 @@ def test_a_kept_gpu_padding_plan_serves_the_next_layer_and_sees_an_in_place_chan
         assert first is not None
         mask.tensors()[0][1].add_(0)  # written in place: the plan is stale
         assert not sdpa_plain.fits(decided, q2, k2, v2)
+
+
+@pytest.mark.parametrize("made", ["lengths", "starts"])
+def test_padding_changed_in_place_after_the_mask_read_it_leaves_the_lane(as_gpu, made):
+    """Against the mask's docs, but nothing wrong may come of it: the keys read and the rows with no key come from
+    the numbers read when the mask was made, so a changed tensor sends the call to the full path, which reads it."""
+    q, k, v = _inputs()
+    rows = torch.tensor([5, 5]) if made == "lengths" else torch.tensor([4, 4])
+    mask = getattr(qkv.masks, made)(rows)
+    with torch.no_grad():
+        assert sdpa_plain.plain(q, k, v, "scaled_dot", True, None, mask) is not None
+        rows[0] = 3 if made == "lengths" else 6  # row 0 now sees keys 0-2, or 6-8
+        assert sdpa_plain.plain(q, k, v, "scaled_dot", True, None, mask) is None
+        out = qkv.attention(q, k, v, mask=mask, causal=True)
+        fresh = getattr(qkv.masks, made)(rows.clone())
+        torch.testing.assert_close(out, qkv.attention(q, k, v, mask=fresh, causal=True, backend="reference"))
+
+
+def test_a_gpu_padding_plan_made_under_inference_mode_does_not_serve_a_call_that_records_gradients(as_gpu):
+    q, k, v = _inputs()
+    mask = PADDING["lengths"]()
+    with torch.inference_mode():
+        sdpa_plain.plain(q, k, v, "scaled_dot", False, None, mask)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = sdpa_plain.plain(*leaves, "scaled_dot", False, None, mask)  # (inference tensors cannot be saved)
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in leaves)
+
+
+def test_a_plan_for_one_gpu_does_not_serve_another(as_gpu):
+    """Meta tensors and CPU tensors stand for two GPUs here: a padded step's plan holds its device's tensors."""
+    q, k, v = _inputs(dtype=torch.float32)
+    mask = PADDING["lengths"]()
+    with torch.no_grad():
+        on_meta = sdpa_plain.plan(*(x.to("meta") for x in (q, k, v)), "scaled_dot", True, None, mask)
+        assert on_meta is not None and not sdpa_plain.fits(on_meta, q, k, v)
+
+
+def test_causal_with_fewer_queries_than_keys_under_autocast_leaves_the_lane(as_gpu):
+    """``causal_lower_right`` calls its kernels below autocast: the full path casts the inputs first."""
+    q, k, v = _inputs(h=4, g=4, i=5, j=9, dtype=torch.float32)
+    decided = sdpa_plain.plan(q, k, v, "scaled_dot", True, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert sdpa_plain.plan(q, k, v, "scaled_dot", True, None) is None
+        assert not sdpa_plain.fits(decided, q, k, v)
 
 
 def test_gpu_padding_takes_every_grouping_of_heads(as_gpu):

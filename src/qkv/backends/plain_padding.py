@@ -12,6 +12,7 @@ copies of ``k`` and ``v`` before the kernel, as ``hidden_keys.guard`` does there
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .._trace import version
@@ -76,11 +77,14 @@ def device_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[tuple,
     if i != 1 or type(rows) is not Tensor or rows.shape != (b,):
         return None  # (a batch of one broadcast: the full path)
     mask.check(i, j)  # rows past the keys: the full path's own message
+    if not mask.read_is_current():
+        return None  # changed in place since the mask read its numbers: the full path reads the tensor itself
     j0, j1 = _keys_seen(mask, j)
     if j1 <= j0:
         return None  # no row sees a key: the full path's zeros
     changes = version(rows)  # None under torch.inference_mode: nothing kept
-    key = (j, changes, q.dtype, q.device)
+    # (inference_mode too: what is built under it cannot be saved for a later call's backward)
+    key = (j, changes, q.dtype, q.device, torch.is_inference_mode_enabled())
     kept = getattr(mask, "_plain", None)
     if changes is not None and kept is not None and kept[0] is rows and kept[1] == key:
         return kept[2]

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .._trace import tracing, version
+from ..module_inputs import autocast_on
 from ..masks import Dense, Mask, Window
 from ..scores import Dot, ScaledDot
 from .grouped_rows import grouping
@@ -219,6 +220,9 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
         if i != 1 and not is_causal:
             if not gpu or not i < j or h != g or attn_mask is not None:
                 return None  # a mask tensor, or rows that see no key: the full path
+            if autocast_on(q.device.type):
+                # causal_lower_right calls its kernels itself, below autocast: float32 inputs would answer float32
+                return None  # (the full path casts them first, autocast_inputs)
             attn_mask = (_lower_right(i, j), None)  # on a GPU: the kernel's bottom-right causal, as the full path runs it
     elif causal is False:
         is_causal = False
@@ -283,8 +287,12 @@ def fits(decided: Plan, q: Tensor, k: Tensor, v: Tensor) -> bool:
         if not _on_one_gpu(q, k, v):
             return False
         if decided.keys is None:  # unmasked, or the kernel's causal_lower_right: nothing read from a tensor
-            return True
-        # a padded step's (padding zeroed, any gradient): planned on this device, its lengths unchanged since
+            return not (decided.attn_mask is not None and autocast_on(q.device.type))
+        # a padded step's (padding zeroed, any gradient): planned on this device, its lengths unchanged since, and
+        # its tensors not made under inference_mode for a call outside it (they could not be saved for a backward)
+        hidden = decided.keys[2]
+        if hidden is not None and hidden.is_inference() and not torch.is_inference_mode_enabled():
+            return False
         return decided.keys[3] == q.device and _unchanged(decided)
     if not (q.is_cpu and k.is_cpu and v.is_cpu):
         return False

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .._trace import concrete
+from .._trace import concrete, version
 from .base import And, Dense, Mask, State, Tile
 
 
@@ -46,6 +46,13 @@ def _per_row(name: str, values: object, what: str) -> tuple[int, int]:
     return low, high
 
 
+def _is_current(values: Tensor, read_at: int | None) -> bool:
+    """Whether ``values`` is unchanged since its version was ``read_at``: a user who changes a mask's tensor in place,
+    against its docs, gets no answer built from the numbers read before (``key_bounds``, ``state``) where this is
+    asked. A tensor made under ``torch.inference_mode`` keeps no version: taken as unchanged."""
+    return read_at is None or version(values) == read_at
+
+
 class Lengths(Mask):
     """Key padding on the right: in batch row ``n`` only the first ``key_lengths[n]`` keys are real.
 
@@ -56,6 +63,11 @@ class Lengths(Mask):
     def __init__(self, key_lengths: Tensor):
         self._shortest, self._longest = _per_row("key_lengths", key_lengths, "lengths")
         self.key_lengths = key_lengths
+        self._read_at = version(key_lengths)
+
+    def read_is_current(self) -> bool:
+        """Whether the numbers read when the mask was made still describe ``key_lengths`` (see :func:`_is_current`)."""
+        return _is_current(self.key_lengths, self._read_at)
 
     def tile(self, t: Tile) -> Tensor:
         lengths = self.key_lengths.to(t.device)
@@ -124,6 +136,11 @@ class Starts(Mask):
     def __init__(self, key_starts: Tensor):
         self._first, self._last = _per_row("key_starts", key_starts, "starts")
         self.key_starts = key_starts
+        self._read_at = version(key_starts)
+
+    def read_is_current(self) -> bool:
+        """Whether the numbers read when the mask was made still describe ``key_starts`` (see :func:`_is_current`)."""
+        return _is_current(self.key_starts, self._read_at)
 
     def tile(self, t: Tile) -> Tensor:
         starts = self.key_starts.to(t.device)
