@@ -17,7 +17,11 @@ seconds as it finishes.
 What it checks, per case (``CASES``):
 
 * **dispatch**: ``qkv.explain`` on the real CUDA tensors names the backend the table in
-  ``qkv.backends`` promises (``sdpa`` / ``flex`` / ``chunked``);
+  ``qkv.backends`` promises (``sdpa`` / ``flex`` / ``chunked``); the cases marked ``lane``
+  (plain causal, causal with ``i < j``, padded decoding steps) must take ``qkv.attention``'s
+  plain-call lane, no request built (``qkv.backends.sdpa_plain``);
+* **hidden keys** (:func:`hidden_keys_check`): nan and inf in padding reach no output or
+  gradient, through the lane and through flex;
 * **parity**, forward and backward (the output, the log-sum-exp where asked, and the
   gradients of q, k, v and of every learned tensor: T5's table, a dense bias, sinks, a
   score_mod's captured table), against ``backend="reference"`` in float64 on the same
