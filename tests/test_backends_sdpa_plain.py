@@ -324,27 +324,49 @@ PADDING = {
     "starts": lambda: qkv.masks.starts(torch.tensor([3, 0])),
     "lengths, a row with no key": lambda: qkv.masks.lengths(torch.tensor([0, 9])),
     "starts, a row with no key": lambda: qkv.masks.starts(torch.tensor([9, 2])),
+    "a static cache filled to 5": lambda: qkv.masks.lengths(torch.tensor([3, 5])),  # keys 5-8 never read
+    "a static cache, a row with no key": lambda: qkv.masks.lengths(torch.tensor([0, 4])),
 }
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("what", sorted(PADDING))
 def test_a_decoding_steps_lazy_padding_takes_the_lane_and_equals_the_full_path(what, causal):
+    """Bit for bit the full path's call over the keys the lane reads: every key, or up to the last some row sees
+    (keys past every row's length are left out; the kernel's sums over fewer keys may round 1 ulp apart)."""
     q, k, v = _inputs(i=1, j=9)
     mask = PADDING[what]()
+    decided = sdpa_plain.plan(q, k, v, "scaled_dot", causal, None, mask)
+    j1 = 9 if decided.keys is None else decided.keys[1]
+    assert (j1 < 9) == what.startswith("a static cache") and (decided.keys is None or decided.keys[0] == 0)
+
+    def full_path(q, k, v):  # over keys 0:j1, the same mask read afresh (a mask's tile is its own)
+        fresh = type(mask)(mask.tensors()[0][1].clone())
+        return qkv.attention(q, k[:, :, :j1], v[:, :, :j1], mask=fresh, causal=causal, backend="sdpa")
+
     with torch.no_grad():
         lane = sdpa_plain.plain(q, k, v, "scaled_dot", causal, None, mask)
         again = sdpa_plain.plain(q, k, v, "scaled_dot", causal, None, mask)  # from what the mask keeps
         out = qkv.attention(q, k, v, mask=mask, causal=causal)
-        full = qkv.attention(q, k, v, mask=mask, causal=causal, backend="sdpa")
+        full = full_path(q, k, v)
         reference = qkv.attention(q.double(), k.double(), v.double(), mask=mask, causal=causal, backend="reference")
     assert lane is not None and torch.equal(lane, full) and torch.equal(again, full) and torch.equal(out, full)
     torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-6)  # float32 against float64
-    decided = sdpa_plain.plan(q, k, v, "scaled_dot", causal, None, mask)
     q2, k2, v2 = _inputs(i=1, j=9, seed=1)  # the model's next layer: new tensors, the same mask
     with torch.no_grad():
-        assert torch.equal(_again(decided, q2, k2, v2), qkv.attention(q2, k2, v2, mask=mask, causal=causal,
-                                                                                 backend="sdpa"))  # fmt: skip
+        assert torch.equal(_again(decided, q2, k2, v2), full_path(q2, k2, v2))
+
+
+def test_a_static_caches_unfilled_keys_are_never_read_on_the_cpu():
+    """Keys past every row's length hold garbage (a cache made by ``torch.empty``): the lane never reads them, so
+    the output comes from the kernel at once, equal to a call on the filled keys alone."""
+    q, k, v = _inputs(i=1, j=9)
+    k[:, :, 5:], v[:, :, 5:] = float("nan"), float("inf")
+    mask = qkv.masks.lengths(torch.tensor([3, 5]))
+    with torch.no_grad():
+        lane = sdpa_plain.plain(q, k, v, "scaled_dot", True, None, mask)
+        alone = qkv.attention(q, k[:, :, :5], v[:, :, :5], mask=qkv.masks.lengths(torch.tensor([3, 5])), backend="sdpa")
+    assert lane is not None and torch.equal(lane, alone)
 
 
 def test_lazy_padding_leaves_the_lane_where_the_full_path_does_more():

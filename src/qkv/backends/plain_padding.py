@@ -1,10 +1,12 @@
-"""A decoding step's padding in ``qkv.attention``'s plain-call lane (``backends.sdpa_plain``): the kernel's mask from a lazy padding mask.
+"""A decoding step's padding in ``qkv.attention``'s plain-call lane (``backends.sdpa_plain``): the kernel's mask from a lazy padding mask, over the keys some row sees.
 
 Shape legend: ``b`` batch, ``j`` keys; the step has one query a row (``i = 1``).
 
 With one query a row, bottom-right ``causal`` hides no key (the query is the last key's
-position), so the step's mask is the padding's whole tile, ``b · j`` bools, built once per
-mask and kept on it (a model's layers share one step's mask). On the CPU the kernel's output
+position), so the step's mask is the padding's tile, ``b · j`` bools, built once per mask
+and kept on it (a model's layers share one step's mask), over the keys some row sees: keys
+past the longest ``lengths`` row (and, on a GPU, before the earliest ``starts``) are hidden
+from every row and never read (``key_bounds``, from the numbers the mask read when made). On the CPU the kernel's output
 is scanned for the nan a hidden key that is not finite brings (``hidden_keys.after``); on a
 GPU, where reading a value on the host stalls the stream, the hidden keys are zeroed in
 copies of ``k`` and ``v`` before the kernel, as ``hidden_keys.guard`` does there.
@@ -29,13 +31,16 @@ def mask_tensor(mask: Dense | Lengths | Starts) -> Tensor:
     return mask.tensors()[0][1]
 
 
-def plain_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor | None] | None:
-    """``(attn_mask (b, 1, 1, j), live_rows)`` of a CPU decoding step's padding; else None.
+def plain_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[tuple[Tensor, Tensor | None], tuple | None] | None:
+    """``((attn_mask (b, 1, 1, jt), live_rows), keys)`` of a CPU decoding step's padding; else None.
 
     The full path builds the same tensor for the kernel, after a request and the walk over
     the backends that cost a padded decoding step 3x the kernel's time (a ``(4, 8, 1, 64)``
-    step over 64 keys: 110 µs against SDPA's 30). Kept on the mask per ``j``, dtype and the
-    per-row tensor's version.
+    step over 64 keys: 110 µs against SDPA's 30). ``keys`` is ``(0, j1, None, device)`` where
+    the kernel reads keys ``0:j1`` only, up to the last some row sees (a static cache is read up
+    to its longest row; on the Intel Xeon, 4 rows filled to 256 of 4096 slots, 8 heads on 2,
+    the whole cache took 0.92 ms a step and its filled part 0.18), None where that is every key. Kept on the mask per ``j``, dtype and the per-row tensor's
+    version.
     """
     (b, _, i, _), j = q.shape, k.shape[-2]
     rows = mask_tensor(mask)
@@ -47,9 +52,16 @@ def plain_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[Tensor,
     kept = getattr(mask, "_plain", None)
     if changes is not None and kept is not None and kept[0] is rows and kept[1] == key:
         return kept[2]
-    allowed = mask.tile(Tile.whole(1, j))  # (b, 1, 1, j)
+    # up to the last key some row sees, from the numbers the mask read when made; every key where those are stale
+    # (the tensor changed in place since) or no row sees one (each row then given every key, and zeroed after). Not
+    # from the first: keys dropped before the real ones move the kernel's blocks, and its sums round differently
+    # (1 ulp, against the full path's bit for bit), where a left-padded batch's earliest start is 0 anyway
+    j1 = _keys_seen(mask, j)[1] if mask.read_is_current() else j
+    j1 = j1 if j1 > 0 else j
+    allowed = mask.tile(Tile(0, 1, 0, j1, 1, j))  # (b, 1, 1, jt)
     dead = ~allowed.any(-1, keepdim=True)
-    parts = _give_dead_rows_every_key(allowed, dead if bool(dead.any()) else None, q.dtype)
+    parts = (_give_dead_rows_every_key(allowed, dead if bool(dead.any()) else None, q.dtype),
+             None if j1 == j else (0, j1, None, q.device))  # fmt: skip
     if changes is not None:
         mask._plain = (rows, key, parts)
     return parts

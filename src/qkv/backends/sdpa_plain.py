@@ -73,7 +73,7 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     (``hidden_keys.after``): a nan (what a hidden key that is not finite brings) answers None, and the full path runs
     the call again on zeroed hidden keys. So is a decoding step's padding (one query a row):
     ``qkv.masks.lengths`` or ``starts`` on CPU rows, with or without ``causal`` (which hides
-    nothing from the last position), given to the kernel as its whole ``(b, 1, 1, j)`` tile.
+    nothing from the last position), given to the kernel as its ``(b, 1, 1, j)`` tile, up to the last key some row sees.
 
     On one CUDA device, recording gradients or not, two more calls take the lane, as the full
     path runs them there: a decoding step's padding (``lengths`` or ``starts``, the hidden
@@ -207,6 +207,11 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
         if padding is None:
             return None
         attn_mask, keys = padding
+    elif type(mask) in PADDING:
+        padding = None if _records_gradients(q, k, v) else plain_padding(mask, q, k)
+        if padding is None:
+            return None
+        attn_mask, keys = padding
     elif mask is not None:
         if type(mask) is Tensor:  # a caller's bool tensor (SDPA's attn_mask): read afresh at every call, as SDPA does
             if mask.dtype != torch.bool or mask.dim() != 4:
@@ -243,7 +248,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
         return None  # (a scale that is not positive: the full path, see checks.request)
     tensor = mask_tensor(mask) if mask is not None and attn_mask is not None else None
     attn_mask, live_rows = attn_mask if attn_mask is not None else (None, None)
-    way = grouping(q, k, v, attn_mask, 0.0, is_causal, scale, h != g)  # a plan's calls share their shapes and mask
+    read = (k, v) if keys is None else (k[:, :, keys[0]:keys[1]], v[:, :, keys[0]:keys[1]])  # (what the kernel reads)
+    way = grouping(q, *read, attn_mask, 0.0, is_causal, scale, h != g)  # a plan's calls share their shapes and mask
     return Plan((q.shape, k.shape, v.shape), dtype, attn_mask, live_rows, is_causal, scale, way, tensor,
                 None if tensor is None else version(tensor), gpu, keys)  # fmt: skip
 
@@ -251,8 +257,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale: 
 def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor, mask: object = None) -> Tensor | None:
     """The kernel's output for the call :func:`plan` decided, or None where it holds a nan (the full path then
     zeroes the hidden keys); ``mask`` is the call's, which a plan holding :data:`CALLERS_MASK` passes as it is."""
-    if decided.keys is not None:  # a GPU's padded step: the keys some row sees, padding zeroed branch-free, no scan
-        j0, j1, hidden, _ = decided.keys  # (of the output: a host read stalls the stream)
+    if decided.keys is not None:  # a padded step: the keys some row sees; on a GPU padding zeroed branch-free, no
+        j0, j1, hidden, _ = decided.keys  # scan of the output (a host read stalls the stream)
         if j1 - j0 != k.shape[-2]:
             k, v = k[:, :, j0:j1], v[:, :, j0:j1]
         if hidden is not None:
@@ -310,12 +316,15 @@ def _unchanged(decided: Plan) -> bool:
     return decided.mask_version is not None and version(decided.mask_tensor) == decided.mask_version
 
 
+def _records_gradients(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether autograd records this call (then a CPU call's hidden keys are guarded first, on the full path)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -> tuple[Tensor, Tensor | None] | None:
     """``(attn_mask, live_rows)`` of a mask :func:`plain` may take (see there), as :func:`_mask` gives them; else None."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if _records_gradients(q, k, v):
         return None  # a differentiated call guards its hidden keys first: the full path
-    if type(mask) in PADDING:
-        return plain_padding(mask, q, k)
     if type(mask) is not Dense or causal is not False:
         return None
     allowed = mask.mask
