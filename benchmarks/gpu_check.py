@@ -274,9 +274,11 @@ def hidden_keys_check(failures: list) -> str:
     causal prefill (flex), each against the same call on finite padding. The output must be
     equal bit for bit (the hidden keys are zeroed before the kernel on a GPU); the gradients
     within one bfloat16 rounding of their largest value, a margin for a backward whose sums
-    may run in no fixed order: one run in four of a bit-for-bit check on an H200 found a
-    gradient not equal (the outputs were), and the runs after it found none. Two runs on
-    finite padding are compared too, to show how far the kernel's own runs differ.
+    may run in no fixed order: in one run of four on an H200 the first version of this check
+    (the output and the gradients bit for bit, together) failed on the decoding step with
+    every value finite, which tensor differed unrecorded, and not in the runs before or after
+    it. Two runs on finite padding are compared too, to show how far the kernel's own runs
+    differ.
     """
     said = []
     for name, i in (("decoding step", 1), ("prefill", I)):

@@ -63,12 +63,32 @@ def minilm_pair():
 def smollm2_pair():
     """``(model, eager)``: the packaged SmolLM2-135M-Instruct with ``attn_implementation="qkv"`` and its eager twin,
     float64 (or skip)."""
+    return _with_eager(smollm2_model("qkv"))
+
+
+#: The packaged SmolLM2 as loaded, once per test process (:func:`smollm2_model` hands out copies).
+_SMOLLM2: dict = {}
+
+
+def smollm2_model(attn_implementation: str):
+    """A fresh float32 copy of the packaged SmolLM2-135M-Instruct running ``attn_implementation`` (or skip).
+
+    De-quantising its GGUF file took 25-35 s a load on a 2-core CPU, and four test modules each
+    loaded it: the first call in a process loads it, every call gets its own deep copy (0.3 s),
+    so a test may edit, hook or cast its model freely.
+    """
     folder, gguf_file = smollm2_files()
+    import copy
+
     import torch
     from transformers import AutoModelForCausalLM
 
     from qkv.integrations.transformers import register
 
     register()
-    return _with_eager(AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, attn_implementation="qkv",
-                                                            dtype=torch.float32))  # fmt: skip
+    if "model" not in _SMOLLM2:
+        _SMOLLM2["model"] = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, attn_implementation="eager",
+                                                                 dtype=torch.float32).eval()  # fmt: skip
+    model = copy.deepcopy(_SMOLLM2["model"])
+    model.set_attn_implementation(attn_implementation)
+    return model

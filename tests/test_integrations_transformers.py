@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv.integrations import packaged
-from packaged_models import minilm_folder, smollm2_files
+from packaged_models import minilm_folder, smollm2_files, smollm2_model
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (the transformers extra)")
@@ -345,9 +345,8 @@ def test_tiny_llama_weights_for_on_a_left_padded_bert_tokenizer_batch(tmp_path):
 @pytest.fixture(scope="module")
 def smollm2():
     folder, gguf_file = smollm2_files()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, attn_implementation="eager").eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, padding_side="left")
-    return model, tokenizer
+    return smollm2_model("eager"), tokenizer
 
 
 def test_smollm2_qkv_equals_eager_on_a_left_padded_batch(smollm2):

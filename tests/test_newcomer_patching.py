@@ -24,7 +24,7 @@ import copy
 
 import pytest
 import torch
-from packaged_models import minilm_folder, smollm2_files
+from packaged_models import minilm_folder, smollm2_model
 
 import qkv
 from qkv.edits import AblateHeads, Knockout, PatchPattern, PatchZ, ScaleHeads
@@ -39,14 +39,7 @@ HEADS, E, LAYERS = 9, 64, 30
 
 @pytest.fixture(scope="module")
 def smollm2():
-    folder, gguf_file = smollm2_files()
-    from transformers import AutoModelForCausalLM
-
-    from qkv.integrations.transformers import register
-
-    register()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, attn_implementation="qkv", dtype=torch.float32)
-    return model.eval()
+    return smollm2_model("qkv")
 
 
 @pytest.fixture(scope="module")
