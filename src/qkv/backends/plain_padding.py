@@ -14,11 +14,13 @@ copies of ``k`` and ``v`` before the kernel, as ``hidden_keys.guard`` does there
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
 from .._trace import version
-from ..masks import Dense, Lengths, Starts, Tile
+from ..masks import Dense, Lengths, Mask, Starts, Tile
 from .sdpa import _give_dead_rows_every_key
 
 
@@ -29,6 +31,34 @@ PADDING = (Lengths, Starts)
 def mask_tensor(mask: Dense | Lengths | Starts) -> Tensor:
     """The one tensor a plan's mask reads (a Dense mask's, the padding's per-row one), whose version :func:`fits` compares."""
     return mask.tensors()[0][1]
+
+
+def kept_on_mask(mask: Mask, tensor: Tensor, key: tuple, build: Callable[[], object]) -> object:
+    """What ``build()`` gives for a mask reading ``tensor``, kept on the mask per ``key`` and the tensor's version.
+
+    A model's layers share one step's mask, so the first layer builds what the kernel takes and
+    the others find it: kept while ``tensor`` is the same object unchanged (an in-place change
+    bumps its version). A tensor made under ``torch.inference_mode`` keeps no version: built at
+    every call. A None from ``build`` (the call is not the lane's) is not kept.
+    """
+    changes = version(tensor)
+    key = (*key, changes)
+    kept = getattr(mask, "_plain", None)
+    if changes is not None and kept is not None and kept[0] is tensor and kept[1] == key:
+        return kept[2]
+    parts = build()
+    if changes is not None and parts is not None:
+        mask._plain = (tensor, key, parts)
+    return parts
+
+
+def _step_rows(mask: Lengths | Starts, q: Tensor, k: Tensor) -> Tensor | None:
+    """The padding's ``(b,)`` per-row tensor where the call is a decoding step (one query a row) of ``b`` rows."""
+    rows = mask_tensor(mask)
+    if q.shape[2] != 1 or type(rows) is not Tensor or rows.shape != (q.shape[0],):
+        return None  # (several queries, a batch of one broadcast: the full path)
+    mask.check(1, k.shape[-2])  # rows past the keys: the full path's own message
+    return rows
 
 
 def plain_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[tuple[Tensor, Tensor | None], tuple | None] | None:
@@ -42,29 +72,24 @@ def plain_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[tuple[T
     the whole cache took 0.92 ms a step and its filled part 0.18), None where that is every key. Kept on the mask per ``j``, dtype and the per-row tensor's
     version.
     """
-    (b, _, i, _), j = q.shape, k.shape[-2]
-    rows = mask_tensor(mask)
-    if i != 1 or type(rows) is not Tensor or rows.device.type != "cpu" or rows.shape != (b,):
-        return None  # (a batch of one broadcast, a GPU's rows: the full path)
-    mask.check(i, j)  # rows past the keys: the full path's own message
-    changes = version(rows)  # None under torch.inference_mode: nothing kept
-    key = (j, changes, q.dtype)
-    kept = getattr(mask, "_plain", None)
-    if changes is not None and kept is not None and kept[0] is rows and kept[1] == key:
-        return kept[2]
-    # up to the last key some row sees, from the numbers the mask read when made; every key where those are stale
-    # (the tensor changed in place since) or no row sees one (each row then given every key, and zeroed after). Not
-    # from the first: keys dropped before the real ones move the kernel's blocks, and its sums round differently
-    # (1 ulp, against the full path's bit for bit), where a left-padded batch's earliest start is 0 anyway
-    j1 = _keys_seen(mask, j)[1] if mask.read_is_current() else j
-    j1 = j1 if j1 > 0 else j
-    allowed = mask.tile(Tile(0, 1, 0, j1, 1, j))  # (b, 1, 1, jt)
-    dead = ~allowed.any(-1, keepdim=True)
-    parts = (_give_dead_rows_every_key(allowed, dead if bool(dead.any()) else None, q.dtype),
-             None if j1 == j else (0, j1, None, q.device))  # fmt: skip
-    if changes is not None:
-        mask._plain = (rows, key, parts)
-    return parts
+    rows = _step_rows(mask, q, k)
+    if rows is None or rows.device.type != "cpu":
+        return None  # (a GPU's rows: the full path)
+    j = k.shape[-2]
+
+    def build():
+        # up to the last key some row sees, from the numbers the mask read when made; every key where those are
+        # stale (the tensor changed in place since) or no row sees one (each row then given every key, and zeroed
+        # after). Not from the first: keys dropped before the real ones move the kernel's blocks, and its sums round
+        # differently (1 ulp, against the full path's bit for bit), where a left-padded batch's earliest start is 0
+        j1 = _keys_seen(mask, j)[1] if mask.read_is_current() else j
+        j1 = j1 if j1 > 0 else j
+        allowed = mask.tile(Tile(0, 1, 0, j1, 1, j))  # (b, 1, 1, jt)
+        dead = ~allowed.any(-1, keepdim=True)
+        return (_give_dead_rows_every_key(allowed, dead if bool(dead.any()) else None, q.dtype),
+                None if j1 == j else (0, j1, None, q.device))  # fmt: skip
+
+    return kept_on_mask(mask, rows, (j, q.dtype), build)
 
 
 def device_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[tuple, tuple] | None:
@@ -84,33 +109,25 @@ def device_padding(mask: Lengths | Starts, q: Tensor, k: Tensor) -> tuple[tuple,
     the call is not one query a row. Kept on the mask per ``j``, dtype, device and the
     per-row tensor's version.
     """
-    (b, _, i, _), j = q.shape, k.shape[-2]
-    rows = mask_tensor(mask)
-    if i != 1 or type(rows) is not Tensor or rows.shape != (b,):
-        return None  # (a batch of one broadcast: the full path)
-    mask.check(i, j)  # rows past the keys: the full path's own message
-    if not mask.read_is_current():
-        return None  # changed in place since the mask read its numbers: the full path reads the tensor itself
+    rows = _step_rows(mask, q, k)
+    if rows is None or not mask.read_is_current():
+        return None  # (changed in place since the mask read its numbers: the full path reads the tensor itself)
+    j = k.shape[-2]
     j0, j1 = _keys_seen(mask, j)
     if j1 <= j0:
         return None  # no row sees a key: the full path's zeros
-    changes = version(rows)  # None under torch.inference_mode: nothing kept
-    # (inference_mode too: what is built under it cannot be saved for a later call's backward)
-    key = (j, changes, q.dtype, q.device, torch.is_inference_mode_enabled())
-    kept = getattr(mask, "_plain", None)
-    if changes is not None and kept is not None and kept[0] is rows and kept[1] == key:
-        return kept[2]
-    seen = Tile(0, 1, j0, j1, 1, j, q.device)
-    if mask.state(seen) == "full":  # from the host numbers: every row sees every key of the range
-        parts = (None, None), (j0, j1, None, q.device)
-    else:
+
+    def build():
+        seen = Tile(0, 1, j0, j1, 1, j, q.device)
+        if mask.state(seen) == "full":  # from the host numbers: every row sees every key of the range
+            return (None, None), (j0, j1, None, q.device)
         allowed = mask.tile(seen)  # (b, 1, 1, jt)
         dead = None if _every_row_sees_a_key(mask, j) else allowed.logical_not().all(-1, keepdim=True)  # (no host read)
         hidden = allowed.transpose(-1, -2).logical_not()  # (b, 1, jt, 1)
-        parts = _give_dead_rows_every_key(allowed, dead, q.dtype), (j0, j1, hidden, q.device)
-    if changes is not None:
-        mask._plain = (rows, key, parts)
-    return parts
+        return _give_dead_rows_every_key(allowed, dead, q.dtype), (j0, j1, hidden, q.device)
+
+    # (inference_mode in the key: what is built under it cannot be saved for a later call's backward)
+    return kept_on_mask(mask, rows, (j, q.dtype, q.device, torch.is_inference_mode_enabled()), build)
 
 
 def _keys_seen(mask: Lengths | Starts, j: int) -> tuple[int, int]:

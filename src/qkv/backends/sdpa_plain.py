@@ -23,8 +23,8 @@ from ..module_inputs import autocast_on
 from ..masks import Dense, Mask, Window
 from ..scores import Dot, ScaledDot
 from .grouped_rows import grouping
-from .hidden_keys import no_nan
-from .plain_padding import PADDING, device_padding, mask_tensor, plain_padding
+from .hidden_keys import no_nan, without
+from .plain_padding import PADDING, device_padding, kept_on_mask, mask_tensor, plain_padding
 from .sdpa import _dense_dead_rows, _give_dead_rows_every_key, _is_causal, _kernel, zeroes_dead_rows
 from .tiling import flash_cpu
 
@@ -262,7 +262,7 @@ def run(decided: Plan, q: Tensor, k: Tensor, v: Tensor, mask: object = None) -> 
         if j1 - j0 != k.shape[-2]:
             k, v = k[:, :, j0:j1], v[:, :, j0:j1]
         if hidden is not None:
-            k, v = torch.where(hidden, 0.0, k), torch.where(hidden, 0.0, v)
+            k, v = without(k, v, hidden)
     if decided.attn_mask is None:
         return _kernel(q, k, v, None, 0.0, decided.is_causal, decided.scale, decided.grouping)
     if decided.gpu:
@@ -334,19 +334,15 @@ def _plain_mask(mask: object, q: Tensor, k: Tensor, v: Tensor, causal: object) -
     mb, mh, mi, mj = allowed.shape
     if mj != j or mi not in (1, i) or mb not in (1, b) or mh not in (1, h):
         return None
-    changes = version(allowed)  # None under torch.inference_mode: nothing kept, read every call
-    key = (i, j, changes, q.dtype)
-    kept = getattr(mask, "_plain", None)
-    if changes is not None and kept is not None and kept[0] is allowed and kept[1] == key:
-        return kept[2]
-    if _is_causal(allowed, i, j):
-        return None  # the full path runs the kernel's causal flag instead
-    # rows that see no key: none to find where the kernel itself gives them 0 (probed once per dtype)
-    dead = None if zeroes_dead_rows(q) else _dense_dead_rows(mask, allowed, i, j)
-    parts = _give_dead_rows_every_key(allowed, dead, q.dtype)
-    if changes is not None:
-        mask._plain = (allowed, key, parts)
-    return parts
+
+    def build():
+        if _is_causal(allowed, i, j):
+            return None  # the full path runs the kernel's causal flag instead
+        # rows that see no key: none to find where the kernel itself gives them 0 (probed once per dtype)
+        dead = None if zeroes_dead_rows(q) else _dense_dead_rows(mask, allowed, i, j)
+        return _give_dead_rows_every_key(allowed, dead, q.dtype)
+
+    return kept_on_mask(mask, allowed, (i, j, q.dtype), build)
 
 
 def _lower_right(i: int, j: int) -> object:
