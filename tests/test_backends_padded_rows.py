@@ -154,3 +154,77 @@ def test_the_probe_times_the_calls_own_query_and_key_lengths_not_a_square(short_
     (key,) = padded_rows._answers
     assert (4, 64) == key[8:10] and shapes[0] == (4, 64)  # the probe's call, then the real one
     assert shapes[1] == (5, 80)
+
+
+def _poisoned(side: str) -> tuple[torch.Tensor, ...]:
+    """``q, k, v`` whose padding (the keys each row's mask hides) holds nan and inf, and the padding mask."""
+    q, k, v = (x.detach().float() for x in ref.random_qkv(B, H, G, I, I, D, D))
+    for r, n in enumerate(REAL.tolist()):
+        pad = slice(n, None) if side == "right" else slice(0, I - n)
+        k[r, :, pad], v[r, :, pad] = float("nan"), float("inf")
+    return q, k, v, qkv.masks.lengths(REAL) if side == "right" else qkv.masks.starts(I - REAL)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_rows_over_their_real_keys_skip_the_output_scan_and_groups_keep_it(side, short_rows, monkeypatch):
+    """A call per row reads no padding key, so an inference call's output is not scanned for the nan one would bring;
+    groups are given their padding, scanned, and run again on zeroed keys. Neither output holds a nan."""
+    from qkv.backends import hidden_keys
+
+    scans = []
+    real_scan = hidden_keys.no_nan
+    monkeypatch.setattr(hidden_keys, "no_nan", lambda out: scans.append(1) or real_scan(out))
+    q, k, v, mask = _poisoned(side)
+    clean = [torch.where(x.isfinite(), x, 0.0) for x in (k, v)]
+    with torch.no_grad():
+        want = qkv.attention(q, *clean, mask=mask, causal=True, backend="reference")
+        for faster in ("rows", "groups"):
+            monkeypatch.setattr(padded_rows, "_answers", {})
+            timed(monkeypatch, groups=1.0 if faster == "groups" else 2.0, rows=2.0 if faster == "groups" else 1.0)
+            scans.clear()
+            got = qkv.attention(q, k, v, mask=mask, causal=True)
+            assert not got.isnan().any()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert len(scans) == (1 if faster == "groups" else 0), faster
+
+
+def test_a_padded_window_keeps_the_scan(short_rows, monkeypatch):
+    """Under a window a row's own call may hide keys from every query it runs (and groups read the padding): only a
+    padded causal square run a row at a time is known to read no hidden key."""
+    from qkv.backends import segments
+
+    def reads(mask, causal: bool, faster: str) -> bool:
+        monkeypatch.setattr(padded_rows, "_answers", {})
+        timed(monkeypatch, groups=1.0 if faster == "groups" else 2.0, rows=2.0 if faster == "groups" else 1.0)
+        req = qkv.checks.request(q, k, v, score="scaled_dot", mask=mask, bias=None, causal=causal, scale=None,
+                                 dropout=0.0, return_weights=False)  # fmt: skip
+        return segments.reads_hidden_keys(req)
+
+    q, k, v = (x.detach().float() for x in ref.random_qkv(B, H, G, I, I, D, D))
+    with torch.no_grad():
+        assert reads(qkv.masks.lengths(REAL) & qkv.masks.window(left=3, right=0), False, "rows")
+        assert not reads(qkv.masks.lengths(REAL), True, "rows")
+        assert not reads(qkv.masks.starts(I - REAL), True, "rows")
+        assert not reads(qkv.masks.lengths(REAL), False, "rows")
+        assert reads(qkv.masks.lengths(REAL), True, "groups")
+
+
+def test_the_backends_are_walked_once_for_a_batch_of_plain_rows_and_per_row_otherwise(short_rows, monkeypatch):
+    """Rows whose calls are plain (top-left is_causal, no bias) take the backend chosen for the first; a row with its
+    own bias is chosen for on its own (a bias may change the answer)."""
+    timed(monkeypatch, groups=2.0, rows=1.0)
+    walks = []
+    real_choose = qkv.backends.choose
+    q, k, v = (x.detach().float() for x in ref.random_qkv(B, H, G, I, I, D, D))
+    with torch.no_grad():
+        qkv.attention(q, k, v, mask=qkv.masks.lengths(REAL), causal=True)  # the probe (its own walks) runs here
+        monkeypatch.setattr(qkv.backends, "choose", lambda req, *a: walks.append(req.i) or real_choose(req, *a))
+        qkv.attention(q, k, v, mask=qkv.masks.lengths(REAL), causal=True)
+        assert len(walks) == 2  # the whole call's, then the first row's
+        bias = torch.randn(B, 1, I, I)
+        qkv.attention(q, k, v, mask=qkv.masks.lengths(REAL), causal=True, bias=bias)  # (its own size class's probe)
+        walks.clear()
+        got = qkv.attention(q, k, v, mask=qkv.masks.lengths(REAL), causal=True, bias=bias)
+        assert len(walks) == 1 + B
+        want = qkv.attention(q, k, v, mask=qkv.masks.lengths(REAL), causal=True, bias=bias, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -125,7 +125,7 @@ def _run(req: backends.Request, backend: str) -> Tensor | tuple[Tensor, ...]:
     if hidden_keys.needs_guard_first(req):  # already guarded by checks.request
         out, weights, lse = impl.run(req)
     else:  # inference: padding holding NaN shows in the output; only then run again on zeroed keys
-        out, weights, lse = hidden_keys.after(req, impl.run, impl.run(req))
+        out, weights, lse = hidden_keys.after(req, impl, impl.run(req))
     results = [req.restore(out)]
     if req.return_weights:
         if req.weights_for is not None and not getattr(impl, "selects_weights", False):

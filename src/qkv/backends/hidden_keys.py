@@ -29,8 +29,9 @@ mask and ``causal()``). Then, by what the call is:
   without nan is the answer, for the cost of one scan of it (:func:`no_nan`); otherwise the
   call runs again with the exact hidden keys zeroed. A mask of offset ranges alone under which
   some row reaches every key (a causal call, a window) hides none: no scan
-  (:func:`ranges_hide_none`). A one-token decoding step over a long padded cache thus pays
-  nothing for reading its padding.
+  (:func:`ranges_hide_none`), nor where no kernel of the backend reads a hidden key (its
+  ``reads_hidden_keys``: a padded batch run a row at a time over each row's real keys). A
+  one-token decoding step over a long padded cache thus pays nothing for reading its padding.
 
 Either way a hidden key's gradient is 0 (no output depends on it).
 
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -233,13 +233,20 @@ def needs_guard_first(req: Request) -> bool:
     return req.differentiated
 
 
-def after(req: Request, run: Callable[[Request], tuple], result: tuple) -> tuple:
-    """After an inference call: ``result`` when its output holds no nan, else ``run`` again on :func:`zeroed` inputs."""
+def after(req: Request, impl, result: tuple) -> tuple:
+    """After an inference call on backend ``impl``: ``result`` when its output holds no nan (or no kernel of ``impl``
+    read a hidden key: its ``reads_hidden_keys``), else ``impl.run`` again on :func:`zeroed` inputs."""
     if req.mask is None and not isinstance(req.bias, Tensor):  # nothing can hide a key
+        return result
+    if not getattr(impl, "reads_hidden_keys", _reads)(req):  # (a padded batch's rows over their real keys alone)
         return result
     if ranges_hide_none(req):  # a causal call, a window, a chunk after its cache: no scan of the output
         return result
     if no_nan(result[0].detach()):
         return result
     hidden = every_hidden_key(req)
-    return result if hidden is None else run(zeroed(req, hidden))
+    return result if hidden is None else impl.run(zeroed(req, hidden))
+
+
+def _reads(req: Request) -> bool:
+    return True

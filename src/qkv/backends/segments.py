@@ -168,6 +168,41 @@ def run(req: Request) -> tuple[Tensor, None, Tensor | None]:
     return out, None, lse
 
 
+def reads_hidden_keys(req: Request) -> bool:
+    """Whether a kernel of this call may read a key hidden from every query (``hidden_keys.after`` scans the
+    output for what such a key brings only where one may).
+
+    A padded batch run a row at a time reads each row's real keys alone; under no other mask, or a causal
+    square's (each key seen by its own query), every key a row's call reads is seen. Groups of rows are
+    given their padding, and documents are left to the scan.
+    """
+    if documents_of(req.mask)[0] is not None:
+        return True
+    pad, rest = padding_of(req.mask)
+    if pad is None or padded_rows.in_groups(req, pad, rest, _one_by_one):
+        return True
+    return not (rest is None or (req.i == req.j and isinstance(rest, Offsets) and rest.hi == 0 and rest.lo is None))
+
+
+def _plain_chooser(choose: Callable) -> Callable[[Request], object]:
+    """``choose`` for each segment's call, asked once for all the plain ones: no mask or PyTorch's top-left
+    ``is_causal`` (and no bias or score_mod), which differ only in their sizes, and no backend's answer for such
+    a call reads them (32 padded rows of 256: one walk of the backends a call, not 32)."""
+    chosen = []
+
+    def pick(sub: Request):
+        mask = sub.mask
+        plain = sub.bias is None and sub.score_mod is None and (
+            mask is None or isinstance(mask, Offsets) and mask.hi == sub.i - sub.j and mask.lo is None)
+        if not plain:
+            return choose(sub)[0]
+        if not chosen:
+            chosen.append(choose(sub)[0])
+        return chosen[0]
+
+    return pick
+
+
 def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tuple[Tensor, Tensor | None]:
     """``(out (b, h, i, e), lse (b, h, i) | None)``: each segment run as its own call, put back in place.
 
@@ -178,8 +213,9 @@ def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tu
     """
     from . import choose  # the dispatcher, for each segment's own call
 
+    pick = _plain_chooser(choose)
     if not torch.is_grad_enabled():
-        return _run_into(req, parts, packed, choose)
+        return _run_into(req, parts, packed, pick)
     # With gradients, one cat per row: copying the pieces into one buffer instead (autograd through
     # the copies) made varlen's forward + backward 1.25-1.3x the per-document loop, against 1.0 here.
     b, h, i_len = req.q.shape[0], req.heads, req.i
@@ -190,8 +226,7 @@ def run_segments(req: Request, parts: list[Segment], packed: bool = False) -> tu
         if part.block.it == 0 or part.block.jt == 0:  # no rows, or rows that see no key: left as gaps
             continue
         sub = _call(req, part, part_views)
-        impl, _ = choose(sub)
-        out, _, lse = impl.run(sub)
+        out, _, lse = pick(sub).run(sub)
         rows[part.row].append((part.block.r0, out, lse))
     outs, lses = [], []
     for pieces in rows:
@@ -220,7 +255,7 @@ def _joined(out: Tensor, req: Request) -> Tensor:
     return torch.where(torch.zeros((), dtype=torch.bool, device=out.device), anchor, out)
 
 
-def _run_into(req: Request, parts: list[Segment], packed: bool, choose) -> tuple[Tensor, Tensor | None]:
+def _run_into(req: Request, parts: list[Segment], packed: bool, pick) -> tuple[Tensor, Tensor | None]:
     """:func:`run_segments` with no gradients recorded: each piece copied into the output as it is made
     and freed, so the peak holds the output and one piece, not every piece and their ``cat``."""
     b, h, i_len, e = req.q.shape[0], req.heads, req.i, req.v.shape[-1]
@@ -238,8 +273,7 @@ def _run_into(req: Request, parts: list[Segment], packed: bool, choose) -> tuple
         if part.block.it == 0 or part.block.jt == 0:
             continue
         sub = _call(req, part)
-        impl, _ = choose(sub)
-        piece, _, piece_lse = impl.run(sub)
+        piece, _, piece_lse = pick(sub).run(sub)
         rows = slice(part.block.r0, part.block.r0 + piece.shape[2])
         covered[part.row].append((rows.start, rows.stop))
         if packed:
