@@ -228,3 +228,29 @@ def test_the_backends_are_walked_once_for_a_batch_of_plain_rows_and_per_row_othe
         assert len(walks) == 1 + B
         want = qkv.attention(q, k, v, mask=qkv.masks.lengths(REAL), causal=True, bias=bias, backend="reference")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_rows_that_read_no_hidden_key_are_not_guarded_and_their_gradients_stay_finite(side, short_rows, monkeypatch):
+    """With gradients, a call per row skips the guard that zeroes hidden keys (none reaches a kernel, forward or
+    backward); groups take it. Either way nan and inf in the padding reach no output or gradient."""
+    from qkv.backends import hidden_keys
+
+    guards = []
+    real_guard = hidden_keys.guard
+    monkeypatch.setattr(hidden_keys, "guard", lambda req: guards.append(1) or real_guard(req))
+    q, k, v, mask = _poisoned(side)
+    clean = [torch.where(x.isfinite(), x, 0.0) for x in (k, v)]
+    inputs = [q.clone().requires_grad_(), *(x.clone().requires_grad_() for x in clean)]
+    want = ref.run_with_grads(lambda: qkv.attention(*inputs, mask=mask, causal=True, backend="reference"), inputs)
+    for faster in ("rows", "groups"):
+        monkeypatch.setattr(padded_rows, "_answers", {})
+        timed(monkeypatch, groups=1.0 if faster == "groups" else 2.0, rows=2.0 if faster == "groups" else 1.0)
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        qkv.attention(*inputs, mask=mask, causal=True)  # (the probe, which runs its own guarded calls)
+        guards.clear()
+        got = ref.run_with_grads(lambda: qkv.attention(*inputs, mask=mask, causal=True), inputs)
+        assert len(guards) == (1 if faster == "groups" else 0), faster
+        for a, b in zip(got, want):
+            assert a.isfinite().all()
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

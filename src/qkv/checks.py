@@ -56,9 +56,10 @@ def request(
     """Validate one call and fold it into a :class:`Request`.
 
     Keys the mask hides from every query are made harmless here (``backends.hidden_keys.
-    guard``), unless ``hidden_after``: then a caller that runs the call itself checks its
-    output with ``hidden_keys.after`` instead, which an inference call pays less for (the
-    guard still runs here for calls that record gradients or are traced).
+    guard``), unless ``hidden_after``: then the caller, which chooses the backend and runs the
+    call itself, guards a call that records gradients or is traced once it knows the backend
+    may read such a key (``hidden_keys.reads``), and checks an inference call's output with
+    ``hidden_keys.after``, which costs it less.
     """
     _tensors(q, k, v)
     named = _STATELESS.get(score) if isinstance(score, str) else None
@@ -107,7 +108,7 @@ def request(
         return_weights=return_weights, generator=generator, sinks=sinks, score_mod=score_mod, return_lse=return_lse,
         layout=None if layout.canonical else layout,
     )  # fmt: skip
-    if hidden_after and not hidden_keys.needs_guard_first(req):
+    if hidden_after:
         return req
     return hidden_keys.guard(req)  # no NaN from a key no row sees, on any engine
 

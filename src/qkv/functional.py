@@ -122,8 +122,8 @@ def attention(
 def _run(req: backends.Request, backend: str) -> Tensor | tuple[Tensor, ...]:
     """A checked call on the backend ``choose`` picks: ``out``, and the weights and ``lse`` it asks for, in its layout."""
     impl, _ = backends.choose(req, backend)
-    if hidden_keys.needs_guard_first(req):  # already guarded by checks.request
-        out, weights, lse = impl.run(req)
+    if hidden_keys.needs_guard_first(req):  # gradients or a trace: hidden keys zeroed first where the backend reads one
+        out, weights, lse = impl.run(hidden_keys.guard(req) if hidden_keys.reads(impl, req) else req)
     else:  # inference: padding holding NaN shows in the output; only then run again on zeroed keys
         out, weights, lse = hidden_keys.after(req, impl, impl.run(req))
     results = [req.restore(out)]

@@ -16,7 +16,9 @@ block of rows at a time and also finds a key hidden only by parts together (a pe
 mask and ``causal()``). Then, by what the call is:
 
 * **recording gradients**, **traced** (``torch.compile``, ``torch.export``, meta
-  tensors) or **on an accelerator**: :func:`guard`, before any engine. A traced call, or
+  tensors) or **on an accelerator**: :func:`guard`, before the engine, where the backend
+  may read a hidden key (:func:`reads`; ``qkv.attention`` asks once the backend is chosen,
+  other callers guard every call). A traced call, or
   one on a GPU (where reading a value on the host would stall the stream), zeroes the keys
   :func:`hidden_keys` names in copies of ``k`` and ``v`` unconditionally (the same result,
   branch-free); an eager CPU one reads the hidden keys alone where those names are exact
@@ -238,7 +240,7 @@ def after(req: Request, impl, result: tuple) -> tuple:
     read a hidden key: its ``reads_hidden_keys``), else ``impl.run`` again on :func:`zeroed` inputs."""
     if req.mask is None and not isinstance(req.bias, Tensor):  # nothing can hide a key
         return result
-    if not getattr(impl, "reads_hidden_keys", _reads)(req):  # (a padded batch's rows over their real keys alone)
+    if not reads(impl, req):  # (a padded batch's rows over their real keys alone)
         return result
     if ranges_hide_none(req):  # a causal call, a window, a chunk after its cache: no scan of the output
         return result
@@ -248,5 +250,12 @@ def after(req: Request, impl, result: tuple) -> tuple:
     return result if hidden is None else impl.run(zeroed(req, hidden))
 
 
-def _reads(req: Request) -> bool:
+def reads(impl, req: Request) -> bool:
+    """Whether a kernel of backend ``impl`` may read a key of ``req`` hidden from every query (its
+    ``reads_hidden_keys``; a backend without one may): where none does, neither :func:`guard` nor :func:`after` is
+    needed."""
+    return getattr(impl, "reads_hidden_keys", _always)(req)
+
+
+def _always(req: Request) -> bool:
     return True
