@@ -308,3 +308,37 @@ def test_pieces_cover_gaps_and_refuse_overlapping_ranges():
     assert sorted(pieces) == [(2, 4), (4, 7)] and pieces[(4, 7)].flatten().tolist() == [4.0, 5.0, 6.0]
     assert segments._pieces(x, [(0, 10)])[(0, 10)] is x
     assert segments._pieces(x, [(0, 5), (3, 8)]) == {}  # overlapping: each segment is sliced instead
+
+
+def test_packed_documents_read_no_hidden_key_only_where_each_key_is_seen_by_its_own_document(monkeypatch):
+    """Self-attention over packed documents (one set of ids, alone or with causal) reads no key hidden from every
+    query: no output scan, no guard, and a nan in a key reaches only its own document's rows. Cross ids, or a
+    window, may hide keys: those calls are still checked."""
+    from qkv.backends import hidden_keys
+
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2]] * B)
+    q, k, v = (x.detach().float() for x in ref.random_qkv(B, H, G, 9, 9, D, E))
+
+    def reads(mask, causal=False) -> bool:
+        req = checks.request(q, k, v, score="scaled_dot", mask=mask, bias=None, causal=causal, scale=None,
+                             dropout=0.0, return_weights=False)  # fmt: skip
+        return segments.reads_hidden_keys(req)
+
+    assert not reads(documents(ids)) and not reads(documents(ids), causal=True)
+    assert reads(documents(ids) & qkv.masks.window(1, 0))
+    k11, v11 = (x.detach().float() for x in ref.random_qkv(B, H, G, 9, 11, D, E)[1:])
+    req = checks.request(q, k11, v11, score="scaled_dot", mask=documents(IDS_Q, IDS_K), bias=None, causal=False,
+                         scale=None, dropout=0.0, return_weights=False)  # fmt: skip
+    assert segments.reads_hidden_keys(req)
+
+    checked = []
+    for name in ("no_nan", "guard"):
+        real = getattr(hidden_keys, name)
+        monkeypatch.setattr(hidden_keys, name, lambda x, real=real, name=name: checked.append(name) or real(x))
+    k[:, :, 4] = float("nan")  # a key of document 1 in every row: its rows are nan, the others' are not
+    for grad in (False, True):
+        inputs = [x.clone().requires_grad_(grad) for x in (q, k, v)]
+        with torch.set_grad_enabled(grad):
+            out = qkv.attention(*inputs, mask=documents(ids), causal=True)
+        assert out[:, :, 4:5].isnan().all() and not out[:, :, :3].isnan().any() and not out[:, :, 5:].isnan().any()
+    assert checked == []

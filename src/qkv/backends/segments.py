@@ -172,16 +172,22 @@ def reads_hidden_keys(req: Request) -> bool:
     """Whether a kernel of this call may read a key hidden from every query (``hidden_keys.after`` scans the
     output for what such a key brings only where one may).
 
-    A padded batch run a row at a time reads each row's real keys alone; under no other mask, or a causal
-    square's (each key seen by its own query), every key a row's call reads is seen. Groups of rows are
-    given their padding, and documents are left to the scan.
+    A padded batch run a row at a time reads each row's real keys alone, and packed documents (one set of ids for
+    queries and keys) each document's own; under no other mask, or a causal square's (each key seen by its own
+    query), every key such a call reads is seen. Groups of padded rows are given their padding.
     """
-    if documents_of(req.mask)[0] is not None:
-        return True
+    docs, rest = documents_of(req.mask)
+    if docs is not None:
+        return not (docs.ids_k is docs.ids_q and req.i == req.j and _every_key_seen(rest, req))
     pad, rest = padding_of(req.mask)
     if pad is None or padded_rows.in_groups(req, pad, rest, _one_by_one):
         return True
-    return not (rest is None or (req.i == req.j and isinstance(rest, Offsets) and rest.hi == 0 and rest.lo is None))
+    return not _every_key_seen(rest, req)
+
+
+def _every_key_seen(rest: Mask | None, req: Request) -> bool:
+    """Whether ``rest`` leaves every key of a call seen by some query: no mask, or the causal square's."""
+    return rest is None or (req.i == req.j and isinstance(rest, Offsets) and rest.hi == 0 and rest.lo is None)
 
 
 def _plain_chooser(choose: Callable) -> Callable[[Request], object]:
