@@ -254,3 +254,21 @@ def test_rows_that_read_no_hidden_key_are_not_guarded_and_their_gradients_stay_f
         for a, b in zip(got, want):
             assert a.isfinite().all()
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dense_bias_that_hides_a_real_key_keeps_the_checks(short_rows, monkeypatch):
+    """A ``-inf`` column of a dense bias hides a key among a row's real ones, which that row's call reads: a nan
+    there still never reaches the output, with or without gradients."""
+    timed(monkeypatch, groups=2.0, rows=1.0)
+    q, k, v = (x.detach().float() for x in ref.random_qkv(B, H, G, I, I, D, D))
+    bias = torch.zeros(B, 1, 1, I)
+    bias[..., 2] = float("-inf")
+    k[:, :, 2], v[:, :, 2] = float("nan"), float("inf")
+    for grad in (False, True):
+        inputs = [x.clone().requires_grad_(grad) for x in (q, k, v)]
+        with torch.set_grad_enabled(grad):
+            out = qkv.attention(*inputs, mask=qkv.masks.lengths(REAL), causal=True, bias=bias)
+        assert not out.isnan().any()
+        if grad:
+            out.sum().backward()
+            assert all(x.grad.isfinite().all() for x in inputs)

@@ -174,8 +174,11 @@ def reads_hidden_keys(req: Request) -> bool:
 
     A padded batch run a row at a time reads each row's real keys alone, and packed documents (one set of ids for
     queries and keys) each document's own; under no other mask, or a causal square's (each key seen by its own
-    query), every key such a call reads is seen. Groups of padded rows are given their padding.
+    query), every key such a call reads is seen. Groups of padded rows are given their padding, and a dense
+    bias may hide keys of its own (a ``-inf`` column).
     """
+    if isinstance(req.bias, Tensor):
+        return True
     docs, rest = documents_of(req.mask)
     if docs is not None:
         return not (docs.ids_k is docs.ids_q and req.i == req.j and _every_key_seen(rest, req))
