@@ -342,3 +342,29 @@ def test_packed_documents_read_no_hidden_key_only_where_each_key_is_seen_by_its_
             out = qkv.attention(*inputs, mask=documents(ids), causal=True)
         assert out[:, :, 4:5].isnan().all() and not out[:, :, :3].isnan().any() and not out[:, :, 5:].isnan().any()
     assert checked == []
+
+
+def test_plain_segments_off_the_cpu_are_chosen_for_one_by_one(monkeypatch):
+    """On CUDA flex keeps what inductor failed to compile per kind of call (short queries apart), so a short
+    segment and a long one may go to different backends: each is asked for, not the first one's answer reused.
+    Fake CUDA tensors stand in for a GPU with flex_attention, where the short kind failed to compile."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qkv.backends import choose, flex_gpu
+
+    monkeypatch.setattr(flex_gpu, "_environment", {"cuda:0": None})
+    monkeypatch.setattr(flex_gpu, "_uncompilable", {})
+    with FakeTensorMode():
+
+        def segment(n: int):  # one plain segment of a call with sinks (SDPA declines them): (1, h, n, d)
+            q, k, v = (torch.empty(1, 4, n, 64, device="cuda") for _ in range(3))
+            return checks.request(q, k, v, score="scaled_dot", mask=None, bias=None, causal=False, scale=None,
+                                  dropout=0.0, return_weights=False, sinks=torch.zeros(4, device="cuda"))  # fmt: skip
+
+        long, short = segment(200), segment(50)
+        flex_gpu._uncompilable[flex_gpu._kind(short)] = "out of resource (as inductor reported it)"
+        assert (choose(long)[0].name, choose(short)[0].name) == ("flex", "chunked")
+        pick = segments._plain_chooser(choose)
+        assert (pick(long).name, pick(short).name) == ("flex", "chunked")
+        pick = segments._plain_chooser(choose)
+        assert (pick(short).name, pick(long).name) == ("chunked", "flex")

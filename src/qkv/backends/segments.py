@@ -194,14 +194,15 @@ def _every_key_seen(rest: Mask | None, req: Request) -> bool:
 
 
 def _plain_chooser(choose: Callable) -> Callable[[Request], object]:
-    """``choose`` for each segment's call, asked once for all the plain ones: no mask or PyTorch's top-left
-    ``is_causal`` (and no bias or score_mod), which differ only in their sizes, and no backend's answer for such
-    a call reads them (32 padded rows of 256: one walk of the backends a call, not 32)."""
+    """``choose`` for each segment's call, asked once for all the plain ones on the CPU: no mask or PyTorch's
+    top-left ``is_causal`` (and no bias or score_mod), which differ only in their sizes, and no CPU backend's
+    answer for such a call reads them (32 padded rows of 256: one walk of the backends a call, not 32). On CUDA
+    ``flex`` keeps what inductor failed to compile per kind of call, short queries apart: asked each time."""
     chosen = []
 
     def pick(sub: Request):
         mask = sub.mask
-        plain = sub.bias is None and sub.score_mod is None and (
+        plain = sub.q.device.type == "cpu" and sub.bias is None and sub.score_mod is None and (
             mask is None or isinstance(mask, Offsets) and mask.hi == sub.i - sub.j and mask.lo is None)
         if not plain:
             return choose(sub)[0]
