@@ -169,13 +169,11 @@ def run(req: Request) -> tuple[Tensor, None, Tensor | None]:
 
 
 def reads_hidden_keys(req: Request) -> bool:
-    """Whether a kernel of this call may read a key hidden from every query (``hidden_keys.after`` scans the
-    output for what such a key brings only where one may).
+    """Whether a kernel of this call may read a key hidden from every query (checked for nan only where one may).
 
-    A padded batch run a row at a time reads each row's real keys alone, and packed documents (one set of ids for
-    queries and keys) each document's own; under no other mask, or a causal square's (each key seen by its own
-    query), every key such a call reads is seen. Groups of padded rows are given their padding, and a dense
-    bias may hide keys of its own (a ``-inf`` column).
+    A padded batch run a row at a time reads each row's real keys alone, packed documents (one set of ids for
+    queries and keys) each document's own; under no other mask, or a causal square's, each is seen by some
+    query. Groups of padded rows are given their padding; a dense bias may hide keys itself (a ``-inf`` column).
     """
     if isinstance(req.bias, Tensor):
         return True
