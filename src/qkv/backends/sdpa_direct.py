@@ -84,8 +84,7 @@ def decoding_step(query: object, key: object, value: object, attn_mask: Tensor, 
         return None
     if scale is not None and not math.isfinite(scale):
         return None
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-            query.requires_grad or key.requires_grad or value.requires_grad)):  # fmt: skip
+    if torch.compiler.is_compiling() or sdpa_plain._records_gradients(query, key, value):
         return None  # a differentiated call guards its hidden keys first: the drop-in's own path
     try:
         if attn_mask.dtype != torch.bool or not attn_mask.is_cpu:

@@ -48,6 +48,7 @@ from ..masks.documents import documents_of
 from ..masks.padding import may_be_padded, padding_ends, padding_of
 from . import padded_rows
 from .request import Request
+from .sdpa import _top_left, _top_left_range
 from .tiling.framing import Block, frame_bias, frame_mask, frame_row, frame_score_mod, row_slice
 from .tiling.tiles import offset_live_rows
 
@@ -188,7 +189,7 @@ def reads_hidden_keys(req: Request) -> bool:
 
 def _every_key_seen(rest: Mask | None, req: Request) -> bool:
     """Whether ``rest`` leaves every key of a call seen by some query: no mask, or the causal square's."""
-    return rest is None or (req.i == req.j and isinstance(rest, Offsets) and rest.hi == 0 and rest.lo is None)
+    return rest is None or (req.i == req.j and isinstance(rest, Offsets) and _top_left_range(rest, req.i, req.j))
 
 
 def _plain_chooser(choose: Callable) -> Callable[[Request], object]:
@@ -199,9 +200,8 @@ def _plain_chooser(choose: Callable) -> Callable[[Request], object]:
     chosen = []
 
     def pick(sub: Request):
-        mask = sub.mask
-        plain = sub.q.device.type == "cpu" and sub.bias is None and sub.score_mod is None and (
-            mask is None or isinstance(mask, Offsets) and mask.hi == sub.i - sub.j and mask.lo is None)
+        plain = sub.q.device.type == "cpu" and sub.score_mod is None and (
+            sub.mask is None and sub.bias is None or _top_left(sub))
         if not plain:
             return choose(sub)[0]
         if not chosen:
