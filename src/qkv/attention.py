@@ -32,7 +32,7 @@ from .edits.ablate import refuse_mean_with_cache
 from .functional import attention, foreign_call
 from .masks import Mask
 from .module_inputs import (MODULE_NAMES, checked_inputs, check_layer_cache, memory_held, memory_positions,
-                            seq2seq_mask, squeeze_dims)
+                            seq2seq_mask, split_heads, squeeze_dims)
 from .positional import LazyBias, Positional
 from .projection import Linear
 from .scores import Score, make
@@ -333,12 +333,7 @@ class MultiHeadAttention(nn.Module):
             # the memory's keys and values are in the cache: project no rows, update() appends
             # nothing and returns them (appending them again each step grew the cache by s a step)
             key, value = key[:, :0], value[:, :0]
-        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
-        # "b i (h d) -> b h i d" by unflatten + transpose: the same views as einops.rearrange
-        # without its per-call pattern handling, a measurable share of a one-token step
-        q = q.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2)
-        k = k.unflatten(-1, (self.kv_heads, self.dim_head)).transpose(1, 2)
-        v = v.unflatten(-1, (self.kv_heads, self.dim_value_head)).transpose(1, 2)
+        q, k, v = split_heads(self, self.q_proj(query), self.k_proj(key), self.v_proj(value))
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k)
         if cache is not None and hasattr(cache, "attend"):  # a serving step over pages (qkv.paged.serve)

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from . import cached_step
 from ._args import positive_int, probability
 from .attention import MultiHeadAttention
 from .cache import DecoderCache, KVCache
@@ -196,6 +197,9 @@ class Encoder(nn.Module):
         ``nn.TransformerEncoder``'s keywords raise a ``TypeError`` naming qkv's; its ``mask=``
         is a keyword of both, True = may attend here (``~mask`` for PyTorch's bool mask).
         """
+        if type(cache) is DecoderCache and mask is None and not return_weights and not foreign and (
+                y := cached_step.stack(self.layers, x, cache.self_attn, TransformerEncoderLayer)) is not None:  # fmt: skip
+            return self.norm(y)  # a plain one-token step of every layer, in functional calls (qkv.cached_step)
         if foreign:
             foreign_keywords(foreign, stack_names(ENCODER_TORCH_NAMES, "nn.TransformerEncoder"), "Encoder", "qkv's stack")
         _check_cache(cache, len(self.layers))

@@ -94,6 +94,11 @@ class KVCache:
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append ``k (b, g, n, d)``, ``v (b, g, n, e)``; return all keys and values so far."""
         self._check(k, v)
+        return self.append(k, v)
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`update` without its checks, for a caller that has made sure of them (a decoding step that
+        projected ``k`` and ``v`` itself, ``qkv.cached_step``): shapes, dtype and device like the cache's."""
         n = k.shape[-2]
         if self.max_len is None:
             if self._k is None:

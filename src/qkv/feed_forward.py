@@ -61,13 +61,16 @@ class FeedForward(nn.Module):
             raise ValueError(f"x: {last} differs from the layer's dim={dim}; expected shape (..., {dim}), "
                              f"got {tuple(x.shape)}")  # fmt: skip
         input_dtype("x", x, self.w_in.weight)
-        a = self.w_in(x)
+        return self.w_out(self.hidden(self.w_in(x)))
+
+    def hidden(self, a: Tensor) -> Tensor:
+        """The activation of ``a = W_1 x`` (``(..., 2 · hidden)`` for SwiGLU: both halves), dropout in training: ``(..., hidden)``."""
         if self.activation == "swiglu":
             gate, value = a.chunk(2, dim=-1)
             a = F.silu(gate) * value
         else:
             a = F.relu(a) if self.activation == "relu" else gelu(a)
-        return self.w_out(self.dropout(a) if self.training else a)  # identity in eval: skip the call
+        return self.dropout(a) if self.training else a  # identity in eval: skip the call
 
 
 #: At most this many float32 CPU elements go to PyTorch's own GELU kernel rather than oneDNN's.
