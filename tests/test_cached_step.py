@@ -148,6 +148,8 @@ DECLINED = {
                                                         s.layers[1].self_attn.attention.train()),
     "a bias-adding positional module": lambda s: setattr(s.layers[1].self_attn, "positional", ALiBi(4)),
     "another norm": lambda s: setattr(s.layers[1], "norm2", torch.nn.RMSNorm(32)),
+    "a forward set on the instance": lambda s: setattr(  # (as accelerate's hooks wrap a module)
+        s.layers[1].ff.w_out, "forward", lambda x, m=s.layers[1].ff.w_out: torch.nn.functional.linear(x, m.weight) * 2),
 }
 
 
@@ -229,3 +231,49 @@ def test_a_wrong_input_gets_the_general_path_and_its_message(taken):
         with pytest.raises(TypeError, match="x: dtype torch.float64 differs"):
             stack(torch.randn(3, 1, 32, dtype=torch.float64), causal=True, cache=cache)
     assert taken[0] == 0
+
+
+def test_a_compiled_layer_is_declined():
+    """``module.compile()`` keeps the type and adds no hook: its compiled call is what the general path runs."""
+    stack = _stack(norm_first=True)
+    cache, x = _prompted(stack)
+    stack.layers[1].compile()  # (compiles on its first call, which this test never makes)
+    with torch.inference_mode():
+        assert cached_step.stack(stack.layers, x, cache.self_attn, type(stack.layers[0])) is None
+    assert [c.length for c in cache.self_attn] == [5, 5]
+
+
+def test_a_torch_function_mode_is_declined(taken):
+    """A mode sees the functions the modules call (``F.layer_norm``), which the step would not call."""
+    seen = []
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    stack = _stack(norm_first=True)
+    cache, x = _prompted(stack)
+    with torch.inference_mode(), Watch():
+        stack(x, causal=True, cache=cache)
+    assert taken[0] == 0 and torch.nn.functional.layer_norm in seen
+
+
+MALFORMED = {
+    "a causal that is not a bool": (lambda s: None, dict(causal="yes"), TypeError, "causal: expected a bool"),
+    "a feed-forward in another dtype": (lambda s: s.layers[0].ff.double(), {}, TypeError,
+                                        r"x: dtype torch.float32 differs from the module's parameters \(torch.float64\)"),
+    "a norm of another size": (lambda s: setattr(s.layers[0], "norm1", torch.nn.LayerNorm(16)), {}, ValueError,
+                               r"x: expected shape \(b, i, 16\)"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_a_malformed_step_gets_the_general_paths_message_and_no_cache_written(name, taken):
+    change, call, error, message = MALFORMED[name]
+    stack = _stack(norm_first=True)
+    cache, x = _prompted(stack)
+    change(stack)
+    with torch.inference_mode(), pytest.raises(error, match=message):
+        stack(x, cache=cache, **{"causal": True, **call})
+    assert taken[0] == 0 and [c.length for c in cache.self_attn] == [5, 5]

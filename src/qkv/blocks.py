@@ -197,7 +197,7 @@ class Encoder(nn.Module):
         ``nn.TransformerEncoder``'s keywords raise a ``TypeError`` naming qkv's; its ``mask=``
         is a keyword of both, True = may attend here (``~mask`` for PyTorch's bool mask).
         """
-        if type(cache) is DecoderCache and mask is None and not return_weights and not foreign and (
+        if type(cache) is DecoderCache and mask is None and type(causal) is bool and not return_weights and not foreign and (
                 y := cached_step.stack(self.layers, x, cache.self_attn, TransformerEncoderLayer)) is not None:  # fmt: skip
             return self.norm(y)  # a plain one-token step of every layer, in functional calls (qkv.cached_step)
         if foreign:

@@ -23,8 +23,10 @@ causal or not) and no weights, in inference (no gradient recorded, nothing trace
 cache's buffer is written in place). Every layer must be plain (:func:`plain`): the
 default mechanism (``Attention``, dot or scaled-dot score, no edits, ``score_mod`` or
 dropout, the ``"auto"`` backend), a positional module that only rotates (RoPE), ``nn.Linear``
-projections, ``nn.LayerNorm`` s, qkv's ``FeedForward``, none of them hooked or training, and
-a ``KVCache`` filled by the prompt with room for the token. Optional parts (``qk_norm``,
+projections, ``nn.LayerNorm`` s, qkv's ``FeedForward``, all of the input's size and dtype,
+none of them training or running more than its class's ``forward`` (a hook, a ``forward``
+set on the instance, ``module.compile()``), no ``TorchFunctionMode`` on, and a ``KVCache``
+filled by the prompt with room for the token. Optional parts (``qk_norm``,
 ``gate``) are called as modules. Anything else takes the general path, which also gives
 every error message; the layers are all checked before any cache is written, so a
 declined step leaves nothing half done. The attention call is ``qkv.attention``'s plain
@@ -38,6 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import has_torch_function
 
 from ._trace import tracing
 from .attention import Attention, MultiHeadAttention
@@ -57,8 +60,8 @@ def stack(layers: nn.ModuleList, x: Tensor, caches: list, layer_type: type) -> T
     """
     if type(x) is not Tensor or x.dim() != 3 or x.shape[1] != 1 or x.shape[0] >= MIN_TOKENS:
         return None  # (from MIN_TOKENS rows qkv's Linear may route a product to oneDNN: the modules decide)
-    if torch.is_grad_enabled() or tracing() or autocast_on(x.device.type) or _global_hooks():
-        return None
+    if torch.is_grad_enabled() or tracing() or autocast_on(x.device.type) or _global_hooks() or has_torch_function((x,)):
+        return None  # (a TorchFunctionMode would see other functions here than the modules call: F.layer_norm's)
     pairs = list(zip(layers._modules.values(), caches))
     if len(pairs) != len(layers) or len(caches) != len(layers) or not all(plain(lay, c, x, layer_type) for lay, c in pairs):
         return None
@@ -82,10 +85,14 @@ def plain(layer: nn.Module, cache: object, x: Tensor, layer_type: type) -> bool:
         return False
     if type(norm1) is not nn.LayerNorm or type(norm2) is not nn.LayerNorm or any(type(p) not in _LINEAR for p in products):
         return False
-    if any(_hooked(module) for module in (layer, mha, att, ff, norm1, norm2, *products)):
+    if any(_intercepted(module) for module in (layer, mha, att, ff, norm1, norm2, *products)):
         return False
     positional = s.get("positional")
-    if (positional is not None and positional.bias() is not None) or x.dtype != products[0]._parameters["weight"].dtype:
+    if positional is not None and positional.bias() is not None:
+        return False
+    dim, dtype = (x.shape[-1],), x.dtype  # (the layer's own checks: the norms' size, every product's dtype)
+    if norm1.normalized_shape != dim or norm2.normalized_shape != dim or any(
+            t is not None and t.dtype != dtype for p in products for t in p._parameters.values()):  # fmt: skip
         return False
     if type(cache) is not KVCache or cache._k is None or cache.from_memory:
         return False  # (a StreamingCache, the prompt's call, a cross-attention memory)
@@ -137,9 +144,11 @@ def _norm(n: nn.LayerNorm, x: Tensor) -> Tensor:
     return torch.layer_norm(x, n.normalized_shape, parameters["weight"], parameters["bias"], n.eps)
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Whether calling ``module`` would run a hook of its own, which skipping its call would skip."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+def _intercepted(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run more than its class's ``forward``, which skipping its call would skip: a
+    hook of its own, a ``forward`` set on the instance (accelerate's hooks), or ``module.compile()``'s compiled call."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+                or getattr(module, "_compiled_call_impl", None) is not None)  # fmt: skip
 
 
 def _global_hooks() -> bool:
