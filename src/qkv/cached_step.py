@@ -8,8 +8,9 @@ A cached decoding step of a small model is bound by Python, not arithmetic. In t
 products read 6 MB of weights in about 0.26 ms, while the modules around them (23 module
 calls a step, each input checked, a request built and the engines walked for each
 attention call) cost as much again, spread thin: a fast path for the attention module
-alone saved 2-3% of a step, one for the whole stack 26% (minimum of 25 runs each, Intel
-Xeon). :func:`stack` runs what ``TransformerEncoderLayer.forward`` runs for each layer,
+alone saved 2-3% of a step, this one for the whole stack 17-25% (the fastest of 25 runs
+each, four sittings, Intel Xeon). :func:`stack` runs what ``TransformerEncoderLayer.forward``
+runs for each layer,
 
     h = LN₁(x)        (pre-norm; post-norm normalises after each residual instead)
     q, k, v = h W^Q, h W^K, h W^V                  (b, h, 1, d), (b, g, 1, d), (b, g, 1, e)
