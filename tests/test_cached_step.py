@@ -277,3 +277,13 @@ def test_a_malformed_step_gets_the_general_paths_message_and_no_cache_written(na
     with torch.inference_mode(), pytest.raises(error, match=message):
         stack(x, cache=cache, **{"causal": True, **call})
     assert taken[0] == 0 and [c.length for c in cache.self_attn] == [5, 5]
+
+
+def test_a_projection_of_another_input_size_gets_the_general_paths_message(taken):
+    """Checked before any layer runs: the general path's own error, after its first layer's step, as without the step."""
+    stack = _stack(norm_first=True)
+    cache, x = _prompted(stack)
+    stack.layers[1].self_attn.q_proj = torch.nn.Linear(16, 32)
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"query: expected shape \(b, length, 16\)"):
+        stack(x, causal=True, cache=cache)
+    assert taken[0] == 0 and [c.length for c in cache.self_attn] == [6, 5]

@@ -64,7 +64,7 @@ def stack(layers: nn.ModuleList, x: Tensor, caches: list, layer_type: type) -> T
     if torch.is_grad_enabled() or tracing() or autocast_on(x.device.type) or _global_hooks() or has_torch_function((x,)):
         return None  # (a TorchFunctionMode would see other functions here than the modules call: F.layer_norm's)
     pairs = list(zip(layers._modules.values(), caches))
-    if len(pairs) != len(layers) or len(caches) != len(layers) or not all(plain(lay, c, x, layer_type) for lay, c in pairs):
+    if len(caches) != len(layers) or not all(plain(lay, c, x, layer_type) for lay, c in pairs):
         return None
     for layer, cache in pairs:
         x = _layer(layer, x, cache)
@@ -82,7 +82,7 @@ def plain(layer: nn.Module, cache: object, x: Tensor, layer_type: type) -> bool:
     s, f = mha._modules, ff._modules
     att, products = s["attention"], (s["q_proj"], s["k_proj"], s["v_proj"], s["out_proj"], f["w_in"], f["w_out"])
     if (type(att) is not Attention or att.edits is not None or att.score_mod is not None or att.backend != "auto"
-            or type(s["attention"]._modules["score"]) not in (Dot, ScaledDot) or (att.training and att.dropout)):  # fmt: skip
+            or type(att._modules["score"]) not in (Dot, ScaledDot) or (att.training and att.dropout)):  # fmt: skip
         return False
     if type(norm1) is not nn.LayerNorm or type(norm2) is not nn.LayerNorm or any(type(p) not in _LINEAR for p in products):
         return False
@@ -91,15 +91,16 @@ def plain(layer: nn.Module, cache: object, x: Tensor, layer_type: type) -> bool:
     positional = s.get("positional")
     if positional is not None and positional.bias() is not None:
         return False
-    dim, dtype = (x.shape[-1],), x.dtype  # (the layer's own checks: the norms' size, every product's dtype)
+    dim, dtype = (x.shape[-1],), x.dtype  # (the layer's own checks: the input's size, every product's dtype)
     if norm1.normalized_shape != dim or norm2.normalized_shape != dim or any(
+            p.in_features != dim[0] for p in (products[0], products[1], products[2], products[4])) or any(
             t is not None and t.dtype != dtype for p in products for t in p._parameters.values()):  # fmt: skip
         return False
     if type(cache) is not KVCache or cache._k is None or cache.from_memory:
         return False  # (a StreamingCache, the prompt's call, a cross-attention memory)
     k, v = cache._k, cache._v
     return (k.dtype == x.dtype and k.device == x.device and k.shape[0] == x.shape[0] and k.shape[1] == mha.kv_heads
-            and k.shape[3] == mha.dim_head and v.shape[3] == mha.dim_value_head and x.shape[2] == mha.dim
+            and k.shape[3] == mha.dim_head and v.shape[3] == mha.dim_value_head
             and (cache.max_len is None or cache.length < cache.max_len))  # fmt: skip
 
 

@@ -103,8 +103,8 @@ def plain(q: Tensor, k: Tensor, v: Tensor, score: object, causal: object, scale:
     if plans is not None:
         if len(plans) >= PLANS_KEPT:
             _evict_oldest(plans)
-        kept = decided._replace(shapes=key[:3])  # (the key's shapes: any number of keys where _shapes says so)
-        plans[key] = kept._replace(attn_mask=CALLERS_MASK, mask_tensor=None, mask_version=None) if callers else kept
+        held = dict(attn_mask=CALLERS_MASK, mask_tensor=None, mask_version=None) if callers else {}
+        plans[key] = decided._replace(shapes=key[:3], **held)  # (the key's shapes: any key length where _shapes says so)
     return run(decided, q, k, v)
 
 
