@@ -1,5 +1,7 @@
 """The distributed benchmark suite: one rank's measurement, and the section's targets from given results."""
 
+import os
+
 import pytest
 
 from qkv.bench import distributed as suite
@@ -40,3 +42,27 @@ def test_section_reports_targets(monkeypatch):
 def test_keywords(kind):
     kw = suite._keywords({"kind": kind}, 8)
     assert kw["causal"] == (kind != "window")
+
+
+def test_cost_check_uses_the_compute_timed_just_before_each_run(monkeypatch):
+    """The host's speed drifts: the P = 2 and 4 checks predict from the block compute timed right before their runs
+    (γ 1 and 2 ps here), not from the fit made at the end of the suite (γ 9 ps, for the extrapolation table)."""
+    fits = iter([cost.Compute(0.0, 1e-12), cost.Compute(0.0, 2e-12), cost.Compute(0.0, 9e-12)])
+    order = []
+    monkeypatch.setattr(suite, "_run", lambda spec, world, say: order.append((spec["kind"], spec["strategy"], world))
+                        or _fake_run(spec, world, say))  # fmt: skip
+    monkeypatch.setattr(cost, "fit_link", lambda: cost.Link("test", 0.0, 1e-15, "test"))
+    monkeypatch.setattr(cost, "fit_compute", lambda sides: (order.append("fit"), next(fits))[1])
+    monkeypatch.setattr(suite, "_plot", lambda *a: None)
+    monkeypatch.setattr(suite, "_available", lambda say: 2.0)
+    text = suite.section(True, lambda line: None)
+    # a fit right before each checked run (the causal zigzag ring), and the end's for the extrapolations
+    assert [order[n + 1] for n, x in enumerate(order[:-1]) if x == "fit"] == [("causal", "ring", 2), ("causal", "ring", 4)]
+    assert order[-1] == "fit"
+    shape = cost.Shape(suite.QUICK_N, suite.H, suite.H, suite.D, suite.D)
+    link = cost.Link("test", 0.0, 1e-15, "test")
+    for p, gamma in ((2, 1e-12), (4, 2e-12)):
+        share = cost.cores_per_rank(p, 2.0, max(1, (os.cpu_count() or 1) // p))  # 2.0: the free cores above
+        predicted = cost.ring(shape, p, link, cost.Compute(0.0, gamma), cores=share)
+        assert f"| {p} | {1.0 / p:.2f} | {gamma * 1e12:.1f} |" in text
+        assert f"| {predicted:.2f} |" in text

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from cli_run import fails
-from qkv.cli import main
+from qkv.cli import _missing, main
 
 
 def _uninstall(monkeypatch, *packages: str) -> None:
@@ -93,6 +93,15 @@ def test_inspect_names_a_missing_package_before_loading(monkeypatch, capsys, tmp
         f'qkv inspect: error: needs {package}, which is not installed: pip install ".[{install}]" in qkv\'s folder'
     )
     assert not (tmp_path / "page").exists()
+
+
+@pytest.mark.parametrize("package", ["gguf", "accelerate"])
+def test_inspect_names_the_extra_of_a_missing_gguf_reader(package):
+    # transformers reads a GGUF --model with these two, which the transformers extra installs
+    error = ModuleNotFoundError(f"No module named '{package}'", name=package)
+    assert _missing("inspect", error) == (
+        f'needs {package}, which is not installed: pip install ".[transformers]" in qkv\'s folder'
+    )
 
 
 def _garbage_pt(path):

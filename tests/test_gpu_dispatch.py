@@ -69,6 +69,17 @@ def cuda_inputs(i, j, heads=H, kv_heads=G, dtype=torch.float32):
             torch.empty(B, kv_heads, j, E, device="cuda", dtype=dtype))  # fmt: skip
 
 
+def _fake_cuda_score() -> qkv.scores.Additive:
+    """A learned score with its parameters on the fake CUDA device, as q's (its parameters multiply q and k: one left on
+    the CPU is refused at the call). Made under ``fake_cuda()``: ``Module.to("cuda")`` would need a CUDA build."""
+    score = qkv.scores.Additive(D, D, 4)
+    for module in score.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, device="cuda", dtype=p.dtype))
+    return score
+
+
 def head(q, k, v, **kw):
     return qkv.explain(q, k, v, **kw).splitlines()[0]
 
@@ -102,7 +113,7 @@ TABLE = [
     ("every weight", lambda i, j: {"return_weights": True}, "backend: reference", "backend: reference"),
     ("some weights", lambda i, j: {"return_weights": True, "weights_for": {"rows": [1]}},
      "backend: chunked (online_softmax)", "backend: chunked (online_softmax)"),
-    ("additive score", lambda i, j: {"score": qkv.scores.Additive(D, D, 4)}, "backend: chunked (online_softmax)",
+    ("additive score", lambda i, j: {"score": _fake_cuda_score()}, "backend: chunked (online_softmax)",
      "backend: chunked (online_softmax)"),
     ("dropout", lambda i, j: {"dropout": 0.1, "causal": True}, SDPA, SDPA),
     ("dropout & ALiBi", lambda i, j: {"dropout": 0.1, "bias": qkv.ALiBi(H)}, "backend: chunked (online_softmax)",
@@ -162,14 +173,14 @@ def test_a_decoding_step_over_a_padded_cache_stays_on_sdpa(cuda_ready):
 @pytest.mark.parametrize(
     "kw, reason",
     [
-        ({"score": qkv.scores.Additive(D, D, 4)}, "flex: the concat score is not a dot product (flex_attention computes q·k)"),
-        ({"return_weights": True, "weights_for": {"rows": [0]}}, "flex: flex_attention does not return weights"),
-        ({"dropout": 0.1, "bias": qkv.ALiBi(H)}, "flex: flex_attention has no dropout"),
+        (lambda: {"score": _fake_cuda_score()}, "flex: the concat score is not a dot product (flex_attention computes q·k)"),
+        (lambda: {"return_weights": True, "weights_for": {"rows": [0]}}, "flex: flex_attention does not return weights"),
+        (lambda: {"dropout": 0.1, "bias": qkv.ALiBi(H)}, "flex: flex_attention has no dropout"),
     ],
 )
 def test_flex_says_why_it_declines(cuda_ready, kw, reason):
     with fake_cuda():
-        assert f"  not {reason}" in qkv.explain(*cuda_inputs(*SMALL), **kw).splitlines()
+        assert f"  not {reason}" in qkv.explain(*cuda_inputs(*SMALL), **kw()).splitlines()
 
 
 def test_flex_declines_float64_masks_and_biases_it_cannot_lower_and_traced_calls(cuda_ready, monkeypatch):

@@ -31,8 +31,8 @@ from .edits import attention as edited_attention
 from .edits.ablate import refuse_mean_with_cache
 from .functional import attention, foreign_call
 from .masks import Mask
-from .module_inputs import (MODULE_NAMES, checked_inputs, check_layer_cache, memory_held, memory_positions,
-                            seq2seq_mask, split_heads, squeeze_dims)
+from .module_inputs import (MODULE_NAMES, checked_inputs, check_layer_cache, check_unbatched, memory_held,
+                            memory_positions, seq2seq_mask, split_heads, squeeze_dims)
 from .positional import LazyBias, Positional
 from .projection import Linear
 from .scores import Score, make
@@ -320,6 +320,8 @@ class MultiHeadAttention(nn.Module):
             check_layer_cache(cache, cross=key is not query)
         if cache is None and all(isinstance(x, Tensor) and x.dim() == 2 for x in (query, key, value)):
             # unbatched (length, dim), as nn.MultiheadAttention takes it: a batch of one, given back without it
+            for name, x, projection in zip(("query", "key", "value"), (query, key, value), (self.q_proj, self.k_proj, self.v_proj)):
+                check_unbatched(name, x, projection)
             one = (query[None], key[None], value[None]) if self.batch_first else (query[:, None], key[:, None], value[:, None])
             result = self.forward(*(one[0], one[1] if key is not query else None, one[2] if value is not key else None),
                                   mask=mask, causal=causal, return_weights=return_weights)  # fmt: skip

@@ -12,6 +12,8 @@ with its masks and biases.
 
 from __future__ import annotations
 
+import itertools
+
 import math
 import numbers
 
@@ -66,6 +68,8 @@ def request(
     score = make(score) if named is None else named
     _shapes(q, k, v)
     score.check(q, k)
+    if named is None and type(score) not in (Dot, ScaledDot):  # a learned score's parameters multiply q and k
+        _on_device("score", score, q)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if not isinstance(return_weights, bool):
@@ -234,6 +238,11 @@ def _bias(bias: Tensor | LazyBias | None, target: tuple[int, ...], q: Tensor) ->
         h = target[-3] if len(target) >= 3 else 1
         if bias.heads not in (1, h):
             raise ValueError(f"bias: expected a lazy bias with 1 or {h} heads, got {bias.heads}")
+        if q.device.type != "meta":  # its tiles are made on q's device, from its tensors wherever they are: not meta's
+            held = next(itertools.chain(bias.parameters(), bias.buffers()), None)
+            if held is not None and held.device.type == "meta":
+                raise ValueError(f"bias: expected a lazy bias on {q.device} like q, got one on meta (a meta tensor "
+                                 "has a shape but no values)")  # fmt: skip
         return bias
     if not isinstance(bias, Tensor):
         raise TypeError(f"bias: expected a float tensor or a qkv.positional.LazyBias, got {type(bias).__name__}")
@@ -248,6 +257,15 @@ def _bias(bias: Tensor | LazyBias | None, target: tuple[int, ...], q: Tensor) ->
     if bias.dim() < 2:  # a (j,) row or one value: as (1, j) / (1, 1), the least rank the engines' tiles read
         bias = bias.reshape((1,) * (2 - bias.dim()) + tuple(bias.shape))
     return bias
+
+
+def _on_device(name: str, module: torch.nn.Module, q: Tensor) -> None:
+    """``ValueError`` for a module whose parameters are on another device than ``q`` (PyTorch's own message comes
+    from deep inside its first product, naming neither)."""
+    held = next(module.parameters(), None)
+    if held is not None and held.device != q.device:
+        raise ValueError(f"{name}: its parameters are on {held.device}, q on {q.device}; call .to('{q.device}') on "
+                         f"the {name}")  # fmt: skip
 
 
 def _sinks(sinks: Tensor | None, q: Tensor) -> Tensor | None:

@@ -47,7 +47,8 @@ NEEDS: dict[str, dict[str, str]] = {
     "demo": {"matplotlib": install("demo"), "babel": install("demo"), "tqdm": install("demo")},
     "plot": {"matplotlib": install("viz"), "safetensors": "pip install safetensors"},
     "inspect": {"transformers": install("transformers"), "tokenizers": install("transformers"),
-                "safetensors": install("transformers"), "matplotlib": install("viz")},
+                "safetensors": install("transformers"), "gguf": install("transformers"),
+                "accelerate": install("transformers"), "matplotlib": install("viz")},
 }  # fmt: skip
 
 

@@ -83,7 +83,21 @@ def check_input(name: str, x: Tensor, projection: nn.Module, first: bool = True)
     if x.dim() != 3 or x.shape[-1] != size:
         order = " (qkv's order is (query, key, value); Keras' is (query, value, key))" if name != "query" else ""
         raise ValueError(f"{name}: expected shape {' '.join(_layout(size, first))}, got {tuple(x.shape)}{order}")
-    input_dtype(name, x, getattr(projection, "weight", None))
+    weight = getattr(projection, "weight", None)
+    input_dtype(name, x, weight)
+    input_device(name, x, weight)
+
+
+def check_unbatched(name: str, x: Tensor, projection: nn.Module) -> None:
+    """Checks an unbatched input ``(length, in_features)`` of ``projection``, its messages naming the shape the caller
+    gave (the module runs it as a batch of one, whose shape the caller never made)."""
+    weight = getattr(projection, "weight", None)
+    input_dtype(name, x, weight)  # first: token ids (b, length) are 2-d too, and want an embedding
+    if x.shape[-1] != projection.in_features:
+        size = projection.in_features
+        raise ValueError(f"{name}: expected shape (b, length, {size}) (batch first), or (length, {size}) unbatched, "
+                         f"got {tuple(x.shape)}")  # fmt: skip
+    input_device(name, x, weight)
 
 
 def _layout(size: int, first: bool) -> tuple[str, str]:
@@ -142,6 +156,14 @@ def input_dtype(name: str, x: Tensor, weight: Tensor | None) -> None:
         f"{name}: dtype {x.dtype} differs from the module's parameters ({weight.dtype}); call .to({x.dtype}) "
         f"on the module or .to({weight.dtype}) on the input"
     )
+
+
+def input_device(name: str, x: Tensor, weight: Tensor | None) -> None:
+    """``ValueError`` for an input on another device than the module's parameters, naming the input and the fix
+    (PyTorch's own message comes from deep inside the first product and names neither)."""
+    if weight is not None and x.device != weight.device:
+        raise ValueError(f"{name}: on {x.device}, the module's parameters on {weight.device}; call "
+                         f".to('{x.device}') on the module or .to('{weight.device}') on the input")  # fmt: skip
 
 
 def autocast_on(device_type: str) -> bool:

@@ -101,6 +101,9 @@ def scaled_dot_product_attention(
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     _validate(query, key, value, attn_mask)
     scores = (query.shape, key.shape)  # the caller's: q·kᵀ broadcasts these, not value's batch
+    if scores[0][-1] != scores[1][-1]:  # PyTorch's kernels raise RuntimeError here too, in their products' words
+        raise RuntimeError(f"key: expected query's size E = {scores[0][-1]} in its last dim (query·keyᵀ needs one "
+                           f"size), got {scores[1][-1]} (query {tuple(scores[0])}, key {tuple(scores[1])})")  # fmt: skip
     query, key, value = _broadcast(query, key, value, enable_gqa)
     mask, bias = None, None
     if attn_mask is not None:

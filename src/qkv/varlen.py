@@ -207,6 +207,9 @@ def read_offsets(name: str, cu: object, x: Tensor | None, of: str) -> list[int]:
         raise ValueError(f"{name}: expected a 1-d tensor of b + 1 offsets, got {got}")
     if cu.dtype.is_floating_point or cu.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer tensor (int32, as flash-attn's), got {cu.dtype}")
+    if cu.device.type == "meta":
+        raise ValueError(f"{name}: its offsets are read on the host to cut the sequences, got a meta tensor (a meta "
+                         "tensor has a shape but no values)")  # fmt: skip
     values = cu.tolist()
     total = x.shape[0] if isinstance(x, Tensor) and x.dim() == 3 else None
     if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or (total is not None and values[-1] != total):

@@ -138,8 +138,9 @@ def section(quick: bool, say) -> str:
                 continue
             for p in (2, 4):
                 checked = (kind, strategy, layout) == ("causal", "ring", "zigzag")  # the cost model's check
-                if checked:
+                if checked:  # the machine as the run finds it: its free cores and its speed, just before
                     runs["available", p] = _available(say)
+                    runs["compute", p] = _compute(say, quick)
                 result = _run({"n": n, "kind": kind, "strategy": strategy, "layout": layout}, p, say)
                 runs[kind, f"{strategy} {layout}", p] = result
                 if checked:
@@ -172,6 +173,14 @@ def section(quick: bool, say) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _compute(say, quick: bool):
+    """The block compute's ``c0``, ``γ`` (``cost.fit_compute``) on this machine now."""
+    from qkv.distributed import cost
+
+    say("  timing the block compute now ...")
+    return cost.fit_compute(sides=(64, 128, 256) if quick else (128, 256, 512))
+
+
 def _available(say) -> float:
     """Cores free for the ranks right now (``cost.available_cores``): fewer than the count on a busy machine."""
     from qkv.distributed import cost
@@ -200,21 +209,26 @@ def _model_section(n: int, runs: dict, targets: Targets, say, quick: bool) -> li
     for p in (2, 4):
         measured = statistics.median([r["seconds"] for r in runs["causal", "ring zigzag", p]])
         threads = max(1, cores // p)  # as _run starts the ranks
-        nominal = cost.ring(shape, p, link, compute, cores=cost.cores_per_rank(p, cores, threads))
+        at_run = runs["compute", p]  # the block compute timed just before this run: the host's speed drifts
+        nominal = cost.ring(shape, p, link, at_run, cores=cost.cores_per_rank(p, cores, threads))
         free = runs["available", p]
-        predicted = cost.ring(shape, p, link, compute, cores=cost.cores_per_rank(p, free, threads))
+        predicted = cost.ring(shape, p, link, at_run, cores=cost.cores_per_rank(p, free, threads))
         error = abs(predicted - measured) / measured
         load = runs["load", p]
         busy += [p] if load > 3 else []
-        rows.append([p, f"{measured:.2f}", f"{nominal:.2f}", f"{abs(nominal - measured) / measured:.0%}",
-                     f"{free:.2f}", f"{predicted:.2f}", f"{error:.0%}", f"{load:.1f}"])  # fmt: skip
+        rows.append([p, f"{measured:.2f}", f"{at_run.gamma * 1e12:.1f}", f"{nominal:.2f}",
+                     f"{abs(nominal - measured) / measured:.0%}", f"{free:.2f}", f"{predicted:.2f}", f"{error:.0%}",
+                     f"{load:.1f}"])  # fmt: skip
         targets.add(f"cost model vs measured ring step, P = {p} (relative error)", error, MODEL_TOLERANCE)
-    lines += table(["P", "measured s (median rank)", f"predicted s ({cores} cores)", "error", "cores free",
-                    "predicted s (cores free)", "error", "load"], rows)  # fmt: skip
+    lines += table(["P", "measured s (median rank)", "γ before the run, ps", f"predicted s ({cores} cores)", "error",
+                    "cores free", "predicted s (cores free)", "error", "load"], rows)  # fmt: skip
     lines += ["", f"Each rank computes on min(threads, C/P) cores of the C it shares (time sharing): C = {cores}, "
               "the core count, or the cores free just before the run, measured by running the block kernel in "
-              f"{cores} processes at once (cost.available_cores); the target is read on the latter. Load: the "
-              "1-minute load average after the run."]  # fmt: skip
+              f"{cores} processes at once (cost.available_cores); the target is read on the latter. The block "
+              "compute (c0, γ) of each check is timed just before its run, as the free cores are: on a shared "
+              "host the speed of a core drifts from minute to minute (γ fitted minutes apart differed by up to "
+              "1.6x on the Intel Xeon), which a fit at the end of the suite would count as the model's error. "
+              "Load: the 1-minute load average after the run."]  # fmt: skip
     if busy:
         lines += ["", f"The machine was busy (load average > 3 at P = {', '.join(map(str, busy))}): other "
                   "programs shared the cores, so these times are slower than on a quiet machine."]  # fmt: skip

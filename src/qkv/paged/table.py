@@ -71,6 +71,10 @@ def _ints(name: str, x, device) -> Tensor:
         raise TypeError(f"{name}: expected an integer tensor (int32 or int64), got {x.dtype}")
     if x.dim() != 1:
         raise ValueError(f"{name}: expected a 1-d tensor, got shape {tuple(x.shape)}")
+    if x.device.type == "meta" or torch.device(device).type == "meta":
+        where = "a meta tensor" if x.device.type == "meta" else "pages on meta"
+        raise ValueError(f"{name}: the page table's values are read on the host to plan the call, got {where} (a "
+                         "meta tensor has a shape but no values)")  # fmt: skip
     if x.dtype == torch.long and x.device == torch.device(device):
         return x  # (a step's planning runs from cold caches: each skipped operation counts)
     return x.to(device=device, dtype=torch.long)
