@@ -66,3 +66,22 @@ def test_cost_check_uses_the_compute_timed_just_before_each_run(monkeypatch):
         predicted = cost.ring(shape, p, link, cost.Compute(0.0, gamma), cores=share)
         assert f"| {p} | {1.0 / p:.2f} | {gamma * 1e12:.1f} |" in text
         assert f"| {predicted:.2f} |" in text
+
+
+def test_the_scaling_figure_goes_beside_the_results_file(tmp_path, monkeypatch):
+    """A run with --out elsewhere (or --quick, in a temporary folder) leaves benchmarks/ as it was."""
+    pytest.importorskip("matplotlib")
+    import argparse
+
+    import qkv.bench as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "figures", bench.figures)  # restored after: run() sets it
+    monkeypatch.setattr(bench, "_section", lambda module, quick: seen.append(bench.figures) or "")
+    args = argparse.Namespace(suite=["distributed"], quick=True, out=tmp_path / "r.md", threads=None, summary=False,
+                              case=None)  # fmt: skip
+    assert bench.run(args) == 0 and seen == [tmp_path]
+    runs = {("causal", "ring zigzag", 2): [{"seconds": 1.0}], ("causal", "ring zigzag", 4): [{"seconds": 1.0}],
+            ("causal", "single", 1): [{"seconds": 2.0}]}  # fmt: skip
+    name = suite._plot(1024, runs, cost.Link("test", 1e-5, 1e-10, "test"), cost.Compute(1e-4, 1e-10))
+    assert name == "distributed_scaling.png" and (tmp_path / name).is_file()

@@ -82,6 +82,10 @@ SUITES: dict[str, str] = {
 #: Suites run when ``--suite`` is not given.
 DEFAULT_SUITES: tuple[str, ...] = ("engine", "modules")
 DEFAULT_OUT = Path("benchmarks/RESULTS.md")
+#: Where a suite writes its figures: the folder of the results file being written (:func:`run` sets it), so a
+#: figure sits beside the markdown that links it by name, and a run with ``--out`` elsewhere leaves
+#: ``benchmarks/`` as it was.
+figures = DEFAULT_OUT.parent
 
 
 def suite_module(name: str) -> ModuleType | SimpleNamespace:
@@ -161,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from .measure import machine
 
+    global figures
+    figures = out.parent
     sections, infos = {}, {}
     for name in names:
         module = suite_module(name)

@@ -251,7 +251,7 @@ def _model_section(n: int, runs: dict, targets: Targets, say, quick: bool) -> li
 
 
 def _plot(n: int, runs: dict, link, compute) -> str | None:
-    """``benchmarks/distributed_scaling.png``: predicted time per layer against P, measured points on top."""
+    """``distributed_scaling.png`` beside the results file: predicted time per layer against P, measured points on top."""
     try:
         import matplotlib
 
@@ -259,8 +259,6 @@ def _plot(n: int, runs: dict, link, compute) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    from pathlib import Path
-
     from qkv.distributed import cost
 
     ps = [2**k for k in range(11)]
@@ -288,7 +286,9 @@ def _plot(n: int, runs: dict, link, compute) -> str | None:
     # one legend for both panels, below them: inside either it hides the curves
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.2, 1, 1))
-    path = Path("benchmarks/distributed_scaling.png")
+    from . import figures  # beside the results file this run writes
+
+    path = figures / "distributed_scaling.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
