@@ -23,6 +23,8 @@ import copy
 import torch
 from torch import Tensor
 
+from .float8 import widen
+
 _SHAPE = ("(num_pages, 2, page_size, kv_heads, head_dim) or a tuple (k_cache, v_cache) of (num_pages, page_size, "
           "kv_heads, head_dim) and (num_pages, page_size, kv_heads, value_dim)")
 
@@ -115,7 +117,7 @@ class FloatPages:
         return self._read(self.keys.index_select(0, ids)), self._read(self.values.index_select(0, ids))
 
     def _read(self, x: Tensor) -> Tensor:
-        return x.to(self.dtype) if self.converts else x
+        return widen(x, self.dtype) if self.converts else x
 
     def write(self, page: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
         """Token ``n`` of ``k (n, g, d)``, ``v (n, g, e)`` into page ``page[n]`` at ``offset[n]``.

@@ -37,6 +37,7 @@ from ..backends.tiling import flash_cpu
 from ..backends.tiling.lse import merge_all
 from .items import TILE_KEYS
 from .options import Options
+from .float8 import widen
 from .pages import FloatPages, key_view
 from .table import PageTable
 
@@ -112,7 +113,7 @@ def _reader(pages, ranges: list[tuple[int, int]]):
     if isinstance(pages, FloatPages):
         view_k, view_v = _viewer(pages.keys), _viewer(pages.values)
         if pages.converts:  # float8 pages: each run converted to q's dtype as it is read
-            return lambda n, first, keys: (view_k(first, keys).to(pages.dtype), view_v(first, keys).to(pages.dtype))
+            return lambda n, first, keys: (widen(view_k(first, keys), pages.dtype), widen(view_v(first, keys), pages.dtype))
         return lambda n, first, keys: (view_k(first, keys), view_v(first, keys))
     dequantised = pages.runs(ranges)  # qkv.paged.Int8Pages: each run into reused buffers
 
