@@ -80,7 +80,10 @@ def test_the_scaling_figure_goes_beside_the_results_file(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "_section", lambda module, quick: seen.append(bench.figures) or "")
     args = argparse.Namespace(suite=["distributed"], quick=True, out=tmp_path / "r.md", threads=None, summary=False,
                               case=None)  # fmt: skip
+    before = bench.figures
     assert bench.run(args) == 0 and seen == [tmp_path]
+    assert bench.figures == before  # restored: a later section of this process writes beside its own results
+    monkeypatch.setattr(bench, "figures", tmp_path)
     runs = {("causal", "ring zigzag", 2): [{"seconds": 1.0}], ("causal", "ring zigzag", 4): [{"seconds": 1.0}],
             ("causal", "single", 1): [{"seconds": 2.0}]}  # fmt: skip
     name = suite._plot(1024, runs, cost.Link("test", 1e-5, 1e-10, "test"), cost.Compute(1e-4, 1e-10))

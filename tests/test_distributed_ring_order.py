@@ -9,6 +9,7 @@ forward + backward in waits, the step 10.9 s against 9.1 s with the pieces in tu
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from qkv import checks
@@ -50,6 +51,8 @@ def test_pieces_are_walked_slot_by_slot_in_turn():
     pieces = blocks.Pieces.cut(((0, 600), (3000, 600)), 600, 256)  # two slots of 3 pieces
     assert pieces.slots == 2 and pieces.interleaved() == [0, 3, 1, 4, 2, 5]
     assert blocks.Pieces.cut(((0, 600),), 600, 256).interleaved() == [0, 1, 2]  # one slot: in order
+    with pytest.raises(ValueError, match="3 pieces do not split into 2 slots"):  # none may be dropped
+        blocks.Pieces(((0, 1, 0), (1, 1, 1), (2, 1, 2)), 2).interleaved()
 
 
 def test_zigzag_causal_rounds_keep_every_rank_within_a_round_of_the_others(monkeypatch):

@@ -22,8 +22,23 @@ def test_module_and_input_on_different_devices_name_the_input_and_the_fix():
         mha(torch.randn(2, 5, 32), torch.randn(2, 7, 32, device="meta"))
     with pytest.raises(ValueError, match=r"query: on meta, the module's parameters on cpu"):
         mha(torch.randn(5, 32, device="meta"))  # unbatched
-    with pytest.raises(ValueError, match=r"query: on cpu, the module's parameters on meta"):
+    # parameters on meta have no values: .to() cannot help, to_empty and a load can
+    with pytest.raises(ValueError, match=r"query: on cpu, the module's parameters on meta \(shapes without values\); "
+                                         r"make them with module.to_empty\(device='cpu'\) and load its weights"):  # fmt: skip
         qkv.MultiHeadAttention(32, 4).to("meta")(torch.randn(2, 5, 32))
+
+
+def test_weights_an_offloading_hook_brings_in_just_in_time_still_run():
+    """accelerate's offloading keeps the weights on meta and loads them in a hook as each projection runs: the device is
+    read after a projection fails, never checked before it runs."""
+    accelerate = pytest.importorskip("accelerate")
+    x = torch.randn(2, 5, 32)
+    ref = qkv.MultiHeadAttention(32, 4)
+    offloaded = qkv.MultiHeadAttention(32, 4)
+    offloaded.load_state_dict(ref.state_dict())
+    accelerate.cpu_offload(offloaded, execution_device=torch.device("cpu"))
+    assert offloaded.q_proj.weight.device.type == "meta"
+    assert torch.equal(offloaded(x), ref(x)) and torch.equal(offloaded(x[0]), ref(x[0]))
 
 
 def test_module_on_meta_with_meta_input_still_runs():
@@ -41,11 +56,15 @@ def test_token_ids_and_an_unbatched_input_of_the_wrong_size_get_the_callers_shap
         mha(torch.randn(10, 64))
     with pytest.raises(ValueError, match=r"key: expected shape .* got \(7, 16\)$"):
         mha(torch.randn(5, 32), torch.randn(7, 16))
+    with pytest.raises(ValueError, match=r"query: expected shape \(length, b, 32\) \(batch_first=False\), or "
+                                         r"\(length, 32\) unbatched, got \(10, 64\)$"):  # fmt: skip
+        qkv.MultiHeadAttention(32, 4, batch_first=False)(torch.randn(10, 64))
 
 
 def test_a_learned_score_or_a_lazy_bias_on_meta_is_named():
     q = torch.randn(2, 4, 6, 8)
-    with pytest.raises(ValueError, match=r"score: its parameters are on meta, q on cpu; call \.to\('cpu'\) on the score"):
+    with pytest.raises(ValueError, match=r"score: its parameters are on meta, q on cpu; make them with "
+                                         r"\.to_empty\(device='cpu'\) and load its weights"):  # fmt: skip
         qkv.attention(q, q, q, score=qkv.scores.Additive(8, 8, hidden=4).to("meta"))
     with pytest.raises(ValueError, match=r"bias: expected a lazy bias on cpu like q, got one on meta"):
         qkv.attention(q, q, q, bias=qkv.ALiBi(4).to("meta"))

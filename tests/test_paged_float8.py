@@ -45,3 +45,9 @@ def test_other_dtypes_and_devices_are_pytorchs_conversion():
     assert torch.equal(widen(x, torch.float64), x.double())
     meta = torch.empty(3, 4, dtype=torch.float8_e4m3fn, device="meta")
     assert widen(meta, torch.float32).device.type == "meta"
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.bool, torch.float8_e5m2, torch.complex64])
+def test_other_targets_are_pytorchs_conversion(dtype):
+    x = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)[:120]  # finite values only
+    assert torch.equal(widen(x, dtype), x.to(dtype))

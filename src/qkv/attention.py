@@ -32,7 +32,7 @@ from .edits.ablate import refuse_mean_with_cache
 from .functional import attention, foreign_call
 from .masks import Mask
 from .module_inputs import (MODULE_NAMES, checked_inputs, check_layer_cache, check_unbatched, memory_held,
-                            memory_positions, seq2seq_mask, split_heads, squeeze_dims)
+                            memory_positions, projected, seq2seq_mask, split_heads, squeeze_dims)
 from .positional import LazyBias, Positional
 from .projection import Linear
 from .scores import Score, make
@@ -321,7 +321,7 @@ class MultiHeadAttention(nn.Module):
         if cache is None and all(isinstance(x, Tensor) and x.dim() == 2 for x in (query, key, value)):
             # unbatched (length, dim), as nn.MultiheadAttention takes it: a batch of one, given back without it
             for name, x, projection in zip(("query", "key", "value"), (query, key, value), (self.q_proj, self.k_proj, self.v_proj)):
-                check_unbatched(name, x, projection)
+                check_unbatched(name, x, projection, self.batch_first)
             one = (query[None], key[None], value[None]) if self.batch_first else (query[:, None], key[:, None], value[:, None])
             result = self.forward(*(one[0], one[1] if key is not query else None, one[2] if value is not key else None),
                                   mask=mask, causal=causal, return_weights=return_weights)  # fmt: skip
@@ -335,7 +335,8 @@ class MultiHeadAttention(nn.Module):
             # the memory's keys and values are in the cache: project no rows, update() appends
             # nothing and returns them (appending them again each step grew the cache by s a step)
             key, value = key[:, :0], value[:, :0]
-        q, k, v = split_heads(self, self.q_proj(query), self.k_proj(key), self.v_proj(value))
+        q, k, v = split_heads(self, *projected(("query", "key", "value"), (query, key, value),
+                                               (self.q_proj, self.k_proj, self.v_proj)))
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k)
         if cache is not None and hasattr(cache, "attend"):  # a serving step over pages (qkv.paged.serve)

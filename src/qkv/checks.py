@@ -263,9 +263,11 @@ def _on_device(name: str, module: torch.nn.Module, q: Tensor) -> None:
     """``ValueError`` for a module whose parameters are on another device than ``q`` (PyTorch's own message comes
     from deep inside its first product, naming neither)."""
     held = next(module.parameters(), None)
-    if held is not None and held.device != q.device:
-        raise ValueError(f"{name}: its parameters are on {held.device}, q on {q.device}; call .to('{q.device}') on "
-                         f"the {name}")  # fmt: skip
+    if held is None or held.device == q.device:
+        return
+    fix = (f"make them with .to_empty(device='{q.device}') and load its weights" if held.device.type == "meta"
+           else f"call .to('{q.device}') on the {name}")  # (.to() cannot copy out of meta: no values there)
+    raise ValueError(f"{name}: its parameters are on {held.device}, q on {q.device}; {fix}")
 
 
 def _sinks(sinks: Tensor | None, q: Tensor) -> Tensor | None:

@@ -83,21 +83,33 @@ def check_input(name: str, x: Tensor, projection: nn.Module, first: bool = True)
     if x.dim() != 3 or x.shape[-1] != size:
         order = " (qkv's order is (query, key, value); Keras' is (query, value, key))" if name != "query" else ""
         raise ValueError(f"{name}: expected shape {' '.join(_layout(size, first))}, got {tuple(x.shape)}{order}")
-    weight = getattr(projection, "weight", None)
-    input_dtype(name, x, weight)
-    input_device(name, x, weight)
+    input_dtype(name, x, getattr(projection, "weight", None))
 
 
-def check_unbatched(name: str, x: Tensor, projection: nn.Module) -> None:
+def check_unbatched(name: str, x: Tensor, projection: nn.Module, first: bool = True) -> None:
     """Checks an unbatched input ``(length, in_features)`` of ``projection``, its messages naming the shape the caller
     gave (the module runs it as a batch of one, whose shape the caller never made)."""
-    weight = getattr(projection, "weight", None)
-    input_dtype(name, x, weight)  # first: token ids (b, length) are 2-d too, and want an embedding
+    input_dtype(name, x, getattr(projection, "weight", None))  # first: token ids (b, length) are 2-d too
     if x.shape[-1] != projection.in_features:
         size = projection.in_features
-        raise ValueError(f"{name}: expected shape (b, length, {size}) (batch first), or (length, {size}) unbatched, "
+        raise ValueError(f"{name}: expected shape {' '.join(_layout(size, first))}, or (length, {size}) unbatched, "
                          f"got {tuple(x.shape)}")  # fmt: skip
-    input_device(name, x, weight)
+
+
+def projected(names: tuple[str, ...], inputs: tuple[Tensor, ...], projections: tuple[nn.Module, ...]) -> list[Tensor]:
+    """Each input through its projection; PyTorch's error for an input on another device than the projection's
+    weight comes back naming the input and the fix (:func:`input_device`).
+
+    Read after the fact, not checked before: a weight may be somewhere else until the projection
+    runs (accelerate's offloading keeps it on meta and loads it in a hook; ``device_map`` moves
+    the input to the weight's device), and a call that works must keep working.
+    """
+    try:
+        return [projection(x) for projection, x in zip(projections, inputs)]
+    except RuntimeError:
+        for name, x, projection in zip(names, inputs, projections):
+            input_device(name, x, getattr(projection, "weight", None))
+        raise
 
 
 def _layout(size: int, first: bool) -> tuple[str, str]:
@@ -161,9 +173,13 @@ def input_dtype(name: str, x: Tensor, weight: Tensor | None) -> None:
 def input_device(name: str, x: Tensor, weight: Tensor | None) -> None:
     """``ValueError`` for an input on another device than the module's parameters, naming the input and the fix
     (PyTorch's own message comes from deep inside the first product and names neither)."""
-    if weight is not None and x.device != weight.device:
-        raise ValueError(f"{name}: on {x.device}, the module's parameters on {weight.device}; call "
-                         f".to('{x.device}') on the module or .to('{weight.device}') on the input")  # fmt: skip
+    if not isinstance(weight, Tensor) or x.device == weight.device:
+        return
+    if weight.device.type == "meta":  # .to() cannot copy out of meta: the parameters have no values yet
+        raise ValueError(f"{name}: on {x.device}, the module's parameters on meta (shapes without values); make "
+                         f"them with module.to_empty(device='{x.device}') and load its weights, or give a meta input")
+    raise ValueError(f"{name}: on {x.device}, the module's parameters on {weight.device}; call "
+                     f".to('{x.device}') on the module or .to('{weight.device}') on the input")  # fmt: skip
 
 
 def autocast_on(device_type: str) -> bool:

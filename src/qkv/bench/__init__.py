@@ -166,14 +166,17 @@ def run(args: argparse.Namespace) -> int:
     from .measure import machine
 
     global figures
-    figures = out.parent
+    figures, before = out.parent, figures
     sections, infos = {}, {}
-    for name in names:
-        module = suite_module(name)
-        print(f"== suite {name}: {module.DESCRIPTION}", flush=True)
-        infos[name] = machine()  # the conditions at the start of this suite
-        sections[name] = _section(module, args.quick)
-        write(out, sections, machine(), quick=args.quick, infos=infos)  # after each suite: a long run keeps what it has
+    try:
+        for name in names:
+            module = suite_module(name)
+            print(f"== suite {name}: {module.DESCRIPTION}", flush=True)
+            infos[name] = machine()  # the conditions at the start of this suite
+            sections[name] = _section(module, args.quick)
+            write(out, sections, machine(), quick=args.quick, infos=infos)  # after each suite: a long run keeps what it has
+    finally:
+        figures = before  # a later section() of this process writes beside its own results, not this run's
     print(f"wrote {out}")
     return 0
 

@@ -276,10 +276,13 @@ def _plot(n: int, runs: dict, link, compute) -> str | None:
         if length == n:
             cores = os.cpu_count() or 1
             measured = [(p, statistics.median([r["seconds"] for r in runs["causal", "ring zigzag", p]])) for p in (2, 4)]
-            share = {p: cost.cores_per_rank(p, cores, max(1, cores // p)) for p in (1, 2, 4)}
-            here = [(p, cost.ring(cost.Shape(n), p, link, compute, cores=share[p])) for p in (1, 2, 4)]
+            # as the table predicts them: each checked run from the compute timed just before it, on the cores free then
+            share = {p: cost.cores_per_rank(p, runs.get(("available", p), cores), max(1, cores // p)) for p in (1, 2, 4)}
+            here = [(p, cost.ring(cost.Shape(n), p, link, runs.get(("compute", p), compute), cores=share[p]))
+                    for p in (1, 2, 4)]  # fmt: skip
             measured.insert(0, (1, runs["causal", "single", 1][0]["seconds"]))
-            ax.plot(*zip(*here), "kx", label=f"predicted here ({cores} cores shared by the P ranks)")
+            ax.plot(*zip(*here), "kx", label=f"predicted here ({cores} cores shared by the P ranks; compute and free "
+                    "cores measured before each run)")
             ax.plot(*zip(*measured), "ko", label="measured here (P = 1: qkv.attention in one process)")
         ax.set(xscale="log", yscale="log", xlabel="ranks P (one core each)", ylabel="s per layer (fwd + bwd)",
                title=f"causal, n = {length}, h = 8, d = 64")  # fmt: skip

@@ -77,7 +77,9 @@ class Pieces:
         twice its share for half the rounds while the other waited on it (P = 2, n = 16384: 1.3-1.7 s
         of a 9 s step waiting). In turn, each two rounds carry about the same work on every rank.
         """
-        per_slot = self.count // self.slots
+        per_slot, rest = divmod(self.count, self.slots)
+        if rest:  # (cut() gives every slot as many pieces; a hand-made one might not, and none may be dropped)
+            raise ValueError(f"Pieces: {self.count} pieces do not split into {self.slots} slots")
         return [slot * per_slot + n for n in range(per_slot) for slot in range(self.slots)]
 
     def rows(self, n: int) -> slice:

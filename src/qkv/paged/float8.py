@@ -31,14 +31,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-#: The float8 formats widened here; any other dtype is converted by PyTorch.
+#: The float8 formats widened here, and the dtypes they are widened to; any other pair is PyTorch's conversion.
 FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+WIDER = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def widen(x: Tensor, dtype: torch.dtype) -> Tensor:
     """``x.to(dtype)``'s values (a nan's sign bit aside), a new contiguous tensor, for float8 ``x`` on the CPU (else
     ``x.to(dtype)`` itself)."""
-    if x.dtype not in FORMATS or x.device.type != "cpu" or dtype == x.dtype:
+    if x.dtype not in FORMATS or x.device.type != "cpu" or dtype not in WIDER:
         return x.to(dtype)
     half = torch.empty(x.shape, dtype=torch.int16)
     if x.dtype == torch.float8_e5m2:
