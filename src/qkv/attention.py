@@ -32,7 +32,7 @@ from .edits.ablate import refuse_mean_with_cache
 from .functional import attention, foreign_call
 from .masks import Mask
 from .module_inputs import (MODULE_NAMES, checked_inputs, check_layer_cache, check_unbatched, memory_held,
-                            memory_positions, projected, seq2seq_mask, split_heads, squeeze_dims)
+                            memory_positions, name_device, seq2seq_mask, split_heads, squeeze_dims)
 from .positional import LazyBias, Positional
 from .projection import Linear
 from .scores import Score, make
@@ -335,8 +335,11 @@ class MultiHeadAttention(nn.Module):
             # the memory's keys and values are in the cache: project no rows, update() appends
             # nothing and returns them (appending them again each step grew the cache by s a step)
             key, value = key[:, :0], value[:, :0]
-        q, k, v = split_heads(self, *projected(("query", "key", "value"), (query, key, value),
-                                               (self.q_proj, self.k_proj, self.v_proj)))
+        try:
+            q, k, v = split_heads(self, self.q_proj(query), self.k_proj(key), self.v_proj(value))
+        except RuntimeError:  # an input on another device than its projection: named (read only now, see name_device)
+            name_device(("query", "key", "value"), (query, key, value), (self.q_proj, self.k_proj, self.v_proj))
+            raise
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k)
         if cache is not None and hasattr(cache, "attend"):  # a serving step over pages (qkv.paged.serve)

@@ -96,20 +96,16 @@ def check_unbatched(name: str, x: Tensor, projection: nn.Module, first: bool = T
                          f"got {tuple(x.shape)}")  # fmt: skip
 
 
-def projected(names: tuple[str, ...], inputs: tuple[Tensor, ...], projections: tuple[nn.Module, ...]) -> list[Tensor]:
-    """Each input through its projection; PyTorch's error for an input on another device than the projection's
-    weight comes back naming the input and the fix (:func:`input_device`).
+def name_device(names: tuple[str, ...], inputs: tuple[Tensor, ...], projections: tuple[nn.Module, ...]) -> None:
+    """After a projection of ``inputs`` failed: ``ValueError`` naming the input on another device than its projection's
+    weight and the fix (:func:`input_device`); else nothing, and the caller re-raises PyTorch's error.
 
-    Read after the fact, not checked before: a weight may be somewhere else until the projection
-    runs (accelerate's offloading keeps it on meta and loads it in a hook; ``device_map`` moves
-    the input to the weight's device), and a call that works must keep working.
+    Read after the fact, never checked before a projection runs: a weight may be somewhere else
+    until then (accelerate's offloading keeps it on meta and loads it in a hook; ``device_map``
+    moves the input to the weight's device), and a call that works must keep working.
     """
-    try:
-        return [projection(x) for projection, x in zip(projections, inputs)]
-    except RuntimeError:
-        for name, x, projection in zip(names, inputs, projections):
-            input_device(name, x, getattr(projection, "weight", None))
-        raise
+    for name, x, projection in zip(names, inputs, projections):
+        input_device(name, x, getattr(projection, "weight", None))
 
 
 def _layout(size: int, first: bool) -> tuple[str, str]:
@@ -175,11 +171,16 @@ def input_device(name: str, x: Tensor, weight: Tensor | None) -> None:
     (PyTorch's own message comes from deep inside the first product and names neither)."""
     if not isinstance(weight, Tensor) or x.device == weight.device:
         return
-    if weight.device.type == "meta":  # .to() cannot copy out of meta: the parameters have no values yet
-        raise ValueError(f"{name}: on {x.device}, the module's parameters on meta (shapes without values); make "
-                         f"them with module.to_empty(device='{x.device}') and load its weights, or give a meta input")
+    if weight.device.type == "meta":
+        raise ValueError(f"{name}: on {x.device}, the module's parameters on meta (shapes without values); "
+                         f"{meta_fix(x.device, 'module')}, or give a meta input")
     raise ValueError(f"{name}: on {x.device}, the module's parameters on {weight.device}; call "
                      f".to('{x.device}') on the module or .to('{weight.device}') on the input")  # fmt: skip
+
+
+def meta_fix(device: torch.device, owner: str = "") -> str:
+    """How to bring parameters on meta to ``device``: ``.to()`` cannot copy out of meta (no values there)."""
+    return f"make them with {owner}.to_empty(device='{device}') and load its weights"
 
 
 def autocast_on(device_type: str) -> bool:

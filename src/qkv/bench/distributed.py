@@ -178,7 +178,7 @@ def _compute(say, quick: bool):
     from qkv.distributed import cost
 
     say("  timing the block compute now ...")
-    return cost.fit_compute(sides=(64, 128, 256) if quick else (128, 256, 512))
+    return cost.fit_compute(sides=(64, 128, 256) if quick else (128, 256, 512))  # (blocks of a ring piece's size)
 
 
 def _available(say) -> float:
@@ -198,7 +198,7 @@ def _model_section(n: int, runs: dict, targets: Targets, say, quick: bool) -> li
 
     say("  fitting the cost model (gloo ping-pong, block timings) ...")
     link = cost.fit_link()
-    compute = cost.fit_compute(sides=(64, 128, 256) if quick else (128, 256, 512))
+    compute = _compute(lambda line: None, quick)  # for the extrapolations: this machine's speed at the end
     cores = os.cpu_count() or 1
     shape = cost.Shape(n, H, H, D, D)
     lines = ["### Cost model", "",
