@@ -46,3 +46,7 @@ def int_at_least(low: int, what: str):
         return value
 
     return parse
+
+def meta_fix(device: object, owner: str = "") -> str:
+    """How to bring parameters on meta to ``device``: ``.to()`` cannot copy out of meta (no values there)."""
+    return f"make them with {owner}.to_empty(device='{device}') and load its weights"

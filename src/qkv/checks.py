@@ -20,12 +20,11 @@ import torch
 from torch import Tensor
 
 from . import score_mods
-from ._args import probability
+from ._args import meta_fix, probability
 from ._layout import Layout, merge_lead
 from .backends import hidden_keys
 from .backends.request import Request
 from .masks import Mask, Window, as_mask
-from .module_inputs import meta_fix
 from .positional import LazyBias
 from .scores import Dot, ScaledDot, Score, make
 

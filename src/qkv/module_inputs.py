@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ._args import meta_fix
 from .cache import LatentCache
 
 #: ``nn.MultiheadAttention.forward``'s keywords, and what :class:`MultiHeadAttention` takes instead.
@@ -176,11 +177,6 @@ def input_device(name: str, x: Tensor, weight: Tensor | None) -> None:
                          f"{meta_fix(x.device, 'module')}, or give a meta input")
     raise ValueError(f"{name}: on {x.device}, the module's parameters on {weight.device}; call "
                      f".to('{x.device}') on the module or .to('{weight.device}') on the input")  # fmt: skip
-
-
-def meta_fix(device: torch.device, owner: str = "") -> str:
-    """How to bring parameters on meta to ``device``: ``.to()`` cannot copy out of meta (no values there)."""
-    return f"make them with {owner}.to_empty(device='{device}') and load its weights"
 
 
 def autocast_on(device_type: str) -> bool:
